@@ -1,0 +1,1 @@
+"""Code generators and runtimes: the PyTorch reference backend and the Triton generator."""

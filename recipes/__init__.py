@@ -1,0 +1,1 @@
+"""Reference recipes written on top of the DSL: Kaczmarz and Kalman linear attention."""

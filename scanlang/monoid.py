@@ -1,0 +1,222 @@
+"""The declarative monoid object: `@sl.monoid(fields=..., identity=..., scale=None)`.
+
+A monoid is a set of elements (tuples of scalar fields), an associative combine and an identity:
+
+    combine(combine(x, y), z) == combine(x, combine(y, z))        (associativity)
+    combine(e, x) == x == combine(x, e)                           (identity e)
+
+`x` is the EARLIER operand and `y` the LATER one. The body is traced once with sympy symbols
+(`x_<field>`, `y_<field>`) into one expression per field: that trace is the single source of truth
+for verification, the reference backend and code generation.
+
+Projective monoids (`scale=`) have elements that are equal up to a nonzero factor; `scale(m)` must be
+homogeneous of degree 1 and every combine result is divided by it, which keeps the law exactly.
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+from typing import Callable, Sequence
+
+import sympy
+
+from . import expr as E
+from .errors import UnsupportedOperationError
+
+
+class Fields:
+    """An element seen by a body: fields by attribute (`x.a`), by name (`x["a"]`) or position (`x[0]`)."""
+
+    __slots__ = ("_names", "_values")
+
+    def __init__(self, names: Sequence[str], values: Sequence):
+        object.__setattr__(self, "_names", tuple(names))
+        object.__setattr__(self, "_values", tuple(values))
+
+    def __getattr__(self, name):
+        try:
+            return self._values[self._names.index(name)]
+        except ValueError:
+            raise AttributeError(f"element has no field {name!r}; fields are {self._names}") from None
+
+    def __getitem__(self, key):
+        if isinstance(key, str):
+            return getattr(self, key)
+        return self._values[key]
+
+    def __iter__(self):
+        return iter(self._values)
+
+    def __len__(self):
+        return len(self._values)
+
+    def __setattr__(self, name, value):
+        raise AttributeError("elements are read-only inside a body; return new values instead")
+
+
+def _check_fields(fields) -> tuple[str, ...]:
+    if isinstance(fields, str) or not isinstance(fields, (tuple, list)) or not fields:
+        raise TypeError(f"fields must be a non-empty tuple of names, e.g. ('a', 'b'); got {fields!r}")
+    out = tuple(fields)
+    for f in out:
+        if not isinstance(f, str) or not f.isidentifier() or f.startswith("_"):
+            raise ValueError(f"fields: {f!r} is not a valid field name (a Python identifier not starting with '_')")
+    if len(set(out)) != len(out):
+        raise ValueError(f"fields: names must be distinct, got {out}")
+    return out
+
+
+def _check_identity(identity, fields) -> tuple[float, ...]:
+    if isinstance(identity, (int, float)) and len(fields) == 1:
+        identity = (identity,)
+    if not isinstance(identity, (tuple, list)) or len(identity) != len(fields):
+        raise ValueError(f"identity must be a tuple of {len(fields)} numbers (one per field {fields}); got {identity!r}")
+    out = []
+    for v in identity:
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise TypeError(f"identity: {v!r} is not a number")
+        if math.isnan(v):
+            raise ValueError("identity: NaN is not a valid identity value")
+        out.append(float(v))
+    return tuple(out)
+
+
+def trace_body(fn: Callable, names: Sequence[str], operands: Sequence[Sequence[sympy.Symbol]], what: str,
+               n_results: int | None):
+    """Run `fn` on Traced operands and return its results as sympy expressions."""
+    args = [Fields(names, [E.Traced(s) for s in syms]) for syms in operands]
+    try:
+        out = fn(*args)
+    except UnsupportedOperationError as exc:
+        raise UnsupportedOperationError(f"{what}: {exc}") from None
+    except TypeError as exc:
+        raise UnsupportedOperationError(
+            f"{what} used an operation scanlang cannot trace ({exc}); supported: {E.SUPPORTED}") from None
+    if n_results is None:
+        return E.Traced._of(out) if not isinstance(out, E.Traced) else out.expr
+    if n_results == 1 and not isinstance(out, (tuple, list)):
+        out = (out,)
+    if not isinstance(out, (tuple, list)) or len(out) != n_results:
+        got = len(out) if isinstance(out, (tuple, list)) else type(out).__name__
+        raise ValueError(f"{what} must return a tuple of {n_results} values (one per field {tuple(names)}); got {got}")
+    return tuple(o.expr if isinstance(o, E.Traced) else E.constant(o) for o in out)
+
+
+class Monoid:
+    """A declared monoid. Build it with `@sl.monoid(...)`; see the module docstring for the law."""
+
+    def __init__(self, combine: Callable, fields, identity, scale: Callable | None = None, name: str | None = None):
+        if not callable(combine):
+            raise TypeError(f"combine must be a function of two elements, got {type(combine).__name__}")
+        if scale is not None and not callable(scale):
+            raise TypeError(f"scale must be a function of one element (or None), got {type(scale).__name__}")
+        self.name = name or getattr(combine, "__name__", "monoid")
+        self.fields = _check_fields(fields)
+        self.identity = _check_identity(identity, self.fields)
+        self.combine_fn = combine
+        self.scale_fn = scale
+        self.x_symbols = tuple(E.symbol(f"x_{f}") for f in self.fields)
+        self.y_symbols = tuple(E.symbol(f"y_{f}") for f in self.fields)
+        self.m_symbols = tuple(E.symbol(f"m_{f}") for f in self.fields)
+        self.exprs = trace_body(combine, self.fields, (self.x_symbols, self.y_symbols),
+                                f"combine of monoid '{self.name}'", len(self.fields))
+        self.scale_expr = None
+        if scale is not None:
+            self.scale_expr = trace_body(scale, self.fields, (self.m_symbols,), f"scale of monoid '{self.name}'", None)
+        self._torch_combine = None
+        self._torch_scale = None
+        self._proof = None
+
+    # ---- identity of the declaration ------------------------------------------------------------
+    @property
+    def is_projective(self) -> bool:
+        return self.scale_expr is not None
+
+    @property
+    def identity_exprs(self) -> tuple[sympy.Expr, ...]:
+        return tuple(E.constant(v) for v in self.identity)
+
+    @property
+    def key(self) -> str:
+        """Content hash of the traced declaration (fields, expressions, identity, scale)."""
+        text = repr((self.fields, [sympy.srepr(e) for e in self.exprs], self.identity,
+                     sympy.srepr(self.scale_expr) if self.scale_expr is not None else None))
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+    def __repr__(self):
+        kind = "projective monoid" if self.is_projective else "monoid"
+        return f"<{kind} {self.name} fields={self.fields} identity={self.identity}>"
+
+    def describe(self) -> str:
+        """The traced expressions, one line per field (what `scanlang show` prints first)."""
+        lines = [f"{self!r}", "combine(x, y) with x the earlier operand:"]
+        for f, e in zip(self.fields, self.exprs):
+            lines.append(f"  {f} = {e}")
+        if self.is_projective:
+            lines.append(f"  renormalised by scale(m) = {self.scale_expr}")
+        return "\n".join(lines)
+
+    # ---- evaluation on tensors ------------------------------------------------------------------
+    def _compile_torch(self):
+        names = {s: f"x[{i}]" for i, s in enumerate(self.x_symbols)}
+        names.update({s: f"y[{i}]" for i, s in enumerate(self.y_symbols)})
+        lines, outs = E.render(self.exprs, names, E.TORCH)
+        src = "def combine(x, y):\n" + "".join(f"    {ln}\n" for ln in lines)
+        src += f"    return ({', '.join(outs)},)\n"
+        if self.is_projective:
+            lines, (out,) = E.render([self.scale_expr], {s: f"m[{i}]" for i, s in enumerate(self.m_symbols)}, E.TORCH)
+            src += "def scale(m):\n" + "".join(f"    {ln}\n" for ln in lines) + f"    return {out}\n"
+        import torch
+        namespace = {"torch": torch, "math": math}
+        exec(compile(src, f"<scanlang torch combine {self.name}>", "exec"), namespace)  # noqa: S102
+        self._torch_combine = namespace["combine"]
+        self._torch_scale = namespace.get("scale")
+        self.torch_source = src
+
+    def combine(self, x: Sequence, y: Sequence, renormalise: bool = True) -> tuple:
+        """combine(x, y) on tuples of tensors (broadcasting), from the traced expressions.
+
+        Projective monoids are divided by `scale` of the result unless `renormalise=False`.
+        """
+        if self._torch_combine is None:
+            self._compile_torch()
+        out = self._torch_combine(tuple(x), tuple(y))
+        if self.is_projective and renormalise:
+            s = self._torch_scale(out)
+            out = tuple(o / s for o in out)
+        return out
+
+    def combine_direct(self, x: Sequence, y: Sequence, renormalise: bool = True) -> tuple:
+        """combine(x, y) by calling the user's Python body on tensors, bypassing the trace."""
+        out = self.combine_fn(Fields(self.fields, x), Fields(self.fields, y))
+        out = tuple(out) if isinstance(out, (tuple, list)) else (out,)
+        if self.is_projective and renormalise:
+            s = self.scale_fn(Fields(self.fields, out))
+            out = tuple(o / s for o in out)
+        return out
+
+    # ---- verification ---------------------------------------------------------------------------
+    def verify(self, seconds: float | None = None):
+        """Prove associativity and both identity laws; return a `Proof` (str() says how).
+
+        Raises `NotAssociativeError` (with `.counterexample = (x, y, z)`) or `IdentityError`.
+        """
+        from .verify import verify
+        return verify(self, seconds=seconds)
+
+
+def monoid(fields, identity, scale: Callable | None = None, name: str | None = None):
+    """Decorator: declare a monoid from its combine body.
+
+    >>> import scanlang as sl
+    >>> @sl.monoid(fields=("a", "b"), identity=(1, 0))
+    ... def affine(x, y):                 # x earlier, y later: h -> y.a * (x.a * h + x.b) + y.b
+    ...     return y.a * x.a, y.a * x.b + y.b
+    >>> affine.fields
+    ('a', 'b')
+    >>> print(affine.verify())            # doctest: +ELLIPSIS
+    affine: associative ... symbolic proof ...
+    """
+    def wrap(fn):
+        return Monoid(fn, fields, identity, scale=scale, name=name)
+    return wrap

@@ -1,0 +1,32 @@
+"""Every environment knob scanlang reads, in one place.
+
+SCANLANG_DEBUG       "1" prints generated kernel source when it is rendered.
+SCANLANG_CACHE_DIR   where generated kernels and proofs are cached (default ~/.cache/scanlang).
+SCANLANG_PROOF_SECONDS  time budget for one symbolic proof attempt (default 20).
+TRITON_INTERPRET     "1" lets backend="triton" run on CPU tensors through Triton's interpreter.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def _flag(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def debug() -> bool:
+    return _flag("SCANLANG_DEBUG")
+
+
+def cache_dir() -> Path:
+    default = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "scanlang"
+    return Path(os.environ.get("SCANLANG_CACHE_DIR", default))
+
+
+def proof_seconds() -> float:
+    return float(os.environ.get("SCANLANG_PROOF_SECONDS", "20"))
+
+
+def triton_interpret() -> bool:
+    return _flag("TRITON_INTERPRET")
