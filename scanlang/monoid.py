@@ -181,19 +181,25 @@ class Monoid:
         if self._torch_combine is None:
             self._compile_torch()
         out = self._torch_combine(tuple(x), tuple(y))
-        if self.is_projective and renormalise:
-            s = self._torch_scale(out)
-            out = tuple(o / s for o in out)
-        return out
+        return self.renormalise(out) if renormalise else out
+
+    def renormalise(self, m: Sequence, direct: bool = False) -> tuple:
+        """Divide every field by scale(m) (projective monoids); `direct` calls the user's scale body."""
+        if not self.is_projective:
+            return tuple(m)
+        if direct:
+            s = self.scale_fn(Fields(self.fields, m))
+        else:
+            if self._torch_combine is None:
+                self._compile_torch()
+            s = self._torch_scale(tuple(m))
+        return tuple(v / s for v in m)
 
     def combine_direct(self, x: Sequence, y: Sequence, renormalise: bool = True) -> tuple:
         """combine(x, y) by calling the user's Python body on tensors, bypassing the trace."""
         out = self.combine_fn(Fields(self.fields, x), Fields(self.fields, y))
         out = tuple(out) if isinstance(out, (tuple, list)) else (out,)
-        if self.is_projective and renormalise:
-            s = self.scale_fn(Fields(self.fields, out))
-            out = tuple(o / s for o in out)
-        return out
+        return self.renormalise(out, direct=True) if renormalise else out
 
     # ---- verification ---------------------------------------------------------------------------
     def verify(self, seconds: float | None = None):

@@ -1,0 +1,167 @@
+"""`sl.scan`: inclusive prefix scans of a declared monoid, the public front end.
+
+    out_t = x_0 (+) x_1 (+) ... (+) x_t                           (reverse=False)
+    out_t = x_{T-1} (+) ... (+) x_{t+1} (+) x_t                   (reverse=True: flip, scan, flip)
+    with initial=e0:  out_t = e0 (+) (the prefix above)
+
+where `(+)` is the monoid's combine with its left operand the earlier one. Projective monoids return
+every prefix renormalised (`scale(out_t) == 1`), the first one included.
+
+The front end validates and broadcasts; a backend does the work:
+`backend.scan(monoid, elems, dim, reverse, initial, out_dtype) -> tuple[Tensor]`, where `elems` are
+broadcast views of one shape (static parameters keep stride 0: never materialised), `dim >= 0`,
+`initial` is broadcast to that shape without `dim` (or None) and `out_dtype` is float32 or float64.
+"""
+from __future__ import annotations
+
+import collections
+import numbers
+from typing import Mapping, Sequence
+
+import torch
+
+from . import settings
+from .monoid import Monoid
+
+BACKENDS = ("reference", "triton")
+_RESULT_TYPES: dict = {}
+
+
+def result_type(monoid: Monoid):
+    """A namedtuple class with one attribute per field: `out.a`, `out[0]`, `a, b = out`."""
+    key = (monoid.name, monoid.fields)
+    if key not in _RESULT_TYPES:
+        name = "".join(ch if ch.isalnum() else "_" for ch in monoid.name.title()) or "Monoid"
+        _RESULT_TYPES[key] = collections.namedtuple(f"{name}Scan", monoid.fields)
+    return _RESULT_TYPES[key]
+
+
+def _as_field_tuple(monoid: Monoid, values, arg: str) -> tuple:
+    """Accept a tuple/list in field order or a mapping by field name; return a tuple in field order."""
+    fields = monoid.fields
+    if isinstance(values, Mapping):
+        unknown = [k for k in values if k not in fields]
+        missing = [f for f in fields if f not in values]
+        if unknown or missing:
+            raise ValueError(f"{arg}: field names must be exactly {fields}; unknown {unknown}, missing {missing}")
+        return tuple(values[f] for f in fields)
+    if isinstance(values, torch.Tensor) and len(fields) == 1:
+        return (values,)
+    if isinstance(values, Sequence) and not isinstance(values, (str, bytes)):
+        if len(values) != len(fields):
+            raise ValueError(f"{arg}: expected {len(fields)} values, one per field {fields}; got {len(values)}")
+        return tuple(values)
+    raise TypeError(f"{arg}: expected a tuple in field order {fields} or a dict by field name; got {type(values).__name__}")
+
+
+def _check_values(monoid: Monoid, values: tuple, arg: str) -> list[torch.Tensor]:
+    tensors = []
+    for field, v in zip(monoid.fields, values):
+        if isinstance(v, torch.Tensor):
+            if v.dtype == torch.bool or not (v.is_floating_point()):
+                raise TypeError(f"{arg}[{field!r}]: dtype {v.dtype} is not supported; use a floating dtype "
+                                f"(float16, bfloat16, float32, float64)")
+            tensors.append(v)
+        elif isinstance(v, numbers.Real) and not isinstance(v, bool):
+            continue
+        else:
+            raise TypeError(f"{arg}[{field!r}]: expected a tensor or a real number, got {type(v).__name__}")
+    return tensors
+
+
+def _normalise_dim(dim, ndim: int) -> int:
+    if isinstance(dim, bool) or not isinstance(dim, int):
+        raise TypeError(f"dim: expected an int, got {type(dim).__name__}")
+    if not -ndim <= dim < ndim:
+        raise ValueError(f"dim: {dim} is out of range for elements of {ndim} dimensions (expected {-ndim}..{ndim - 1})")
+    return dim % ndim
+
+
+def _choose_backend(backend, device: torch.device) -> str:
+    if backend is None:
+        return "triton" if device.type == "cuda" else "reference"
+    if backend not in BACKENDS:
+        raise ValueError(f"backend: expected one of {BACKENDS} or None, got {backend!r}")
+    if backend == "triton" and device.type != "cuda" and not settings.triton_interpret():
+        raise ValueError("backend: 'triton' needs CUDA tensors, or TRITON_INTERPRET=1 in the environment to run "
+                         f"the generated kernels in Triton's interpreter on {device.type} tensors")
+    return backend
+
+
+def scan(monoid: Monoid, elems, dim: int, reverse: bool = False, initial=None, backend: str | None = None):
+    """Inclusive scan of `elems` along `dim` with `monoid`; returns a namedtuple of prefixes by field.
+
+    Args:
+        monoid: a declared `Monoid` (e.g. `sl.Affine`).
+        elems: tensors (or numbers) broadcastable to one common shape, as a tuple in field order or a
+            dict by field name. bf16/fp16 inputs are computed in float32; float64 stays float64.
+        dim: the scanned dimension of the broadcast shape (negative counts from the end).
+        reverse: scan from the end (`out_t` combines `x_{T-1}` first, down to `x_t`).
+        initial: an element applied before step 0, broadcastable to the shape without `dim`.
+        backend: "reference" (PyTorch), "triton" (generated kernels), or None: triton on CUDA,
+            reference elsewhere.
+
+    >>> import torch, scanlang as sl
+    >>> a = torch.tensor([[0.5, 0.5, 0.5]]); b = torch.tensor([[1.0, 1.0, 1.0]])
+    >>> sl.scan(sl.Affine, (a, b), dim=1).b            # h_t = 0.5 h_{t-1} + 1, h_{-1} = 0
+    tensor([[1.0000, 1.5000, 1.7500]])
+    """
+    if not isinstance(monoid, Monoid):
+        raise TypeError(f"monoid: expected a scanlang Monoid (declare one with @sl.monoid), got {type(monoid).__name__}")
+    values = _as_field_tuple(monoid, elems, "elems")
+    tensors = _check_values(monoid, values, "elems")
+    if not tensors:
+        raise TypeError("elems: at least one element field must be a tensor")
+    device = tensors[0].device
+    for field, v in zip(monoid.fields, values):
+        if isinstance(v, torch.Tensor) and v.device != device:
+            raise ValueError(f"elems[{field!r}]: on {v.device}, but other elements are on {device}; "
+                             "move every tensor to one device")
+    try:
+        shape = torch.broadcast_shapes(*(t.shape for t in tensors))
+    except RuntimeError:
+        shapes = {f: tuple(v.shape) for f, v in zip(monoid.fields, values) if isinstance(v, torch.Tensor)}
+        raise ValueError(f"elems: shapes {shapes} do not broadcast to one common shape") from None
+    if len(shape) == 0:
+        raise ValueError("elems: need at least one dimension to scan over; got scalars")
+    dim = _normalise_dim(dim, len(shape))
+    if not isinstance(reverse, bool):
+        raise TypeError(f"reverse: expected a bool, got {type(reverse).__name__}")
+    out_dtype = torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
+    backend = _choose_backend(backend, device)
+
+    elems_b = _broadcast(values, shape, device, out_dtype)
+    init_b = None
+    if initial is not None:
+        init_values = _as_field_tuple(monoid, initial, "initial")
+        init_tensors = _check_values(monoid, init_values, "initial")
+        for field, v in zip(monoid.fields, init_values):
+            if isinstance(v, torch.Tensor) and v.device != device:
+                raise ValueError(f"initial[{field!r}]: on {v.device}, but the elements are on {device}")
+        init_shape = shape[:dim] + shape[dim + 1:]
+        for field, v in zip(monoid.fields, init_values):
+            if isinstance(v, torch.Tensor):
+                try:
+                    ok = torch.broadcast_shapes(v.shape, init_shape) == init_shape
+                except RuntimeError:
+                    ok = False
+                if not ok:
+                    raise ValueError(f"initial[{field!r}]: shape {tuple(v.shape)} does not broadcast to "
+                                     f"{tuple(init_shape)} (the elements' shape without dim {dim})")
+        if any(t.dtype == torch.float64 for t in init_tensors):
+            out_dtype = torch.float64
+        init_b = _broadcast(init_values, init_shape, device, out_dtype)
+
+    if backend == "reference":
+        from .backends import reference as impl
+    else:
+        from .backends import triton as impl
+    out = impl.scan(monoid, elems_b, dim, reverse, init_b, out_dtype)
+    return result_type(monoid)(*out)
+
+
+def _broadcast(values: tuple, shape, device, dtype) -> tuple[torch.Tensor, ...]:
+    """Numbers become 0-d tensors; everything is expanded (a view, never a copy) to `shape`."""
+    tensors = [v if isinstance(v, torch.Tensor) else torch.tensor(float(v), dtype=dtype, device=device)
+               for v in values]
+    return tuple(t.expand(shape) for t in tensors)
