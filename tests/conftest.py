@@ -1,0 +1,27 @@
+"""Test tiers: CPU unit tests, generated kernels in Triton's interpreter (no GPU), GPU tests.
+
+Without a GPU, TRITON_INTERPRET=1 is set for the whole session before anything imports Triton, so
+the generated kernels run on CPU tensors. Tests marked `gpu` skip with a reason.
+"""
+import os
+
+import pytest
+import torch
+
+HAS_CUDA = torch.cuda.is_available()
+if not HAS_CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def pytest_collection_modifyitems(config, items):
+    if HAS_CUDA:
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU; none is present (run on the device machine)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
