@@ -1,0 +1,170 @@
+"""sl.scan on the reference backend against float64 sequential loops (CPU)."""
+import pytest
+import torch
+
+import scanlang as sl
+from scanlang import library
+from scanlang.backends.reference import scan_sequential
+from scanlang.testing import assert_close
+
+LIBRARY = [m for m in vars(library).values() if isinstance(m, sl.Monoid)]
+
+
+def affine_loop(a, b, dim, reverse=False, h0=None):
+    """h_t = a_t h_{t-1} + b_t written out by hand, float64."""
+    a, b = torch.broadcast_tensors(a.double(), b.double())
+    a, b = a.movedim(dim, 0), b.movedim(dim, 0)
+    steps = range(a.shape[0] - 1, -1, -1) if reverse else range(a.shape[0])
+    h = torch.zeros_like(b[0]) if h0 is None else h0.double().expand_as(b[0])
+    out = torch.empty_like(b)
+    for t in steps:
+        h = a[t] * h + b[t]
+        out[t] = h
+    return out.movedim(0, dim)
+
+
+def positive(*shape, dtype=torch.float32):
+    return (torch.rand(*shape, dtype=torch.float64) + 0.5).to(dtype)
+
+
+@pytest.mark.parametrize("length", [1, 2, 7, 1000])
+@pytest.mark.parametrize("dim", [0, 1, -1])
+@pytest.mark.parametrize("reverse", [False, True])
+def test_affine_matches_hand_written_loop(length, dim, reverse):
+    shape = [3, 4, 5]
+    shape[dim] = length
+    a = torch.rand(shape, dtype=torch.float64) * 1.2 - 0.1   # mixed signs, |a| mostly < 1
+    b = torch.randn(shape, dtype=torch.float64)
+    out = sl.scan(sl.Affine, (a, b), dim=dim, reverse=reverse, backend="reference")
+    assert out.b.shape == b.shape and out.b.dtype == torch.float64
+    assert torch.isfinite(out.a).all() and torch.isfinite(out.b).all()
+    assert_close(out.b, affine_loop(a, b, dim, reverse), "scan")
+
+
+@pytest.mark.parametrize("monoid", LIBRARY, ids=lambda m: m.name)
+@pytest.mark.parametrize("length", [1, 2, 33])
+def test_library_monoids_match_sequential_oracle(monoid, length):
+    elems = tuple(positive(2, length, 3, dtype=torch.float64) for _ in monoid.fields)
+    out = sl.scan(monoid, elems, dim=1)
+    ref = scan_sequential(monoid, elems, dim=1)
+    for field, o, r in zip(monoid.fields, out, ref):
+        assert o.shape == r.shape
+        assert_close(o, r, "scan", name=f"{monoid.name}.{field}")
+
+
+def test_float32_and_half_inputs_compute_in_float32():
+    a, b = torch.rand(2, 300, 4) * 0.9 + 0.1, torch.randn(2, 300, 4)
+    ref = affine_loop(a, b, 1)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        out = sl.scan(sl.Affine, (a.to(dtype), b.to(dtype)), dim=1)
+        assert out.b.dtype == torch.float32
+        ref_rounded = affine_loop(a.to(dtype), b.to(dtype), 1)   # same rounded inputs, float64 loop
+        assert_close(out.b, ref_rounded, "scan", dtype=dtype)
+    assert_close(sl.scan(sl.Affine, (a, b), dim=1).b, ref, "scan")
+
+
+def test_initial_is_applied_before_step_zero():
+    a, b = positive(3, 9, 4, dtype=torch.float64), torch.randn(3, 9, 4, dtype=torch.float64)
+    h0 = torch.randn(3, 4, dtype=torch.float64)
+    for reverse in (False, True):
+        out = sl.scan(sl.Affine, {"a": a, "b": b}, dim=1, reverse=reverse, initial=(1.0, h0))
+        assert_close(out.b, affine_loop(a, b, 1, reverse, h0), "scan")
+        # out.a is the running product of the gates: the loop with b = 0 started from h = 1
+        ones = torch.ones(3, 4, dtype=torch.float64)
+        assert_close(out.a, affine_loop(a, torch.zeros_like(b), 1, reverse, ones), "scan")
+
+
+def test_static_parameter_broadcasts_without_copy():
+    a = torch.rand(6, dtype=torch.float64) * 0.9          # a static decay per channel [D]
+    b = torch.randn(2, 11, 6, dtype=torch.float64)
+    out = sl.scan(sl.Affine, (a, b), dim=1)
+    assert_close(out.b, affine_loop(a.expand_as(b), b, 1), "scan")
+    out2 = sl.scan(sl.Affine, (0.5, b), dim=1)            # a Python number works too
+    assert_close(out2.b, affine_loop(torch.full_like(b, 0.5), b, 1), "scan")
+
+
+def test_mobius_matches_matrix_product_loop():
+    m = positive(4, 2, 50, 3, dtype=torch.float64)
+    out = sl.scan(sl.Mobius, tuple(m), dim=1)
+    mats = m.permute(1, 2, 3, 0).reshape(2, 50, 3, 2, 2)   # [[a, b], [c, d]]
+    prod = torch.eye(2, dtype=torch.float64).expand(2, 3, 2, 2)
+    for t in range(50):
+        prod = mats[:, t] @ prod
+        prod = prod / (prod[..., 0, 0] + prod[..., 1, 1])[..., None, None]
+        got = torch.stack([out.a[:, t], out.b[:, t], out.c[:, t], out.d[:, t]], -1).reshape(2, 3, 2, 2)
+        assert torch.allclose(got, prod, rtol=1e-12, atol=0)
+    assert torch.allclose(out.a + out.d, torch.ones_like(out.a))   # every prefix renormalised
+
+
+def test_result_is_a_namedtuple_in_field_order():
+    a, b = positive(1, 4), torch.randn(1, 4)
+    out = sl.scan(sl.Affine, (a, b), dim=1)
+    first, second = out
+    assert out._fields == ("a", "b") and first is out.a and second is out[1]
+
+
+def test_gradcheck_float64():
+    a = (torch.rand(2, 5, 3, dtype=torch.float64) * 0.8 + 0.1).requires_grad_()
+    b = torch.randn(2, 5, 3, dtype=torch.float64, requires_grad=True)
+    h0 = torch.randn(2, 3, dtype=torch.float64, requires_grad=True)
+    p = torch.rand(3, dtype=torch.float64, requires_grad=True)   # broadcast static parameter
+    f = lambda a, b, h0, p: sl.scan(sl.Affine, (a * p, b), dim=1, reverse=True, initial=(1.0, h0))  # noqa: E731
+    assert torch.autograd.gradcheck(f, (a, b, h0, p))
+    m = tuple((torch.rand(1, 4, 2, dtype=torch.float64) + 0.5).requires_grad_() for _ in range(4))
+    assert torch.autograd.gradcheck(lambda *m: sl.scan(sl.Mobius, m, dim=1), m)
+
+
+def test_affine_gate_gradient_matches_loop_autograd():
+    a = (torch.rand(2, 64, 3, dtype=torch.float64) * 0.9).requires_grad_()
+    b = torch.randn(2, 64, 3, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(2, 64, 3, dtype=torch.float64)
+    (sl.scan(sl.Affine, (a, b), dim=1).b * w).sum().backward()
+    ga, gb = a.grad.clone(), b.grad.clone()
+    a.grad = b.grad = None
+    (affine_loop(a, b, 1) * w).sum().backward()
+    assert_close(ga, a.grad, "scan_grad", name="grad a")
+    assert_close(gb, b.grad, "scan_grad", name="grad b")
+
+
+@pytest.mark.parametrize("call, exc, words", [
+    (lambda a, b: sl.scan("affine", (a, b), dim=1), TypeError, "monoid"),
+    (lambda a, b: sl.scan(sl.Affine, (a,), dim=1), ValueError, "elems"),
+    (lambda a, b: sl.scan(sl.Affine, {"a": a, "z": b}, dim=1), ValueError, "'z'"),
+    (lambda a, b: sl.scan(sl.Affine, (a, b[:, :3]), dim=1), ValueError, "do not broadcast"),
+    (lambda a, b: sl.scan(sl.Affine, (a, b), dim=3), ValueError, "dim"),
+    (lambda a, b: sl.scan(sl.Affine, (a, b), dim=1.0), TypeError, "dim"),
+    (lambda a, b: sl.scan(sl.Affine, (a, b.long()), dim=1), TypeError, "elems['b']"),
+    (lambda a, b: sl.scan(sl.Affine, (a, b.bool()), dim=1), TypeError, "elems['b']"),
+    (lambda a, b: sl.scan(sl.Affine, (a, b), dim=1, backend="cuda"), ValueError, "backend"),
+    (lambda a, b: sl.scan(sl.Affine, (a, b), dim=1, initial=(1.0, b)), ValueError, "initial['b']"),
+    (lambda a, b: sl.scan(sl.Affine, (a, b), dim=1, initial=(1.0,)), ValueError, "initial"),
+    (lambda a, b: sl.scan(sl.Affine, (a, "b"), dim=1), TypeError, "elems['b']"),
+    (lambda a, b: sl.scan(sl.Affine, (1.0, 2.0), dim=0), TypeError, "tensor"),
+    (lambda a, b: sl.scan(sl.Affine, (a, b), dim=1, reverse=1), TypeError, "reverse"),
+])
+def test_bad_input_names_the_argument(call, exc, words):
+    a, b = positive(2, 6, 3), torch.randn(2, 6, 3)
+    with pytest.raises(exc, match=None) as info:
+        call(a, b)
+    assert words in str(info.value)
+
+
+def test_mixed_devices_are_refused():
+    if not torch.cuda.is_available():
+        meta = torch.empty(2, 6, 3, device="meta")
+        with pytest.raises(ValueError, match="elems\\['b'\\].*device"):
+            sl.scan(sl.Affine, (torch.rand(2, 6, 3), meta), dim=1)
+    else:
+        with pytest.raises(ValueError, match="device"):
+            sl.scan(sl.Affine, (torch.rand(2, 6, 3), torch.rand(2, 6, 3, device="cuda")), dim=1)
+
+
+def test_triton_on_cpu_without_interpreter_is_refused(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match="TRITON_INTERPRET"):
+        sl.scan(sl.Affine, (positive(1, 3), torch.randn(1, 3)), dim=1, backend="triton")
+
+
+def test_empty_sequence_gives_empty_prefixes():
+    out = sl.scan(sl.Affine, (torch.rand(2, 0, 3), torch.rand(2, 0, 3)), dim=1)
+    assert out.a.shape == (2, 0, 3)
