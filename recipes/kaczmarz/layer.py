@@ -1,0 +1,133 @@
+"""`KaczmarzLinearAttention`: the paper's token mixer (spec/kaczmarz.md, "Layer").
+
+    q, k, v = SiLU(causal_depthwise_conv4(W x)) for W in (W_q, W_k, W_v)
+    q = q / ||q||                            (per head; k stays raw for Kaczmarz, normalised for GDN)
+    g   = -exp(A_log) * softplus(W_a x + dt_bias)             Mamba2 log-decay, [B, T, H]
+    eta = sigmoid(W_b x + b)                                  relaxation (GDN: the step beta itself)
+    o   = kaczmarz_delta_rule(q, k, v, g, eta)                (GDN: delta_rule(q, k/||k||, v, g, eta))
+    y   = W_o concat_h(RMSNorm_h(o_h) * SiLU(W_g x)_h)
+
+`state=` / `return_state=` carry the last `conv_size - 1` projected inputs of each convolution and the
+[B, H, K, V] matrix state, so running a sequence in pieces (down to one token at a time) equals one
+pass over the whole sequence.
+"""
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .ops import delta_rule, kaczmarz_delta_rule
+
+MODES = ("kaczmarz", "gdn")
+
+
+class KaczmarzState(NamedTuple):
+    """What a layer carries between calls: three conv windows [B, conv_size-1, dim] and S [B,H,K,V] fp32."""
+
+    conv_q: torch.Tensor
+    conv_k: torch.Tensor
+    conv_v: torch.Tensor
+    recurrent: torch.Tensor
+
+
+def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x / sqrt(||x||^2 + eps) over the last dim, in fp32 (or wider when x is)."""
+    x = x.to(torch.promote_types(x.dtype, torch.float32))
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+class KaczmarzLinearAttention(nn.Module):
+    """Kaczmarz Linear Attention mixer, [B, T, D] -> [B, T, D]; `mode="gdn"` gives the Gated DeltaNet baseline.
+
+    >>> import torch
+    >>> layer = KaczmarzLinearAttention(hidden_size=32, num_heads=2)
+    >>> x = torch.randn(1, 6, 32)
+    >>> y1, st = layer(x[:, :4], return_state=True)
+    >>> y2, _ = layer(x[:, 4:], state=st, return_state=True)
+    >>> bool(torch.allclose(torch.cat([y1, y2], 1), layer(x), atol=1e-5))
+    True
+    """
+
+    def __init__(self, hidden_size: int, num_heads: int, mode: str = "kaczmarz", expand_k: float = 0.75,
+                 expand_v: float = 1.5, conv_size: int = 4, eps: float = 1e-6, norm_eps: float = 1e-5,
+                 backend: str | None = None, chunk_size: int = 64):
+        super().__init__()
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        key_dim, value_dim = int(hidden_size * expand_k), int(hidden_size * expand_v)
+        if num_heads < 1 or key_dim % num_heads or value_dim % num_heads:
+            raise ValueError(f"num_heads = {num_heads} must divide the key dim {key_dim} and value dim {value_dim}")
+        if conv_size < 1:
+            raise ValueError(f"conv_size must be >= 1, got {conv_size}")
+        self.hidden_size, self.num_heads, self.mode = hidden_size, num_heads, mode
+        self.key_dim, self.value_dim = key_dim, value_dim
+        self.head_k_dim, self.head_v_dim = key_dim // num_heads, value_dim // num_heads
+        self.conv_size, self.eps, self.norm_eps = conv_size, eps, norm_eps
+        self.backend, self.chunk_size = backend, chunk_size
+
+        self.q_proj = nn.Linear(hidden_size, key_dim, bias=False)
+        self.k_proj = nn.Linear(hidden_size, key_dim, bias=False)
+        self.v_proj = nn.Linear(hidden_size, value_dim, bias=False)
+        self.g_proj = nn.Linear(hidden_size, value_dim, bias=False)
+        self.a_proj = nn.Linear(hidden_size, num_heads, bias=False)
+        self.b_proj = nn.Linear(hidden_size, num_heads, bias=True)
+        self.o_proj = nn.Linear(value_dim, hidden_size, bias=False)
+        self.q_conv = nn.Parameter(torch.empty(key_dim, conv_size))
+        self.k_conv = nn.Parameter(torch.empty(key_dim, conv_size))
+        self.v_conv = nn.Parameter(torch.empty(value_dim, conv_size))
+        for w in (self.q_conv, self.k_conv, self.v_conv):
+            nn.init.kaiming_uniform_(w.unsqueeze(1), a=math.sqrt(5))  # nn.Conv1d's default
+        A = torch.empty(num_heads).uniform_(0, 16).clamp_min(1e-4)
+        self.A_log = nn.Parameter(torch.log(A))
+        dt = torch.exp(torch.empty(num_heads).uniform_(math.log(1e-3), math.log(1e-1))).clamp_min(1e-4)
+        self.dt_bias = nn.Parameter(dt + torch.log(-torch.expm1(-dt)))   # softplus(dt_bias) = dt
+        self.norm_weight = nn.Parameter(torch.ones(self.head_v_dim))
+
+    def _conv(self, x: torch.Tensor, weight: torch.Tensor, window: torch.Tensor | None):
+        """Causal depthwise conv + SiLU over T, continuing from `window` (the previous conv_size-1 inputs)."""
+        B, T, D = x.shape
+        if window is None:
+            window = x.new_zeros(B, self.conv_size - 1, D)
+        full = torch.cat([window.to(x.dtype), x], dim=1)                      # [B, W-1+T, D]
+        y = F.conv1d(full.transpose(1, 2), weight.to(x.dtype).unsqueeze(1), groups=D)
+        new_window = full[:, full.shape[1] - (self.conv_size - 1):]
+        return F.silu(y.transpose(1, 2)), new_window
+
+    def forward(self, x: torch.Tensor, state: KaczmarzState | None = None, return_state: bool = False):
+        if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[-1] != self.hidden_size:
+            got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+            raise ValueError(f"x must have shape [B, T, {self.hidden_size}], got {got}")
+        B, T, _ = x.shape
+        H, K, V = self.num_heads, self.head_k_dim, self.head_v_dim
+        if state is not None and not isinstance(state, KaczmarzState):
+            raise TypeError(f"state must be the KaczmarzState a previous call returned, got {type(state).__name__}")
+        if state is not None and state.recurrent.shape != (B, H, K, V):
+            raise ValueError(f"state.recurrent must have shape [B, H, K, V] = {[B, H, K, V]}, "
+                             f"got {list(state.recurrent.shape)}")
+        windows = (None, None, None) if state is None else (state.conv_q, state.conv_k, state.conv_v)
+        q, wq = self._conv(self.q_proj(x), self.q_conv, windows[0])
+        k, wk = self._conv(self.k_proj(x), self.k_conv, windows[1])
+        v, wv = self._conv(self.v_proj(x), self.v_conv, windows[2])
+        ct = torch.promote_types(x.dtype, torch.float32)   # gates, norms and the scan in fp32 or wider
+        q = l2_normalize(q.view(B, T, H, K))
+        k = k.view(B, T, H, K).to(ct)
+        v = v.view(B, T, H, V).to(ct)
+        g = -torch.exp(self.A_log.to(ct)) * F.softplus(self.a_proj(x).to(ct) + self.dt_bias.to(ct))
+        eta = torch.sigmoid(self.b_proj(x).to(ct))
+        h0 = None if state is None else state.recurrent
+        kwargs = dict(initial_state=h0, output_final_state=return_state, backend=self.backend,
+                      chunk_size=self.chunk_size)
+        if self.mode == "kaczmarz":
+            o, S = kaczmarz_delta_rule(q, k, v, g, eta, eps=self.eps, **kwargs)
+        else:
+            o, S = delta_rule(q, l2_normalize(k), v, g, eta, **kwargs)
+        o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + self.norm_eps) * self.norm_weight.to(ct)
+        o = o * F.silu(self.g_proj(x).to(ct).view(B, T, H, V))
+        y = self.o_proj(o.reshape(B, T, H * V).to(x.dtype))
+        if return_state:
+            return y, KaczmarzState(wq, wk, wv, S)
+        return y
