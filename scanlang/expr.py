@@ -197,9 +197,9 @@ class Dialect:
         return repr(f) if f >= 0 else f"({f!r})"
 
 
-TORCH = Dialect("torch", exp="torch.exp({})", log="torch.log({})", sqrt="torch.sqrt({})",
-                abs="torch.abs({})", maximum="torch.maximum({}, {})", minimum="torch.minimum({}, {})",
-                inf="math.inf")
+# The torch dialect calls this module's functions (they accept tensors and numbers alike).
+TORCH = Dialect("torch", exp="exp({})", log="log({})", sqrt="sqrt({})", abs="abs({})",
+                maximum="maximum({}, {})", minimum="minimum({}, {})", inf="math.inf")
 TRITON = Dialect("triton", exp="tl.exp({})", log="tl.log({})", sqrt="tl.sqrt({})",
                  abs="tl.abs({})", maximum="tl.maximum({}, {})", minimum="tl.minimum({}, {})",
                  inf="float('inf')")

@@ -166,8 +166,8 @@ class Monoid:
         if self.is_projective:
             lines, (out,) = E.render([self.scale_expr], {s: f"m[{i}]" for i, s in enumerate(self.m_symbols)}, E.TORCH)
             src += "def scale(m):\n" + "".join(f"    {ln}\n" for ln in lines) + f"    return {out}\n"
-        import torch
-        namespace = {"torch": torch, "math": math}
+        namespace = {"math": math, "exp": E.exp, "log": E.log, "sqrt": E.sqrt, "abs": E.abs,
+                     "maximum": E.maximum, "minimum": E.minimum}
         exec(compile(src, f"<scanlang torch combine {self.name}>", "exec"), namespace)  # noqa: S102
         self._torch_combine = namespace["combine"]
         self._torch_scale = namespace.get("scale")
