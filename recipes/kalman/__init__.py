@@ -7,6 +7,7 @@
 them with `sl.scan` and an exact backward, `layer` is the paper's block, `reference` the float64 loop.
 """
 from .filter import kalman_filter
+from .layer import KalmanLayerState, KalmanLinearAttention
 from .monoids import KalmanJoint
 
-__all__ = ["kalman_filter", "KalmanJoint"]
+__all__ = ["kalman_filter", "KalmanLinearAttention", "KalmanLayerState", "KalmanJoint"]
