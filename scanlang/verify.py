@@ -1,0 +1,563 @@
+"""The verify stage: prove a monoid's laws, or refute them with a concrete counterexample.
+
+    combine(combine(x, y), z) == combine(x, combine(y, z))      associativity
+    combine(e, x) == x == combine(x, e)                         left and right identity
+
+The proof is symbolic (sympy, see scanlang/analysis.py for the methods) and holds over the reals
+wherever the expressions are defined; identity entries of +-inf are read in the extended reals
+(sympy's oo, with every field a finite real). Each law gets a time budget (`seconds=`, default
+settings.proof_seconds(); enforced with SIGALRM in the main thread and by cooperative deadline checks
+elsewhere). When sympy cannot decide within it, a seeded random check over several value ranges
+takes over and the report says "numeric, not a proof".
+
+Projective monoids (declared with `scale=`): when scale is homogeneous of degree 1 and the combine is
+homogeneous in each operand, renormalising (dividing by scale) maps a law that holds up to a nonzero
+factor to an exact law, so the laws are proved up to scale (all cross-products L_i R_j - L_j R_i
+vanish). Otherwise the renormalised combine itself is checked, exactly.
+
+A failed law raises `NotAssociativeError` or `IdentityError` carrying a counterexample that was
+checked by exact (rational or 60-digit) evaluation and in float64; the message shows the leftover
+expression, the counterexample and the values of both sides.
+
+Results are cached by the monoid's content hash: in memory and as small JSON files under
+settings.cache_dir()/proofs (only symbolic results; an unwritable directory is ignored).
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import tempfile
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import numpy as np
+import sympy
+
+from . import analysis as A
+from . import settings
+from .errors import IdentityError, NotAssociativeError
+
+_CACHE_VERSION = 1
+_SAMPLES = 400          # random samples per value range
+_CANDIDATES = 6         # flagged samples re-checked exactly per range
+_FLAG = 1e-9            # relative float64 difference that makes a sample suspect
+_DIFFER = 1e-6          # relative float64 difference a counterexample must show
+ASSOCIATIVITY, LEFT_IDENTITY, RIGHT_IDENTITY = "associativity", "left identity", "right identity"
+
+# (description, sampler(rng, shape)): the value ranges of the random check, simplest first.
+RANGES = (
+    ("small integers in [-3, 3]", lambda rng, n: rng.integers(-3, 4, n).astype(np.float64)),
+    ("uniform [-1, 1]", lambda rng, n: rng.uniform(-1.0, 1.0, n)),
+    ("positive log-uniform [1e-3, 1e3]", lambda rng, n: 10.0 ** rng.uniform(-3.0, 3.0, n)),
+    ("mixed signs, log-uniform magnitudes [1e-3, 1e3]",
+     lambda rng, n: rng.choice([-1.0, 1.0], n) * 10.0 ** rng.uniform(-3.0, 3.0, n)),
+)
+
+
+@dataclass(frozen=True)
+class LawResult:
+    """How one law was established: method "symbolic" (a proof) or "numeric" (not a proof)."""
+
+    law: str
+    method: str
+    how: str
+    seconds: float
+    cached: bool = False
+
+    @property
+    def symbolic(self) -> bool:
+        return self.method == "symbolic"
+
+    def __str__(self):
+        kind = "symbolic proof" if self.symbolic else "numeric, not a proof"
+        origin = ", cached" if self.cached else ""
+        return f"{self.law}: {kind} ({self.how}) [{self.seconds:.3f} s{origin}]"
+
+
+@dataclass
+class Proof:
+    """What verify() established about a monoid, plus what the later stages need.
+
+    `commutative` is True/False, or None when undecided. `sparsity` and `jacobian_x`/`jacobian_y`
+    (sympy Matrices, d result_i / d operand_j) describe the combine the scan evaluates (divided by
+    scale for projective monoids).
+    """
+
+    monoid: object
+    associativity: LawResult
+    left_identity: LawResult
+    right_identity: LawResult
+    projective: A.Homogeneity | None
+    commutative: bool | None
+    sparsity: A.Sparsity
+    jacobian_x: sympy.Matrix
+    jacobian_y: sympy.Matrix
+    seconds: float
+
+    @property
+    def laws(self) -> tuple[LawResult, ...]:
+        return (self.associativity, self.left_identity, self.right_identity)
+
+    @property
+    def symbolic(self) -> bool:
+        """True when every law was proved symbolically."""
+        return all(law.symbolic for law in self.laws)
+
+    @property
+    def method(self) -> str:
+        if self.symbolic:
+            return "symbolic proof"
+        if not any(law.symbolic for law in self.laws):
+            return "numeric, not a proof"
+        return "partly symbolic; " + ", ".join(law.law for law in self.laws if not law.symbolic) + \
+            ": numeric, not a proof"
+
+    @property
+    def up_to_scale(self) -> bool:
+        return self.projective is not None and self.projective.up_to_scale
+
+    def __str__(self):
+        m = self.monoid
+        scale = " up to scale" if self.monoid.is_projective else ""
+        ident = ", ".join(_num(v) for v in m.identity)
+        where = "over the reals" + (f" ({_domain(m)})" if _domain(m) else "")
+        how = f"{self.method} {where}" if self.symbolic else f"{self.method}; symbolic results hold {where}"
+        lines = [f"{m.name}: associative{scale} with identity ({ident}){scale} -- {how}"]
+        lines += [f"  {law}" for law in self.laws]
+        if m.is_projective:
+            lines.append(f"  projective: {_projective_note(m, self.projective)}")
+        if any(math.isinf(v) for v in m.identity):
+            lines.append("  identity entries +-inf are read in the extended reals (every field is a finite real)")
+        comm = {True: "yes", False: "no", None: "undecided"}[self.commutative]
+        lines.append(f"  commutative: {comm}")
+        lines.append(f"  jacobian sparsity: {self.sparsity}")
+        lines.append(f"  verified in {self.seconds:.3f} s")
+        return "\n".join(lines)
+
+
+def _num(v: float) -> str:
+    return ("-inf" if v < 0 else "inf") if math.isinf(v) else (str(int(v)) if v == int(v) else repr(v))
+
+
+def _domain(m) -> str:
+    exprs = list(m.exprs) + ([m.scale_expr] if m.is_projective else [])
+    notes = []
+    if any(sympy.denom(sympy.together(e)) != 1 for e in exprs) or m.is_projective:
+        notes.append("where denominators" + (" and scale" if m.is_projective else "") + " are nonzero")
+    if any(e.has(sympy.log) for e in exprs):
+        notes.append("logarithms of positive values")
+    if any(not p.exp.is_Integer for e in exprs for p in e.atoms(sympy.Pow)):
+        notes.append("square roots of nonnegative values")
+    return "; ".join(notes)
+
+
+def _projective_note(m, h: A.Homogeneity | None) -> str:
+    if h is None:
+        return "homogeneity undecided within the budget; the renormalised combine was checked directly"
+    if h.up_to_scale:
+        return (f"scale(m) = {m.scale_expr} is homogeneous of degree 1 and the combine has degree "
+                f"{h.x_degree} in x and {h.y_degree} in y, so renormalising keeps the law: elements are "
+                f"equal up to a nonzero scale")
+    why = "scale is not homogeneous of degree 1" if not h.scale_degree_one else \
+        "the combine is not homogeneous in each operand"
+    return f"{why} (scale(m) = {m.scale_expr}); the renormalised combine was checked directly"
+
+
+# ---- time budget ----------------------------------------------------------------------------------
+
+@contextmanager
+def _alarm(seconds: float | None):
+    """SIGALRM after `seconds` raising ProofTimeout, in the main thread when no other timer runs."""
+    usable = (seconds is not None and hasattr(signal, "setitimer")
+              and threading.current_thread() is threading.main_thread()
+              and signal.getitimer(signal.ITIMER_REAL)[0] == 0)
+    if not usable:
+        yield
+        return
+
+    def on_alarm(signum, frame):
+        raise A.ProofTimeout()
+
+    previous = signal.signal(signal.SIGALRM, on_alarm)
+    signal.setitimer(signal.ITIMER_REAL, max(seconds, 1e-4))
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def _symbolic(fn, seconds: float | None):
+    """Run fn(deadline) within the budget: (result, None) or (None, why it stopped)."""
+    try:
+        deadline = A.Deadline(seconds)
+        with _alarm(seconds):
+            return fn(deadline), None
+    except A.ProofTimeout:
+        return None, f"sympy did not decide within the {seconds:g} s budget"
+    except (RecursionError, sympy.SympifyError, sympy.PolynomialError, TypeError, ValueError) as exc:
+        return None, f"sympy failed ({type(exc).__name__}: {exc})"
+
+
+# ---- float64 and exact evaluation ----------------------------------------------------------------
+
+class _Float64:
+    """The monoid's combine on numpy float64 arrays (one array per field), from its expressions."""
+
+    def __init__(self, m):
+        self.m = m
+        self.raw = sympy.lambdify(list(m.x_symbols + m.y_symbols), list(m.exprs), modules="numpy")
+        self.scale = sympy.lambdify(list(m.m_symbols), m.scale_expr, modules="numpy") if m.is_projective else None
+
+    def combine(self, x, y, renormalise: bool = True):
+        shape = np.broadcast_shapes(*(np.shape(v) for v in (*x, *y)))
+        with np.errstate(all="ignore"):
+            out = [np.broadcast_to(np.asarray(v, dtype=np.float64), shape) for v in self.raw(*x, *y)]
+            if self.scale is not None and renormalise:
+                s = np.broadcast_to(np.asarray(self.scale(*out), dtype=np.float64), shape)
+                out = [o / s for o in out]
+        return out
+
+    def groupings(self, x, y, z):
+        return self.combine(self.combine(x, y), z), self.combine(x, self.combine(y, z))
+
+
+def _exact(v: float) -> sympy.Expr:
+    return sympy.oo if v == math.inf else (-sympy.oo if v == -math.inf else sympy.Rational(v))
+
+
+def _exact_groupings(m, x, y, z):
+    x, y, z = ([_exact(v) for v in e] for e in (x, y, z))
+    c = lambda a, b: A.combine_exprs(m, a, b, renormalise=True)  # noqa: E731
+    return c(c(x, y), z), c(x, c(y, z))
+
+
+def _exact_nonzero(d) -> bool | None:
+    """Is the exact number d nonzero? None when undefined (division by zero, log of a negative...)."""
+    d = sympy.sympify(d)
+    if d.has(sympy.nan, sympy.zoo, sympy.oo, -sympy.oo, sympy.I):
+        return None
+    if d.is_Rational:
+        return d != 0
+    v = sympy.N(d, 60)
+    if not v.is_real or v.has(sympy.nan, sympy.zoo):
+        return None
+    return abs(v) > sympy.Float("1e-45", 60)
+
+
+def _exact_differ(left, right, up_to_scale: bool) -> bool | None:
+    """Do the exact tuples differ (or fail to be proportional)? None when a value is undefined."""
+    if up_to_scale:
+        if all(_exact_nonzero(v) is False for v in left) or all(_exact_nonzero(v) is False for v in right):
+            return None  # a zero element is proportional to everything
+        n = len(left)
+        terms = [left[i] * right[j] - left[j] * right[i] for i in range(n) for j in range(i + 1, n)]
+    else:
+        terms = [lo - ro for lo, ro in zip(left, right)]
+    verdicts = [_exact_nonzero(t) for t in terms]
+    if None in verdicts:
+        return None
+    return any(verdicts)
+
+
+def _relative(left, right, up_to_scale: bool) -> np.ndarray:
+    """Per sample: relative float64 difference of two tuples of arrays (inf where undefined)."""
+    L, R = np.stack(left), np.stack(right)
+    with np.errstate(all="ignore"):
+        if up_to_scale:
+            L = L / np.linalg.norm(L, axis=0)
+            R = R / np.linalg.norm(R, axis=0)
+            rel = np.minimum(np.abs(L - R).max(axis=0), np.abs(L + R).max(axis=0))
+        else:
+            rel = (np.abs(L - R) / np.maximum(np.abs(L), np.abs(R))).max(axis=0)
+            rel = np.where((L == R).all(axis=0), 0.0, rel)
+    finite = np.isfinite(L).all(axis=0) & np.isfinite(R).all(axis=0)
+    return np.where(finite & np.isfinite(rel), rel, np.inf)
+
+
+# ---- the random check and the counterexample search -----------------------------------------------
+
+@dataclass
+class _Search:
+    """Outcome of a random check: a verified counterexample, or the evidence that none was found."""
+
+    counterexample: tuple | None
+    left: tuple | None = None
+    right: tuple | None = None
+    samples: int = 0
+    worst: float = 0.0
+
+
+def _rounded(point, q):
+    return tuple(tuple(float(np.round(v / q) * q) for v in e) for e in point)
+
+
+def _search(m, n_operands: int, evaluate, exact, up_to_scale: bool, seed: int) -> _Search:
+    """Random check of `evaluate` (float64 arrays -> (left, right)) over every value range.
+
+    `exact(point) -> (left, right)` gives the exact sides; a flagged sample becomes a counterexample
+    only if its exact sides differ and its float64 sides differ by more than _DIFFER. Simpler (rounded)
+    versions of a counterexample are preferred.
+    """
+    k = len(m.fields)
+    result = _Search(None)
+    for r, (_, sampler) in enumerate(RANGES):
+        rng = np.random.default_rng(seed * 7919 + r)
+        point = [tuple(sampler(rng, _SAMPLES) for _ in range(k)) for _ in range(n_operands)]
+        left, right = evaluate(*point)
+        rel = _relative(left, right, up_to_scale)
+        valid = np.isfinite(rel)
+        result.samples += int(valid.sum())
+        flagged = np.flatnonzero(valid & (rel > _FLAG))
+        if r == 0:  # small integers: the smallest counterexample first
+            size = sum(np.abs(f) for e in point for f in e)
+            flagged = flagged[np.argsort(size[flagged], kind="stable")]
+        else:
+            flagged = flagged[np.argsort(-rel[flagged], kind="stable")]
+        for i in flagged[:_CANDIDATES]:
+            candidate = tuple(tuple(float(f[i]) for f in e) for e in point)
+            for q in (1.0, 0.5, 0.25, 0.125, None):
+                trial = candidate if q is None else _rounded(candidate, q)
+                found = _confirm(trial, evaluate, exact, up_to_scale)
+                if found is not None:
+                    return _Search(trial, found[0], found[1], result.samples)
+        unflagged = valid & (rel <= _FLAG)
+        if unflagged.any():
+            result.worst = max(result.worst, float(rel[unflagged].max()))
+    return result
+
+
+def _confirm(point, evaluate, exact, up_to_scale: bool):
+    """(left, right) float tuples if `point` is a counterexample in float64 and exactly, else None."""
+    arrays = [tuple(np.array([v]) for v in e) for e in point]
+    left, right = evaluate(*arrays)
+    rel = _relative(left, right, up_to_scale)[0]
+    if not (np.isfinite(rel) and rel > _DIFFER):
+        return None
+    try:
+        exact_left, exact_right = exact(point)
+        if _exact_differ(exact_left, exact_right, up_to_scale) is not True:
+            return None
+    except (ZeroDivisionError, TypeError, ValueError):
+        return None
+    return tuple(float(v[0]) for v in left), tuple(float(v[0]) for v in right)
+
+
+def _seed(m, law: str) -> int:
+    return int(m.key[:8], 16) ^ sum(map(ord, law))
+
+
+# ---- the laws -------------------------------------------------------------------------------------
+
+def _fmt_point(p) -> str:
+    return "(" + ", ".join(repr(v) for v in p) + ("," if len(p) == 1 else "") + ")"
+
+
+def _fmt_leftovers(leftovers, limit: int = 400) -> str:
+    lines = []
+    for label, e in leftovers:
+        text = str(e)
+        lines.append(f"    {label}: {text if len(text) <= limit else text[:limit] + ' ...'}")
+    return "\n".join(lines)
+
+
+def _raw_leftovers(m, left, right, up_to_scale: bool):
+    if up_to_scale:
+        n = len(left)
+        return [(f"{m.fields[i]}*{m.fields[j]}", left[i] * right[j] - left[j] * right[i])
+                for i in range(n) for j in range(i + 1, n)]
+    return [(f, lo - ro) for f, lo, ro in zip(m.fields, left, right) if lo != ro]
+
+
+def _associativity(m, seconds, up_to_scale: bool) -> LawResult:
+    start = time.perf_counter()
+
+    def attempt(deadline):
+        left, right = A.law_sides(m, up_to_scale)
+        return (left, right), A.equal_tuples(left, right, up_to_scale, m.fields, deadline)
+
+    out, why = _symbolic(attempt, seconds)
+    if out is not None and out[1][0].equal is True:
+        how = out[1][0].how + (" of all cross-products L_i R_j - L_j R_i" if up_to_scale else "")
+        return LawResult(ASSOCIATIVITY, "symbolic", how, time.perf_counter() - start)
+    f64 = _Float64(m)
+    search = _search(m, 3, f64.groupings, lambda p: _exact_groupings(m, *p), False, _seed(m, ASSOCIATIVITY))
+    if search.counterexample is not None:
+        if out is not None:
+            leftovers = out[1][1]
+        else:
+            leftovers = _raw_leftovers(m, *A.law_sides(m, up_to_scale), up_to_scale)
+        x, y, z = search.counterexample
+        what = "(x (+) y) (+) z - x (+) (y (+) z)" if not up_to_scale else \
+            "cross-products of (x (+) y) (+) z and x (+) (y (+) z) (the law up to scale)"
+        renorm = " (renormalised by scale, as the scan evaluates it)" if m.is_projective else ""
+        msg = (f"combine of monoid '{m.name}' is not associative{renorm}: {what} leaves\n"
+               f"{_fmt_leftovers(leftovers)}\n"
+               f"  counterexample (fields {m.fields}): x = {_fmt_point(x)}, y = {_fmt_point(y)}, z = {_fmt_point(z)}\n"
+               f"    (x (+) y) (+) z = {_fmt_point(search.left)}\n"
+               f"    x (+) (y (+) z) = {_fmt_point(search.right)}")
+        raise NotAssociativeError(msg, counterexample=search.counterexample, left=search.left, right=search.right)
+    return _numeric_result(m, ASSOCIATIVITY, out, why, search, start)
+
+
+def _numeric_result(m, law, out, why, search: _Search, start) -> LawResult:
+    if search.samples == 0:
+        raise ValueError(f"verify: monoid '{m.name}': the {law} law could neither be proved by sympy "
+                         f"({why or 'undecided'}) nor tested: every random sample evaluated to inf/nan")
+    reason = why
+    if reason is None:
+        leftover = str(out[1][1][0][1]) if out is not None and out[1][1] else "?"
+        reason = f"sympy did not decide ({leftover[:200]} == 0?)"
+    ranges = "; ".join(name for name, _ in RANGES)
+    how = (f"{reason}; random check of {search.samples} seeded samples over {ranges}: no counterexample, "
+           f"largest relative difference {search.worst:.1e}")
+    return LawResult(law, "numeric", how, time.perf_counter() - start)
+
+
+def _identity(m, side: str, seconds) -> LawResult:
+    """combine(e, x) == x (left) or combine(x, e) == x (right); up to scale for projective monoids."""
+    start = time.perf_counter()
+    projective = m.is_projective
+    e = m.identity_exprs
+
+    def sides(x):
+        out = A.combine_exprs(m, e, x) if side == "left" else A.combine_exprs(m, x, e)
+        return out, tuple(x)
+
+    def attempt(deadline):
+        left, right = sides(m.x_symbols)
+        return (left, right), A.equal_tuples(left, right, projective, m.fields, deadline)
+
+    out, why = _symbolic(attempt, seconds)
+    law = LEFT_IDENTITY if side == "left" else RIGHT_IDENTITY
+    if out is not None and out[1][0].equal is True:
+        return LawResult(law, "symbolic", out[1][0].how, time.perf_counter() - start)
+    f64 = _Float64(m)
+    ident = tuple(np.float64(v) for v in m.identity)
+
+    def evaluate(x):
+        got = f64.combine(ident, x, renormalise=False) if side == "left" else f64.combine(x, ident, renormalise=False)
+        return got, [np.broadcast_to(v, np.shape(got[0])) for v in x]
+
+    def exact(point):
+        (x,) = point
+        return sides(tuple(_exact(v) for v in x))
+
+    search = _search(m, 1, evaluate, exact, projective, _seed(m, law))
+    if search.counterexample is not None:
+        (x,) = search.counterexample
+        leftovers = out[1][1] if out is not None else _raw_leftovers(m, *sides(m.x_symbols), projective)
+        expr = "combine(e, x)" if side == "left" else "combine(x, e)"
+        scale = " (up to scale)" if projective else ""
+        msg = (f"identity {_fmt_point(m.identity)} of monoid '{m.name}' is not a {side} identity{scale}: "
+               f"{expr} - x leaves\n{_fmt_leftovers(leftovers)}\n"
+               f"  counterexample (fields {m.fields}): x = {_fmt_point(x)}\n"
+               f"    {expr} = {_fmt_point(search.left)}\n    x = {_fmt_point(search.right)}")
+        err = IdentityError(msg, counterexample=x)
+        err.side = side
+        raise err
+    return _numeric_result(m, law, out, why, search, start)
+
+
+def commutativity(m, seconds=None) -> bool | None:
+    """combine(x, y) == combine(y, x)? True/False when decided (symbolically, or False by a numeric
+    witness confirmed exactly), None otherwise. Projective monoids: of the renormalised combine."""
+    seconds = _budget(seconds)
+    decided, _ = _symbolic(lambda dl: A.commutative(m, dl), seconds)
+    if decided is not None:
+        return decided
+    f64 = _Float64(m)
+    swap = lambda x, y: (f64.combine(x, y), f64.combine(y, x))  # noqa: E731
+    exact = lambda p: (A.combine_exprs(m, [_exact(v) for v in p[0]], [_exact(v) for v in p[1]], True),  # noqa: E731
+                       A.combine_exprs(m, [_exact(v) for v in p[1]], [_exact(v) for v in p[0]], True))
+    return False if _search(m, 2, swap, exact, False, _seed(m, "commutative")).counterexample else None
+
+
+# ---- cache ----------------------------------------------------------------------------------------
+
+_MEMORY: dict[tuple[str, str], LawResult] = {}
+
+
+def clear_memory_cache():
+    """Forget the proofs cached in this process (the files on disk stay)."""
+    _MEMORY.clear()
+
+
+def _cache_file(key: str):
+    return settings.cache_dir() / "proofs" / f"{key}-v{_CACHE_VERSION}.json"
+
+
+def _load(key: str) -> dict[str, LawResult]:
+    found = {law: r for (k, law), r in _MEMORY.items() if k == key}
+    try:
+        data = json.loads(_cache_file(key).read_text())
+        for law, r in data.get("laws", {}).items():
+            if law not in found and r.get("method") == "symbolic":
+                found[law] = LawResult(law, "symbolic", str(r["how"]), float(r["seconds"]), cached=True)
+                _MEMORY[(key, law)] = found[law]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        pass
+    return found
+
+
+def _store(m, results):
+    proved = {r.law: r for r in results if r.symbolic}
+    for law, r in proved.items():
+        _MEMORY[(m.key, law)] = r
+    if not proved:
+        return
+    path = _cache_file(m.key)
+    data = {"monoid": m.name, "version": _CACHE_VERSION,
+            "laws": {law: {"method": r.method, "how": r.how, "seconds": r.seconds} for law, r in proved.items()}}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".proof-", suffix=".json")
+        try:
+            with os.fdopen(fd, "w") as fh:
+                json.dump(data, fh, indent=1, sort_keys=True)
+            os.replace(tmp, path)
+        except BaseException:
+            os.unlink(tmp)
+            raise
+    except OSError:
+        pass  # a read-only cache directory only costs re-proving next time
+
+
+# ---- the stage ------------------------------------------------------------------------------------
+
+def _budget(seconds):
+    seconds = settings.proof_seconds() if seconds is None else float(seconds)
+    if math.isnan(seconds) or seconds < 0:
+        raise ValueError(f"seconds must be a nonnegative number of seconds, got {seconds}")
+    return None if math.isinf(seconds) else seconds
+
+
+def verify(monoid, seconds: float | None = None) -> Proof:
+    """Prove (or refute) associativity and both identity laws of `monoid`; see the module docstring.
+
+    `seconds` bounds each law's symbolic attempt (default settings.proof_seconds()). Raises
+    NotAssociativeError / IdentityError with a counterexample when a law fails.
+    """
+    start = time.perf_counter()
+    seconds = _budget(seconds)
+    m = monoid
+    cached = _load(m.key)
+    homogeneity = None
+    if m.is_projective:
+        homogeneity, _ = _symbolic(lambda dl: A.projective_mode(m, dl), seconds)
+    up_to_scale = homogeneity is not None and homogeneity.up_to_scale
+    assoc = cached.get(ASSOCIATIVITY) or _associativity(m, seconds, up_to_scale)
+    left = cached.get(LEFT_IDENTITY) or _identity(m, "left", seconds)
+    right = cached.get(RIGHT_IDENTITY) or _identity(m, "right", seconds)
+    _store(m, [r for r in (assoc, left, right) if not r.cached])
+    jx, jy = A.jacobians(m)
+    return Proof(monoid=m, associativity=assoc, left_identity=left, right_identity=right,
+                 projective=homogeneity, commutative=commutativity(m, seconds), sparsity=A.sparsity(m),
+                 jacobian_x=jx, jacobian_y=jy, seconds=time.perf_counter() - start)
+
+
+__all__ = ["verify", "Proof", "LawResult", "commutativity", "clear_memory_cache", "RANGES"]
