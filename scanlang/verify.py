@@ -32,7 +32,7 @@ import tempfile
 import threading
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import sympy
@@ -46,6 +46,7 @@ _SAMPLES = 400          # random samples per value range
 _CANDIDATES = 6         # flagged samples re-checked exactly per range
 _FLAG = 1e-9            # relative float64 difference that makes a sample suspect
 _DIFFER = 1e-6          # relative float64 difference a counterexample must show
+_LEFTOVER_SECONDS = 1.0  # budget for simplifying the leftover of a refuted law
 ASSOCIATIVITY, LEFT_IDENTITY, RIGHT_IDENTITY = "associativity", "left identity", "right identity"
 
 # (description, sampler(rng, shape)): the value ranges of the random check, simplest first.
@@ -122,11 +123,12 @@ class Proof:
 
     def __str__(self):
         m = self.monoid
-        scale = " up to scale" if self.monoid.is_projective else ""
+        assoc = " up to scale" if self.up_to_scale else ""
+        scale = " up to scale" if m.is_projective else ""
         ident = ", ".join(_num(v) for v in m.identity)
         where = "over the reals" + (f" ({_domain(m)})" if _domain(m) else "")
         how = f"{self.method} {where}" if self.symbolic else f"{self.method}; symbolic results hold {where}"
-        lines = [f"{m.name}: associative{scale} with identity ({ident}){scale} -- {how}"]
+        lines = [f"{m.name}: associative{assoc} with identity ({ident}){scale} -- {how}"]
         lines += [f"  {law}" for law in self.laws]
         if m.is_projective:
             lines.append(f"  projective: {_projective_note(m, self.projective)}")
@@ -320,11 +322,17 @@ def _search(m, n_operands: int, evaluate, exact, up_to_scale: bool, seed: int) -
             flagged = flagged[np.argsort(-rel[flagged], kind="stable")]
         for i in flagged[:_CANDIDATES]:
             candidate = tuple(tuple(float(f[i]) for f in e) for e in point)
-            for q in (1.0, 0.5, 0.25, 0.125, None):
-                trial = candidate if q is None else _rounded(candidate, q)
-                found = _confirm(trial, evaluate, exact, up_to_scale)
-                if found is not None:
-                    return _Search(trial, found[0], found[1], result.samples)
+            found = _confirm(candidate, evaluate, exact, up_to_scale)
+            if found is None:
+                continue
+            for q in (1.0, 0.5, 0.25, 0.125):  # prefer a simpler, exactly representable point
+                trial = _rounded(candidate, q)
+                if trial == candidate:
+                    break
+                simpler = _confirm(trial, evaluate, exact, up_to_scale)
+                if simpler is not None:
+                    return _Search(trial, *simpler, samples=result.samples)
+            return _Search(candidate, *found, samples=result.samples)
         unflagged = valid & (rel <= _FLAG)
         if unflagged.any():
             result.worst = max(result.worst, float(rel[unflagged].max()))
@@ -373,69 +381,88 @@ def _raw_leftovers(m, left, right, up_to_scale: bool):
     return [(f, lo - ro) for f, lo, ro in zip(m.fields, left, right) if lo != ro]
 
 
-def _associativity(m, seconds, up_to_scale: bool) -> LawResult:
+def _law(m, law: str, seconds, sides, up_to_scale: bool, n_operands: int, evaluate, exact,
+         compare_up_to_scale: bool, fail) -> LawResult:
+    """Establish one law `left == right` (or proportional, `up_to_scale`) for `sides()`.
+
+    A cheap random search for a counterexample runs first: a confirmed one calls
+    `fail(search, leftovers)` with the leftover simplified within a short budget. Otherwise sympy gets
+    `seconds`; when it cannot decide, the random check's evidence is reported as numeric.
+    """
     start = time.perf_counter()
 
     def attempt(deadline):
-        left, right = A.law_sides(m, up_to_scale)
-        return (left, right), A.equal_tuples(left, right, up_to_scale, m.fields, deadline)
+        left, right = sides()
+        return A.equal_tuples(left, right, up_to_scale, m.fields, deadline)
 
-    out, why = _symbolic(attempt, seconds)
-    if out is not None and out[1][0].equal is True:
-        how = out[1][0].how + (" of all cross-products L_i R_j - L_j R_i" if up_to_scale else "")
-        return LawResult(ASSOCIATIVITY, "symbolic", how, time.perf_counter() - start)
-    f64 = _Float64(m)
-    search = _search(m, 3, f64.groupings, lambda p: _exact_groupings(m, *p), False, _seed(m, ASSOCIATIVITY))
+    search = _search(m, n_operands, evaluate, exact, compare_up_to_scale, _seed(m, law))
     if search.counterexample is not None:
-        if out is not None:
-            leftovers = out[1][1]
+        short = _LEFTOVER_SECONDS if seconds is None else min(seconds, _LEFTOVER_SECONDS)
+        out, why = _symbolic(attempt, short)
+        if out is not None and out[1]:
+            leftovers = out[1]
         else:
-            leftovers = _raw_leftovers(m, *A.law_sides(m, up_to_scale), up_to_scale)
+            leftovers = _raw_leftovers(m, *sides(), up_to_scale)
+            leftovers = [(f"{label} (not simplified: {why or 'sympy undecided'})", e) for label, e in leftovers]
+        fail(search, leftovers)
+    out, why = _symbolic(attempt, seconds)
+    if out is not None and out[0].equal is True:
+        how = out[0].how + ("; compared up to scale: all cross-products L_i R_j - L_j R_i vanish" if up_to_scale else "")
+        return LawResult(law, "symbolic", how, time.perf_counter() - start)
+    if search.samples == 0:
+        raise ValueError(f"verify: monoid '{m.name}': the {law} law could neither be proved by sympy "
+                         f"({why or 'undecided'}) nor tested: every random sample evaluated to inf/nan")
+    if why is None:
+        leftover = str(out[1][0][1]) if out[1] else "?"
+        why = f"sympy did not decide whether {leftover[:200]} == 0"
+    ranges = "; ".join(name for name, _ in RANGES)
+    how = (f"{why}; random check of {search.samples} seeded samples over {ranges}: no counterexample, "
+           f"largest relative difference {search.worst:.1e}")
+    return LawResult(law, "numeric", how, time.perf_counter() - start)
+
+
+def _associativity(m, seconds, up_to_scale: bool) -> LawResult:
+    """(x (+) y) (+) z == x (+) (y (+) z); counterexamples always on the renormalised combine."""
+    def fail(search, leftovers):
         x, y, z = search.counterexample
         what = "(x (+) y) (+) z - x (+) (y (+) z)" if not up_to_scale else \
-            "cross-products of (x (+) y) (+) z and x (+) (y (+) z) (the law up to scale)"
+            "the cross-products of (x (+) y) (+) z and x (+) (y (+) z) (the law up to scale)"
         renorm = " (renormalised by scale, as the scan evaluates it)" if m.is_projective else ""
+        if m.is_projective and not up_to_scale:
+            renorm += f"; {_why_not_projective(m)}"
         msg = (f"combine of monoid '{m.name}' is not associative{renorm}: {what} leaves\n"
                f"{_fmt_leftovers(leftovers)}\n"
                f"  counterexample (fields {m.fields}): x = {_fmt_point(x)}, y = {_fmt_point(y)}, z = {_fmt_point(z)}\n"
                f"    (x (+) y) (+) z = {_fmt_point(search.left)}\n"
                f"    x (+) (y (+) z) = {_fmt_point(search.right)}")
         raise NotAssociativeError(msg, counterexample=search.counterexample, left=search.left, right=search.right)
-    return _numeric_result(m, ASSOCIATIVITY, out, why, search, start)
+
+    f64 = _Float64(m)
+    return _law(m, ASSOCIATIVITY, seconds, lambda: A.law_sides(m, up_to_scale), up_to_scale, 3,
+                f64.groupings, lambda p: _exact_groupings(m, *p), False, fail)
 
 
-def _numeric_result(m, law, out, why, search: _Search, start) -> LawResult:
-    if search.samples == 0:
-        raise ValueError(f"verify: monoid '{m.name}': the {law} law could neither be proved by sympy "
-                         f"({why or 'undecided'}) nor tested: every random sample evaluated to inf/nan")
-    reason = why
-    if reason is None:
-        leftover = str(out[1][1][0][1]) if out is not None and out[1][1] else "?"
-        reason = f"sympy did not decide ({leftover[:200]} == 0?)"
-    ranges = "; ".join(name for name, _ in RANGES)
-    how = (f"{reason}; random check of {search.samples} seeded samples over {ranges}: no counterexample, "
-           f"largest relative difference {search.worst:.1e}")
-    return LawResult(law, "numeric", how, time.perf_counter() - start)
+def _why_not_projective(m) -> str:
+    t = sympy.Symbol("t", real=True, nonzero=True)
+    s = m.scale_expr
+    gap = sympy.expand(s.xreplace({v: t * v for v in m.m_symbols}) - t * s)
+    if gap != 0:
+        return (f"scale(m) = {s} is not homogeneous of degree 1 (scale(t*m) - t*scale(m) = {gap}), "
+                f"so renormalising does not preserve the law")
+    return "the combine is not homogeneous in each operand, so renormalising does not preserve the law"
 
 
 def _identity(m, side: str, seconds) -> LawResult:
     """combine(e, x) == x (left) or combine(x, e) == x (right); up to scale for projective monoids."""
-    start = time.perf_counter()
     projective = m.is_projective
     e = m.identity_exprs
+    law = LEFT_IDENTITY if side == "left" else RIGHT_IDENTITY
+    expr = "combine(e, x)" if side == "left" else "combine(x, e)"
 
-    def sides(x):
+    def sides(x=m.x_symbols):
         out = A.combine_exprs(m, e, x) if side == "left" else A.combine_exprs(m, x, e)
         return out, tuple(x)
 
-    def attempt(deadline):
-        left, right = sides(m.x_symbols)
-        return (left, right), A.equal_tuples(left, right, projective, m.fields, deadline)
-
-    out, why = _symbolic(attempt, seconds)
-    law = LEFT_IDENTITY if side == "left" else RIGHT_IDENTITY
-    if out is not None and out[1][0].equal is True:
-        return LawResult(law, "symbolic", out[1][0].how, time.perf_counter() - start)
     f64 = _Float64(m)
     ident = tuple(np.float64(v) for v in m.identity)
 
@@ -443,15 +470,8 @@ def _identity(m, side: str, seconds) -> LawResult:
         got = f64.combine(ident, x, renormalise=False) if side == "left" else f64.combine(x, ident, renormalise=False)
         return got, [np.broadcast_to(v, np.shape(got[0])) for v in x]
 
-    def exact(point):
-        (x,) = point
-        return sides(tuple(_exact(v) for v in x))
-
-    search = _search(m, 1, evaluate, exact, projective, _seed(m, law))
-    if search.counterexample is not None:
+    def fail(search, leftovers):
         (x,) = search.counterexample
-        leftovers = out[1][1] if out is not None else _raw_leftovers(m, *sides(m.x_symbols), projective)
-        expr = "combine(e, x)" if side == "left" else "combine(x, e)"
         scale = " (up to scale)" if projective else ""
         msg = (f"identity {_fmt_point(m.identity)} of monoid '{m.name}' is not a {side} identity{scale}: "
                f"{expr} - x leaves\n{_fmt_leftovers(leftovers)}\n"
@@ -460,7 +480,9 @@ def _identity(m, side: str, seconds) -> LawResult:
         err = IdentityError(msg, counterexample=x)
         err.side = side
         raise err
-    return _numeric_result(m, law, out, why, search, start)
+
+    return _law(m, law, seconds, sides, projective, 1, evaluate,
+                lambda p: sides(tuple(_exact(v) for v in p[0])), projective, fail)
 
 
 def commutativity(m, seconds=None) -> bool | None:
@@ -507,7 +529,7 @@ def _load(key: str) -> dict[str, LawResult]:
 def _store(m, results):
     proved = {r.law: r for r in results if r.symbolic}
     for law, r in proved.items():
-        _MEMORY[(m.key, law)] = r
+        _MEMORY[(m.key, law)] = replace(r, cached=True)
     if not proved:
         return
     path = _cache_file(m.key)
