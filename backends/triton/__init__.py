@@ -1,0 +1,66 @@
+"""The Triton backend: generated fused scan kernels and their generated backward.
+
+    scan(monoid, elems, dim, reverse, initial, out_dtype) -> tuple[Tensor]   (sl.scan's backend call)
+    show(monoid) -> str                                                      (`scanlang show`)
+
+The kernels come from `scanlang.pipeline` (lower -> differentiate -> render -> load) and run as the
+`torch.library` ops `scanlang::scan_fwd` / `scanlang::scan_bwd` (see `ops.py`), so autograd and
+`torch.compile(fullgraph=True)` see them as ordinary ops.
+"""
+from __future__ import annotations
+
+import torch
+
+from scanlang import settings
+
+
+def _check(elems, initial, arg="elems"):
+    tensors = list(elems) + list(initial or ())
+    for t in tensors:
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{arg}: expected tensors, got {type(t).__name__}")
+        if not t.is_floating_point():
+            raise TypeError(f"{arg}: dtype {t.dtype} is not supported by the Triton backend; use float16, "
+                            "bfloat16, float32 or float64")
+    devices = {t.device for t in tensors}
+    if len(devices) > 1:
+        raise ValueError(f"{arg}: tensors are on different devices {sorted(map(str, devices))}; use one device")
+    device = tensors[0].device
+    if device.type != "cuda" and not settings.triton_interpret():
+        raise ValueError(f"{arg}: the Triton backend needs CUDA tensors (got {device.type}), or TRITON_INTERPRET=1 "
+                         "to run the generated kernels in Triton's interpreter")
+
+
+def program_for(monoid):
+    """The compiled plain-scan program of `monoid` (generated and loaded once)."""
+    from scanlang import pipeline
+    return pipeline.build(pipeline.lower(monoid))
+
+
+def scan(monoid, elems, dim: int, reverse: bool, initial, out_dtype) -> tuple[torch.Tensor, ...]:
+    """Inclusive scan of broadcastable `elems` along `dim` (>= 0) with the generated kernels.
+
+    `initial` (one tensor per field, broadcastable to the shape without `dim`) or None. Outputs are
+    `out_dtype` (float32 or float64; the accumulation dtype too). Differentiable in every element and
+    in `initial` through the generated backward kernel.
+    """
+    from scanlang import pipeline
+    if out_dtype not in (torch.float32, torch.float64):
+        raise TypeError(f"out_dtype: expected torch.float32 or torch.float64, got {out_dtype}")
+    elems = tuple(elems)
+    if len(elems) != len(monoid.fields):
+        raise ValueError(f"elems: expected {len(monoid.fields)} tensors (fields {monoid.fields}), got {len(elems)}")
+    _check(elems, initial)
+    ndim = elems[0].dim()
+    if any(e.dim() != ndim for e in elems):
+        raise ValueError(f"elems: expected tensors of one ndim (broadcast views), got shapes {[tuple(e.shape) for e in elems]}")
+    if not 0 <= dim < ndim:
+        raise ValueError(f"dim: expected 0 <= dim < {ndim}, got {dim}")
+    init = list(initial) if initial is not None else None
+    outs, _ = pipeline.launch(program_for(monoid), elems, init, dim, reverse, out_dtype == torch.float64)
+    return tuple(outs)
+
+
+def show(monoid) -> str:
+    """The generated Triton module (forward and backward kernels) of `monoid`'s plain scan."""
+    return program_for(monoid).source

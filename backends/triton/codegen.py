@@ -1,0 +1,361 @@
+"""`render`: Triton source for a lowered scan (`ScanIR`) and its adjoint (`Adjoint`).
+
+One module per program, deterministic text, holding:
+- `combine(x.., y..)`: the monoid's combine on one scalar per field (x earlier), renormalised by the
+  scale expression for projective monoids;
+- `adjoint_combine`: the reverse affine scan's combine over (B entries, vector) pairs;
+- `scan_forward`: lanes = every index but time, flattened over up to four lane dims with arbitrary
+  strides (stride 0 = a broadcast parameter, loaded, never materialised). A program owns BLOCK_L
+  lanes and walks time in [BLOCK_T, BLOCK_L] tiles: lift, `tl.associative_scan` along time,
+  combine with the prefix carried in registers, readout (optionally summed over the last lane axis,
+  STATE lanes), store. It stores the carry at every tile start (the backward's checkpoints) and the
+  last prefix per lane;
+- `scan_backward`: walks the tiles in reverse, replays the tile's prefixes from its checkpoint,
+  forms the adjoint elements (B_t, c_t + B_t dy_t) and runs the reverse scan, carrying w across
+  tiles; writes the input gradients (stored, or atomically added where an input is broadcast) and
+  the gradient of the initial element.
+Time runs backwards in memory when REVERSE is set (index T-1-t), which is `flip, scan, flip`.
+"""
+from __future__ import annotations
+
+import ast
+
+import sympy
+
+from scanlang import expr as E
+from scanlang.autodiff import Adjoint
+from scanlang.ir import ScanIR
+
+LANE_DIMS = 4
+STRIDES = ("st", "s0", "s1", "s2", "s3")
+
+
+def _num(v: float) -> str:
+    return E.TRITON.number(E.constant(v))
+
+
+def _indent(lines, n):
+    return [" " * n + ln if ln else ln for ln in lines]
+
+
+def _assign(names_out, exprs, names, prefix, shape_like=None):
+    """Lines assigning rendered `exprs` to `names_out`; constants become full tiles when `shape_like`."""
+    lines, outs = E.render(exprs, names, E.TRITON, temp_prefix=prefix)
+    for name, src, e in zip(names_out, outs, exprs):
+        if shape_like is not None and not (e.free_symbols & set(names)):
+            src = f"tl.zeros_like({shape_like}) + {src}"
+        lines.append(f"{name} = {src}")
+    return lines
+
+
+def _combine_function(ir: ScanIR) -> list[str]:
+    xs = [f"x_{f}" for f in ir.fields]
+    ys = [f"y_{f}" for f in ir.fields]
+    names = dict(zip(ir.earlier, xs)) | dict(zip(ir.later, ys))
+    out = [f"m_{f}" for f in ir.fields]
+    body = _assign(out, ir.combine, names, "_c", shape_like=xs[0])
+    if ir.is_projective:
+        body += _assign(["scale"], [ir.scale], dict(zip(ir.scale_symbols, out)), "_s")
+        body.append(f"return {', '.join(f'{o} / scale' for o in out)}")
+    else:
+        body.append(f"return {', '.join(out)}")
+    return ["@triton.jit", f"def combine({', '.join(xs + ys)}):",
+            '    """combine(x, y) with x the earlier operand, one scalar per field."""', *_indent(body, 4)]
+
+
+def _adjoint_combine_function(ir: ScanIR, adj: Adjoint) -> list[str]:
+    n = len(ir.fields)
+    nb = len(adj.b_entries)
+    xb = [E.symbol(f"xb{k}") for k in range(nb)]
+    yb = [E.symbol(f"yb{k}") for k in range(nb)]
+    xe = [E.symbol(f"xe{i}") for i in range(n)]
+    ye = [E.symbol(f"ye{i}") for i in range(n)]
+    mx, my = adj.matrix(xb), adj.matrix(yb)
+    prod = [[sum((my[i][k] * mx[k][j] for k in range(n)), sympy.Integer(0)) for j in range(n)] for i in range(n)]
+    if adj.scalar:
+        b_out = [prod[0][0]]
+    else:
+        b_out = [prod[i][j] for i, j in adj.pattern]
+    e_out = [sum((my[i][k] * xe[k] for k in range(n)), sympy.Integer(0)) + ye[i] for i in range(n)]
+    names = {s: s.name for s in xb + yb + xe + ye}
+    outs = [f"b{k}" for k in range(nb)] + [f"e{i}" for i in range(n)]
+    body = _assign(outs, b_out + e_out, names, "_a", shape_like="xe0")
+    body.append(f"return {', '.join(outs)}")
+    args = [s.name for s in xb + xe + yb + ye]
+    return ["@triton.jit", f"def adjoint_combine({', '.join(args)}):",
+            '    """(B, e) pairs of w -> B w + e, x applied first (the later time step): (yB xB, yB xe + ye)."""',
+            *_indent(body, 4)]
+
+
+TO_ACC = '''@triton.jit
+def to_acc(x, FP64: tl.constexpr):
+    """The accumulation dtype: float64 when FP64, else float32."""
+    if FP64:
+        return x.to(tl.float64)
+    else:
+        return x.to(tl.float32)'''
+
+
+LANE_OFFSETS = '''@triton.jit
+def lane_offsets(lane, D1, D2, D3, s0, s1, s2, s3):
+    """Memory offset of flattened lane indices over lane dims (D0, D1, D2, D3), last fastest."""
+    i3 = lane % D3
+    rest = lane // D3
+    i2 = rest % D2
+    rest = rest // D2
+    i1 = rest % D1
+    i0 = rest // D1
+    return i0 * s0 + i1 * s1 + i2 * s2 + i3 * s3'''
+
+
+def _strides(prefix):
+    return [f"{prefix}_{s}" for s in STRIDES]
+
+
+def _lane_off(prefix, lanes="lane", d3="D3"):
+    return f"lane_offsets({lanes}, D1, D2, {d3}, {prefix}_s0, {prefix}_s1, {prefix}_s2, {prefix}_s3)"
+
+
+def _common_prologue():
+    return [
+        "pid = tl.program_id(0)",
+        "rows = tl.arange(0, BLOCK_T)[:, None]",
+        "lane = pid.to(tl.int64) * BLOCK_L + tl.arange(0, BLOCK_L)",
+        "lane_ok = lane < L",
+    ]
+
+
+def _time_index():
+    return [
+        "t = k * BLOCK_T + rows",
+        "ok = (t < T) & lane_ok[None, :]",
+        "if REVERSE:",
+        "    tt = (T - 1 - t).to(tl.int64)",
+        "else:",
+        "    tt = t.to(tl.int64)",
+    ]
+
+
+def _load_lift(ir: ScanIR) -> list[str]:
+    lines = []
+    for i, n in enumerate(ir.inputs):
+        lines.append(f"u_{n} = to_acc(tl.load(u{i}_ptr + u{i}_off + tt * u{i}_st, mask=ok, other=1.0), FP64)")
+    names = {s: s.name for s in ir.input_symbols}
+    lifted = _assign([f"l_{f}" for f in ir.fields], ir.lift, names, "_l", shape_like=f"u_{ir.inputs[0]}")
+    lines += lifted
+    for f, ident in zip(ir.fields, ir.identity):
+        lines.append(f"e_{f} = tl.where(ok, l_{f}, {_num(ident)})")
+    return lines
+
+
+def _replay(ir: ScanIR) -> list[str]:
+    """Inclusive prefixes of the tile (p_*) from the carry c_*; previous prefixes q_* when needed."""
+    e = ", ".join(f"e_{f}" for f in ir.fields)
+    p = ", ".join(f"p_{f}" for f in ir.fields)
+    c = ", ".join(f"c_{f}[None, :]" for f in ir.fields)
+    s = ", ".join(f"s_{f}" for f in ir.fields)
+    unpack = s if len(ir.fields) > 1 else f"{s},"
+    return [f"{unpack} = tl.associative_scan(({e},), 0, combine)", f"{p} = combine({c}, {s})"]
+
+
+def _previous(ir: ScanIR) -> list[str]:
+    lines = ["prev_rows = tl.maximum(rows - 1, 0) + tl.zeros([BLOCK_T, BLOCK_L], tl.int32)"]
+    for f in ir.fields:
+        lines.append(f"q_{f} = tl.where(rows == 0, c_{f}[None, :], tl.gather(p_{f}, prev_rows, 0))")
+    return lines
+
+
+def render_forward(ir: ScanIR) -> list[str]:
+    args = []
+    for i in range(len(ir.inputs)):
+        args += [f"u{i}_ptr", *_strides(f"u{i}")]
+    for j in range(len(ir.outputs)):
+        args += [f"o{j}_ptr", *_strides(f"o{j}")]
+    for f in range(len(ir.fields)):
+        args += [f"init{f}_ptr", *_strides(f"init{f}")[1:]]
+    args += ["ckpt_ptr", "final_ptr", "T", "L", "D1", "D2", "D3", "n_tiles"]
+    consts = ["BLOCK_T", "BLOCK_L", "REVERSE", "HAS_INIT", "STATE", "FP64"]
+    body = _common_prologue()
+    for i in range(len(ir.inputs)):
+        body.append(f"u{i}_off = {_lane_off(f'u{i}')}[None, :]")
+    if ir.reduce_state:
+        body += ["group = pid.to(tl.int64) * (BLOCK_L // STATE) + tl.arange(0, BLOCK_L // STATE)",
+                 "group_ok = group < L // STATE"]
+        for j in range(len(ir.outputs)):
+            body.append(f"o{j}_off = {_lane_off(f'o{j}', 'group', '1')}[None, :]")
+    else:
+        for j in range(len(ir.outputs)):
+            body.append(f"o{j}_off = {_lane_off(f'o{j}')}[None, :]")
+    body.append("if HAS_INIT:")
+    for f, (name, ident) in enumerate(zip(ir.fields, ir.identity)):
+        body.append(f"    c_{name} = to_acc(tl.load(init{f}_ptr + lane_offsets(lane, D1, D2, D3, init{f}_s0, init{f}_s1, "
+                    f"init{f}_s2, init{f}_s3), mask=lane_ok, other={_num(ident)}), FP64)")
+    body.append("else:")
+    for name, ident in zip(ir.fields, ir.identity):
+        body.append(f"    c_{name} = to_acc(tl.full([BLOCK_L], {_num(ident)}, tl.float64), FP64)")
+    loop = _time_index()
+    for f, name in enumerate(ir.fields):
+        loop.append(f"tl.store(ckpt_ptr + ({f} * n_tiles + k) * L + lane, c_{name}, mask=lane_ok)")
+    loop += _load_lift(ir) + _replay(ir)
+    if ir.uses_previous:
+        loop += _previous(ir)
+    names = {s: s.name for s in ir.prefix_symbols + ir.previous_symbols + ir.input_symbols}
+    loop += _assign([f"r{j}" for j in range(len(ir.outputs))], ir.readout, names, "_r", shape_like=f"p_{ir.fields[0]}")
+    for j in range(len(ir.outputs)):
+        if ir.reduce_state:
+            loop.append(f"r{j} = tl.sum(tl.reshape(r{j}, (BLOCK_T, BLOCK_L // STATE, STATE)), 2)")
+            loop.append(f"tl.store(o{j}_ptr + o{j}_off + tt * o{j}_st, r{j}.to(o{j}_ptr.dtype.element_ty), "
+                        f"mask=(t < T) & group_ok[None, :])")
+        else:
+            loop.append(f"tl.store(o{j}_ptr + o{j}_off + tt * o{j}_st, r{j}.to(o{j}_ptr.dtype.element_ty), mask=ok)")
+    for name in ir.fields:
+        loop.append(f"c_{name} = tl.sum(tl.where(rows == BLOCK_T - 1, p_{name}, 0.0), 0)")
+    body.append("for k in range(0, n_tiles):")
+    body += _indent(loop, 4)
+    for f, name in enumerate(ir.fields):
+        body.append(f"tl.store(final_ptr + {f} * L + lane, c_{name}, mask=lane_ok)")
+    sig = ", ".join(args + [f"{c}: tl.constexpr" for c in consts])
+    return ["@triton.jit", f"def scan_forward({sig}):",
+            f'    """Forward fused scan of {ir.name}: lift, tile scan with carried prefix, readout."""',
+            *_indent(body, 4)]
+
+
+def _du_store(i: int, name: str) -> list[str]:
+    """Write du_<name> by the constexpr mode DU{i}: 0 store, 1 atomic add, 2 summed over time,
+    3 summed over the STATE lanes then stored, 4 summed over the STATE lanes then atomically added."""
+    ptr = f"du{i}_ptr + du{i}_off + tt * du{i}_st"
+    return [
+        f"if DU{i} == 0:",
+        f"    tl.store({ptr}, du_{name}.to(du{i}_ptr.dtype.element_ty), mask=ok)",
+        f"elif DU{i} == 1:",
+        f"    tl.atomic_add({ptr}, du_{name}.to(du{i}_ptr.dtype.element_ty), mask=ok)",
+        f"elif DU{i} == 2:",
+        f"    acc{i} += tl.sum(tl.where(ok, du_{name}, 0.0), 0)",
+        "else:",
+        f"    red{i} = tl.sum(tl.reshape(tl.where(ok, du_{name}, 0.0), (BLOCK_T, BLOCK_L // STATE, STATE)), 2)",
+        f"    gptr{i} = du{i}_ptr + du{i}_goff + tt * du{i}_st",
+        f"    if DU{i} == 3:",
+        f"        tl.store(gptr{i}, red{i}.to(du{i}_ptr.dtype.element_ty), mask=(t < T) & group_ok[None, :])",
+        "    else:",
+        f"        tl.atomic_add(gptr{i}, red{i}.to(du{i}_ptr.dtype.element_ty), mask=(t < T) & group_ok[None, :])",
+    ]
+
+
+def render_backward(ir: ScanIR, adj: Adjoint) -> list[str]:
+    n = len(ir.fields)
+    nb = len(adj.b_entries)
+    args = []
+    for i in range(len(ir.inputs)):
+        args += [f"u{i}_ptr", *_strides(f"u{i}")]
+    for j in range(len(ir.outputs)):
+        args += [f"g{j}_ptr", *_strides(f"g{j}")]
+    for i in range(len(ir.inputs)):
+        args += [f"du{i}_ptr", *_strides(f"du{i}")]
+    args += [f"dinit{f}_ptr" for f in range(n)]
+    args += ["dfinal_ptr", "ckpt_ptr", "T", "L", "D1", "D2", "D3", "n_tiles"]
+    consts = ["BLOCK_T", "BLOCK_L", "REVERSE", "HAS_INIT", "HAS_DFINAL", "STATE", "FP64"] + [f"DU{i}" for i in range(len(ir.inputs))]
+    body = _common_prologue()
+    body += ["group = pid.to(tl.int64) * (BLOCK_L // STATE) + tl.arange(0, BLOCK_L // STATE)",
+             "group_ok = group < L // STATE"]
+    for i in range(len(ir.inputs)):
+        body.append(f"u{i}_off = {_lane_off(f'u{i}')}[None, :]")
+        body.append(f"du{i}_lane_off = {_lane_off(f'du{i}')}")
+        body.append(f"du{i}_off = du{i}_lane_off[None, :]")
+        body.append(f"du{i}_goff = {_lane_off(f'du{i}', 'group', '1')}[None, :]")
+        body.append(f"acc{i} = to_acc(tl.zeros([BLOCK_L], tl.float32), FP64)")
+    for j in range(len(ir.outputs)):
+        body.append(f"g{j}_off = {_lane_off(f'g{j}')}[None, :]")
+    body.append("if HAS_DFINAL:")
+    for f, name in enumerate(ir.fields):
+        body.append(f"    w_{name} = to_acc(tl.load(dfinal_ptr + {f} * L + lane, mask=lane_ok, other=0.0), FP64)")
+    body.append("else:")
+    for f in ir.fields:
+        body.append(f"    w_{f} = to_acc(tl.zeros([BLOCK_L], tl.float32), FP64)")
+    loop = ["k = n_tiles - 1 - kk", *_time_index()]
+    for f, (name, ident) in enumerate(zip(ir.fields, ir.identity)):
+        loop.append(f"c_{name} = to_acc(tl.load(ckpt_ptr + ({f} * n_tiles + k) * L + lane, mask=lane_ok, "
+                    f"other={_num(ident)}), FP64)")
+    loop += _load_lift(ir) + _replay(ir) + _previous(ir)
+    for j, o in enumerate(ir.outputs):
+        loop.append(f"g_{o} = to_acc(tl.load(g{j}_ptr + g{j}_off + tt * g{j}_st, mask=ok, other=0.0), FP64)")
+    shape = f"p_{ir.fields[0]}"
+    names = {s: s.name for s in ir.prefix_symbols + ir.previous_symbols + ir.input_symbols + adj.g}
+    loop += _assign([f"dy_{f}" for f in ir.fields] + [f"cq_{f}" for f in ir.fields], adj.dy + adj.c, names, "_d",
+                    shape_like=shape)
+    names_b = {s: s.name for s in ir.previous_symbols} | {s: f"e_{f}" for s, f in zip(ir.later, ir.fields)}
+    loop += _assign([f"b{k}" for k in range(nb)], adj.b_entries, names_b, "_b", shape_like=shape)
+    mat = adj.matrix([E.symbol(f"b{k}") for k in range(nb)])
+    dy_syms = [E.symbol(f"dy_{f}") for f in ir.fields]
+    cq_syms = [E.symbol(f"cq_{f}") for f in ir.fields]
+    e_exprs = [cq_syms[i] + sum((mat[i][j] * dy_syms[j] for j in range(n)), sympy.Integer(0)) for i in range(n)]
+    names_e = {s: s.name for s in dy_syms + cq_syms + [E.symbol(f"b{k}") for k in range(nb)]}
+    loop += _assign([f"v{i}" for i in range(n)], e_exprs, names_e, "_e", shape_like=shape)
+    identity_entries = [1.0] if adj.scalar else [1.0 if i == j else 0.0 for i, j in adj.pattern]
+    for k in range(nb):  # past the end: w passes through unchanged (B = I, e = 0)
+        loop.append(f"b{k} = tl.where(ok, b{k}, {identity_entries[k]})")
+    for i in range(n):
+        loop.append(f"v{i} = tl.where(ok, v{i}, 0.0)")
+    rb = [f"rb{k}" for k in range(nb)]
+    rv = [f"rv{i}" for i in range(n)]
+    loop.append(f"{', '.join(rb + rv)} = tl.associative_scan(({', '.join([f'b{k}' for k in range(nb)] + [f'v{i}' for i in range(n)])},), "
+                "0, adjoint_combine, reverse=True)")
+    rmat = adj.matrix([E.symbol(r) for r in rb])
+    w_syms = [E.symbol(f"w_{f}") for f in ir.fields]
+    w_exprs = [E.symbol(rv[i]) + sum((rmat[i][j] * w_syms[j] for j in range(n)), sympy.Integer(0)) for i in range(n)]
+    names_w = {E.symbol(r): r for r in rb + rv} | {s: f"{s.name}[None, :]" for s in w_syms}
+    loop += _assign([f"W_{f}" for f in ir.fields], w_exprs, names_w, "_w")
+    loop.append("next_rows = tl.minimum(rows + 1, BLOCK_T - 1) + tl.zeros([BLOCK_T, BLOCK_L], tl.int32)")
+    for f in ir.fields:
+        loop.append(f"gbar_{f} = dy_{f} + tl.where(rows == BLOCK_T - 1, w_{f}[None, :], tl.gather(W_{f}, next_rows, 0))")
+    names_x = ({s: s.name for s in ir.previous_symbols + adj.gbar}
+               | {s: f"e_{f}" for s, f in zip(ir.later, ir.fields)})
+    loop += _assign([f"dx_{f}" for f in ir.fields], adj.dx, names_x, "_x", shape_like=shape)
+    names_u = {s: s.name for s in ir.input_symbols + adj.dx_symbols + ir.prefix_symbols + ir.previous_symbols + adj.g}
+    loop += _assign([f"du_{n_}" for n_ in ir.inputs], adj.du, names_u, "_u", shape_like=shape)
+    for i, name in enumerate(ir.inputs):
+        loop += _du_store(i, name)
+    for f in ir.fields:
+        loop.append(f"w_{f} = tl.sum(tl.where(rows == 0, W_{f}, 0.0), 0)")
+    body.append("for kk in range(0, n_tiles):")
+    body += _indent(loop, 4)
+    for i in range(len(ir.inputs)):
+        body += [f"if DU{i} == 2:",
+                 f"    tl.atomic_add(du{i}_ptr + du{i}_lane_off, acc{i}.to(du{i}_ptr.dtype.element_ty), mask=lane_ok)"]
+    body.append("if HAS_INIT:")
+    for f, name in enumerate(ir.fields):
+        body.append(f"    tl.store(dinit{f}_ptr + lane, w_{name}, mask=lane_ok)")
+    sig = ", ".join(args + [f"{c}: tl.constexpr" for c in consts])
+    return ["@triton.jit", f"def scan_backward({sig}):",
+            f'    """Backward of {ir.name}: replay each tile from its checkpoint, reverse affine scan of the adjoint."""',
+            *_indent(body, 4)]
+
+
+def render(ir: ScanIR, adj: Adjoint) -> str:
+    """The whole generated module for `ir` (deterministic; parsed once as a check)."""
+    parts = [
+        f'"""Generated by scanlang from monoid {ir.name} (program {ir.key}). Do not edit."""',
+        "import triton",
+        "import triton.language as tl",
+        "",
+        "",
+        "\n".join(_combine_function(ir)),
+        "",
+        "",
+        "\n".join(_adjoint_combine_function(ir, adj)),
+        "",
+        "",
+        TO_ACC,
+        "",
+        "",
+        LANE_OFFSETS,
+        "",
+        "",
+        "\n".join(render_forward(ir)),
+        "",
+        "",
+        "\n".join(render_backward(ir, adj)),
+        "",
+    ]
+    source = "\n".join(parts)
+    ast.parse(source)
+    return source

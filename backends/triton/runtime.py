@@ -1,0 +1,131 @@
+"""`load` and `launch`: the content-addressed kernel cache, lane layouts, and the two kernel launches.
+
+Layout. Every tensor of a program is a view broadcastable to one common `shape` (same ndim); the
+scanned `dim` is time, every other index is a lane. Lanes are numbered row-major over the other
+dims; adjacent lane dims are merged when every tensor's strides allow it, so each tensor is
+addressed with one time stride and up to four lane strides (size-1 broadcast dims get stride 0).
+Merging keeps the row-major numbering, so checkpoints written by the forward are found by the
+backward whatever the gradients' strides are.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from scanlang import settings
+
+from .codegen import LANE_DIMS
+
+
+# ---- load: the content-addressed cache ---------------------------------------------------------
+
+def _device_kind() -> str:
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_name()
+    return "interpreter"
+
+
+def cache_key(source: str) -> str:
+    import triton
+
+    import scanlang
+    text = "\n".join([source, scanlang.__version__, triton.__version__, torch.__version__, _device_kind()])
+    return hashlib.sha256(text.encode()).hexdigest()[:24]
+
+
+_MODULES: dict[str, object] = {}
+
+
+def load(source: str):
+    """Write `source` (once) to `<cache_dir>/triton/<key>.py` atomically and import it from that file."""
+    key = cache_key(source)
+    if key in _MODULES:
+        return _MODULES[key]
+    folder = Path(settings.cache_dir()) / "triton"
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"scanlang_{key}.py"
+    if not path.exists() or path.read_text() != source:
+        fd, tmp = tempfile.mkstemp(dir=folder, suffix=".tmp")
+        with os.fdopen(fd, "w") as fh:
+            fh.write(source)
+        os.replace(tmp, path)
+    name = f"scanlang_generated_{key}"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    _MODULES[key] = module
+    return module
+
+
+# ---- layouts ------------------------------------------------------------------------------------
+
+def broadcast_strides(t: torch.Tensor, shape) -> list[int]:
+    """Strides of `t` seen as broadcast to `shape` (same ndim): 0 along broadcast dims."""
+    return [0 if (n == 1 and m != 1) else s for n, m, s in zip(t.shape, shape, t.stride())]
+
+
+@dataclass(frozen=True)
+class Layout:
+    T: int
+    L: int
+    sizes: tuple[int, ...]           # LANE_DIMS lane sizes, outermost first
+    strides: tuple[tuple[int, ...], ...]   # per tensor: (time stride, LANE_DIMS lane strides)
+
+
+def lane_layout(shape, dim: int, strides: list[list[int]], keep_last: bool = False) -> Layout | None:
+    """Merge lane dims of `shape` (all but `dim`) for tensors with the given broadcast `strides`.
+
+    Returns None when more than LANE_DIMS lane dims remain (the caller copies to contiguous).
+    `keep_last` keeps the last lane dim apart (the state axis of a reducing readout).
+    """
+    lanes = [d for d in range(len(shape)) if d != dim]
+    dims = [[shape[d], [s[d] for s in strides]] for d in lanes]
+    last = dims[-1] if keep_last and dims else None
+    body = dims[:-1] if last is not None else dims
+    body = [d for d in body if d[0] != 1]
+    merged: list = []
+    for size, st in body:
+        if merged and all(ps == s * size for ps, s in zip(merged[-1][1], st)):
+            merged[-1] = [merged[-1][0] * size, st]
+        else:
+            merged.append([size, st])
+    if last is not None:
+        merged.append(last)
+    if len(merged) > LANE_DIMS:
+        return None
+    while len(merged) < LANE_DIMS:
+        merged.insert(0, [1, [0] * len(strides)])
+    L = 1
+    for size, _ in merged:
+        L *= size
+    per_tensor = tuple((strides[i][dim],) + tuple(m[1][i] for m in merged) for i in range(len(strides)))
+    return Layout(T=shape[dim], L=L, sizes=tuple(m[0] for m in merged), strides=per_tensor)
+
+
+@dataclass(frozen=True)
+class Config:
+    block_t: int
+    block_l: int
+    num_warps: int
+
+
+def choose_config(T: int, L: int, time_contiguous: bool, state: int, n_fields: int) -> Config:
+    """Tile shape per layout: long time tiles when time is contiguous, wide lane tiles otherwise."""
+    def pow2(n):
+        return 1 << max(0, (n - 1).bit_length())
+    if settings.triton_interpret() and not torch.cuda.is_available():
+        return Config(block_t=min(8, pow2(T)), block_l=max(state, min(4, pow2(L))), num_warps=1)
+    if time_contiguous:
+        bt = min(1024 if n_fields <= 2 else 512, pow2(T))
+        bl = max(state, max(1, 2048 // bt))
+        return Config(block_t=bt, block_l=bl, num_warps=4)
+    bl = max(state, min(256 if n_fields <= 2 else 128, pow2(L)))
+    return Config(block_t=16, block_l=bl, num_warps=4)

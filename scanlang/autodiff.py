@@ -1,0 +1,111 @@
+"""`differentiate`: the adjoint of a fused scan, from symbolic Jacobians.
+
+For y_t = F(y_{t-1}, x_t) (F the renormalised combine), x_t = lift(u_t) and
+out_t = readout(y_t, u_t, y_{t-1}), with upstream gradients g_t = dL/dout_t:
+
+    dy_t   = (d readout_t / d y_t)^T g_t          direct use of the prefix
+    c_t    = (d readout_t / d y_{t-1})^T g_t      use of the previous prefix
+    B_t    = J1(y_{t-1}, x_t)^T = (dF/dy_{t-1})^T
+    w_t    = c_t + B_t (dy_t + w_{t+1}),  w_T = 0  (a REVERSE affine scan over (B_t, c_t + B_t dy_t))
+    gbar_t = dy_t + w_{t+1}                        (= dL/dy_t)
+    dx_t   = J2(y_{t-1}, x_t)^T gbar_t             (J2 = dF/dx_t)
+    du_t   = (d lift / d u)^T dx_t + (d readout_t / d u_t)^T g_t
+    dL/dinitial = w_0
+
+Every quantity at step t needs only step-t values (u_t, g_t, y_t, y_{t-1}), so a kernel tile needs
+no shifted loads. B_t is stored in its sparsest form closed under products: one scalar when it is a
+multiple of the identity (the affine monoid: B = a_t I), else the non-zero pattern of its closure
+(diagonal included: padding past the end uses B = I).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import sympy
+
+from . import expr as E
+from .errors import UnsupportedOperationError
+from .ir import ScanIR
+
+
+@dataclass(frozen=True)
+class Adjoint:
+    """The symbolic backward of a `ScanIR` (symbols: `g_<output>`, `dy_<field>`, `gbar_<field>`, `dx_<field>`)."""
+
+    g: tuple[sympy.Symbol, ...]             # upstream gradient per output
+    dy: tuple[sympy.Expr, ...]              # per field, over p, q, u, g
+    c: tuple[sympy.Expr, ...]               # per field, over p, q, u, g
+    scalar: bool                            # B = b * I
+    pattern: tuple[tuple[int, int], ...]    # positions of B's (closed) non-zero entries
+    b_entries: tuple[sympy.Expr, ...]       # one per pattern position (one total when scalar), over q, x
+    gbar: tuple[sympy.Symbol, ...]
+    dx: tuple[sympy.Expr, ...]              # per field, over q, x, gbar
+    dx_symbols: tuple[sympy.Symbol, ...]
+    du: tuple[sympy.Expr, ...]              # per input, over u, dx, p, q, g
+
+    def matrix(self, entries) -> list[list]:
+        """B as an n x n nested list given one value per stored entry (0 elsewhere)."""
+        n = len(self.dy)
+        m = [[0] * n for _ in range(n)]
+        if self.scalar:
+            for i in range(n):
+                m[i][i] = entries[0]
+        else:
+            for (i, j), v in zip(self.pattern, entries):
+                m[i][j] = v
+        return m
+
+
+def _closure(pattern: set[tuple[int, int]], n: int) -> set[tuple[int, int]]:
+    """Smallest pattern containing `pattern` and closed under matrix products."""
+    closed = set(pattern)
+    while True:
+        grown = closed | {(i, j) for (i, k) in closed for (k2, j) in closed if k == k2}
+        if grown == closed:
+            return closed
+        closed = grown
+
+
+def _check_printable(exprs, what: str):
+    for e in exprs:
+        bad = e.atoms(sympy.Heaviside, sympy.Derivative, sympy.Subs, sympy.sign, sympy.DiracDelta)
+        if bad:
+            raise UnsupportedOperationError(
+                f"{what}: the derivative contains {sorted(map(str, bad))}; scanlang differentiates "
+                "+ - * / exp log sqrt only (abs/maximum/minimum have no generated backward yet)")
+
+
+def differentiate(ir: ScanIR) -> Adjoint:
+    """Derive the adjoint of `ir` symbolically (see the module docstring for the equations)."""
+    n = len(ir.fields)
+    prev, elem = ir.previous_symbols, ir.later
+    step = ir.step()
+    # F written over (q = y_{t-1}, x = x_t): the combine's earlier operand is the previous prefix.
+    step = tuple(s.subs(dict(zip(ir.earlier, prev)), simultaneous=True) for s in step)
+    g = tuple(E.symbol(f"g_{o}") for o in ir.outputs)
+    dy = tuple(sum((gi * sympy.diff(r, p) for gi, r in zip(g, ir.readout)), sympy.Integer(0))
+               for p in ir.prefix_symbols)
+    c = tuple(sum((gi * sympy.diff(r, q) for gi, r in zip(g, ir.readout)), sympy.Integer(0)) for q in prev)
+
+    # B[j][i] = dF_i / dq_j
+    b = [[sympy.diff(step[i], prev[j]) for i in range(n)] for j in range(n)]
+    b = [[sympy.simplify(v) if v.count_ops() < 40 else v for v in row] for row in b]
+    off_diagonal_zero = all(b[i][j] == 0 for i in range(n) for j in range(n) if i != j)
+    scalar = off_diagonal_zero and all(sympy.simplify(b[i][i] - b[0][0]) == 0 for i in range(n))
+    if scalar:
+        pattern, b_entries = ((0, 0),), (b[0][0],)
+    else:
+        nonzero = {(i, j) for i in range(n) for j in range(n) if b[i][j] != 0}
+        pattern = tuple(sorted(_closure(nonzero | {(i, i) for i in range(n)}, n)))
+        b_entries = tuple(b[i][j] for i, j in pattern)
+
+    gbar = tuple(E.symbol(f"gbar_{f}") for f in ir.fields)
+    dx = tuple(sum((gbar[i] * sympy.diff(step[i], elem[j]) for i in range(n)), sympy.Integer(0))
+               for j in range(n))
+    dx_symbols = tuple(E.symbol(f"dx_{f}") for f in ir.fields)
+    du = tuple(sum((dx_symbols[f] * sympy.diff(ir.lift[f], u) for f in range(n)), sympy.Integer(0))
+               + sum((gi * sympy.diff(r, u) for gi, r in zip(g, ir.readout)), sympy.Integer(0))
+               for u in ir.input_symbols)
+    _check_printable(dy + c + b_entries + dx + du, f"backward of '{ir.name}'")
+    return Adjoint(g=g, dy=dy, c=c, scalar=scalar, pattern=pattern, b_entries=b_entries, gbar=gbar,
+                   dx=dx, dx_symbols=dx_symbols, du=du)
