@@ -1,0 +1,172 @@
+"""`sl.mixer`: a fused lift -> scan -> readout, one generated forward and one backward kernel.
+
+API (v1)
+--------
+    mix = sl.mixer(monoid, axes="b t m s",
+                   inputs={"v": "b t m", "k": "b t s", "a": "m s"},   # each input's axes, in order
+                   lift=lambda u: (u.a, u.v * u.k),                   # inputs -> one value per field
+                   readout=lambda p, u, q: (p.b * u.k,),              # prefix_t, inputs_t, prefix_{t-1}
+                   outputs=("y",), reduce="s")                        # optional sum over the last axis
+    out = mix(v=v, k=k, a=a, initial=None, output_final_state=False, reverse=False)
+    out.y                 # [B, T, M]: sum_s readout(...) ; out.final: per field, [B, M, S] or None
+
+Semantics, per lane (every index of `axes` but "t"):
+
+    x_t   = lift(u_t)
+    y_t   = y_{t-1} (+) x_t            y_{-1} = initial (an element, per field) or the identity
+    out_t = readout(y_t, u_t, y_{t-1}) summed over the `reduce` axis when given
+
+- `axes` names every dimension of the fused problem; "t" is time. An input lists the axes it has,
+  in the same relative order; a missing axis broadcasts (a static parameter "m s" is loaded per
+  lane, never expanded). `reduce` must be the last axis and a power of two.
+- `lift(u)` and `readout(p, u, q)` are elementwise bodies over named fields (`u.v`, `p.b`, `q.a`)
+  using `+ - * /`, constants and `sl.exp/log/sqrt`; they are traced once into sympy like a combine.
+  `q` (the previous prefix) is optional to use; when unused no code is generated for it.
+- Differentiable in every input and in `initial` (generated backward: the adjoint of the scan and the
+  chain rule through lift and readout, gradients of broadcast inputs reduced inside the kernel).
+- The elements x_t and prefixes y_t never go to memory: the forward writes the outputs and one
+  checkpoint per lane and time tile; the backward replays each tile from its checkpoint.
+- Any device the Triton backend accepts (CUDA, or CPU with TRITON_INTERPRET=1). Outputs are float32
+  (float64 if any input is float64); bf16/fp16 inputs are computed in float32.
+
+>>> import torch, scanlang as sl
+>>> ema = sl.mixer(sl.Affine, axes="b t d", inputs={"x": "b t d", "decay": "d"},
+...                lift=lambda u: (u.decay, (1 - u.decay) * u.x), readout=lambda p, u, q: p.b,
+...                outputs=("h",))
+>>> out = ema(x=torch.ones(1, 3, 1), decay=torch.tensor([0.5]))   # doctest: +SKIP
+>>> out.h.flatten().tolist()                                       # doctest: +SKIP
+[0.5, 0.75, 0.875]
+"""
+from __future__ import annotations
+
+import collections
+from typing import Callable, Mapping, Sequence
+
+import torch
+
+from .monoid import Monoid
+
+
+def _axes(spec, what: str) -> tuple[str, ...]:
+    if not isinstance(spec, str):
+        raise TypeError(f"{what}: expected a string of axis names such as 'b t m s', got {type(spec).__name__}")
+    names = tuple(spec.split())
+    if len(set(names)) != len(names):
+        raise ValueError(f"{what}: axis names must be distinct, got {spec!r}")
+    return names
+
+
+class Mixer:
+    """A compiled fused scan; build it with `sl.mixer(...)` (see the module docstring)."""
+
+    def __init__(self, monoid: Monoid, axes: str, inputs: Mapping[str, str], lift: Callable,
+                 readout: Callable, outputs: Sequence[str], reduce: str | None = None):
+        from .ir import lower
+        if not isinstance(monoid, Monoid):
+            raise TypeError(f"monoid: expected a scanlang Monoid, got {type(monoid).__name__}")
+        self.monoid = monoid
+        self.axes = _axes(axes, "axes")
+        if "t" not in self.axes:
+            raise ValueError(f"axes: must contain the time axis 't', got {axes!r}")
+        if not isinstance(inputs, Mapping) or not inputs:
+            raise TypeError("inputs: expected a dict {name: 'axes'} such as {'x': 'b t d'}")
+        self.input_axes = {}
+        for name, spec in inputs.items():
+            ax = _axes(spec, f"inputs[{name!r}]")
+            unknown = [a for a in ax if a not in self.axes]
+            if unknown:
+                raise ValueError(f"inputs[{name!r}]: axes {unknown} are not in axes {self.axes}")
+            order = [self.axes.index(a) for a in ax]
+            if order != sorted(order):
+                raise ValueError(f"inputs[{name!r}]: axes {ax} must follow the order of axes {self.axes}")
+            self.input_axes[name] = ax
+        if reduce is not None:
+            if reduce != self.axes[-1] or reduce == "t":
+                raise ValueError(f"reduce: must be the last axis of {self.axes} (and not 't'), got {reduce!r}")
+        self.reduce = reduce
+        outputs = (outputs,) if isinstance(outputs, str) else tuple(outputs)
+        self.ir = lower(monoid, inputs=tuple(self.input_axes), lift=lift, outputs=outputs, readout=readout,
+                        reduce_state=reduce is not None)
+        self.outputs = self.ir.outputs
+        self.result = collections.namedtuple("MixerOutput", self.outputs + ("final",))
+        self._program = None
+
+    @property
+    def program(self):
+        if self._program is None:
+            from . import pipeline
+            self._program = pipeline.build(self.ir)
+        return self._program
+
+    def source(self) -> str:
+        """The generated Triton module (forward and backward)."""
+        return self.program.source
+
+    def _align(self, tensors: dict) -> tuple[list[torch.Tensor], dict]:
+        sizes: dict[str, int] = {}
+        for name, t in tensors.items():
+            ax = self.input_axes[name]
+            if t.dim() != len(ax):
+                raise ValueError(f"{name}: expected {len(ax)} dims {ax}, got shape {tuple(t.shape)}")
+            for a, n in zip(ax, t.shape):
+                if sizes.setdefault(a, n) != n:
+                    raise ValueError(f"{name}: axis {a!r} has size {n}, but another input has {sizes[a]}")
+        missing = [a for a in self.axes if a not in sizes]
+        if missing:
+            raise ValueError(f"inputs: no input has axes {missing}; their sizes are unknown")
+        views = []
+        for name, t in tensors.items():
+            ax = self.input_axes[name]
+            shape = [sizes[a] if a in ax else 1 for a in self.axes]
+            views.append(t.reshape(shape))
+        return views, sizes
+
+    def __call__(self, initial=None, output_final_state: bool = False, reverse: bool = False, **tensors):
+        """Run the fused scan on named input tensors; returns a namedtuple (outputs..., final)."""
+        return _call(self, initial, output_final_state, reverse, tensors)
+
+
+def _call(self: Mixer, initial, output_final_state: bool, reverse: bool, tensors: dict):
+    from . import pipeline
+    from .backends import triton as triton_backend
+    names = list(self.input_axes)
+    unknown = [n for n in tensors if n not in self.input_axes]
+    missing = [n for n in names if n not in tensors]
+    if unknown or missing:
+        raise ValueError(f"inputs: expected exactly {names}; unknown {unknown}, missing {missing}")
+    ordered = {n: tensors[n] for n in names}
+    for n, t in ordered.items():
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{n}: expected a tensor, got {type(t).__name__}")
+    triton_backend._check(list(ordered.values()), None, arg="inputs")
+    views, sizes = self._align(ordered)
+    if self.reduce is not None:
+        s = sizes[self.reduce]
+        if s & (s - 1):
+            raise ValueError(f"reduce: the size of axis {self.reduce!r} must be a power of two, got {s}")
+    fp64 = any(t.dtype == torch.float64 for t in views)
+    dim = self.axes.index("t")
+    lane_shape = [sizes[a] for a in self.axes if a != "t"]
+    init = None
+    if initial is not None:
+        if isinstance(initial, Mapping):
+            initial = [initial[f] for f in self.monoid.fields]
+        if len(initial) != len(self.monoid.fields):
+            raise ValueError(f"initial: expected {len(self.monoid.fields)} values (fields {self.monoid.fields})")
+        init = []
+        for f, v in zip(self.monoid.fields, initial):
+            v = torch.as_tensor(v, dtype=torch.float64 if fp64 else torch.float32, device=views[0].device)
+            try:
+                init.append(v.expand(lane_shape))
+            except RuntimeError:
+                raise ValueError(f"initial[{f!r}]: shape {tuple(v.shape)} does not broadcast to {lane_shape} "
+                                 f"(axes {[a for a in self.axes if a != 't']})") from None
+    outs, final = pipeline.launch(self.program, views, init, dim, reverse, fp64)
+    fin = tuple(final[i].reshape(lane_shape) for i in range(len(self.monoid.fields))) if output_final_state else None
+    return self.result(*outs, fin)
+
+
+def mixer(monoid: Monoid, axes: str, inputs: Mapping[str, str], lift: Callable, readout: Callable,
+          outputs: Sequence[str], reduce: str | None = None) -> Mixer:
+    """Declare a fused lift -> scan -> readout (see the module docstring for the API and semantics)."""
+    return Mixer(monoid, axes, inputs, lift, readout, outputs, reduce)
