@@ -1,0 +1,172 @@
+"""Render the delta-rule kernels for one family member (`scanlang.delta.DeltaRule`) and chunk size.
+
+    render_hooks(rule)          -> Triton source of step_hook, step_hook_grad, decay_hook, decay_hook_grad,
+                                   printed from the rule's sympy expressions and derivatives
+    render_prep(chunk_size)     -> the chunk preparation kernel, unrolled over the C/16 row blocks
+                                   (blocked forward substitution for Tm = (I + A)^-1)
+    kernel_source(rule, C)      -> the whole module: template.SOURCE with both slots filled
+    load(rule, C)               -> the imported module, from a content-addressed file in the cache dir
+
+Rendering is deterministic (sorted, CSE'd expressions; no ids), so two processes write the same bytes.
+"""
+from __future__ import annotations
+
+import ast
+import hashlib
+import importlib.util
+import os
+import sys
+import tempfile
+
+import sympy
+import triton
+
+from scanlang import expr as E
+from scanlang import settings
+from scanlang.delta import DeltaRule
+
+from . import template
+
+BLOCK = 16
+_LOADED: dict = {}
+
+
+def _jit_function(name: str, args: tuple[str, ...], exprs: list, doc: str) -> list[str]:
+    """One @triton.jit function returning the expressions (a tuple when several), args as symbols."""
+    names = {E.symbol(a): a for a in args}
+    lines, outs = E.render(exprs, names, E.TRITON, temp_prefix="_t")
+    first = args[0]
+    # a constant derivative still has to be a tensor of the argument's shape
+    outs = [f"tl.zeros_like({first}) + {o}" if sympy.sympify(e).is_Number else o for e, o in zip(exprs, outs)]
+    body = [f"@triton.jit", f"def {name}({', '.join(args)}):", f'    """{doc}"""']
+    body += [f"    {ln}" for ln in lines]
+    body.append(f"    return {', '.join(outs)}")
+    return body
+
+
+def render_hooks(rule: DeltaRule) -> str:
+    step, decay = rule.step, rule.decay
+    parts = [
+        _jit_function("step_hook", ("s", "n2", "eps"), [step.expr], f"beta = {step.expr}"),
+        _jit_function("step_hook_grad", ("s", "n2", "eps"), [step.grads["s"], step.grads["n2"]],
+                      "(d beta / d s, d beta / d n2)"),
+        _jit_function("decay_hook", ("a",), [decay.expr], f"g = {decay.expr}"),
+        _jit_function("decay_hook_grad", ("a",), [decay.grads["a"]], "d g / d a"),
+    ]
+    return "\n\n\n".join("\n".join(p) for p in parts)
+
+
+def render_prep(chunk_size: int) -> str:
+    """The prep kernel for C = chunk_size, with the C/16 row blocks unrolled by name (k0, k1, ...)."""
+    nb = chunk_size // BLOCK
+    L = []
+    a = L.append
+    a("@triton.jit")
+    a("def delta_prep(k_ptr, v_ptr, a_ptr, s_ptr, eps, chunk_tok, chunk_len, w_ptr, u_ptr, tm_ptr, gcum_ptr, beta_ptr,")
+    a("               H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,")
+    a("               PREC: tl.constexpr):")
+    a(f'    """gcum, beta, Tm = (I + A)^-1, w and u for one chunk of {chunk_size} tokens ({nb} blocks of {BLOCK} rows)."""')
+    a("    c = tl.program_id(0)")
+    a("    h = tl.program_id(1)")
+    a("    t0 = tl.load(chunk_tok + c).to(tl.int64)")
+    a("    nv = tl.load(chunk_len + c)")
+    a(f"    r = tl.arange(0, {BLOCK})")
+    a("    kk = tl.arange(0, BK)")
+    a("    vv = tl.arange(0, BV)")
+    a("    strict = r[:, None] > r[None, :]")
+    a("    carry = tl.zeros([1], dtype=tl.float32)")
+    for b in range(nb):
+        a(f"    # rows {b * BLOCK}..{(b + 1) * BLOCK - 1}")
+        a(f"    rows{b} = {b * BLOCK} + r")
+        a(f"    ok{b} = rows{b} < nv")
+        a(f"    tok{b} = t0 + rows{b}")
+        a(f"    k{b} = tl.load(k_ptr + (tok{b}[:, None] * H + h) * K + kk[None, :], "
+          f"mask=ok{b}[:, None] & (kk[None, :] < K), other=0.0)")
+        a(f"    v{b} = tl.load(v_ptr + (tok{b}[:, None] * H + h) * V + vv[None, :], "
+          f"mask=ok{b}[:, None] & (vv[None, :] < V), other=0.0).to(tl.float32)")
+        a(f"    a{b} = tl.load(a_ptr + tok{b} * H + h, mask=ok{b}, other=0.0).to(tl.float32)")
+        a(f"    g{b} = tl.where(ok{b}, decay_hook(a{b}), 0.0)")
+        a(f"    G{b} = tl.cumsum(g{b}, 0) + carry")
+        a(f"    carry += tl.sum(g{b}, 0)")
+        a(f"    s{b} = tl.load(s_ptr + tok{b} * H + h, mask=ok{b}, other=0.0).to(tl.float32)")
+        a(f"    kf{b} = k{b}.to(tl.float32)")
+        a(f"    n2_{b} = tl.sum(kf{b} * kf{b}, 1)")
+        a(f"    beta{b}, _ = step_beta(s{b}, n2_{b}, eps)")
+        a(f"    tl.store(gcum_ptr + tok{b} * H + h, G{b}, mask=ok{b})")
+        a(f"    tl.store(beta_ptr + tok{b} * H + h, beta{b}, mask=ok{b})")
+    a("    # A_ij = beta_i (k_i . k_j) exp(G_i - G_j), strictly lower; diagonal blocks inverted directly")
+    for b in range(nb):
+        for c in range(b + 1):
+            dot = f"tl.dot(k{b}, tl.trans(k{c}), input_precision=PREC)"
+            if b == c:
+                a(f"    A{b}{b} = tl.where(strict, beta{b}[:, None] * {dot} * "
+                  f"tl.exp(tl.where(strict, G{b}[:, None] - G{b}[None, :], 0.0)), 0.0)")
+            else:
+                a(f"    A{b}{c} = beta{b}[:, None] * {dot} * tl.exp(G{b}[:, None] - G{c}[None, :])")
+        a(f"    T{b}{b} = inv_unit_lower16(A{b}{b})")
+    a("    # off-diagonal blocks: T_bc = -T_bb sum_{c <= d < b} A_bd T_dc, by distance from the diagonal")
+    for dist in range(1, nb):
+        for b in range(dist, nb):
+            c = b - dist
+            terms = " + ".join(f"tl.dot(A{b}{d}, T{d}{c}, input_precision=PREC)" for d in range(c, b))
+            a(f"    T{b}{c} = -tl.dot(T{b}{b}, {terms}, input_precision=PREC)")
+    a("    # w = Tm diag(beta e^G) K, u = Tm diag(beta) V")
+    for b in range(nb):
+        a(f"    X{b} = (beta{b} * tl.exp(G{b}))[:, None] * kf{b}")
+        a(f"    Y{b} = beta{b}[:, None] * v{b}")
+    for b in range(nb):
+        w = " + ".join(f"tl.dot(T{b}{c}, X{c}, input_precision=PREC)" for c in range(b + 1))
+        u = " + ".join(f"tl.dot(T{b}{c}, Y{c}, input_precision=PREC)" for c in range(b + 1))
+        a(f"    w{b} = {w}")
+        a(f"    u{b} = {u}")
+        a(f"    tl.store(w_ptr + (tok{b}[:, None] * H + h) * K + kk[None, :], w{b}.to(w_ptr.dtype.element_ty), "
+          f"mask=ok{b}[:, None] & (kk[None, :] < K))")
+        a(f"    tl.store(u_ptr + (tok{b}[:, None] * H + h) * V + vv[None, :], u{b}.to(u_ptr.dtype.element_ty), "
+          f"mask=ok{b}[:, None] & (vv[None, :] < V))")
+        for c in range(b + 1):
+            a(f"    tl.store(tm_ptr + ((c * H + h) * C + rows{b}[:, None]).to(tl.int64) * C + {c * BLOCK} + r[None, :], "
+              f"T{b}{c})")
+    return "\n".join(L)
+
+
+def _fill(src: str, slot: str, text: str) -> str:
+    marker = f"# @slot {slot}"
+    if src.count(marker) != 1:
+        raise RuntimeError(f"template has {src.count(marker)} '{marker}' slots, expected 1")
+    return src.replace(marker, text)
+
+
+def kernel_source(rule: DeltaRule, chunk_size: int) -> str:
+    """The complete generated module for `rule` at `chunk_size`; parses as Python (checked)."""
+    if chunk_size % BLOCK or chunk_size < BLOCK:
+        raise ValueError(f"chunk_size must be a positive multiple of {BLOCK}, got {chunk_size}")
+    src = _fill(template.SOURCE, "hooks", f"# delta rule '{rule.name}': {rule!r}\n\n" + render_hooks(rule))
+    src = _fill(src, "prep", render_prep(chunk_size))
+    ast.parse(src)
+    return src
+
+
+def load(rule: DeltaRule, chunk_size: int):
+    """Import the generated module, written once to <cache_dir>/delta/<name>_c<C>_<hash>.py."""
+    cache_key = (rule.key, chunk_size)
+    if cache_key in _LOADED:
+        return _LOADED[cache_key]
+    src = kernel_source(rule, chunk_size)
+    digest = hashlib.sha256((src + triton.__version__).encode()).hexdigest()[:16]
+    folder = settings.cache_dir() / "delta"
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{rule.name}_c{chunk_size}_{digest}.py"
+    if not path.exists() or path.read_text() != src:
+        fd, tmp = tempfile.mkstemp(dir=folder, suffix=".tmp")
+        with os.fdopen(fd, "w") as f:
+            f.write(src)
+        os.replace(tmp, path)
+    if settings.debug():
+        print(f"# scanlang: delta-rule kernels for {rule.name}, C={chunk_size}: {path}\n{src}", file=sys.stderr)
+    mod_name = f"scanlang_generated_delta_{rule.name}_c{chunk_size}_{digest}"
+    spec = importlib.util.spec_from_file_location(mod_name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[mod_name] = module
+    spec.loader.exec_module(module)
+    _LOADED[cache_key] = module
+    return module

@@ -1,0 +1,178 @@
+"""Launch the generated delta-rule kernels and plug them into autograd (backend="triton").
+
+Inputs arrive validated by `scanlang.recipes.kaczmarz.ops`. Tokens are packed into one stream
+[TT, H, ...] (an equal-length batch [B, T] is the packed stream with offsets 0, T, 2T, ...), and a
+chunk table lists every chunk's first token and length, so equal-length and `cu_seqlens` inputs run
+the same kernels.
+
+Forward: prep (gcum, beta, Tm, w, u) -> state_fwd (chunk start states h, innovations U, final state)
+-> output. Backward recomputes prep and state_fwd from the inputs (nothing but the inputs is saved),
+then dU_local -> state_bwd (reverse over chunks) -> bwd (dq, dk, dv, d step input, d decay input).
+Short inputs without gradients (every sequence <= RECURRENT_MAX_LEN tokens, e.g. decoding) take the
+token-loop kernel instead.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+
+from scanlang.delta import GIVEN, KACZMARZ, DeltaRule
+
+from . import codegen
+
+RECURRENT_MAX_LEN = 16
+STATE_BV = 64            # value columns per program in the sequential and output kernels
+_RULES = {"beta": GIVEN, "kaczmarz": KACZMARZ}
+
+
+class ChunkTable:
+    """Chunks of a packed stream: first token and length of each chunk, first chunk of each sequence."""
+
+    def __init__(self, B: int, T: int, cu_seqlens: torch.Tensor | None, C: int, device):
+        if cu_seqlens is None:
+            nt = triton.cdiv(T, C)
+            j = torch.arange(nt, device=device, dtype=torch.int32)
+            b = torch.arange(B, device=device, dtype=torch.int32)
+            self.chunk_tok = (b[:, None] * T + j[None, :] * C).reshape(-1)
+            self.chunk_len = torch.clamp(T - j * C, max=C).repeat(B)
+            self.seq_chunk0 = torch.arange(B + 1, device=device, dtype=torch.int32) * nt
+            self.seq_tok = torch.arange(B + 1, device=device, dtype=torch.int32) * T
+            self.n_seq, self.max_len = B, T
+        else:
+            cu = [int(x) for x in cu_seqlens.tolist()]
+            toks, lens, first = [], [], [0]
+            for s, e in zip(cu, cu[1:]):
+                for t in range(s, e, C):
+                    toks.append(t)
+                    lens.append(min(C, e - t))
+                first.append(len(toks))
+            as_int = lambda x: torch.tensor(x, dtype=torch.int32, device=device)  # noqa: E731
+            self.chunk_tok, self.chunk_len, self.seq_chunk0 = as_int(toks), as_int(lens), as_int(first)
+            self.seq_tok = as_int(cu)
+            self.n_seq = len(cu) - 1
+            self.max_len = max((e - s for s, e in zip(cu, cu[1:])), default=0)
+        self.n_chunks = int(self.chunk_tok.numel())
+
+
+def _meta(K: int, V: int, C: int, dtype: torch.dtype) -> dict:
+    BK = max(16, triton.next_power_of_2(K))
+    return dict(K=K, V=V, BK=BK, C=C, PREC="ieee" if dtype == torch.float32 else "tf32")
+
+
+def _forward(mod, q, k, v, a, s, h0, eps, scale, table: ChunkTable, C: int):
+    """Run prep, state_fwd and output. Returns (o fp32, final state fp32, gcum, beta, Tm, w, h, U)."""
+    TT, H, K = k.shape
+    V = v.shape[-1]
+    meta = _meta(K, V, C, k.dtype)
+    BVfull = max(16, triton.next_power_of_2(V))
+    BV = min(STATE_BV, BVfull)
+    NC, N = table.n_chunks, table.n_seq
+    dev = k.device
+    gcum = torch.empty(TT, H, device=dev, dtype=torch.float32)
+    beta = torch.empty(TT, H, device=dev, dtype=torch.float32)
+    w = torch.empty(TT, H, K, device=dev, dtype=k.dtype)
+    u = torch.empty(TT, H, V, device=dev, dtype=k.dtype)
+    tm = torch.empty(NC, H, C, C, device=dev, dtype=torch.float32)
+    mod.delta_prep[(NC, H)](k, v, a, s, eps, table.chunk_tok, table.chunk_len, w, u, tm, gcum, beta,
+                            H, BV=BVfull, **meta)
+    h = torch.empty(NC, H, K, V, device=dev, dtype=k.dtype)
+    U = torch.empty(TT, H, V, device=dev, dtype=k.dtype)
+    ht = torch.empty(N, H, K, V, device=dev, dtype=torch.float32)
+    nv = triton.cdiv(V, BV)
+    mod.delta_state_fwd[(N, H, nv)](k, w, u, gcum, h0 if h0 is not None else ht, table.chunk_tok, table.chunk_len,
+                                    table.seq_chunk0, h, U, ht, H, BV=BV, HAS_H0=h0 is not None,
+                                    STORE_FINAL=True, **meta)
+    o = torch.empty(TT, H, V, device=dev, dtype=torch.float32)
+    mod.delta_output[(NC, H, nv)](q, k, gcum, h, U, o, table.chunk_tok, table.chunk_len, scale, H, BV=BV, **meta)
+    return o, ht, gcum, beta, tm, w, h, U
+
+
+class ChunkDeltaRule(torch.autograd.Function):
+    """(q, k, v, a, s, h0) -> (o, final state) on packed [1, TT, H, *] inputs, with the generated backward."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, a, s, h0, mod, eps, scale, table, C):
+        o, ht, *_ = _forward(mod, q, k, v, a, s, h0, eps, scale, table, C)
+        ctx.save_for_backward(q, k, v, a, s, h0)
+        ctx.mod, ctx.eps, ctx.scale, ctx.table, ctx.C = mod, eps, scale, table, C
+        return o, ht
+
+    @staticmethod
+    def backward(ctx, do, dht):
+        q, k, v, a, s, h0 = ctx.saved_tensors
+        mod, eps, scale, table, C = ctx.mod, ctx.eps, ctx.scale, ctx.table, ctx.C
+        _, _, gcum, beta, tm, w, h, U = _forward(mod, q, k, v, a, s, h0, eps, scale, table, C)
+        TT, H, K = k.shape
+        V = v.shape[-1]
+        meta = _meta(K, V, C, k.dtype)
+        BV = min(STATE_BV, max(16, triton.next_power_of_2(V)))
+        NC, N, nv = table.n_chunks, table.n_seq, triton.cdiv(V, BV)
+        dev = k.device
+        do = torch.zeros(TT, H, V, device=dev, dtype=torch.float32) if do is None else do.contiguous().float()
+        dul = torch.empty(TT, H, V, device=dev, dtype=torch.float32)
+        mod.delta_dU_local[(NC, H, nv)](q, k, gcum, do, dul, table.chunk_tok, table.chunk_len, scale, H, BV=BV, **meta)
+        dh = torch.empty(NC, H, K, V, device=dev, dtype=k.dtype)
+        dU = torch.empty(TT, H, V, device=dev, dtype=torch.float32)
+        dh0 = torch.empty(N, H, K, V, device=dev, dtype=torch.float32)
+        has_dht = dht is not None
+        dht = dht.contiguous().float() if has_dht else dh0
+        mod.delta_state_bwd[(N, H, nv)](q, k, w, gcum, do, dul, dht, table.chunk_tok, table.chunk_len,
+                                        table.seq_chunk0, dh, dU, dh0, scale, H, BV=BV, HAS_DHT=has_dht,
+                                        STORE_DH0=h0 is not None, **meta)
+        dq = torch.empty(TT, H, K, device=dev, dtype=torch.float32)
+        dk = torch.empty_like(dq)
+        dv = torch.empty(TT, H, V, device=dev, dtype=torch.float32)
+        da = torch.empty(TT, H, device=dev, dtype=torch.float32)
+        ds = torch.empty_like(da)
+        mod.delta_bwd[(NC, H)](q, k, v, a, s, eps, gcum, beta, tm, h, dh, U, dU, do, dq, dk, dv, da, ds,
+                               table.chunk_tok, table.chunk_len, scale, H, BV=BV, **meta)
+        grads = (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), da.to(a.dtype), ds.to(s.dtype),
+                 dh0.to(h0.dtype) if h0 is not None else None)
+        return (*grads, None, None, None, None, None)
+
+
+def recurrent_forward(mod, q, k, v, a, s, h0, eps, scale, table: ChunkTable):
+    """Token loop with the state in registers: (o fp32, final state fp32). No autograd."""
+    TT, H, K = k.shape
+    V = v.shape[-1]
+    BK = max(16, triton.next_power_of_2(K))
+    BV = min(STATE_BV, max(16, triton.next_power_of_2(V)))
+    o = torch.empty(TT, H, V, device=k.device, dtype=torch.float32)
+    ht = torch.empty(table.n_seq, H, K, V, device=k.device, dtype=torch.float32)
+    mod.delta_recurrent[(table.n_seq, H, triton.cdiv(V, BV))](
+        q, k, v, a, s, eps, h0 if h0 is not None else ht, o, ht, table.seq_tok, scale, H, K=K, V=V, BK=BK, BV=BV,
+        HAS_H0=h0 is not None, STORE_FINAL=True)
+    return o, ht
+
+
+def delta_rule(q, k, v, g, s, rule, scale: float, initial_state=None, output_final_state=False,
+               cu_seqlens=None, chunk_size: int = 64, eps: float = 0.0):
+    """Gated delta rule with the step beta = rule.step(s, ||k||^2, eps) and decay g = rule.decay(g).
+
+    `rule` is a `scanlang.delta.DeltaRule` or "beta" (beta = s as given) / "kaczmarz"
+    (beta = s / (||k||^2 + eps)). Returns (o [B,T,H,V] fp32, final state [N,H,K,V] fp32 or None).
+    """
+    rule = _RULES[rule] if isinstance(rule, str) else rule
+    if not isinstance(rule, DeltaRule):
+        raise TypeError(f"rule must be a DeltaRule or one of {sorted(_RULES)}, got {rule!r}")
+    B, T, H, K = k.shape
+    V = v.shape[-1]
+    dt = torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype)
+    table = ChunkTable(B, T, cu_seqlens, chunk_size, k.device)
+    if T == 0:
+        o = torch.zeros(B, 0, H, V, device=k.device, dtype=torch.float32)
+        S = initial_state.float() if initial_state is not None else torch.zeros(table.n_seq, H, K, V, device=k.device)
+        return o, (S if output_final_state else None)
+    pack = lambda t: t.to(dt).reshape(B * T, H, t.shape[-1]).contiguous()  # noqa: E731
+    qp, kp, vp = pack(q), pack(k), pack(v)
+    a, sp = g.reshape(B * T, H).contiguous(), s.reshape(B * T, H).contiguous()
+    h0 = initial_state.contiguous() if initial_state is not None else None
+    mod = codegen.load(rule, chunk_size)
+    needs_grad = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (q, k, v, g, s, initial_state))
+    if not needs_grad and table.max_len <= RECURRENT_MAX_LEN:
+        o, S = recurrent_forward(mod, qp, kp, vp, a, sp, h0, eps, scale, table)
+    else:
+        o, S = ChunkDeltaRule.apply(qp, kp, vp, a, sp, h0, mod, eps, scale, table, chunk_size)
+    o = o.reshape(B, T, H, V)
+    return o, (S if output_final_state else None)

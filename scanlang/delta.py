@@ -1,0 +1,153 @@
+"""The delta-rule family: a matrix-state monoid plus two symbolic per-token hooks.
+
+A gated delta rule maps a [K, V] state S, token by token (decay first, read after write):
+
+    S_t = exp(g_t) (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T
+
+so token t is the element (P_t, R_t) = (exp(g_t)(I - beta_t k_t k_t^T), beta_t k_t v_t^T) acting by
+S -> P S + R. Composing a then b is (P_b P_a, P_b R_a + R_b), with identity (I, 0): the affine monoid
+over matrices. `verify_delta_monoid` proves the law with sympy over symbolic matrices.
+
+A family member is declared by two elementwise hooks, traced like monoid bodies (`+ - * /`, `sl.exp`,
+...) into sympy, rendered into the generated kernels and differentiated symbolically for the chain rule:
+
+    step(t)  -> beta_t   from t.s (the per-token step input), t.n2 = ||k_t||^2 (fp32) and t.eps
+    decay(t) -> g_t      from t.a (the per-token decay input)
+
+>>> from scanlang.delta import KACZMARZ
+>>> KACZMARZ.step.expr
+s/(eps + n2)
+>>> sorted(str(v) for v in KACZMARZ.step.grads.values())
+['-s/(eps + n2)**2', '1/(eps + n2)']
+
+A zero key writes nothing whatever its step (beta k = 0); kernels therefore set beta = 0 where
+||k|| = 0, which keeps a rule like Kaczmarz's with eps = 0 free of 0/0.
+"""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from typing import Callable
+
+import sympy
+
+from . import expr as E
+from .monoid import trace_body
+
+STEP_INPUTS = ("s", "n2", "eps")
+DECAY_INPUTS = ("a",)
+
+
+@dataclass(frozen=True)
+class Hook:
+    """One traced per-token expression and its partial derivatives (sympy), keyed by input name."""
+
+    name: str
+    inputs: tuple[str, ...]
+    expr: sympy.Expr
+    grads: dict = field(default_factory=dict)
+
+    @property
+    def symbols(self) -> dict:
+        return {n: E.symbol(n) for n in self.inputs}
+
+
+def trace_hook(fn: Callable, name: str, inputs: tuple[str, ...], differentiate: tuple[str, ...]) -> Hook:
+    """Trace `fn(t)` (t has one attribute per input) and differentiate it w.r.t. `differentiate`."""
+    if not callable(fn):
+        raise TypeError(f"{name} must be a function of one token (fields {inputs}), got {type(fn).__name__}")
+    syms = [E.symbol(n) for n in inputs]
+    expr = trace_body(fn, inputs, (syms,), name, None)
+    if not isinstance(expr, sympy.Expr):
+        expr = E.constant(expr)
+    unknown = expr.free_symbols - set(syms)
+    if unknown:
+        raise ValueError(f"{name} uses unknown symbols {sorted(map(str, unknown))}; inputs are {inputs}")
+    grads = {n: sympy.diff(expr, s) for n, s in zip(inputs, syms) if n in differentiate}
+    return Hook(name, inputs, expr, grads)
+
+
+class DeltaRule:
+    """A member of the gated delta-rule family: a step-size hook and a decay hook.
+
+    `step(t)` returns beta from `t.s`, `t.n2` (squared key norm) and `t.eps`; `decay(t)` returns the
+    log-decay g from `t.a`. The default decay is g = a (the op's `g` argument as given).
+    """
+
+    def __init__(self, name: str, step: Callable, decay: Callable | None = None):
+        if not name.isidentifier():
+            raise ValueError(f"name must be an identifier (it names generated kernels), got {name!r}")
+        self.name = name
+        self.step = trace_hook(step, f"step hook of delta rule '{name}'", STEP_INPUTS, ("s", "n2"))
+        self.decay = trace_hook(decay or (lambda t: t.a), f"decay hook of delta rule '{name}'", DECAY_INPUTS, ("a",))
+
+    @property
+    def uses_key_norm(self) -> bool:
+        return E.symbol("n2") in self.step.expr.free_symbols
+
+    @property
+    def key(self) -> str:
+        text = repr((self.name, sympy.srepr(self.step.expr), sympy.srepr(self.decay.expr)))
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+    def __repr__(self):
+        return f"<delta rule {self.name}: beta = {self.step.expr}, g = {self.decay.expr}>"
+
+
+# --------------------------------------------------------------------------------------------------
+# The monoid over (P, R) and its proof.
+
+def combine(a: tuple, b: tuple) -> tuple:
+    """(P_a, R_a) then (P_b, R_b): S -> P_b (P_a S + R_a) + R_b = (P_b P_a) S + (P_b R_a + R_b)."""
+    Pa, Ra = a
+    Pb, Rb = b
+    return Pb @ Pa, Pb @ Ra + Rb
+
+
+def token_element(k, v, g, beta):
+    """(P, R) of one token; works on sympy matrices (k, v column vectors) and on torch tensors [K], [V]."""
+    if isinstance(k, sympy.MatrixBase):
+        eye = sympy.eye(k.shape[0])
+        return sympy.exp(g) * (eye - beta * k * k.T), beta * k * v.T
+    import torch
+    eye = torch.eye(k.shape[0], dtype=k.dtype, device=k.device)
+    return torch.exp(g) * (eye - beta * torch.outer(k, k)), beta * torch.outer(k, v)
+
+
+def _matrix(prefix: str, rows: int, cols: int) -> sympy.Matrix:
+    return sympy.Matrix(rows, cols, lambda i, j: E.symbol(f"{prefix}_{i}{j}"))
+
+
+def verify_delta_monoid(K: int = 2, V: int = 2) -> str:
+    """Prove, over the reals with symbolic K x K and K x V matrices, that the (P, R) combine is
+    associative with identity (I, 0), and that a token element applied to S is the spec's update
+    (decay first, residual read from the decayed state, then the write). Returns a short report;
+    raises AssertionError with the leftover expression if a law fails."""
+    x, y, z = [(_matrix(f"P{n}", K, K), _matrix(f"R{n}", K, V)) for n in "xyz"]
+    left = combine(combine(x, y), z)
+    right = combine(x, combine(y, z))
+    for part, l, r in zip(("P", "R"), left, right):
+        diff = (l - r).applyfunc(sympy.expand)
+        if diff != sympy.zeros(*diff.shape):
+            raise AssertionError(f"associativity fails in {part}: leftover {diff}")
+    e = (sympy.eye(K), sympy.zeros(K, V))
+    for side, got in (("left", combine(e, x)), ("right", combine(x, e))):
+        if any((g - w).applyfunc(sympy.expand) != sympy.zeros(*w.shape) for g, w in zip(got, x)):
+            raise AssertionError(f"(I, 0) is not a {side} identity")
+    k, v, S = _matrix("k", K, 1), _matrix("v", V, 1), _matrix("S", K, V)
+    g, beta = E.symbol("g"), E.symbol("beta")
+    P, R = token_element(k, v, g, beta)
+    decayed = sympy.exp(g) * S
+    residual = v - decayed.T * k
+    spec = decayed + beta * k * residual.T
+    diff = (P * S + R - spec).applyfunc(sympy.expand)
+    if diff != sympy.zeros(K, V):
+        raise AssertionError(f"token element does not match the recurrence: leftover {diff}")
+    return (f"delta-rule monoid over ({K}x{K}, {K}x{V}) matrices: associative, identity (I, 0), "
+            f"token element = decay-first/read-after-write update; symbolic proof over the reals")
+
+
+GIVEN = DeltaRule("given", step=lambda t: t.s)
+KACZMARZ = DeltaRule("kaczmarz", step=lambda t: t.s / (t.n2 + t.eps))
+GDN_SIGMOID = DeltaRule("gdn_sigmoid", step=lambda t: 1 / (1 + E.exp(-t.s)))
+RULES = {r.name: r for r in (GIVEN, KACZMARZ, GDN_SIGMOID)}
