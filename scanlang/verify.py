@@ -501,7 +501,7 @@ def commutativity(m, seconds=None) -> bool | None:
 
 # ---- cache ----------------------------------------------------------------------------------------
 
-_MEMORY: dict[tuple[str, str], LawResult] = {}
+_MEMORY: dict[str, dict] = {}  # key -> {"laws": {law: LawResult}, "commutative": bool}
 
 
 def clear_memory_cache():
@@ -513,28 +513,39 @@ def _cache_file(key: str):
     return settings.cache_dir() / "proofs" / f"{key}-v{_CACHE_VERSION}.json"
 
 
-def _load(key: str) -> dict[str, LawResult]:
-    found = {law: r for (k, law), r in _MEMORY.items() if k == key}
+def _load(key: str) -> dict:
+    """What is known about `key`: symbolic law results and a decided commutativity (memory, then disk)."""
+    if key in _MEMORY:
+        return _MEMORY[key]
+    entry = {"laws": {}, "commutative": None}
     try:
         data = json.loads(_cache_file(key).read_text())
-        for law, r in data.get("laws", {}).items():
-            if law not in found and r.get("method") == "symbolic":
-                found[law] = LawResult(law, "symbolic", str(r["how"]), float(r["seconds"]), cached=True)
-                _MEMORY[(key, law)] = found[law]
+        for law, r in data["laws"].items():
+            if r["method"] == "symbolic":
+                entry["laws"][law] = LawResult(law, "symbolic", str(r["how"]), float(r["seconds"]), cached=True)
+        if isinstance(data.get("commutative"), bool):
+            entry["commutative"] = data["commutative"]
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        pass
-    return found
+        pass  # no file, or an unreadable one: derive again
+    _MEMORY[key] = entry
+    return entry
 
 
-def _store(m, results):
-    proved = {r.law: r for r in results if r.symbolic}
-    for law, r in proved.items():
-        _MEMORY[(m.key, law)] = replace(r, cached=True)
-    if not proved:
+def _store(m, results, commutative: bool | None):
+    """Remember the symbolic results (and a decided commutativity); write them atomically to disk."""
+    entry = _load(m.key)
+    new = [r for r in results if r.symbolic and not r.cached]
+    fresh_commutative = commutative is not None and entry["commutative"] is None
+    if not new and not fresh_commutative:
         return
+    for r in new:
+        entry["laws"][r.law] = replace(r, cached=True)
+    if commutative is not None:
+        entry["commutative"] = commutative
     path = _cache_file(m.key)
-    data = {"monoid": m.name, "version": _CACHE_VERSION,
-            "laws": {law: {"method": r.method, "how": r.how, "seconds": r.seconds} for law, r in proved.items()}}
+    data = {"monoid": m.name, "version": _CACHE_VERSION, "commutative": entry["commutative"],
+            "laws": {law: {"method": r.method, "how": r.how, "seconds": r.seconds}
+                     for law, r in entry["laws"].items()}}
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".proof-", suffix=".json")
@@ -567,7 +578,8 @@ def verify(monoid, seconds: float | None = None) -> Proof:
     start = time.perf_counter()
     seconds = _budget(seconds)
     m = monoid
-    cached = _load(m.key)
+    known = _load(m.key)
+    cached = dict(known["laws"])
     homogeneity = None
     if m.is_projective:
         homogeneity, _ = _symbolic(lambda dl: A.projective_mode(m, dl), seconds)
@@ -575,10 +587,13 @@ def verify(monoid, seconds: float | None = None) -> Proof:
     assoc = cached.get(ASSOCIATIVITY) or _associativity(m, seconds, up_to_scale)
     left = cached.get(LEFT_IDENTITY) or _identity(m, "left", seconds)
     right = cached.get(RIGHT_IDENTITY) or _identity(m, "right", seconds)
-    _store(m, [r for r in (assoc, left, right) if not r.cached])
+    commutative = known["commutative"]
+    if commutative is None:
+        commutative = commutativity(m, seconds)
+    _store(m, [assoc, left, right], commutative)
     jx, jy = A.jacobians(m)
     return Proof(monoid=m, associativity=assoc, left_identity=left, right_identity=right,
-                 projective=homogeneity, commutative=commutativity(m, seconds), sparsity=A.sparsity(m),
+                 projective=homogeneity, commutative=commutative, sparsity=A.sparsity(m),
                  jacobian_x=jx, jacobian_y=jy, seconds=time.perf_counter() - start)
 
 
