@@ -96,11 +96,15 @@ def _bad(e: sympy.Expr) -> bool:
 
 
 def rational_simplify(e: sympy.Expr) -> sympy.Expr:
-    """expand -> combine exponentials -> cancel: a canonical form for rational functions."""
-    e = sympy.expand(e)
+    """expand -> combine exponentials -> cancel: a canonical form for rational functions.
+
+    Zero is detected first from the expanded numerator over a common denominator, which is much
+    cheaper than cancel's polynomial gcds.
+    """
     if e.has(sympy.exp):
-        e = sympy.powsimp(e, combine="exp")
-        e = sympy.expand(e)
+        e = sympy.expand(sympy.powsimp(sympy.expand(e), combine="exp"))
+    if sympy.expand(sympy.numer(sympy.together(e))) == 0:
+        return sympy.S.Zero
     return sympy.cancel(e)
 
 
