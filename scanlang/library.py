@@ -6,7 +6,7 @@ satisfies and the recurrence the scan computes.
 """
 from __future__ import annotations
 
-from .expr import exp, maximum, minimum
+from .expr import exp, log, maximum, minimum
 from .monoid import monoid
 
 INF = float("inf")
@@ -76,6 +76,31 @@ def ComplexMul(x, y):
     return x.re * y.re - x.im * y.im, x.re * y.im + x.im * y.re
 
 
+@monoid(fields=("la", "lb"), identity=(0, -INF), name="LogAffine")
+def LogAffine(x, y):
+    """Affine maps h -> a*h + b with a, b > 0, held in log space (la, lb) = (log a, log b).
+
+    Combine (y after x): la = x.la + y.la, lb = log(exp(y.la + x.lb) + exp(y.lb)), evaluated stably
+    around m = max(y.la + x.lb, y.lb).
+    Law: the image of Affine under log; identity (0, -inf) is h -> h.
+    Recurrence: log h_t = log(a_t h_{t-1} + b_t) from h_0 = 0, without overflow (log-space scans of
+    gated RNNs such as minGRU).
+    """
+    m = maximum(y.la + x.lb, y.lb)
+    return x.la + y.la, m + log(exp(y.la + x.lb - m) + exp(y.lb - m))
+
+
+@monoid(fields=("l",), identity=(-INF,), name="LogSumExp")
+def LogSumExp(x, y):
+    """Log-sum-exp, evaluated stably: max(x, y) + log(exp(x - max) + exp(y - max)).
+
+    Law: the image of Add under log; identity -inf. Recurrence: l_t = log(exp(l_{t-1}) + exp(v_t)),
+    the running logsumexp of v_1..v_t.
+    """
+    m = maximum(x.l, y.l)
+    return m + log(exp(x.l - m) + exp(y.l - m))
+
+
 @monoid(fields=("m", "s"), identity=(-INF, 0), name="OnlineSoftmax")
 def OnlineSoftmax(x, y):
     """Online softmax normaliser pairs (m, s) meaning s * exp(m): the running max m and sum s of exp(v - m).
@@ -117,4 +142,5 @@ def Max(x, y):
     return maximum(x.m, y.m)
 
 
-LIBRARY = (Affine, Mobius, Matrix2, MaxPlus, MinPlus, ComplexMul, OnlineSoftmax, Welford, Add, Max)
+LIBRARY = (Affine, Mobius, Matrix2, MaxPlus, MinPlus, ComplexMul, LogAffine, LogSumExp, OnlineSoftmax, Welford,
+           Add, Max)

@@ -11,7 +11,7 @@ from scanlang.verify import clear_memory_cache, verify
 # All library monoids are proved symbolically (none needs the numeric fallback).
 SYMBOLIC = {m.name for m in L.LIBRARY}
 COMMUTATIVE = {"Affine": False, "Mobius": False, "Matrix2": False, "MaxPlus": False, "MinPlus": False,
-               "ComplexMul": True, "OnlineSoftmax": True, "Welford": True, "Add": True, "Max": True}
+               "ComplexMul": True, "LogAffine": False, "LogSumExp": True, "OnlineSoftmax": True, "Welford": True, "Add": True, "Max": True}
 
 
 @pytest.fixture(autouse=True)
@@ -75,6 +75,24 @@ def test_tropical_maps_compute_their_recurrence(m, op, ident):
     torch.testing.assert_close(h, torch.stack(ref), rtol=1e-12, atol=0)
 
 
+def test_log_affine_is_the_affine_recurrence_in_log_space():
+    a, b = torch.rand(T, dtype=torch.float64) + 0.5, torch.rand(T, dtype=torch.float64) + 0.1
+    _, lh = _fold(L.LogAffine, (torch.log(a), torch.log(b)))
+    ref, prev = [], 0.0
+    for t in range(T):
+        prev = a[t] * prev + b[t]
+        ref.append(prev)
+    torch.testing.assert_close(torch.exp(lh), torch.stack(ref), rtol=1e-12, atol=0)
+
+
+def test_log_affine_does_not_overflow():
+    la = torch.full((T,), 300.0, dtype=torch.float64)  # a = e^300: the plain product overflows
+    lb = torch.full((T,), 600.0, dtype=torch.float64)
+    _, lh = _fold(L.LogAffine, (la, lb))
+    # h_t = e^300 h_{t-1} + e^600 from h_0 = 0 gives log h_t = 300 (t + 1) + log(1 + e^-300 + ...)
+    torch.testing.assert_close(lh, 300.0 * torch.arange(2, T + 2, dtype=torch.float64), rtol=1e-15, atol=0)
+
+
 def test_complex_mul_is_the_running_complex_product():
     re, im = _nonzero(T), _nonzero(T)
     pre, pim = _fold(L.ComplexMul, (re, im))
@@ -113,7 +131,8 @@ def test_welford_gives_running_mean_and_variance():
 
 
 @pytest.mark.parametrize("m, ref", [(L.Add, lambda v: torch.cumsum(v, 0)),
-                                    (L.Max, lambda v: torch.cummax(v, 0).values)], ids=["Add", "Max"])
+                                    (L.LogSumExp, lambda v: torch.logcumsumexp(v, 0)),
+                                    (L.Max, lambda v: torch.cummax(v, 0).values)], ids=["Add", "LogSumExp", "Max"])
 def test_single_field_monoids(m, ref):
     v = _nonzero(T)
     (out,) = _fold(m, (v,))
