@@ -10,7 +10,10 @@ Per entry (b, m, s), t = 1..T (spec/kalman.md), with `a = a_bar[m, s]`, `p = p_b
 
 Forward: one Möbius scan for `lam` (trace-normalised 2x2 products, never differentiated), then one
 affine scan for `eta` whose gates use the previous precision prefix; or one scan of the merged 3x3
-monoid (`form="joint"`). Backward: the spec's adjoint, two reverse affine scans that each carry one
+monoid (`form="joint"`). The gates read `lam_{t-1}` from the previous prefix rather than recovering
+it locally as `a^2 (lam_t - phi_t) / (1 - p (lam_t - phi_t))`: that recovery cancels when the
+observation dominates the prior (measured in fp32 at T = 3000, precisions up to 1e3: 1.6e-4
+relative error in lam_{t-1} and in the gate, against 0 for the read). Backward: the spec's adjoint, two reverse affine scans that each carry one
 scalar per entry, also run by `sl.scan` (so on CUDA they are generated kernels).
 """
 from __future__ import annotations

@@ -90,12 +90,3 @@ def apply_joint(prefix, lam0, eta0):
     v = pc * lam0 + pd
     return (pa * lam0 + pb) / v, (pe * lam0 + pf + pg * eta0) / v
 
-
-def recover_previous_precision(lam, phi, a2, p):
-    """lam_{t-1} from lam_t and the leaf: (D lam_t - B) / (A - C lam_t) = a^2 (lam_t - phi) / (1 - p (lam_t - phi)).
-
-    Exact in real arithmetic; in floating point `lam_t - phi_t` cancels when the observation
-    dominates the prior, so the recipe reads the previous prefix instead wherever it can.
-    """
-    g = lam - phi
-    return a2 * g / (1 - p * g)
