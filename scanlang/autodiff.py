@@ -68,11 +68,10 @@ def _closure(pattern: set[tuple[int, int]], n: int) -> set[tuple[int, int]]:
 
 def _check_printable(exprs, what: str):
     for e in exprs:
-        bad = e.atoms(sympy.Heaviside, sympy.Derivative, sympy.Subs, sympy.sign, sympy.DiracDelta)
+        bad = e.atoms(sympy.Derivative, sympy.Subs, sympy.DiracDelta, sympy.Piecewise)
         if bad:
             raise UnsupportedOperationError(
-                f"{what}: the derivative contains {sorted(map(str, bad))}; scanlang differentiates "
-                "+ - * / exp log sqrt only (abs/maximum/minimum have no generated backward yet)")
+                f"{what}: the derivative contains {sorted(map(str, bad))}, which scanlang cannot generate")
 
 
 def differentiate(ir: ScanIR) -> Adjoint:

@@ -38,9 +38,29 @@ def _indent(lines, n):
     return [" " * n + ln if ln else ln for ln in lines]
 
 
+def _piecewise(exprs, names, prefix):
+    """Heaviside/sign atoms (derivatives of maximum/minimum/abs) as `tl.where` temporaries.
+
+    Ties follow torch: d max(a, b)/da = 1/2 when a == b (sympy's Heaviside(0) = 1/2 as well).
+    """
+    atoms = sorted(set().union(*(e.atoms(sympy.Heaviside, sympy.sign) for e in exprs)), key=sympy.default_sort_key)
+    lines, names, subs = [], dict(names), {}
+    for k, atom in enumerate(atoms):
+        arg_lines, (arg,) = E.render([atom.args[0]], names, E.TRITON, temp_prefix=f"{prefix}h{k}_")
+        lines += arg_lines
+        sym = E.symbol(f"{prefix}h{k}")
+        neg = "0.0, 0.5" if isinstance(atom, sympy.Heaviside) else "-1.0, 0.0"
+        lines.append(f"{sym.name} = tl.where({arg} > 0, 1.0, tl.where({arg} < 0, {neg}))")
+        names[sym] = sym.name
+        subs[atom] = sym
+    return lines, [e.xreplace(subs) for e in exprs], names
+
+
 def _assign(names_out, exprs, names, prefix, shape_like=None):
     """Lines assigning rendered `exprs` to `names_out`; constants become full tiles when `shape_like`."""
+    pre, exprs, names = _piecewise(list(exprs), names, prefix)
     lines, outs = E.render(exprs, names, E.TRITON, temp_prefix=prefix)
+    lines = pre + lines
     for name, src, e in zip(names_out, outs, exprs):
         if shape_like is not None and not (e.free_symbols & set(names)):
             src = f"tl.zeros_like({shape_like}) + {src}"
@@ -174,7 +194,7 @@ def render_forward(ir: ScanIR) -> list[str]:
     for f in range(len(ir.fields)):
         args += [f"init{f}_ptr", *_strides(f"init{f}")[1:]]
     args += ["ckpt_ptr", "final_ptr", "T", "L", "D1", "D2", "D3", "n_tiles"]
-    consts = ["BLOCK_T", "BLOCK_L", "REVERSE", "HAS_INIT", "STATE", "FP64"]
+    consts = ["BLOCK_T", "BLOCK_L", "REVERSE", "HAS_INIT", "STATE", "FP64", "STAGES"]
     body = _common_prologue()
     for i in range(len(ir.inputs)):
         body.append(f"u{i}_off = {_lane_off(f'u{i}')}[None, :]")
@@ -208,9 +228,11 @@ def render_forward(ir: ScanIR) -> list[str]:
                         f"mask=(t < T) & group_ok[None, :])")
         else:
             loop.append(f"tl.store(o{j}_ptr + o{j}_off + tt * o{j}_st, r{j}.to(o{j}_ptr.dtype.element_ty), mask=ok)")
+    # the carry is the prefix at the tile's last valid row (padding may not even be finite)
+    loop.append("last = tl.minimum(T - 1 - k * BLOCK_T, BLOCK_T - 1)")
     for name in ir.fields:
-        loop.append(f"c_{name} = tl.sum(tl.where(rows == BLOCK_T - 1, p_{name}, 0.0), 0)")
-    body.append("for k in range(0, n_tiles):")
+        loop.append(f"c_{name} = tl.sum(tl.where(rows == last, p_{name}, 0.0), 0)")
+    body.append("for k in tl.range(0, n_tiles, num_stages=STAGES):")
     body += _indent(loop, 4)
     for f, name in enumerate(ir.fields):
         body.append(f"tl.store(final_ptr + {f} * L + lane, c_{name}, mask=lane_ok)")
@@ -253,7 +275,7 @@ def render_backward(ir: ScanIR, adj: Adjoint) -> list[str]:
         args += [f"du{i}_ptr", *_strides(f"du{i}")]
     args += [f"dinit{f}_ptr" for f in range(n)]
     args += ["dfinal_ptr", "ckpt_ptr", "T", "L", "D1", "D2", "D3", "n_tiles"]
-    consts = ["BLOCK_T", "BLOCK_L", "REVERSE", "HAS_INIT", "HAS_DFINAL", "STATE", "FP64"] + [f"DU{i}" for i in range(len(ir.inputs))]
+    consts = ["BLOCK_T", "BLOCK_L", "REVERSE", "HAS_INIT", "HAS_DFINAL", "STATE", "FP64", "STAGES"] + [f"DU{i}" for i in range(len(ir.inputs))]
     body = _common_prologue()
     body += ["group = pid.to(tl.int64) * (BLOCK_L // STATE) + tl.arange(0, BLOCK_L // STATE)",
              "group_ok = group < L // STATE"]
@@ -316,7 +338,7 @@ def render_backward(ir: ScanIR, adj: Adjoint) -> list[str]:
         loop += _du_store(i, name)
     for f in ir.fields:
         loop.append(f"w_{f} = tl.sum(tl.where(rows == 0, W_{f}, 0.0), 0)")
-    body.append("for kk in range(0, n_tiles):")
+    body.append("for kk in tl.range(0, n_tiles, num_stages=STAGES):")
     body += _indent(loop, 4)
     for i in range(len(ir.inputs)):
         body += [f"if DU{i} == 2:",

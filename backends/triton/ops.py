@@ -10,6 +10,7 @@ gradients come back in their own shape, reduced in the kernel, never materialise
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
@@ -56,9 +57,9 @@ def _time_contiguous(inputs, dim) -> bool:
     return False
 
 
-def _config(prog: Program, inputs, layout, dim) -> Config:
+def _config(prog: Program, inputs, layout, dim, backward: bool = False) -> Config:
     state = layout.sizes[-1] if prog.ir.reduce_state else 1
-    return choose_config(layout.T, layout.L, _time_contiguous(inputs, dim), state, len(prog.ir.fields))
+    return choose_config(layout.T, layout.L, _time_contiguous(inputs, dim), state, len(prog.ir.fields), backward)
 
 
 def _flat(strides):
@@ -121,7 +122,7 @@ def scan_fwd(key: str, inputs: list[torch.Tensor], initial: list[torch.Tensor], 
     grid = (_cdiv(layout.L, cfg.block_l),)
     wrap_triton(prog.module.scan_forward)[grid](
         *args, BLOCK_T=cfg.block_t, BLOCK_L=cfg.block_l, REVERSE=reverse, HAS_INIT=bool(initial),
-        STATE=layout.sizes[-1] if ir.reduce_state else 1, FP64=fp64, num_warps=cfg.num_warps)
+        STATE=layout.sizes[-1] if ir.reduce_state else 1, FP64=fp64, STAGES=cfg.stages, num_warps=cfg.num_warps)
     return outs + [ckpt, final]
 
 
@@ -177,7 +178,10 @@ def scan_bwd(key: str, inputs: list[torch.Tensor], initial: list[torch.Tensor], 
            for s, m in zip(du_shapes, modes)]
     dinit = [torch.empty(layout.L, dtype=acc, device=device) for _ in range(n)] if initial else []
     if layout.T > 0 and layout.L > 0:
-        cfg = _config(prog, inputs, layout, dim)
+        cfg = _config(prog, inputs, layout, dim, backward=True)
+        # the forward's time tile (a power of two) is implied by the checkpoints: replay with it
+        per_tile = _cdiv(layout.T, ckpt.shape[1])
+        cfg = dataclasses.replace(cfg, block_t=1 << max(0, (per_tile - 1).bit_length()))
         args = []
         for i, t in enumerate(inputs):
             args += [t, *st[i]]
@@ -191,7 +195,7 @@ def scan_bwd(key: str, inputs: list[torch.Tensor], initial: list[torch.Tensor], 
         wrap_triton(prog.module.scan_backward)[grid](
             *args, BLOCK_T=cfg.block_t, BLOCK_L=cfg.block_l, REVERSE=reverse, HAS_INIT=bool(initial),
             HAS_DFINAL=dfinal is not None, STATE=layout.sizes[-1] if ir.reduce_state else 1, FP64=fp64,
-            **{f"DU{i}": m for i, m in enumerate(modes)}, num_warps=cfg.num_warps)
+            **{f"DU{i}": m for i, m in enumerate(modes)}, STAGES=cfg.stages, num_warps=cfg.num_warps)
     elif initial:
         for f in range(n):
             dinit[f] = dfinal[f].clone() if dfinal is not None else torch.zeros(layout.L, dtype=acc, device=device)

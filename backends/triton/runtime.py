@@ -115,17 +115,25 @@ class Config:
     block_t: int
     block_l: int
     num_warps: int
+    stages: int = 1
 
 
-def choose_config(T: int, L: int, time_contiguous: bool, state: int, n_fields: int) -> Config:
+# (time_contiguous, is_backward) -> Config forced by the benchmark's sweep; empty in normal use.
+OVERRIDES: dict = {}
+
+
+def choose_config(T: int, L: int, time_contiguous: bool, state: int, n_fields: int, backward: bool = False) -> Config:
     """Tile shape per layout: long time tiles when time is contiguous, wide lane tiles otherwise."""
     def pow2(n):
         return 1 << max(0, (n - 1).bit_length())
+    forced = OVERRIDES.get((time_contiguous, backward))
+    if forced is not None:
+        return Config(min(forced.block_t, pow2(T)), max(state, forced.block_l), forced.num_warps, forced.stages)
     if settings.triton_interpret() and not torch.cuda.is_available():
         return Config(block_t=min(8, pow2(T)), block_l=max(state, min(4, pow2(L))), num_warps=1)
     if time_contiguous:
         bt = min(1024 if n_fields <= 2 else 512, pow2(T))
         bl = max(state, max(1, 2048 // bt))
         return Config(block_t=bt, block_l=bl, num_warps=4)
-    bl = max(state, min(256 if n_fields <= 2 else 128, pow2(L)))
-    return Config(block_t=16, block_l=bl, num_warps=4)
+    bl = max(state, min(64, pow2(L)))
+    return Config(block_t=32, block_l=bl, num_warps=4, stages=2)

@@ -1,0 +1,163 @@
+"""Generated Triton scan kernels (forward and backward) against float64 sequential loops.
+
+Runs in Triton's interpreter on CPU (conftest sets TRITON_INTERPRET=1 when there is no GPU), on the
+GPU otherwise. Interpreter tiles are 8 steps x 4 lanes, so T = 1, 7, 8, 19 cover one partial tile,
+exactly one tile and several tiles with a tail.
+"""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import scanlang as sl
+from scanlang import library
+from scanlang.backends import triton as tb
+from scanlang.backends.reference import scan_sequential
+from scanlang.testing import assert_close, ratio, tolerance
+
+LIBRARY = [m for m in vars(library).values() if isinstance(m, sl.Monoid)]
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def nonzero(*shape, dtype=torch.float64, positive=False):
+    x = torch.rand(*shape, dtype=torch.float64) + 0.5
+    if not positive:
+        x = x * torch.where(torch.rand(*shape) < 0.3, -1.0, 1.0).double()
+    return x.to(dtype).to(DEVICE)
+
+
+def elems_for(monoid, shape, dtype=torch.float64):
+    if monoid is sl.Affine:   # |a| < 1 keeps long products tame, mixed signs
+        return (nonzero(*shape, dtype=dtype) * 0.9, nonzero(*shape, dtype=dtype))
+    return tuple(nonzero(*shape, dtype=dtype, positive=True) for _ in monoid.fields)
+
+
+@pytest.mark.parametrize("monoid", LIBRARY, ids=lambda m: m.name)
+@pytest.mark.parametrize("length", [1, 7, 8, 19])
+def test_forward_matches_sequential_loop(monoid, length):
+    shape = (2, length, 3)
+    elems = elems_for(monoid, shape)
+    out = sl.scan(monoid, elems, dim=1, backend="triton")
+    ref = scan_sequential(monoid, elems, dim=1)
+    for f, o, r in zip(monoid.fields, out, ref):
+        assert o.shape == r.shape and o.dtype == torch.float64
+        assert torch.isfinite(o).all(), f"{f}: some output was not written"
+        assert_close(o, r, "scan", name=f"{monoid.name}.{f}")
+
+
+@pytest.mark.parametrize("monoid", LIBRARY, ids=lambda m: m.name)
+@pytest.mark.parametrize("layout", ["time_contiguous", "channels_contiguous", "time_first", "strided"])
+@pytest.mark.parametrize("reverse", [False, True])
+def test_layouts_reverse_and_initial(monoid, layout, reverse):
+    T = 13
+    if layout == "time_contiguous":
+        shape, dim = (2, 3, T), 2
+    elif layout == "channels_contiguous":
+        shape, dim = (2, T, 5), 1
+    elif layout == "time_first":
+        shape, dim = (T, 3), 0
+    else:
+        shape, dim = (2, T, 3, 2), 1
+    elems = elems_for(monoid, shape)
+    if layout == "strided":  # non-contiguous views: every other channel of a wider tensor, transposed
+        elems = tuple(torch.cat([e, e], -1)[..., ::2].transpose(0, 2).transpose(0, 2) for e in elems)
+    lane_shape = shape[:dim] + shape[dim + 1:]
+    initial = elems_for(monoid, lane_shape)
+    out = sl.scan(monoid, elems, dim=dim, reverse=reverse, initial=initial, backend="triton")
+    ref = scan_sequential(monoid, elems, dim=dim, reverse=reverse, initial=initial)
+    for f, o, r in zip(monoid.fields, out, ref):
+        assert_close(o, r, "scan", name=f"{monoid.name}.{f}")
+
+
+def test_broadcast_parameter_and_float32():
+    a = (torch.rand(5, dtype=torch.float64) * 0.9 + 0.05).to(DEVICE)      # static decay per channel
+    b = nonzero(2, 21, 5)
+    out = sl.scan(sl.Affine, (a.float(), b.float()), dim=1, backend="triton")
+    ref = scan_sequential(sl.Affine, (a, b), dim=1)
+    assert out.b.dtype == torch.float32
+    assert_close(out.b, ref[1], "scan", dtype=torch.float32)
+    half = sl.scan(sl.Affine, (a.to(torch.bfloat16), b.to(torch.bfloat16)), dim=1, backend="triton")
+    ref_rounded = scan_sequential(sl.Affine, (a.to(torch.bfloat16), b.to(torch.bfloat16)), dim=1)
+    assert half.b.dtype == torch.float32
+    assert_close(half.b, ref_rounded[1], "scan", dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("monoid", LIBRARY, ids=lambda m: m.name)
+@pytest.mark.parametrize("reverse", [False, True])
+def test_gradients_match_autograd_of_the_loop(monoid, reverse):
+    shape = (2, 19, 3)
+    elems = tuple(e.requires_grad_() for e in elems_for(monoid, shape))
+    initial = tuple(e.requires_grad_() for e in elems_for(monoid, (2, 3)))
+    out = sl.scan(monoid, elems, dim=1, reverse=reverse, initial=initial, backend="triton")
+    ref = scan_sequential(monoid, elems, dim=1, reverse=reverse, initial=initial)
+    weights = [torch.randn(shape, dtype=torch.float64, device=DEVICE) for _ in monoid.fields]
+    leaves = elems + initial
+    got = torch.autograd.grad(sum((o * w).sum() for o, w in zip(out, weights)), leaves)
+    want = torch.autograd.grad(sum((r * w).sum() for r, w in zip(ref, weights)), leaves)
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert g.shape == w.shape
+        assert_close(g, w, "scan_grad", name=f"{monoid.name} grad {i}")
+
+
+def test_float32_gradients_and_broadcast_parameter_gradient():
+    a = (torch.rand(3, dtype=torch.float64) * 0.8 + 0.1).to(DEVICE).requires_grad_()
+    b = nonzero(2, 17, 3).requires_grad_()
+    w = torch.randn(2, 17, 3, dtype=torch.float64, device=DEVICE)
+    out = sl.scan(sl.Affine, (a.float(), b.float()), dim=1, backend="triton")
+    ga, gb = torch.autograd.grad((out.b * w.float()).sum(), (a, b))
+    ref = scan_sequential(sl.Affine, (a, b), dim=1)
+    ra, rb = torch.autograd.grad((ref[1] * w).sum(), (a, b))
+    assert ga.shape == (3,)
+    assert ratio(ga, ra) <= tolerance("scan_grad", torch.float32)
+    assert ratio(gb, rb) <= tolerance("scan_grad", torch.float32)
+
+
+@pytest.mark.parametrize("monoid", LIBRARY, ids=lambda m: m.name)
+def test_gradcheck_float64(monoid):
+    elems = tuple(e.requires_grad_() for e in elems_for(monoid, (1, 5, 2)))
+    initial = tuple(e.requires_grad_() for e in elems_for(monoid, (1, 2)))
+
+    def f(*xs):
+        return tuple(sl.scan(monoid, xs[:len(elems)], dim=1, initial=xs[len(elems):], backend="triton"))
+    assert torch.autograd.gradcheck(f, elems + initial, eps=1e-6, atol=1e-8)
+
+
+def test_empty_time_axis():
+    a, b = torch.ones(2, 0, 3, dtype=torch.float64, device=DEVICE), torch.ones(2, 0, 3, dtype=torch.float64, device=DEVICE)
+    out = tb.scan(sl.Affine, (a, b), 1, False, None, torch.float64)
+    assert out[0].shape == (2, 0, 3)
+
+
+def test_bad_inputs_raise_typed_errors():
+    a = torch.ones(2, 4, 3, dtype=torch.int32, device=DEVICE)
+    with pytest.raises(TypeError, match="elems"):
+        tb.scan(sl.Affine, (a, a), 1, False, None, torch.float32)
+    x = torch.ones(2, 4, 3, device=DEVICE)
+    with pytest.raises(ValueError, match="dim"):
+        tb.scan(sl.Affine, (x, x), 3, False, None, torch.float32)
+    with pytest.raises(TypeError, match="out_dtype"):
+        tb.scan(sl.Affine, (x, x), 1, False, None, torch.float16)
+    if DEVICE == "cuda":
+        with pytest.raises(ValueError, match="devices"):
+            tb.scan(sl.Affine, (x, x.cpu()), 1, False, None, torch.float32)
+    else:
+        with pytest.raises(ValueError, match="devices"):
+            tb.scan(sl.Affine, (x, torch.ones(2, 4, 3, device="meta")), 1, False, None, torch.float32)
+
+
+SHOW = ("import scanlang as sl; from scanlang.backends import triton as tb; "
+        "import sys; sys.stdout.write(tb.show(sl.Mobius))")
+
+
+def test_generated_source_is_byte_identical_across_processes(tmp_path):
+    env = dict(os.environ, SCANLANG_CACHE_DIR=str(tmp_path), TRITON_INTERPRET="1", PYTHONHASHSEED="random")
+    runs = [subprocess.run([sys.executable, "-c", SHOW], env=dict(env, PYTHONHASHSEED=str(seed)),
+                           capture_output=True, text=True, check=True).stdout for seed in (1, 2)]
+    assert runs[0] == runs[1]
+    assert "def scan_forward(" in runs[0] and "def scan_backward(" in runs[0]
+    assert "tl.associative_scan" in runs[0] and "reverse=True" in runs[0]
+    cached = list((tmp_path / "triton").glob("scanlang_*.py"))
+    assert len(cached) == 1 and cached[0].read_text() == runs[0]
+    assert not list((tmp_path / "triton").glob("*.tmp"))
