@@ -481,8 +481,27 @@ def _identity(m, side: str, seconds) -> LawResult:
         err.side = side
         raise err
 
+    _identity_is_finite(m, side, expr, evaluate)
     return _law(m, law, seconds, sides, projective, 1, evaluate,
                 lambda p: sides(tuple(_exact(v) for v in p[0])), projective, fail)
+
+
+def _identity_is_finite(m, side: str, expr: str, evaluate):
+    """Raise IdentityError when combining with the identity gives inf/nan in float64 for every
+    simple finite x (e.g. inf * x / (inf + x)): the scan would produce exactly that."""
+    probes = [tuple(np.array([v]) for _ in m.fields) for v in (1.0, 2.0, -1.0, 0.5, 3.0)]
+    results = [evaluate(x)[0] for x in probes]
+    if any(all(np.isfinite(v[0]) for v in got) for got in results):
+        return
+    x = tuple(float(v[0]) for v in probes[0])
+    got = tuple(float(v[0]) for v in results[0])
+    err = IdentityError(
+        f"identity {_fmt_point(m.identity)} of monoid '{m.name}' is not a {side} identity in floating point: "
+        f"{expr} evaluates to inf/nan for every finite x tried (an inf entry meets 0*inf, inf-inf or "
+        f"inf/inf); e.g. x = {_fmt_point(x)}: {expr} = {_fmt_point(got)}. The scan would compute the same.",
+        counterexample=x)
+    err.side = side
+    raise err
 
 
 def commutativity(m, seconds=None) -> bool | None:

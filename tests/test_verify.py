@@ -182,6 +182,18 @@ def test_identity_error_with_counterexample(m, side):
     assert _floats(got) != x
 
 
+def test_identity_that_only_holds_as_a_limit_is_refused():
+    @sl.monoid(fields=("r",), identity=(INF,))
+    def parallel_resistors(x, y):  # inf * r / (inf + r) is nan in floating point
+        return x.r * y.r / (x.r + y.r)
+
+    with pytest.raises(sl.IdentityError, match="in floating point") as info:
+        verify(parallel_resistors)
+    x = info.value.counterexample
+    got = parallel_resistors.combine_direct(_f64(parallel_resistors.identity), _f64(x))
+    assert not torch.isfinite(got[0])
+
+
 # ---- budget and numeric fallback ----------------------------------------------------------------------
 
 def _fresh_affine():
