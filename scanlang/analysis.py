@@ -10,7 +10,7 @@ defined (denominators and scales nonzero, logarithms of positive values).
   2. a max/min normal form: `+`, positive scalings, exp and log are monotone and are pushed through
      Max/Min (negative scalings swap them), the result is flattened to a Max of Mins of atoms and
      dominated atoms are dropped; equal normal forms prove the equality (tropical algebra).
-  3. sympy.simplify of the difference.
+  3. sympy.simplify of the difference (only when a long step can be interrupted: see Deadline).
 It returns True, False or None (undecided) together with the leftover expression. Callers bound its
 running time (see verify.py); it checks a cooperative deadline between steps.
 """
@@ -36,6 +36,8 @@ class Deadline:
 
     def __init__(self, seconds: float | None):
         self.end = None if seconds is None else time.monotonic() + max(0.0, seconds)
+        # whether a long step can be interrupted (an alarm is armed, or there is no limit at all)
+        self.interruptible = seconds is None
 
     def remaining(self) -> float | None:
         return None if self.end is None else self.end - time.monotonic()
@@ -131,7 +133,7 @@ def decide_equal(lhs, rhs, deadline: Deadline = NO_DEADLINE, use_simplify: bool 
         if left is not None:
             diff = lattice_expr(left) - lattice_expr(right)
     deadline.check()
-    if use_simplify:
+    if use_simplify and deadline.interruptible:
         simplified = sympy.simplify(lhs - rhs)
         if simplified == 0:
             return Decision(True, "sympy.simplify")

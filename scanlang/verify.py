@@ -6,9 +6,11 @@
 The proof is symbolic (sympy, see scanlang/analysis.py for the methods) and holds over the reals
 wherever the expressions are defined; identity entries of +-inf are read in the extended reals
 (sympy's oo, with every field a finite real). Each law gets a time budget (`seconds=`, default
-settings.proof_seconds(); enforced with SIGALRM in the main thread and by cooperative deadline checks
-elsewhere). When sympy cannot decide within it, a seeded random check over several value ranges
-takes over and the report says "numeric, not a proof".
+settings.proof_seconds(); enforced with SIGALRM in the main thread; elsewhere the deadline is checked
+between steps and the open-ended sympy.simplify step is skipped). A cheap seeded random search for a
+counterexample over several value ranges runs before sympy; when sympy cannot decide within the
+budget, that search's evidence is reported as "numeric, not a proof". An identity must also evaluate
+to finite values in float64 (inf * x / (inf + x) is nan there, whatever its limit).
 
 Projective monoids (declared with `scale=`): when scale is homogeneous of degree 1 and the combine is
 homogeneous in each operand, renormalising (dividing by scale) maps a law that holds up to a nonzero
@@ -127,7 +129,9 @@ class Proof:
         scale = " up to scale" if m.is_projective else ""
         ident = ", ".join(_num(v) for v in m.identity)
         where = "over the reals" + (f" ({_domain(m)})" if _domain(m) else "")
-        how = f"{self.method} {where}" if self.symbolic else f"{self.method}; symbolic results hold {where}"
+        how = f"{self.method} {where}"
+        if not self.symbolic:
+            how = self.method + (f"; symbolic results hold {where}" if any(law.symbolic for law in self.laws) else "")
         lines = [f"{m.name}: associative{assoc} with identity ({ident}){scale} -- {how}"]
         lines += [f"  {law}" for law in self.laws]
         if m.is_projective:
@@ -178,7 +182,7 @@ def _alarm(seconds: float | None):
               and threading.current_thread() is threading.main_thread()
               and signal.getitimer(signal.ITIMER_REAL)[0] == 0)
     if not usable:
-        yield
+        yield False
         return
 
     def on_alarm(signum, frame):
@@ -187,7 +191,7 @@ def _alarm(seconds: float | None):
     previous = signal.signal(signal.SIGALRM, on_alarm)
     signal.setitimer(signal.ITIMER_REAL, max(seconds, 1e-4))
     try:
-        yield
+        yield True
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
@@ -197,7 +201,8 @@ def _symbolic(fn, seconds: float | None):
     """Run fn(deadline) within the budget: (result, None) or (None, why it stopped)."""
     try:
         deadline = A.Deadline(seconds)
-        with _alarm(seconds):
+        with _alarm(seconds) as armed:
+            deadline.interruptible = armed or seconds is None
             return fn(deadline), None
     except A.ProofTimeout:
         return None, f"sympy did not decide within the {seconds:g} s budget"

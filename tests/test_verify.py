@@ -119,6 +119,20 @@ def test_non_homogeneous_scale_is_explained():
     assert "renormalised by scale" in str(info.value)
 
 
+def test_non_homogeneous_combine_is_checked_after_renormalising():
+    @sl.monoid(fields=("a", "b"), identity=(1, 0), scale=lambda m: m.a)
+    def affine_plus_one(x, y):  # the + 1 breaks homogeneity in x and in y
+        return y.a * x.a + 1, y.a * x.b + y.b
+
+    with pytest.raises(sl.NotAssociativeError) as info:
+        verify(affine_plus_one)
+    assert "combine is not homogeneous" in str(info.value)
+    x, y, z = info.value.counterexample
+    c = affine_plus_one.combine_direct
+    left, right = c(c(_f64(x), _f64(y)), _f64(z)), c(_f64(x), c(_f64(y), _f64(z)))
+    assert not torch.allclose(torch.stack(left), torch.stack(right), rtol=1e-6, atol=0)
+
+
 def test_renormalising_by_a_constant_scale_keeps_the_law():
     @sl.monoid(fields=("a", "b", "c", "d"), identity=(1, 0, 0, 1), scale=lambda m: 1)
     def unit_scale(x, y):
