@@ -87,7 +87,8 @@ class Proof:
 
     `commutative` is True/False, or None when undecided. `sparsity` and `jacobian_x`/`jacobian_y`
     (sympy Matrices, d result_i / d operand_j) describe the combine the scan evaluates (divided by
-    scale for projective monoids).
+    scale for projective monoids). `identity_pads_safely` says whether combine(e, e) == e in float64:
+    when False (OnlineSoftmax: exp(-inf - (-inf)) is nan) a kernel must not pad with the identity.
     """
 
     monoid: object
@@ -100,6 +101,7 @@ class Proof:
     jacobian_x: sympy.Matrix
     jacobian_y: sympy.Matrix
     seconds: float
+    identity_pads_safely: bool = True
 
     @property
     def laws(self) -> tuple[LawResult, ...]:
@@ -138,6 +140,8 @@ class Proof:
             lines.append(f"  projective: {_projective_note(m, self.projective)}")
         if any(math.isinf(v) for v in m.identity):
             lines.append("  identity entries +-inf are read in the extended reals (every field is a finite real)")
+        if not self.identity_pads_safely:
+            lines.append("  combine(e, e) is not e in float64 (inf - inf): do not pad scans with the identity")
         comm = {True: "yes", False: "no", None: "undecided"}[self.commutative]
         lines.append(f"  commutative: {comm}")
         lines.append(f"  jacobian sparsity: {self.sparsity}")
@@ -618,7 +622,17 @@ def verify(monoid, seconds: float | None = None) -> Proof:
     jx, jy = A.jacobians(m)
     return Proof(monoid=m, associativity=assoc, left_identity=left, right_identity=right,
                  projective=homogeneity, commutative=commutative, sparsity=A.sparsity(m),
-                 jacobian_x=jx, jacobian_y=jy, seconds=time.perf_counter() - start)
+                 jacobian_x=jx, jacobian_y=jy, seconds=time.perf_counter() - start,
+                 identity_pads_safely=identity_pads_safely(m))
 
 
-__all__ = ["verify", "Proof", "LawResult", "commutativity", "clear_memory_cache", "RANGES"]
+def identity_pads_safely(m) -> bool:
+    """combine(e, e) == e in float64 (up to scale for projective monoids)?"""
+    e = tuple(np.array([v]) for v in m.identity)
+    got = _Float64(m).combine(e, e, renormalise=False)
+    if m.is_projective:
+        return bool(np.isfinite(np.stack(got)).all() and _relative(got, list(e), True)[0] == 0)
+    return all(np.array_equal(g, v) for g, v in zip(got, e))  # -inf == -inf; nan fails
+
+
+__all__ = ["verify", "Proof", "LawResult", "commutativity", "identity_pads_safely", "clear_memory_cache", "RANGES"]

@@ -32,6 +32,21 @@ def test_library_monoid_is_proved(m):
     assert proof.commutative is COMMUTATIVE[m.name]
 
 
+PADS_UNSAFELY = {"OnlineSoftmax", "LogAffine", "LogSumExp",  # exp(-inf - (-inf)) is nan
+                 "Welford"}  # 0 / 0
+
+
+@pytest.mark.parametrize("m", L.LIBRARY, ids=lambda m: m.name)
+def test_identity_padding_safety_is_reported(m):
+    proof = verify(m)
+    assert proof.identity_pads_safely == (m.name not in PADS_UNSAFELY)
+    e = tuple(torch.tensor([v], dtype=torch.float64) for v in m.identity)
+    ee = m.combine_direct(e, e, renormalise=False)
+    same = all(torch.equal(a, b) for a, b in zip(ee, e)) if not m.is_projective else \
+        bool(torch.isfinite(torch.stack(ee)).all())  # Mobius: e @ e = e
+    assert same == proof.identity_pads_safely
+
+
 def test_every_library_monoid_is_in_the_table():
     assert set(COMMUTATIVE) == {m.name for m in L.LIBRARY}
 
