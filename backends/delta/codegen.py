@@ -64,7 +64,7 @@ def render_prep(chunk_size: int) -> str:
     a("@triton.jit")
     a("def delta_prep(k_ptr, v_ptr, a_ptr, s_ptr, eps, chunk_tok, chunk_len, w_ptr, u_ptr, tm_ptr, gcum_ptr, beta_ptr,")
     a("               H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,")
-    a("               PREC: tl.constexpr):")
+    a("               PREC: tl.constexpr, IN_PREC: tl.constexpr, UPCAST: tl.constexpr):")
     a(f'    """gcum, beta, Tm = (I + A)^-1, w and u for one chunk of {chunk_size} tokens ({nb} blocks of {BLOCK} rows)."""')
     a("    c = tl.program_id(0)")
     a("    h = tl.program_id(1)")
@@ -97,7 +97,7 @@ def render_prep(chunk_size: int) -> str:
     a("    # A_ij = beta_i (k_i . k_j) exp(G_i - G_j), strictly lower; diagonal blocks inverted directly")
     for b in range(nb):
         for c in range(b + 1):
-            dot = f"tl.dot(k{b}, tl.trans(k{c}), input_precision=PREC)"
+            dot = f"mm(k{b}, tl.trans(k{c}), IN_PREC, UPCAST)"
             if b == c:
                 a(f"    A{b}{b} = tl.where(strict, beta{b}[:, None] * {dot} * "
                   f"tl.exp(tl.where(strict, G{b}[:, None] - G{b}[None, :], 0.0)), 0.0)")
@@ -108,20 +108,20 @@ def render_prep(chunk_size: int) -> str:
     for dist in range(1, nb):
         for b in range(dist, nb):
             c = b - dist
-            terms = " + ".join(f"tl.dot(A{b}{d}, T{d}{c}, input_precision=PREC)" for d in range(c, b))
-            a(f"    T{b}{c} = -tl.dot(T{b}{b}, {terms}, input_precision=PREC)")
+            terms = " + ".join(f"mm(A{b}{d}, T{d}{c}, PREC, UPCAST)" for d in range(c, b))
+            a(f"    T{b}{c} = -mm(T{b}{b}, {terms}, PREC, UPCAST)")
     a("    # w = Tm diag(beta e^G) K, u = Tm diag(beta) V")
     for b in range(nb):
         a(f"    X{b} = (beta{b} * tl.exp(G{b}))[:, None] * kf{b}")
         a(f"    Y{b} = beta{b}[:, None] * v{b}")
     for b in range(nb):
-        w = " + ".join(f"tl.dot(T{b}{c}, X{c}, input_precision=PREC)" for c in range(b + 1))
-        u = " + ".join(f"tl.dot(T{b}{c}, Y{c}, input_precision=PREC)" for c in range(b + 1))
+        w = " + ".join(f"mm(T{b}{c}, X{c}, PREC, UPCAST)" for c in range(b + 1))
+        u = " + ".join(f"mm(T{b}{c}, Y{c}, PREC, UPCAST)" for c in range(b + 1))
         a(f"    w{b} = {w}")
         a(f"    u{b} = {u}")
-        a(f"    tl.store(w_ptr + (tok{b}[:, None] * H + h) * K + kk[None, :], w{b}.to(w_ptr.dtype.element_ty), "
+        a(f"    tl.store(w_ptr + (tok{b}[:, None] * H + h) * K + kk[None, :], rnd(w{b}, w_ptr.dtype.element_ty, UPCAST), "
           f"mask=ok{b}[:, None] & (kk[None, :] < K))")
-        a(f"    tl.store(u_ptr + (tok{b}[:, None] * H + h) * V + vv[None, :], u{b}.to(u_ptr.dtype.element_ty), "
+        a(f"    tl.store(u_ptr + (tok{b}[:, None] * H + h) * V + vv[None, :], rnd(u{b}, u_ptr.dtype.element_ty, UPCAST), "
           f"mask=ok{b}[:, None] & (vv[None, :] < V))")
         for c in range(b + 1):
             a(f"    tl.store(tm_ptr + ((c * H + h) * C + rows{b}[:, None]).to(tl.int64) * C + {c * BLOCK} + r[None, :], "

@@ -25,6 +25,11 @@ STATE_BV = 64            # value columns per program in the sequential and outpu
 _RULES = {"beta": GIVEN, "kaczmarz": KACZMARZ}
 
 
+def _empty(*shape, device, dtype):
+    """Every buffer the kernels fill; tests replace it with a NaN-filled one to prove full coverage."""
+    return torch.empty(*shape, device=device, dtype=dtype)
+
+
 class ChunkTable:
     """Chunks of a packed stream: first token and length of each chunk, first chunk of each sequence."""
 
@@ -54,35 +59,37 @@ class ChunkTable:
         self.n_chunks = int(self.chunk_tok.numel())
 
 
-def _meta(K: int, V: int, C: int, dtype: torch.dtype) -> dict:
+def _meta(K: int, V: int, C: int, dtype: torch.dtype, device: torch.device) -> dict:
     BK = max(16, triton.next_power_of_2(K))
-    return dict(K=K, V=V, BK=BK, C=C, PREC="ieee" if dtype == torch.float32 else "tf32")
+    fp32 = dtype == torch.float32
+    return dict(K=K, V=V, BK=BK, C=C, PREC="ieee" if fp32 else "tf32", IN_PREC="ieee" if fp32 else None,
+                UPCAST=device.type == "cpu" and dtype == torch.bfloat16)
 
 
 def _forward(mod, q, k, v, a, s, h0, eps, scale, table: ChunkTable, C: int):
     """Run prep, state_fwd and output. Returns (o fp32, final state fp32, gcum, beta, Tm, w, h, U)."""
     TT, H, K = k.shape
     V = v.shape[-1]
-    meta = _meta(K, V, C, k.dtype)
+    meta = _meta(K, V, C, k.dtype, k.device)
     BVfull = max(16, triton.next_power_of_2(V))
     BV = min(STATE_BV, BVfull)
     NC, N = table.n_chunks, table.n_seq
     dev = k.device
-    gcum = torch.empty(TT, H, device=dev, dtype=torch.float32)
-    beta = torch.empty(TT, H, device=dev, dtype=torch.float32)
-    w = torch.empty(TT, H, K, device=dev, dtype=k.dtype)
-    u = torch.empty(TT, H, V, device=dev, dtype=k.dtype)
-    tm = torch.empty(NC, H, C, C, device=dev, dtype=torch.float32)
+    gcum = _empty(TT, H, device=dev, dtype=torch.float32)
+    beta = _empty(TT, H, device=dev, dtype=torch.float32)
+    w = _empty(TT, H, K, device=dev, dtype=k.dtype)
+    u = _empty(TT, H, V, device=dev, dtype=k.dtype)
+    tm = _empty(NC, H, C, C, device=dev, dtype=torch.float32)
     mod.delta_prep[(NC, H)](k, v, a, s, eps, table.chunk_tok, table.chunk_len, w, u, tm, gcum, beta,
                             H, BV=BVfull, **meta)
-    h = torch.empty(NC, H, K, V, device=dev, dtype=k.dtype)
-    U = torch.empty(TT, H, V, device=dev, dtype=k.dtype)
-    ht = torch.empty(N, H, K, V, device=dev, dtype=torch.float32)
+    h = _empty(NC, H, K, V, device=dev, dtype=k.dtype)
+    U = _empty(TT, H, V, device=dev, dtype=k.dtype)
+    ht = _empty(N, H, K, V, device=dev, dtype=torch.float32)
     nv = triton.cdiv(V, BV)
     mod.delta_state_fwd[(N, H, nv)](k, w, u, gcum, h0 if h0 is not None else ht, table.chunk_tok, table.chunk_len,
                                     table.seq_chunk0, h, U, ht, H, BV=BV, HAS_H0=h0 is not None,
                                     STORE_FINAL=True, **meta)
-    o = torch.empty(TT, H, V, device=dev, dtype=torch.float32)
+    o = _empty(TT, H, V, device=dev, dtype=torch.float32)
     mod.delta_output[(NC, H, nv)](q, k, gcum, h, U, o, table.chunk_tok, table.chunk_len, scale, H, BV=BV, **meta)
     return o, ht, gcum, beta, tm, w, h, U
 
@@ -104,26 +111,26 @@ class ChunkDeltaRule(torch.autograd.Function):
         _, _, gcum, beta, tm, w, h, U = _forward(mod, q, k, v, a, s, h0, eps, scale, table, C)
         TT, H, K = k.shape
         V = v.shape[-1]
-        meta = _meta(K, V, C, k.dtype)
+        meta = _meta(K, V, C, k.dtype, k.device)
         BV = min(STATE_BV, max(16, triton.next_power_of_2(V)))
         NC, N, nv = table.n_chunks, table.n_seq, triton.cdiv(V, BV)
         dev = k.device
         do = torch.zeros(TT, H, V, device=dev, dtype=torch.float32) if do is None else do.contiguous().float()
-        dul = torch.empty(TT, H, V, device=dev, dtype=torch.float32)
+        dul = _empty(TT, H, V, device=dev, dtype=torch.float32)
         mod.delta_dU_local[(NC, H, nv)](q, k, gcum, do, dul, table.chunk_tok, table.chunk_len, scale, H, BV=BV, **meta)
-        dh = torch.empty(NC, H, K, V, device=dev, dtype=k.dtype)
-        dU = torch.empty(TT, H, V, device=dev, dtype=torch.float32)
-        dh0 = torch.empty(N, H, K, V, device=dev, dtype=torch.float32)
+        dh = _empty(NC, H, K, V, device=dev, dtype=k.dtype)
+        dU = _empty(TT, H, V, device=dev, dtype=torch.float32)
+        dh0 = _empty(N, H, K, V, device=dev, dtype=torch.float32)
         has_dht = dht is not None
         dht = dht.contiguous().float() if has_dht else dh0
         mod.delta_state_bwd[(N, H, nv)](q, k, w, gcum, do, dul, dht, table.chunk_tok, table.chunk_len,
                                         table.seq_chunk0, dh, dU, dh0, scale, H, BV=BV, HAS_DHT=has_dht,
                                         STORE_DH0=h0 is not None, **meta)
-        dq = torch.empty(TT, H, K, device=dev, dtype=torch.float32)
-        dk = torch.empty_like(dq)
-        dv = torch.empty(TT, H, V, device=dev, dtype=torch.float32)
-        da = torch.empty(TT, H, device=dev, dtype=torch.float32)
-        ds = torch.empty_like(da)
+        dq = _empty(TT, H, K, device=dev, dtype=torch.float32)
+        dk = _empty(*dq.shape, device=dev, dtype=torch.float32)
+        dv = _empty(TT, H, V, device=dev, dtype=torch.float32)
+        da = _empty(TT, H, device=dev, dtype=torch.float32)
+        ds = _empty(*da.shape, device=dev, dtype=torch.float32)
         mod.delta_bwd[(NC, H)](q, k, v, a, s, eps, gcum, beta, tm, h, dh, U, dU, do, dq, dk, dv, da, ds,
                                table.chunk_tok, table.chunk_len, scale, H, BV=BV, **meta)
         grads = (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), da.to(a.dtype), ds.to(s.dtype),
@@ -137,8 +144,8 @@ def recurrent_forward(mod, q, k, v, a, s, h0, eps, scale, table: ChunkTable):
     V = v.shape[-1]
     BK = max(16, triton.next_power_of_2(K))
     BV = min(STATE_BV, max(16, triton.next_power_of_2(V)))
-    o = torch.empty(TT, H, V, device=k.device, dtype=torch.float32)
-    ht = torch.empty(table.n_seq, H, K, V, device=k.device, dtype=torch.float32)
+    o = _empty(TT, H, V, device=k.device, dtype=torch.float32)
+    ht = _empty(table.n_seq, H, K, V, device=k.device, dtype=torch.float32)
     mod.delta_recurrent[(table.n_seq, H, triton.cdiv(V, BV))](
         q, k, v, a, s, eps, h0 if h0 is not None else ht, o, ht, table.seq_tok, scale, H, K=K, V=V, BK=BK, BV=BV,
         HAS_H0=h0 is not None, STORE_FINAL=True)

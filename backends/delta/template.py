@@ -8,6 +8,10 @@
 All kernels index tokens as one packed stream [TT, H, ...] (an equal-length batch is packed too), and a
 chunk table gives each chunk's first token and length, so one template serves both cases.
 
+Dots of two fp32 operands (Tm and its gradients) use PREC ("ieee", or "tf32" for half inputs); dots of
+input-dtype operands use IN_PREC ("ieee" for fp32 inputs, the default for bf16/fp16 tensor cores);
+all go through `mm`, which can upcast bf16 operands for Triton's CPU interpreter (UPCAST).
+
 Kernels (per chunk c of C tokens, head h; S0 the chunk's start state, G the in-chunk cumsum of g):
     delta_prep        gcum, beta, Tm = (I + A)^-1 (blocked forward substitution), w = Tm diag(beta e^G) K,
                       u = Tm diag(beta) V
@@ -39,6 +43,30 @@ def step_beta(s, n2, eps):
 
 
 @triton.jit
+def mm(a, b, precision: tl.constexpr, upcast: tl.constexpr):
+    """a @ b with fp32 accumulation. `upcast` widens bf16 operands first: Triton's CPU interpreter
+    multiplies bf16 tensors as raw integers."""
+    if upcast:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        return tl.dot(a, b, input_precision=precision)
+
+
+@triton.jit
+def rnd(x, dtype: tl.constexpr, emulate: tl.constexpr):
+    """x in `dtype`. With `emulate` (Triton's CPU interpreter, which truncates fp32 -> bf16), bf16 is
+    rounded to nearest even by hand, as the GPU does."""
+    if x.dtype == dtype:
+        return x
+    elif emulate and dtype == tl.bfloat16:
+        bits = x.to(tl.float32).to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        return bits.to(tl.float32, bitcast=True).to(dtype)
+    else:
+        return x.to(dtype)
+
+
+@triton.jit
 def inv_unit_lower16(A):
     """(I + A)^-1 for a strictly lower [16, 16] block, by forward substitution over its rows."""
     r = tl.arange(0, 16)
@@ -56,7 +84,7 @@ def inv_unit_lower16(A):
 @triton.jit
 def delta_state_fwd(k_ptr, w_ptr, u_ptr, gcum_ptr, h0_ptr, chunk_tok, chunk_len, seq_chunk0, h_ptr, U_ptr, ht_ptr,
                     H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
-                    HAS_H0: tl.constexpr, STORE_FINAL: tl.constexpr, PREC: tl.constexpr):
+                    HAS_H0: tl.constexpr, STORE_FINAL: tl.constexpr, PREC: tl.constexpr, IN_PREC: tl.constexpr, UPCAST: tl.constexpr):
     n = tl.program_id(0)
     h = tl.program_id(1)
     vv = tl.program_id(2) * BV + tl.arange(0, BV)
@@ -75,7 +103,7 @@ def delta_state_fwd(k_ptr, w_ptr, u_ptr, gcum_ptr, h0_ptr, chunk_tok, chunk_len,
         ok = rows < nv
         tok = t0 + rows
         tl.store(h_ptr + ((c * H + h) * K + kk[:, None]).to(tl.int64) * V + vv[None, :],
-                 S.to(h_ptr.dtype.element_ty), mask=sm)
+                 rnd(S, h_ptr.dtype.element_ty, UPCAST), mask=sm)
         km = ok[:, None] & (kk[None, :] < K)
         vm = ok[:, None] & (vv[None, :] < V)
         w = tl.load(w_ptr + (tok[:, None] * H + h) * K + kk[None, :], mask=km, other=0.0)
@@ -83,11 +111,11 @@ def delta_state_fwd(k_ptr, w_ptr, u_ptr, gcum_ptr, h0_ptr, chunk_tok, chunk_len,
         u = tl.load(u_ptr + (tok[:, None] * H + h) * V + vv[None, :], mask=vm, other=0.0).to(tl.float32)
         G = tl.load(gcum_ptr + tok * H + h, mask=ok, other=0.0)
         G_last = tl.load(gcum_ptr + (t0 + nv - 1) * H + h)
-        U = u - tl.dot(w, S.to(w.dtype), input_precision=PREC)
-        tl.store(U_ptr + (tok[:, None] * H + h) * V + vv[None, :], U.to(U_ptr.dtype.element_ty), mask=vm)
+        U = u - mm(w, rnd(S, w.dtype, UPCAST), IN_PREC, UPCAST)
+        tl.store(U_ptr + (tok[:, None] * H + h) * V + vv[None, :], rnd(U, U_ptr.dtype.element_ty, UPCAST), mask=vm)
         tail = tl.where(ok, tl.exp(G_last - G), 0.0)
-        kt = (k.to(tl.float32) * tail[:, None]).to(k.dtype)
-        S = S * tl.exp(G_last) + tl.dot(tl.trans(kt), U.to(k.dtype), input_precision=PREC)
+        kt = rnd(k.to(tl.float32) * tail[:, None], k.dtype, UPCAST)
+        S = S * tl.exp(G_last) + mm(tl.trans(kt), rnd(U, k.dtype, UPCAST), IN_PREC, UPCAST)
     if STORE_FINAL:
         tl.store(ht_ptr + ((n * H + h) * K + kk[:, None]).to(tl.int64) * V + vv[None, :], S, mask=sm)
 
@@ -95,7 +123,7 @@ def delta_state_fwd(k_ptr, w_ptr, u_ptr, gcum_ptr, h0_ptr, chunk_tok, chunk_len,
 @triton.jit
 def delta_output(q_ptr, k_ptr, gcum_ptr, h_ptr, U_ptr, o_ptr, chunk_tok, chunk_len, scale,
                  H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
-                 PREC: tl.constexpr):
+                 PREC: tl.constexpr, IN_PREC: tl.constexpr, UPCAST: tl.constexpr):
     c = tl.program_id(0)
     h = tl.program_id(1)
     vv = tl.program_id(2) * BV + tl.arange(0, BV)
@@ -115,16 +143,16 @@ def delta_output(q_ptr, k_ptr, gcum_ptr, h_ptr, U_ptr, o_ptr, chunk_tok, chunk_l
     U = tl.load(U_ptr + (tok[:, None] * H + h) * V + vv[None, :], mask=vm, other=0.0)
     causal = (rows[:, None] >= rows[None, :]) & ok[:, None]
     D = tl.where(causal, tl.exp(tl.where(causal, G[:, None] - G[None, :], 0.0)), 0.0)
-    M = tl.dot(q, tl.trans(k), input_precision=PREC) * D
-    o = tl.dot(q, S0.to(q.dtype), input_precision=PREC) * tl.exp(G)[:, None]
-    o += tl.dot(M.to(q.dtype), U.to(q.dtype), input_precision=PREC)
+    M = mm(q, tl.trans(k), IN_PREC, UPCAST) * D
+    o = mm(q, rnd(S0, q.dtype, UPCAST), IN_PREC, UPCAST) * tl.exp(G)[:, None]
+    o += mm(rnd(M, q.dtype, UPCAST), rnd(U, q.dtype, UPCAST), IN_PREC, UPCAST)
     tl.store(o_ptr + (tok[:, None] * H + h) * V + vv[None, :], o * scale, mask=vm)
 
 
 @triton.jit
 def delta_dU_local(q_ptr, k_ptr, gcum_ptr, do_ptr, dul_ptr, chunk_tok, chunk_len, scale,
                    H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
-                   PREC: tl.constexpr):
+                   PREC: tl.constexpr, IN_PREC: tl.constexpr, UPCAST: tl.constexpr):
     c = tl.program_id(0)
     h = tl.program_id(1)
     vv = tl.program_id(2) * BV + tl.arange(0, BV)
@@ -143,8 +171,8 @@ def delta_dU_local(q_ptr, k_ptr, gcum_ptr, do_ptr, dul_ptr, chunk_tok, chunk_len
     # row j (key), column i (query): the transpose of the causal output mask
     causal_t = (rows[None, :] >= rows[:, None]) & ok[None, :]
     Dt = tl.where(causal_t, tl.exp(tl.where(causal_t, G[None, :] - G[:, None], 0.0)), 0.0)
-    Mt = tl.dot(k, tl.trans(q), input_precision=PREC) * Dt
-    dU = tl.dot(Mt.to(q.dtype), do.to(q.dtype), input_precision=PREC) * scale
+    Mt = mm(k, tl.trans(q), IN_PREC, UPCAST) * Dt
+    dU = mm(rnd(Mt, q.dtype, UPCAST), rnd(do, q.dtype, UPCAST), IN_PREC, UPCAST) * scale
     tl.store(dul_ptr + (tok[:, None] * H + h) * V + vv[None, :], dU, mask=vm)
 
 
@@ -152,7 +180,7 @@ def delta_dU_local(q_ptr, k_ptr, gcum_ptr, do_ptr, dul_ptr, chunk_tok, chunk_len
 def delta_state_bwd(q_ptr, k_ptr, w_ptr, gcum_ptr, do_ptr, dul_ptr, dht_ptr, chunk_tok, chunk_len, seq_chunk0,
                     dh_ptr, dU_ptr, dh0_ptr, scale,
                     H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
-                    HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr, PREC: tl.constexpr):
+                    HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr, PREC: tl.constexpr, IN_PREC: tl.constexpr, UPCAST: tl.constexpr):
     n = tl.program_id(0)
     h = tl.program_id(1)
     vv = tl.program_id(2) * BV + tl.arange(0, BV)
@@ -172,7 +200,7 @@ def delta_state_bwd(q_ptr, k_ptr, w_ptr, gcum_ptr, do_ptr, dul_ptr, dht_ptr, chu
         ok = rows < nv
         tok = t0 + rows
         tl.store(dh_ptr + ((c * H + h) * K + kk[:, None]).to(tl.int64) * V + vv[None, :],
-                 dS.to(dh_ptr.dtype.element_ty), mask=sm)
+                 rnd(dS, dh_ptr.dtype.element_ty, UPCAST), mask=sm)
         km = ok[:, None] & (kk[None, :] < K)
         vm = ok[:, None] & (vv[None, :] < V)
         q = tl.load(q_ptr + (tok[:, None] * H + h) * K + kk[None, :], mask=km, other=0.0)
@@ -183,12 +211,12 @@ def delta_state_bwd(q_ptr, k_ptr, w_ptr, gcum_ptr, do_ptr, dul_ptr, dht_ptr, chu
         do = tl.load(do_ptr + (tok[:, None] * H + h) * V + vv[None, :], mask=vm, other=0.0)
         dU = tl.load(dul_ptr + (tok[:, None] * H + h) * V + vv[None, :], mask=vm, other=0.0)
         tail = tl.where(ok, tl.exp(G_last - G), 0.0)
-        kt = (k.to(tl.float32) * tail[:, None]).to(k.dtype)
-        dU += tl.dot(kt, dS.to(k.dtype), input_precision=PREC)
+        kt = rnd(k.to(tl.float32) * tail[:, None], k.dtype, UPCAST)
+        dU += mm(kt, rnd(dS, k.dtype, UPCAST), IN_PREC, UPCAST)
         tl.store(dU_ptr + (tok[:, None] * H + h) * V + vv[None, :], dU, mask=vm)
-        qg = (q.to(tl.float32) * tl.where(ok, tl.exp(G), 0.0)[:, None]).to(q.dtype)
-        dS = dS * tl.exp(G_last) + scale * tl.dot(tl.trans(qg), do.to(q.dtype), input_precision=PREC)
-        dS -= tl.dot(tl.trans(w), dU.to(w.dtype), input_precision=PREC)
+        qg = rnd(q.to(tl.float32) * tl.where(ok, tl.exp(G), 0.0)[:, None], q.dtype, UPCAST)
+        dS = dS * tl.exp(G_last) + scale * mm(tl.trans(qg), rnd(do, q.dtype, UPCAST), IN_PREC, UPCAST)
+        dS -= mm(tl.trans(w), rnd(dU, w.dtype, UPCAST), IN_PREC, UPCAST)
     if STORE_DH0:
         tl.store(dh0_ptr + ((n * H + h) * K + kk[:, None]).to(tl.int64) * V + vv[None, :], dS, mask=sm)
 
@@ -197,7 +225,7 @@ def delta_state_bwd(q_ptr, k_ptr, w_ptr, gcum_ptr, do_ptr, dul_ptr, dht_ptr, chu
 def delta_bwd(q_ptr, k_ptr, v_ptr, a_ptr, s_ptr, eps, gcum_ptr, beta_ptr, tm_ptr, h_ptr, dh_ptr, U_ptr, dU_ptr,
               do_ptr, dq_ptr, dk_ptr, dv_ptr, da_ptr, ds_ptr, chunk_tok, chunk_len, scale,
               H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
-              PREC: tl.constexpr):
+              PREC: tl.constexpr, IN_PREC: tl.constexpr, UPCAST: tl.constexpr):
     c = tl.program_id(0)
     h = tl.program_id(1)
     kk = tl.arange(0, BK)
@@ -235,27 +263,27 @@ def delta_bwd(q_ptr, k_ptr, v_ptr, a_ptr, s_ptr, eps, gcum_ptr, beta_ptr, tm_ptr
         sm = (kk[:, None] < K) & (vv[None, :] < V)
         S0 = tl.load(h_ptr + ((c * H + h) * K + kk[:, None]).to(tl.int64) * V + vv[None, :], mask=sm, other=0.0)
         dSe = tl.load(dh_ptr + ((c * H + h) * K + kk[:, None]).to(tl.int64) * V + vv[None, :], mask=sm, other=0.0)
-        U = tl.load(U_ptr + (tok[:, None] * H + h) * V + vv[None, :], mask=vm, other=0.0).to(q.dtype)
+        U = rnd(tl.load(U_ptr + (tok[:, None] * H + h) * V + vv[None, :], mask=vm, other=0.0), q.dtype, UPCAST)
         dU = tl.load(dU_ptr + (tok[:, None] * H + h) * V + vv[None, :], mask=vm, other=0.0)
-        do = tl.load(do_ptr + (tok[:, None] * H + h) * V + vv[None, :], mask=vm, other=0.0).to(q.dtype)
+        do = rnd(tl.load(do_ptr + (tok[:, None] * H + h) * V + vv[None, :], mask=vm, other=0.0), q.dtype, UPCAST)
         v = tl.load(v_ptr + (tok[:, None] * H + h) * V + vv[None, :], mask=vm, other=0.0).to(tl.float32)
-        dOU += tl.dot(do, tl.trans(U), input_precision=PREC)
-        dq1 += tl.dot(do, tl.trans(S0.to(q.dtype)), input_precision=PREC)
-        dks += tl.dot(U, tl.trans(dSe.to(q.dtype)), input_precision=PREC)
-        dw -= tl.dot(dU.to(q.dtype), tl.trans(S0.to(q.dtype)), input_precision=PREC)
+        dOU += mm(do, tl.trans(U), IN_PREC, UPCAST)
+        dq1 += mm(do, tl.trans(rnd(S0, q.dtype, UPCAST)), IN_PREC, UPCAST)
+        dks += mm(U, tl.trans(rnd(dSe, q.dtype, UPCAST)), IN_PREC, UPCAST)
+        dw -= mm(rnd(dU, q.dtype, UPCAST), tl.trans(rnd(S0, q.dtype, UPCAST)), IN_PREC, UPCAST)
         dlast += tl.sum(S0.to(tl.float32) * dSe.to(tl.float32), 1)
-        dY = tl.dot(tl.trans(Tm), dU, input_precision=PREC)
+        dY = mm(tl.trans(Tm), dU, PREC, UPCAST)
         tl.store(dv_ptr + (tok[:, None] * H + h) * V + vv[None, :], beta[:, None] * dY, mask=vm)
         dbeta += tl.sum(dY * v, 1)
-        dTm += tl.dot(dU, tl.trans(beta[:, None] * v), input_precision=PREC)
+        dTm += mm(dU, tl.trans(beta[:, None] * v), PREC, UPCAST)
     # outputs: O = scale (e^G Q S0 + (Q K^T * D) U)
     dq1 = dq1 * (scale * eG)[:, None]
     dG = tl.sum(dq1 * qf, 1)
     dM = dOU * D * scale
-    PM = dM * tl.dot(q, tl.trans(k), input_precision=PREC)
+    PM = dM * mm(q, tl.trans(k), IN_PREC, UPCAST)
     dG += tl.sum(PM, 1) - tl.sum(PM, 0)
-    dq = dq1 + tl.dot(dM.to(q.dtype), k, input_precision=PREC)
-    dk = tl.dot(tl.trans(dM).to(q.dtype), q, input_precision=PREC)
+    dq = dq1 + mm(rnd(dM, q.dtype, UPCAST), k, IN_PREC, UPCAST)
+    dk = mm(tl.trans(rnd(dM, q.dtype, UPCAST)), q, IN_PREC, UPCAST)
     # chunk end state: S_end = e^G_last S0 + (K e^(G_last - G))^T U
     dks = dks * tail[:, None]
     cj = tl.sum(dks * kf, 1)
@@ -264,19 +292,19 @@ def delta_bwd(q_ptr, k_ptr, v_ptr, a_ptr, s_ptr, eps, gcum_ptr, beta_ptr, tm_ptr
     dk += dks
     # w = Tm X with X = diag(beta e^G) K
     X = (beta * eG)[:, None] * kf
-    dX = tl.dot(tl.trans(Tm), dw, input_precision=PREC)
-    dTm += tl.dot(dw, tl.trans(X), input_precision=PREC)
+    dX = mm(tl.trans(Tm), dw, PREC, UPCAST)
+    dTm += mm(dw, tl.trans(X), PREC, UPCAST)
     sx = tl.sum(dX * kf, 1)
     dk += (beta * eG)[:, None] * dX
     dbeta += eG * sx
     dG += beta * eG * sx
     # Tm = (I + A)^-1, A = strictly_lower(diag(beta) K K^T * D): dA = -Tm^T dTm Tm^T
-    dA = -tl.dot(tl.trans(Tm), tl.dot(dTm, tl.trans(Tm), input_precision=PREC), input_precision=PREC)
+    dA = -mm(tl.trans(Tm), mm(dTm, tl.trans(Tm), PREC, UPCAST), PREC, UPCAST)
     E = tl.where(strict, dA * D, 0.0)
-    KK = tl.dot(k, tl.trans(k), input_precision=PREC)
+    KK = mm(k, tl.trans(k), IN_PREC, UPCAST)
     dbeta += tl.sum(E * KK, 1)
-    dk += beta[:, None] * tl.dot(E, kf, input_precision=PREC)
-    dk += tl.dot(tl.trans(E), beta[:, None] * kf, input_precision=PREC)
+    dk += beta[:, None] * mm(E, kf, PREC, UPCAST)
+    dk += mm(tl.trans(E), beta[:, None] * kf, PREC, UPCAST)
     PA = E * KK * beta[:, None]
     dG += tl.sum(PA, 1) - tl.sum(PA, 0)
     dG += tl.where(rows == nv - 1, dG_last, 0.0)

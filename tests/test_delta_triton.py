@@ -1,0 +1,221 @@
+"""Generated delta-rule Triton kernels (Triton's interpreter on CPU) against the float64 token loop and
+the float64 chunked reference: outputs, states and every gradient, at awkward lengths and key norms."""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports triton-using code
+
+import math  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from scanlang.backends.delta import codegen  # noqa: E402
+from scanlang.backends.delta import ops as delta_ops  # noqa: E402
+from scanlang.delta import GDN_SIGMOID, KACZMARZ  # noqa: E402
+from scanlang.recipes.kaczmarz import KaczmarzLinearAttention, delta_rule, kaczmarz_delta_rule  # noqa: E402
+from scanlang.recipes.kaczmarz.naive import delta_rule_naive, kaczmarz_beta  # noqa: E402
+from scanlang.testing import assert_close, ratio  # noqa: E402
+
+NAMES = ("dq", "dk", "dv", "dg", "deta", "dh0")
+
+
+def make_inputs(B, T, H, K, V, seed=0, zero_keys=True):
+    """Random non-zero inputs; key norms log-uniform over [1e-2, 10]; some keys exactly zero."""
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, T, H, K, generator=gen)
+    k = torch.nn.functional.normalize(torch.randn(B, T, H, K, generator=gen), dim=-1)
+    k = k * torch.exp(torch.empty(B, T, H, 1).uniform_(math.log(1e-2), math.log(10), generator=gen))
+    if zero_keys and T > 3:
+        k[:, 2] = 0
+    v = torch.randn(B, T, H, V, generator=gen)
+    g = -torch.rand(B, T, H, generator=gen) * 0.3 - 1e-3
+    eta = torch.rand(B, T, H, generator=gen) * 0.98 + 0.01
+    h0 = torch.randn(B, H, K, V, generator=gen)
+    return q, k, v, g, eta, h0
+
+
+@pytest.fixture(autouse=True)
+def poisoned_buffers(monkeypatch, tmp_path):
+    """Every kernel buffer starts as NaN (so an unwritten element shows), in a fresh cache dir."""
+    monkeypatch.setattr(delta_ops, "_empty", lambda *s, device, dtype: torch.full(s, float("nan"), device=device, dtype=dtype))
+    monkeypatch.setenv("SCANLANG_CACHE_DIR", str(tmp_path))
+
+
+def run_with_grads(fn, inputs, dtype, seed=1):
+    """fn(*inputs) -> (o, S); backprop random cotangents; returns [o, S, grads...] (float64 cotangents)."""
+    ts = [t.detach().to(dtype).clone().requires_grad_() for t in inputs]
+    o, S = fn(*ts)
+    gen = torch.Generator().manual_seed(seed)
+    loss = (o * torch.randn(o.shape, generator=gen, dtype=torch.float64).to(o.dtype)).sum()
+    loss = loss + (S * torch.randn(S.shape, generator=gen, dtype=torch.float64).to(S.dtype)).sum()
+    loss.backward()
+    return [o, S] + [t.grad for t in ts]
+
+
+@pytest.mark.parametrize("T, C, K, V", [(1, 16, 16, 16), (37, 16, 16, 32), (70, 32, 32, 16), (70, 64, 16, 16)])
+def test_kaczmarz_forward_and_gradients(T, C, K, V):
+    inputs = make_inputs(2, T, 2, K, V)
+    fn = lambda backend: lambda q, k, v, g, eta, h0: kaczmarz_delta_rule(  # noqa: E731
+        q, k, v, g, eta, initial_state=h0, output_final_state=True, backend=backend, chunk_size=C)
+    got = run_with_grads(fn("triton"), inputs, torch.float32)
+    ref = run_with_grads(fn("reference"), inputs, torch.float64)
+    q, k, v, g, eta, h0 = inputs
+    o_loop, S_loop = delta_rule_naive(q, k, v, g, kaczmarz_beta(k.double(), eta.double(), 1e-6),
+                                      initial_state=h0, output_final_state=True)
+    assert ratio(ref[0], o_loop) < 1e-10 and ratio(ref[1], S_loop) < 1e-10   # the two references agree
+    assert got[0].dtype == torch.float32 and got[1].dtype == torch.float32
+    assert_close(got[0], o_loop, "delta_out", torch.float32, "o")
+    assert_close(got[1], S_loop, "delta_out", torch.float32, "final state")
+    for name, a, b in zip(NAMES, got[2:], ref[2:]):
+        assert torch.isfinite(a).all(), name
+        assert_close(a, b, "delta_grad", torch.float32, name)
+
+
+def test_given_beta_without_initial_state():
+    q, k, v, g, beta, _ = make_inputs(1, 45, 2, 16, 16, seed=3)
+    fn = lambda backend: lambda q, k, v, g, b: delta_rule(q, k, v, g, b * 1.5, scale=0.7,  # noqa: E731
+                                                         output_final_state=True, backend=backend, chunk_size=16)
+    got = run_with_grads(fn("triton"), (q, k, v, g, beta), torch.float32)
+    ref = run_with_grads(fn("reference"), (q, k, v, g, beta), torch.float64)
+    for name, a, b in zip(("o", "S") + NAMES[:5], got, ref):
+        assert_close(a, b, "delta_grad", torch.float32, name)
+
+
+def test_varlen_matches_reference():
+    q, k, v, g, eta, _ = make_inputs(1, 40, 2, 16, 16, seed=4)
+    cu = torch.tensor([0, 3, 3, 21, 40])
+    h0 = torch.randn(4, 2, 16, 16)
+    fn = lambda backend: lambda q, k, v, g, eta, h0: kaczmarz_delta_rule(  # noqa: E731
+        q, k, v, g, eta, initial_state=h0, output_final_state=True, cu_seqlens=cu, backend=backend, chunk_size=16)
+    got = run_with_grads(fn("triton"), (q, k, v, g, eta, h0), torch.float32)
+    ref = run_with_grads(fn("reference"), (q, k, v, g, eta, h0), torch.float64)
+    for name, a, b in zip(("o", "S") + NAMES, got, ref):
+        assert_close(a, b, "delta_grad", torch.float32, name)
+
+
+def test_recurrent_decode_kernel_for_short_inputs():
+    q, k, v, g, eta, h0 = make_inputs(2, 5, 2, 16, 32, seed=5)
+    with torch.no_grad():
+        o, S = kaczmarz_delta_rule(q, k, v, g, eta, initial_state=h0, output_final_state=True, backend="triton")
+    o_ref, S_ref = delta_rule_naive(q, k, v, g, kaczmarz_beta(k.double(), eta.double(), 1e-6),
+                                    initial_state=h0, output_final_state=True)
+    assert_close(o, o_ref, "delta_out", torch.float32, "o")
+    assert_close(S, S_ref, "delta_out", torch.float32, "S")
+    cu = torch.tensor([0, 1, 4, 4, 10])
+    q, k, v, g, eta, _ = make_inputs(1, 10, 2, 16, 16, seed=6)
+    h0 = torch.randn(4, 2, 16, 16)
+    with torch.no_grad():
+        o, S = kaczmarz_delta_rule(q, k, v, g, eta, initial_state=h0, output_final_state=True, cu_seqlens=cu,
+                                   backend="triton")
+    o_ref, S_ref = delta_rule_naive(q, k, v, g, kaczmarz_beta(k.double(), eta.double(), 1e-6), initial_state=h0,
+                                    output_final_state=True, cu_seqlens=cu)
+    assert_close(o, o_ref, "delta_out", torch.float32, "o varlen")
+    assert_close(S, S_ref, "delta_out", torch.float32, "S varlen")
+
+
+@pytest.mark.parametrize("grad", [False, True])
+def test_zero_keys_and_zero_eta_write_nothing_even_with_eps_zero(grad):
+    q, k, v, g, eta, h0 = make_inputs(1, 20, 2, 16, 16, seed=7, zero_keys=False)
+    g = torch.zeros_like(g)
+    k[:, 4:9] = 0
+    eta[:, 12:20] = 0
+    ts = [t.clone().requires_grad_(grad) for t in (q, k, v, g, eta, h0)]
+    o, S = kaczmarz_delta_rule(*ts[:5], eps=0.0, initial_state=ts[5], output_final_state=True, backend="triton",
+                               chunk_size=16)
+    assert torch.isfinite(o).all() and torch.isfinite(S).all()
+    _, S12 = kaczmarz_delta_rule(q[:, :12], k[:, :12], v[:, :12], g[:, :12], eta[:, :12], eps=0.0,
+                                 initial_state=h0, output_final_state=True, backend="reference")
+    assert ratio(S, S12) < 1e-6                      # tokens 12.. have eta = 0: nothing written
+    if grad:
+        (o.sum() + S.sum()).backward()
+        for name, t in zip(NAMES, ts):
+            assert torch.isfinite(t.grad).all(), name
+        assert torch.equal(ts[4].grad[:, 4:9], torch.zeros_like(ts[4].grad[:, 4:9]))  # no step through zero keys
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_inputs(dtype):
+    q, k, v, g, eta, h0 = make_inputs(1, 37, 2, 16, 16, seed=8, zero_keys=False)
+    q, k, v = (t.to(dtype) for t in (q, k, v))
+    fn = lambda backend: lambda q, k, v, g, eta, h0: kaczmarz_delta_rule(  # noqa: E731
+        q, k, v, g, eta, initial_state=h0.float() if h0.dtype != torch.float64 else h0, output_final_state=True,
+        backend=backend, chunk_size=16)
+    got = run_with_grads(fn("triton"), (q, k, v, g, eta, h0), dtype)
+    got_dtypes = [t.dtype for t in got]
+    assert got_dtypes[:2] == [torch.float32, torch.float32] and got_dtypes[2] == dtype
+    ref = run_with_grads(fn("reference"), (q, k, v, g, eta, h0), torch.float64)
+    assert_close(got[0], ref[0], "delta_out", dtype, "o")
+    assert_close(got[1], ref[1], "delta_out", dtype, "S")
+    for name, a, b in zip(NAMES, got[2:], ref[2:]):
+        assert_close(a, b, "delta_gate_grad" if name in ("dg", "deta") else "delta_grad", dtype, name)
+
+
+def test_kaczmarz_equals_gdn_on_rescaled_inputs():
+    q, k, v, g, eta, h0 = make_inputs(1, 33, 2, 16, 16, seed=9)
+    r = ((k.double() ** 2).sum(-1, keepdim=True) + 1e-6).rsqrt()
+    o1, S1 = kaczmarz_delta_rule(q, k, v, g, eta, initial_state=h0, output_final_state=True, backend="triton",
+                                 chunk_size=16)
+    o2, S2 = delta_rule(q, (k * r).float(), (v * r).float(), g, eta, initial_state=h0, output_final_state=True,
+                        backend="triton", chunk_size=16)
+    assert_close(o1, o2, "delta_out", torch.float32, "o")
+    assert_close(S1, S2, "delta_out", torch.float32, "S")
+
+
+def test_sigmoid_step_rule_chain_rule():
+    """A different family member (GDN's beta = sigmoid(s)) through the same template and hooks."""
+    q, k, v, g, s, _ = make_inputs(1, 21, 1, 16, 16, seed=10, zero_keys=False)
+    k = torch.nn.functional.normalize(k, dim=-1)
+    s = s * 6 - 3
+
+    def triton_fn(q, k, v, g, s):
+        return delta_ops.delta_rule(q, k, v, g, s, GDN_SIGMOID, scale=0.25, output_final_state=True, chunk_size=16)
+
+    def reference_fn(q, k, v, g, s):
+        return delta_rule(q, k, v, g, torch.sigmoid(s), scale=0.25, output_final_state=True, backend="reference")
+
+    got = run_with_grads(triton_fn, (q, k, v, g, s), torch.float32)
+    ref = run_with_grads(reference_fn, (q, k, v, g, s), torch.float64)
+    for name, a, b in zip(("o", "S", "dq", "dk", "dv", "dg", "ds"), got, ref):
+        assert_close(a, b, "delta_grad", torch.float32, name)
+
+
+def test_layer_on_triton_state_carry():
+    torch.manual_seed(0)
+    layer = KaczmarzLinearAttention(32, 2, backend="triton", chunk_size=16)
+    x = torch.randn(1, 21, 32)
+    y = layer(x)
+    ref = KaczmarzLinearAttention(32, 2, backend="reference", chunk_size=16)
+    ref.load_state_dict(layer.state_dict())
+    assert_close(y, ref(x), "delta_out", torch.float32, "layer output")
+    with torch.no_grad():
+        y1, st = layer(x[:, :17], return_state=True)
+        ys = [y1]
+        for t in range(17, 21):                     # one token at a time: the recurrent kernel
+            y_t, st = layer(x[:, t:t + 1], state=st, return_state=True)
+            ys.append(y_t)
+    assert_close(torch.cat(ys, 1), y, "delta_out", torch.float32, "layer carried")
+
+
+def test_generated_source_is_deterministic_and_cached(tmp_path):
+    src = codegen.kernel_source(KACZMARZ, 64)
+    assert src == codegen.kernel_source(KACZMARZ, 64)
+    assert "return (s / ((eps + n2)))" in src            # the rendered Kaczmarz step hook
+    assert "T32 = -mm(T33, mm(A32, T22, PREC, UPCAST), PREC, UPCAST)" in src
+    assert "T30 = -mm(T33, " in src                 # blocked substitution unrolled over 4 blocks
+    assert "def delta_prep" in codegen.kernel_source(KACZMARZ, 16) and "T10" not in codegen.kernel_source(KACZMARZ, 16)
+    mod = codegen.load(GDN_SIGMOID, 32)
+    files = list((tmp_path / "delta").glob("gdn_sigmoid_c32_*.py"))
+    assert len(files) == 1 and files[0].read_text() == codegen.kernel_source(GDN_SIGMOID, 32)
+    assert mod.__file__ == str(files[0])
+
+
+def test_triton_on_cpu_without_interpreter_is_a_value_error(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET")
+    q, k, v, g, eta, _ = make_inputs(1, 4, 1, 16, 16)
+    with pytest.raises(ValueError, match="TRITON_INTERPRET"):
+        kaczmarz_delta_rule(q, k, v, g, eta, backend="triton")
+    with pytest.raises(ValueError, match="float64"):
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+        kaczmarz_delta_rule(q.double(), k, v, g, eta, backend="triton")
