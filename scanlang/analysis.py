@@ -7,9 +7,12 @@ defined (denominators and scales nonzero, logarithms of positive values).
 `decide_equal(lhs, rhs)` tries, in order:
   1. rational simplification: expand, combine exponentials (powsimp), cancel. A nonzero result
      with no Max/Min/Abs/exp/log left is a nonzero rational function: the equality is false.
-  2. a max/min normal form: `+`, positive scalings, exp and log are monotone and are pushed through
-     Max/Min (negative scalings swap them), the result is flattened to a Max of Mins of atoms and
-     dominated atoms are dropped; equal normal forms prove the equality (tropical algebra).
+  2. a max/min normal form: `+`, scalings by factors of known sign (constants, squares, exp, Abs),
+     exp and log are monotone and are pushed through Max/Min (nonpositive factors swap them), the result is flattened to a Max of Mins of atoms and
+     dominated atoms are dropped; equal normal forms prove the equality (tropical algebra). When
+     both sides are a Max (or a Min) of affine terms, equality is decided exactly by linear
+     programming: a <= max(B) everywhere iff a convex combination of B matches a's linear part
+     with a constant at least a's.
   3. sympy.simplify of the difference (only when a long step can be interrupted: see Deadline).
 It returns True, False or None (undecided) together with the leftover expression. Callers bound its
 running time (see verify.py); it checks a cooperative deadline between steps.
@@ -132,6 +135,10 @@ def decide_equal(lhs, rhs, deadline: Deadline = NO_DEADLINE, use_simplify: bool 
             return Decision(True, "max/min normal form (tropical algebra)")
         if left is not None:
             diff = lattice_expr(left) - lattice_expr(right)
+            same = _same_max_of_affine(left, right, deadline)
+            if same is not None:
+                how = "max/min of affine terms, compared by exact linear programming"
+                return Decision(same, how, sympy.S.Zero if same else diff)
     deadline.check()
     if use_simplify and deadline.interruptible:
         simplified = sympy.simplify(lhs - rhs)
@@ -227,19 +234,78 @@ def lattice_normal_form(e: sympy.Expr, deadline: Deadline = NO_DEADLINE) -> froz
             out = _prune(_sum(out, p))
         return out
     if isinstance(e, sympy.Mul):
-        coeff, rest = e.as_coeff_Mul()
-        if coeff.is_number and coeff != 1 and not rest.is_number:
-            inner = lattice_normal_form(rest, deadline)
-            if coeff > 0:
-                return _map_monotone(inner, lambda a: coeff * a)
-            return _prune(_map_monotone(_negate(inner), lambda a: -coeff * a))
-        raise _NotLattice(f"Max/Min under a product of non-constant factors: {e}")
+        # one Max/Min factor times a factor of known sign (a constant, a square, exp, Abs):
+        # k * Max(u, v) = Max(k u, k v) for k >= 0, and Min(k u, k v) for k <= 0
+        lattice = [f for f in e.args if f.has(sympy.Max, sympy.Min)]
+        k = sympy.Mul(*[f for f in e.args if not f.has(sympy.Max, sympy.Min)])
+        if len(lattice) == 1:
+            inner = lattice_normal_form(lattice[0], deadline)
+            if k.is_nonnegative:
+                return _prune(_map_monotone(inner, lambda a: k * a))
+            if k.is_nonpositive:
+                return _prune(_map_monotone(_negate(inner), lambda a: -k * a))
+        raise _NotLattice(f"Max/Min under a product with a factor of unknown sign: {e}")
     if isinstance(e, (sympy.exp, sympy.log)):
         fn = type(e)
         return _map_monotone(lattice_normal_form(e.args[0], deadline), fn)
     if isinstance(e, sympy.Pow) and e.base is sympy.E:
         return _map_monotone(lattice_normal_form(e.exp, deadline), sympy.exp)
     raise _NotLattice(f"Max/Min inside {type(e).__name__}: {e}")
+
+
+def _same_max_of_affine(left: frozenset, right: frozenset, deadline: Deadline) -> bool | None:
+    """Decide Max(A) == Max(B) (or Min(A) == Min(B)) for affine atoms; None for other shapes.
+
+    a <= max(B) everywhere iff some convex combination of B has a's linear part and a constant at
+    least a's (LP duality), so equality is two such membership tests per atom.
+    """
+    def atoms(nf):
+        if all(len(s) == 1 for s in nf):
+            return [next(iter(s)) for s in nf]
+        if len(nf) == 1:  # a single Min: compare the Max of the negated atoms
+            return [-a for a in next(iter(nf))]
+        return None
+
+    a_atoms, b_atoms = atoms(left), atoms(right)
+    if a_atoms is None or b_atoms is None or (len(left) == 1) != (len(right) == 1):
+        return None
+    syms = sorted(set().union(*(a.free_symbols for a in a_atoms + b_atoms)), key=sympy.default_sort_key)
+    try:
+        a_aff = [_affine(a, syms) for a in a_atoms]
+        b_aff = [_affine(b, syms) for b in b_atoms]
+    except _NotLattice:
+        return None
+    for one, others in ((a_aff, b_aff), (b_aff, a_aff)):
+        for atom in one:
+            deadline.check()
+            if not _below_max(atom, others):
+                return False
+    return True
+
+
+def _affine(e, syms) -> tuple[list, sympy.Expr]:
+    poly = sympy.Poly(e, *syms) if syms else None
+    if poly is not None and (poly.total_degree() > 1 or not all(c.is_Rational for c in poly.coeffs())):
+        raise _NotLattice(f"{e} is not affine with rational coefficients")
+    coeffs = [e.coeff(s) for s in syms]
+    const = e.subs({s: 0 for s in syms})
+    if not const.is_Rational:
+        raise _NotLattice(f"{e} has a non-rational constant")
+    return coeffs, const
+
+
+def _below_max(atom, others) -> bool:
+    """a(v) <= max_i b_i(v) for all v: exact LP over the simplex of weights."""
+    from sympy.solvers.simplex import InfeasibleLPError, linprog
+    coeffs, const = atom
+    n = len(others)
+    eq = sympy.Matrix([[b[0][k] for b in others] for k in range(len(coeffs))] + [[1] * n])
+    rhs = sympy.Matrix(list(coeffs) + [1])
+    try:  # the equalities as two inequalities (sympy 1.14's linprog mishandles A_eq alone)
+        best, _ = linprog(sympy.Matrix([-b[1] for b in others]), eq.col_join(-eq), rhs.col_join(-rhs))
+    except InfeasibleLPError:
+        return False
+    return bool(-best >= const)
 
 
 def lattice_expr(nf: frozenset) -> sympy.Expr:
