@@ -93,7 +93,8 @@ def combine_exprs(monoid, x_vals, y_vals, renormalise: bool = False) -> tuple:
 # ---- deciding equalities -----------------------------------------------------------------------
 
 def _has_transcendental(e: sympy.Expr) -> bool:
-    return any(e.has(f) for f in _TRANSCENDENTAL)
+    """Anything beyond a rational function: Max/Min/Abs/exp/log, or a root (non-integer power)."""
+    return any(e.has(f) for f in _TRANSCENDENTAL) or any(not p.exp.is_Integer for p in e.atoms(sympy.Pow))
 
 
 def _bad(e: sympy.Expr) -> bool:
