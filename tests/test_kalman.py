@@ -11,7 +11,7 @@ import scanlang as sl
 from scanlang.backends.reference import scan_sequential
 from scanlang.recipes.kalman import KalmanJoint, kalman_filter
 from scanlang.recipes.kalman import monoids as K
-from scanlang.recipes.kalman.filter import FORMS
+from scanlang.recipes.kalman.filter import SCAN_FORMS as FORMS
 from scanlang.recipes.kalman.reference import kalman_filter_loop
 from scanlang.testing import assert_close, ratio, tolerance
 

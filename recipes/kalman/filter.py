@@ -22,15 +22,17 @@ import torch
 
 import scanlang as sl
 
+from . import fused
 from . import monoids as K
 from .reference import expand_heads
 
-FORMS = ("two_scans", "joint")
+SCAN_FORMS = ("two_scans", "joint")
+FORMS = ("fused",) + SCAN_FORMS
 DEFAULT_FORM = "two_scans"
 
 
 def kalman_filter(v, prec, k, q, a_bar, p_bar, initial_state=None, output_final_state=False,
-                  backend=None, validate=None, form=DEFAULT_FORM):
+                  backend=None, validate=None, form=None):
     """Run the information-form Kalman filter over time and read it out.
 
     Args:
@@ -43,7 +45,10 @@ def kalman_filter(v, prec, k, q, a_bar, p_bar, initial_state=None, output_final_
         backend: as in `sl.scan` ("reference", "triton", or None for triton on CUDA).
         validate: check values (prec > 0, p_bar > 0, 0 < a_bar <= 1, lam0 > 0); None checks CPU
             tensors only (a check on GPU tensors costs a synchronisation), True always, False never.
-        form: "two_scans" (Möbius then affine) or "joint" (one scan of the 3x3 monoid).
+        form: how to scan. "fused": the 3x3 monoid as one `sl.mixer` (one generated forward and one
+            backward kernel; needs backend "triton" and S a power of two); "two_scans": Möbius then
+            affine `sl.scan`s with the spec's exact adjoint; "joint": one `sl.scan` of the 3x3 monoid
+            with that adjoint. None: "fused" where it applies, else "two_scans".
 
     Returns:
         (y, y_var, state): y and y_var [B,T,M] in float32 (float64 when an input is float64);
@@ -59,8 +64,14 @@ def kalman_filter(v, prec, k, q, a_bar, p_bar, initial_state=None, output_final_
     (torch.Size([1, 5, 3]), torch.Size([1, 3, 2]))
     """
     batch, length, channels, state_size = _check_shapes(v, prec, k, q, a_bar, p_bar, initial_state)
-    if form not in FORMS:
-        raise ValueError(f"form: expected one of {FORMS}, got {form!r}")
+    if form is not None and form not in FORMS:
+        raise ValueError(f"form: expected one of {FORMS} or None, got {form!r}")
+    resolved = backend if backend is not None else ("triton" if v.device.type == "cuda" else "reference")
+    if form is None:
+        form = "fused" if resolved == "triton" and fused.supports(state_size) else DEFAULT_FORM
+    elif form == "fused" and (resolved != "triton" or not fused.supports(state_size)):
+        raise ValueError(f"form: 'fused' runs the generated mixer kernels: it needs backend='triton' (got "
+                         f"{resolved!r}) and a power-of-two state size S (got {state_size})")
     if validate is None:
         validate = v.device.type == "cpu"
     if validate:
@@ -72,6 +83,12 @@ def kalman_filter(v, prec, k, q, a_bar, p_bar, initial_state=None, output_final_
         eta0 = torch.zeros_like(lam0)
     else:
         lam0, eta0 = (s.to(dtype) for s in initial_state)
+
+    if form == "fused":
+        if length == 0:
+            y = v.new_zeros(batch, 0, channels)
+            return y, y.clone(), ((lam0, eta0) if output_final_state else None)
+        return fused.fused_filter(v, prec, k, q, a_bar, p_bar, lam0, eta0, output_final_state)
 
     k_full, q_full = expand_heads(k, channels), expand_heads(q, channels)
     phi, r = K.increments(v.unsqueeze(-1), prec.unsqueeze(-1), k_full)
