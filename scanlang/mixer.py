@@ -161,9 +161,16 @@ def _call(self: Mixer, initial, output_final_state: bool, reverse: bool, tensors
             except RuntimeError:
                 raise ValueError(f"initial[{f!r}]: shape {tuple(v.shape)} does not broadcast to {lane_shape} "
                                  f"(axes {[a for a in self.axes if a != 't']})") from None
-    outs, final = pipeline.launch(self.program, views, init, dim, reverse, fp64)
+    from .backends.triton.ops import PROGRAMS
+    outs, final = pipeline.launch(PROGRAMS[_program_key(self)], views, init, dim, reverse, fp64)
     fin = tuple(final[i].reshape(lane_shape) for i in range(len(self.monoid.fields))) if output_final_state else None
     return self.result(*outs, fin)
+
+
+@torch.compiler.assume_constant_result
+def _program_key(mix: Mixer) -> str:
+    """Generate (once) and name the mixer's program; under torch.compile this runs at trace time."""
+    return mix.program.key
 
 
 def mixer(monoid: Monoid, axes: str, inputs: Mapping[str, str], lift: Callable, readout: Callable,

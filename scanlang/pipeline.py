@@ -46,11 +46,12 @@ def load(source: str):
 def build(ir: ScanIR):
     """lower's result -> differentiate -> render -> load: a launchable `Program` (cached by ir.key)."""
     from scanlang.backends.triton.ops import PROGRAMS, Program
-    if ir.key not in PROGRAMS:
+    key = ir.key
+    if key not in PROGRAMS:
         adjoint = differentiate(ir)
         source = render(ir, adjoint)
-        PROGRAMS[ir.key] = Program(ir=ir, adjoint=adjoint, source=source, module=load(source))
-    return PROGRAMS[ir.key]
+        PROGRAMS[key] = Program(key=key, ir=ir, adjoint=adjoint, source=source, module=load(source))
+    return PROGRAMS[key]
 
 
 def launch(program, inputs, initial, dim: int, reverse: bool, fp64: bool):

@@ -37,6 +37,12 @@ def program_for(monoid):
     return pipeline.build(pipeline.lower(monoid))
 
 
+@torch.compiler.assume_constant_result
+def program_key(monoid) -> str:
+    """Build (once) and name the plain-scan program; torch.compile runs this at trace time, not in the graph."""
+    return program_for(monoid).key
+
+
 def scan(monoid, elems, dim: int, reverse: bool, initial, out_dtype) -> tuple[torch.Tensor, ...]:
     """Inclusive scan of broadcastable `elems` along `dim` (>= 0) with the generated kernels.
 
@@ -57,7 +63,9 @@ def scan(monoid, elems, dim: int, reverse: bool, initial, out_dtype) -> tuple[to
     if not 0 <= dim < ndim:
         raise ValueError(f"dim: expected 0 <= dim < {ndim}, got {dim}")
     init = list(initial) if initial is not None else None
-    outs, _ = pipeline.launch(program_for(monoid), elems, init, dim, reverse, out_dtype == torch.float64)
+    from .ops import PROGRAMS
+    prog = PROGRAMS[program_key(monoid)]
+    outs, _ = pipeline.launch(prog, elems, init, dim, reverse, out_dtype == torch.float64)
     return tuple(outs)
 
 

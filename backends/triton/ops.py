@@ -24,17 +24,24 @@ from .runtime import Config, broadcast_strides, choose_config, lane_layout
 class Program:
     """One lowered scan with its adjoint, generated source and loaded module."""
 
+    key: str
     ir: object
     adjoint: object
     source: str
     module: object
 
-    @property
-    def key(self) -> str:
-        return self.ir.key
-
 
 PROGRAMS: dict[str, Program] = {}
+
+
+def _fake(t: torch.Tensor) -> bool:
+    """Shape propagation only (FakeTensor or meta, not recording a graph): allocate, launch nothing.
+
+    While a graph is being recorded (torch.compile, make_fx) the launch must run: it records the kernel.
+    """
+    from torch._subclasses.fake_tensor import is_fake
+    from torch.fx.experimental.proxy_tensor import get_proxy_mode
+    return t.device.type == "meta" or (is_fake(t) and get_proxy_mode() is None)
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -102,6 +109,8 @@ def scan_fwd(key: str, inputs: list[torch.Tensor], initial: list[torch.Tensor], 
     n_tiles = _cdiv(layout.T, cfg.block_t)
     ckpt = torch.empty((n, n_tiles, layout.L), dtype=acc, device=device)
     final = torch.empty((n, layout.L), dtype=acc, device=device)
+    if _fake(inputs[0]):
+        return outs + [ckpt, final]
     if layout.T == 0 or layout.L == 0:
         for f, ident in enumerate(ir.identity):
             final[f] = initial[f].reshape(-1) if initial else ident
@@ -177,7 +186,7 @@ def scan_bwd(key: str, inputs: list[torch.Tensor], initial: list[torch.Tensor], 
     dus = [torch.zeros(s, dtype=acc, device=device) if m in (1, 2, 4) else torch.empty(s, dtype=acc, device=device)
            for s, m in zip(du_shapes, modes)]
     dinit = [torch.empty(layout.L, dtype=acc, device=device) for _ in range(n)] if initial else []
-    if layout.T > 0 and layout.L > 0:
+    if layout.T > 0 and layout.L > 0 and not _fake(inputs[0]):
         cfg = _config(prog, inputs, layout, dim, backward=True)
         # the forward's time tile (a power of two) is implied by the checkpoints: replay with it
         per_tile = _cdiv(layout.T, ckpt.shape[1])
@@ -235,7 +244,6 @@ scan_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 def launch(prog: Program, inputs, initial, dim: int, reverse: bool, fp64: bool):
     """Run the forward op: returns (outputs, final prefix [n_fields, lanes])."""
-    PROGRAMS.setdefault(prog.key, prog)
     res = torch.ops.scanlang.scan_fwd(prog.key, list(inputs), list(initial or []), dim, reverse, fp64)
     n_out = len(prog.ir.outputs)
     return list(res[:n_out]), res[-1]

@@ -1,0 +1,90 @@
+"""sl.mixer: fused lift -> scan -> readout against float64 loops (interpreter on CPU, GPU otherwise)."""
+import pytest
+import torch
+
+import scanlang as sl
+from scanlang.mixer import mixer
+from scanlang.testing import assert_close
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def rnd(*shape, lo=None):
+    x = torch.randn(*shape, dtype=torch.float64, device=DEVICE)
+    return x if lo is None else x.abs() * (1 - lo) / 4 + lo
+
+
+def kalman_like():
+    """Gated outer-product state with a readout summed over the state axis, one using h_{t-1}."""
+    return mixer(sl.Affine, axes="b t m s",
+                 inputs={"v": "b t m", "k": "b t s", "q": "b t s", "a": "m s"},
+                 lift=lambda u: (u.a, u.v * u.k),
+                 readout=lambda p, u, prev: (p.b * u.q, p.b * prev.b),
+                 outputs=("y", "z"), reduce="s")
+
+
+def loop(v, k, q, a, h0=None):
+    h = torch.zeros(v.shape[0], a.shape[0], a.shape[1], dtype=torch.float64, device=DEVICE) if h0 is None else h0
+    ys, zs = [], []
+    for t in range(v.shape[1]):
+        prev = h
+        h = a * h + v[:, t, :, None] * k[:, t, None, :]
+        ys.append((h * q[:, t, None, :]).sum(-1))
+        zs.append((h * prev).sum(-1))
+    return torch.stack(ys, 1), torch.stack(zs, 1), h
+
+
+@pytest.mark.parametrize("T", [1, 11])
+def test_fused_mixer_outputs_final_state_and_gradients(T):
+    B, M, S = 2, 3, 4
+    v, k, q = rnd(B, T, M).requires_grad_(), rnd(B, T, S).requires_grad_(), rnd(B, T, S).requires_grad_()
+    a = rnd(M, S, lo=0.5).requires_grad_()
+    h0 = rnd(B, M, S).requires_grad_()
+    mix = kalman_like()
+    out = mix(v=v, k=k, q=q, a=a, initial=(1.0, h0), output_final_state=True)
+    y, z, h = loop(v, k, q, a, h0)
+    assert out.y.shape == (B, T, M) and out.final[1].shape == (B, M, S)
+    assert_close(out.y, y, "scan")
+    assert_close(out.z, z, "scan")
+    assert_close(out.final[1], h, "scan")
+    w = [torch.randn_like(y), torch.randn_like(z), torch.randn_like(h)]
+    leaves = (v, k, q, a, h0)
+    got = torch.autograd.grad((out.y * w[0]).sum() + (out.z * w[1]).sum() + (out.final[1] * w[2]).sum(), leaves)
+    want = torch.autograd.grad((y * w[0]).sum() + (z * w[1]).sum() + (h * w[2]).sum(), leaves)
+    for name, g, r in zip("v k q a h0".split(), got, want):
+        assert g.shape == r.shape
+        assert_close(g, r, "scan_grad", name=f"d{name}")
+
+
+def test_mixer_float32_projective_readout():
+    """Möbius scan with one value out: lam_t = prefix applied to lam0 = 1."""
+    mix = mixer(sl.Mobius, axes="b t d", inputs={f: "b t d" for f in "abcd"},
+                lift=lambda u: (u.a, u.b, u.c, u.d), readout=lambda p, u, q: (p.a + p.b) / (p.c + p.d),
+                outputs=("lam",))
+    xs = {f: (torch.rand(2, 13, 3, dtype=torch.float64, device=DEVICE) + 0.5) for f in "abcd"}
+    lam = mix(**{f: x.float() for f, x in xs.items()}).lam
+    m = torch.ones(2, 3, dtype=torch.float64, device=DEVICE)
+    ref, s = [], [m, 0 * m, 0 * m, m]
+    for t in range(13):
+        x = [xs[f][:, t] for f in "abcd"]
+        s = [x[0] * s[0] + x[1] * s[2], x[0] * s[1] + x[1] * s[3], x[2] * s[0] + x[3] * s[2], x[2] * s[1] + x[3] * s[3]]
+        ref.append((s[0] + s[1]) / (s[2] + s[3]))
+    assert lam.dtype == torch.float32
+    assert_close(lam, torch.stack(ref, 1), "scan", dtype=torch.float32)
+
+
+def test_mixer_errors_name_the_argument():
+    mix = kalman_like()
+    v, k = rnd(2, 5, 3), rnd(2, 5, 4)
+    with pytest.raises(ValueError, match="missing"):
+        mix(v=v, k=k, q=k)
+    with pytest.raises(ValueError, match="axis 's'"):
+        mix(v=v, k=k, q=rnd(2, 5, 2), a=rnd(3, 4))
+    with pytest.raises(ValueError, match="power of two"):
+        mix(v=v, k=rnd(2, 5, 3), q=rnd(2, 5, 3), a=rnd(3, 3))
+    with pytest.raises(ValueError, match="reduce"):
+        mixer(sl.Affine, axes="b t d", inputs={"x": "b t d"}, lift=lambda u: (u.x, u.x),
+              readout=lambda p, u, q: p.b, outputs=("y",), reduce="b")
+    with pytest.raises(ValueError, match="order"):
+        mixer(sl.Affine, axes="b t d", inputs={"x": "t b"}, lift=lambda u: (u.x, u.x),
+              readout=lambda p, u, q: p.b, outputs=("y",))
