@@ -13,19 +13,20 @@ from __future__ import annotations
 
 from .errors import IdentityError, NotAssociativeError, UnsupportedOperationError
 from .expr import abs, exp, log, maximum, minimum, sqrt  # noqa: A004 - DSL names
-from .library import Affine, Mobius
+from .library import (LIBRARY, Add, Affine, ComplexMul, LogAffine, LogSumExp, Matrix2, Max, MaxPlus, MinPlus,
+                      Mobius, OnlineSoftmax, Welford)
 from .monoid import Fields, Monoid, monoid
+from .scan import scan
+from .verify import Proof, verify
 
 __version__ = "0.1.0"
 
-try:  # the scan front end arrives with the reference backend
-    from .scan import scan  # noqa: F401
-except ImportError:  # pragma: no cover
-    pass
+from .mixer import mixer  # noqa: E402  (the function shadows the submodule's name on purpose)
 
 __all__ = [
-    "monoid", "Monoid", "Fields", "scan",
+    "monoid", "Monoid", "Fields", "scan", "mixer", "verify", "Proof",
     "exp", "log", "sqrt", "abs", "maximum", "minimum",
-    "Affine", "Mobius",
+    "LIBRARY", "Affine", "Mobius", "Matrix2", "MaxPlus", "MinPlus", "ComplexMul", "LogAffine", "LogSumExp",
+    "OnlineSoftmax", "Welford", "Add", "Max",
     "NotAssociativeError", "IdentityError", "UnsupportedOperationError",
 ]

@@ -2,7 +2,7 @@
 
 SCANLANG_DEBUG       "1" prints generated kernel source when it is rendered.
 SCANLANG_CACHE_DIR   where generated kernels and proofs are cached (default ~/.cache/scanlang).
-SCANLANG_PROOF_SECONDS  time budget for one symbolic proof attempt (default 20).
+SCANLANG_PROOF_SECONDS  sympy's time budget per law (associativity, each identity side; default 20).
 TRITON_INTERPRET     "1" lets backend="triton" run on CPU tensors through Triton's interpreter.
 """
 from __future__ import annotations
