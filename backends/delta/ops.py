@@ -21,7 +21,16 @@ from scanlang.delta import GIVEN, KACZMARZ, DeltaRule
 from . import codegen
 
 RECURRENT_MAX_LEN = 16
-STATE_BV = 64            # value columns per program in the sequential and output kernels
+# Per kernel: BV = value columns per program (or per loop step in delta_bwd), and Triton launch options.
+CONFIG = {
+    "prep": dict(num_warps=4, num_stages=2),
+    "state_fwd": dict(BV=64, num_warps=4, num_stages=2),
+    "output": dict(BV=64, num_warps=4, num_stages=2),
+    "dU_local": dict(BV=64, num_warps=4, num_stages=2),
+    "state_bwd": dict(BV=64, num_warps=4, num_stages=2),
+    "bwd": dict(BV=64, num_warps=8, num_stages=2),
+    "recurrent": dict(BV=32, num_warps=4, num_stages=1),
+}
 _RULES = {"beta": GIVEN, "kaczmarz": KACZMARZ}
 
 
@@ -66,40 +75,54 @@ def _meta(K: int, V: int, C: int, dtype: torch.dtype, device: torch.device) -> d
                 UPCAST=device.type == "cpu" and dtype == torch.bfloat16)
 
 
-def _forward(mod, q, k, v, a, s, h0, eps, scale, table: ChunkTable, C: int):
-    """Run prep, state_fwd and output. Returns (o fp32, final state fp32, gcum, beta, Tm, w, h, U)."""
+def _opts(name: str, V: int) -> dict:
+    """CONFIG[name] with the value block clamped to the padded V."""
+    cfg = dict(CONFIG[name])
+    if "BV" in cfg:
+        cfg["BV"] = min(cfg["BV"], max(16, triton.next_power_of_2(V)))
+    return cfg
+
+
+def _states(mod, k, v, a, s, h0, eps, table: ChunkTable, C: int, store_final: bool):
+    """prep + state_fwd: (gcum, beta, Tm, w, chunk start states h, innovations U, final state)."""
     TT, H, K = k.shape
     V = v.shape[-1]
     meta = _meta(K, V, C, k.dtype, k.device)
-    BVfull = max(16, triton.next_power_of_2(V))
-    BV = min(STATE_BV, BVfull)
-    NC, N = table.n_chunks, table.n_seq
-    dev = k.device
+    NC, N, dev = table.n_chunks, table.n_seq, k.device
     gcum = _empty(TT, H, device=dev, dtype=torch.float32)
     beta = _empty(TT, H, device=dev, dtype=torch.float32)
     w = _empty(TT, H, K, device=dev, dtype=k.dtype)
     u = _empty(TT, H, V, device=dev, dtype=k.dtype)
     tm = _empty(NC, H, C, C, device=dev, dtype=torch.float32)
-    mod.delta_prep[(NC, H)](k, v, a, s, eps, table.chunk_tok, table.chunk_len, w, u, tm, gcum, beta,
-                            H, BV=BVfull, **meta)
+    mod.delta_prep[(NC, H)](k, v, a, s, eps, table.chunk_tok, table.chunk_len, w, u, tm, gcum, beta, H,
+                            BV=max(16, triton.next_power_of_2(V)), **meta, **CONFIG["prep"])
     h = _empty(NC, H, K, V, device=dev, dtype=k.dtype)
     U = _empty(TT, H, V, device=dev, dtype=k.dtype)
-    ht = _empty(N, H, K, V, device=dev, dtype=torch.float32)
-    nv = triton.cdiv(V, BV)
-    mod.delta_state_fwd[(N, H, nv)](k, w, u, gcum, h0 if h0 is not None else ht, table.chunk_tok, table.chunk_len,
-                                    table.seq_chunk0, h, U, ht, H, BV=BV, HAS_H0=h0 is not None,
-                                    STORE_FINAL=True, **meta)
-    o = _empty(TT, H, V, device=dev, dtype=torch.float32)
-    mod.delta_output[(NC, H, nv)](q, k, gcum, h, U, o, table.chunk_tok, table.chunk_len, scale, H, BV=BV, **meta)
-    return o, ht, gcum, beta, tm, w, h, U
+    ht = _empty(N, H, K, V, device=dev, dtype=torch.float32) if store_final else None
+    cfg = _opts("state_fwd", V)
+    mod.delta_state_fwd[(N, H, triton.cdiv(V, cfg["BV"]))](
+        k, w, u, gcum, h0 if h0 is not None else h, table.chunk_tok, table.chunk_len, table.seq_chunk0, h, U,
+        ht if store_final else h, H, HAS_H0=h0 is not None, STORE_FINAL=store_final, **meta, **cfg)
+    return gcum, beta, tm, w, h, U, ht
+
+
+def _output(mod, q, k, gcum, h, U, scale, table: ChunkTable, C: int):
+    TT, H, K = k.shape
+    V = U.shape[-1]
+    o = _empty(TT, H, V, device=k.device, dtype=torch.float32)
+    cfg = _opts("output", V)
+    mod.delta_output[(table.n_chunks, H, triton.cdiv(V, cfg["BV"]))](
+        q, k, gcum, h, U, o, table.chunk_tok, table.chunk_len, scale, H, **_meta(K, V, C, k.dtype, k.device), **cfg)
+    return o
 
 
 class ChunkDeltaRule(torch.autograd.Function):
-    """(q, k, v, a, s, h0) -> (o, final state) on packed [1, TT, H, *] inputs, with the generated backward."""
+    """(q, k, v, a, s, h0) -> (o, final state) on packed [TT, H, *] inputs, with the generated backward."""
 
     @staticmethod
     def forward(ctx, q, k, v, a, s, h0, mod, eps, scale, table, C):
-        o, ht, *_ = _forward(mod, q, k, v, a, s, h0, eps, scale, table, C)
+        gcum, _, _, _, h, U, ht = _states(mod, k, v, a, s, h0, eps, table, C, store_final=True)
+        o = _output(mod, q, k, gcum, h, U, scale, table, C)
         ctx.save_for_backward(q, k, v, a, s, h0)
         ctx.mod, ctx.eps, ctx.scale, ctx.table, ctx.C = mod, eps, scale, table, C
         return o, ht
@@ -108,31 +131,32 @@ class ChunkDeltaRule(torch.autograd.Function):
     def backward(ctx, do, dht):
         q, k, v, a, s, h0 = ctx.saved_tensors
         mod, eps, scale, table, C = ctx.mod, ctx.eps, ctx.scale, ctx.table, ctx.C
-        _, _, gcum, beta, tm, w, h, U = _forward(mod, q, k, v, a, s, h0, eps, scale, table, C)
+        gcum, beta, tm, w, h, U, _ = _states(mod, k, v, a, s, h0, eps, table, C, store_final=False)
         TT, H, K = k.shape
         V = v.shape[-1]
         meta = _meta(K, V, C, k.dtype, k.device)
-        BV = min(STATE_BV, max(16, triton.next_power_of_2(V)))
-        NC, N, nv = table.n_chunks, table.n_seq, triton.cdiv(V, BV)
-        dev = k.device
+        NC, N, dev = table.n_chunks, table.n_seq, k.device
         do = torch.zeros(TT, H, V, device=dev, dtype=torch.float32) if do is None else do.contiguous().float()
         dul = _empty(TT, H, V, device=dev, dtype=torch.float32)
-        mod.delta_dU_local[(NC, H, nv)](q, k, gcum, do, dul, table.chunk_tok, table.chunk_len, scale, H, BV=BV, **meta)
+        cfg = _opts("dU_local", V)
+        mod.delta_dU_local[(NC, H, triton.cdiv(V, cfg["BV"]))](
+            q, k, gcum, do, dul, table.chunk_tok, table.chunk_len, scale, H, **meta, **cfg)
         dh = _empty(NC, H, K, V, device=dev, dtype=k.dtype)
         dU = _empty(TT, H, V, device=dev, dtype=torch.float32)
-        dh0 = _empty(N, H, K, V, device=dev, dtype=torch.float32)
+        dh0 = _empty(N, H, K, V, device=dev, dtype=torch.float32) if h0 is not None else None
         has_dht = dht is not None
-        dht = dht.contiguous().float() if has_dht else dh0
-        mod.delta_state_bwd[(N, H, nv)](q, k, w, gcum, do, dul, dht, table.chunk_tok, table.chunk_len,
-                                        table.seq_chunk0, dh, dU, dh0, scale, H, BV=BV, HAS_DHT=has_dht,
-                                        STORE_DH0=h0 is not None, **meta)
+        dht = dht.contiguous().float() if has_dht else dh
+        cfg = _opts("state_bwd", V)
+        mod.delta_state_bwd[(N, H, triton.cdiv(V, cfg["BV"]))](
+            q, k, w, gcum, do, dul, dht, table.chunk_tok, table.chunk_len, table.seq_chunk0, dh, dU,
+            dh0 if dh0 is not None else dh, scale, H, HAS_DHT=has_dht, STORE_DH0=h0 is not None, **meta, **cfg)
         dq = _empty(TT, H, K, device=dev, dtype=torch.float32)
-        dk = _empty(*dq.shape, device=dev, dtype=torch.float32)
+        dk = _empty(TT, H, K, device=dev, dtype=torch.float32)
         dv = _empty(TT, H, V, device=dev, dtype=torch.float32)
         da = _empty(TT, H, device=dev, dtype=torch.float32)
-        ds = _empty(*da.shape, device=dev, dtype=torch.float32)
+        ds = _empty(TT, H, device=dev, dtype=torch.float32)
         mod.delta_bwd[(NC, H)](q, k, v, a, s, eps, gcum, beta, tm, h, dh, U, dU, do, dq, dk, dv, da, ds,
-                               table.chunk_tok, table.chunk_len, scale, H, BV=BV, **meta)
+                               table.chunk_tok, table.chunk_len, scale, H, **meta, **_opts("bwd", V))
         grads = (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), da.to(a.dtype), ds.to(s.dtype),
                  dh0.to(h0.dtype) if h0 is not None else None)
         return (*grads, None, None, None, None, None)
@@ -143,12 +167,12 @@ def recurrent_forward(mod, q, k, v, a, s, h0, eps, scale, table: ChunkTable):
     TT, H, K = k.shape
     V = v.shape[-1]
     BK = max(16, triton.next_power_of_2(K))
-    BV = min(STATE_BV, max(16, triton.next_power_of_2(V)))
+    cfg = _opts("recurrent", V)
     o = _empty(TT, H, V, device=k.device, dtype=torch.float32)
     ht = _empty(table.n_seq, H, K, V, device=k.device, dtype=torch.float32)
-    mod.delta_recurrent[(table.n_seq, H, triton.cdiv(V, BV))](
-        q, k, v, a, s, eps, h0 if h0 is not None else ht, o, ht, table.seq_tok, scale, H, K=K, V=V, BK=BK, BV=BV,
-        HAS_H0=h0 is not None, STORE_FINAL=True)
+    mod.delta_recurrent[(table.n_seq, H, triton.cdiv(V, cfg["BV"]))](
+        q, k, v, a, s, eps, h0 if h0 is not None else ht, o, ht, table.seq_tok, scale, H, K=K, V=V, BK=BK,
+        HAS_H0=h0 is not None, STORE_FINAL=True, **cfg)
     return o, ht
 
 

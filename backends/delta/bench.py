@@ -1,0 +1,247 @@
+"""GPU benchmark of the generated delta-rule kernels against flash-linear-attention (fla), with checks.
+
+    python -m scanlang.backends.delta.bench [--out DIR] [--sweep]
+
+1. Correctness (B2 T300 H4 K=V=64, bf16, T not a multiple of the chunk): ours and fla's
+   chunk_gated_delta_rule against the float64 chunked reference (itself checked against the token
+   loop by the CPU tests): o, final state and every gradient, ratio RMS(err)/RMS(ref). Kaczmarz with
+   raw keys (norms log-uniform over [1e-2, 10]) for ours; fla runs it through the exact identity
+   GDN(q, k r, v r, beta=eta), r = (||k||^2 + eps)^-1/2.
+2. Optionally (--sweep) a per-kernel search over value block / warps / stages; the best is kept.
+3. Timing at B8 T4096 H16 K=V=128 bf16 (GDN-style inputs), median of triton.testing.do_bench:
+   fwd and fwd+bwd for fla, ours (GDN step), ours (Kaczmarz step), with the outputs of that shape
+   checked against the float64 reference in the same run; one-token decode at B8 H16.
+Everything printed is also written to DIR/delta_bench.log and DIR/delta_bench.json.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import sys
+
+import torch
+import triton
+import triton.testing
+
+from scanlang.backends.delta import ops as delta_ops
+from scanlang.recipes.kaczmarz import delta_rule, kaczmarz_delta_rule
+from scanlang.testing import ratio, tolerance
+
+LOG: list[str] = []
+
+
+def say(*parts):
+    line = " ".join(str(p) for p in parts)
+    LOG.append(line)
+    print(line, flush=True)
+
+
+def gdn_inputs(B, T, H, K, V, dtype, device, seed=0, requires_grad=False):
+    gen = torch.Generator(device=device).manual_seed(seed)
+    q = torch.nn.functional.normalize(torch.randn(B, T, H, K, device=device, generator=gen), dim=-1)
+    k = torch.nn.functional.normalize(torch.randn(B, T, H, K, device=device, generator=gen), dim=-1)
+    v = torch.randn(B, T, H, V, device=device, generator=gen)
+    g = torch.nn.functional.logsigmoid(torch.randn(B, T, H, device=device, generator=gen))
+    beta = torch.randn(B, T, H, device=device, generator=gen).sigmoid()
+    h0 = torch.randn(B, H, K, V, device=device, generator=gen)
+    out = [q.to(dtype), k.to(dtype), v.to(dtype), g.float(), beta.float(), h0]
+    return [t.requires_grad_(requires_grad) for t in out]
+
+
+def grads_of(fn, inputs, seed=1):
+    """fn(*inputs) -> (o, S); random float32 cotangents; returns [o, S, grad per input]."""
+    ins = [t.detach().clone().requires_grad_() for t in inputs]
+    o, S = fn(*ins)
+    gen = torch.Generator(device=o.device).manual_seed(seed)
+    do = torch.randn(o.shape, device=o.device, generator=gen, dtype=torch.float64).to(o.dtype)
+    dS = torch.randn(S.shape, device=o.device, generator=gen, dtype=torch.float64).to(S.dtype)
+    gs = torch.autograd.grad((o * do).sum() + (S * dS).sum(), ins)
+    return [o.detach(), S.detach(), *gs]
+
+
+def reference_fn(q, k, v, g, beta, h0):
+    return delta_rule(*(t.double() for t in (q, k, v, g, beta)), initial_state=h0.double(), output_final_state=True,
+                      backend="reference")
+
+
+def ours_fn(q, k, v, g, beta, h0):
+    return delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True, backend="triton")
+
+
+def fla_fn(q, k, v, g, beta, h0):
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    return chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+
+
+NAMES = ("o", "S", "dq", "dk", "dv", "dg", "dbeta", "dh0")
+KINDS = ("delta_out", "delta_out", "delta_grad", "delta_grad", "delta_grad", "delta_gate_grad", "delta_gate_grad",
+         "delta_grad")
+
+
+def check(label, got, ref, dtype, results):
+    row = {}
+    for name, kind, a, b in zip(NAMES, KINDS, got, ref):
+        r = ratio(a, b)
+        row[name] = r
+        row[name + "_ok"] = r <= tolerance(kind, dtype)
+    results[label] = row
+    verdict = "PASS" if all(v for n, v in row.items() if n.endswith("_ok")) else "FAIL"
+    say(f"  {label:28s} {verdict} " + " ".join(f"{n}={row[n]:.2e}" for n in NAMES))
+
+
+def correctness(device, results, have_fla):
+    say("## correctness vs float64 reference (B2 T300 H4 K=V=64, bf16 inputs)")
+    dtype = torch.bfloat16
+    inputs = gdn_inputs(2, 300, 4, 64, 64, dtype, device)
+    ref = grads_of(reference_fn, inputs)
+    check("ours GDN-step", grads_of(ours_fn, inputs), ref, dtype, results)
+    if have_fla:
+        check("fla chunk_gated_delta_rule", grads_of(fla_fn, inputs), ref, dtype, results)
+    # Kaczmarz: raw keys with norms log-uniform over [1e-2, 10]
+    q, k, v, g, eta, h0 = inputs
+    gen = torch.Generator(device=device).manual_seed(3)
+    k = (k.float() * torch.exp(torch.empty(*k.shape[:3], 1, device=device).uniform_(
+        math.log(1e-2), math.log(10), generator=gen))).to(dtype)
+    kin = [q, k, v, g, eta, h0]
+    kref = grads_of(lambda q, k, v, g, e, h0: kaczmarz_delta_rule(
+        *(t.double() for t in (q, k, v, g, e)), initial_state=h0.double(), output_final_state=True,
+        backend="reference"), kin)
+    check("ours Kaczmarz raw keys", grads_of(lambda q, k, v, g, e, h0: kaczmarz_delta_rule(
+        q, k, v, g, e, initial_state=h0, output_final_state=True, backend="triton"), kin), kref, dtype, results)
+    if have_fla:
+        def fla_kaczmarz(q, k, v, g, e, h0):
+            r = ((k.float() ** 2).sum(-1, keepdim=True) + 1e-6).rsqrt()
+            return fla_fn(q, (k.float() * r).to(dtype), (v.float() * r).to(dtype), g, e, h0)
+        check("fla via identity (Kaczmarz)", grads_of(fla_kaczmarz, kin), kref, dtype, results)
+
+
+def bench_ms(fn):
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def fwd_bwd(fn, ins, do):
+    o = fn(*ins)[0]
+    torch.autograd.grad(o, ins[:5], do)
+
+
+def sweep(device, results):
+    """Per kernel: try value blocks / warps / stages, keep the fastest (others at their current best)."""
+    say("## per-kernel sweep (B8 T4096 H16 K=V=128 bf16)")
+    ins = gdn_inputs(8, 4096, 16, 128, 128, torch.bfloat16, device, seed=5, requires_grad=True)
+    do = torch.randn(8, 4096, 16, 128, device=device)
+    f = lambda: ours_fn(*ins)  # noqa: E731
+    fb = lambda: fwd_bwd(ours_fn, ins, do)  # noqa: E731
+    options = {
+        "prep": [dict(num_warps=w, num_stages=s) for w in (4, 8) for s in (1, 2)],
+        "state_fwd": [dict(BV=bv, num_warps=w, num_stages=2) for bv in (32, 64) for w in (4, 8)],
+        "output": [dict(BV=bv, num_warps=w, num_stages=2) for bv in (64, 128) for w in (4, 8)],
+        "dU_local": [dict(BV=64, num_warps=w, num_stages=2) for w in (4, 8)],
+        "state_bwd": [dict(BV=bv, num_warps=w, num_stages=2) for bv in (32, 64) for w in (4, 8)],
+        "bwd": [dict(BV=bv, num_warps=w, num_stages=1) for bv in (32, 64) for w in (4, 8)],
+    }
+    for name, cfgs in options.items():
+        timer = f if name in ("prep", "state_fwd", "output") else fb
+        best = None
+        for cfg in cfgs:
+            delta_ops.CONFIG[name] = cfg
+            try:
+                t = bench_ms(timer)
+            except Exception as exc:  # a config that does not compile (registers, shared memory) is skipped
+                say(f"  {name} {cfg}: failed ({type(exc).__name__}: {str(exc)[:80]})")
+                continue
+            if best is None or t < best[0]:
+                best = (t, cfg)
+        delta_ops.CONFIG[name] = best[1]
+        say(f"  {name}: best {best[1]} -> {'fwd' if timer is f else 'fwd+bwd'} {best[0]:.3f} ms")
+    results["config"] = {k: dict(v) for k, v in delta_ops.CONFIG.items()}
+
+
+def timings(device, results, have_fla):
+    B, T, H, K, V = 8, 4096, 16, 128, 128
+    say(f"## timing B{B} T{T} H{H} K=V={K} bf16 (median ms, do_bench)")
+    ins = gdn_inputs(B, T, H, K, V, torch.bfloat16, device, seed=7, requires_grad=True)
+    do = torch.randn(B, T, H, V, device=device)
+    gen = torch.Generator(device=device).manual_seed(8)
+    kz = [ins[0], (ins[1].float() * torch.exp(torch.empty(B, T, H, 1, device=device).uniform_(
+        math.log(0.1), math.log(10), generator=gen))).to(torch.bfloat16).requires_grad_(), *ins[2:]]
+    kz_fn = lambda q, k, v, g, e, h0: kaczmarz_delta_rule(  # noqa: E731
+        q, k, v, g, e, initial_state=h0, output_final_state=True, backend="triton")
+    contenders = [("ours GDN-step", ours_fn, ins), ("ours Kaczmarz", kz_fn, kz)]
+    if have_fla:
+        contenders.insert(0, ("fla chunk_gated_delta_rule", fla_fn, ins))
+    with torch.no_grad():
+        o_ref = reference_fn(*[t.detach() for t in ins])[0]
+    for label, fn, args in contenders:
+        with torch.no_grad():
+            o = fn(*args)[0]
+            r = ratio(o, o_ref) if args is ins else float("nan")
+            fwd = bench_ms(lambda: fn(*args))
+        fb = bench_ms(lambda: fwd_bwd(fn, args, do))
+        results.setdefault("timing", {})[label] = dict(fwd_ms=fwd, fwd_bwd_ms=fb, o_ratio_vs_f64=r)
+        say(f"  {label:28s} fwd {fwd:7.3f} ms   fwd+bwd {fb:7.3f} ms   o ratio vs float64 {r:.2e}")
+    # one-token decode with a carried state
+    say(f"## one-token decode B{B} H{H} K=V={K} (bf16 q/k/v, fp32 state)")
+    q, k, v, g, beta = (t.detach()[:, :1].contiguous() for t in ins[:5])
+    h0 = ins[5].detach()
+    state_bytes = 2 * h0.numel() * 4
+    with torch.no_grad():
+        o_ref, S_ref = reference_fn(q, k, v, g, beta, h0)
+        dec = [("ours (recurrent kernel)", lambda: delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True,
+                                                              backend="triton"))]
+        if have_fla:
+            from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule
+            dec.insert(0, ("fla fused_recurrent", lambda: fused_recurrent_gated_delta_rule(
+                q, k, v, g, beta, initial_state=h0, output_final_state=True)))
+        for label, fn in dec:
+            o, S = fn()
+            t = bench_ms(fn)
+            results.setdefault("decode", {})[label] = dict(ms=t, o_ratio=ratio(o, o_ref), S_ratio=ratio(S, S_ref))
+            say(f"  {label:28s} {t * 1e3:7.1f} us  state r+w {state_bytes / t / 1e9:6.1f} GB/s  "
+                f"o ratio {ratio(o, o_ref):.1e}  S ratio {ratio(S, S_ref):.1e}")
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    parser.add_argument("--sweep", action="store_true")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("no CUDA device: this benchmark needs a GPU", file=sys.stderr)
+        return 2
+    device = torch.device("cuda")
+    results = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                   gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__)
+    try:
+        import fla
+        import fla.ops.common.chunk_o as fla_chunk_o
+        fla_chunk_o.TRITON_ABOVE_3_7_1 = True   # fla refuses its gated backward under Triton 3.4-3.7.0 on Hopper
+        results["fla"] = getattr(fla, "__version__", "?")
+        have_fla = True
+    except ImportError as exc:
+        say(f"fla not importable ({exc}); timing ours only")
+        have_fla = False
+    say(f"# delta-rule benchmark {results['date']} on {results['gpu']}: torch {results['torch']}, "
+        f"triton {results['triton']}, fla {results.get('fla')}")
+    steps = [("correctness", lambda: correctness(device, results, have_fla))]
+    if args.sweep:
+        steps.append(("sweep", lambda: sweep(device, results)))
+    steps.append(("timings", lambda: timings(device, results, have_fla)))
+    for name, step in steps:
+        try:
+            step()
+        except Exception as exc:  # report and go on: one failing stage should not hide the others
+            import traceback
+            say(f"!! {name} failed: {type(exc).__name__}: {exc}")
+            say(traceback.format_exc()[-3000:])
+        with open(os.path.join(args.out, "delta_bench.json"), "w") as f:
+            json.dump(results, f, indent=1, default=str)
+        with open(os.path.join(args.out, "delta_bench.log"), "w") as f:
+            f.write("\n".join(LOG) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
