@@ -219,3 +219,15 @@ def test_triton_on_cpu_without_interpreter_is_a_value_error(monkeypatch):
     with pytest.raises(ValueError, match="float64"):
         monkeypatch.setenv("TRITON_INTERPRET", "1")
         kaczmarz_delta_rule(q.double(), k, v, g, eta, backend="triton")
+
+
+def test_chunk_op_is_a_registered_torch_library_op():
+    key = delta_ops.program_key(KACZMARZ, 16)
+    TT, H, K, V = 20, 2, 16, 16
+    table = delta_ops.ChunkTable(1, TT, None, 16, "cpu")
+    floats = [torch.randn(TT, H, K), torch.randn(TT, H, K), torch.randn(TT, H, V), -torch.rand(TT, H),
+              torch.rand(TT, H), torch.randn(1, H, K, V)]
+    args = (key, *(t.requires_grad_() for t in floats), table.chunk_tok, table.chunk_len, table.seq_chunk0, 1e-6, 0.25)
+    # the aot-dispatch checks trace through the launches, which Triton's CPU interpreter cannot do
+    torch.library.opcheck(torch.ops.scanlang.delta_chunk_fwd.default, args,
+                          test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))

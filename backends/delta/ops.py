@@ -5,6 +5,8 @@ Inputs arrive validated by `scanlang.recipes.kaczmarz.ops`. Tokens are packed in
 chunk table lists every chunk's first token and length, so equal-length and `cu_seqlens` inputs run
 the same kernels.
 
+The chunked path is two `torch.library` ops with registered autograd, `scanlang::delta_chunk_fwd` and
+`scanlang::delta_chunk_bwd` (launches through `wrap_triton`, so torch.compile traces them).
 Forward: prep (gcum, beta, Tm, w, u) -> state_fwd (chunk start states h, innovations U, final state)
 -> output. Backward recomputes prep and state_fwd from the inputs (nothing but the inputs is saved),
 then dU_local -> state_bwd (reverse over chunks) -> bwd (dq, dk, dv, d step input, d decay input).
@@ -13,8 +15,11 @@ token-loop kernel instead.
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import triton
+from torch.library import triton_op, wrap_triton
 
 from scanlang.delta import GIVEN, KACZMARZ, DeltaRule
 
@@ -32,6 +37,7 @@ CONFIG = {
     "recurrent": dict(BV=32, num_warps=4, num_stages=1),
 }
 _RULES = {"beta": GIVEN, "kaczmarz": KACZMARZ}
+PROGRAMS: dict[str, tuple] = {}     # key -> (generated module, chunk size); keys name rule, hooks and C
 
 
 def _empty(*shape, device, dtype):
@@ -83,83 +89,110 @@ def _opts(name: str, V: int) -> dict:
     return cfg
 
 
-def _states(mod, k, v, a, s, h0, eps, table: ChunkTable, C: int, store_final: bool):
+def _fake(t: torch.Tensor) -> bool:
+    """Shape propagation only (meta or FakeTensor outside graph recording): allocate, launch nothing."""
+    from torch._subclasses.fake_tensor import is_fake
+    from torch.fx.experimental.proxy_tensor import get_proxy_mode
+    return t.device.type == "meta" or (is_fake(t) and get_proxy_mode() is None)
+
+
+def _states(mod, k, v, a, s, h0, chunk_tok, chunk_len, seq_chunk0, eps, C: int, store_final: bool):
     """prep + state_fwd: (gcum, beta, Tm, w, chunk start states h, innovations U, final state)."""
     TT, H, K = k.shape
     V = v.shape[-1]
-    meta = _meta(K, V, C, k.dtype, k.device)
-    NC, N, dev = table.n_chunks, table.n_seq, k.device
+    NC, N, dev = chunk_tok.numel(), seq_chunk0.numel() - 1, k.device
+    meta = _meta(K, V, C, k.dtype, dev)
     gcum = _empty(TT, H, device=dev, dtype=torch.float32)
     beta = _empty(TT, H, device=dev, dtype=torch.float32)
     w = _empty(TT, H, K, device=dev, dtype=k.dtype)
     u = _empty(TT, H, V, device=dev, dtype=k.dtype)
     tm = _empty(NC, H, C, C, device=dev, dtype=torch.float32)
-    mod.delta_prep[(NC, H)](k, v, a, s, eps, table.chunk_tok, table.chunk_len, w, u, tm, gcum, beta, H,
-                            BV=max(16, triton.next_power_of_2(V)), **meta, **CONFIG["prep"])
     h = _empty(NC, H, K, V, device=dev, dtype=k.dtype)
     U = _empty(TT, H, V, device=dev, dtype=k.dtype)
-    ht = _empty(N, H, K, V, device=dev, dtype=torch.float32) if store_final else None
+    ht = _empty(N, H, K, V, device=dev, dtype=torch.float32)
+    if _fake(k):
+        return gcum, beta, tm, w, h, U, ht
+    wrap_triton(mod.delta_prep)[(NC, H)](
+        k, v, a, s, eps, chunk_tok, chunk_len, w, u, tm, gcum, beta, H,
+        BV=max(16, triton.next_power_of_2(V)), **meta, **CONFIG["prep"])
     cfg = _opts("state_fwd", V)
-    mod.delta_state_fwd[(N, H, triton.cdiv(V, cfg["BV"]))](
-        k, w, u, gcum, h0 if h0 is not None else h, table.chunk_tok, table.chunk_len, table.seq_chunk0, h, U,
-        ht if store_final else h, H, HAS_H0=h0 is not None, STORE_FINAL=store_final, **meta, **cfg)
+    wrap_triton(mod.delta_state_fwd)[(N, H, triton.cdiv(V, cfg["BV"]))](
+        k, w, u, gcum, h0 if h0 is not None else h, chunk_tok, chunk_len, seq_chunk0, h, U, ht, H,
+        HAS_H0=h0 is not None, STORE_FINAL=store_final, **meta, **cfg)
     return gcum, beta, tm, w, h, U, ht
 
 
-def _output(mod, q, k, gcum, h, U, scale, table: ChunkTable, C: int):
+@triton_op("scanlang::delta_chunk_fwd", mutates_args=())
+def delta_chunk_fwd(key: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, s: torch.Tensor,
+                    h0: Optional[torch.Tensor], chunk_tok: torch.Tensor, chunk_len: torch.Tensor,
+                    seq_chunk0: torch.Tensor, eps: float, scale: float) -> list[torch.Tensor]:
+    """Packed [TT, H, *] inputs -> [o [TT, H, V] fp32, final state [N, H, K, V] fp32]."""
+    mod, C = PROGRAMS[key]
     TT, H, K = k.shape
-    V = U.shape[-1]
+    V = v.shape[-1]
+    gcum, _, _, _, h, U, ht = _states(mod, k, v, a, s, h0, chunk_tok, chunk_len, seq_chunk0, eps, C, True)
     o = _empty(TT, H, V, device=k.device, dtype=torch.float32)
-    cfg = _opts("output", V)
-    mod.delta_output[(table.n_chunks, H, triton.cdiv(V, cfg["BV"]))](
-        q, k, gcum, h, U, o, table.chunk_tok, table.chunk_len, scale, H, **_meta(K, V, C, k.dtype, k.device), **cfg)
-    return o
+    if not _fake(k):
+        cfg = _opts("output", V)
+        wrap_triton(mod.delta_output)[(chunk_tok.numel(), H, triton.cdiv(V, cfg["BV"]))](
+            q, k, gcum, h, U, o, chunk_tok, chunk_len, scale, H, **_meta(K, V, C, k.dtype, k.device), **cfg)
+    return [o, ht]
 
 
-class ChunkDeltaRule(torch.autograd.Function):
-    """(q, k, v, a, s, h0) -> (o, final state) on packed [TT, H, *] inputs, with the generated backward."""
+@triton_op("scanlang::delta_chunk_bwd", mutates_args=())
+def delta_chunk_bwd(key: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, s: torch.Tensor,
+                    h0: Optional[torch.Tensor], chunk_tok: torch.Tensor, chunk_len: torch.Tensor,
+                    seq_chunk0: torch.Tensor, do: torch.Tensor, dht: Optional[torch.Tensor], eps: float,
+                    scale: float) -> list[torch.Tensor]:
+    """Recompute prep and states, then [dq, dk, dv, da, ds (fp32), dh0 (fp32; empty without h0)]."""
+    mod, C = PROGRAMS[key]
+    TT, H, K = k.shape
+    V = v.shape[-1]
+    NC, N, dev = chunk_tok.numel(), seq_chunk0.numel() - 1, k.device
+    meta = _meta(K, V, C, k.dtype, dev)
+    gcum, beta, tm, w, h, U, _ = _states(mod, k, v, a, s, h0, chunk_tok, chunk_len, seq_chunk0, eps, C, False)
+    dul = _empty(TT, H, V, device=dev, dtype=torch.float32)
+    dh = _empty(NC, H, K, V, device=dev, dtype=k.dtype)
+    dU = _empty(TT, H, V, device=dev, dtype=torch.float32)
+    dh0 = _empty(N, H, K, V, device=dev, dtype=torch.float32) if h0 is not None else k.new_empty(0, dtype=torch.float32)
+    dq = _empty(TT, H, K, device=dev, dtype=torch.float32)
+    dk = _empty(TT, H, K, device=dev, dtype=torch.float32)
+    dv = _empty(TT, H, V, device=dev, dtype=torch.float32)
+    da = _empty(TT, H, device=dev, dtype=torch.float32)
+    ds = _empty(TT, H, device=dev, dtype=torch.float32)
+    if _fake(k):
+        return [dq, dk, dv, da, ds, dh0]
+    cfg = _opts("dU_local", V)
+    wrap_triton(mod.delta_dU_local)[(NC, H, triton.cdiv(V, cfg["BV"]))](
+        q, k, gcum, do, dul, chunk_tok, chunk_len, scale, H, **meta, **cfg)
+    cfg = _opts("state_bwd", V)
+    wrap_triton(mod.delta_state_bwd)[(N, H, triton.cdiv(V, cfg["BV"]))](
+        q, k, w, gcum, do, dul, dht if dht is not None else dh, chunk_tok, chunk_len, seq_chunk0, dh, dU,
+        dh0 if h0 is not None else dh, scale, H, HAS_DHT=dht is not None, STORE_DH0=h0 is not None, **meta, **cfg)
+    wrap_triton(mod.delta_bwd)[(NC, H)](
+        q, k, v, a, s, eps, gcum, beta, tm, h, dh, U, dU, do, dq, dk, dv, da, ds, chunk_tok, chunk_len, scale, H,
+        **meta, **_opts("bwd", V))
+    return [dq, dk, dv, da, ds, dh0]
 
-    @staticmethod
-    def forward(ctx, q, k, v, a, s, h0, mod, eps, scale, table, C):
-        gcum, _, _, _, h, U, ht = _states(mod, k, v, a, s, h0, eps, table, C, store_final=True)
-        o = _output(mod, q, k, gcum, h, U, scale, table, C)
-        ctx.save_for_backward(q, k, v, a, s, h0)
-        ctx.mod, ctx.eps, ctx.scale, ctx.table, ctx.C = mod, eps, scale, table, C
-        return o, ht
 
-    @staticmethod
-    def backward(ctx, do, dht):
-        q, k, v, a, s, h0 = ctx.saved_tensors
-        mod, eps, scale, table, C = ctx.mod, ctx.eps, ctx.scale, ctx.table, ctx.C
-        gcum, beta, tm, w, h, U, _ = _states(mod, k, v, a, s, h0, eps, table, C, store_final=False)
-        TT, H, K = k.shape
-        V = v.shape[-1]
-        meta = _meta(K, V, C, k.dtype, k.device)
-        NC, N, dev = table.n_chunks, table.n_seq, k.device
-        do = torch.zeros(TT, H, V, device=dev, dtype=torch.float32) if do is None else do.contiguous().float()
-        dul = _empty(TT, H, V, device=dev, dtype=torch.float32)
-        cfg = _opts("dU_local", V)
-        mod.delta_dU_local[(NC, H, triton.cdiv(V, cfg["BV"]))](
-            q, k, gcum, do, dul, table.chunk_tok, table.chunk_len, scale, H, **meta, **cfg)
-        dh = _empty(NC, H, K, V, device=dev, dtype=k.dtype)
-        dU = _empty(TT, H, V, device=dev, dtype=torch.float32)
-        dh0 = _empty(N, H, K, V, device=dev, dtype=torch.float32) if h0 is not None else None
-        has_dht = dht is not None
-        dht = dht.contiguous().float() if has_dht else dh
-        cfg = _opts("state_bwd", V)
-        mod.delta_state_bwd[(N, H, triton.cdiv(V, cfg["BV"]))](
-            q, k, w, gcum, do, dul, dht, table.chunk_tok, table.chunk_len, table.seq_chunk0, dh, dU,
-            dh0 if dh0 is not None else dh, scale, H, HAS_DHT=has_dht, STORE_DH0=h0 is not None, **meta, **cfg)
-        dq = _empty(TT, H, K, device=dev, dtype=torch.float32)
-        dk = _empty(TT, H, K, device=dev, dtype=torch.float32)
-        dv = _empty(TT, H, V, device=dev, dtype=torch.float32)
-        da = _empty(TT, H, device=dev, dtype=torch.float32)
-        ds = _empty(TT, H, device=dev, dtype=torch.float32)
-        mod.delta_bwd[(NC, H)](q, k, v, a, s, eps, gcum, beta, tm, h, dh, U, dU, do, dq, dk, dv, da, ds,
-                               table.chunk_tok, table.chunk_len, scale, H, **meta, **_opts("bwd", V))
-        grads = (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), da.to(a.dtype), ds.to(s.dtype),
-                 dh0.to(h0.dtype) if h0 is not None else None)
-        return (*grads, None, None, None, None, None)
+def _setup_context(ctx, inputs, output):
+    key, q, k, v, a, s, h0, chunk_tok, chunk_len, seq_chunk0, eps, scale = inputs
+    ctx.save_for_backward(q, k, v, a, s, h0, chunk_tok, chunk_len, seq_chunk0)
+    ctx.key, ctx.eps, ctx.scale = key, eps, scale
+
+
+def _backward(ctx, grads):
+    q, k, v, a, s, h0, chunk_tok, chunk_len, seq_chunk0 = ctx.saved_tensors
+    do, dht = grads
+    do = torch.zeros(*q.shape[:2], v.shape[-1], device=q.device) if do is None else do.contiguous().float()
+    dht = None if dht is None else dht.contiguous().float()
+    dq, dk, dv, da, ds, dh0 = delta_chunk_bwd(ctx.key, q, k, v, a, s, h0, chunk_tok, chunk_len, seq_chunk0,
+                                              do, dht, ctx.eps, ctx.scale)
+    return (None, dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), da.to(a.dtype), ds.to(s.dtype),
+            dh0.to(h0.dtype) if h0 is not None else None, None, None, None, None, None)
+
+
+delta_chunk_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
 def recurrent_forward(mod, q, k, v, a, s, h0, eps, scale, table: ChunkTable):
@@ -174,6 +207,14 @@ def recurrent_forward(mod, q, k, v, a, s, h0, eps, scale, table: ChunkTable):
         q, k, v, a, s, eps, h0 if h0 is not None else ht, o, ht, table.seq_tok, scale, H, K=K, V=V, BK=BK,
         HAS_H0=h0 is not None, STORE_FINAL=True, **cfg)
     return o, ht
+
+
+def program_key(rule: DeltaRule, chunk_size: int) -> str:
+    """Load (once) the generated module for `rule` at `chunk_size` and return its key in PROGRAMS."""
+    key = f"{rule.name}_{rule.key}_c{chunk_size}"
+    if key not in PROGRAMS:
+        PROGRAMS[key] = (codegen.load(rule, chunk_size), chunk_size)
+    return key
 
 
 def delta_rule(q, k, v, g, s, rule, scale: float, initial_state=None, output_final_state=False,
@@ -198,12 +239,13 @@ def delta_rule(q, k, v, g, s, rule, scale: float, initial_state=None, output_fin
     qp, kp, vp = pack(q), pack(k), pack(v)
     a, sp = g.reshape(B * T, H).contiguous(), s.reshape(B * T, H).contiguous()
     h0 = initial_state.contiguous() if initial_state is not None else None
-    mod = codegen.load(rule, chunk_size)
+    key = program_key(rule, chunk_size)
     needs_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (q, k, v, g, s, initial_state))
     if not needs_grad and table.max_len <= RECURRENT_MAX_LEN:
-        o, S = recurrent_forward(mod, qp, kp, vp, a, sp, h0, eps, scale, table)
+        o, S = recurrent_forward(PROGRAMS[key][0], qp, kp, vp, a, sp, h0, eps, scale, table)
     else:
-        o, S = ChunkDeltaRule.apply(qp, kp, vp, a, sp, h0, mod, eps, scale, table, chunk_size)
+        o, S = delta_chunk_fwd(key, qp, kp, vp, a, sp, h0, table.chunk_tok, table.chunk_len, table.seq_chunk0,
+                               float(eps), float(scale))
     o = o.reshape(B, T, H, V)
     return o, (S if output_final_state else None)
