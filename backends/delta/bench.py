@@ -159,6 +159,24 @@ def sweep(device, results):
     results["config"] = {k: dict(v) for k, v in delta_ops.CONFIG.items()}
 
 
+def kernel_breakdown(label, fn, results):
+    """GPU time per kernel over one fwd+bwd (torch profiler), largest first."""
+    try:
+        from torch.profiler import ProfilerActivity, profile
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            fn()
+            torch.cuda.synchronize()
+        rows = [(e.key, e.device_time_total / 1e3, e.count) for e in prof.key_averages() if e.device_time_total > 0]
+    except Exception as exc:  # the profiler is a diagnostic; the timings above stand without it
+        say(f"    (profiler unavailable: {type(exc).__name__}: {exc})")
+        return
+    rows.sort(key=lambda r: -r[1])
+    results.setdefault("kernels", {})[label] = rows[:12]
+    for name, ms, count in rows[:8]:
+        say(f"    {ms:8.3f} ms  x{count:<3d} {name[:90]}")
+
+
 def timings(device, results, have_fla):
     B, T, H, K, V = 8, 4096, 16, 128, 128
     say(f"## timing B{B} T{T} H{H} K=V={K} bf16 (median ms, do_bench)")
@@ -182,6 +200,7 @@ def timings(device, results, have_fla):
         fb = bench_ms(lambda: fwd_bwd(fn, args, do))
         results.setdefault("timing", {})[label] = dict(fwd_ms=fwd, fwd_bwd_ms=fb, o_ratio_vs_f64=r)
         say(f"  {label:28s} fwd {fwd:7.3f} ms   fwd+bwd {fb:7.3f} ms   o ratio vs float64 {r:.2e}")
+        kernel_breakdown(label, lambda: fwd_bwd(fn, args, do), results)
     # one-token decode with a carried state
     say(f"## one-token decode B{B} H{H} K=V={K} (bf16 q/k/v, fp32 state)")
     q, k, v, g, beta = (t.detach()[:, :1].contiguous() for t in ins[:5])
