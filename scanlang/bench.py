@@ -98,9 +98,9 @@ def run_scans(table, B, D, T, anchors: bool, sweep: bool, log: dict):
     from scanlang.backends.triton import runtime
     gen = torch.Generator(device="cuda").manual_seed(0)
     mixers = _mixers()
-    for layout in ("time", "channels"):
+    for kind, layout in (("affine", "time"), ("affine", "channels"), ("mobius", "time"), ("mobius", "channels")):
         dim = 2 if layout == "time" else 1
-        for kind in ("affine", "mobius"):
+        if True:
             mix = mixers[kind, layout]
             data = _data(kind, layout, B, D, T, gen)
             n = data["a"].numel()

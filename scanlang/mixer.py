@@ -89,14 +89,9 @@ class Mixer:
                         reduce_state=reduce is not None)
         self.outputs = self.ir.outputs
         self.result = collections.namedtuple("MixerOutput", self.outputs + ("final",))
-        self._program = None
-
-    @property
-    def program(self):
-        if self._program is None:
-            from . import pipeline
-            self._program = pipeline.build(self.ir)
-        return self._program
+        from . import pipeline
+        self.program = pipeline.build(self.ir)   # generated and loaded now, never inside a traced call
+        self.key = self.program.key
 
     def source(self) -> str:
         """The generated Triton module (forward and backward)."""
@@ -162,15 +157,9 @@ def _call(self: Mixer, initial, output_final_state: bool, reverse: bool, tensors
                 raise ValueError(f"initial[{f!r}]: shape {tuple(v.shape)} does not broadcast to {lane_shape} "
                                  f"(axes {[a for a in self.axes if a != 't']})") from None
     from .backends.triton.ops import PROGRAMS
-    outs, final = pipeline.launch(PROGRAMS[_program_key(self)], views, init, dim, reverse, fp64)
+    outs, final = pipeline.launch(PROGRAMS[self.key], views, init, dim, reverse, fp64)
     fin = tuple(final[i].reshape(lane_shape) for i in range(len(self.monoid.fields))) if output_final_state else None
     return self.result(*outs, fin)
-
-
-@torch.compiler.assume_constant_result
-def _program_key(mix: Mixer) -> str:
-    """Generate (once) and name the mixer's program; under torch.compile this runs at trace time."""
-    return mix.program.key
 
 
 def mixer(monoid: Monoid, axes: str, inputs: Mapping[str, str], lift: Callable, readout: Callable,

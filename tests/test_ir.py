@@ -39,7 +39,7 @@ def test_rendered_module_parses_and_has_the_stages():
     tree = ast.parse(src)
     names = [n.name for n in tree.body if isinstance(n, ast.FunctionDef)]
     assert names == ["combine", "adjoint_combine", "to_acc", "lane_offsets", "scan_forward", "scan_backward"]
-    assert "/ scale" in src                       # projective: renormalised after each combine
+    assert "inv_scale = 1.0 / scale" in src       # projective: renormalised after each combine
     assert src == render(lower(sl.Mobius), differentiate(lower(sl.Mobius)))
 
 

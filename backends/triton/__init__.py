@@ -37,10 +37,22 @@ def program_for(monoid):
     return pipeline.build(pipeline.lower(monoid))
 
 
+_DECLARED: dict = {}
+
+
 @torch.compiler.assume_constant_result
-def program_key(monoid) -> str:
-    """Build (once) and name the plain-scan program; torch.compile runs this at trace time, not in the graph."""
-    return program_for(monoid).key
+def program_key(combine_fn, fields, identity, scale_fn, name) -> str:
+    """Build (once) and name the plain-scan program of a declaration.
+
+    torch.compile runs this at trace time and keeps only the string. It takes the declaration's
+    parts (functions, strings, numbers: constants to Dynamo) rather than the Monoid object, which
+    some torch versions cannot treat as a constant.
+    """
+    from scanlang.monoid import Monoid
+    decl = (combine_fn, fields, identity, scale_fn, name)
+    if decl not in _DECLARED:
+        _DECLARED[decl] = program_for(Monoid(combine_fn, fields, identity, scale=scale_fn, name=name)).key
+    return _DECLARED[decl]
 
 
 def scan(monoid, elems, dim: int, reverse: bool, initial, out_dtype) -> tuple[torch.Tensor, ...]:
@@ -64,7 +76,7 @@ def scan(monoid, elems, dim: int, reverse: bool, initial, out_dtype) -> tuple[to
         raise ValueError(f"dim: expected 0 <= dim < {ndim}, got {dim}")
     init = list(initial) if initial is not None else None
     from .ops import PROGRAMS
-    prog = PROGRAMS[program_key(monoid)]
+    prog = PROGRAMS[program_key(monoid.combine_fn, monoid.fields, monoid.identity, monoid.scale_fn, monoid.name)]
     outs, _ = pipeline.launch(prog, elems, init, dim, reverse, out_dtype == torch.float64)
     return tuple(outs)
 

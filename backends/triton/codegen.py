@@ -76,7 +76,8 @@ def _combine_function(ir: ScanIR) -> list[str]:
     body = _assign(out, ir.combine, names, "_c", shape_like=xs[0])
     if ir.is_projective:
         body += _assign(["scale"], [ir.scale], dict(zip(ir.scale_symbols, out)), "_s")
-        body.append(f"return {', '.join(f'{o} / scale' for o in out)}")
+        body.append("inv_scale = 1.0 / scale")
+        body.append(f"return {', '.join(f'{o} * inv_scale' for o in out)}")
     else:
         body.append(f"return {', '.join(out)}")
     return ["@triton.jit", f"def combine({', '.join(xs + ys)}):",
@@ -193,8 +194,8 @@ def render_forward(ir: ScanIR) -> list[str]:
         args += [f"o{j}_ptr", *_strides(f"o{j}")]
     for f in range(len(ir.fields)):
         args += [f"init{f}_ptr", *_strides(f"init{f}")[1:]]
-    args += ["ckpt_ptr", "final_ptr", "T", "L", "D1", "D2", "D3", "n_tiles"]
-    consts = ["BLOCK_T", "BLOCK_L", "REVERSE", "HAS_INIT", "STATE", "FP64", "STAGES"]
+    args += ["ckpt_ptr", "final_ptr", "T", "L", "D1", "D2", "D3", "n_tiles", "n_chunks"]
+    consts = ["BLOCK_T", "BLOCK_L", "CHUNK", "REVERSE", "HAS_INIT", "STATE", "FP64", "STAGES"]
     body = _common_prologue()
     for i in range(len(ir.inputs)):
         body.append(f"u{i}_off = {_lane_off(f'u{i}')}[None, :]")
@@ -213,10 +214,16 @@ def render_forward(ir: ScanIR) -> list[str]:
     body.append("else:")
     for name, ident in zip(ir.fields, ir.identity):
         body.append(f"    c_{name} = to_acc(tl.full([BLOCK_L], {_num(ident)}, tl.float64), FP64)")
-    loop = _time_index()
+    # checkpoints every CHUNK steps (the backward's tile): chunk 0 holds the initial carry, chunk
+    # j + 1 the prefix at the chunk j's last step
     for f, name in enumerate(ir.fields):
-        loop.append(f"tl.store(ckpt_ptr + ({f} * n_tiles + k) * L + lane, c_{name}, mask=lane_ok)")
+        body.append(f"tl.store(ckpt_ptr + {f} * n_chunks * L + lane, c_{name}, mask=lane_ok)")
+    loop = _time_index()
     loop += _load_lift(ir) + _replay(ir)
+    loop += ["chunk = t // CHUNK + 1",
+             "chunk_end = ((t % CHUNK) == CHUNK - 1) & (chunk < n_chunks) & lane_ok[None, :]"]
+    for f, name in enumerate(ir.fields):
+        loop.append(f"tl.store(ckpt_ptr + ({f} * n_chunks + chunk) * L + lane[None, :], p_{name}, mask=chunk_end)")
     if ir.uses_previous:
         loop += _previous(ir)
     names = {s: s.name for s in ir.prefix_symbols + ir.previous_symbols + ir.input_symbols}

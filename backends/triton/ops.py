@@ -107,7 +107,9 @@ def scan_fwd(key: str, inputs: list[torch.Tensor], initial: list[torch.Tensor], 
     cfg = _config(prog, inputs, layout, dim)
     n = len(ir.fields)
     n_tiles = _cdiv(layout.T, cfg.block_t)
-    ckpt = torch.empty((n, n_tiles, layout.L), dtype=acc, device=device)
+    chunk = min(cfg.chunk or cfg.block_t, cfg.block_t)
+    n_chunks = _cdiv(layout.T, chunk)
+    ckpt = torch.empty((n, n_chunks, layout.L), dtype=acc, device=device)
     final = torch.empty((n, layout.L), dtype=acc, device=device)
     if _fake(inputs[0]):
         return outs + [ckpt, final]
@@ -127,10 +129,10 @@ def scan_fwd(key: str, inputs: list[torch.Tensor], initial: list[torch.Tensor], 
             args += [initial[f], *st[n_in + n_out + f][1:]]
         else:
             args += [inputs[0], 0, 0, 0, 0]
-    args += [ckpt, final, layout.T, layout.L, *layout.sizes[1:], n_tiles]
+    args += [ckpt, final, layout.T, layout.L, *layout.sizes[1:], n_tiles, n_chunks]
     grid = (_cdiv(layout.L, cfg.block_l),)
     wrap_triton(prog.module.scan_forward)[grid](
-        *args, BLOCK_T=cfg.block_t, BLOCK_L=cfg.block_l, REVERSE=reverse, HAS_INIT=bool(initial),
+        *args, BLOCK_T=cfg.block_t, BLOCK_L=cfg.block_l, CHUNK=chunk, REVERSE=reverse, HAS_INIT=bool(initial),
         STATE=layout.sizes[-1] if ir.reduce_state else 1, FP64=fp64, STAGES=cfg.stages, num_warps=cfg.num_warps)
     return outs + [ckpt, final]
 
@@ -188,7 +190,7 @@ def scan_bwd(key: str, inputs: list[torch.Tensor], initial: list[torch.Tensor], 
     dinit = [torch.empty(layout.L, dtype=acc, device=device) for _ in range(n)] if initial else []
     if layout.T > 0 and layout.L > 0 and not _fake(inputs[0]):
         cfg = _config(prog, inputs, layout, dim, backward=True)
-        # the forward's time tile (a power of two) is implied by the checkpoints: replay with it
+        # the forward's checkpoint interval (a power of two) is implied by the checkpoints: replay tiles of it
         per_tile = _cdiv(layout.T, ckpt.shape[1])
         cfg = dataclasses.replace(cfg, block_t=1 << max(0, (per_tile - 1).bit_length()))
         args = []

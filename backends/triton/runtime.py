@@ -116,6 +116,7 @@ class Config:
     block_l: int
     num_warps: int
     stages: int = 1
+    chunk: int = 0       # forward: checkpoint interval = the backward's time tile (0: block_t)
 
 
 # (time_contiguous, is_backward) -> Config forced by the benchmark's sweep; empty in normal use.
@@ -128,12 +129,13 @@ def choose_config(T: int, L: int, time_contiguous: bool, state: int, n_fields: i
         return 1 << max(0, (n - 1).bit_length())
     forced = OVERRIDES.get((time_contiguous, backward))
     if forced is not None:
-        return Config(min(forced.block_t, pow2(T)), max(state, forced.block_l), forced.num_warps, forced.stages)
+        return Config(min(forced.block_t, pow2(T)), max(state, forced.block_l), forced.num_warps, forced.stages,
+                      forced.chunk)
     if settings.triton_interpret() and not torch.cuda.is_available():
-        return Config(block_t=min(8, pow2(T)), block_l=max(state, min(4, pow2(L))), num_warps=1)
+        return Config(block_t=min(8, pow2(T)), block_l=max(state, min(4, pow2(L))), num_warps=1, chunk=4)
     if time_contiguous:
-        bt = min(1024 if n_fields <= 2 else 512, pow2(T))
-        bl = max(state, max(1, 2048 // bt))
-        return Config(block_t=bt, block_l=bl, num_warps=4)
+        # one long tile per lane forward; the backward (more live values) replays 512-step tiles
+        bt = min(4096 if n_fields <= 2 else 2048, pow2(T))
+        return Config(block_t=bt, block_l=max(state, 1), num_warps=8 if n_fields <= 2 else 4, chunk=512)
     bl = max(state, min(64, pow2(L)))
     return Config(block_t=32, block_l=bl, num_warps=4, stages=2)
