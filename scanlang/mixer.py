@@ -7,8 +7,13 @@ API (v1)
                    lift=lambda u: (u.a, u.v * u.k),                   # inputs -> one value per field
                    readout=lambda p, u, q: (p.b * u.k,),              # prefix_t, inputs_t, prefix_{t-1}
                    outputs=("y",), reduce="s")                        # optional sum over the last axis
-    out = mix(v=v, k=k, a=a, initial=None, output_final_state=False, reverse=False)
+    out = mix(v=v, k=k, a=a, initial=None, output_final_state=False, reverse=False, cu_seqlens=None)
     out.y                 # [B, T, M]: sum_s readout(...) ; out.final: per field, [B, M, S] or None
+
+Packed variable-length sequences: `cu_seqlens` ([N + 1] int tensor of starts along "t", with the
+other axes usually B = 1) restarts the scan at every sequence start; `initial` is then per sequence
+(broadcastable to [N, *lane axes]) and `final` is the last prefix of each sequence, [N, *lane axes].
+The same generated kernels serve both cases.
 
 Semantics, per lane (every index of `axes` but "t"):
 
@@ -116,12 +121,23 @@ class Mixer:
             views.append(t.reshape(shape))
         return views, sizes
 
-    def __call__(self, initial=None, output_final_state: bool = False, reverse: bool = False, **tensors):
+    def __call__(self, initial=None, output_final_state: bool = False, reverse: bool = False, cu_seqlens=None,
+                 **tensors):
         """Run the fused scan on named input tensors; returns a namedtuple (outputs..., final)."""
-        return _call(self, initial, output_final_state, reverse, tensors)
+        return _call(self, initial, output_final_state, reverse, cu_seqlens, tensors)
 
 
-def _call(self: Mixer, initial, output_final_state: bool, reverse: bool, tensors: dict):
+def _check_cu_seqlens(cu_seqlens, total: int, device) -> int:
+    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+        raise ValueError("cu_seqlens: expected a 1-d integer tensor [N + 1] of sequence starts ending with the total length")
+    if cu_seqlens.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"cu_seqlens: expected int32 or int64, got {cu_seqlens.dtype}")
+    if cu_seqlens.device != device:
+        raise ValueError(f"cu_seqlens: on {cu_seqlens.device}, but the inputs are on {device}")
+    return cu_seqlens.numel() - 1
+
+
+def _call(self: Mixer, initial, output_final_state: bool, reverse: bool, cu_seqlens, tensors: dict):
     from . import pipeline
     from .backends import triton as triton_backend
     names = list(self.input_axes)
@@ -142,6 +158,10 @@ def _call(self: Mixer, initial, output_final_state: bool, reverse: bool, tensors
     fp64 = any(t.dtype == torch.float64 for t in views)
     dim = self.axes.index("t")
     lane_shape = [sizes[a] for a in self.axes if a != "t"]
+    state_shape = lane_shape
+    if cu_seqlens is not None:
+        n_seq = _check_cu_seqlens(cu_seqlens, sizes["t"], views[0].device)
+        state_shape = [n_seq] + lane_shape
     init = None
     if initial is not None:
         if isinstance(initial, Mapping):
@@ -152,13 +172,13 @@ def _call(self: Mixer, initial, output_final_state: bool, reverse: bool, tensors
         for f, v in zip(self.monoid.fields, initial):
             v = torch.as_tensor(v, dtype=torch.float64 if fp64 else torch.float32, device=views[0].device)
             try:
-                init.append(v.expand(lane_shape))
+                init.append(v.expand(state_shape))
             except RuntimeError:
-                raise ValueError(f"initial[{f!r}]: shape {tuple(v.shape)} does not broadcast to {lane_shape} "
-                                 f"(axes {[a for a in self.axes if a != 't']})") from None
+                raise ValueError(f"initial[{f!r}]: shape {tuple(v.shape)} does not broadcast to {state_shape} "
+                                 f"([sequences] + axes {[a for a in self.axes if a != 't']})") from None
     from .backends.triton.ops import PROGRAMS
-    outs, final = pipeline.launch(PROGRAMS[self.key], views, init, dim, reverse, fp64)
-    fin = tuple(final[i].reshape(lane_shape) for i in range(len(self.monoid.fields))) if output_final_state else None
+    outs, final = pipeline.launch(PROGRAMS[self.key], views, init, dim, reverse, fp64, cu_seqlens)
+    fin = tuple(final[i].reshape(state_shape) for i in range(len(self.monoid.fields))) if output_final_state else None
     return self.result(*outs, fin)
 
 

@@ -54,10 +54,10 @@ def build(ir: ScanIR):
     return PROGRAMS[key]
 
 
-def launch(program, inputs, initial, dim: int, reverse: bool, fp64: bool):
-    """Run the forward op (autograd attached): returns (outputs, final prefix [fields, lanes])."""
+def launch(program, inputs, initial, dim: int, reverse: bool, fp64: bool, cu_seqlens=None):
+    """Run the forward op (autograd attached): returns (outputs, final prefix [fields, sequences, lanes])."""
     from scanlang.backends.triton.ops import launch as launch_op
-    return launch_op(program, inputs, initial, dim, reverse, fp64)
+    return launch_op(program, inputs, initial, dim, reverse, fp64, cu_seqlens)
 
 
 def compile_monoid(m: Monoid, inputs=None, lift: Callable | None = None, outputs=None,

@@ -31,6 +31,9 @@ def loop(v, k, q, a, h0=None):
         h = a * h + v[:, t, :, None] * k[:, t, None, :]
         ys.append((h * q[:, t, None, :]).sum(-1))
         zs.append((h * prev).sum(-1))
+    if not ys:
+        empty = torch.zeros(v.shape[0], 0, a.shape[0], dtype=torch.float64, device=DEVICE)
+        return empty, empty, h
     return torch.stack(ys, 1), torch.stack(zs, 1), h
 
 
@@ -88,3 +91,37 @@ def test_mixer_errors_name_the_argument():
     with pytest.raises(ValueError, match="order"):
         mixer(sl.Affine, axes="b t d", inputs={"x": "t b"}, lift=lambda u: (u.x, u.x),
               readout=lambda p, u, q: p.b, outputs=("y",))
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+def test_packed_sequences_restart_at_every_start(reverse):
+    """cu_seqlens: one launch over packed sequences equals separate runs (empty and odd lengths)."""
+    lengths = [5, 0, 13, 1]
+    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), device=DEVICE)
+    T, M, S, N = sum(lengths), 3, 4, len(lengths)
+    v, k, q = rnd(1, T, M).requires_grad_(), rnd(1, T, S).requires_grad_(), rnd(1, T, S).requires_grad_()
+    a = rnd(M, S, lo=0.5).requires_grad_()
+    h0 = rnd(N, 1, M, S).requires_grad_()
+    mix = kalman_like()
+    out = mix(v=v, k=k, q=q, a=a, initial=(1.0, h0), output_final_state=True, cu_seqlens=cu, reverse=reverse)
+    assert out.final[1].shape == (N, 1, M, S)
+    ys, zs, hs = [], [], []
+    for n in range(N):
+        sl_ = slice(int(cu[n]), int(cu[n + 1]))
+        vv, kk, qq = v[:, sl_], k[:, sl_], q[:, sl_]
+        if reverse:
+            vv, kk, qq = vv.flip(1), kk.flip(1), qq.flip(1)
+        y, z, h = loop(vv, kk, qq, a, h0[n])
+        if reverse:
+            y, z = y.flip(1), z.flip(1)
+        ys.append(y), zs.append(z), hs.append(h)
+    y, z, h = torch.cat(ys, 1), torch.cat(zs, 1), torch.stack(hs)
+    assert_close(out.y, y, "scan")
+    assert_close(out.z, z, "scan")
+    assert_close(out.final[1], h, "scan")
+    w = [torch.randn_like(y), torch.randn_like(z), torch.randn_like(h)]
+    leaves = (v, k, q, a, h0)
+    got = torch.autograd.grad((out.y * w[0]).sum() + (out.z * w[1]).sum() + (out.final[1] * w[2]).sum(), leaves)
+    want = torch.autograd.grad((y * w[0]).sum() + (z * w[1]).sum() + (h * w[2]).sum(), leaves)
+    for name, g, r in zip("v k q a h0".split(), got, want):
+        assert_close(g, r, "scan_grad", name=f"d{name}")

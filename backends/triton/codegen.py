@@ -138,22 +138,33 @@ def _lane_off(prefix, lanes="lane", d3="D3"):
 
 
 def _common_prologue():
+    """Program = (lane block, sequence). Packed sequences (VARLEN) start at cu[seq] in memory; the
+    checkpoint slots of sequence `seq` start at t0 // CHUNK + seq (disjoint ranges, no host sync)."""
     return [
         "pid = tl.program_id(0)",
+        "seq = tl.program_id(1)",
         "rows = tl.arange(0, BLOCK_T)[:, None]",
         "lane = pid.to(tl.int64) * BLOCK_L + tl.arange(0, BLOCK_L)",
         "lane_ok = lane < L",
+        "if VARLEN:",
+        "    t0 = tl.load(cu_ptr + seq).to(tl.int64)",
+        "    seq_len = tl.load(cu_ptr + seq + 1).to(tl.int64) - t0",
+        "else:",
+        "    t0 = 0",
+        "    seq_len = T",
+        "n_tiles = tl.cdiv(seq_len, BLOCK_T)",
+        "slot0 = t0 // CHUNK + seq",
     ]
 
 
 def _time_index():
     return [
         "t = k * BLOCK_T + rows",
-        "ok = (t < T) & lane_ok[None, :]",
+        "ok = (t < seq_len) & lane_ok[None, :]",
         "if REVERSE:",
-        "    tt = (T - 1 - t).to(tl.int64)",
+        "    tt = (t0 + seq_len - 1 - t).to(tl.int64)",
         "else:",
-        "    tt = t.to(tl.int64)",
+        "    tt = (t0 + t).to(tl.int64)",
     ]
 
 
@@ -193,9 +204,9 @@ def render_forward(ir: ScanIR) -> list[str]:
     for j in range(len(ir.outputs)):
         args += [f"o{j}_ptr", *_strides(f"o{j}")]
     for f in range(len(ir.fields)):
-        args += [f"init{f}_ptr", *_strides(f"init{f}")[1:]]
-    args += ["ckpt_ptr", "final_ptr", "T", "L", "D1", "D2", "D3", "n_tiles", "n_chunks"]
-    consts = ["BLOCK_T", "BLOCK_L", "CHUNK", "REVERSE", "HAS_INIT", "STATE", "FP64", "STAGES"]
+        args += [f"init{f}_ptr", f"init{f}_sn", *_strides(f"init{f}")[1:]]
+    args += ["ckpt_ptr", "final_ptr", "cu_ptr", "T", "L", "D1", "D2", "D3", "n_seq", "n_slots"]
+    consts = ["BLOCK_T", "BLOCK_L", "CHUNK", "REVERSE", "HAS_INIT", "VARLEN", "STATE", "FP64", "STAGES"]
     body = _common_prologue()
     for i in range(len(ir.inputs)):
         body.append(f"u{i}_off = {_lane_off(f'u{i}')}[None, :]")
@@ -209,7 +220,7 @@ def render_forward(ir: ScanIR) -> list[str]:
             body.append(f"o{j}_off = {_lane_off(f'o{j}')}[None, :]")
     body.append("if HAS_INIT:")
     for f, (name, ident) in enumerate(zip(ir.fields, ir.identity)):
-        body.append(f"    c_{name} = to_acc(tl.load(init{f}_ptr + lane_offsets(lane, D1, D2, D3, init{f}_s0, init{f}_s1, "
+        body.append(f"    c_{name} = to_acc(tl.load(init{f}_ptr + seq * init{f}_sn + lane_offsets(lane, D1, D2, D3, init{f}_s0, init{f}_s1, "
                     f"init{f}_s2, init{f}_s3), mask=lane_ok, other={_num(ident)}), FP64)")
     body.append("else:")
     for name, ident in zip(ir.fields, ir.identity):
@@ -217,13 +228,13 @@ def render_forward(ir: ScanIR) -> list[str]:
     # checkpoints every CHUNK steps (the backward's tile): chunk 0 holds the initial carry, chunk
     # j + 1 the prefix at the chunk j's last step
     for f, name in enumerate(ir.fields):
-        body.append(f"tl.store(ckpt_ptr + {f} * n_chunks * L + lane, c_{name}, mask=lane_ok)")
+        body.append(f"tl.store(ckpt_ptr + ({f} * n_slots + slot0) * L + lane, c_{name}, mask=lane_ok)")
     loop = _time_index()
     loop += _load_lift(ir) + _replay(ir)
     loop += ["chunk = t // CHUNK + 1",
-             "chunk_end = ((t % CHUNK) == CHUNK - 1) & (chunk < n_chunks) & lane_ok[None, :]"]
+             "chunk_end = ((t % CHUNK) == CHUNK - 1) & (chunk < tl.cdiv(seq_len, CHUNK)) & lane_ok[None, :]"]
     for f, name in enumerate(ir.fields):
-        loop.append(f"tl.store(ckpt_ptr + ({f} * n_chunks + chunk) * L + lane[None, :], p_{name}, mask=chunk_end)")
+        loop.append(f"tl.store(ckpt_ptr + ({f} * n_slots + slot0 + chunk) * L + lane[None, :], p_{name}, mask=chunk_end)")
     if ir.uses_previous:
         loop += _previous(ir)
     names = {s: s.name for s in ir.prefix_symbols + ir.previous_symbols + ir.input_symbols}
@@ -232,17 +243,17 @@ def render_forward(ir: ScanIR) -> list[str]:
         if ir.reduce_state:
             loop.append(f"r{j} = tl.sum(tl.reshape(r{j}, (BLOCK_T, BLOCK_L // STATE, STATE)), 2)")
             loop.append(f"tl.store(o{j}_ptr + o{j}_off + tt * o{j}_st, r{j}.to(o{j}_ptr.dtype.element_ty), "
-                        f"mask=(t < T) & group_ok[None, :])")
+                        f"mask=(t < seq_len) & group_ok[None, :])")
         else:
             loop.append(f"tl.store(o{j}_ptr + o{j}_off + tt * o{j}_st, r{j}.to(o{j}_ptr.dtype.element_ty), mask=ok)")
     # the carry is the prefix at the tile's last valid row (padding may not even be finite)
-    loop.append("last = tl.minimum(T - 1 - k * BLOCK_T, BLOCK_T - 1)")
+    loop.append("last = tl.minimum(seq_len - 1 - k * BLOCK_T, BLOCK_T - 1)")
     for name in ir.fields:
         loop.append(f"c_{name} = tl.sum(tl.where(rows == last, p_{name}, 0.0), 0)")
     body.append("for k in tl.range(0, n_tiles, num_stages=STAGES):")
     body += _indent(loop, 4)
     for f, name in enumerate(ir.fields):
-        body.append(f"tl.store(final_ptr + {f} * L + lane, c_{name}, mask=lane_ok)")
+        body.append(f"tl.store(final_ptr + ({f} * n_seq + seq) * L + lane, c_{name}, mask=lane_ok)")
     sig = ", ".join(args + [f"{c}: tl.constexpr" for c in consts])
     return ["@triton.jit", f"def scan_forward({sig}):",
             f'    """Forward fused scan of {ir.name}: lift, tile scan with carried prefix, readout."""',
@@ -264,9 +275,9 @@ def _du_store(i: int, name: str) -> list[str]:
         f"    red{i} = tl.sum(tl.reshape(tl.where(ok, du_{name}, 0.0), (BLOCK_T, BLOCK_L // STATE, STATE)), 2)",
         f"    gptr{i} = du{i}_ptr + du{i}_goff + tt * du{i}_st",
         f"    if DU{i} == 3:",
-        f"        tl.store(gptr{i}, red{i}.to(du{i}_ptr.dtype.element_ty), mask=(t < T) & group_ok[None, :])",
+        f"        tl.store(gptr{i}, red{i}.to(du{i}_ptr.dtype.element_ty), mask=(t < seq_len) & group_ok[None, :])",
         "    else:",
-        f"        tl.atomic_add(gptr{i}, red{i}.to(du{i}_ptr.dtype.element_ty), mask=(t < T) & group_ok[None, :])",
+        f"        tl.atomic_add(gptr{i}, red{i}.to(du{i}_ptr.dtype.element_ty), mask=(t < seq_len) & group_ok[None, :])",
     ]
 
 
@@ -281,8 +292,8 @@ def render_backward(ir: ScanIR, adj: Adjoint) -> list[str]:
     for i in range(len(ir.inputs)):
         args += [f"du{i}_ptr", *_strides(f"du{i}")]
     args += [f"dinit{f}_ptr" for f in range(n)]
-    args += ["dfinal_ptr", "ckpt_ptr", "T", "L", "D1", "D2", "D3", "n_tiles"]
-    consts = ["BLOCK_T", "BLOCK_L", "REVERSE", "HAS_INIT", "HAS_DFINAL", "STATE", "FP64", "STAGES"] + [f"DU{i}" for i in range(len(ir.inputs))]
+    args += ["dfinal_ptr", "ckpt_ptr", "cu_ptr", "T", "L", "D1", "D2", "D3", "n_seq", "n_slots"]
+    consts = ["BLOCK_T", "BLOCK_L", "CHUNK", "REVERSE", "HAS_INIT", "HAS_DFINAL", "VARLEN", "STATE", "FP64", "STAGES"] + [f"DU{i}" for i in range(len(ir.inputs))]
     body = _common_prologue()
     body += ["group = pid.to(tl.int64) * (BLOCK_L // STATE) + tl.arange(0, BLOCK_L // STATE)",
              "group_ok = group < L // STATE"]
@@ -296,13 +307,13 @@ def render_backward(ir: ScanIR, adj: Adjoint) -> list[str]:
         body.append(f"g{j}_off = {_lane_off(f'g{j}')}[None, :]")
     body.append("if HAS_DFINAL:")
     for f, name in enumerate(ir.fields):
-        body.append(f"    w_{name} = to_acc(tl.load(dfinal_ptr + {f} * L + lane, mask=lane_ok, other=0.0), FP64)")
+        body.append(f"    w_{name} = to_acc(tl.load(dfinal_ptr + ({f} * n_seq + seq) * L + lane, mask=lane_ok, other=0.0), FP64)")
     body.append("else:")
     for f in ir.fields:
         body.append(f"    w_{f} = to_acc(tl.zeros([BLOCK_L], tl.float32), FP64)")
     loop = ["k = n_tiles - 1 - kk", *_time_index()]
     for f, (name, ident) in enumerate(zip(ir.fields, ir.identity)):
-        loop.append(f"c_{name} = to_acc(tl.load(ckpt_ptr + ({f} * n_tiles + k) * L + lane, mask=lane_ok, "
+        loop.append(f"c_{name} = to_acc(tl.load(ckpt_ptr + ({f} * n_slots + slot0 + k) * L + lane, mask=lane_ok, "
                     f"other={_num(ident)}), FP64)")
     loop += _load_lift(ir) + _replay(ir) + _previous(ir)
     for j, o in enumerate(ir.outputs):
@@ -352,7 +363,7 @@ def render_backward(ir: ScanIR, adj: Adjoint) -> list[str]:
                  f"    tl.atomic_add(du{i}_ptr + du{i}_lane_off, acc{i}.to(du{i}_ptr.dtype.element_ty), mask=lane_ok)"]
     body.append("if HAS_INIT:")
     for f, name in enumerate(ir.fields):
-        body.append(f"    tl.store(dinit{f}_ptr + lane, w_{name}, mask=lane_ok)")
+        body.append(f"    tl.store(dinit{f}_ptr + seq * L + lane, w_{name}, mask=lane_ok)")
     sig = ", ".join(args + [f"{c}: tl.constexpr" for c in consts])
     return ["@triton.jit", f"def scan_backward({sig}):",
             f'    """Backward of {ir.name}: replay each tile from its checkpoint, reverse affine scan of the adjoint."""',

@@ -1,7 +1,7 @@
 """The generated kernels as `torch.library` ops with registered autograd (no graph breaks).
 
-    scanlang::scan_fwd(key, inputs, initial, dim, reverse, fp64) -> [*outputs, checkpoints, final]
-    scanlang::scan_bwd(key, inputs, initial, checkpoints, grads, dfinal, dim, reverse, fp64)
+    scanlang::scan_fwd(key, inputs, initial, cu_seqlens, dim, reverse, fp64) -> [*outputs, checkpoints, final]
+    scanlang::scan_bwd(key, inputs, initial, cu_seqlens, checkpoints, grads, dfinal, dim, reverse, fp64)
         -> [*input grads, *initial grads]
 
 `key` names a compiled program in `PROGRAMS` (one per lowered IR: its kernels are generated once).
@@ -69,53 +69,53 @@ def _config(prog: Program, inputs, layout, dim, backward: bool = False) -> Confi
     return choose_config(layout.T, layout.L, _time_contiguous(inputs, dim), state, len(prog.ir.fields), backward)
 
 
-def _flat(strides):
-    return [s for group in strides for s in group]
-
-
 def _out_strides(t: torch.Tensor, shape, reduce_state: bool) -> list[int]:
     st = list(t.stride())
     return st + [0] if reduce_state else st
 
 
-def _init_strides(t: torch.Tensor, shape, dim: int) -> list[int]:
+def _init_strides(t: torch.Tensor, shape, dim: int, n_seq: int, varlen: bool) -> tuple[int, list[int]]:
+    """(per-sequence stride, strides in `shape` with 0 at `dim`) of an initial element."""
     lane_shape = shape[:dim] + shape[dim + 1:]
-    st = broadcast_strides(t, lane_shape)
-    return st[:dim] + [0] + st[dim:]
+    st = broadcast_strides(t, ([n_seq] if varlen else []) + lane_shape)
+    sn, st = (st[0], st[1:]) if varlen else (0, st)
+    return sn, st[:dim] + [0] + st[dim:]
 
 
 def _contiguous_inputs(inputs, shape):
     return [t.expand(shape).contiguous() for t in inputs]
 
 
+def _chunk(prog: Program, inputs, layout, dim) -> tuple[Config, int]:
+    """The forward's config and checkpoint interval (the backward recomputes both the same way)."""
+    cfg = _config(prog, inputs, layout, dim)
+    return cfg, min(cfg.chunk or cfg.block_t, cfg.block_t)
+
+
 @triton_op("scanlang::scan_fwd", mutates_args=())
-def scan_fwd(key: str, inputs: list[torch.Tensor], initial: list[torch.Tensor], dim: int, reverse: bool,
-             fp64: bool) -> list[torch.Tensor]:
+def scan_fwd(key: str, inputs: list[torch.Tensor], initial: list[torch.Tensor], cu_seqlens: Optional[torch.Tensor],
+             dim: int, reverse: bool, fp64: bool) -> list[torch.Tensor]:
     prog = PROGRAMS[key]
     ir = prog.ir
     acc = torch.float64 if fp64 else torch.float32
     device = inputs[0].device
+    varlen = cu_seqlens is not None
+    n_seq = cu_seqlens.shape[0] - 1 if varlen else 1
     shape = list(torch.broadcast_shapes(*(t.shape for t in inputs)))
     out_shape = shape[:-1] if ir.reduce_state else shape
     outs = [torch.empty(out_shape, dtype=acc, device=device) for _ in ir.outputs]
-    extra = [_out_strides(o, shape, ir.reduce_state) for o in outs]
-    extra += [_init_strides(i, shape, dim) for i in initial]
+    init_st = [_init_strides(i, shape, dim, n_seq, varlen) for i in initial]
+    extra = [_out_strides(o, shape, ir.reduce_state) for o in outs] + [s for _, s in init_st]
     shape, layout = _plan(prog, inputs, extra, dim)
     if layout is None:
         inputs = _contiguous_inputs(inputs, shape)
         shape, layout = _plan(prog, inputs, extra, dim)
-    cfg = _config(prog, inputs, layout, dim)
+    cfg, chunk = _chunk(prog, inputs, layout, dim)
     n = len(ir.fields)
-    n_tiles = _cdiv(layout.T, cfg.block_t)
-    chunk = min(cfg.chunk or cfg.block_t, cfg.block_t)
-    n_chunks = _cdiv(layout.T, chunk)
-    ckpt = torch.empty((n, n_chunks, layout.L), dtype=acc, device=device)
-    final = torch.empty((n, layout.L), dtype=acc, device=device)
-    if _fake(inputs[0]):
-        return outs + [ckpt, final]
-    if layout.T == 0 or layout.L == 0:
-        for f, ident in enumerate(ir.identity):
-            final[f] = initial[f].reshape(-1) if initial else ident
+    n_slots = _cdiv(layout.T, chunk) + n_seq
+    ckpt = torch.empty((n, n_slots, layout.L), dtype=acc, device=device)
+    final = torch.empty((n, n_seq, layout.L), dtype=acc, device=device)
+    if _fake(inputs[0]) or layout.L == 0 or n_seq == 0:
         return outs + [ckpt, final]
     st = layout.strides
     n_in, n_out = len(inputs), len(outs)
@@ -126,14 +126,15 @@ def scan_fwd(key: str, inputs: list[torch.Tensor], initial: list[torch.Tensor], 
         args += [o, *st[n_in + j]]
     for f in range(n):
         if initial:
-            args += [initial[f], *st[n_in + n_out + f][1:]]
+            args += [initial[f], init_st[f][0], *st[n_in + n_out + f][1:]]
         else:
-            args += [inputs[0], 0, 0, 0, 0]
-    args += [ckpt, final, layout.T, layout.L, *layout.sizes[1:], n_tiles, n_chunks]
-    grid = (_cdiv(layout.L, cfg.block_l),)
+            args += [inputs[0], 0, 0, 0, 0, 0]
+    args += [ckpt, final, cu_seqlens if varlen else ckpt, layout.T, layout.L, *layout.sizes[1:], n_seq, n_slots]
+    grid = (_cdiv(layout.L, cfg.block_l), n_seq)
     wrap_triton(prog.module.scan_forward)[grid](
         *args, BLOCK_T=cfg.block_t, BLOCK_L=cfg.block_l, CHUNK=chunk, REVERSE=reverse, HAS_INIT=bool(initial),
-        STATE=layout.sizes[-1] if ir.reduce_state else 1, FP64=fp64, STAGES=cfg.stages, num_warps=cfg.num_warps)
+        VARLEN=varlen, STATE=layout.sizes[-1] if ir.reduce_state else 1, FP64=fp64, STAGES=cfg.stages,
+        num_warps=cfg.num_warps)
     return outs + [ckpt, final]
 
 
@@ -163,13 +164,15 @@ def _du_mode(du_strides, lane_sizes, reduce_state: bool, T: int) -> int:
 
 
 @triton_op("scanlang::scan_bwd", mutates_args=())
-def scan_bwd(key: str, inputs: list[torch.Tensor], initial: list[torch.Tensor], ckpt: torch.Tensor,
-             grads: list[torch.Tensor], dfinal: Optional[torch.Tensor], dim: int, reverse: bool,
+def scan_bwd(key: str, inputs: list[torch.Tensor], initial: list[torch.Tensor], cu_seqlens: Optional[torch.Tensor],
+             ckpt: torch.Tensor, grads: list[torch.Tensor], dfinal: Optional[torch.Tensor], dim: int, reverse: bool,
              fp64: bool) -> list[torch.Tensor]:
     prog = PROGRAMS[key]
     ir = prog.ir
     acc = torch.float64 if fp64 else torch.float32
     device = inputs[0].device
+    varlen = cu_seqlens is not None
+    n_seq = cu_seqlens.shape[0] - 1 if varlen else 1
     shape = list(torch.broadcast_shapes(*(t.shape for t in inputs)))
     in_shapes = [t.shape for t in inputs]
     du_shapes = [list(t.shape) for t in inputs]
@@ -187,12 +190,10 @@ def scan_bwd(key: str, inputs: list[torch.Tensor], initial: list[torch.Tensor], 
     modes = [_du_mode(s, layout.sizes, ir.reduce_state, layout.T) for s in du_st]
     dus = [torch.zeros(s, dtype=acc, device=device) if m in (1, 2, 4) else torch.empty(s, dtype=acc, device=device)
            for s, m in zip(du_shapes, modes)]
-    dinit = [torch.empty(layout.L, dtype=acc, device=device) for _ in range(n)] if initial else []
-    if layout.T > 0 and layout.L > 0 and not _fake(inputs[0]):
-        cfg = _config(prog, inputs, layout, dim, backward=True)
-        # the forward's checkpoint interval (a power of two) is implied by the checkpoints: replay tiles of it
-        per_tile = _cdiv(layout.T, ckpt.shape[1])
-        cfg = dataclasses.replace(cfg, block_t=1 << max(0, (per_tile - 1).bit_length()))
+    dinit = [torch.empty((n_seq, layout.L), dtype=acc, device=device) for _ in range(n)] if initial else []
+    if layout.L > 0 and n_seq > 0 and not _fake(inputs[0]):
+        _, chunk = _chunk(prog, inputs, layout, dim)
+        cfg = dataclasses.replace(_config(prog, inputs, layout, dim, backward=True), block_t=chunk)
         args = []
         for i, t in enumerate(inputs):
             args += [t, *st[i]]
@@ -201,29 +202,31 @@ def scan_bwd(key: str, inputs: list[torch.Tensor], initial: list[torch.Tensor], 
         for d, s in zip(dus, du_st):
             args += [d, *s]
         args += dinit if initial else [ckpt] * n
-        args += [dfinal if dfinal is not None else ckpt, ckpt, layout.T, layout.L, *layout.sizes[1:], ckpt.shape[1]]
-        grid = (_cdiv(layout.L, cfg.block_l),)
+        args += [dfinal if dfinal is not None else ckpt, ckpt, cu_seqlens if varlen else ckpt, layout.T, layout.L,
+                 *layout.sizes[1:], n_seq, ckpt.shape[1]]
+        grid = (_cdiv(layout.L, cfg.block_l), n_seq)
         wrap_triton(prog.module.scan_backward)[grid](
-            *args, BLOCK_T=cfg.block_t, BLOCK_L=cfg.block_l, REVERSE=reverse, HAS_INIT=bool(initial),
-            HAS_DFINAL=dfinal is not None, STATE=layout.sizes[-1] if ir.reduce_state else 1, FP64=fp64,
-            **{f"DU{i}": m for i, m in enumerate(modes)}, STAGES=cfg.stages, num_warps=cfg.num_warps)
+            *args, BLOCK_T=cfg.block_t, BLOCK_L=cfg.block_l, CHUNK=chunk, REVERSE=reverse, HAS_INIT=bool(initial),
+            HAS_DFINAL=dfinal is not None, VARLEN=varlen, STATE=layout.sizes[-1] if ir.reduce_state else 1,
+            FP64=fp64, **{f"DU{i}": m for i, m in enumerate(modes)}, STAGES=cfg.stages, num_warps=cfg.num_warps)
     elif initial:
         for f in range(n):
-            dinit[f] = dfinal[f].clone() if dfinal is not None else torch.zeros(layout.L, dtype=acc, device=device)
+            dinit[f] = dfinal[f].clone() if dfinal is not None else torch.zeros_like(dinit[f])
     result = []
     for t_shape, t, d in zip(in_shapes, inputs, dus):
         result.append((d.sum_to_size(t_shape) if d.shape != t_shape else d).to(t.dtype))
-    lane_shape = shape[:dim] + shape[dim + 1:]
+    init_shape = ([n_seq] if varlen else []) + shape[:dim] + shape[dim + 1:]
     for f, i in enumerate(initial):
-        result.append(dinit[f].reshape(lane_shape).sum_to_size(i.shape).to(i.dtype))
+        result.append(dinit[f].reshape(init_shape).sum_to_size(i.shape).to(i.dtype))
     return result
 
 
 def _setup_context(ctx, inputs, output):
-    key, ins, initial, dim, reverse, fp64 = inputs
+    key, ins, initial, cu_seqlens, dim, reverse, fp64 = inputs
     ctx.key, ctx.dim, ctx.reverse, ctx.fp64 = key, dim, reverse, fp64
     ctx.n_inputs, ctx.n_initial = len(ins), len(initial)
-    ctx.save_for_backward(*ins, *initial, output[-2])
+    ctx.varlen = cu_seqlens is not None
+    ctx.save_for_backward(*ins, *initial, *([cu_seqlens] if ctx.varlen else []), output[-2])
     ctx.out_meta = [(o.shape, o.dtype, o.device) for o in output[:-2]]
     ctx.mark_non_differentiable(output[-2])
 
@@ -232,20 +235,21 @@ def _backward(ctx, grads):
     saved = ctx.saved_tensors
     ins = list(saved[:ctx.n_inputs])
     initial = list(saved[ctx.n_inputs:ctx.n_inputs + ctx.n_initial])
+    cu_seqlens = saved[-2] if ctx.varlen else None
     ckpt = saved[-1]
     out_grads = []
     for g, (shape, dtype, device) in zip(grads[:-2], ctx.out_meta):
         out_grads.append(g if g is not None else torch.zeros((), dtype=dtype, device=device).expand(shape))
-    dfinal = grads[-1]
-    res = torch.ops.scanlang.scan_bwd(ctx.key, ins, initial, ckpt, out_grads, dfinal, ctx.dim, ctx.reverse, ctx.fp64)
-    return None, list(res[:ctx.n_inputs]), list(res[ctx.n_inputs:]), None, None, None
+    res = torch.ops.scanlang.scan_bwd(ctx.key, ins, initial, cu_seqlens, ckpt, out_grads, grads[-1], ctx.dim,
+                                      ctx.reverse, ctx.fp64)
+    return None, list(res[:ctx.n_inputs]), list(res[ctx.n_inputs:]), None, None, None, None
 
 
 scan_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
-def launch(prog: Program, inputs, initial, dim: int, reverse: bool, fp64: bool):
-    """Run the forward op: returns (outputs, final prefix [n_fields, lanes])."""
-    res = torch.ops.scanlang.scan_fwd(prog.key, list(inputs), list(initial or []), dim, reverse, fp64)
+def launch(prog: Program, inputs, initial, dim: int, reverse: bool, fp64: bool, cu_seqlens=None):
+    """Run the forward op: returns (outputs, final prefix [n_fields, sequences, lanes])."""
+    res = torch.ops.scanlang.scan_fwd(prog.key, list(inputs), list(initial or []), cu_seqlens, dim, reverse, fp64)
     n_out = len(prog.ir.outputs)
     return list(res[:n_out]), res[-1]
