@@ -171,7 +171,7 @@ def _sweep_configs(layout):
     from scanlang.backends.triton.runtime import Config
     if layout == "time":
         return []
-    return [Config(16, 128, 4, 2), Config(64, 32, 2, 2), Config(32, 128, 8, 2)]
+    return [Config(16, 128, 4, 2), Config(64, 32, 2, 2)]
 
 
 def _anchors(table, kind, layout, data, dim, g, y_ref, g_ref, n, log):
