@@ -1,4 +1,5 @@
-"""The fused Kalman path (one `sl.mixer`: generated forward and backward kernels) against float64.
+"""The fused Kalman paths (generated `sl.mixer` kernels: the 3x3 monoid as one mixer, "fused", or a
+Möbius mixer then an affine mixer, "fused_two") against float64.
 
 On CPU the generated kernels run in Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET=1),
 so shapes stay tiny; the GPU test runs a long sequence.
@@ -7,7 +8,8 @@ import pytest
 import torch
 
 from scanlang.recipes.kalman import kalman_filter
-from scanlang.recipes.kalman.fused import joint_mixer
+from scanlang.recipes.kalman.filter import FUSED_FORMS
+from scanlang.recipes.kalman.fused import information_mixer, joint_mixer, precision_mixer
 from scanlang.recipes.kalman.reference import kalman_filter_loop
 from scanlang.testing import assert_close
 from test_kalman import NAMES, _loss_and_grads, covariance_filter, make_inputs, make_state
@@ -21,36 +23,39 @@ def on(ins, state=None):
     return moved if state is None else (moved, tuple(s.to(DEVICE) for s in state))
 
 
+@pytest.mark.parametrize("form", FUSED_FORMS)
 @pytest.mark.parametrize("length", [1, 7, 13])
 @pytest.mark.parametrize("heads", [None, 2])
-def test_fused_matches_covariance_filter(length, heads):
+def test_fused_matches_covariance_filter(form, length, heads):
     ins = make_inputs(2, length, 4, 2, heads=heads)
     state = make_state(2, 4, 2)
     dev_ins, dev_state = on(ins, state)
     y, y_var, (lam, eta) = kalman_filter(**dev_ins, initial_state=dev_state, output_final_state=True,
-                                         backend="triton", form="fused")
+                                         backend="triton", form=form)
     assert y.shape == y_var.shape == (2, length, 4) and lam.shape == eta.shape == (2, 4, 2)
     ref_y, ref_var, (ref_lam, ref_eta) = covariance_filter(**ins, initial_state=state)
     for name, out, ref in (("y", y, ref_y), ("y_var", y_var, ref_var), ("lam", lam, ref_lam), ("eta", eta, ref_eta)):
         assert_close(out.cpu(), ref, "kalman_out", torch.float32, name=name)
 
 
-def test_fused_in_float64():
+@pytest.mark.parametrize("form", FUSED_FORMS)
+def test_fused_in_float64(form):
     ins = make_inputs(1, 9, 4, 4, dtype=F64)
-    y, y_var, _ = kalman_filter(**on(ins), backend="triton", form="fused")
+    y, y_var, _ = kalman_filter(**on(ins), backend="triton", form=form)
     assert y.dtype == F64
     ref_y, ref_var, _ = covariance_filter(**ins)
     assert_close(y.cpu(), ref_y, "kalman_out", F64, name="y")
     assert_close(y_var.cpu(), ref_var, "kalman_out", F64, name="y_var")
 
 
+@pytest.mark.parametrize("form", FUSED_FORMS)
 @pytest.mark.parametrize("heads", [None, 2])
-def test_fused_gradients_match_float64_autograd_of_the_loop(heads):
+def test_fused_gradients_match_float64_autograd_of_the_loop(form, heads):
     ins = make_inputs(2, 11, 4, 2, heads=heads)
     state = make_state(2, 4, 2)
     dev_ins, dev_state = on(ins, state)
     got = _loss_and_grads(kalman_filter, dev_ins, dev_state, seed=6, output_final_state=True,
-                          backend="triton", form="fused")
+                          backend="triton", form=form)
     ref = _loss_and_grads(kalman_filter_loop, {n: x.to(F64) for n, x in ins.items()},
                           tuple(s.to(F64) for s in state), seed=6)
     for name, g, r in zip(NAMES, got, ref):
@@ -58,16 +63,17 @@ def test_fused_gradients_match_float64_autograd_of_the_loop(heads):
         assert_close(g.cpu(), r, "kalman_grad", torch.float32, name=f"d{name}")
 
 
-def test_fused_state_carry_and_zero_keys():
+@pytest.mark.parametrize("form", FUSED_FORMS)
+def test_fused_state_carry_and_zero_keys(form):
     ins = make_inputs(1, 12, 4, 2)
     ins["k"][:, 3:5] = 0.0
     ins["prec"][:, 9:] = 1e-30
     dev = on(ins)
-    y, y_var, state = kalman_filter(**dev, output_final_state=True, backend="triton", form="fused")
+    y, y_var, state = kalman_filter(**dev, output_final_state=True, backend="triton", form=form)
     first = {n: (x[:, :6] if x.dim() >= 3 else x) for n, x in dev.items()}
     second = {n: (x[:, 6:] if x.dim() >= 3 else x) for n, x in dev.items()}
-    y1, v1, mid = kalman_filter(**first, output_final_state=True, backend="triton", form="fused")
-    y2, v2, end = kalman_filter(**second, initial_state=mid, output_final_state=True, backend="triton", form="fused")
+    y1, v1, mid = kalman_filter(**first, output_final_state=True, backend="triton", form=form)
+    y2, v2, end = kalman_filter(**second, initial_state=mid, output_final_state=True, backend="triton", form=form)
     assert torch.isfinite(y).all() and torch.isfinite(y_var).all()
     ref_y, ref_var, (ref_lam, ref_eta) = kalman_filter_loop(**ins)
     assert_close(torch.cat([y1, y2], 1).cpu(), ref_y, "kalman_out", torch.float32, name="y")
@@ -80,25 +86,27 @@ def test_dispatch_and_errors():
     ins = make_inputs(1, 3, 4, 3)          # S = 3: not a power of two
     with pytest.raises(ValueError, match="form: 'fused' runs the generated mixer kernels"):
         kalman_filter(**on(ins), backend="triton", form="fused")
-    with pytest.raises(ValueError, match="form: 'fused' runs the generated mixer kernels"):
-        kalman_filter(**make_inputs(1, 3, 4, 2), backend="reference", form="fused")
+    with pytest.raises(ValueError, match="form: 'fused_two' runs the generated mixer kernels"):
+        kalman_filter(**make_inputs(1, 3, 4, 2), backend="reference", form="fused_two")
     # S = 3 on the triton backend falls back to the sl.scan kernels
     y, y_var, _ = kalman_filter(**on(ins), backend="triton")
     ref_y, ref_var, _ = covariance_filter(**ins)
     assert_close(y.cpu(), ref_y, "kalman_out", torch.float32, name="y")
 
 
-def test_one_forward_and_one_backward_kernel():
-    source = joint_mixer().source()
-    assert source.count("\ndef scan_forward(") == 1 and source.count("\ndef scan_backward(") == 1
+def test_one_forward_and_one_backward_kernel_per_mixer():
+    for mix in (joint_mixer(), precision_mixer(), information_mixer()):
+        source = mix.source()
+        assert source.count("\ndef scan_forward(") == 1 and source.count("\ndef scan_backward(") == 1
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_fused_long_sequence_gradients_on_gpu():
+@pytest.mark.parametrize("form", FUSED_FORMS)
+def test_fused_long_sequence_gradients_on_gpu(form):
     ins = make_inputs(2, 3000, 32, 16, heads=2, decay=(0.9, 0.99995), noise=(1e-4, 0.05), precision=(1e-3, 1e3))
     state = make_state(2, 32, 16)
-    got = _loss_and_grads(kalman_filter, *on(ins, state), seed=7, output_final_state=True, form="fused")
+    got = _loss_and_grads(kalman_filter, *on(ins, state), seed=7, output_final_state=True, form=form)
     ref = _loss_and_grads(kalman_filter_loop, on({n: x.to(F64) for n, x in ins.items()}),
                           tuple(s.to(F64).to(DEVICE) for s in state), seed=7)
     for name, g, r in zip(NAMES, got, ref):

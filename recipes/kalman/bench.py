@@ -2,7 +2,8 @@
 
     python -m scanlang.recipes.kalman.bench [--out DIR] [--authors PATH] [--quick] [--only fused,scan-joint]
 
-Implementations: "fused" (the 3x3 monoid as one sl.mixer), "scan-joint" / "scan-two" (generated
+Implementations: "fused" (the 3x3 monoid as one sl.mixer), "fused-two" (a Möbius mixer then an
+affine mixer), "scan-joint" / "scan-two" (generated
 sl.scan kernels, PyTorch glue, the spec's adjoint), "authors-triton" (with --authors: the authors'
 public code, measured side by side; never copied into this repository).
 
@@ -64,6 +65,8 @@ def implementations(authors: str | None):
     impls = {
         # one sl.mixer: the 3x3 monoid fused with lift and readout, generated fwd + bwd kernels
         "fused": lambda *x: kalman_filter(*x, backend="triton", validate=False, form="fused")[:2],
+        # two sl.mixers: Möbius (readout: gate and 1/lam), then affine with the (y, y_var) readout
+        "fused-two": lambda *x: kalman_filter(*x, backend="triton", validate=False, form="fused_two")[:2],
         # generated sl.scan kernels with the spec's adjoint; lift/readout glue in PyTorch
         "scan-joint": lambda *x: kalman_filter(*x, backend="triton", validate=False, form="joint")[:2],
         "scan-two": lambda *x: kalman_filter(*x, backend="triton", validate=False, form="two_scans")[:2],

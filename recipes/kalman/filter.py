@@ -27,7 +27,8 @@ from . import monoids as K
 from .reference import expand_heads
 
 SCAN_FORMS = ("two_scans", "joint")
-FORMS = ("fused",) + SCAN_FORMS
+FUSED_FORMS = ("fused", "fused_two")
+FORMS = FUSED_FORMS + SCAN_FORMS
 DEFAULT_FORM = "two_scans"
 
 
@@ -46,7 +47,8 @@ def kalman_filter(v, prec, k, q, a_bar, p_bar, initial_state=None, output_final_
         validate: check values (prec > 0, p_bar > 0, 0 < a_bar <= 1, lam0 > 0); None checks CPU
             tensors only (a check on GPU tensors costs a synchronisation), True always, False never.
         form: how to scan. "fused": the 3x3 monoid as one `sl.mixer` (one generated forward and one
-            backward kernel; needs backend "triton" and S a power of two); "two_scans": Möbius then
+            backward kernel; needs backend "triton" and S a power of two); "fused_two": a Möbius
+            mixer then an affine mixer (same needs); "two_scans": Möbius then
             affine `sl.scan`s with the spec's exact adjoint; "joint": one `sl.scan` of the 3x3 monoid
             with that adjoint. None: "fused" where it applies, else "two_scans".
 
@@ -69,8 +71,8 @@ def kalman_filter(v, prec, k, q, a_bar, p_bar, initial_state=None, output_final_
     resolved = backend if backend is not None else ("triton" if v.device.type == "cuda" else "reference")
     if form is None:
         form = "fused" if resolved == "triton" and fused.supports(state_size) else DEFAULT_FORM
-    elif form == "fused" and (resolved != "triton" or not fused.supports(state_size)):
-        raise ValueError(f"form: 'fused' runs the generated mixer kernels: it needs backend='triton' (got "
+    elif form in FUSED_FORMS and (resolved != "triton" or not fused.supports(state_size)):
+        raise ValueError(f"form: {form!r} runs the generated mixer kernels: it needs backend='triton' (got "
                          f"{resolved!r}) and a power-of-two state size S (got {state_size})")
     if validate is None:
         validate = v.device.type == "cpu"
@@ -84,11 +86,12 @@ def kalman_filter(v, prec, k, q, a_bar, p_bar, initial_state=None, output_final_
     else:
         lam0, eta0 = (s.to(dtype) for s in initial_state)
 
-    if form == "fused":
+    if form in FUSED_FORMS:
         if length == 0:
             y = v.new_zeros(batch, 0, channels)
             return y, y.clone(), ((lam0, eta0) if output_final_state else None)
-        return fused.fused_filter(v, prec, k, q, a_bar, p_bar, lam0, eta0, output_final_state)
+        return fused.fused_filter(v, prec, k, q, a_bar, p_bar, lam0, eta0, output_final_state,
+                                  two_scans=form == "fused_two")
 
     k_full, q_full = expand_heads(k, channels), expand_heads(q, channels)
     phi, r = K.increments(v.unsqueeze(-1), prec.unsqueeze(-1), k_full)

@@ -1,4 +1,12 @@
-"""The fused path: the merged 3x3 monoid as one `sl.mixer` — one generated forward and one backward kernel.
+"""The fused paths: the Kalman scan as generated `sl.mixer` kernels (lift, scan and readout in one kernel).
+
+Two monoid forms (spec/kalman.md), both measured by recipes/kalman/bench.py:
+- "fused": the merged 3x3 monoid as ONE mixer (one forward and one backward kernel; the elements
+  and prefixes never leave registers);
+- "fused_two": the Möbius mixer (its readout forms the information gate from the previous prefix,
+  `a / (a^2 + p lam_{t-1})`, and `1 / lam_t`), then the affine mixer for eta with the (y, y_var)
+  readout: two kernels each way, with two [B,T,M,S] intermediates in memory, but cheaper scans
+  (4 and 2 fields) and a scalar adjoint for the affine one.
 
 Axes `b t h g s` (heads h, channels per head g, M = h g; without heads h = 1):
 
@@ -37,6 +45,42 @@ def _readout(p, u, q):
     return u.q * p.f / p.b, u.q * u.q * p.d / p.b
 
 
+def _precision_lift(u):
+    return K.precision_leaf(u.prec * u.k * u.k, u.a_bar * u.a_bar, u.p_bar)
+
+
+def _precision_readout(p, u, q):
+    """(gate_t, 1/lam_t): gate_t = a / (a^2 + p lam_{t-1}) with lam = b / d (constant-map initial)."""
+    return u.a_bar * q.d / (u.a_bar * u.a_bar * q.d + u.p_bar * q.b), p.d / p.b
+
+
+def _information_lift(u):
+    return u.gate, u.prec * u.v * u.k
+
+
+def _information_readout(p, u, q):
+    return u.q * p.b * u.inv_lam, u.q * u.q * u.inv_lam
+
+
+@functools.lru_cache(maxsize=None)
+def precision_mixer():
+    """Möbius scan of the precision; per entry outputs the information gate and 1 / lam."""
+    from scanlang.mixer import mixer
+    return mixer(K.PRECISION, axes="b t h g s",
+                 inputs={"prec": "b t h g", "k": "b t h s", "a_bar": "h g s", "p_bar": "h g s"},
+                 lift=_precision_lift, readout=_precision_readout, outputs=("gate", "inv_lam"))
+
+
+@functools.lru_cache(maxsize=None)
+def information_mixer():
+    """Affine scan of the information mean with the (y, y_var) readout summed over s."""
+    from scanlang.mixer import mixer
+    return mixer(K.INFORMATION, axes="b t h g s",
+                 inputs={"gate": "b t h g s", "inv_lam": "b t h g s", "v": "b t h g", "prec": "b t h g",
+                         "k": "b t h s", "q": "b t h s"},
+                 lift=_information_lift, readout=_information_readout, outputs=("y", "y_var"), reduce="s")
+
+
 @functools.lru_cache(maxsize=None)
 def joint_mixer():
     """The fused program (built and generated once per process)."""
@@ -52,24 +96,28 @@ def supports(state_size: int) -> bool:
     return state_size > 0 and state_size & (state_size - 1) == 0
 
 
-def fused_filter(v, prec, k, q, a_bar, p_bar, lam0, eta0, output_final_state: bool):
-    """kalman_filter's fused path on checked, same-dtype inputs; k, q are [B,T,S] or [B,T,H,S]."""
+def fused_filter(v, prec, k, q, a_bar, p_bar, lam0, eta0, output_final_state: bool, two_scans: bool = False):
+    """kalman_filter's fused paths on checked, same-dtype inputs; k, q are [B,T,S] or [B,T,H,S]."""
     batch, length, channels = v.shape
     heads = 1 if k.dim() == 3 else k.shape[2]
     group, state = channels // heads, k.shape[-1]
-    k4 = k.reshape(batch, length, heads, state)
-    q4 = q.reshape(batch, length, heads, state)
     lanes = (batch, heads, group, state)
+    ins = dict(v=v.reshape(batch, length, heads, group), prec=prec.reshape(batch, length, heads, group),
+               k=k.reshape(batch, length, heads, state), q=q.reshape(batch, length, heads, state))
+    a_bar = a_bar.clamp_min(A_FLOOR).reshape(heads, group, state)
+    p_bar = p_bar.clamp_min(K.P_FLOOR).reshape(heads, group, state)
     zero = torch.zeros((), dtype=lam0.dtype, device=lam0.device)
     one = torch.ones((), dtype=lam0.dtype, device=lam0.device)
-    initial = (zero, lam0.reshape(lanes), zero, one, zero, eta0.reshape(lanes), zero)
-    out = joint_mixer()(v=v.reshape(batch, length, heads, group), prec=prec.reshape(batch, length, heads, group),
-                        k=k4, q=q4, a_bar=a_bar.clamp_min(A_FLOOR).reshape(heads, group, state),
-                        p_bar=p_bar.clamp_min(K.P_FLOOR).reshape(heads, group, state),
-                        initial=initial, output_final_state=output_final_state)
-    state_out = None
-    if output_final_state:
-        fin = out.final
-        lam, eta = fin[1] / fin[3], fin[5] / fin[3]
-        state_out = (lam.reshape(batch, channels, state), eta.reshape(batch, channels, state))
+    lam0, eta0 = lam0.reshape(lanes), eta0.reshape(lanes)
+    if two_scans:
+        gate, inv_lam, _ = precision_mixer()(prec=ins["prec"], k=ins["k"], a_bar=a_bar, p_bar=p_bar,
+                                             initial=(zero, lam0, zero, one))
+        out = information_mixer()(gate=gate, inv_lam=inv_lam, **ins, initial=(zero, eta0),
+                                  output_final_state=output_final_state)
+        final = (1 / inv_lam[:, -1], out.final[1]) if output_final_state else None
+    else:
+        out = joint_mixer()(**ins, a_bar=a_bar, p_bar=p_bar, initial=(zero, lam0, zero, one, zero, eta0, zero),
+                            output_final_state=output_final_state)
+        final = (out.final[1] / out.final[3], out.final[5] / out.final[3]) if output_final_state else None
+    state_out = None if final is None else tuple(x.reshape(batch, channels, state) for x in final)
     return out.y.reshape(batch, length, channels), out.y_var.reshape(batch, length, channels), state_out
