@@ -112,3 +112,13 @@ def test_fused_long_sequence_gradients_on_gpu(form):
     for name, g, r in zip(NAMES, got, ref):
         assert torch.isfinite(g).all(), name
         assert_close(g.cpu(), r.cpu(), "kalman_grad", torch.float32, name=f"d{name}")
+
+
+@pytest.mark.parametrize("form", FUSED_FORMS)
+def test_fused_bfloat16_inputs_scan_in_float32(form):
+    ins = make_inputs(2, 9, 4, 4, dtype=torch.bfloat16)
+    y, y_var, (lam, eta) = kalman_filter(**on(ins), output_final_state=True, backend="triton", form=form)
+    assert y.dtype == y_var.dtype == lam.dtype == eta.dtype == torch.float32
+    ref_y, ref_var, _ = covariance_filter(**ins)          # the same rounded inputs, in float64
+    assert_close(y.cpu(), ref_y, "kalman_out", torch.float32, name="y")
+    assert_close(y_var.cpu(), ref_var, "kalman_out", torch.float32, name="y_var")

@@ -129,3 +129,18 @@ def test_bad_inputs():
         KalmanLinearAttention(8, sensor="gru")
     with pytest.raises(ValueError, match="d_state: expected a positive int"):
         KalmanLinearAttention(8, d_state=0)
+
+
+def test_layer_on_generated_kernels_decodes_like_the_full_pass():
+    """backend="triton" (the fused mixer; Triton's interpreter on CPU) against the reference layer."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    layer = KalmanLinearAttention(d_model=8, d_state=4, backend="triton").to(device)
+    x = torch.randn(2, 6, 8, device=device)
+    full = layer(x)
+    state, outs = None, []
+    for t in range(6):
+        out, state = layer(x[:, t:t + 1], state=state, return_state=True)
+        outs.append(out)
+    assert_close(torch.cat(outs, 1).cpu(), full.cpu(), "kalman_out", torch.float32)
+    layer.backend = "reference"
+    assert_close(full.cpu(), layer(x).cpu(), "kalman_out", torch.float32)
