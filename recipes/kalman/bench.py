@@ -60,11 +60,19 @@ def make_inputs(B, T, M, S, device, dtype=torch.float32, seed=0):
     return [x.to(device=device, dtype=dtype) for x in (v, prec, k, q, a_bar, p_bar)]
 
 
+def _fused_time_major(v, prec, k, q, a_bar, p_bar):
+    from .fused import fused_filter
+    lam0 = torch.ones(v.shape[0], v.shape[2], k.shape[-1], device=v.device)
+    return fused_filter(v, prec, k, q, a_bar, p_bar, lam0, torch.zeros_like(lam0), False, time_major=True)[:2]
+
+
 def implementations(authors: str | None):
     """name -> fn(v, prec, k, q, a_bar, p_bar) -> (y, y_var)."""
     impls = {
         # one sl.mixer: the 3x3 monoid fused with lift and readout, generated fwd + bwd kernels
         "fused": lambda *x: kalman_filter(*x, backend="triton", validate=False, form="fused")[:2],
+        # the same mixer fed time-contiguous copies of the inputs (the generator's long-tile schedule)
+        "fused-tm": _fused_time_major,
         # two sl.mixers: Möbius (readout: gate and 1/lam), then affine with the (y, y_var) readout
         "fused-two": lambda *x: kalman_filter(*x, backend="triton", validate=False, form="fused_two")[:2],
         # generated sl.scan kernels with the spec's adjoint; lift/readout glue in PyTorch

@@ -96,14 +96,28 @@ def supports(state_size: int) -> bool:
     return state_size > 0 and state_size & (state_size - 1) == 0
 
 
-def fused_filter(v, prec, k, q, a_bar, p_bar, lam0, eta0, output_final_state: bool, two_scans: bool = False):
-    """kalman_filter's fused paths on checked, same-dtype inputs; k, q are [B,T,S] or [B,T,H,S]."""
+def _time_major(x: torch.Tensor) -> torch.Tensor:
+    """The same [B,T,...] tensor stored with time contiguous (stride 1 along dim 1)."""
+    order = [0, *range(2, x.dim()), 1]
+    inverse = [order.index(i) for i in range(x.dim())]
+    return x.permute(order).contiguous().permute(inverse)
+
+
+def fused_filter(v, prec, k, q, a_bar, p_bar, lam0, eta0, output_final_state: bool, two_scans: bool = False,
+                 time_major: bool = False):
+    """kalman_filter's fused paths on checked, same-dtype inputs; k, q are [B,T,S] or [B,T,H,S].
+
+    `time_major` hands the mixer time-contiguous copies of the inputs (the generator then picks its
+    long-time-tile schedule); the outputs keep their [B,T,M] shape.
+    """
     batch, length, channels = v.shape
     heads = 1 if k.dim() == 3 else k.shape[2]
     group, state = channels // heads, k.shape[-1]
     lanes = (batch, heads, group, state)
     ins = dict(v=v.reshape(batch, length, heads, group), prec=prec.reshape(batch, length, heads, group),
                k=k.reshape(batch, length, heads, state), q=q.reshape(batch, length, heads, state))
+    if time_major:
+        ins = {n: _time_major(x) for n, x in ins.items()}
     a_bar = a_bar.clamp_min(A_FLOOR).reshape(heads, group, state)
     p_bar = p_bar.clamp_min(K.P_FLOOR).reshape(heads, group, state)
     zero = torch.zeros((), dtype=lam0.dtype, device=lam0.device)
