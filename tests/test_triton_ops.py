@@ -15,7 +15,7 @@ def test_opcheck_forward_op():
     a = (torch.rand(2, 9, 3, dtype=torch.float64, device=DEVICE) * 0.9 + 0.05).requires_grad_()
     b = torch.randn(2, 9, 3, dtype=torch.float64, device=DEVICE).requires_grad_()
     h0 = [torch.ones(2, 3, dtype=torch.float64, device=DEVICE), torch.randn(2, 3, dtype=torch.float64, device=DEVICE)]
-    torch.library.opcheck(torch.ops.scanlang.scan_fwd.default, (prog.key, [a, b], h0, None, 1, False, True),
+    torch.library.opcheck(torch.ops.scanlang.scan_fwd.default, (prog.key, [a, b], h0, None, 1, False, True, True),
                           test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
 
 

@@ -225,16 +225,22 @@ def render_forward(ir: ScanIR) -> list[str]:
     body.append("else:")
     for name, ident in zip(ir.fields, ir.identity):
         body.append(f"    c_{name} = to_acc(tl.full([BLOCK_L], {_num(ident)}, tl.float64), FP64)")
-    # checkpoints every CHUNK steps (the backward's tile): chunk 0 holds the initial carry, chunk
-    # j + 1 the prefix at the chunk j's last step
-    for f, name in enumerate(ir.fields):
-        body.append(f"tl.store(ckpt_ptr + ({f} * n_slots + slot0) * L + lane, c_{name}, mask=lane_ok)")
+    # checkpoints every CHUNK steps (the backward's tile): slot j holds the carry into chunk j. With
+    # CHUNK == BLOCK_T that is the carry at each tile start; with a shorter CHUNK the prefixes at
+    # chunk ends are stored from inside the tile (a masked store, one row in CHUNK active).
     loop = _time_index()
-    loop += _load_lift(ir) + _replay(ir)
-    loop += ["chunk = t // CHUNK + 1",
-             "chunk_end = ((t % CHUNK) == CHUNK - 1) & (chunk < tl.cdiv(seq_len, CHUNK)) & lane_ok[None, :]"]
+    loop.append("if CHUNK == BLOCK_T:")
     for f, name in enumerate(ir.fields):
-        loop.append(f"tl.store(ckpt_ptr + ({f} * n_slots + slot0 + chunk) * L + lane[None, :], p_{name}, mask=chunk_end)")
+        loop.append(f"    tl.store(ckpt_ptr + ({f} * n_slots + slot0 + k) * L + lane, c_{name}, mask=lane_ok)")
+    loop += _load_lift(ir) + _replay(ir)
+    loop += ["if CHUNK < BLOCK_T:",
+             "    chunk = t // CHUNK + 1",
+             "    chunk_end = ((t % CHUNK) == CHUNK - 1) & (chunk < tl.cdiv(seq_len, CHUNK)) & lane_ok[None, :]"]
+    for f, name in enumerate(ir.fields):
+        loop.append(f"    tl.store(ckpt_ptr + ({f} * n_slots + slot0 + chunk) * L + lane[None, :], p_{name}, mask=chunk_end)")
+    body.append("if CHUNK < BLOCK_T:")
+    for f, name in enumerate(ir.fields):
+        body.append(f"    tl.store(ckpt_ptr + ({f} * n_slots + slot0) * L + lane, c_{name}, mask=lane_ok)")
     if ir.uses_previous:
         loop += _previous(ir)
     names = {s: s.name for s in ir.prefix_symbols + ir.previous_symbols + ir.input_symbols}

@@ -86,15 +86,19 @@ def _contiguous_inputs(inputs, shape):
     return [t.expand(shape).contiguous() for t in inputs]
 
 
-def _chunk(prog: Program, inputs, layout, dim) -> tuple[Config, int]:
-    """The forward's config and checkpoint interval (the backward recomputes both the same way)."""
+def _chunk(prog: Program, inputs, layout, dim, checkpoint: bool = True) -> tuple[Config, int]:
+    """The forward's config and checkpoint interval (the backward recomputes both the same way).
+
+    Without a backward to serve (`checkpoint=False`) the interval is the whole tile: the cheapest
+    forward. With one, it is the config's `chunk`, the backward's (shorter) tile.
+    """
     cfg = _config(prog, inputs, layout, dim)
-    return cfg, min(cfg.chunk or cfg.block_t, cfg.block_t)
+    return cfg, min(cfg.chunk or cfg.block_t, cfg.block_t) if checkpoint else cfg.block_t
 
 
 @triton_op("scanlang::scan_fwd", mutates_args=())
 def scan_fwd(key: str, inputs: list[torch.Tensor], initial: list[torch.Tensor], cu_seqlens: Optional[torch.Tensor],
-             dim: int, reverse: bool, fp64: bool) -> list[torch.Tensor]:
+             dim: int, reverse: bool, fp64: bool, checkpoint: bool) -> list[torch.Tensor]:
     prog = PROGRAMS[key]
     ir = prog.ir
     acc = torch.float64 if fp64 else torch.float32
@@ -110,7 +114,7 @@ def scan_fwd(key: str, inputs: list[torch.Tensor], initial: list[torch.Tensor], 
     if layout is None:
         inputs = _contiguous_inputs(inputs, shape)
         shape, layout = _plan(prog, inputs, extra, dim)
-    cfg, chunk = _chunk(prog, inputs, layout, dim)
+    cfg, chunk = _chunk(prog, inputs, layout, dim, checkpoint)
     n = len(ir.fields)
     n_slots = _cdiv(layout.T, chunk) + n_seq
     ckpt = torch.empty((n, n_slots, layout.L), dtype=acc, device=device)
@@ -222,7 +226,7 @@ def scan_bwd(key: str, inputs: list[torch.Tensor], initial: list[torch.Tensor], 
 
 
 def _setup_context(ctx, inputs, output):
-    key, ins, initial, cu_seqlens, dim, reverse, fp64 = inputs
+    key, ins, initial, cu_seqlens, dim, reverse, fp64, _ = inputs
     ctx.key, ctx.dim, ctx.reverse, ctx.fp64 = key, dim, reverse, fp64
     ctx.n_inputs, ctx.n_initial = len(ins), len(initial)
     ctx.varlen = cu_seqlens is not None
@@ -242,7 +246,7 @@ def _backward(ctx, grads):
         out_grads.append(g if g is not None else torch.zeros((), dtype=dtype, device=device).expand(shape))
     res = torch.ops.scanlang.scan_bwd(ctx.key, ins, initial, cu_seqlens, ckpt, out_grads, grads[-1], ctx.dim,
                                       ctx.reverse, ctx.fp64)
-    return None, list(res[:ctx.n_inputs]), list(res[ctx.n_inputs:]), None, None, None, None
+    return None, list(res[:ctx.n_inputs]), list(res[ctx.n_inputs:]), None, None, None, None, None
 
 
 scan_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -250,6 +254,9 @@ scan_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 def launch(prog: Program, inputs, initial, dim: int, reverse: bool, fp64: bool, cu_seqlens=None):
     """Run the forward op: returns (outputs, final prefix [n_fields, sequences, lanes])."""
-    res = torch.ops.scanlang.scan_fwd(prog.key, list(inputs), list(initial or []), cu_seqlens, dim, reverse, fp64)
+    tensors = list(inputs) + list(initial or [])
+    checkpoint = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+    res = torch.ops.scanlang.scan_fwd(prog.key, list(inputs), list(initial or []), cu_seqlens, dim, reverse, fp64,
+                                      checkpoint)
     n_out = len(prog.ir.outputs)
     return list(res[:n_out]), res[-1]

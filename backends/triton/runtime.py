@@ -134,8 +134,10 @@ def choose_config(T: int, L: int, time_contiguous: bool, state: int, n_fields: i
     if settings.triton_interpret() and not torch.cuda.is_available():
         return Config(block_t=min(8, pow2(T)), block_l=max(state, min(4, pow2(L))), num_warps=1, chunk=4)
     if time_contiguous:
-        # one long tile per lane forward; the backward (more live values) replays 512-step tiles
-        bt = min(4096 if n_fields <= 2 else 2048, pow2(T))
-        return Config(block_t=bt, block_l=max(state, 1), num_warps=8 if n_fields <= 2 else 4, chunk=512)
-    bl = max(state, min(64, pow2(L)))
-    return Config(block_t=32, block_l=bl, num_warps=4, stages=2)
+        # measured on the H200 (BENCHMARKS.md): one long tile per lane forward; the backward (more
+        # live values) replays 512-step chunks; 4-field monoids prefer 1024-step tiles
+        if n_fields <= 2:
+            return Config(block_t=min(4096, pow2(T)), block_l=max(state, 1), num_warps=8, chunk=512)
+        return Config(block_t=min(1024, pow2(T)), block_l=max(state, 1), num_warps=4, chunk=512)
+    bl = max(state, min(32, pow2(L)))
+    return Config(block_t=64, block_l=bl, num_warps=2, stages=2)
