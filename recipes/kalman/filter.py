@@ -8,13 +8,18 @@ Per entry (b, m, s), t = 1..T (spec/kalman.md), with `a = a_bar[m, s]`, `p = p_b
     y_t     = sum_s q_t eta_t / lam_t                           posterior mean read out by q
     y_var_t = sum_s q_t^2 / lam_t                               posterior variance read out by q^2
 
-Forward: one Möbius scan for `lam` (trace-normalised 2x2 products, never differentiated), then one
-affine scan for `eta` whose gates use the previous precision prefix; or one scan of the merged 3x3
-monoid (`form="joint"`). The gates read `lam_{t-1}` from the previous prefix rather than recovering
-it locally as `a^2 (lam_t - phi_t) / (1 - p (lam_t - phi_t))`: that recovery cancels when the
-observation dominates the prior (measured in fp32 at T = 3000, precisions up to 1e3: 1.6e-4
-relative error in lam_{t-1} and in the gate, against 0 for the read). Backward: the spec's adjoint, two reverse affine scans that each carry one
-scalar per entry, also run by `sl.scan` (so on CUDA they are generated kernels).
+Three ways to run it (`form=`):
+- "fused" / "fused_two" (recipes/kalman/fused.py): generated `sl.mixer` kernels that fuse lift, scan
+  and readout — the 3x3 monoid as one mixer, or a Möbius mixer then an affine mixer; their backward
+  is the generator's adjoint of the same program.
+- "two_scans": one Möbius `sl.scan` for `lam` (trace-normalised 2x2 products, never differentiated),
+  then one affine `sl.scan` for `eta` whose gates read `lam_{t-1}` from the previous prefix; "joint":
+  one `sl.scan` of the 3x3 monoid. Both use the spec's exact adjoint (`_KalmanScan`): two reverse
+  affine scans that each carry one scalar per entry, also run by `sl.scan` (generated kernels on
+  CUDA), with the lift and readout in PyTorch.
+The gates read `lam_{t-1}` rather than recovering it locally as `a^2 (lam_t - phi_t) / (1 - p (lam_t -
+phi_t))`: that recovery cancels when the observation dominates the prior (measured in fp32 at
+T = 3000, precisions up to 1e3: 1.6e-4 relative error in lam_{t-1} and in the gate, 0 for the read).
 """
 from __future__ import annotations
 
