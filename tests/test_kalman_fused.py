@@ -139,3 +139,15 @@ def test_time_major_inputs_give_the_same_filter():
                           tuple(s.to(F64) for s in state), seed=8)
     for name, g, r in zip(NAMES, got, ref):
         assert_close(g.cpu(), r, "kalman_grad", torch.float32, name=f"d{name}")
+
+
+@pytest.mark.parametrize("form", FUSED_FORMS)
+def test_fused_zero_keys_give_zero_not_nan_gradients(form):
+    ins = make_inputs(1, 9, 4, 2)
+    ins["k"][:, 3] = 0.0
+    leaves = {n: x.to(DEVICE).requires_grad_() for n, x in ins.items()}
+    y, y_var, _ = kalman_filter(**leaves, backend="triton", form=form)
+    (y.sum() + y_var.sum()).backward()
+    for n, x in leaves.items():
+        assert torch.isfinite(x.grad).all(), n
+    assert (leaves["v"].grad[:, 3] == 0).all() and (leaves["prec"].grad[:, 3] == 0).all()
