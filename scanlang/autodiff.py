@@ -6,16 +6,17 @@ out_t = readout(y_t, u_t, y_{t-1}), with upstream gradients g_t = dL/dout_t:
     dy_t   = (d readout_t / d y_t)^T g_t          direct use of the prefix
     c_t    = (d readout_t / d y_{t-1})^T g_t      use of the previous prefix
     B_t    = J1(y_{t-1}, x_t)^T = (dF/dy_{t-1})^T
-    w_t    = c_t + B_t (dy_t + w_{t+1}),  w_T = 0  (a REVERSE affine scan over (B_t, c_t + B_t dy_t))
-    gbar_t = dy_t + w_{t+1}                        (= dL/dy_t)
+    gbar_t = dy_t + c_{t+1} + B_{t+1} gbar_{t+1}, gbar_T = 0 (+ dL/dy_{T-1} of a returned final
+             prefix): a REVERSE affine scan over (B_{t+1}, dy_t + c_{t+1}); gbar_t = dL/dy_t
     dx_t   = J2(y_{t-1}, x_t)^T gbar_t             (J2 = dF/dx_t)
     du_t   = (d lift / d u)^T dx_t + (d readout_t / d u_t)^T g_t
-    dL/dinitial = w_0
+    dL/dinitial = c_0 + B_0 gbar_0
 
-Every quantity at step t needs only step-t values (u_t, g_t, y_t, y_{t-1}), so a kernel tile needs
-no shifted loads. B_t is stored in its sparsest form closed under products: one scalar when it is a
-multiple of the identity (the affine monoid: B = a_t I), else the non-zero pattern of its closure
-(diagonal included: padding past the end uses B = I).
+B_{t+1} = J1(y_t, x_{t+1})^T needs the prefix at t and the element at t+1, so a kernel tile loads
+the next step's inputs (a shifted load, not a shift of registers) and replays y_{t-1} as the scan of
+the elements shifted by one. B_t is stored in its sparsest form closed under products: one scalar
+when it is a multiple of the identity (the affine monoid: B = a_t I), else the non-zero pattern of
+its closure (diagonal included).
 """
 from __future__ import annotations
 

@@ -10,10 +10,11 @@ One module per program, deterministic text, holding:
   combine with the prefix carried in registers, readout (optionally summed over the last lane axis,
   STATE lanes), store. It stores the carry at every tile start (the backward's checkpoints) and the
   last prefix per lane;
-- `scan_backward`: walks the tiles in reverse, replays the tile's prefixes from its checkpoint,
-  forms the adjoint elements (B_t, c_t + B_t dy_t) and runs the reverse scan, carrying w across
-  tiles; writes the input gradients (stored, or atomically added where an input is broadcast) and
-  the gradient of the initial element.
+- `scan_backward`: walks the tiles in reverse, replays the tile's prefixes (and, from the elements
+  shifted by one step, the previous prefixes) from its checkpoint, loads the next step's inputs,
+  forms the adjoint elements (B_{t+1}, dy_t + c_{t+1}) and runs the reverse scan, carrying gbar
+  across tiles; writes the input gradients (stored, or reduced in-kernel where an input is
+  broadcast) and the gradient of the initial element (see scanlang/autodiff.py).
 Time runs backwards in memory when REVERSE is set (index T-1-t), which is `flip, scan, flip`.
 """
 from __future__ import annotations
@@ -163,29 +164,34 @@ def _time_index():
         "ok = (t < seq_len) & lane_ok[None, :]",
         "if REVERSE:",
         "    tt = (t0 + seq_len - 1 - t).to(tl.int64)",
+        "    step = -1",
         "else:",
         "    tt = (t0 + t).to(tl.int64)",
+        "    step = 1",
     ]
 
 
-def _load_lift(ir: ScanIR) -> list[str]:
+def _load_lift(ir: ScanIR, tag: str = "", shift: int = 0, mask: str = "ok") -> list[str]:
+    """Load the inputs `shift` steps later in scan order (memory index tt + shift * step), lift them,
+    and pad with the identity where `mask` is false: u{tag}_<input>, e{tag}_<field>."""
     lines = []
+    at = "tt" if shift == 0 else f"(tt + {shift} * step)"
     for i, n in enumerate(ir.inputs):
-        lines.append(f"u_{n} = to_acc(tl.load(u{i}_ptr + u{i}_off + tt * u{i}_st, mask=ok, other=1.0), FP64)")
-    names = {s: s.name for s in ir.input_symbols}
-    lifted = _assign([f"l_{f}" for f in ir.fields], ir.lift, names, "_l", shape_like=f"u_{ir.inputs[0]}")
+        lines.append(f"u{tag}_{n} = to_acc(tl.load(u{i}_ptr + u{i}_off + {at} * u{i}_st, mask={mask}, other=1.0), FP64)")
+    names = {s: f"u{tag}_{s.name[2:]}" for s in ir.input_symbols}
+    lifted = _assign([f"l{tag}_{f}" for f in ir.fields], ir.lift, names, f"_l{tag}", shape_like=f"u{tag}_{ir.inputs[0]}")
     lines += lifted
     for f, ident in zip(ir.fields, ir.identity):
-        lines.append(f"e_{f} = tl.where(ok, l_{f}, {_num(ident)})")
+        lines.append(f"e{tag}_{f} = tl.where({mask}, l{tag}_{f}, {_num(ident)})")
     return lines
 
 
-def _replay(ir: ScanIR) -> list[str]:
-    """Inclusive prefixes of the tile (p_*) from the carry c_*; previous prefixes q_* when needed."""
-    e = ", ".join(f"e_{f}" for f in ir.fields)
-    p = ", ".join(f"p_{f}" for f in ir.fields)
+def _replay(ir: ScanIR, tag: str = "", out: str = "p") -> list[str]:
+    """Inclusive prefixes of the tile's elements e{tag}_* from the carry c_*, named {out}_*."""
+    e = ", ".join(f"e{tag}_{f}" for f in ir.fields)
+    p = ", ".join(f"{out}_{f}" for f in ir.fields)
     c = ", ".join(f"c_{f}[None, :]" for f in ir.fields)
-    s = ", ".join(f"s_{f}" for f in ir.fields)
+    s = ", ".join(f"s{tag}_{f}" for f in ir.fields)
     unpack = s if len(ir.fields) > 1 else f"{s},"
     return [f"{unpack} = tl.associative_scan(({e},), 0, combine)", f"{p} = combine({c}, {s})"]
 
@@ -287,7 +293,15 @@ def _du_store(i: int, name: str) -> list[str]:
     ]
 
 
+def _symbols_named(symbols, fmt):
+    return {s: fmt.format(s.name[2:]) for s in symbols}
+
+
 def render_backward(ir: ScanIR, adj: Adjoint) -> list[str]:
+    """Tiles in reverse order. Per tile: replay p (prefixes) and q (previous prefixes, the scan of
+    the elements shifted by one) from the checkpoint; load the next step's inputs; run the reverse
+    affine scan gbar_s = E_s + A_s gbar_{s+1} with A_s = J1(p_s, x_{s+1})^T, E_s = dy_s + c_{s+1};
+    then dx = J2(q, x)^T gbar and the input gradients. No shifts of register tiles are needed."""
     n = len(ir.fields)
     nb = len(adj.b_entries)
     args = []
@@ -299,7 +313,8 @@ def render_backward(ir: ScanIR, adj: Adjoint) -> list[str]:
         args += [f"du{i}_ptr", *_strides(f"du{i}")]
     args += [f"dinit{f}_ptr" for f in range(n)]
     args += ["dfinal_ptr", "ckpt_ptr", "cu_ptr", "T", "L", "D1", "D2", "D3", "n_seq", "n_slots"]
-    consts = ["BLOCK_T", "BLOCK_L", "CHUNK", "REVERSE", "HAS_INIT", "HAS_DFINAL", "VARLEN", "STATE", "FP64", "STAGES"] + [f"DU{i}" for i in range(len(ir.inputs))]
+    consts = (["BLOCK_T", "BLOCK_L", "CHUNK", "REVERSE", "HAS_INIT", "HAS_DFINAL", "VARLEN", "STATE", "FP64", "STAGES"]
+              + [f"DU{i}" for i in range(len(ir.inputs))])
     body = _common_prologue()
     body += ["group = pid.to(tl.int64) * (BLOCK_L // STATE) + tl.arange(0, BLOCK_L // STATE)",
              "group_ok = group < L // STATE"]
@@ -313,55 +328,85 @@ def render_backward(ir: ScanIR, adj: Adjoint) -> list[str]:
         body.append(f"g{j}_off = {_lane_off(f'g{j}')}[None, :]")
     body.append("if HAS_DFINAL:")
     for f, name in enumerate(ir.fields):
-        body.append(f"    w_{name} = to_acc(tl.load(dfinal_ptr + ({f} * n_seq + seq) * L + lane, mask=lane_ok, other=0.0), FP64)")
+        body.append(f"    dfin_{name} = to_acc(tl.load(dfinal_ptr + ({f} * n_seq + seq) * L + lane, mask=lane_ok, "
+                    "other=0.0), FP64)")
     body.append("else:")
-    for f in ir.fields:
-        body.append(f"    w_{f} = to_acc(tl.zeros([BLOCK_L], tl.float32), FP64)")
+    for name in ir.fields:
+        body.append(f"    dfin_{name} = to_acc(tl.zeros([BLOCK_L], tl.float32), FP64)")
+    for name in ir.fields:   # gbar carried from the later tile; w0 = dL/d(initial) (= dfinal if T = 0)
+        body.append(f"gc_{name} = to_acc(tl.zeros([BLOCK_L], tl.float32), FP64)")
+        body.append(f"w0_{name} = dfin_{name}")
+    shape = f"p_{ir.fields[0]}"
     loop = ["k = n_tiles - 1 - kk", *_time_index()]
     for f, (name, ident) in enumerate(zip(ir.fields, ir.identity)):
         loop.append(f"c_{name} = to_acc(tl.load(ckpt_ptr + ({f} * n_slots + slot0 + k) * L + lane, mask=lane_ok, "
                     f"other={_num(ident)}), FP64)")
-    loop += _load_lift(ir) + _replay(ir) + _previous(ir)
+    loop += _load_lift(ir) + _replay(ir)
+    loop.append("ok_prev = ok & (rows > 0)")
+    loop += _load_lift(ir, tag="v", shift=-1, mask="ok_prev") + _replay(ir, tag="v", out="qs")
+    for f in ir.fields:   # row 0: the carry itself (a raw initial element is not renormalised)
+        loop.append(f"q_{f} = tl.where(rows == 0, c_{f}[None, :], qs_{f})")
+    loop.append("ok_next = (t + 1 < seq_len) & lane_ok[None, :]")
+    loop += _load_lift(ir, tag="n", shift=1, mask="ok_next")
     for j, o in enumerate(ir.outputs):
         loop.append(f"g_{o} = to_acc(tl.load(g{j}_ptr + g{j}_off + tt * g{j}_st, mask=ok, other=0.0), FP64)")
-    shape = f"p_{ir.fields[0]}"
-    names = {s: s.name for s in ir.prefix_symbols + ir.previous_symbols + ir.input_symbols + adj.g}
-    loop += _assign([f"dy_{f}" for f in ir.fields] + [f"cq_{f}" for f in ir.fields], adj.dy + adj.c, names, "_d",
-                    shape_like=shape)
-    names_b = {s: s.name for s in ir.previous_symbols} | {s: f"e_{f}" for s, f in zip(ir.later, ir.fields)}
-    loop += _assign([f"b{k}" for k in range(nb)], adj.b_entries, names_b, "_b", shape_like=shape)
-    mat = adj.matrix([E.symbol(f"b{k}") for k in range(nb)])
-    dy_syms = [E.symbol(f"dy_{f}") for f in ir.fields]
-    cq_syms = [E.symbol(f"cq_{f}") for f in ir.fields]
-    e_exprs = [cq_syms[i] + sum((mat[i][j] * dy_syms[j] for j in range(n)), sympy.Integer(0)) for i in range(n)]
-    names_e = {s: s.name for s in dy_syms + cq_syms + [E.symbol(f"b{k}") for k in range(nb)]}
-    loop += _assign([f"v{i}" for i in range(n)], e_exprs, names_e, "_e", shape_like=shape)
-    identity_entries = [1.0] if adj.scalar else [1.0 if i == j else 0.0 for i, j in adj.pattern]
-    for k in range(nb):  # past the end: w passes through unchanged (B = I, e = 0)
-        loop.append(f"b{k} = tl.where(ok, b{k}, {identity_entries[k]})")
-    for i in range(n):
-        loop.append(f"v{i} = tl.where(ok, v{i}, 0.0)")
-    rb = [f"rb{k}" for k in range(nb)]
-    rv = [f"rv{i}" for i in range(n)]
-    loop.append(f"{', '.join(rb + rv)} = tl.associative_scan(({', '.join([f'b{k}' for k in range(nb)] + [f'v{i}' for i in range(n)])},), "
-                "0, adjoint_combine, reverse=True)")
-    rmat = adj.matrix([E.symbol(r) for r in rb])
-    w_syms = [E.symbol(f"w_{f}") for f in ir.fields]
-    w_exprs = [E.symbol(rv[i]) + sum((rmat[i][j] * w_syms[j] for j in range(n)), sympy.Integer(0)) for i in range(n)]
-    names_w = {E.symbol(r): r for r in rb + rv} | {s: f"{s.name}[None, :]" for s in w_syms}
-    loop += _assign([f"W_{f}" for f in ir.fields], w_exprs, names_w, "_w")
-    loop.append("next_rows = tl.minimum(rows + 1, BLOCK_T - 1) + tl.zeros([BLOCK_T, BLOCK_L], tl.int32)")
+    here = ({s: s.name for s in ir.prefix_symbols + ir.previous_symbols + adj.g}
+            | _symbols_named(ir.input_symbols, "u_{}"))
+    loop += _assign([f"dy_{f}" for f in ir.fields], adj.dy, here, "_d", shape_like=shape)
+    if ir.uses_previous:   # c_{s+1}: the next step's readout differentiated in its previous prefix (= p_s)
+        for j, o in enumerate(ir.outputs):
+            loop.append(f"gn_{o} = to_acc(tl.load(g{j}_ptr + g{j}_off + (tt + step) * g{j}_st, mask=ok_next, "
+                        "other=0.0), FP64)")
+        pn = ", ".join(f"pn_{f}" for f in ir.fields)
+        loop.append(f"{pn}{',' if n == 1 else ''} = combine({', '.join(f'p_{f}' for f in ir.fields)}, "
+                    f"{', '.join(f'en_{f}' for f in ir.fields)})")
+        nxt = ({s: f"pn_{s.name[2:]}" for s in ir.prefix_symbols} | {s: f"p_{s.name[2:]}" for s in ir.previous_symbols}
+               | {g: f"gn_{g.name[2:]}" for g in adj.g} | _symbols_named(ir.input_symbols, "un_{}"))
+        loop += _assign([f"cn_{f}" for f in ir.fields], adj.c, nxt, "_n", shape_like=shape)
+    else:
+        loop += [f"cn_{f} = 0.0" for f in ir.fields]
+    a_names = ({s: f"p_{s.name[2:]}" for s in ir.previous_symbols}
+               | {s: f"en_{f}" for s, f in zip(ir.later, ir.fields)})
+    loop += _assign([f"a{k}" for k in range(nb)], adj.b_entries, a_names, "_a", shape_like=shape)
+    for k in range(nb):   # the last step has no successor: A = 0 (its padding may not be finite)
+        loop.append(f"a{k} = tl.where(ok_next, a{k}, 0.0)")
+    loop.append("is_last = t == seq_len - 1")
     for f in ir.fields:
-        loop.append(f"gbar_{f} = dy_{f} + tl.where(rows == BLOCK_T - 1, w_{f}[None, :], tl.gather(W_{f}, next_rows, 0))")
+        loop.append(f"v_{f} = tl.where(ok, dy_{f} + tl.where(ok_next, cn_{f}, 0.0) "
+                    f"+ tl.where(is_last, dfin_{f}[None, :], 0.0), 0.0)")
+    ra = [f"ra{k}" for k in range(nb)]
+    rv = [f"rv{i}" for i in range(n)]
+    loop.append(f"{', '.join(ra + rv)} = tl.associative_scan(({', '.join([f'a{k}' for k in range(nb)] + [f'v_{f}' for f in ir.fields])},), "
+                "0, adjoint_combine, reverse=True)")
+    rmat = adj.matrix([E.symbol(r) for r in ra])
+    gc = [E.symbol(f"gc_{f}") for f in ir.fields]
+    g_exprs = [E.symbol(rv[i]) + sum((rmat[i][j] * gc[j] for j in range(n)), sympy.Integer(0)) for i in range(n)]
+    names_g = {E.symbol(r): r for r in ra + rv} | {s: f"{s.name}[None, :]" for s in gc}
+    loop += _assign([f"gbar_{f}" for f in ir.fields], g_exprs, names_g, "_g")
     names_x = ({s: s.name for s in ir.previous_symbols + adj.gbar}
                | {s: f"e_{f}" for s, f in zip(ir.later, ir.fields)})
     loop += _assign([f"dx_{f}" for f in ir.fields], adj.dx, names_x, "_x", shape_like=shape)
-    names_u = {s: s.name for s in ir.input_symbols + adj.dx_symbols + ir.prefix_symbols + ir.previous_symbols + adj.g}
+    names_u = here | {s: s.name for s in adj.dx_symbols}
     loop += _assign([f"du_{n_}" for n_ in ir.inputs], adj.du, names_u, "_u", shape_like=shape)
     for i, name in enumerate(ir.inputs):
         loop += _du_store(i, name)
     for f in ir.fields:
-        loop.append(f"w_{f} = tl.sum(tl.where(rows == 0, W_{f}, 0.0), 0)")
+        loop.append(f"gc_{f} = tl.sum(tl.where(rows == 0, gbar_{f}, 0.0), 0)")
+    # dL/d(initial) = J1(q_0, x_0)^T gbar_0 + c_0, taken from the first tile (the loop's last)
+    loop.append("if HAS_INIT:")
+    init_block = _assign([f"cq_{f}" for f in ir.fields], adj.c, here, "_i", shape_like=shape)
+    b_names = ({s: s.name for s in ir.previous_symbols} | {s: f"e_{f}" for s, f in zip(ir.later, ir.fields)})
+    init_block += _assign([f"b{k}" for k in range(nb)], adj.b_entries, b_names, "_b", shape_like=shape)
+    bmat = adj.matrix([E.symbol(f"b{k}") for k in range(nb)])
+    gb = [E.symbol(f"gbar_{f}") for f in ir.fields]
+    w_exprs = [E.symbol(f"cq_{ir.fields[i]}") + sum((bmat[i][j] * gb[j] for j in range(n)), sympy.Integer(0))
+               for i in range(n)]
+    names_w = {E.symbol(f"cq_{f}"): f"cq_{f}" for f in ir.fields} | {s: s.name for s in gb} | {
+        E.symbol(f"b{k}"): f"b{k}" for k in range(nb)}
+    init_block += _assign([f"w_{f}" for f in ir.fields], w_exprs, names_w, "_w", shape_like=shape)
+    for f in ir.fields:
+        init_block.append(f"w0_{f} = tl.sum(tl.where(rows == 0, w_{f}, 0.0), 0)")
+    loop += _indent(init_block, 4)
     body.append("for kk in tl.range(0, n_tiles, num_stages=STAGES):")
     body += _indent(loop, 4)
     for i in range(len(ir.inputs)):
@@ -369,7 +414,7 @@ def render_backward(ir: ScanIR, adj: Adjoint) -> list[str]:
                  f"    tl.atomic_add(du{i}_ptr + du{i}_lane_off, acc{i}.to(du{i}_ptr.dtype.element_ty), mask=lane_ok)"]
     body.append("if HAS_INIT:")
     for f, name in enumerate(ir.fields):
-        body.append(f"    tl.store(dinit{f}_ptr + seq * L + lane, w_{name}, mask=lane_ok)")
+        body.append(f"    tl.store(dinit{f}_ptr + seq * L + lane, w0_{name}, mask=lane_ok)")
     sig = ", ".join(args + [f"{c}: tl.constexpr" for c in consts])
     return ["@triton.jit", f"def scan_backward({sig}):",
             f'    """Backward of {ir.name}: replay each tile from its checkpoint, reverse affine scan of the adjoint."""',
