@@ -20,6 +20,7 @@ from typing import Optional
 import torch
 import triton
 from torch.library import triton_op, wrap_triton
+from triton.runtime.errors import OutOfResources
 
 from scanlang.delta import GIVEN, KACZMARZ, DeltaRule
 
@@ -33,7 +34,7 @@ CONFIG = {
     "output": dict(BV=64, num_warps=4, num_stages=2),
     "dU_local": dict(BV=64, num_warps=4, num_stages=2),
     "state_bwd": dict(BV=64, num_warps=4, num_stages=2),
-    "bwd": dict(BV=64, num_warps=8, num_stages=2),
+    "bwd": dict(BV=64, num_warps=8, num_stages=1),
     "recurrent": dict(BV=32, num_warps=4, num_stages=1),
 }
 _RULES = {"beta": GIVEN, "kaczmarz": KACZMARZ}
@@ -89,6 +90,31 @@ def _opts(name: str, V: int) -> dict:
     return cfg
 
 
+def _smaller(cfg: dict) -> dict | None:
+    """The next smaller launch config: fewer pipeline stages first, then half the value block."""
+    if cfg.get("num_stages", 1) > 1:
+        return {**cfg, "num_stages": cfg["num_stages"] - 1}
+    if cfg.get("BV", 16) > 16:
+        return {**cfg, "BV": cfg["BV"] // 2}
+    return None
+
+
+def _launch(name: str, kernel, grid, args: tuple, meta: dict, V: int):
+    """Launch `kernel` with CONFIG[name]; `grid(cfg)` gives the grid. A config that needs more shared
+    memory or registers than the device has is shrunk (and remembered) until it fits."""
+    cfg = _opts(name, V)
+    while True:
+        try:
+            wrap_triton(kernel)[grid(cfg)](*args, **meta, **cfg)
+            return
+        except OutOfResources:
+            smaller = _smaller(CONFIG[name])
+            if smaller is None:
+                raise
+            CONFIG[name] = smaller
+            cfg = _opts(name, V)
+
+
 def _fake(t: torch.Tensor) -> bool:
     """Shape propagation only (meta or FakeTensor outside graph recording): allocate, launch nothing."""
     from torch._subclasses.fake_tensor import is_fake
@@ -112,13 +138,12 @@ def _states(mod, k, v, a, s, h0, chunk_tok, chunk_len, seq_chunk0, eps, C: int, 
     ht = _empty(N, H, K, V, device=dev, dtype=torch.float32)
     if _fake(k):
         return gcum, beta, tm, w, h, U, ht
-    wrap_triton(mod.delta_prep)[(NC, H)](
-        k, v, a, s, eps, chunk_tok, chunk_len, w, u, tm, gcum, beta, H,
-        BV=max(16, triton.next_power_of_2(V)), **meta, **CONFIG["prep"])
-    cfg = _opts("state_fwd", V)
-    wrap_triton(mod.delta_state_fwd)[(N, H, triton.cdiv(V, cfg["BV"]))](
-        k, w, u, gcum, h0 if h0 is not None else h, chunk_tok, chunk_len, seq_chunk0, h, U, ht, H,
-        HAS_H0=h0 is not None, STORE_FINAL=store_final, **meta, **cfg)
+    _launch("prep", mod.delta_prep, lambda cfg: (NC, H),
+            (k, v, a, s, eps, chunk_tok, chunk_len, w, u, tm, gcum, beta, H),
+            dict(meta, BV=max(16, triton.next_power_of_2(V))), V)
+    _launch("state_fwd", mod.delta_state_fwd, lambda cfg: (N, H, triton.cdiv(V, cfg["BV"])),
+            (k, w, u, gcum, h0 if h0 is not None else h, chunk_tok, chunk_len, seq_chunk0, h, U, ht, H),
+            dict(meta, HAS_H0=h0 is not None, STORE_FINAL=store_final), V)
     return gcum, beta, tm, w, h, U, ht
 
 
@@ -133,9 +158,8 @@ def delta_chunk_fwd(key: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     gcum, _, _, _, h, U, ht = _states(mod, k, v, a, s, h0, chunk_tok, chunk_len, seq_chunk0, eps, C, True)
     o = _empty(TT, H, V, device=k.device, dtype=torch.float32)
     if not _fake(k):
-        cfg = _opts("output", V)
-        wrap_triton(mod.delta_output)[(chunk_tok.numel(), H, triton.cdiv(V, cfg["BV"]))](
-            q, k, gcum, h, U, o, chunk_tok, chunk_len, scale, H, **_meta(K, V, C, k.dtype, k.device), **cfg)
+        _launch("output", mod.delta_output, lambda cfg: (chunk_tok.numel(), H, triton.cdiv(V, cfg["BV"])),
+                (q, k, gcum, h, U, o, chunk_tok, chunk_len, scale, H), _meta(K, V, C, k.dtype, k.device), V)
     return [o, ht]
 
 
@@ -162,16 +186,15 @@ def delta_chunk_bwd(key: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     ds = _empty(TT, H, device=dev, dtype=torch.float32)
     if _fake(k):
         return [dq, dk, dv, da, ds, dh0]
-    cfg = _opts("dU_local", V)
-    wrap_triton(mod.delta_dU_local)[(NC, H, triton.cdiv(V, cfg["BV"]))](
-        q, k, gcum, do, dul, chunk_tok, chunk_len, scale, H, **meta, **cfg)
-    cfg = _opts("state_bwd", V)
-    wrap_triton(mod.delta_state_bwd)[(N, H, triton.cdiv(V, cfg["BV"]))](
-        q, k, w, gcum, do, dul, dht if dht is not None else dh, chunk_tok, chunk_len, seq_chunk0, dh, dU,
-        dh0 if h0 is not None else dh, scale, H, HAS_DHT=dht is not None, STORE_DH0=h0 is not None, **meta, **cfg)
-    wrap_triton(mod.delta_bwd)[(NC, H)](
-        q, k, v, a, s, eps, gcum, beta, tm, h, dh, U, dU, do, dq, dk, dv, da, ds, chunk_tok, chunk_len, scale, H,
-        **meta, **_opts("bwd", V))
+    _launch("dU_local", mod.delta_dU_local, lambda cfg: (NC, H, triton.cdiv(V, cfg["BV"])),
+            (q, k, gcum, do, dul, chunk_tok, chunk_len, scale, H), meta, V)
+    _launch("state_bwd", mod.delta_state_bwd, lambda cfg: (N, H, triton.cdiv(V, cfg["BV"])),
+            (q, k, w, gcum, do, dul, dht if dht is not None else dh, chunk_tok, chunk_len, seq_chunk0, dh, dU,
+             dh0 if h0 is not None else dh, scale, H),
+            dict(meta, HAS_DHT=dht is not None, STORE_DH0=h0 is not None), V)
+    _launch("bwd", mod.delta_bwd, lambda cfg: (NC, H),
+            (q, k, v, a, s, eps, gcum, beta, tm, h, dh, U, dU, do, dq, dk, dv, da, ds, chunk_tok, chunk_len,
+             scale, H), meta, V)
     return [dq, dk, dv, da, ds, dh0]
 
 
