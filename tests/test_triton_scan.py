@@ -161,3 +161,20 @@ def test_generated_source_is_byte_identical_across_processes(tmp_path):
     cached = list((tmp_path / "triton").glob("scanlang_*.py"))
     assert len(cached) == 1 and cached[0].read_text() == runs[0]
     assert not list((tmp_path / "triton").glob("*.tmp"))
+
+
+def test_unexpanded_broadcast_inputs_get_reduced_gradients():
+    """Size-1 dims broadcast inside the kernel; their gradients are reduced there, never full-size."""
+    a = (torch.rand(1, 1, 3, dtype=torch.float64, device=DEVICE) * 0.8 + 0.1).requires_grad_()   # static decay
+    b = nonzero(2, 19, 3).requires_grad_()
+    h0 = nonzero(1, 3).requires_grad_()
+    out = tb.scan(sl.Affine, (a, b), 1, False, (torch.ones(1, 3, dtype=torch.float64, device=DEVICE), h0), torch.float64)
+    ref = scan_sequential(sl.Affine, (a, b), dim=1, initial=(torch.ones(1, 3, dtype=torch.float64, device=DEVICE), h0))
+    assert out[1].shape == (2, 19, 3)
+    assert_close(out[1], ref[1], "scan")
+    w = torch.randn(2, 19, 3, dtype=torch.float64, device=DEVICE)
+    got = torch.autograd.grad((out[1] * w).sum(), (a, b, h0))
+    want = torch.autograd.grad((ref[1] * w).sum(), (a, b, h0))
+    for g, r in zip(got, want):
+        assert g.shape == r.shape
+        assert_close(g, r, "scan_grad")
