@@ -156,7 +156,7 @@ def run_scans(table, B, D, T, anchors: bool, sweep: bool, log: dict):
                 continue
             log.setdefault("sweep", []).append(dict(kind=kind, layout=layout, pass_="fwd+bwd", cfg=str(cfg), ms=ms, err=e))
             if best_b is None or ms < best_b[0]:
-                best_b = (ms, e, cfg)
+                best_b = (ms, e, cfg, ms_graph)
         table.add(f"scanlang {kind} fwd+bwd (grad err: max over inputs)", layout, best_b[0],
                   (nf + 1 + 2 * nf + 1) * n * 4, best_b[1],
                   note=f"{best_b[2] or 'default config'}; GPU time alone (CUDA graph) {best_b[3]:.4f} ms")
