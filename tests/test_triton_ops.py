@@ -35,3 +35,21 @@ def test_compile_fullgraph_has_no_graph_break():
     ra, rb = torch.autograd.grad(ref.sum(), (a, b))
     assert_close(ga, ra, "scan_grad", dtype=torch.float32)
     assert_close(gb, rb, "scan_grad", dtype=torch.float32)
+
+
+def test_mixer_compiles_fullgraph():
+    from scanlang.mixer import mixer
+    ema = mixer(sl.Affine, axes="b t d", inputs={"x": "b t d", "decay": "d"},
+                lift=lambda u: (u.decay, (1 - u.decay) * u.x), readout=lambda p, u, q: p.b, outputs=("h",))
+
+    def model(x, raw):
+        return ema(x=x, decay=torch.sigmoid(raw)).h.square().mean()
+    x = torch.randn(2, 13, 3, device=DEVICE, requires_grad=True)
+    raw = torch.randn(3, device=DEVICE, requires_grad=True)
+    compiled = torch.compile(model, fullgraph=True, backend="inductor" if DEVICE == "cuda" else "eager")
+    loss = compiled(x, raw)
+    assert_close(loss, model(x, raw), "scan")
+    got = torch.autograd.grad(loss, (x, raw))
+    want = torch.autograd.grad(model(x, raw), (x, raw))
+    for g, w in zip(got, want):
+        assert_close(g, w, "scan_grad", dtype=torch.float32)
