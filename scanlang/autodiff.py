@@ -17,6 +17,17 @@ the next step's inputs (a shifted load, not a shift of registers) and replays y_
 the elements shifted by one. B_t is stored in its sparsest form closed under products: one scalar
 when it is a multiple of the identity (the affine monoid: B = a_t I), else the non-zero pattern of
 its closure (diagonal included).
+
+Projective monoids whose combine is homogeneous of degree 1 in the earlier operand (matrix products)
+are differentiated through the unnormalised chain z_t = m(z_{t-1}, x_t), y_t = z_t / s(z_t): with
+h_t = s(z_t) dL/dz_t and sigma_t = s(m(y_{t-1}, x_t)) (y normalised),
+
+    h_t  = J_N(y_t)^T (dy_t + c_{t+1}) + (dm/dq(y_t, x_{t+1}))^T h_{t+1} / sigma_{t+1}
+    dx_t = (dm/dx(y_{t-1}, x_t))^T h_t / sigma_t,   dL/dinitial = c_0 + (dm/dq(y_{-1}, x_0))^T h_0 / sigma_0
+
+where J_N is the Jacobian of m -> m / s(m). The transition keeps the combine's sparsity (for 2x2
+matrices: two 2x2 blocks, 8 entries instead of a dense 4x4), and no renormalised quotient is ever
+differentiated.
 """
 from __future__ import annotations
 
@@ -40,6 +51,8 @@ class Adjoint:
     pattern: tuple[tuple[int, int], ...]    # positions of B's (closed) non-zero entries
     b_entries: tuple[sympy.Expr, ...]       # one per pattern position (one total when scalar), over q, x
     gbar: tuple[sympy.Symbol, ...]
+    direct: tuple[sympy.Expr, ...]          # per field, over p, d: what a direct gradient d adds to gbar
+    d: tuple[sympy.Symbol, ...]
     dx: tuple[sympy.Expr, ...]              # per field, over q, x, gbar
     dx_symbols: tuple[sympy.Symbol, ...]
     du: tuple[sympy.Expr, ...]              # per input, over u, dx, p, q, g
@@ -87,8 +100,27 @@ def differentiate(ir: ScanIR) -> Adjoint:
                for p in ir.prefix_symbols)
     c = tuple(sum((gi * sympy.diff(r, q) for gi, r in zip(g, ir.readout)), sympy.Integer(0)) for q in prev)
 
-    # B[j][i] = dF_i / dq_j
-    b = [[sympy.diff(step[i], prev[j]) for i in range(n)] for j in range(n)]
+    gbar = tuple(E.symbol(f"gbar_{f}") for f in ir.fields)
+    d = tuple(E.symbol(f"d_{f}") for f in ir.fields)
+    m = tuple(e.subs(dict(zip(ir.earlier, prev)), simultaneous=True) for e in ir.combine)
+    if ir.is_projective and _homogeneous_in(m, prev):
+        # Projective adjoint (module docstring): differentiate the UNnormalised chain z_t = m(z_{t-1}, x_t),
+        # y_t = z_t / s(z_t), carrying h_t = s(z_t) dL/dz_t. Its transition (dm/dq)^T / s(m) keeps the
+        # sparsity of the combine (block structure of a matrix product) that renormalising destroys.
+        sigma = ir.scale.subs(dict(zip(ir.scale_symbols, m)), simultaneous=True)
+        b = [[sympy.diff(m[i], prev[j]) / sigma for i in range(n)] for j in range(n)]
+        p = ir.prefix_symbols
+        s_p = ir.scale.subs(dict(zip(ir.scale_symbols, p)), simultaneous=True)
+        normalised = [pi / s_p for pi in p]
+        direct = tuple(sum((d[i] * sympy.diff(normalised[i], p[j]) for i in range(n)), sympy.Integer(0))
+                       for j in range(n))
+        dx = tuple(sum((gbar[i] * sympy.diff(m[i], elem[j]) for i in range(n)), sympy.Integer(0)) / sigma
+                   for j in range(n))
+    else:
+        b = [[sympy.diff(step[i], prev[j]) for i in range(n)] for j in range(n)]   # B[j][i] = dF_i / dq_j
+        direct = d
+        dx = tuple(sum((gbar[i] * sympy.diff(step[i], elem[j]) for i in range(n)), sympy.Integer(0))
+                   for j in range(n))
     b = [[sympy.simplify(v) if v.count_ops() < 40 else v for v in row] for row in b]
     off_diagonal_zero = all(b[i][j] == 0 for i in range(n) for j in range(n) if i != j)
     scalar = off_diagonal_zero and all(sympy.simplify(b[i][i] - b[0][0]) == 0 for i in range(n))
@@ -99,13 +131,17 @@ def differentiate(ir: ScanIR) -> Adjoint:
         pattern = tuple(sorted(_closure(nonzero | {(i, i) for i in range(n)}, n)))
         b_entries = tuple(b[i][j] for i, j in pattern)
 
-    gbar = tuple(E.symbol(f"gbar_{f}") for f in ir.fields)
-    dx = tuple(sum((gbar[i] * sympy.diff(step[i], elem[j]) for i in range(n)), sympy.Integer(0))
-               for j in range(n))
     dx_symbols = tuple(E.symbol(f"dx_{f}") for f in ir.fields)
     du = tuple(sum((dx_symbols[f] * sympy.diff(ir.lift[f], u) for f in range(n)), sympy.Integer(0))
                + sum((gi * sympy.diff(r, u) for gi, r in zip(g, ir.readout)), sympy.Integer(0))
                for u in ir.input_symbols)
-    _check_printable(dy + c + b_entries + dx + du, f"backward of '{ir.name}'")
+    _check_printable(dy + c + b_entries + direct + dx + du, f"backward of '{ir.name}'")
     return Adjoint(g=g, dy=dy, c=c, scalar=scalar, pattern=pattern, b_entries=b_entries, gbar=gbar,
-                   dx=dx, dx_symbols=dx_symbols, du=du)
+                   direct=direct, d=d, dx=dx, dx_symbols=dx_symbols, du=du)
+
+
+def _homogeneous_in(exprs, symbols) -> bool:
+    """True when every expression is homogeneous of degree 1 in `symbols` (e.g. a product M_x @ q)."""
+    lam = sympy.Symbol("_lambda", positive=True)
+    scaled = dict(zip(symbols, [lam * s for s in symbols]))
+    return all(sympy.simplify(e.subs(scaled, simultaneous=True) - lam * e) == 0 for e in exprs)

@@ -371,9 +371,12 @@ def render_backward(ir: ScanIR, adj: Adjoint) -> list[str]:
     for k in range(nb):   # the last step has no successor: A = 0 (its padding may not be finite)
         loop.append(f"a{k} = tl.where(ok_next, a{k}, 0.0)")
     loop.append("is_last = t == seq_len - 1")
+    for f in ir.fields:   # the direct gradient of y_t: its readout, the next readout, a returned final prefix
+        loop.append(f"d_{f} = dy_{f} + tl.where(ok_next, cn_{f}, 0.0) + tl.where(is_last, dfin_{f}[None, :], 0.0)")
+    names_v = {s: s.name for s in ir.prefix_symbols + adj.d}
+    loop += _assign([f"v_{f}" for f in ir.fields], adj.direct, names_v, "_v", shape_like=shape)
     for f in ir.fields:
-        loop.append(f"v_{f} = tl.where(ok, dy_{f} + tl.where(ok_next, cn_{f}, 0.0) "
-                    f"+ tl.where(is_last, dfin_{f}[None, :], 0.0), 0.0)")
+        loop.append(f"v_{f} = tl.where(ok, v_{f}, 0.0)")
     ra = [f"ra{k}" for k in range(nb)]
     rv = [f"rv{i}" for i in range(n)]
     loop.append(f"{', '.join(ra + rv)} = tl.associative_scan(({', '.join([f'a{k}' for k in range(nb)] + [f'v_{f}' for f in ir.fields])},), "
