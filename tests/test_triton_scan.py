@@ -161,6 +161,9 @@ def test_generated_source_is_byte_identical_across_processes(tmp_path):
     cached = list((tmp_path / "triton").glob("scanlang_*.py"))
     assert len(cached) == 1 and cached[0].read_text() == runs[0]
     assert not list((tmp_path / "triton").glob("*.tmp"))
+    debug = subprocess.run([sys.executable, "-c", SHOW.replace("sys.stdout.write(tb.show(sl.Mobius))", "tb.show(sl.Mobius)")],
+                           env=dict(env, SCANLANG_DEBUG="1"), capture_output=True, text=True, check=True).stdout
+    assert "generated Triton for Mobius" in debug and runs[0] in debug
 
 
 def test_unexpanded_broadcast_inputs_get_reduced_gradients():
