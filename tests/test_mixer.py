@@ -125,3 +125,25 @@ def test_packed_sequences_restart_at_every_start(reverse):
     want = torch.autograd.grad((y * w[0]).sum() + (z * w[1]).sum() + (h * w[2]).sum(), leaves)
     for name, g, r in zip("v k q a h0".split(), got, want):
         assert_close(g, r, "scan_grad", name=f"d{name}")
+
+
+def test_gradients_of_inputs_broadcast_over_several_lane_axes():
+    """A per-token gate 'b t' (broadcast over m and s: summed over the state lanes, then atomically
+    over m) and a per-channel 'm' parameter (summed over time)."""
+    mix = mixer(sl.Affine, axes="b t m s", inputs={"gate": "b t", "k": "b t s", "w": "m"},
+                lift=lambda u: (u.gate, u.w * u.k), readout=lambda p, u, q: p.b, outputs=("y",), reduce="s")
+    B, T, M, S = 2, 9, 3, 4
+    gate = (torch.rand(B, T, dtype=torch.float64, device=DEVICE) * 0.8 + 0.1).requires_grad_()
+    k, w = rnd(B, T, S).requires_grad_(), rnd(M).requires_grad_()
+    y = mix(gate=gate, k=k, w=w).y
+    h = torch.zeros(B, M, S, dtype=torch.float64, device=DEVICE)
+    ref = []
+    for t in range(T):
+        h = gate[:, t, None, None] * h + w[None, :, None] * k[:, t, None, :]
+        ref.append(h.sum(-1))
+    ref = torch.stack(ref, 1)
+    assert_close(y, ref, "scan")
+    g = torch.randn_like(ref)
+    for name, a, b in zip(("gate", "k", "w"), torch.autograd.grad(y, (gate, k, w), g),
+                          torch.autograd.grad(ref, (gate, k, w), g)):
+        assert_close(a, b, "scan_grad", name=f"d{name}")
