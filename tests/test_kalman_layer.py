@@ -26,7 +26,7 @@ def spec_block(layer, x):
     else:
         r = layer.var_rank
         v, k, q = z, proj[..., r:r + S], proj[..., r + S:]
-        log_var = proj[..., :r] @ layer.var_expand.weight.T + layer.var_expand.bias
+        log_var = proj[..., :r] @ layer.var_expand.weight.T
     k, q = k / k.norm(dim=-1, keepdim=True), q / q.norm(dim=-1, keepdim=True)
     prec = 1 / (torch.log1p(torch.exp(log_var)) + 1e-4)
     a = -torch.exp(layer.a_log)

@@ -84,7 +84,7 @@ class KalmanLinearAttention(nn.Module):
         else:
             self.var_rank = math.ceil(d_model / 8)
             self.sensor_proj = nn.Linear(channels, self.var_rank + 2 * d_state, bias=False)
-            self.var_expand = nn.Linear(self.var_rank, channels, bias=True)
+            self.var_expand = nn.Linear(self.var_rank, channels, bias=False)
         self.a_log = nn.Parameter(torch.zeros(channels, d_state))                 # a = -1
         self.p_log = nn.Parameter(torch.full((channels, d_state), math.log(process_noise)))
         delta = torch.exp(torch.empty(channels, d_state).uniform_(math.log(dt_min), math.log(dt_max)))
