@@ -17,11 +17,10 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")   # run the generated kernels on CPU
 
 import scanlang as sl  # noqa: E402
-from scanlang.mixer import mixer  # noqa: E402
 from scanlang.testing import assert_close  # noqa: E402
 
 # ---- the whole mixer ---------------------------------------------------------------------------
-decayed_attention = mixer(
+decayed_attention = sl.mixer(
     sl.Affine, axes="b t d s",
     inputs={"v": "b t d", "k": "b t s", "q": "b t s", "log_a": "d s"},
     lift=lambda u: (sl.exp(u.log_a), u.v * u.k),       # element (a, b) of h -> a h + b
