@@ -18,7 +18,7 @@ from scanlang.monoid import Monoid
 def scan(monoid: Monoid, elems: Sequence[torch.Tensor], dim: int, reverse: bool,
          initial: Sequence[torch.Tensor] | None, out_dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
     """Hillis-Steele: after the round with offset d, position t holds x_{t-2d+1..t}; log2(T) rounds."""
-    xs = tuple(e.to(out_dtype).movedim(dim, 0) for e in elems)
+    xs = tuple(e.to(out_dtype).movedim(dim, 0) for e in torch.broadcast_tensors(*elems))
     if reverse:
         xs = tuple(x.flip(0) for x in xs)
     length = xs[0].shape[0]
@@ -30,7 +30,7 @@ def scan(monoid: Monoid, elems: Sequence[torch.Tensor], dim: int, reverse: bool,
         xs = tuple(torch.cat([x[:offset], c.expand_as(x[offset:])], 0) for x, c in zip(xs, combined))
         offset *= 2
     if initial is not None and length > 0:
-        init = tuple(i.to(out_dtype).unsqueeze(0) for i in initial)
+        init = tuple(i.to(out_dtype).unsqueeze(0) for i in torch.broadcast_tensors(*initial))
         xs = tuple(c.expand_as(x) for c, x in zip(monoid.combine(init, xs), xs))
     if reverse:
         xs = tuple(x.flip(0) for x in xs)

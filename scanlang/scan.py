@@ -8,9 +8,11 @@ where `(+)` is the monoid's combine with its left operand the earlier one. Proje
 every prefix renormalised (`scale(out_t) == 1`), the first one included.
 
 The front end validates and broadcasts; a backend does the work:
-`backend.scan(monoid, elems, dim, reverse, initial, out_dtype) -> tuple[Tensor]`, where `elems` are
-broadcast views of one shape (static parameters keep stride 0: never materialised), `dim >= 0`,
-`initial` is broadcast to that shape without `dim` (or None) and `out_dtype` is float32 or float64.
+`backend.scan(monoid, elems, dim, reverse, initial, out_dtype) -> tuple[Tensor]`, where `elems` all
+have the broadcast shape's number of dimensions, with size 1 where they broadcast (a static parameter
+stays small: never materialised, and its gradient is reduced by the backend), `dim >= 0`, `initial`
+is likewise shaped against the broadcast shape without `dim` (or None) and `out_dtype` is float32 or
+float64.
 """
 from __future__ import annotations
 
@@ -161,7 +163,7 @@ def scan(monoid: Monoid, elems, dim: int, reverse: bool = False, initial=None, b
 
 
 def _broadcast(values: tuple, shape, device, dtype) -> tuple[torch.Tensor, ...]:
-    """Numbers become 0-d tensors; everything is expanded (a view, never a copy) to `shape`."""
+    """Numbers become tensors; every tensor gets len(shape) dims (leading size-1 dims, a view)."""
     tensors = [v if isinstance(v, torch.Tensor) else torch.tensor(float(v), dtype=dtype, device=device)
                for v in values]
-    return tuple(t.expand(shape) for t in tensors)
+    return tuple(t.reshape((1,) * (len(shape) - t.dim()) + tuple(t.shape)) for t in tensors)
