@@ -231,3 +231,16 @@ def test_chunk_op_is_a_registered_torch_library_op():
     # the aot-dispatch checks trace through the launches, which Triton's CPU interpreter cannot do
     torch.library.opcheck(torch.ops.scanlang.delta_chunk_fwd.default, args,
                           test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
+
+
+def test_backward_in_key_blocks_and_odd_head_dims(monkeypatch):
+    """K split across programs / loop steps of 16 columns; K and V not powers of two."""
+    monkeypatch.setattr(delta_ops, "KEY_BLOCK", 16)
+    monkeypatch.setitem(delta_ops.CONFIG, "bwd_wy", dict(BV=16, num_warps=4, num_stages=1))
+    inputs = make_inputs(1, 40, 2, 40, 20, seed=11)
+    fn = lambda backend: lambda q, k, v, g, eta, h0: kaczmarz_delta_rule(  # noqa: E731
+        q, k, v, g, eta, initial_state=h0, output_final_state=True, backend=backend, chunk_size=32)
+    got = run_with_grads(fn("triton"), inputs, torch.float32)
+    ref = run_with_grads(fn("reference"), inputs, torch.float64)
+    for name, a, b in zip(("o", "S") + NAMES, got, ref):
+        assert_close(a, b, "delta_grad", torch.float32, name)

@@ -140,7 +140,8 @@ def sweep(device, results):
         "output": [dict(BV=bv, num_warps=w, num_stages=2) for bv in (64, 128) for w in (4, 8)],
         "dU_local": [dict(BV=64, num_warps=w, num_stages=2) for w in (4, 8)],
         "state_bwd": [dict(BV=bv, num_warps=w, num_stages=2) for bv in (32, 64) for w in (4, 8)],
-        "bwd": [dict(BV=bv, num_warps=w, num_stages=1) for bv in (32, 64) for w in (4, 8)],
+        "bwd_dqk": [dict(BV=bv, num_warps=w, num_stages=1) for bv in (32, 64) for w in (4, 8)],
+        "bwd_wy": [dict(BV=bv, num_warps=w, num_stages=1) for bv in (32, 64) for w in (4, 8)],
     }
     for name, cfgs in options.items():
         timer = f if name in ("prep", "state_fwd", "output") else fb

@@ -9,7 +9,8 @@ The chunked path is two `torch.library` ops with registered autograd, `scanlang:
 `scanlang::delta_chunk_bwd` (launches through `wrap_triton`, so torch.compile traces them).
 Forward: prep (gcum, beta, Tm, w, u) -> state_fwd (chunk start states h, innovations U, final state)
 -> output. Backward recomputes prep and state_fwd from the inputs (nothing but the inputs is saved),
-then dU_local -> state_bwd (reverse over chunks) -> bwd (dq, dk, dv, d step input, d decay input).
+then dU_local -> state_bwd (reverse over chunks) -> bwd_dqk (dq; dk, dw, dG in part) -> bwd_wy (dv, dk,
+d step input, d decay input).
 Short inputs without gradients (every sequence <= RECURRENT_MAX_LEN tokens, e.g. decoding) take the
 token-loop kernel instead.
 """
@@ -27,14 +28,16 @@ from scanlang.delta import GIVEN, KACZMARZ, DeltaRule
 from . import codegen
 
 RECURRENT_MAX_LEN = 16
-# Per kernel: BV = value columns per program (or per loop step in delta_bwd), and Triton launch options.
-CONFIG = {
-    "prep": dict(num_warps=4, num_stages=2),
-    "state_fwd": dict(BV=64, num_warps=4, num_stages=2),
+KEY_BLOCK = 64           # key columns per program / loop step in the backward kernels
+# Per kernel: BV = value columns per program (or per loop step in delta_bwd_*), and Triton launch options.
+CONFIG = {   # chosen by ptxas spill counts for K=V=128 bf16 on sm_90 (see BENCHMARKS.md)
+    "prep": dict(num_warps=8, num_stages=2),
+    "state_fwd": dict(BV=64, num_warps=8, num_stages=2),
     "output": dict(BV=64, num_warps=4, num_stages=2),
     "dU_local": dict(BV=64, num_warps=4, num_stages=2),
-    "state_bwd": dict(BV=64, num_warps=4, num_stages=2),
-    "bwd": dict(BV=64, num_warps=8, num_stages=1),
+    "state_bwd": dict(BV=64, num_warps=8, num_stages=2),
+    "bwd_dqk": dict(BV=32, num_warps=8, num_stages=1),
+    "bwd_wy": dict(BV=32, num_warps=8, num_stages=1),
     "recurrent": dict(BV=32, num_warps=4, num_stages=1),
 }
 _RULES = {"beta": GIVEN, "kaczmarz": KACZMARZ}
@@ -168,7 +171,7 @@ def delta_chunk_bwd(key: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     h0: Optional[torch.Tensor], chunk_tok: torch.Tensor, chunk_len: torch.Tensor,
                     seq_chunk0: torch.Tensor, do: torch.Tensor, dht: Optional[torch.Tensor], eps: float,
                     scale: float) -> list[torch.Tensor]:
-    """Recompute prep and states, then [dq, dk, dv, da, ds (fp32), dh0 (fp32; empty without h0)]."""
+    """Recompute prep and states, then [dq, dk, dv (input dtypes), da, ds (fp32), dh0 (fp32; empty without h0)]."""
     mod, C = PROGRAMS[key]
     TT, H, K = k.shape
     V = v.shape[-1]
@@ -179,11 +182,16 @@ def delta_chunk_bwd(key: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     dh = _empty(NC, H, K, V, device=dev, dtype=k.dtype)
     dU = _empty(TT, H, V, device=dev, dtype=torch.float32)
     dh0 = _empty(N, H, K, V, device=dev, dtype=torch.float32) if h0 is not None else k.new_empty(0, dtype=torch.float32)
-    dq = _empty(TT, H, K, device=dev, dtype=torch.float32)
-    dk = _empty(TT, H, K, device=dev, dtype=torch.float32)
-    dv = _empty(TT, H, V, device=dev, dtype=torch.float32)
+    dq = _empty(TT, H, K, device=dev, dtype=q.dtype)
+    dk = _empty(TT, H, K, device=dev, dtype=k.dtype)
+    dv = _empty(TT, H, V, device=dev, dtype=v.dtype)
     da = _empty(TT, H, device=dev, dtype=torch.float32)
     ds = _empty(TT, H, device=dev, dtype=torch.float32)
+    dk_part = _empty(TT, H, K, device=dev, dtype=torch.float32)
+    dw = _empty(TT, H, K, device=dev, dtype=torch.float32)
+    BKS = min(KEY_BLOCK, meta["BK"])
+    NK = triton.cdiv(K, BKS)
+    dG_part = _empty(NK, TT, H, device=dev, dtype=torch.float32)
     if _fake(k):
         return [dq, dk, dv, da, ds, dh0]
     _launch("dU_local", mod.delta_dU_local, lambda cfg: (NC, H, triton.cdiv(V, cfg["BV"])),
@@ -192,9 +200,12 @@ def delta_chunk_bwd(key: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             (q, k, w, gcum, do, dul, dht if dht is not None else dh, chunk_tok, chunk_len, seq_chunk0, dh, dU,
              dh0 if h0 is not None else dh, scale, H),
             dict(meta, HAS_DHT=dht is not None, STORE_DH0=h0 is not None), V)
-    _launch("bwd", mod.delta_bwd, lambda cfg: (NC, H),
-            (q, k, v, a, s, eps, gcum, beta, tm, h, dh, U, dU, do, dq, dk, dv, da, ds, chunk_tok, chunk_len,
-             scale, H), meta, V)
+    _launch("bwd_dqk", mod.delta_bwd_dqk, lambda cfg: (NC, H, NK),
+            (q, k, gcum, h, dh, U, dU, do, dq, dk_part, dw, dG_part, chunk_tok, chunk_len, scale, TT * H, H),
+            dict(meta, BKS=BKS), V)
+    _launch("bwd_wy", mod.delta_bwd_wy, lambda cfg: (NC, H),
+            (k, v, a, s, eps, gcum, beta, tm, dU, dw, dk_part, dG_part, dk, dv, da, ds, chunk_tok, chunk_len, TT * H,
+             H), dict(meta, BKS=BKS), V)
     return [dq, dk, dv, da, ds, dh0]
 
 
