@@ -25,6 +25,7 @@ A zero key writes nothing whatever its step (beta k = 0); kernels therefore set 
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 from dataclasses import dataclass, field
 from typing import Callable
@@ -85,8 +86,9 @@ class DeltaRule:
     def uses_key_norm(self) -> bool:
         return E.symbol("n2") in self.step.expr.free_symbols
 
-    @property
+    @functools.cached_property
     def key(self) -> str:
+        """Content hash of the declaration (name and both traced hooks); names its generated kernels."""
         text = repr((self.name, sympy.srepr(self.step.expr), sympy.srepr(self.decay.expr)))
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 

@@ -227,7 +227,7 @@ def test_chunk_op_is_a_registered_torch_library_op():
     table = delta_ops.ChunkTable(1, TT, None, 16, "cpu")
     floats = [torch.randn(TT, H, K), torch.randn(TT, H, K), torch.randn(TT, H, V), -torch.rand(TT, H),
               torch.rand(TT, H), torch.randn(1, H, K, V)]
-    args = (key, *(t.requires_grad_() for t in floats), table.chunk_tok, table.chunk_len, table.seq_chunk0, 1e-6, 0.25)
+    args = (key, *(t.requires_grad_() for t in floats), *table.chunks, 1e-6, 0.25)
     # the aot-dispatch checks trace through the launches, which Triton's CPU interpreter cannot do
     torch.library.opcheck(torch.ops.scanlang.delta_chunk_fwd.default, args,
                           test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from typing import Optional
 
+import functools
+
 import torch
 import triton
 from torch.library import triton_op, wrap_triton
@@ -50,32 +52,47 @@ def _empty(*shape, device, dtype):
 
 
 class ChunkTable:
-    """Chunks of a packed stream: first token and length of each chunk, first chunk of each sequence."""
+    """Chunks of a packed stream: first token and length of each chunk, first chunk of each sequence.
+
+    The device tensors are built on first use (the recurrent path needs only `seq_tok`)."""
 
     def __init__(self, B: int, T: int, cu_seqlens: torch.Tensor | None, C: int, device):
+        self.B, self.T, self.C, self.device = B, T, C, device
         if cu_seqlens is None:
-            nt = triton.cdiv(T, C)
-            j = torch.arange(nt, device=device, dtype=torch.int32)
-            b = torch.arange(B, device=device, dtype=torch.int32)
-            self.chunk_tok = (b[:, None] * T + j[None, :] * C).reshape(-1)
-            self.chunk_len = torch.clamp(T - j * C, max=C).repeat(B)
-            self.seq_chunk0 = torch.arange(B + 1, device=device, dtype=torch.int32) * nt
-            self.seq_tok = torch.arange(B + 1, device=device, dtype=torch.int32) * T
+            self.cu = None
             self.n_seq, self.max_len = B, T
         else:
-            cu = [int(x) for x in cu_seqlens.tolist()]
-            toks, lens, first = [], [], [0]
-            for s, e in zip(cu, cu[1:]):
-                for t in range(s, e, C):
-                    toks.append(t)
-                    lens.append(min(C, e - t))
-                first.append(len(toks))
-            as_int = lambda x: torch.tensor(x, dtype=torch.int32, device=device)  # noqa: E731
-            self.chunk_tok, self.chunk_len, self.seq_chunk0 = as_int(toks), as_int(lens), as_int(first)
-            self.seq_tok = as_int(cu)
-            self.n_seq = len(cu) - 1
-            self.max_len = max((e - s for s, e in zip(cu, cu[1:])), default=0)
-        self.n_chunks = int(self.chunk_tok.numel())
+            self.cu = [int(x) for x in cu_seqlens.tolist()]
+            self.n_seq = len(self.cu) - 1
+            self.max_len = max((e - s for s, e in zip(self.cu, self.cu[1:])), default=0)
+
+    def _int(self, values) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int32, device=self.device)
+
+    @functools.cached_property
+    def seq_tok(self) -> torch.Tensor:
+        """[N + 1] first token of each sequence, then the total."""
+        if self.cu is None:
+            return torch.arange(self.B + 1, device=self.device, dtype=torch.int32) * self.T
+        return self._int(self.cu)
+
+    @functools.cached_property
+    def chunks(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(chunk_tok [NC], chunk_len [NC], seq_chunk0 [N + 1]) as int32 device tensors."""
+        B, T, C = self.B, self.T, self.C
+        if self.cu is None:
+            nt = triton.cdiv(T, C)
+            j = torch.arange(nt, device=self.device, dtype=torch.int32)
+            b = torch.arange(B, device=self.device, dtype=torch.int32)
+            return ((b[:, None] * T + j[None, :] * C).reshape(-1), torch.clamp(T - j * C, max=C).repeat(B),
+                    torch.arange(B + 1, device=self.device, dtype=torch.int32) * nt)
+        toks, lens, first = [], [], [0]
+        for s, e in zip(self.cu, self.cu[1:]):
+            for t in range(s, e, C):
+                toks.append(t)
+                lens.append(min(C, e - t))
+            first.append(len(toks))
+        return self._int(toks), self._int(lens), self._int(first)
 
 
 def _meta(K: int, V: int, C: int, dtype: torch.dtype, device: torch.device) -> dict:
@@ -279,7 +296,6 @@ def delta_rule(q, k, v, g, s, rule, scale: float, initial_state=None, output_fin
     if not needs_grad and table.max_len <= RECURRENT_MAX_LEN:
         o, S = recurrent_forward(PROGRAMS[key][0], qp, kp, vp, a, sp, h0, eps, scale, table)
     else:
-        o, S = delta_chunk_fwd(key, qp, kp, vp, a, sp, h0, table.chunk_tok, table.chunk_len, table.seq_chunk0,
-                               float(eps), float(scale))
+        o, S = delta_chunk_fwd(key, qp, kp, vp, a, sp, h0, *table.chunks, float(eps), float(scale))
     o = o.reshape(B, T, H, V)
     return o, (S if output_final_state else None)
