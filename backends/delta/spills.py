@@ -1,0 +1,109 @@
+"""Registers, spills and shared memory of every generated delta-rule kernel, compiled offline (no GPU).
+
+    python -m scanlang.backends.delta.spills [--K 128] [--V 128] [--dtype bf16] [--arch 90]
+
+Runs the op on CPU tensors with the launches captured instead of executed, compiles each captured
+kernel for the target with its real argument types and the current `ops.CONFIG`, and asks ptxas
+(`-v`) for its resource use. This is how the launch configs in `ops.CONFIG` were chosen when no GPU was at
+hand; timings still need one (`bench.py`). Needs TRITON_INTERPRET unset and Triton's bundled ptxas.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import tempfile
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from scanlang.delta import KACZMARZ
+
+from . import ops
+
+_TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int32: "i32", torch.int64: "i64"}
+
+
+def capture_launches(K: int, V: int, dtype: torch.dtype, T: int = 200, H: int = 2, C: int = 64):
+    """[(name, kernel, args, constexprs, config)] of one forward and backward, nothing executed."""
+    launches = []
+
+    def record(name, kernel, grid, args, meta, V_):
+        # captured on CPU tensors, compiled for a GPU: no interpreter emulation of bf16
+        launches.append((name, kernel, args, dict(meta, UPCAST=False), ops._opts(name, V_)))
+
+    saved, ops._launch = ops._launch, record
+    try:
+        q, k = torch.randn(1, T, H, K).to(dtype), torch.randn(1, T, H, K).to(dtype)
+        v = torch.randn(1, T, H, V).to(dtype)
+        ins = [t.requires_grad_() for t in (q, k, v, -torch.rand(1, T, H), torch.rand(1, T, H))]
+        o, _ = ops.delta_rule(*ins, KACZMARZ, scale=K ** -0.5, chunk_size=C, eps=1e-6)
+        torch.autograd.grad(o.sum(), ins)
+    finally:
+        ops._launch = saved
+    return launches
+
+
+def _signature(kernel, args, constexprs):
+    sig = {}
+    for name, arg in zip(kernel.arg_names, list(args) + [None] * len(kernel.arg_names)):
+        if name in constexprs:
+            sig[name] = "constexpr"
+        elif isinstance(arg, torch.Tensor):
+            sig[name] = "*" + _TYPES[arg.dtype]
+        elif isinstance(arg, bool):
+            sig[name] = "i1"
+        elif isinstance(arg, int):
+            sig[name] = "i32"
+        elif isinstance(arg, float):
+            sig[name] = "fp32"
+        else:
+            raise TypeError(f"{kernel.__name__}: no type for argument {name}={arg!r}")
+    return sig
+
+
+def resources(kernel, args, constexprs, config, arch: int = 90) -> str:
+    """ptxas -v summary (registers, spill bytes) and Triton's shared memory for one compiled kernel."""
+    consts = {k: v for k, v in {**constexprs, **config}.items() if k in kernel.arg_names}
+    src = ASTSource(fn=kernel, signature=_signature(kernel, args, consts), constexprs=consts)
+    options = {k: v for k, v in config.items() if k in ("num_warps", "num_stages")}
+    compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
+    bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    ptxas = next((os.path.join(bin_dir, n) for n in ("ptxas-blackwell", "ptxas")
+                  if os.path.exists(os.path.join(bin_dir, n))), "ptxas")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "k.ptx")
+        with open(path, "w") as f:
+            f.write(compiled.asm["ptx"])
+        out = subprocess.run([ptxas, f"-arch=sm_{arch}a", "-v", path, "-o", os.path.join(tmp, "k.cubin")],
+                             capture_output=True, text=True)
+    text = out.stdout + out.stderr
+    if text.count("Used ") != 1:
+        return f"ptxas reported {text.count('Used ')} functions: {text.strip()[-300:]}"
+    regs = re.search(r"Used (\d+) registers", text)
+    spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", text)
+    if regs is None:
+        return f"ptxas failed: {text.strip()[-200:]}"
+    return (f"{regs.group(1):>3s} registers, spills {spill.group(1) if spill else '?'} B stored / "
+            f"{spill.group(2) if spill else '?'} B loaded, shared {compiled.metadata.shared} B")
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--K", type=int, default=128)
+    parser.add_argument("--V", type=int, default=128)
+    parser.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16")
+    parser.add_argument("--arch", type=int, default=90)
+    args = parser.parse_args(argv)
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
+    print(f"delta-rule kernels, K={args.K} V={args.V} {args.dtype}, sm_{args.arch}, Triton {triton.__version__}")
+    for name, kernel, kargs, meta, cfg in capture_launches(args.K, args.V, dtype):
+        shown = {k: v for k, v in cfg.items()}
+        print(f"  {name:10s} {str(shown):52s} {resources(kernel, kargs, meta, cfg, args.arch)}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
