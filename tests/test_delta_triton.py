@@ -244,3 +244,10 @@ def test_backward_in_key_blocks_and_odd_head_dims(monkeypatch):
     ref = run_with_grads(fn("reference"), inputs, torch.float64)
     for name, a, b in zip(("o", "S") + NAMES, got, ref):
         assert_close(a, b, "delta_grad", torch.float32, name)
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_empty_sequence_returns_the_initial_state(backend):
+    q, k, v, g, eta, h0 = make_inputs(2, 0, 2, 16, 16)
+    o, S = kaczmarz_delta_rule(q, k, v, g, eta, initial_state=h0, output_final_state=True, backend=backend)
+    assert o.shape == (2, 0, 2, 16) and torch.equal(S, h0)
