@@ -12,7 +12,7 @@ A family member is declared by two elementwise hooks, traced like monoid bodies 
 ...) into sympy, rendered into the generated kernels and differentiated symbolically for the chain rule:
 
     step(t)  -> beta_t   from t.s (the per-token step input), t.n2 = ||k_t||^2 (fp32) and t.eps
-    decay(t) -> g_t      from t.a (the per-token decay input)
+    decay(t) -> g_t      from t.a (the per-token decay input) and optional per-head parameters
 
 >>> from scanlang.delta import KACZMARZ
 >>> KACZMARZ.step.expr
@@ -72,15 +72,22 @@ class DeltaRule:
     """A member of the gated delta-rule family: a step-size hook and a decay hook.
 
     `step(t)` returns beta from `t.s`, `t.n2` (squared key norm) and `t.eps`; `decay(t)` returns the
-    log-decay g from `t.a`. The default decay is g = a (the op's `g` argument as given).
+    log-decay g from `t.a` and the per-head parameters named in `head_params` (one value per head,
+    e.g. Mamba2's A_log and dt_bias). The default decay is g = a (the op's `g` argument as given).
     """
 
-    def __init__(self, name: str, step: Callable, decay: Callable | None = None):
+    def __init__(self, name: str, step: Callable, decay: Callable | None = None, head_params: tuple[str, ...] = ()):
         if not name.isidentifier():
             raise ValueError(f"name must be an identifier (it names generated kernels), got {name!r}")
+        head_params = tuple(head_params)
+        for p in head_params:
+            if not p.isidentifier() or p in STEP_INPUTS + DECAY_INPUTS or p.startswith("_"):
+                raise ValueError(f"head_params: {p!r} is not a usable parameter name")
         self.name = name
+        self.head_params = head_params
         self.step = trace_hook(step, f"step hook of delta rule '{name}'", STEP_INPUTS, ("s", "n2"))
-        self.decay = trace_hook(decay or (lambda t: t.a), f"decay hook of delta rule '{name}'", DECAY_INPUTS, ("a",))
+        inputs = DECAY_INPUTS + head_params
+        self.decay = trace_hook(decay or (lambda t: t.a), f"decay hook of delta rule '{name}'", inputs, inputs)
 
     @property
     def uses_key_norm(self) -> bool:
@@ -89,7 +96,7 @@ class DeltaRule:
     @functools.cached_property
     def key(self) -> str:
         """Content hash of the declaration (name and both traced hooks); names its generated kernels."""
-        text = repr((self.name, sympy.srepr(self.step.expr), sympy.srepr(self.decay.expr)))
+        text = repr((self.name, sympy.srepr(self.step.expr), sympy.srepr(self.decay.expr), self.head_params))
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
     def __repr__(self):
@@ -149,7 +156,20 @@ def verify_delta_monoid(K: int = 2, V: int = 2) -> str:
             f"token element = decay-first/read-after-write update; symbolic proof over the reals")
 
 
+def softplus(x):
+    """log(1 + e^x) written so that it never overflows: max(x, 0) + log(1 + e^-|x|)."""
+    return E.maximum(x, 0) + E.log(1 + E.exp(-E.abs(x)))
+
+
+def mamba2_decay(t):
+    """Mamba2's gate g = -exp(A_log) softplus(a + dt_bias), A_log and dt_bias per head."""
+    return -E.exp(t.A_log) * softplus(t.a + t.dt_bias)
+
+
 GIVEN = DeltaRule("given", step=lambda t: t.s)
 KACZMARZ = DeltaRule("kaczmarz", step=lambda t: t.s / (t.n2 + t.eps))
 GDN_SIGMOID = DeltaRule("gdn_sigmoid", step=lambda t: 1 / (1 + E.exp(-t.s)))
-RULES = {r.name: r for r in (GIVEN, KACZMARZ, GDN_SIGMOID)}
+GIVEN_MAMBA2 = DeltaRule("given_mamba2", step=lambda t: t.s, decay=mamba2_decay, head_params=("A_log", "dt_bias"))
+KACZMARZ_MAMBA2 = DeltaRule("kaczmarz_mamba2", step=lambda t: t.s / (t.n2 + t.eps), decay=mamba2_decay,
+                            head_params=("A_log", "dt_bias"))
+RULES = {r.name: r for r in (GIVEN, KACZMARZ, GDN_SIGMOID, GIVEN_MAMBA2, KACZMARZ_MAMBA2)}

@@ -13,7 +13,7 @@ import torch  # noqa: E402
 
 from scanlang.backends.delta import codegen  # noqa: E402
 from scanlang.backends.delta import ops as delta_ops  # noqa: E402
-from scanlang.delta import GDN_SIGMOID, KACZMARZ  # noqa: E402
+from scanlang.delta import GDN_SIGMOID, KACZMARZ, KACZMARZ_MAMBA2  # noqa: E402
 from scanlang.recipes.kaczmarz import KaczmarzLinearAttention, delta_rule, kaczmarz_delta_rule  # noqa: E402
 from scanlang.recipes.kaczmarz.naive import delta_rule_naive, kaczmarz_beta  # noqa: E402
 from scanlang.testing import assert_close, ratio  # noqa: E402
@@ -227,7 +227,8 @@ def test_chunk_op_is_a_registered_torch_library_op():
     table = delta_ops.ChunkTable(1, TT, None, 16, "cpu")
     floats = [torch.randn(TT, H, K), torch.randn(TT, H, K), torch.randn(TT, H, V), -torch.rand(TT, H),
               torch.rand(TT, H), torch.randn(1, H, K, V)]
-    args = (key, *(t.requires_grad_() for t in floats), *table.chunks, 1e-6, 0.25)
+    args = (key, *(t.requires_grad_() for t in floats[:4]), torch.zeros(0, H), *(t.requires_grad_() for t in floats[4:]),
+            *table.chunks, 1e-6, 0.25)
     # the aot-dispatch checks trace through the launches, which Triton's CPU interpreter cannot do
     torch.library.opcheck(torch.ops.scanlang.delta_chunk_fwd.default, args,
                           test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
@@ -251,3 +252,47 @@ def test_empty_sequence_returns_the_initial_state(backend):
     q, k, v, g, eta, h0 = make_inputs(2, 0, 2, 16, 16)
     o, S = kaczmarz_delta_rule(q, k, v, g, eta, initial_state=h0, output_final_state=True, backend=backend)
     assert o.shape == (2, 0, 2, 16) and torch.equal(S, h0)
+
+
+def test_mamba2_gate_fused_as_decay_hook():
+    """g = -exp(A_log) softplus(a + dt_bias) computed in the kernels, gradients to a, A_log and dt_bias;
+    pre-activations far outside exp's range and exactly at softplus's kink stay finite and exact."""
+    q, k, v, _, eta, h0 = make_inputs(1, 37, 2, 16, 16, seed=12)
+    gen = torch.Generator().manual_seed(13)
+    a = torch.randn(1, 37, 2, generator=gen) * 3
+    a[0, 5, 0], a[0, 6, 1], a[0, 7, 0] = 150.0, -150.0, 0.0
+    A_log, dt_bias = torch.tensor([-1.0, 0.5]), torch.tensor([0.0, -2.0])
+    a[0, 8, 1] = 2.0                                   # a + dt_bias = 0 exactly for head 1
+
+    def triton_fn(q, k, v, a, eta, h0, A_log, dt_bias):
+        return delta_ops.delta_rule(q, k, v, a, eta, KACZMARZ_MAMBA2, scale=0.25, initial_state=h0,
+                                    output_final_state=True, chunk_size=16, eps=1e-6, decay_params=(A_log, dt_bias))
+
+    def reference_fn(q, k, v, a, eta, h0, A_log, dt_bias):
+        g = -torch.exp(A_log) * torch.nn.functional.softplus(a + dt_bias, threshold=1e9)
+        return kaczmarz_delta_rule(q, k, v, g, eta, scale=0.25, initial_state=h0, output_final_state=True,
+                                   backend="reference")
+
+    inputs = (q, k, v, a, eta, h0, A_log, dt_bias)
+    got = run_with_grads(triton_fn, inputs, torch.float32)
+    ref = run_with_grads(reference_fn, inputs, torch.float64)
+    for name, x, y in zip(("o", "S", "dq", "dk", "dv", "da", "deta", "dh0", "dA_log", "ddt_bias"), got, ref):
+        assert torch.isfinite(x).all(), name
+        assert_close(x, y, "delta_grad", torch.float32, name)
+    with pytest.raises(ValueError, match="decay_params"):
+        delta_ops.delta_rule(q, k, v, a, eta, KACZMARZ_MAMBA2, scale=0.25, decay_params=(A_log,))
+
+
+@pytest.mark.parametrize("mode", ["kaczmarz", "gdn"])
+def test_layer_fused_gate_matches_reference_layer(mode):
+    torch.manual_seed(2)
+    layer = KaczmarzLinearAttention(32, 2, mode=mode, backend="triton", chunk_size=16)
+    ref = KaczmarzLinearAttention(32, 2, mode=mode, backend="reference", chunk_size=16).double()
+    ref.load_state_dict({n: p.double() for n, p in layer.state_dict().items()})
+    x = torch.randn(2, 21, 32)
+    y, y_ref = layer(x), ref(x.double())
+    assert_close(y, y_ref, "delta_out", torch.float32, "layer output")
+    y.square().sum().backward()
+    y_ref.square().sum().backward()
+    for (name, p), p_ref in zip(layer.named_parameters(), ref.parameters()):
+        assert_close(p.grad, p_ref.grad, "delta_grad", torch.float32, name)

@@ -31,29 +31,64 @@ BLOCK = 16
 _LOADED: dict = {}
 
 
-def _jit_function(name: str, args: tuple[str, ...], exprs: list, doc: str) -> list[str]:
-    """One @triton.jit function returning the expressions (a tuple when several), args as symbols."""
+_STEPS = {  # sympy's step functions, printed as selects (Heaviside(0) = 1/2 as in sympy, sign(0) = 0)
+    sympy.Heaviside: ("_hv", "tl.where({u} > 0, 1.0, tl.where({u} < 0, 0.0, 0.5))"),
+    sympy.sign: ("_sg", "tl.where({u} > 0, 1.0, tl.where({u} < 0, -1.0, 0.0))"),
+}
+
+
+def _render(exprs: list, args: tuple[str, ...]) -> tuple[list[str], list[str]]:
+    """Lines and result expressions (CSE'd) of `exprs` over the symbols named `args`.
+
+    Derivatives of max/abs contain Heaviside/sign, which the expression printer does not know: each is
+    bound to a temporary computed by a select first."""
     names = {E.symbol(a): a for a in args}
-    lines, outs = E.render(exprs, names, E.TRITON, temp_prefix="_t")
-    first = args[0]
-    # a constant derivative still has to be a tensor of the argument's shape
-    outs = [f"tl.zeros_like({first}) + {o}" if sympy.sympify(e).is_Number else o for e, o in zip(exprs, outs)]
-    body = [f"@triton.jit", f"def {name}({', '.join(args)}):", f'    """{doc}"""']
-    body += [f"    {ln}" for ln in lines]
-    body.append(f"    return {', '.join(outs)}")
-    return body
+    steps = sorted({atom for e in exprs for kind in _STEPS for atom in sympy.sympify(e).atoms(kind)},
+                   key=sympy.default_sort_key)
+    lines, subs = [], {}
+    if steps:
+        arg_lines, arg_outs = E.render([st.args[0] for st in steps], names, E.TRITON, temp_prefix="_u")
+        lines += arg_lines
+        for i, (st, u) in enumerate(zip(steps, arg_outs)):
+            prefix, fmt = _STEPS[type(st)]
+            sym = E.symbol(f"{prefix}{i}")
+            lines.append(f"{sym.name} = {fmt.format(u=u)}")
+            names[sym] = sym.name
+            subs[st] = sym
+    exprs = [sympy.sympify(e).xreplace(subs) for e in exprs]
+    body, outs = E.render(exprs, names, E.TRITON, temp_prefix="_t")
+    # a constant result still has to be a tensor of the first argument's shape
+    outs = [f"tl.zeros_like({args[0]}) + {o}" if e.is_Number else o for e, o in zip(exprs, outs)]
+    return lines + body, outs
+
+
+def _param_loads(rule: DeltaRule) -> list[str]:
+    return [f"    {p} = tl.load(hp_ptr + {i} * H + h)" for i, p in enumerate(rule.head_params)]
 
 
 def render_hooks(rule: DeltaRule) -> str:
+    """step_hook, step_hook_grad, decay_hook and store_decay_grads as Triton source."""
     step, decay = rule.step, rule.decay
-    parts = [
-        _jit_function("step_hook", ("s", "n2", "eps"), [step.expr], f"beta = {step.expr}"),
-        _jit_function("step_hook_grad", ("s", "n2", "eps"), [step.grads["s"], step.grads["n2"]],
-                      "(d beta / d s, d beta / d n2)"),
-        _jit_function("decay_hook", ("a",), [decay.expr], f"g = {decay.expr}"),
-        _jit_function("decay_hook_grad", ("a",), [decay.grads["a"]], "d g / d a"),
-    ]
-    return "\n\n\n".join("\n".join(p) for p in parts)
+    out = []
+    lines, outs = _render([step.expr], ("s", "n2", "eps"))
+    out += ["@triton.jit", "def step_hook(s, n2, eps):", f'    """beta = {step.expr}"""']
+    out += [f"    {ln}" for ln in lines] + [f"    return {outs[0]}", "", ""]
+    lines, outs = _render([step.grads["s"], step.grads["n2"]], ("s", "n2", "eps"))
+    out += ["@triton.jit", "def step_hook_grad(s, n2, eps):", '    """(d beta / d s, d beta / d n2)"""']
+    out += [f"    {ln}" for ln in lines] + [f"    return {', '.join(outs)}", "", ""]
+    inputs = ("a",) + rule.head_params
+    lines, outs = _render([decay.expr], inputs)
+    out += ["@triton.jit", "def decay_hook(a, hp_ptr, h, H):",
+            f'    """g = {decay.expr}; per-head parameters {rule.head_params} from hp_ptr [P, H]"""']
+    out += _param_loads(rule) + [f"    {ln}" for ln in lines] + [f"    return {outs[0]}", "", ""]
+    lines, outs = _render([decay.grads[n] for n in inputs], inputs)
+    out += ["@triton.jit", "def store_decay_grads(dg, a, hp_ptr, h, H, da_ptr, dhp_ptr, offs, TTH, mask):",
+            '    """dL/da = dg dg/da per token; dL/d(parameter) per token into dhp_ptr [P, TT, H] (summed later)."""']
+    out += _param_loads(rule) + [f"    {ln}" for ln in lines]
+    out.append(f"    tl.store(da_ptr + offs, dg * ({outs[0]}), mask=mask)")
+    for i, o in enumerate(outs[1:]):
+        out.append(f"    tl.store(dhp_ptr + {i} * TTH + offs, dg * ({o}), mask=mask)")
+    return "\n".join(out).rstrip() + "\n"
 
 
 def render_prep(chunk_size: int) -> str:
@@ -62,7 +97,8 @@ def render_prep(chunk_size: int) -> str:
     L = []
     a = L.append
     a("@triton.jit")
-    a("def delta_prep(k_ptr, v_ptr, a_ptr, s_ptr, eps, chunk_tok, chunk_len, w_ptr, u_ptr, tm_ptr, gcum_ptr, beta_ptr,")
+    a("def delta_prep(k_ptr, v_ptr, a_ptr, hp_ptr, s_ptr, eps, chunk_tok, chunk_len, w_ptr, u_ptr, tm_ptr, gcum_ptr,")
+    a("               beta_ptr,")
     a("               H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,")
     a("               PREC: tl.constexpr, IN_PREC: tl.constexpr, UPCAST: tl.constexpr):")
     a(f'    """gcum, beta, Tm = (I + A)^-1, w and u for one chunk of {chunk_size} tokens ({nb} blocks of {BLOCK} rows)."""')
@@ -85,7 +121,7 @@ def render_prep(chunk_size: int) -> str:
         a(f"    v{b} = tl.load(v_ptr + (tok{b}[:, None] * H + h) * V + vv[None, :], "
           f"mask=ok{b}[:, None] & (vv[None, :] < V), other=0.0).to(tl.float32)")
         a(f"    a{b} = tl.load(a_ptr + tok{b} * H + h, mask=ok{b}, other=0.0).to(tl.float32)")
-        a(f"    g{b} = tl.where(ok{b}, decay_hook(a{b}), 0.0)")
+        a(f"    g{b} = tl.where(ok{b}, decay_hook(a{b}, hp_ptr, h, H), 0.0)")
         a(f"    G{b} = tl.cumsum(g{b}, 0) + carry")
         a(f"    carry += tl.sum(g{b}, 0)")
         a(f"    s{b} = tl.load(s_ptr + tok{b} * H + h, mask=ok{b}, other=0.0).to(tl.float32)")

@@ -135,6 +135,11 @@ def _launch(name: str, kernel, grid, args: tuple, meta: dict, V: int):
             cfg = _opts(name, V)
 
 
+def _ptr(t: torch.Tensor, fallback: torch.Tensor) -> torch.Tensor:
+    """A kernel pointer argument: `t`, or any valid tensor when `t` is empty (the kernel never reads it)."""
+    return t if t.numel() else fallback
+
+
 def _fake(t: torch.Tensor) -> bool:
     """Shape propagation only (meta or FakeTensor outside graph recording): allocate, launch nothing."""
     from torch._subclasses.fake_tensor import is_fake
@@ -142,7 +147,7 @@ def _fake(t: torch.Tensor) -> bool:
     return t.device.type == "meta" or (is_fake(t) and get_proxy_mode() is None)
 
 
-def _states(mod, k, v, a, s, h0, chunk_tok, chunk_len, seq_chunk0, eps, C: int, store_final: bool):
+def _states(mod, k, v, a, hp, s, h0, chunk_tok, chunk_len, seq_chunk0, eps, C: int, store_final: bool):
     """prep + state_fwd: (gcum, beta, Tm, w, chunk start states h, innovations U, final state)."""
     TT, H, K = k.shape
     V = v.shape[-1]
@@ -159,7 +164,7 @@ def _states(mod, k, v, a, s, h0, chunk_tok, chunk_len, seq_chunk0, eps, C: int, 
     if _fake(k):
         return gcum, beta, tm, w, h, U, ht
     _launch("prep", mod.delta_prep, lambda cfg: (NC, H),
-            (k, v, a, s, eps, chunk_tok, chunk_len, w, u, tm, gcum, beta, H),
+            (k, v, a, _ptr(hp, k), s, eps, chunk_tok, chunk_len, w, u, tm, gcum, beta, H),
             dict(meta, BV=max(16, triton.next_power_of_2(V))), V)
     _launch("state_fwd", mod.delta_state_fwd, lambda cfg: (N, H, triton.cdiv(V, cfg["BV"])),
             (k, w, u, gcum, h0 if h0 is not None else h, chunk_tok, chunk_len, seq_chunk0, h, U, ht, H),
@@ -168,14 +173,15 @@ def _states(mod, k, v, a, s, h0, chunk_tok, chunk_len, seq_chunk0, eps, C: int, 
 
 
 @triton_op("scanlang::delta_chunk_fwd", mutates_args=())
-def delta_chunk_fwd(key: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, s: torch.Tensor,
-                    h0: Optional[torch.Tensor], chunk_tok: torch.Tensor, chunk_len: torch.Tensor,
+def delta_chunk_fwd(key: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, hp: torch.Tensor,
+                    s: torch.Tensor, h0: Optional[torch.Tensor], chunk_tok: torch.Tensor, chunk_len: torch.Tensor,
                     seq_chunk0: torch.Tensor, eps: float, scale: float) -> list[torch.Tensor]:
-    """Packed [TT, H, *] inputs -> [o [TT, H, V] fp32, final state [N, H, K, V] fp32]."""
+    """Packed [TT, H, *] inputs (hp: the decay hook's per-head parameters [P, H] fp32) ->
+    [o [TT, H, V] fp32, final state [N, H, K, V] fp32]."""
     mod, C = PROGRAMS[key]
     TT, H, K = k.shape
     V = v.shape[-1]
-    gcum, _, _, _, h, U, ht = _states(mod, k, v, a, s, h0, chunk_tok, chunk_len, seq_chunk0, eps, C, True)
+    gcum, _, _, _, h, U, ht = _states(mod, k, v, a, hp, s, h0, chunk_tok, chunk_len, seq_chunk0, eps, C, True)
     o = _empty(TT, H, V, device=k.device, dtype=torch.float32)
     if not _fake(k):
         _launch("output", mod.delta_output, lambda cfg: (chunk_tok.numel(), H, triton.cdiv(V, cfg["BV"])),
@@ -184,17 +190,18 @@ def delta_chunk_fwd(key: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 
 @triton_op("scanlang::delta_chunk_bwd", mutates_args=())
-def delta_chunk_bwd(key: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, s: torch.Tensor,
-                    h0: Optional[torch.Tensor], chunk_tok: torch.Tensor, chunk_len: torch.Tensor,
+def delta_chunk_bwd(key: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, hp: torch.Tensor,
+                    s: torch.Tensor, h0: Optional[torch.Tensor], chunk_tok: torch.Tensor, chunk_len: torch.Tensor,
                     seq_chunk0: torch.Tensor, do: torch.Tensor, dht: Optional[torch.Tensor], eps: float,
                     scale: float) -> list[torch.Tensor]:
-    """Recompute prep and states, then [dq, dk, dv (input dtypes), da, ds (fp32), dh0 (fp32; empty without h0)]."""
+    """Recompute prep and states, then [dq, dk, dv (input dtypes), da, ds (fp32), dh0 (fp32; empty without h0),
+    dhp [P, H] fp32]."""
     mod, C = PROGRAMS[key]
     TT, H, K = k.shape
     V = v.shape[-1]
     NC, N, dev = chunk_tok.numel(), seq_chunk0.numel() - 1, k.device
     meta = _meta(K, V, C, k.dtype, dev)
-    gcum, beta, tm, w, h, U, _ = _states(mod, k, v, a, s, h0, chunk_tok, chunk_len, seq_chunk0, eps, C, False)
+    gcum, beta, tm, w, h, U, _ = _states(mod, k, v, a, hp, s, h0, chunk_tok, chunk_len, seq_chunk0, eps, C, False)
     dul = _empty(TT, H, V, device=dev, dtype=torch.float32)
     dh = _empty(NC, H, K, V, device=dev, dtype=k.dtype)
     dU = _empty(TT, H, V, device=dev, dtype=torch.float32)
@@ -209,8 +216,9 @@ def delta_chunk_bwd(key: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     BKS = min(KEY_BLOCK, meta["BK"])
     NK = triton.cdiv(K, BKS)
     dG_part = _empty(NK, TT, H, device=dev, dtype=torch.float32)
+    dhp_tok = _empty(max(hp.shape[0], 1), TT, H, device=dev, dtype=torch.float32)
     if _fake(k):
-        return [dq, dk, dv, da, ds, dh0]
+        return [dq, dk, dv, da, ds, dh0, hp.new_empty(hp.shape)]
     _launch("dU_local", mod.delta_dU_local, lambda cfg: (NC, H, triton.cdiv(V, cfg["BV"])),
             (q, k, gcum, do, dul, chunk_tok, chunk_len, scale, H), meta, V)
     _launch("state_bwd", mod.delta_state_bwd, lambda cfg: (N, H, triton.cdiv(V, cfg["BV"])),
@@ -221,32 +229,32 @@ def delta_chunk_bwd(key: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             (q, k, gcum, h, dh, U, dU, do, dq, dk_part, dw, dG_part, chunk_tok, chunk_len, scale, TT * H, H),
             dict(meta, BKS=BKS), V)
     _launch("bwd_wy", mod.delta_bwd_wy, lambda cfg: (NC, H),
-            (k, v, a, s, eps, gcum, beta, tm, dU, dw, dk_part, dG_part, dk, dv, da, ds, chunk_tok, chunk_len, TT * H,
-             H), dict(meta, BKS=BKS), V)
-    return [dq, dk, dv, da, ds, dh0]
+            (k, v, a, _ptr(hp, k), s, eps, gcum, beta, tm, dU, dw, dk_part, dG_part, dk, dv, da, dhp_tok, ds,
+             chunk_tok, chunk_len, TT * H, H), dict(meta, BKS=BKS), V)
+    return [dq, dk, dv, da, ds, dh0, dhp_tok[:hp.shape[0]].sum(1)]
 
 
 def _setup_context(ctx, inputs, output):
-    key, q, k, v, a, s, h0, chunk_tok, chunk_len, seq_chunk0, eps, scale = inputs
-    ctx.save_for_backward(q, k, v, a, s, h0, chunk_tok, chunk_len, seq_chunk0)
+    key, q, k, v, a, hp, s, h0, chunk_tok, chunk_len, seq_chunk0, eps, scale = inputs
+    ctx.save_for_backward(q, k, v, a, hp, s, h0, chunk_tok, chunk_len, seq_chunk0)
     ctx.key, ctx.eps, ctx.scale = key, eps, scale
 
 
 def _backward(ctx, grads):
-    q, k, v, a, s, h0, chunk_tok, chunk_len, seq_chunk0 = ctx.saved_tensors
+    q, k, v, a, hp, s, h0, chunk_tok, chunk_len, seq_chunk0 = ctx.saved_tensors
     do, dht = grads
     do = torch.zeros(*q.shape[:2], v.shape[-1], device=q.device) if do is None else do.contiguous().float()
     dht = None if dht is None else dht.contiguous().float()
-    dq, dk, dv, da, ds, dh0 = delta_chunk_bwd(ctx.key, q, k, v, a, s, h0, chunk_tok, chunk_len, seq_chunk0,
-                                              do, dht, ctx.eps, ctx.scale)
-    return (None, dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), da.to(a.dtype), ds.to(s.dtype),
+    dq, dk, dv, da, ds, dh0, dhp = delta_chunk_bwd(ctx.key, q, k, v, a, hp, s, h0, chunk_tok, chunk_len, seq_chunk0,
+                                                   do, dht, ctx.eps, ctx.scale)
+    return (None, dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), da.to(a.dtype), dhp.to(hp.dtype), ds.to(s.dtype),
             dh0.to(h0.dtype) if h0 is not None else None, None, None, None, None, None)
 
 
 delta_chunk_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
-def recurrent_forward(mod, q, k, v, a, s, h0, eps, scale, table: ChunkTable):
+def recurrent_forward(mod, q, k, v, a, hp, s, h0, eps, scale, table: ChunkTable):
     """Token loop with the state in registers: (o fp32, final state fp32). No autograd."""
     TT, H, K = k.shape
     V = v.shape[-1]
@@ -255,7 +263,7 @@ def recurrent_forward(mod, q, k, v, a, s, h0, eps, scale, table: ChunkTable):
     o = _empty(TT, H, V, device=k.device, dtype=torch.float32)
     ht = _empty(table.n_seq, H, K, V, device=k.device, dtype=torch.float32)
     mod.delta_recurrent[(table.n_seq, H, triton.cdiv(V, cfg["BV"]))](
-        q, k, v, a, s, eps, h0 if h0 is not None else ht, o, ht, table.seq_tok, scale, H, K=K, V=V, BK=BK,
+        q, k, v, a, _ptr(hp, k), s, eps, h0 if h0 is not None else ht, o, ht, table.seq_tok, scale, H, K=K, V=V, BK=BK,
         HAS_H0=h0 is not None, STORE_FINAL=True, **cfg)
     return o, ht
 
@@ -269,17 +277,23 @@ def program_key(rule: DeltaRule, chunk_size: int) -> str:
 
 
 def delta_rule(q, k, v, g, s, rule, scale: float, initial_state=None, output_final_state=False,
-               cu_seqlens=None, chunk_size: int = 64, eps: float = 0.0):
-    """Gated delta rule with the step beta = rule.step(s, ||k||^2, eps) and decay g = rule.decay(g).
+               cu_seqlens=None, chunk_size: int = 64, eps: float = 0.0, decay_params=()):
+    """Gated delta rule with the step beta = rule.step(s, ||k||^2, eps) and the decay g = rule.decay(g, *params).
 
     `rule` is a `scanlang.delta.DeltaRule` or "beta" (beta = s as given) / "kaczmarz"
-    (beta = s / (||k||^2 + eps)). Returns (o [B,T,H,V] fp32, final state [N,H,K,V] fp32 or None).
+    (beta = s / (||k||^2 + eps)); `decay_params` are the rule's per-head parameters, each [H], in the order
+    of `rule.head_params` (differentiable). Returns (o [B,T,H,V] fp32, final state [N,H,K,V] fp32 or None).
     """
     rule = _RULES[rule] if isinstance(rule, str) else rule
     if not isinstance(rule, DeltaRule):
         raise TypeError(f"rule must be a DeltaRule or one of {sorted(_RULES)}, got {rule!r}")
     B, T, H, K = k.shape
     V = v.shape[-1]
+    decay_params = tuple(decay_params)
+    if len(decay_params) != len(rule.head_params) or any(
+            not isinstance(p, torch.Tensor) or tuple(p.shape) != (H,) for p in decay_params):
+        raise ValueError(f"decay_params must be {len(rule.head_params)} tensors of shape [H] = [{H}] "
+                         f"({rule.head_params} of rule '{rule.name}')")
     dt = torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype)
     table = ChunkTable(B, T, cu_seqlens, chunk_size, k.device)
     if T == 0:
@@ -289,13 +303,15 @@ def delta_rule(q, k, v, g, s, rule, scale: float, initial_state=None, output_fin
     pack = lambda t: t.to(dt).reshape(B * T, H, t.shape[-1]).contiguous()  # noqa: E731
     qp, kp, vp = pack(q), pack(k), pack(v)
     a, sp = g.reshape(B * T, H).contiguous(), s.reshape(B * T, H).contiguous()
+    hp = (torch.stack([p.float() for p in decay_params]) if decay_params
+          else torch.zeros(0, H, device=k.device, dtype=torch.float32))
     h0 = initial_state.contiguous() if initial_state is not None else None
     key = program_key(rule, chunk_size)
     needs_grad = torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad for t in (q, k, v, g, s, initial_state))
+        t is not None and t.requires_grad for t in (q, k, v, g, s, initial_state, *decay_params))
     if not needs_grad and table.max_len <= RECURRENT_MAX_LEN:
-        o, S = recurrent_forward(PROGRAMS[key][0], qp, kp, vp, a, sp, h0, eps, scale, table)
+        o, S = recurrent_forward(PROGRAMS[key][0], qp, kp, vp, a, hp, sp, h0, eps, scale, table)
     else:
-        o, S = delta_chunk_fwd(key, qp, kp, vp, a, sp, h0, *table.chunks, float(eps), float(scale))
+        o, S = delta_chunk_fwd(key, qp, kp, vp, a, hp, sp, h0, *table.chunks, float(eps), float(scale))
     o = o.reshape(B, T, H, V)
     return o, (S if output_final_state else None)

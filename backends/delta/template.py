@@ -285,8 +285,8 @@ def delta_bwd_dqk(q_ptr, k_ptr, gcum_ptr, h_ptr, dh_ptr, U_ptr, dU_ptr, do_ptr, 
 
 
 @triton.jit
-def delta_bwd_wy(k_ptr, v_ptr, a_ptr, s_ptr, eps, gcum_ptr, beta_ptr, tm_ptr, dU_ptr, dw_ptr, dk_part_ptr,
-                 dG_part_ptr, dk_ptr, dv_ptr, da_ptr, ds_ptr, chunk_tok, chunk_len, TTH,
+def delta_bwd_wy(k_ptr, v_ptr, a_ptr, hp_ptr, s_ptr, eps, gcum_ptr, beta_ptr, tm_ptr, dU_ptr, dw_ptr, dk_part_ptr,
+                 dG_part_ptr, dk_ptr, dv_ptr, da_ptr, dhp_ptr, ds_ptr, chunk_tok, chunk_len, TTH,
                  H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
                  BKS: tl.constexpr, PREC: tl.constexpr, IN_PREC: tl.constexpr, UPCAST: tl.constexpr):
     """Per chunk, through w = Tm diag(beta e^G) K, u = Tm diag(beta) V, Tm = (I + A)^-1 and the hooks:
@@ -349,7 +349,7 @@ def delta_bwd_wy(k_ptr, v_ptr, a_ptr, s_ptr, eps, gcum_ptr, beta_ptr, tm_ptr, dU
     # G = cumsum(g) in the chunk: dg_t = sum over i >= t of dG_i; then the hooks' chain rule
     dg = tl.sum(dG, 0) - tl.cumsum(dG, 0) + dG
     a = tl.load(a_ptr + tok * H + h, mask=ok, other=0.0).to(tl.float32)
-    tl.store(da_ptr + tok * H + h, dg * decay_hook_grad(a), mask=ok)
+    store_decay_grads(dg, a, hp_ptr, h, H, da_ptr, dhp_ptr, tok * H + h, TTH, ok)
     s = tl.load(s_ptr + tok * H + h, mask=ok, other=0.0).to(tl.float32)
     dbeta_ds, dbeta_dn2 = step_hook_grad(s, n2, eps)
     _, dead = step_beta(s, n2, eps)
@@ -367,7 +367,7 @@ def delta_bwd_wy(k_ptr, v_ptr, a_ptr, s_ptr, eps, gcum_ptr, beta_ptr, tm_ptr, dU
 
 
 @triton.jit
-def delta_recurrent(q_ptr, k_ptr, v_ptr, a_ptr, s_ptr, eps, h0_ptr, o_ptr, ht_ptr, cu_ptr, scale,
+def delta_recurrent(q_ptr, k_ptr, v_ptr, a_ptr, hp_ptr, s_ptr, eps, h0_ptr, o_ptr, ht_ptr, cu_ptr, scale,
                     H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                     HAS_H0: tl.constexpr, STORE_FINAL: tl.constexpr):
     n = tl.program_id(0)
@@ -391,7 +391,7 @@ def delta_recurrent(q_ptr, k_ptr, v_ptr, a_ptr, s_ptr, eps, h0_ptr, o_ptr, ht_pt
         s = tl.load(s_ptr + t * H + h).to(tl.float32)
         n2 = tl.sum(k * k, 0)
         beta, _ = step_beta(s, n2, eps)
-        S = S * tl.exp(decay_hook(a))
+        S = S * tl.exp(decay_hook(a, hp_ptr, h, H))
         e = v - tl.sum(S * k[:, None], 0)
         S += (beta * k)[:, None] * e[None, :]
         tl.store(o_ptr + (t * H + h) * V + vv, scale * tl.sum(S * q[:, None], 0), mask=vmask)

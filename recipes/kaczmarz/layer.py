@@ -2,7 +2,8 @@
 
     q, k, v = SiLU(causal_depthwise_conv4(W x)) for W in (W_q, W_k, W_v)
     q = q / ||q||                            (per head; k stays raw for Kaczmarz, normalised for GDN)
-    g   = -exp(A_log) * softplus(W_a x + dt_bias)             Mamba2 log-decay, [B, T, H]
+    g   = -exp(A_log) * softplus(W_a x + dt_bias)             Mamba2 log-decay, [B, T, H] (on the triton
+                                                              backend: the rule's decay hook, in-kernel)
     eta = sigmoid(W_b x + b)                                  relaxation (GDN: the step beta itself)
     o   = kaczmarz_delta_rule(q, k, v, g, eta)                (GDN: delta_rule(q, k/||k||, v, g, eta))
     y   = W_o concat_h(RMSNorm_h(o_h) * SiLU(W_g x)_h)
@@ -20,7 +21,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .ops import delta_rule, kaczmarz_delta_rule
+from scanlang.delta import GIVEN_MAMBA2, KACZMARZ_MAMBA2
+
+from .ops import delta_rule, kaczmarz_delta_rule, validate
 
 MODES = ("kaczmarz", "gdn")
 
@@ -116,15 +119,28 @@ class KaczmarzLinearAttention(nn.Module):
         q = l2_normalize(q.view(B, T, H, K))
         k = k.view(B, T, H, K).to(ct)
         v = v.view(B, T, H, V).to(ct)
-        g = -torch.exp(self.A_log.to(ct)) * F.softplus(self.a_proj(x).to(ct) + self.dt_bias.to(ct))
+        a = self.a_proj(x).to(ct)
         eta = torch.sigmoid(self.b_proj(x).to(ct))
         h0 = None if state is None else state.recurrent
-        kwargs = dict(initial_state=h0, output_final_state=return_state, backend=self.backend,
-                      chunk_size=self.chunk_size)
-        if self.mode == "kaczmarz":
-            o, S = kaczmarz_delta_rule(q, k, v, g, eta, eps=self.eps, **kwargs)
+        if self.mode == "gdn":
+            k = l2_normalize(k)
+        backend = self.backend or ("triton" if x.is_cuda and ct == torch.float32 else "reference")
+        if backend == "triton":
+            # the Mamba2 gate runs inside the generated kernels as the rule's decay hook
+            validate(q, k, v, a, eta, "eta", None, h0, None, backend, self.chunk_size)
+            from scanlang.backends.delta import ops as delta_ops
+            rule = KACZMARZ_MAMBA2 if self.mode == "kaczmarz" else GIVEN_MAMBA2
+            o, S = delta_ops.delta_rule(q, k, v, a, eta, rule, scale=K ** -0.5, initial_state=h0,
+                                        output_final_state=return_state, chunk_size=self.chunk_size, eps=self.eps,
+                                        decay_params=(self.A_log, self.dt_bias))
         else:
-            o, S = delta_rule(q, l2_normalize(k), v, g, eta, **kwargs)
+            g = -torch.exp(self.A_log.to(ct)) * F.softplus(a + self.dt_bias.to(ct))
+            kwargs = dict(initial_state=h0, output_final_state=return_state, backend=backend,
+                          chunk_size=self.chunk_size)
+            if self.mode == "kaczmarz":
+                o, S = kaczmarz_delta_rule(q, k, v, g, eta, eps=self.eps, **kwargs)
+            else:
+                o, S = delta_rule(q, k, v, g, eta, **kwargs)
         o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + self.norm_eps) * self.norm_weight.to(ct)
         o = o * F.silu(self.g_proj(x).to(ct).view(B, T, H, V))
         y = self.o_proj(o.reshape(B, T, H * V).to(x.dtype))
