@@ -69,11 +69,18 @@ def test_varlen_and_decode_on_gpu():
     assert_close(torch.cat(parts, 1), y, "delta_out", torch.float32, "decoded layer")
 
 
-def test_torch_compile_fullgraph():
-    ins = [t.requires_grad_() for t in inputs(2, 200, 2, 64, 64, torch.bfloat16, seed=4)]
+def test_torch_compile_fullgraph_through_the_registered_op():
+    from scanlang.backends.delta import ops
+    from scanlang.delta import KACZMARZ
+    key = ops.program_key(KACZMARZ, 64)                       # generated and loaded outside the graph
+    table = ops.ChunkTable(1, 200, None, 64, torch.device("cuda"))
+    q, k, v, g, e, h0 = inputs(1, 200, 2, 64, 64, torch.bfloat16, seed=4)
+    packed = [t.reshape(200, 2, -1).contiguous() for t in (q, k, v)] + [g.reshape(200, 2), e.reshape(200, 2)]
+    ins = [t.requires_grad_() for t in packed + [h0]]
 
     def f(q, k, v, g, e, h0):
-        o, S = kaczmarz_delta_rule(q, k, v, g, e, initial_state=h0, output_final_state=True, backend="triton")
+        o, S = torch.ops.scanlang.delta_chunk_fwd(key, q, k, v, g, torch.zeros(0, 2, device="cuda"), e, h0,
+                                                  *table.chunks, 1e-6, 0.125)
         return o.sum() + S.sum()
 
     compiled = torch.compile(f, fullgraph=True)
