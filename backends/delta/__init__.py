@@ -1,0 +1,8 @@
+"""The delta-rule chunk family on Triton: one template, hooks rendered per family member.
+
+    template.py   the kernel module's source with two slots (hooks, unrolled prep kernel)
+    codegen.py    renders a `scanlang.delta.DeltaRule` into it, writes it to the cache dir, imports it
+    ops.py        launches: torch.library ops `scanlang::delta_chunk_fwd/bwd` with autograd, decode path
+    bench.py      GPU benchmark and parity check against flash-linear-attention
+    spills.py     offline registers / spills / shared memory per kernel (ptxas, no GPU)
+"""
