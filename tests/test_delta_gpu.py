@@ -79,8 +79,8 @@ def test_torch_compile_fullgraph_through_the_registered_op():
     ins = [t.requires_grad_() for t in packed + [h0]]
 
     def f(q, k, v, g, e, h0):
-        o, S = torch.ops.scanlang.delta_chunk_fwd(key, q, k, v, g, torch.zeros(0, 2, device="cuda"), e, h0,
-                                                  *table.chunks, 1e-6, 0.125)
+        o, S, *_ = torch.ops.scanlang.delta_chunk_fwd(key, q, k, v, g, torch.zeros(0, 2, device="cuda"), e, h0,
+                                                      *table.chunks, 1e-6, 0.125)
         return o.sum() + S.sum()
 
     compiled = torch.compile(f, fullgraph=True)

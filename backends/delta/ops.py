@@ -8,7 +8,8 @@ the same kernels.
 The chunked path is two `torch.library` ops with registered autograd, `scanlang::delta_chunk_fwd` and
 `scanlang::delta_chunk_bwd` (launches through `wrap_triton`, so torch.compile traces them).
 Forward: prep (gcum, beta, Tm, w, u) -> state_fwd (chunk start states h, innovations U, final state)
--> output. Backward recomputes prep and state_fwd from the inputs (nothing but the inputs is saved),
+-> output. The backward keeps Tm (and the in-chunk decay cumsum and beta) from the forward, recomputes w, u
+(delta_wu) and the chunk states (state_fwd),
 then dU_local -> state_bwd (reverse over chunks) -> bwd_dqk (dq; dk, dw, dG in part) -> bwd_wy (dv, dk,
 d step input, d decay input).
 Short inputs without gradients (every sequence <= RECURRENT_MAX_LEN tokens, e.g. decoding) take the
@@ -34,6 +35,7 @@ KEY_BLOCK = 64           # key columns per program / loop step in the backward k
 # Per kernel: BV = value columns per program (or per loop step in delta_bwd_*), and Triton launch options.
 CONFIG = {   # chosen by ptxas spill counts for K=V=128 bf16 on sm_90 (see BENCHMARKS.md)
     "prep": dict(num_warps=8, num_stages=2),
+    "wu": dict(BV=64, num_warps=8, num_stages=2),
     "state_fwd": dict(BV=64, num_warps=8, num_stages=2),
     "output": dict(BV=64, num_warps=4, num_stages=2),
     "dU_local": dict(BV=64, num_warps=4, num_stages=2),
@@ -147,28 +149,38 @@ def _fake(t: torch.Tensor) -> bool:
     return t.device.type == "meta" or (is_fake(t) and get_proxy_mode() is None)
 
 
-def _states(mod, k, v, a, hp, s, h0, chunk_tok, chunk_len, seq_chunk0, eps, C: int, store_final: bool):
-    """prep + state_fwd: (gcum, beta, Tm, w, chunk start states h, innovations U, final state)."""
+def _states(mod, k, v, a, hp, s, h0, chunk_tok, chunk_len, seq_chunk0, eps, C: int, saved=None):
+    """(gcum, beta, Tm, w, chunk start states h, innovations U, final state).
+
+    Without `saved`: prep (everything from the inputs) then state_fwd. With `saved = (Tm, gcum, beta)` from
+    the forward (the backward's recomputation): w and u from Tm by delta_wu, then state_fwd."""
     TT, H, K = k.shape
     V = v.shape[-1]
     NC, N, dev = chunk_tok.numel(), seq_chunk0.numel() - 1, k.device
     meta = _meta(K, V, C, k.dtype, dev)
-    gcum = _empty(TT, H, device=dev, dtype=torch.float32)
-    beta = _empty(TT, H, device=dev, dtype=torch.float32)
     w = _empty(TT, H, K, device=dev, dtype=k.dtype)
     u = _empty(TT, H, V, device=dev, dtype=k.dtype)
-    tm = _empty(NC, H, C, C, device=dev, dtype=torch.float32)
     h = _empty(NC, H, K, V, device=dev, dtype=k.dtype)
     U = _empty(TT, H, V, device=dev, dtype=k.dtype)
     ht = _empty(N, H, K, V, device=dev, dtype=torch.float32)
+    if saved is None:
+        tm = _empty(NC, H, C, C, device=dev, dtype=torch.float32)
+        gcum = _empty(TT, H, device=dev, dtype=torch.float32)
+        beta = _empty(TT, H, device=dev, dtype=torch.float32)
+    else:
+        tm, gcum, beta = saved
     if _fake(k):
         return gcum, beta, tm, w, h, U, ht
-    _launch("prep", mod.delta_prep, lambda cfg: (NC, H),
-            (k, v, a, _ptr(hp, k), s, eps, chunk_tok, chunk_len, w, u, tm, gcum, beta, H),
-            dict(meta, BV=max(16, triton.next_power_of_2(V))), V)
+    if saved is None:
+        _launch("prep", mod.delta_prep, lambda cfg: (NC, H),
+                (k, v, a, _ptr(hp, k), s, eps, chunk_tok, chunk_len, w, u, tm, gcum, beta, H),
+                dict(meta, BV=max(16, triton.next_power_of_2(V))), V)
+    else:
+        _launch("wu", mod.delta_wu, lambda cfg: (NC, H), (k, v, gcum, beta, tm, w, u, chunk_tok, chunk_len, H),
+                dict(meta, BKS=min(KEY_BLOCK, meta["BK"])), V)
     _launch("state_fwd", mod.delta_state_fwd, lambda cfg: (N, H, triton.cdiv(V, cfg["BV"])),
             (k, w, u, gcum, h0 if h0 is not None else h, chunk_tok, chunk_len, seq_chunk0, h, U, ht, H),
-            dict(meta, HAS_H0=h0 is not None, STORE_FINAL=store_final), V)
+            dict(meta, HAS_H0=h0 is not None, STORE_FINAL=saved is None), V)
     return gcum, beta, tm, w, h, U, ht
 
 
@@ -177,31 +189,32 @@ def delta_chunk_fwd(key: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     s: torch.Tensor, h0: Optional[torch.Tensor], chunk_tok: torch.Tensor, chunk_len: torch.Tensor,
                     seq_chunk0: torch.Tensor, eps: float, scale: float) -> list[torch.Tensor]:
     """Packed [TT, H, *] inputs (hp: the decay hook's per-head parameters [P, H] fp32) ->
-    [o [TT, H, V] fp32, final state [N, H, K, V] fp32]."""
+    [o [TT, H, V] fp32, final state [N, H, K, V] fp32, and for the backward Tm, gcum, beta]."""
     mod, C = PROGRAMS[key]
     TT, H, K = k.shape
     V = v.shape[-1]
-    gcum, _, _, _, h, U, ht = _states(mod, k, v, a, hp, s, h0, chunk_tok, chunk_len, seq_chunk0, eps, C, True)
+    gcum, beta, tm, _, h, U, ht = _states(mod, k, v, a, hp, s, h0, chunk_tok, chunk_len, seq_chunk0, eps, C)
     o = _empty(TT, H, V, device=k.device, dtype=torch.float32)
     if not _fake(k):
         _launch("output", mod.delta_output, lambda cfg: (chunk_tok.numel(), H, triton.cdiv(V, cfg["BV"])),
                 (q, k, gcum, h, U, o, chunk_tok, chunk_len, scale, H), _meta(K, V, C, k.dtype, k.device), V)
-    return [o, ht]
+    return [o, ht, tm, gcum, beta]
 
 
 @triton_op("scanlang::delta_chunk_bwd", mutates_args=())
 def delta_chunk_bwd(key: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, hp: torch.Tensor,
                     s: torch.Tensor, h0: Optional[torch.Tensor], chunk_tok: torch.Tensor, chunk_len: torch.Tensor,
-                    seq_chunk0: torch.Tensor, do: torch.Tensor, dht: Optional[torch.Tensor], eps: float,
-                    scale: float) -> list[torch.Tensor]:
-    """Recompute prep and states, then [dq, dk, dv (input dtypes), da, ds (fp32), dh0 (fp32; empty without h0),
+                    seq_chunk0: torch.Tensor, tm: torch.Tensor, gcum: torch.Tensor, beta: torch.Tensor,
+                    do: torch.Tensor, dht: Optional[torch.Tensor], eps: float, scale: float) -> list[torch.Tensor]:
+    """Recompute w, u from the forward's Tm and the chunk states, then [dq, dk, dv (input dtypes), da, ds (fp32), dh0 (fp32; empty without h0),
     dhp [P, H] fp32]."""
     mod, C = PROGRAMS[key]
     TT, H, K = k.shape
     V = v.shape[-1]
     NC, N, dev = chunk_tok.numel(), seq_chunk0.numel() - 1, k.device
     meta = _meta(K, V, C, k.dtype, dev)
-    gcum, beta, tm, w, h, U, _ = _states(mod, k, v, a, hp, s, h0, chunk_tok, chunk_len, seq_chunk0, eps, C, False)
+    gcum, beta, tm, w, h, U, _ = _states(mod, k, v, a, hp, s, h0, chunk_tok, chunk_len, seq_chunk0, eps, C,
+                                         saved=(tm, gcum, beta))
     dul = _empty(TT, H, V, device=dev, dtype=torch.float32)
     dh = _empty(NC, H, K, V, device=dev, dtype=k.dtype)
     dU = _empty(TT, H, V, device=dev, dtype=torch.float32)
@@ -236,17 +249,19 @@ def delta_chunk_bwd(key: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 def _setup_context(ctx, inputs, output):
     key, q, k, v, a, hp, s, h0, chunk_tok, chunk_len, seq_chunk0, eps, scale = inputs
-    ctx.save_for_backward(q, k, v, a, hp, s, h0, chunk_tok, chunk_len, seq_chunk0)
+    _, _, tm, gcum, beta = output
+    ctx.mark_non_differentiable(tm, gcum, beta)
+    ctx.save_for_backward(q, k, v, a, hp, s, h0, chunk_tok, chunk_len, seq_chunk0, tm, gcum, beta)
     ctx.key, ctx.eps, ctx.scale = key, eps, scale
 
 
 def _backward(ctx, grads):
-    q, k, v, a, hp, s, h0, chunk_tok, chunk_len, seq_chunk0 = ctx.saved_tensors
-    do, dht = grads
+    q, k, v, a, hp, s, h0, chunk_tok, chunk_len, seq_chunk0, tm, gcum, beta = ctx.saved_tensors
+    do, dht = grads[:2]
     do = torch.zeros(*q.shape[:2], v.shape[-1], device=q.device) if do is None else do.contiguous().float()
     dht = None if dht is None else dht.contiguous().float()
     dq, dk, dv, da, ds, dh0, dhp = delta_chunk_bwd(ctx.key, q, k, v, a, hp, s, h0, chunk_tok, chunk_len, seq_chunk0,
-                                                   do, dht, ctx.eps, ctx.scale)
+                                                   tm, gcum, beta, do, dht, ctx.eps, ctx.scale)
     return (None, dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), da.to(a.dtype), dhp.to(hp.dtype), ds.to(s.dtype),
             dh0.to(h0.dtype) if h0 is not None else None, None, None, None, None, None)
 
@@ -312,6 +327,6 @@ def delta_rule(q, k, v, g, s, rule, scale: float, initial_state=None, output_fin
     if not needs_grad and table.max_len <= RECURRENT_MAX_LEN:
         o, S = recurrent_forward(PROGRAMS[key][0], qp, kp, vp, a, hp, sp, h0, eps, scale, table)
     else:
-        o, S = delta_chunk_fwd(key, qp, kp, vp, a, hp, sp, h0, *table.chunks, float(eps), float(scale))
+        o, S, *_ = delta_chunk_fwd(key, qp, kp, vp, a, hp, sp, h0, *table.chunks, float(eps), float(scale))
     o = o.reshape(B, T, H, V)
     return o, (S if output_final_state else None)

@@ -15,6 +15,7 @@ all go through `mm`, which can upcast bf16 operands for Triton's CPU interpreter
 Kernels (per chunk c of C tokens, head h; S0 the chunk's start state, G the in-chunk cumsum of g):
     delta_prep        gcum, beta, Tm = (I + A)^-1 (blocked forward substitution), w = Tm diag(beta e^G) K,
                       u = Tm diag(beta) V
+    delta_wu          w and u again from the saved Tm (backward)
     delta_state_fwd   sequential over a sequence's chunks, fp32 state in registers: stores S0 per chunk,
                       U = u - w S0, S_end = e^G_last S0 + (K e^(G_last - G))^T U
     delta_output      O = scale (e^G Q S0 + (Q K^T * Dec) U)
@@ -80,6 +81,38 @@ def inv_unit_lower16(A):
 
 
 # @slot prep
+
+
+@triton.jit
+def delta_wu(k_ptr, v_ptr, gcum_ptr, beta_ptr, tm_ptr, w_ptr, u_ptr, chunk_tok, chunk_len,
+             H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
+             BKS: tl.constexpr, PREC: tl.constexpr, IN_PREC: tl.constexpr, UPCAST: tl.constexpr):
+    """w = Tm diag(beta e^G) K and u = Tm diag(beta) V from a saved Tm (the backward's recomputation)."""
+    c = tl.program_id(0)
+    h = tl.program_id(1)
+    rows = tl.arange(0, C)
+    t0 = tl.load(chunk_tok + c).to(tl.int64)
+    nv = tl.load(chunk_len + c)
+    ok = rows < nv
+    tok = t0 + rows
+    G = tl.load(gcum_ptr + tok * H + h, mask=ok, other=0.0)
+    beta = tl.load(beta_ptr + tok * H + h, mask=ok, other=0.0)
+    bG = beta * tl.where(ok, tl.exp(G), 0.0)
+    causal = (rows[:, None] >= rows[None, :]) & ok[:, None] & ok[None, :]
+    Tm = tl.load(tm_ptr + ((c * H + h) * C + rows[:, None]).to(tl.int64) * C + rows[None, :],
+                 mask=causal, other=0.0)
+    for kb in range(0, tl.cdiv(K, BKS)):
+        kk = kb * BKS + tl.arange(0, BKS)
+        km = ok[:, None] & (kk[None, :] < K)
+        k = tl.load(k_ptr + (tok[:, None] * H + h) * K + kk[None, :], mask=km, other=0.0).to(tl.float32)
+        w = mm(Tm, bG[:, None] * k, PREC, UPCAST)
+        tl.store(w_ptr + (tok[:, None] * H + h) * K + kk[None, :], rnd(w, w_ptr.dtype.element_ty, UPCAST), mask=km)
+    for iv in range(0, tl.cdiv(V, BV)):
+        vv = iv * BV + tl.arange(0, BV)
+        vm = ok[:, None] & (vv[None, :] < V)
+        v = tl.load(v_ptr + (tok[:, None] * H + h) * V + vv[None, :], mask=vm, other=0.0).to(tl.float32)
+        u = mm(Tm, beta[:, None] * v, PREC, UPCAST)
+        tl.store(u_ptr + (tok[:, None] * H + h) * V + vv[None, :], rnd(u, u_ptr.dtype.element_ty, UPCAST), mask=vm)
 
 
 @triton.jit
