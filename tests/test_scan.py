@@ -168,3 +168,28 @@ def test_triton_on_cpu_without_interpreter_is_refused(monkeypatch):
 def test_empty_sequence_gives_empty_prefixes():
     out = sl.scan(sl.Affine, (torch.rand(2, 0, 3), torch.rand(2, 0, 3)), dim=1)
     assert out.a.shape == (2, 0, 3)
+
+
+def test_core_works_on_the_reference_backend_without_triton():
+    import subprocess
+    import sys
+    code = """
+import importlib.abc, sys
+class Block(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name == "triton" or name.startswith("triton."):
+            raise ImportError("no triton here")
+sys.meta_path.insert(0, Block())
+import torch, scanlang as sl
+a, b = torch.rand(2, 9, 3), torch.randn(2, 9, 3)
+out = sl.scan(sl.Affine, (a, b), dim=1)
+h = torch.zeros(2, 3)
+for t in range(9):
+    h = a[:, t] * h + b[:, t]
+assert torch.allclose(out.b[:, -1], h, rtol=1e-5, atol=1e-6)
+assert sl.Mobius.verify().symbolic
+print("ok")
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env={k: v for k, v in __import__("os").environ.items() if k != "TRITON_INTERPRET"})
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
