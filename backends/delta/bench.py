@@ -136,6 +136,7 @@ def sweep(device, results):
     fb = lambda: fwd_bwd(ours_fn, ins, do)  # noqa: E731
     options = {
         "prep": [dict(num_warps=w, num_stages=s) for w in (4, 8) for s in (1, 2)],
+        "wu": [dict(BV=bv, num_warps=w, num_stages=2) for bv in (64, 128) for w in (4, 8)],
         "state_fwd": [dict(BV=bv, num_warps=w, num_stages=2) for bv in (32, 64) for w in (4, 8)],
         "output": [dict(BV=bv, num_warps=w, num_stages=2) for bv in (64, 128) for w in (4, 8)],
         "dU_local": [dict(BV=64, num_warps=w, num_stages=2) for w in (4, 8)],
@@ -144,7 +145,7 @@ def sweep(device, results):
         "bwd_wy": [dict(BV=bv, num_warps=w, num_stages=1) for bv in (32, 64) for w in (4, 8)],
     }
     for name, cfgs in options.items():
-        timer = f if name in ("prep", "state_fwd", "output") else fb
+        timer = f if name in ("prep", "state_fwd", "output") else fb   # "wu" runs in the backward only
         best = None
         for cfg in cfgs:
             delta_ops.CONFIG[name] = cfg
@@ -218,7 +219,7 @@ def timings(device, results, have_fla):
         if have_fla:
             from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule
             dec.insert(0, ("fla fused_recurrent", lambda: fused_recurrent_gated_delta_rule(
-                q, k, v, g, beta, initial_state=h0, output_final_state=True)))
+                q, k, v, g=g, beta=beta, initial_state=h0, output_final_state=True)))   # 4th positional is gk
         for label, fn in dec:
             o, S = fn()
             t = bench_ms(fn)
