@@ -184,5 +184,10 @@ def _call(self: Mixer, initial, output_final_state: bool, reverse: bool, cu_seql
 
 def mixer(monoid: Monoid, axes: str, inputs: Mapping[str, str], lift: Callable, readout: Callable,
           outputs: Sequence[str], reduce: str | None = None) -> Mixer:
-    """Declare a fused lift -> scan -> readout (see the module docstring for the API and semantics)."""
+    """Declare a fused lift -> scan -> readout (see the module docstring for the API and semantics).
+
+    The monoid is verified first: a non-associative combine raises `sl.NotAssociativeError`."""
+    if not isinstance(monoid, Monoid):
+        raise TypeError(f"monoid: expected a scanlang Monoid (declare one with @sl.monoid), got {type(monoid).__name__}")
+    monoid.ensure_verified()
     return Mixer(monoid, axes, inputs, lift, readout, outputs, reduce)

@@ -208,7 +208,15 @@ class Monoid:
         Raises `NotAssociativeError` (with `.counterexample = (x, y, z)`) or `IdentityError`.
         """
         from .verify import verify
-        return verify(self, seconds=seconds)
+        self._proof = verify(self, seconds=seconds)
+        return self._proof
+
+    def ensure_verified(self):
+        """Verify once per object (proofs are also cached on disk); scans call this before running,
+        so a non-associative combine is refused with its counterexample, never scanned silently."""
+        if self._proof is None:
+            self.verify()
+        return self._proof
 
 
 def monoid(fields, identity, scale: Callable | None = None, name: str | None = None):

@@ -110,6 +110,8 @@ def scan(monoid: Monoid, elems, dim: int, reverse: bool = False, initial=None, b
     """
     if not isinstance(monoid, Monoid):
         raise TypeError(f"monoid: expected a scanlang Monoid (declare one with @sl.monoid), got {type(monoid).__name__}")
+    if not torch.compiler.is_compiling():   # proved while tracing eagerly; sympy stays out of graphs
+        monoid.ensure_verified()
     values = _as_field_tuple(monoid, elems, "elems")
     tensors = _check_values(monoid, values, "elems")
     if not tensors:

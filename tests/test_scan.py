@@ -193,3 +193,15 @@ print("ok")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                          env={k: v for k, v in __import__("os").environ.items() if k != "TRITON_INTERPRET"})
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
+def test_a_non_associative_combine_is_refused_not_scanned():
+    @sl.monoid(fields=("m",), identity=(0,))
+    def average(x, y):
+        return ((x.m + y.m) / 2,)
+    with pytest.raises(sl.NotAssociativeError) as info:
+        sl.scan(average, (torch.rand(2, 5),), dim=1)
+    assert len(info.value.counterexample) == 3
+    with pytest.raises(sl.NotAssociativeError):
+        sl.mixer(average, axes="b t", inputs={"x": "b t"}, lift=lambda u: (u.x,), readout=lambda p, u, q: p.m,
+                 outputs=("y",))
