@@ -116,14 +116,16 @@ class KaczmarzLinearAttention(nn.Module):
         k, wk = self._conv(self.k_proj(x), self.k_conv, windows[1])
         v, wv = self._conv(self.v_proj(x), self.v_conv, windows[2])
         ct = torch.promote_types(x.dtype, torch.float32)   # gates, norms and the scan in fp32 or wider
-        q = l2_normalize(q.view(B, T, H, K))
-        k = k.view(B, T, H, K).to(ct)
-        v = v.view(B, T, H, V).to(ct)
+        # q, k, v enter the scan in the activations' dtype (half inputs use the tensor cores; the scan
+        # accumulates in fp32 regardless); normalisation happens in ct first
+        q = l2_normalize(q.view(B, T, H, K)).to(x.dtype)
+        k = k.view(B, T, H, K)
+        if self.mode == "gdn":
+            k = l2_normalize(k).to(x.dtype)
+        v = v.view(B, T, H, V)
         a = self.a_proj(x).to(ct)
         eta = torch.sigmoid(self.b_proj(x).to(ct))
         h0 = None if state is None else state.recurrent
-        if self.mode == "gdn":
-            k = l2_normalize(k)
         backend = self.backend or ("triton" if x.is_cuda and ct == torch.float32 else "reference")
         if backend == "triton":
             # the Mamba2 gate runs inside the generated kernels as the rule's decay hook
