@@ -8,18 +8,16 @@ the same kernels.
 The chunked path is two `torch.library` ops with registered autograd, `scanlang::delta_chunk_fwd` and
 `scanlang::delta_chunk_bwd` (launches through `wrap_triton`, so torch.compile traces them).
 Forward: prep (gcum, beta, Tm, w, u) -> state_fwd (chunk start states h, innovations U, final state)
--> output. The backward keeps Tm (and the in-chunk decay cumsum and beta) from the forward, recomputes w, u
-(delta_wu) and the chunk states (state_fwd),
-then dU_local -> state_bwd (reverse over chunks) -> bwd_dqk (dq; dk, dw, dG in part) -> bwd_wy (dv, dk,
-d step input, d decay input).
+-> output. The backward keeps Tm (and the in-chunk decay cumsum and beta) from the forward, recomputes
+w, u (delta_wu) and the chunk states (state_fwd), then dU_local -> state_bwd (reverse over chunks) ->
+bwd_dqk (dq; dk, dw, dG in part) -> bwd_wy (dv, dk, d step input, d decay input and its parameters).
 Short inputs without gradients (every sequence <= RECURRENT_MAX_LEN tokens, e.g. decoding) take the
 token-loop kernel instead.
 """
 from __future__ import annotations
 
-from typing import Optional
-
 import functools
+from typing import Optional
 
 import torch
 import triton
