@@ -296,3 +296,13 @@ def test_layer_fused_gate_matches_reference_layer(mode):
     y_ref.square().sum().backward()
     for (name, p), p_ref in zip(layer.named_parameters(), ref.parameters()):
         assert_close(p.grad, p_ref.grad, "delta_grad", torch.float32, name)
+
+
+def test_rendering_is_byte_identical_across_processes():
+    import hashlib
+    import subprocess
+    import sys
+    code = ("import hashlib; from scanlang.backends.delta import codegen; from scanlang.delta import KACZMARZ_MAMBA2; "
+            "print(hashlib.sha256(codegen.kernel_source(KACZMARZ_MAMBA2, 32).encode()).hexdigest())")
+    other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+    assert other == hashlib.sha256(codegen.kernel_source(KACZMARZ_MAMBA2, 32).encode()).hexdigest()
