@@ -306,3 +306,10 @@ def test_rendering_is_byte_identical_across_processes():
             "print(hashlib.sha256(codegen.kernel_source(KACZMARZ_MAMBA2, 32).encode()).hexdigest())")
     other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     assert other == hashlib.sha256(codegen.kernel_source(KACZMARZ_MAMBA2, 32).encode()).hexdigest()
+
+
+def test_launch_sequence_of_forward_and_backward():
+    """What `spills.py` compiles offline: every kernel of one forward + backward, in order."""
+    from scanlang.backends.delta import spills
+    names = [name for name, *_ in spills.capture_launches(32, 16, torch.bfloat16, T=40)]
+    assert names == ["prep", "state_fwd", "output", "wu", "state_fwd", "dU_local", "state_bwd", "bwd_dqk", "bwd_wy"]
