@@ -12,19 +12,15 @@ Rendering is deterministic (sorted, CSE'd expressions; no ids), so two processes
 from __future__ import annotations
 
 import ast
-import hashlib
-import importlib.util
-import os
 import sys
-import tempfile
 
 import sympy
-import triton
 
 from scanlang import expr as E
 from scanlang import settings
 from scanlang.delta import DeltaRule
 
+from ..triton import runtime
 from . import template
 
 BLOCK = 16
@@ -183,26 +179,11 @@ def kernel_source(rule: DeltaRule, chunk_size: int) -> str:
 
 
 def load(rule: DeltaRule, chunk_size: int):
-    """Import the generated module, written once to <cache_dir>/delta/<name>_c<C>_<hash>.py."""
+    """Import the generated module through the shared content-addressed kernel cache."""
     cache_key = (rule.key, chunk_size)
-    if cache_key in _LOADED:
-        return _LOADED[cache_key]
-    src = kernel_source(rule, chunk_size)
-    digest = hashlib.sha256((src + triton.__version__).encode()).hexdigest()[:16]
-    folder = settings.cache_dir() / "delta"
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / f"{rule.name}_c{chunk_size}_{digest}.py"
-    if not path.exists() or path.read_text() != src:
-        fd, tmp = tempfile.mkstemp(dir=folder, suffix=".tmp")
-        with os.fdopen(fd, "w") as f:
-            f.write(src)
-        os.replace(tmp, path)
-    if settings.debug():
-        print(f"# scanlang: delta-rule kernels for {rule.name}, C={chunk_size}: {path}\n{src}", file=sys.stderr)
-    mod_name = f"scanlang_generated_delta_{rule.name}_c{chunk_size}_{digest}"
-    spec = importlib.util.spec_from_file_location(mod_name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[mod_name] = module
-    spec.loader.exec_module(module)
-    _LOADED[cache_key] = module
-    return module
+    if cache_key not in _LOADED:
+        src = kernel_source(rule, chunk_size)
+        if settings.debug():
+            print(f"# scanlang: delta-rule kernels for {rule.name}, C={chunk_size}\n{src}", file=sys.stderr)
+        _LOADED[cache_key] = runtime.load(src)
+    return _LOADED[cache_key]
