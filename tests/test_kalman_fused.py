@@ -94,6 +94,14 @@ def test_dispatch_and_errors():
     assert_close(y.cpu(), ref_y, "kalman_out", torch.float32, name="y")
 
 
+def test_default_form_follows_the_measurements():
+    from scanlang.recipes.kalman.filter import choose_form
+    assert choose_form("triton", 16, needs_grad=False) == "fused"
+    assert choose_form("triton", 16, needs_grad=True) == "two_scans"
+    assert choose_form("triton", 12, needs_grad=False) == "two_scans"     # S not a power of two
+    assert choose_form("reference", 16, needs_grad=False) == "two_scans"
+
+
 def test_one_forward_and_one_backward_kernel_per_mixer():
     for mix in (joint_mixer(), precision_mixer(), information_mixer()):
         source = mix.source()
