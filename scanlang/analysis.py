@@ -261,10 +261,12 @@ def _same_max_of_affine(left: frozenset, right: frozenset, deadline: Deadline) -
     least a's (LP duality), so equality is two such membership tests per atom.
     """
     def atoms(nf):
+        # sorted: frozenset order follows str hashes, which change per process (PYTHONHASHSEED),
+        # and sympy's simplex can cycle on some orders of these degenerate LPs
         if all(len(s) == 1 for s in nf):
-            return [next(iter(s)) for s in nf]
+            return sorted((next(iter(s)) for s in nf), key=sympy.default_sort_key)
         if len(nf) == 1:  # a single Min: compare the Max of the negated atoms
-            return [-a for a in next(iter(nf))]
+            return sorted((-a for a in next(iter(nf))), key=sympy.default_sort_key)
         return None
 
     a_atoms, b_atoms = atoms(left), atoms(right)
