@@ -72,8 +72,9 @@ def _check_values(monoid: Monoid, values: tuple, arg: str) -> list[torch.Tensor]
 
 
 def _normalise_dim(dim, ndim: int) -> int:
-    if isinstance(dim, bool) or not isinstance(dim, int):
+    if isinstance(dim, bool) or not isinstance(dim, numbers.Integral):
         raise TypeError(f"dim: expected an int, got {type(dim).__name__}")
+    dim = int(dim)
     if not -ndim <= dim < ndim:
         raise ValueError(f"dim: {dim} is out of range for elements of {ndim} dimensions (expected {-ndim}..{ndim - 1})")
     return dim % ndim
