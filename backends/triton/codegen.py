@@ -15,6 +15,8 @@ One module per program, deterministic text, holding:
   forms the adjoint elements (B_{t+1}, dy_t + c_{t+1}) and runs the reverse scan, carrying gbar
   across tiles; writes the input gradients (stored, or reduced in-kernel where an input is
   broadcast) and the gradient of the initial element (see scanlang/autodiff.py).
+- `scan_forward_lanes` / `scan_backward_lanes`: the lane-sequential schedule (codegen_seq.py), same
+  arguments and checkpoints, selected by `Config.schedule` (runtime.py).
 Time runs backwards in memory when REVERSE is set (index T-1-t), which is `flip, scan, flip`.
 """
 from __future__ import annotations
@@ -203,7 +205,20 @@ def _previous(ir: ScanIR) -> list[str]:
     return lines
 
 
-def render_forward(ir: ScanIR) -> list[str]:
+def _initial_carry(ir: ScanIR) -> list[str]:
+    """c_<field> [BLOCK_L]: the initial element of each lane (of sequence `seq`), else the identity."""
+    lines = ["if HAS_INIT:"]
+    for f, (name, ident) in enumerate(zip(ir.fields, ir.identity)):
+        lines.append(f"    c_{name} = to_acc(tl.load(init{f}_ptr + seq * init{f}_sn + lane_offsets(lane, D1, D2, D3, init{f}_s0, init{f}_s1, "
+                     f"init{f}_s2, init{f}_s3), mask=lane_ok, other={_num(ident)}), FP64)")
+    lines.append("else:")
+    for name, ident in zip(ir.fields, ir.identity):
+        lines.append(f"    c_{name} = to_acc(tl.full([BLOCK_L], {_num(ident)}, tl.float64), FP64)")
+    return lines
+
+
+def forward_args(ir: ScanIR) -> list[str]:
+    """The forward kernels' runtime arguments (both schedules take the same ones)."""
     args = []
     for i in range(len(ir.inputs)):
         args += [f"u{i}_ptr", *_strides(f"u{i}")]
@@ -211,7 +226,24 @@ def render_forward(ir: ScanIR) -> list[str]:
         args += [f"o{j}_ptr", *_strides(f"o{j}")]
     for f in range(len(ir.fields)):
         args += [f"init{f}_ptr", f"init{f}_sn", *_strides(f"init{f}")[1:]]
-    args += ["ckpt_ptr", "final_ptr", "cu_ptr", "T", "L", "D1", "D2", "D3", "n_seq", "n_slots"]
+    return args + ["ckpt_ptr", "final_ptr", "cu_ptr", "T", "L", "D1", "D2", "D3", "n_seq", "n_slots"]
+
+
+def backward_args(ir: ScanIR) -> list[str]:
+    """The backward kernels' runtime arguments (the lane-sequential one adds a scratch pointer)."""
+    args = []
+    for i in range(len(ir.inputs)):
+        args += [f"u{i}_ptr", *_strides(f"u{i}")]
+    for j in range(len(ir.outputs)):
+        args += [f"g{j}_ptr", *_strides(f"g{j}")]
+    for i in range(len(ir.inputs)):
+        args += [f"du{i}_ptr", *_strides(f"du{i}")]
+    args += [f"dinit{f}_ptr" for f in range(len(ir.fields))]
+    return args + ["dfinal_ptr", "ckpt_ptr", "cu_ptr", "T", "L", "D1", "D2", "D3", "n_seq", "n_slots"]
+
+
+def render_forward(ir: ScanIR) -> list[str]:
+    args = forward_args(ir)
     consts = ["BLOCK_T", "BLOCK_L", "CHUNK", "REVERSE", "HAS_INIT", "VARLEN", "STATE", "FP64", "STAGES"]
     body = _common_prologue()
     for i in range(len(ir.inputs)):
@@ -224,13 +256,7 @@ def render_forward(ir: ScanIR) -> list[str]:
     else:
         for j in range(len(ir.outputs)):
             body.append(f"o{j}_off = {_lane_off(f'o{j}')}[None, :]")
-    body.append("if HAS_INIT:")
-    for f, (name, ident) in enumerate(zip(ir.fields, ir.identity)):
-        body.append(f"    c_{name} = to_acc(tl.load(init{f}_ptr + seq * init{f}_sn + lane_offsets(lane, D1, D2, D3, init{f}_s0, init{f}_s1, "
-                    f"init{f}_s2, init{f}_s3), mask=lane_ok, other={_num(ident)}), FP64)")
-    body.append("else:")
-    for name, ident in zip(ir.fields, ir.identity):
-        body.append(f"    c_{name} = to_acc(tl.full([BLOCK_L], {_num(ident)}, tl.float64), FP64)")
+    body += _initial_carry(ir)
     # checkpoints every CHUNK steps (the backward's tile): slot j holds the carry into chunk j. With
     # CHUNK == BLOCK_T that is the carry at each tile start; with a shorter CHUNK the prefixes at
     # chunk ends are stored from inside the tile (a masked store, one row in CHUNK active).
@@ -304,15 +330,7 @@ def render_backward(ir: ScanIR, adj: Adjoint) -> list[str]:
     then dx = J2(q, x)^T gbar and the input gradients. No shifts of register tiles are needed."""
     n = len(ir.fields)
     nb = len(adj.b_entries)
-    args = []
-    for i in range(len(ir.inputs)):
-        args += [f"u{i}_ptr", *_strides(f"u{i}")]
-    for j in range(len(ir.outputs)):
-        args += [f"g{j}_ptr", *_strides(f"g{j}")]
-    for i in range(len(ir.inputs)):
-        args += [f"du{i}_ptr", *_strides(f"du{i}")]
-    args += [f"dinit{f}_ptr" for f in range(n)]
-    args += ["dfinal_ptr", "ckpt_ptr", "cu_ptr", "T", "L", "D1", "D2", "D3", "n_seq", "n_slots"]
+    args = backward_args(ir)
     consts = (["BLOCK_T", "BLOCK_L", "CHUNK", "REVERSE", "HAS_INIT", "HAS_DFINAL", "VARLEN", "STATE", "FP64", "STAGES"]
               + [f"DU{i}" for i in range(len(ir.inputs))])
     body = _common_prologue()
@@ -425,7 +443,8 @@ def render_backward(ir: ScanIR, adj: Adjoint) -> list[str]:
 
 
 def render(ir: ScanIR, adj: Adjoint) -> str:
-    """The whole generated module for `ir` (deterministic; parsed once as a check)."""
+    """The whole generated module for `ir` (deterministic; parsed once as a check): both schedules."""
+    from .codegen_seq import render_backward_lanes, render_forward_lanes
     parts = [
         f'"""Generated by scanlang from monoid {ir.name} (program {ir.key}). Do not edit."""',
         "import triton",
@@ -448,6 +467,12 @@ def render(ir: ScanIR, adj: Adjoint) -> str:
         "",
         "",
         "\n".join(render_backward(ir, adj)),
+        "",
+        "",
+        "\n".join(render_forward_lanes(ir)),
+        "",
+        "",
+        "\n".join(render_backward_lanes(ir, adj)),
         "",
     ]
     source = "\n".join(parts)

@@ -17,7 +17,7 @@ from typing import Optional
 import torch
 from torch.library import triton_op, wrap_triton
 
-from .runtime import Config, broadcast_strides, choose_config, lane_layout
+from .runtime import Config, broadcast_strides, choose_config, fit_launch, fitted, lane_layout, smaller_config
 
 
 @dataclass
@@ -64,9 +64,17 @@ def _time_contiguous(inputs, dim) -> bool:
     return False
 
 
-def _config(prog: Program, inputs, layout, dim, backward: bool = False) -> Config:
-    state = layout.sizes[-1] if prog.ir.reduce_state else 1
-    return choose_config(layout.T, layout.L, _time_contiguous(inputs, dim), state, len(prog.ir.fields), backward)
+def _state(prog: Program, layout) -> int:
+    return layout.sizes[-1] if prog.ir.reduce_state else 1
+
+
+def _config(prog: Program, inputs, layout, dim, fp64: bool, backward: bool = False) -> tuple[Config, tuple]:
+    """(config, fit key): the chosen config, or the smaller one that fitted the device for this
+    program, pass and shape bucket (runtime.fit_launch)."""
+    contiguous = _time_contiguous(inputs, dim)
+    chosen = choose_config(layout.T, layout.L, contiguous, _state(prog, layout), len(prog.ir.fields), backward)
+    key = (prog.key, backward, contiguous, max(layout.T - 1, 0).bit_length(), _state(prog, layout), fp64, chosen)
+    return fitted(key, chosen), key
 
 
 def _out_strides(t: torch.Tensor, shape, reduce_state: bool) -> list[int]:
@@ -86,14 +94,16 @@ def _contiguous_inputs(inputs, shape):
     return [t.expand(shape).contiguous() for t in inputs]
 
 
-def _chunk(prog: Program, inputs, layout, dim, checkpoint: bool = True) -> tuple[Config, int]:
-    """The forward's config and checkpoint interval (the backward recomputes both the same way).
+def _chunk(cfg: Config, checkpoint: bool = True) -> int:
+    """The forward's checkpoint interval under `cfg` (the backward recomputes it the same way).
 
-    Without a backward to serve (`checkpoint=False`) the interval is the whole tile: the cheapest
-    forward. With one, it is the config's `chunk`, the backward's (shorter) tile.
+    Tile schedule: without a backward to serve (`checkpoint=False`) the interval is the whole tile,
+    the cheapest forward; with one, the config's `chunk`, the backward's (shorter) tile. Lanes
+    schedule: `chunk` (or block_t) either way.
     """
-    cfg = _config(prog, inputs, layout, dim)
-    return cfg, min(cfg.chunk or cfg.block_t, cfg.block_t) if checkpoint else cfg.block_t
+    if cfg.schedule == "lanes":
+        return cfg.chunk or cfg.block_t
+    return min(cfg.chunk or cfg.block_t, cfg.block_t) if checkpoint else cfg.block_t
 
 
 @triton_op("scanlang::scan_fwd", mutates_args=())
@@ -114,13 +124,14 @@ def scan_fwd(key: str, inputs: list[torch.Tensor], initial: list[torch.Tensor], 
     if layout is None:
         inputs = _contiguous_inputs(inputs, shape)
         shape, layout = _plan(prog, inputs, extra, dim)
-    cfg, chunk = _chunk(prog, inputs, layout, dim, checkpoint)
+    cfg, fit_key = _config(prog, inputs, layout, dim, fp64)
     n = len(ir.fields)
-    n_slots = _cdiv(layout.T, chunk) + n_seq
-    ckpt = torch.empty((n, n_slots, layout.L), dtype=acc, device=device)
+
+    def checkpoints(cfg):
+        return torch.empty((n, _cdiv(layout.T, _chunk(cfg, checkpoint)) + n_seq, layout.L), dtype=acc, device=device)
     final = torch.empty((n, n_seq, layout.L), dtype=acc, device=device)
     if _fake(inputs[0]) or layout.L == 0 or n_seq == 0:
-        return outs + [ckpt, final]
+        return outs + [checkpoints(cfg), final]
     st = layout.strides
     n_in, n_out = len(inputs), len(outs)
     args = []
@@ -133,12 +144,20 @@ def scan_fwd(key: str, inputs: list[torch.Tensor], initial: list[torch.Tensor], 
             args += [initial[f], init_st[f][0], *st[n_in + n_out + f][1:]]
         else:
             args += [inputs[0], 0, 0, 0, 0, 0]
-    args += [ckpt, final, cu_seqlens if varlen else ckpt, layout.T, layout.L, *layout.sizes[1:], n_seq, n_slots]
-    grid = (_cdiv(layout.L, cfg.block_l), n_seq)
-    wrap_triton(prog.module.scan_forward)[grid](
-        *args, BLOCK_T=cfg.block_t, BLOCK_L=cfg.block_l, CHUNK=chunk, REVERSE=reverse, HAS_INIT=bool(initial),
-        VARLEN=varlen, STATE=layout.sizes[-1] if ir.reduce_state else 1, FP64=fp64, STAGES=cfg.stages,
-        num_warps=cfg.num_warps)
+
+    def attempt(cfg):
+        ckpt = checkpoints(cfg)
+        meta = dict(BLOCK_L=cfg.block_l, CHUNK=_chunk(cfg, checkpoint), REVERSE=reverse, HAS_INIT=bool(initial),
+                    VARLEN=varlen, STATE=_state(prog, layout), FP64=fp64, num_warps=cfg.num_warps)
+        if cfg.schedule == "lanes":
+            kernel = prog.module.scan_forward_lanes
+        else:
+            kernel, meta = prog.module.scan_forward, dict(meta, BLOCK_T=cfg.block_t, STAGES=cfg.stages)
+        grid = (_cdiv(layout.L, cfg.block_l), n_seq)
+        wrap_triton(kernel)[grid](*args, ckpt, final, cu_seqlens if varlen else ckpt, layout.T, layout.L,
+                                  *layout.sizes[1:], n_seq, ckpt.shape[1], **meta)
+        return ckpt
+    ckpt = fit_launch(fit_key, cfg, attempt, lambda c: smaller_config(c, _state(prog, layout)))
     return outs + [ckpt, final]
 
 
@@ -196,8 +215,9 @@ def scan_bwd(key: str, inputs: list[torch.Tensor], initial: list[torch.Tensor], 
            for s, m in zip(du_shapes, modes)]
     dinit = [torch.empty((n_seq, layout.L), dtype=acc, device=device) for _ in range(n)] if initial else []
     if layout.L > 0 and n_seq > 0 and not _fake(inputs[0]):
-        _, chunk = _chunk(prog, inputs, layout, dim)
-        cfg = dataclasses.replace(_config(prog, inputs, layout, dim, backward=True), block_t=chunk)
+        chunk = _chunk(_config(prog, inputs, layout, dim, fp64)[0])   # the forward's checkpoint interval
+        cfg, fit_key = _config(prog, inputs, layout, dim, fp64, backward=True)
+        cfg = dataclasses.replace(cfg, block_t=chunk)
         args = []
         for i, t in enumerate(inputs):
             args += [t, *st[i]]
@@ -208,11 +228,19 @@ def scan_bwd(key: str, inputs: list[torch.Tensor], initial: list[torch.Tensor], 
         args += dinit if initial else [ckpt] * n
         args += [dfinal if dfinal is not None else ckpt, ckpt, cu_seqlens if varlen else ckpt, layout.T, layout.L,
                  *layout.sizes[1:], n_seq, ckpt.shape[1]]
-        grid = (_cdiv(layout.L, cfg.block_l), n_seq)
-        wrap_triton(prog.module.scan_backward)[grid](
-            *args, BLOCK_T=cfg.block_t, BLOCK_L=cfg.block_l, CHUNK=chunk, REVERSE=reverse, HAS_INIT=bool(initial),
-            HAS_DFINAL=dfinal is not None, VARLEN=varlen, STATE=layout.sizes[-1] if ir.reduce_state else 1,
-            FP64=fp64, **{f"DU{i}": m for i, m in enumerate(modes)}, STAGES=cfg.stages, num_warps=cfg.num_warps)
+
+        def attempt(cfg):
+            meta = dict(BLOCK_L=cfg.block_l, CHUNK=chunk, REVERSE=reverse, HAS_INIT=bool(initial),
+                        HAS_DFINAL=dfinal is not None, VARLEN=varlen, STATE=_state(prog, layout), FP64=fp64,
+                        **{f"DU{i}": m for i, m in enumerate(modes)}, num_warps=cfg.num_warps)
+            grid = (_cdiv(layout.L, cfg.block_l), n_seq)
+            if cfg.schedule == "lanes":   # per-lane scratch for one chunk's replayed prefixes
+                scratch = torch.empty((n, n_seq, chunk, layout.L), dtype=acc, device=device)
+                wrap_triton(prog.module.scan_backward_lanes)[grid](*args, scratch, **meta)
+            else:
+                wrap_triton(prog.module.scan_backward)[grid](*args, BLOCK_T=cfg.block_t, STAGES=cfg.stages, **meta)
+        # the backward's time tile is the forward's checkpoint interval: only lanes and warps shrink
+        fit_launch(fit_key, cfg, attempt, lambda c: smaller_config(c, _state(prog, layout), keep_block_t=True))
     elif initial:
         for f in range(n):
             dinit[f] = dfinal[f].clone() if dfinal is not None else torch.zeros_like(dinit[f])

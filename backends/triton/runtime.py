@@ -9,6 +9,7 @@ backward whatever the gradients' strides are.
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import importlib.util
 import os
@@ -110,17 +111,36 @@ def lane_layout(shape, dim: int, strides: list[list[int]], keep_last: bool = Fal
     return Layout(T=shape[dim], L=L, sizes=tuple(m[0] for m in merged), strides=per_tensor)
 
 
+SCHEDULES = ("tile", "lanes")
+
+
 @dataclass(frozen=True)
 class Config:
+    """A launch config. `schedule`: "tile" (`tl.associative_scan` over [block_t, block_l] tiles with a
+    carried prefix) or "lanes" (lane-sequential: block_l lanes per program, time stepped one at a
+    time, checkpoints every `chunk or block_t` steps; block_t is otherwise unused)."""
+
     block_t: int
     block_l: int
     num_warps: int
     stages: int = 1
     chunk: int = 0       # forward: checkpoint interval = the backward's time tile (0: block_t)
+    schedule: str = "tile"
+
+    def __post_init__(self):
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"schedule: expected one of {SCHEDULES}, got {self.schedule!r}")
 
 
-# (time_contiguous, is_backward) -> Config forced by the benchmark's sweep; empty in normal use.
+# (time_contiguous, is_backward) -> Config forced by the benchmark or a test; empty in normal use.
+# A forced Config with schedule="lanes" selects the lane-sequential kernels (see `lanes_overrides`).
 OVERRIDES: dict = {}
+
+
+def lanes_overrides(block_l: int = 128, num_warps: int = 4, chunk: int = 64) -> dict:
+    """OVERRIDES entries that run every layout, forward and backward, on the lane-sequential schedule."""
+    cfg = Config(block_t=chunk, block_l=block_l, num_warps=num_warps, chunk=chunk, schedule="lanes")
+    return {(time_contiguous, backward): cfg for time_contiguous in (False, True) for backward in (False, True)}
 
 
 def choose_config(T: int, L: int, time_contiguous: bool, state: int, n_fields: int, backward: bool = False) -> Config:
@@ -129,8 +149,7 @@ def choose_config(T: int, L: int, time_contiguous: bool, state: int, n_fields: i
         return 1 << max(0, (n - 1).bit_length())
     forced = OVERRIDES.get((time_contiguous, backward))
     if forced is not None:
-        return Config(min(forced.block_t, pow2(T)), max(state, forced.block_l), forced.num_warps, forced.stages,
-                      forced.chunk)
+        return dataclasses.replace(forced, block_t=min(forced.block_t, pow2(T)), block_l=max(state, forced.block_l))
     if settings.triton_interpret() and not torch.cuda.is_available():
         return Config(block_t=min(8, pow2(T)), block_l=max(state, min(4, pow2(L))), num_warps=1, chunk=4)
     if time_contiguous:
@@ -141,3 +160,48 @@ def choose_config(T: int, L: int, time_contiguous: bool, state: int, n_fields: i
         return Config(block_t=min(1024, pow2(T)), block_l=max(state, 1), num_warps=4, chunk=512)
     bl = max(state, min(32, pow2(L)))
     return Config(block_t=64, block_l=bl, num_warps=2, stages=2)
+
+
+# ---- fitting configs to the device ------------------------------------------------------------
+
+# (program, pass, shape bucket, chosen config) -> the config that launched (shrunk where needed)
+FITTED: dict = {}
+
+
+def fitted(key, chosen: Config) -> Config:
+    """The config remembered for `key` by `fit_launch`, else `chosen`."""
+    return FITTED.get(key, chosen)
+
+
+def fit_launch(key, cfg, attempt, smaller, remembered: dict | None = None):
+    """`attempt(cfg)`, shrinking `cfg` with `smaller(cfg)` while the launch raises Triton's
+    OutOfResources (a compiled kernel needing more shared memory than the device has); the config
+    that ran is remembered under `key` and tried first next time. Re-raises when nothing smaller is left."""
+    from triton.runtime.errors import OutOfResources
+    remembered = FITTED if remembered is None else remembered
+    cfg = remembered.get(key, cfg)
+    while True:
+        try:
+            result = attempt(cfg)
+            break
+        except OutOfResources:
+            nxt = smaller(cfg)
+            if nxt is None:
+                raise
+            cfg = nxt
+    remembered[key] = cfg
+    return result
+
+
+def smaller_config(cfg: Config, state: int = 1, keep_block_t: bool = False) -> Config | None:
+    """The next smaller tile: half block_t (unless kept: the backward's tile is the forward's
+    checkpoint interval), then half block_l (down to `state`), then half the warps, then fewer stages."""
+    if cfg.block_t > 1 and not keep_block_t and cfg.schedule == "tile":
+        return dataclasses.replace(cfg, block_t=cfg.block_t // 2)
+    if cfg.block_l > state:
+        return dataclasses.replace(cfg, block_l=cfg.block_l // 2)
+    if cfg.num_warps > 1:
+        return dataclasses.replace(cfg, num_warps=cfg.num_warps // 2)
+    if cfg.stages > 1:
+        return dataclasses.replace(cfg, stages=cfg.stages - 1)
+    return None

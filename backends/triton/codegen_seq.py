@@ -1,0 +1,205 @@
+"""The lane-sequential schedule (DESIGN.md "Schedules" (a)): one lane per thread slot, time stepped in registers.
+
+- `scan_forward_lanes`: a program owns BLOCK_L lanes (coalesced across lanes when lanes are
+  contiguous in memory, the channels-contiguous [B, T, D] layout; strided otherwise) and walks its
+  sequence one step at a time: lift, prefix = combine(prefix, element), readout (optionally summed
+  over the STATE lanes), store. Every CHUNK steps it stores the carry into the chunk: the same
+  checkpoints as the tile schedule (slot j = the carry into chunk j), so either backward can run
+  after either forward. No shared memory, no cross-thread traffic: work-optimal, one combine per
+  step and lane.
+- `scan_backward_lanes`: walks the chunks in reverse. Per chunk it replays the prefixes from the
+  checkpoint into a per-lane scratch row (global memory, CHUNK x fields per lane: L2-resident,
+  written and read back by the same thread), then steps the adjoint backwards one step at a time
+  (scanlang/autodiff.py):
+
+      gbar_t = direct(p_t, dy_t + c_{t+1} [+ dL/dfinal at the last step]) + B_{t+1} gbar_{t+1}
+      dx_t   = J2(y_{t-1}, x_t)^T gbar_t,  du_t = (d lift/du)^T dx_t + (d readout/du)^T g_t
+
+  Step t hands its successor-side terms down to step t - 1 as two carried vectors: `cd` = c_t
+  (the readout at t differentiated in its previous prefix) and `bd` = B_t gbar_t (B_t the adjoint
+  transition J1(y_{t-1}, x_t)^T in its sparse form). At t = 0 they sum to dL/d(initial).
+"""
+from __future__ import annotations
+
+import sympy
+
+from scanlang import expr as E
+from scanlang.autodiff import Adjoint
+from scanlang.ir import ScanIR
+
+from .codegen import (_assign, _indent, _initial_carry, _lane_off, _load_lift, _num, _symbols_named, backward_args,
+                      forward_args)
+
+
+def _prologue() -> list[str]:
+    """Program = (lane block, sequence), as in the tile schedule; 1-d lane vectors, no time tile."""
+    return [
+        "pid = tl.program_id(0)",
+        "seq = tl.program_id(1)",
+        "lane = pid.to(tl.int64) * BLOCK_L + tl.arange(0, BLOCK_L)",
+        "lane_ok = lane < L",
+        "if VARLEN:",
+        "    t0 = tl.load(cu_ptr + seq).to(tl.int64)",
+        "    seq_len = tl.load(cu_ptr + seq + 1).to(tl.int64) - t0",
+        "else:",
+        "    t0 = 0",
+        "    seq_len = T",
+        "n_chunks = tl.cdiv(seq_len, CHUNK)",
+        "slot0 = t0 // CHUNK + seq",
+        "group = pid.to(tl.int64) * (BLOCK_L // STATE) + tl.arange(0, BLOCK_L // STATE)",
+        "group_ok = group < L // STATE",
+    ]
+
+
+def _memory_index() -> list[str]:
+    """tt: the memory index of scan step t = k * CHUNK + s (backwards in memory when REVERSE)."""
+    return [
+        "t = k * CHUNK + s",
+        "if REVERSE:",
+        "    tt = (t0 + seq_len - 1 - t).to(tl.int64)",
+        "else:",
+        "    tt = (t0 + t).to(tl.int64)",
+    ]
+
+
+def _reduce(value: str) -> str:
+    return f"tl.sum(tl.reshape({value}, (BLOCK_L // STATE, STATE)), 1)"
+
+
+def _combine_into(ir: ScanIR, out: str, left: str, right: str) -> str:
+    fs = ir.fields
+    lhs = ", ".join(f"{out}_{f}" for f in fs)   # one field: combine returns a scalar, not a tuple
+    return f"{lhs} = combine({', '.join(f'{left}_{f}' for f in fs)}, {', '.join(f'{right}_{f}' for f in fs)})"
+
+
+def render_forward_lanes(ir: ScanIR) -> list[str]:
+    consts = ["BLOCK_L", "CHUNK", "REVERSE", "HAS_INIT", "VARLEN", "STATE", "FP64"]
+    body = _prologue()
+    for i in range(len(ir.inputs)):
+        body.append(f"u{i}_off = {_lane_off(f'u{i}')}")
+    for j in range(len(ir.outputs)):
+        body.append(f"o{j}_off = " + (_lane_off(f"o{j}", "group", "1") if ir.reduce_state else _lane_off(f"o{j}")))
+    body += _initial_carry(ir)
+    step = _memory_index() + _load_lift(ir, mask="lane_ok")
+    if ir.uses_previous:
+        step += [f"q_{f} = c_{f}" for f in ir.fields]
+    step.append(_combine_into(ir, "c", "c", "e"))
+    names = ({s: f"c_{s.name[2:]}" for s in ir.prefix_symbols} | {s: s.name for s in ir.previous_symbols}
+             | {s: s.name for s in ir.input_symbols})
+    step += _assign([f"r{j}" for j in range(len(ir.outputs))], ir.readout, names, "_r", shape_like=f"c_{ir.fields[0]}")
+    for j in range(len(ir.outputs)):
+        ptr = f"o{j}_ptr + o{j}_off + tt * o{j}_st"
+        if ir.reduce_state:
+            step.append(f"tl.store({ptr}, {_reduce(f'r{j}')}.to(o{j}_ptr.dtype.element_ty), mask=group_ok)")
+        else:
+            step.append(f"tl.store({ptr}, r{j}.to(o{j}_ptr.dtype.element_ty), mask=lane_ok)")
+    chunk = [f"tl.store(ckpt_ptr + ({f} * n_slots + slot0 + k) * L + lane, c_{name}, mask=lane_ok)"
+             for f, name in enumerate(ir.fields)]
+    chunk.append("for s in range(0, tl.minimum(CHUNK, seq_len - k * CHUNK)):")
+    chunk += _indent(step, 4)
+    body.append("for k in range(0, n_chunks):")
+    body += _indent(chunk, 4)
+    for f, name in enumerate(ir.fields):
+        body.append(f"tl.store(final_ptr + ({f} * n_seq + seq) * L + lane, c_{name}, mask=lane_ok)")
+    sig = ", ".join(forward_args(ir) + [f"{c}: tl.constexpr" for c in consts])
+    return ["@triton.jit", f"def scan_forward_lanes({sig}):",
+            f'    """Forward fused scan of {ir.name}, lane-sequential: one combine per step and lane, in registers."""',
+            *_indent(body, 4)]
+
+
+def _du_store_lanes(i: int, name: str) -> list[str]:
+    """Write du_<name> [BLOCK_L] by DU{i} (the tile schedule's modes): 0 store, 1 atomic add, 2 summed
+    over time, 3 summed over the STATE lanes then stored, 4 summed over the STATE lanes then atomically added."""
+    ptr = f"du{i}_ptr + du{i}_off + tt * du{i}_st"
+    gptr = f"du{i}_ptr + du{i}_goff + tt * du{i}_st"
+    return [
+        f"if DU{i} == 0:",
+        f"    tl.store({ptr}, du_{name}.to(du{i}_ptr.dtype.element_ty), mask=lane_ok)",
+        f"elif DU{i} == 1:",
+        f"    tl.atomic_add({ptr}, du_{name}.to(du{i}_ptr.dtype.element_ty), mask=lane_ok)",
+        f"elif DU{i} == 2:",
+        f"    acc{i} += tl.where(lane_ok, du_{name}, 0.0)",
+        f"elif DU{i} == 3:",
+        f"    tl.store({gptr}, {_reduce(f'tl.where(lane_ok, du_{name}, 0.0)')}.to(du{i}_ptr.dtype.element_ty), mask=group_ok)",
+        "else:",
+        f"    tl.atomic_add({gptr}, {_reduce(f'tl.where(lane_ok, du_{name}, 0.0)')}.to(du{i}_ptr.dtype.element_ty), "
+        "mask=group_ok)",
+    ]
+
+
+def _scratch(f: int, row: str) -> str:
+    return f"scratch_ptr + (({f} * n_seq + seq) * CHUNK + {row}) * L + lane"
+
+
+def render_backward_lanes(ir: ScanIR, adj: Adjoint) -> list[str]:
+    n, nb = len(ir.fields), len(adj.b_entries)
+    consts = (["BLOCK_L", "CHUNK", "REVERSE", "HAS_INIT", "HAS_DFINAL", "VARLEN", "STATE", "FP64"]
+              + [f"DU{i}" for i in range(len(ir.inputs))])
+    body = _prologue()
+    for i in range(len(ir.inputs)):
+        body.append(f"u{i}_off = {_lane_off(f'u{i}')}")
+        body.append(f"du{i}_off = {_lane_off(f'du{i}')}")
+        body.append(f"du{i}_goff = {_lane_off(f'du{i}', 'group', '1')}")
+        body.append(f"acc{i} = to_acc(tl.zeros([BLOCK_L], tl.float32), FP64)")
+    for j in range(len(ir.outputs)):
+        body.append(f"g{j}_off = {_lane_off(f'g{j}')}")
+    for f, name in enumerate(ir.fields):   # cd: direct terms handed down (dL/dfinal to the last step)
+        body += [f"cd_{name} = to_acc(tl.zeros([BLOCK_L], tl.float32), FP64)",
+                 "if HAS_DFINAL:",
+                 f"    cd_{name} += to_acc(tl.load(dfinal_ptr + ({f} * n_seq + seq) * L + lane, mask=lane_ok, other=0.0), FP64)",
+                 f"bd_{name} = to_acc(tl.zeros([BLOCK_L], tl.float32), FP64)"]
+    chunk = ["k = n_chunks - 1 - kk", "n_steps = tl.minimum(CHUNK, seq_len - k * CHUNK)"]
+    for f, (name, ident) in enumerate(zip(ir.fields, ir.identity)):
+        chunk.append(f"k_{name} = to_acc(tl.load(ckpt_ptr + ({f} * n_slots + slot0 + k) * L + lane, mask=lane_ok, "
+                     f"other={_num(ident)}), FP64)")
+        chunk.append(f"c_{name} = k_{name}")
+    replay = _memory_index() + _load_lift(ir, mask="lane_ok") + [_combine_into(ir, "c", "c", "e")]
+    replay += [f"tl.store({_scratch(f, 's')}, c_{name}, mask=lane_ok)" for f, name in enumerate(ir.fields)]
+    chunk.append("for s in range(0, n_steps):")
+    chunk += _indent(replay, 4)
+    chunk.append("tl.debug_barrier()")
+    shape = f"p_{ir.fields[0]}"
+    step = ["s = n_steps - 1 - ss", *_memory_index(), *_load_lift(ir, mask="lane_ok")]
+    for f, name in enumerate(ir.fields):   # the previous prefix: the checkpoint at the chunk's first step
+        step.append(f"p_{name} = tl.load({_scratch(f, 's')}, mask=lane_ok, other=0.0)")
+        step.append(f"q_{name} = tl.where(s > 0, tl.load({_scratch(f, 'tl.maximum(s - 1, 0)')}, mask=lane_ok, other=0.0), "
+                    f"k_{name})")
+    for j, o in enumerate(ir.outputs):
+        step.append(f"g_{o} = to_acc(tl.load(g{j}_ptr + g{j}_off + tt * g{j}_st, mask=lane_ok, other=0.0), FP64)")
+    here = ({s: s.name for s in ir.prefix_symbols + ir.previous_symbols + adj.g}
+            | _symbols_named(ir.input_symbols, "u_{}"))
+    step += _assign([f"dy_{f}" for f in ir.fields], adj.dy, here, "_d", shape_like=shape)
+    step += [f"d_{f} = dy_{f} + cd_{f}" for f in ir.fields]
+    step += _assign([f"v_{f}" for f in ir.fields], adj.direct, {s: s.name for s in ir.prefix_symbols + adj.d}, "_v",
+                    shape_like=shape)
+    step += [f"gbar_{f} = v_{f} + bd_{f}" for f in ir.fields]
+    names_x = {s: s.name for s in ir.previous_symbols + adj.gbar} | {s: f"e_{f}" for s, f in zip(ir.later, ir.fields)}
+    step += _assign([f"dx_{f}" for f in ir.fields], adj.dx, names_x, "_x", shape_like=shape)
+    step += _assign([f"du_{u}" for u in ir.inputs], adj.du, here | {s: s.name for s in adj.dx_symbols}, "_u",
+                    shape_like=shape)
+    for i, name in enumerate(ir.inputs):
+        step += _du_store_lanes(i, name)
+    # hand down to step t - 1: c_t and B_t gbar_t, B_t = J1(y_{t-1}, x_t)^T
+    step += _assign([f"cd_{f}" for f in ir.fields], adj.c, here, "_i", shape_like=shape)
+    b_names = {s: s.name for s in ir.previous_symbols} | {s: f"e_{f}" for s, f in zip(ir.later, ir.fields)}
+    step += _assign([f"b{k}" for k in range(nb)], adj.b_entries, b_names, "_b", shape_like=shape)
+    bmat = adj.matrix([E.symbol(f"b{k}") for k in range(nb)])
+    gb = [E.symbol(f"gbar_{f}") for f in ir.fields]
+    bd = [sum((bmat[i][j] * gb[j] for j in range(n)), sympy.Integer(0)) for i in range(n)]
+    step += _assign([f"bd_{f}" for f in ir.fields], bd, {s: s.name for s in gb} | {E.symbol(f"b{k}"): f"b{k}" for k in range(nb)},
+                    "_w", shape_like=shape)
+    chunk.append("for ss in range(0, n_steps):")
+    chunk += _indent(step, 4)
+    chunk.append("tl.debug_barrier()")
+    body.append("for kk in range(0, n_chunks):")
+    body += _indent(chunk, 4)
+    for i in range(len(ir.inputs)):
+        body += [f"if DU{i} == 2:",
+                 f"    tl.atomic_add(du{i}_ptr + du{i}_off, acc{i}.to(du{i}_ptr.dtype.element_ty), mask=lane_ok)"]
+    body.append("if HAS_INIT:")   # dL/d(initial) = c_0 + B_0 gbar_0 (dL/dfinal when the sequence is empty)
+    for f, name in enumerate(ir.fields):
+        body.append(f"    tl.store(dinit{f}_ptr + seq * L + lane, cd_{name} + bd_{name}, mask=lane_ok)")
+    sig = ", ".join(backward_args(ir) + ["scratch_ptr"] + [f"{c}: tl.constexpr" for c in consts])
+    return ["@triton.jit", f"def scan_backward_lanes({sig}):",
+            f'    """Backward of {ir.name}, lane-sequential: replay each chunk into scratch, step the adjoint back."""',
+            *_indent(body, 4)]

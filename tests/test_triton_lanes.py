@@ -1,0 +1,192 @@
+"""The lane-sequential schedule (scan_forward_lanes / scan_backward_lanes) against float64 loops, and
+fitting launch configs to the device (shrink on OutOfResources, remembered per program and shape).
+
+The schedule is forced through runtime.OVERRIDES (how the benchmark selects it). Chunks of 4 steps
+and 8 lanes per program (two groups of the mixers' 4 state lanes; masked tails), so T = 1, 7, 9
+cover one partial chunk, a tail and several chunks.
+"""
+import pytest
+import torch
+from triton.runtime.errors import OutOfResources
+
+import scanlang as sl
+from scanlang.backends.reference import scan_sequential
+from scanlang.backends.triton import ops, runtime
+from scanlang.testing import assert_close
+
+import test_mixer
+from test_triton_scan import DEVICE, LIBRARY, elems_for
+
+LANES = runtime.Config(block_t=4, block_l=8, num_warps=1, chunk=4, schedule="lanes")
+
+
+def _force(fwd: str, bwd: str):
+    runtime.OVERRIDES.clear()
+    for contiguous in (False, True):
+        if fwd == "lanes":
+            runtime.OVERRIDES[(contiguous, False)] = LANES
+        if bwd == "lanes":
+            runtime.OVERRIDES[(contiguous, True)] = LANES
+
+
+@pytest.fixture
+def lanes(monkeypatch):
+    """Force the lanes schedule and check that only its kernels ran."""
+    real, ran = ops.wrap_triton, []
+
+    def spy(kernel):
+        ran.append(kernel.__name__)
+        return real(kernel)
+    monkeypatch.setattr(ops, "wrap_triton", spy)
+    _force("lanes", "lanes")
+    yield
+    runtime.OVERRIDES.clear()
+    assert ran and set(ran) <= {"scan_forward_lanes", "scan_backward_lanes"}, ran
+
+
+def _shape(layout, T):
+    return ((2, 3, T), 2) if layout == "time" else ((2, T, 5), 1)
+
+
+@pytest.mark.parametrize("monoid", LIBRARY, ids=lambda m: m.name)
+@pytest.mark.parametrize("length", [1, 7, 9])
+def test_lanes_forward_matches_sequential_loop(lanes, monoid, length):
+    shape, dim = _shape("channels", length)
+    elems = elems_for(monoid, shape)
+    out = sl.scan(monoid, elems, dim=dim, backend="triton")
+    ref = scan_sequential(monoid, elems, dim=dim)
+    for f, o, r in zip(monoid.fields, out, ref):
+        assert torch.isfinite(o).all(), f"{f}: some output was not written"
+        assert_close(o, r, "scan", name=f"{monoid.name}.{f}")
+
+
+@pytest.mark.parametrize("monoid", LIBRARY, ids=lambda m: m.name)
+@pytest.mark.parametrize("layout,reverse", [("time", False), ("channels", True)])
+def test_lanes_gradients_with_initial(lanes, monoid, layout, reverse):
+    shape, dim = _shape(layout, 9)
+    elems = tuple(e.requires_grad_() for e in elems_for(monoid, shape))
+    initial = tuple(e.requires_grad_() for e in elems_for(monoid, shape[:dim] + shape[dim + 1:]))
+    out = sl.scan(monoid, elems, dim=dim, reverse=reverse, initial=initial, backend="triton")
+    ref = scan_sequential(monoid, elems, dim=dim, reverse=reverse, initial=initial)
+    for f, o, r in zip(monoid.fields, out, ref):
+        assert_close(o, r, "scan", name=f"{monoid.name}.{f}")
+    weights = [torch.randn(shape, dtype=torch.float64, device=DEVICE) for _ in monoid.fields]
+    leaves = elems + initial
+    got = torch.autograd.grad(sum((o * w).sum() for o, w in zip(out, weights)), leaves)
+    want = torch.autograd.grad(sum((r * w).sum() for r, w in zip(ref, weights)), leaves)
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert g.shape == w.shape
+        assert_close(g, w, "scan_grad", name=f"{monoid.name} grad {i}")
+
+
+@pytest.mark.parametrize("fwd,bwd", [("lanes", "tile"), ("tile", "lanes")])
+def test_schedules_share_checkpoints(fwd, bwd):
+    """Either backward runs after either forward: both read the same checkpoint slots."""
+    _force(fwd, bwd)
+    try:
+        shape = (2, 11, 3)
+        elems = tuple(e.requires_grad_() for e in elems_for(sl.Mobius, shape))
+        out = sl.scan(sl.Mobius, elems, dim=1, backend="triton")
+        ref = scan_sequential(sl.Mobius, elems, dim=1)
+        w = torch.randn(shape, dtype=torch.float64, device=DEVICE)
+        got = torch.autograd.grad((out.a * w).sum() + out.d.sum(), elems)
+        want = torch.autograd.grad((ref[0] * w).sum() + ref[3].sum(), elems)
+        for g, r in zip(got, want):
+            assert_close(g, r, "scan_grad")
+    finally:
+        runtime.OVERRIDES.clear()
+
+
+def test_lanes_gradcheck_float64(lanes):
+    elems = tuple(e.requires_grad_() for e in elems_for(sl.Mobius, (1, 5, 2)))
+    initial = tuple(e.requires_grad_() for e in elems_for(sl.Mobius, (1, 2)))
+
+    def f(*xs):
+        return tuple(sl.scan(sl.Mobius, xs[:4], dim=1, initial=xs[4:], backend="triton"))
+    assert torch.autograd.gradcheck(f, elems + initial, eps=1e-6, atol=1e-8, fast_mode=True)
+
+
+# mixers on the lanes schedule: lift/readout, the previous prefix, state reduction, packed sequences,
+# inputs broadcast over lane axes (the mixer tests, run with the schedule forced)
+
+@pytest.mark.parametrize("T", [1, 11])
+def test_lanes_fused_mixer(lanes, T):
+    test_mixer.test_fused_mixer_outputs_final_state_and_gradients(T)
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+def test_lanes_packed_sequences(lanes, reverse):
+    test_mixer.test_packed_sequences_restart_at_every_start(reverse)
+
+
+def test_lanes_broadcast_input_gradients(lanes):
+    test_mixer.test_gradients_of_inputs_broadcast_over_several_lane_axes()
+
+
+def test_lanes_projective_readout_float32(lanes):
+    test_mixer.test_mixer_float32_projective_readout()
+
+
+# ---- fitting configs to the device ------------------------------------------------------------
+
+def test_fit_launch_shrinks_and_remembers():
+    tried = []
+
+    def attempt(cfg):
+        tried.append(cfg)
+        if cfg.block_t * cfg.block_l > 256:
+            raise OutOfResources(cfg.block_t * cfg.block_l * 4, 1024, "shared memory")
+        return "ran"
+    remembered = {}
+    big = runtime.Config(block_t=64, block_l=32, num_warps=4)
+    assert runtime.fit_launch("k", big, attempt, runtime.smaller_config, remembered) == "ran"
+    assert [c.block_t for c in tried] == [64, 32, 16, 8]
+    assert remembered["k"] == runtime.Config(block_t=8, block_l=32, num_warps=4)
+    tried.clear()
+    runtime.fit_launch("k", big, attempt, runtime.smaller_config, remembered)
+    assert tried == [remembered["k"]]                 # the fitted config is tried first next time
+    kept = runtime.Config(block_t=64, block_l=32, num_warps=4)
+    tried.clear()
+    runtime.fit_launch("b", kept, attempt, lambda c: runtime.smaller_config(c, keep_block_t=True), remembered)
+    assert [(c.block_t, c.block_l) for c in tried] == [(64, 32), (64, 16), (64, 8), (64, 4)]
+
+
+def test_fit_launch_reraises_when_nothing_smaller_fits():
+    def attempt(cfg):
+        raise OutOfResources(1 << 20, 1024, "shared memory")
+    with pytest.raises(OutOfResources):
+        runtime.fit_launch("x", runtime.Config(block_t=2, block_l=1, num_warps=2), attempt, runtime.smaller_config, {})
+
+
+def test_scan_shrinks_a_tile_that_does_not_fit(monkeypatch):
+    """A fake launcher raises OutOfResources for tiles over 2 x 4: the forward shrinks its tile (and
+    with it the checkpoint interval), the backward finds the same interval, results stay exact."""
+    real = ops.wrap_triton
+    launched = []
+
+    class FakeLauncher:
+        def __init__(self, kernel):
+            self.kernel = kernel
+
+        def __getitem__(self, grid):
+            def launch(*args, **meta):
+                if meta.get("BLOCK_T", 1) * meta["BLOCK_L"] > 8:
+                    raise OutOfResources(meta["BLOCK_T"] * meta["BLOCK_L"] * 1024, 8 * 1024, "shared memory")
+                launched.append((self.kernel.__name__, meta.get("BLOCK_T"), meta["BLOCK_L"], meta["CHUNK"]))
+                return real(self.kernel)[grid](*args, **meta)
+            return launch
+    monkeypatch.setattr(ops, "wrap_triton", FakeLauncher)
+    monkeypatch.setattr(runtime, "FITTED", {})
+    shape = (2, 13, 3)
+    elems = tuple(e.requires_grad_() for e in elems_for(sl.Affine, shape))
+    out = sl.scan(sl.Affine, elems, dim=1, backend="triton")
+    ref = scan_sequential(sl.Affine, elems, dim=1)
+    assert_close(out.b, ref[1], "scan")
+    w = torch.randn(shape, dtype=torch.float64, device=DEVICE)
+    for g, r in zip(torch.autograd.grad((out.b * w).sum(), elems), torch.autograd.grad((ref[1] * w).sum(), elems)):
+        assert_close(g, r, "scan_grad")
+    assert launched and all(bt * bl <= 8 for _, bt, bl, _ in launched)
+    fwd = [x for x in launched if x[0] == "scan_forward"]
+    bwd = [x for x in launched if x[0] == "scan_backward"]
+    assert fwd and bwd and bwd[0][3] == fwd[-1][3]    # the backward's tile = the forward's interval
+    assert len(runtime.FITTED) == 2                   # remembered per (program, pass, shape bucket)
