@@ -7,7 +7,8 @@ value lam = (a + b)/(c + d) out, i.e. the prefix applied to lam0 = 1), forward a
 fp32, time contiguous ([B, D, T], dim=-1) and channels contiguous ([B, T, D], dim=1). Anchors in the
 same run: accelerated-scan (its Triton and CUDA kernels, when importable) and
 torch._higher_order_ops.associative_scan under torch.compile (its backward once, not repeated).
-Every row is compared with a float64 reference (RMS(err)/RMS(ref)); bandwidth is the minimum HBM
+Each scan also runs on the lane-sequential schedule (rows marked [lanes]; --sweep adds a few lane
+blocks). Every row is compared with a float64 reference (RMS(err)/RMS(ref)); bandwidth is the minimum HBM
 traffic over the time, also as a fraction of a device-to-device copy measured in the same run.
 """
 from __future__ import annotations
@@ -161,6 +162,7 @@ def run_scans(table, B, D, T, anchors: bool, sweep: bool, log: dict):
                   (nf + 1 + 2 * nf + 1) * n * 4, best_b[1],
                   note=f"{best_b[2] or 'default config'}; GPU time alone (CUDA graph) {best_b[3]:.4f} ms")
         runtime.OVERRIDES.clear()
+        _lanes_rows(table, kind, layout, mix, data, g, y_ref, g_ref, n, sweep, log)
         if kind == "affine":
             monoid_out = sl.scan(sl.Affine, (data["a"], data["b"]), dim=dim, backend="triton")
             ms = _bench(lambda: sl.scan(sl.Affine, (data["a"], data["b"]), dim=dim, backend="triton"))
@@ -169,6 +171,34 @@ def run_scans(table, B, D, T, anchors: bool, sweep: bool, log: dict):
             _anchors(table, kind, layout, data, dim, g, y_ref, g_ref, n, log)
         del data, leaves, y_ref, g_ref
         torch.cuda.empty_cache()
+
+
+def _lanes_rows(table, kind, layout, mix, data, g, y_ref, g_ref, n, sweep: bool, log: dict):
+    """The same mixer on the lane-sequential schedule (forward and backward forced through
+    runtime.OVERRIDES): fwd and fwd+bwd rows, each checked against the float64 reference."""
+    from scanlang.backends.triton import runtime
+    nf = len(data)
+    shapes = [(128, 4, 64)] + ([(64, 2, 64), (256, 8, 64), (128, 4, 128)] if sweep else [])
+    leaves = {k: v.clone().requires_grad_() for k, v in data.items()}
+
+    def fwd_bwd():
+        return torch.autograd.grad(mix(**leaves)[0], tuple(leaves.values()), g)
+    for block_l, warps, chunk in shapes:
+        runtime.OVERRIDES.clear()
+        runtime.OVERRIDES.update(runtime.lanes_overrides(block_l=block_l, num_warps=warps, chunk=chunk))
+        note = f"lanes block_l={block_l} warps={warps} chunk={chunk}"
+        try:
+            err = _ratio(mix(**data)[0], y_ref)
+            ms = _bench(lambda: mix(**data), graph=True)
+            table.add(f"scanlang {kind} fwd [lanes] ({nf} in, 1 out)", layout, ms, (nf + 1) * n * 4, err, note=note)
+            gerr = max(_ratio(a, b) for a, b in zip(fwd_bwd(), g_ref))
+            ms_b = _bench(fwd_bwd)
+            table.add(f"scanlang {kind} fwd+bwd [lanes]", layout, ms_b, (nf + 1 + 2 * nf + 1) * n * 4, gerr, note=note)
+            log.setdefault("lanes", []).append(dict(kind=kind, layout=layout, cfg=note, fwd_ms=ms, fwd_bwd_ms=ms_b,
+                                                    err=err, grad_err=gerr))
+        except Exception as exc:  # reported, not fatal: the tile rows above stand
+            print(f"lanes {note} failed: {type(exc).__name__}: {str(exc)[:300]}")
+    runtime.OVERRIDES.clear()
 
 
 def _sweep_configs(layout):

@@ -190,3 +190,24 @@ def test_scan_shrinks_a_tile_that_does_not_fit(monkeypatch):
     bwd = [x for x in launched if x[0] == "scan_backward"]
     assert fwd and bwd and bwd[0][3] == fwd[-1][3]    # the backward's tile = the forward's interval
     assert len(runtime.FITTED) == 2                   # remembered per (program, pass, shape bucket)
+
+
+def test_delta_launch_shrinks_through_the_shared_helper(monkeypatch):
+    """backends/delta launches through runtime.fit_launch: fewer stages, then half the value block."""
+    from scanlang.backends.delta import ops as delta_ops
+    seen = []
+
+    def fake_wrap(kernel):
+        class Launcher:
+            def __getitem__(self, grid):
+                def run(*args, **opts):
+                    seen.append((grid, opts["num_stages"]))
+                    if opts["BV"] > 32:
+                        raise OutOfResources(opts["BV"] * 1024, 32 * 1024, "shared memory")
+                return run
+        return Launcher()
+    monkeypatch.setattr(delta_ops, "wrap_triton", fake_wrap)
+    monkeypatch.setitem(delta_ops.CONFIG, "probe", dict(BV=128, num_warps=4, num_stages=2))
+    delta_ops._launch("probe", None, lambda cfg: (cfg["BV"],), (), {}, V=128)
+    assert seen == [((128,), 2), ((128,), 1), ((64,), 1), ((32,), 1)]
+    assert delta_ops.CONFIG["probe"] == dict(BV=32, num_warps=4, num_stages=1)

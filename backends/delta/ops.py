@@ -22,10 +22,10 @@ from typing import Optional
 import torch
 import triton
 from torch.library import triton_op, wrap_triton
-from triton.runtime.errors import OutOfResources
 
 from scanlang.delta import GIVEN, KACZMARZ, DeltaRule
 
+from ..triton.runtime import fit_launch
 from . import codegen
 
 RECURRENT_MAX_LEN = 16
@@ -104,7 +104,12 @@ def _meta(K: int, V: int, C: int, dtype: torch.dtype, device: torch.device) -> d
 
 def _opts(name: str, V: int) -> dict:
     """CONFIG[name] with the value block clamped to the padded V."""
-    cfg = dict(CONFIG[name])
+    return _clamp(CONFIG[name], V)
+
+
+def _clamp(cfg: dict, V: int) -> dict:
+    """`cfg` with the value block clamped to the padded V."""
+    cfg = dict(cfg)
     if "BV" in cfg:
         cfg["BV"] = min(cfg["BV"], max(16, triton.next_power_of_2(V)))
     return cfg
@@ -121,18 +126,12 @@ def _smaller(cfg: dict) -> dict | None:
 
 def _launch(name: str, kernel, grid, args: tuple, meta: dict, V: int):
     """Launch `kernel` with CONFIG[name]; `grid(cfg)` gives the grid. A config that needs more shared
-    memory or registers than the device has is shrunk (and remembered) until it fits."""
-    cfg = _opts(name, V)
-    while True:
-        try:
-            wrap_triton(kernel)[grid(cfg)](*args, **meta, **cfg)
-            return
-        except OutOfResources:
-            smaller = _smaller(CONFIG[name])
-            if smaller is None:
-                raise
-            CONFIG[name] = smaller
-            cfg = _opts(name, V)
+    memory than the device has is shrunk until it fits, and remembered in CONFIG (the Triton
+    backend's runtime.fit_launch)."""
+    def attempt(cfg):
+        opts = _clamp(cfg, V)
+        wrap_triton(kernel)[grid(opts)](*args, **meta, **opts)
+    fit_launch(name, CONFIG[name], attempt, _smaller, remembered=CONFIG)
 
 
 def _ptr(t: torch.Tensor, fallback: torch.Tensor) -> torch.Tensor:
