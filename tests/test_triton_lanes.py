@@ -97,6 +97,27 @@ def test_schedules_share_checkpoints(fwd, bwd):
         runtime.OVERRIDES.clear()
 
 
+def test_lanes_chunk_not_a_multiple_of_the_unroll(monkeypatch):
+    """Checkpoints every 6 steps, stepped in blocks of codegen_seq.UNROLL = 4 (a partial block per chunk)."""
+    from scanlang.backends.triton import codegen_seq
+    assert 6 % codegen_seq.UNROLL != 0
+    odd = runtime.Config(block_t=6, block_l=8, num_warps=1, chunk=6, schedule="lanes")
+    for key in [(c, b) for c in (False, True) for b in (False, True)]:
+        monkeypatch.setitem(runtime.OVERRIDES, key, odd)
+    shape = (2, 17, 3)
+    elems = tuple(e.requires_grad_() for e in elems_for(sl.Mobius, shape))
+    initial = tuple(e.requires_grad_() for e in elems_for(sl.Mobius, (2, 3)))
+    out = sl.scan(sl.Mobius, elems, dim=1, reverse=True, initial=initial, backend="triton")
+    ref = scan_sequential(sl.Mobius, elems, dim=1, reverse=True, initial=initial)
+    for o, r in zip(out, ref):
+        assert_close(o, r, "scan")
+    w = torch.randn(shape, dtype=torch.float64, device=DEVICE)
+    got = torch.autograd.grad((out.b * w).sum() + out.c.sum(), elems + initial)
+    want = torch.autograd.grad((ref[1] * w).sum() + ref[2].sum(), elems + initial)
+    for g, r in zip(got, want):
+        assert_close(g, r, "scan_grad")
+
+
 def test_lanes_gradcheck_float64(lanes):
     elems = tuple(e.requires_grad_() for e in elems_for(sl.Mobius, (1, 5, 2)))
     initial = tuple(e.requires_grad_() for e in elems_for(sl.Mobius, (1, 2)))

@@ -6,7 +6,9 @@
   over the STATE lanes), store. Every CHUNK steps it stores the carry into the chunk: the same
   checkpoints as the tile schedule (slot j = the carry into chunk j), so either backward can run
   after either forward. No shared memory, no cross-thread traffic: work-optimal, one combine per
-  step and lane.
+  step and lane. Steps run in blocks of UNROLL: the block's loads are issued first (they do not
+  depend on the carry, and a store between them would keep the compiler from hoisting them), then
+  the dependent chain; steps past the chunk's end are masked and leave the carries unchanged.
 - `scan_backward_lanes`: walks the chunks in reverse. Per chunk it replays the prefixes from the
   checkpoint into a per-lane scratch row (global memory, CHUNK x fields per lane: L2-resident,
   written and read back by the same thread), then steps the adjoint backwards one step at a time
@@ -17,7 +19,9 @@
 
   Step t hands its successor-side terms down to step t - 1 as two carried vectors: `cd` = c_t
   (the readout at t differentiated in its previous prefix) and `bd` = B_t gbar_t (B_t the adjoint
-  transition J1(y_{t-1}, x_t)^T in its sparse form). At t = 0 they sum to dL/d(initial).
+  transition J1(y_{t-1}, x_t)^T in its sparse form). At t = 0 they sum to dL/d(initial). The
+  prefix y_t of a step is its successor's previous prefix (carried as `nq`), so each step reads
+  one scratch row.
 """
 from __future__ import annotations
 
@@ -51,25 +55,37 @@ def _prologue() -> list[str]:
     ]
 
 
-def _memory_index() -> list[str]:
-    """tt: the memory index of scan step t = k * CHUNK + s (backwards in memory when REVERSE)."""
+UNROLL = 4   # steps per loop iteration: their loads are issued together, ahead of the dependent chain
+
+
+def _block_index(first: str) -> list[str]:
+    """tt: the memory index of scan step t = k * CHUNK + `first` (backwards in memory when REVERSE);
+    step j of the block is at tt + j * step (forward walk) or tt - j * step (backward walk)."""
     return [
-        "t = k * CHUNK + s",
+        f"t = k * CHUNK + {first}",
         "if REVERSE:",
         "    tt = (t0 + seq_len - 1 - t).to(tl.int64)",
+        "    step = -1",
         "else:",
         "    tt = (t0 + t).to(tl.int64)",
+        "    step = 1",
     ]
+
+
+def _keep(names, live: str) -> list[str]:
+    """Carried values advance only on live steps (a block's tail past the chunk end keeps them)."""
+    return [f"{n} = tl.where({live}, {n}_new, {n})" for n in names]
 
 
 def _reduce(value: str) -> str:
     return f"tl.sum(tl.reshape({value}, (BLOCK_L // STATE, STATE)), 1)"
 
 
-def _combine_into(ir: ScanIR, out: str, left: str, right: str) -> str:
+def _combine_call(ir: ScanIR, out: str, left: str, right: str) -> str:
+    """`out` = combine(`left`, `right`), each a format for one name per field."""
     fs = ir.fields
-    lhs = ", ".join(f"{out}_{f}" for f in fs)   # one field: combine returns a scalar, not a tuple
-    return f"{lhs} = combine({', '.join(f'{left}_{f}' for f in fs)}, {', '.join(f'{right}_{f}' for f in fs)})"
+    lhs = ", ".join(out.format(f) for f in fs)   # one field: combine returns a scalar, not a tuple
+    return f"{lhs} = combine({', '.join(left.format(f) for f in fs)}, {', '.join(right.format(f) for f in fs)})"
 
 
 def render_forward_lanes(ir: ScanIR) -> list[str]:
@@ -80,23 +96,29 @@ def render_forward_lanes(ir: ScanIR) -> list[str]:
     for j in range(len(ir.outputs)):
         body.append(f"o{j}_off = " + (_lane_off(f"o{j}", "group", "1") if ir.reduce_state else _lane_off(f"o{j}")))
     body += _initial_carry(ir)
-    step = _memory_index() + _load_lift(ir, mask="lane_ok")
-    if ir.uses_previous:
-        step += [f"q_{f} = c_{f}" for f in ir.fields]
-    step.append(_combine_into(ir, "c", "c", "e"))
+    block = _block_index("s0")
+    for j in range(UNROLL):   # loads first: nothing below depends on the carry
+        block += [f"live{j} = s0 + {j} < n_steps", f"ok{j} = lane_ok & (lane * 0 + {j} < n_steps - s0)"]
+        block += _load_lift(ir, tag=str(j), shift=j, mask=f"ok{j}")
     names = ({s: f"c_{s.name[2:]}" for s in ir.prefix_symbols} | {s: s.name for s in ir.previous_symbols}
-             | {s: s.name for s in ir.input_symbols})
-    step += _assign([f"r{j}" for j in range(len(ir.outputs))], ir.readout, names, "_r", shape_like=f"c_{ir.fields[0]}")
-    for j in range(len(ir.outputs)):
-        ptr = f"o{j}_ptr + o{j}_off + tt * o{j}_st"
-        if ir.reduce_state:
-            step.append(f"tl.store({ptr}, {_reduce(f'r{j}')}.to(o{j}_ptr.dtype.element_ty), mask=group_ok)")
-        else:
-            step.append(f"tl.store({ptr}, r{j}.to(o{j}_ptr.dtype.element_ty), mask=lane_ok)")
+             | _symbols_named(ir.input_symbols, "u_{}"))
+    for j in range(UNROLL):
+        block += [f"u_{n} = u{j}_{n}" for n in ir.inputs] + [f"e_{f} = e{j}_{f}" for f in ir.fields]
+        if ir.uses_previous:
+            block += [f"q_{f} = c_{f}" for f in ir.fields]
+        block.append(_combine_call(ir, "c_{}_new", "c_{}", "e_{}"))
+        block += _keep([f"c_{f}" for f in ir.fields], f"live{j}")
+        block += _assign([f"r{o}" for o in range(len(ir.outputs))], ir.readout, names, "_r", shape_like=f"c_{ir.fields[0]}")
+        for o in range(len(ir.outputs)):
+            ptr = f"o{o}_ptr + o{o}_off + (tt + {j} * step) * o{o}_st"
+            if ir.reduce_state:
+                block.append(f"tl.store({ptr}, {_reduce(f'r{o}')}.to(o{o}_ptr.dtype.element_ty), mask=group_ok & (group * 0 + {j} < n_steps - s0))")
+            else:
+                block.append(f"tl.store({ptr}, r{o}.to(o{o}_ptr.dtype.element_ty), mask=ok{j})")
     chunk = [f"tl.store(ckpt_ptr + ({f} * n_slots + slot0 + k) * L + lane, c_{name}, mask=lane_ok)"
              for f, name in enumerate(ir.fields)]
-    chunk.append("for s in range(0, tl.minimum(CHUNK, seq_len - k * CHUNK)):")
-    chunk += _indent(step, 4)
+    chunk += ["n_steps = tl.minimum(CHUNK, seq_len - k * CHUNK)", f"for s0 in range(0, n_steps, {UNROLL}):"]
+    chunk += _indent(block, 4)
     body.append("for k in range(0, n_chunks):")
     body += _indent(chunk, 4)
     for f, name in enumerate(ir.fields):
@@ -107,23 +129,25 @@ def render_forward_lanes(ir: ScanIR) -> list[str]:
             *_indent(body, 4)]
 
 
-def _du_store_lanes(i: int, name: str) -> list[str]:
-    """Write du_<name> [BLOCK_L] by DU{i} (the tile schedule's modes): 0 store, 1 atomic add, 2 summed
-    over time, 3 summed over the STATE lanes then stored, 4 summed over the STATE lanes then atomically added."""
-    ptr = f"du{i}_ptr + du{i}_off + tt * du{i}_st"
-    gptr = f"du{i}_ptr + du{i}_goff + tt * du{i}_st"
+def _du_store_lanes(i: int, name: str, j: int) -> list[str]:
+    """Write du_<name> [BLOCK_L] of block step j (memory index tt - j * step) by DU{i} (the tile
+    schedule's modes): 0 store, 1 atomic add, 2 summed over time, 3 summed over the STATE lanes then
+    stored, 4 summed over the STATE lanes then atomically added."""
+    at = f"(tt - {j} * step)"
+    ptr = f"du{i}_ptr + du{i}_off + {at} * du{i}_st"
+    gptr = f"du{i}_ptr + du{i}_goff + {at} * du{i}_st"
+    red = _reduce(f"tl.where(ok{j}, du_{name}, 0.0)")
     return [
         f"if DU{i} == 0:",
-        f"    tl.store({ptr}, du_{name}.to(du{i}_ptr.dtype.element_ty), mask=lane_ok)",
+        f"    tl.store({ptr}, du_{name}.to(du{i}_ptr.dtype.element_ty), mask=ok{j})",
         f"elif DU{i} == 1:",
-        f"    tl.atomic_add({ptr}, du_{name}.to(du{i}_ptr.dtype.element_ty), mask=lane_ok)",
+        f"    tl.atomic_add({ptr}, du_{name}.to(du{i}_ptr.dtype.element_ty), mask=ok{j})",
         f"elif DU{i} == 2:",
-        f"    acc{i} += tl.where(lane_ok, du_{name}, 0.0)",
+        f"    acc{i} += tl.where(ok{j}, du_{name}, 0.0)",
         f"elif DU{i} == 3:",
-        f"    tl.store({gptr}, {_reduce(f'tl.where(lane_ok, du_{name}, 0.0)')}.to(du{i}_ptr.dtype.element_ty), mask=group_ok)",
+        f"    tl.store({gptr}, {red}.to(du{i}_ptr.dtype.element_ty), mask=group_ok & (group * 0 + {j} < n_steps - ss0))",
         "else:",
-        f"    tl.atomic_add({gptr}, {_reduce(f'tl.where(lane_ok, du_{name}, 0.0)')}.to(du{i}_ptr.dtype.element_ty), "
-        "mask=group_ok)",
+        f"    tl.atomic_add({gptr}, {red}.to(du{i}_ptr.dtype.element_ty), mask=group_ok & (group * 0 + {j} < n_steps - ss0))",
     ]
 
 
@@ -153,43 +177,61 @@ def render_backward_lanes(ir: ScanIR, adj: Adjoint) -> list[str]:
         chunk.append(f"k_{name} = to_acc(tl.load(ckpt_ptr + ({f} * n_slots + slot0 + k) * L + lane, mask=lane_ok, "
                      f"other={_num(ident)}), FP64)")
         chunk.append(f"c_{name} = k_{name}")
-    replay = _memory_index() + _load_lift(ir, mask="lane_ok") + [_combine_into(ir, "c", "c", "e")]
-    replay += [f"tl.store({_scratch(f, 's')}, c_{name}, mask=lane_ok)" for f, name in enumerate(ir.fields)]
-    chunk.append("for s in range(0, n_steps):")
+    replay = _block_index("s0")
+    for j in range(UNROLL):
+        replay += [f"live{j} = s0 + {j} < n_steps", f"ok{j} = lane_ok & (lane * 0 + {j} < n_steps - s0)"]
+        replay += _load_lift(ir, tag=str(j), shift=j, mask=f"ok{j}")
+    for j in range(UNROLL):
+        replay.append(_combine_call(ir, "c_{}_new", "c_{}", f"e{j}_" + "{}"))
+        replay += _keep([f"c_{f}" for f in ir.fields], f"live{j}")
+        replay += [f"tl.store({_scratch(f, f's0 + {j}')}, c_{name}, mask=ok{j})" for f, name in enumerate(ir.fields)]
+    chunk.append(f"for s0 in range(0, n_steps, {UNROLL}):")
     chunk += _indent(replay, 4)
     chunk.append("tl.debug_barrier()")
+    chunk += [f"nq_{f} = c_{f}" for f in ir.fields]   # the prefix at the chunk's last step
     shape = f"p_{ir.fields[0]}"
-    step = ["s = n_steps - 1 - ss", *_memory_index(), *_load_lift(ir, mask="lane_ok")]
-    for f, name in enumerate(ir.fields):   # the previous prefix: the checkpoint at the chunk's first step
-        step.append(f"p_{name} = tl.load({_scratch(f, 's')}, mask=lane_ok, other=0.0)")
-        step.append(f"q_{name} = tl.where(s > 0, tl.load({_scratch(f, 'tl.maximum(s - 1, 0)')}, mask=lane_ok, other=0.0), "
-                    f"k_{name})")
-    for j, o in enumerate(ir.outputs):
-        step.append(f"g_{o} = to_acc(tl.load(g{j}_ptr + g{j}_off + tt * g{j}_st, mask=lane_ok, other=0.0), FP64)")
+    block = _block_index("(n_steps - 1 - ss0)")
+    for j in range(UNROLL):   # loads first (inputs, upstream gradients, previous prefixes), then the chain
+        block += [f"live{j} = ss0 + {j} < n_steps", f"ok{j} = lane_ok & (lane * 0 + {j} < n_steps - ss0)",
+                  f"s{j} = n_steps - 1 - ss0 - {j}"]
+        block += _load_lift(ir, tag=str(j), shift=-j, mask=f"ok{j}")
+        for o, out in enumerate(ir.outputs):
+            block.append(f"g{j}_{out} = to_acc(tl.load(g{o}_ptr + g{o}_off + (tt - {j} * step) * g{o}_st, mask=ok{j}, "
+                         "other=0.0), FP64)")
+        for f, name in enumerate(ir.fields):   # the previous prefix: the checkpoint at the chunk's first step
+            block.append(f"q{j}_{name} = tl.where(s{j} > 0, tl.load({_scratch(f, f'tl.maximum(s{j} - 1, 0)')}, "
+                         f"mask=ok{j}, other=0.0), k_{name})")
     here = ({s: s.name for s in ir.prefix_symbols + ir.previous_symbols + adj.g}
             | _symbols_named(ir.input_symbols, "u_{}"))
-    step += _assign([f"dy_{f}" for f in ir.fields], adj.dy, here, "_d", shape_like=shape)
-    step += [f"d_{f} = dy_{f} + cd_{f}" for f in ir.fields]
-    step += _assign([f"v_{f}" for f in ir.fields], adj.direct, {s: s.name for s in ir.prefix_symbols + adj.d}, "_v",
-                    shape_like=shape)
-    step += [f"gbar_{f} = v_{f} + bd_{f}" for f in ir.fields]
-    names_x = {s: s.name for s in ir.previous_symbols + adj.gbar} | {s: f"e_{f}" for s, f in zip(ir.later, ir.fields)}
-    step += _assign([f"dx_{f}" for f in ir.fields], adj.dx, names_x, "_x", shape_like=shape)
-    step += _assign([f"du_{u}" for u in ir.inputs], adj.du, here | {s: s.name for s in adj.dx_symbols}, "_u",
-                    shape_like=shape)
-    for i, name in enumerate(ir.inputs):
-        step += _du_store_lanes(i, name)
-    # hand down to step t - 1: c_t and B_t gbar_t, B_t = J1(y_{t-1}, x_t)^T
-    step += _assign([f"cd_{f}" for f in ir.fields], adj.c, here, "_i", shape_like=shape)
     b_names = {s: s.name for s in ir.previous_symbols} | {s: f"e_{f}" for s, f in zip(ir.later, ir.fields)}
-    step += _assign([f"b{k}" for k in range(nb)], adj.b_entries, b_names, "_b", shape_like=shape)
     bmat = adj.matrix([E.symbol(f"b{k}") for k in range(nb)])
     gb = [E.symbol(f"gbar_{f}") for f in ir.fields]
     bd = [sum((bmat[i][j] * gb[j] for j in range(n)), sympy.Integer(0)) for i in range(n)]
-    step += _assign([f"bd_{f}" for f in ir.fields], bd, {s: s.name for s in gb} | {E.symbol(f"b{k}"): f"b{k}" for k in range(nb)},
-                    "_w", shape_like=shape)
-    chunk.append("for ss in range(0, n_steps):")
-    chunk += _indent(step, 4)
+    carried = [f"{c}_{f}" for c in ("cd", "bd", "nq") for f in ir.fields]
+    for j in range(UNROLL):
+        block += ([f"u_{u} = u{j}_{u}" for u in ir.inputs] + [f"e_{f} = e{j}_{f}" for f in ir.fields]
+                  + [f"g_{o} = g{j}_{o}" for o in ir.outputs] + [f"q_{f} = q{j}_{f}" for f in ir.fields]
+                  + [f"p_{f} = nq_{f}" for f in ir.fields])
+        block += _assign([f"dy_{f}" for f in ir.fields], adj.dy, here, "_d", shape_like=shape)
+        block += [f"d_{f} = dy_{f} + cd_{f}" for f in ir.fields]
+        block += _assign([f"v_{f}" for f in ir.fields], adj.direct, {s: s.name for s in ir.prefix_symbols + adj.d},
+                         "_v", shape_like=shape)
+        block += [f"gbar_{f} = v_{f} + bd_{f}" for f in ir.fields]
+        names_x = {s: s.name for s in ir.previous_symbols + adj.gbar} | {s: f"e_{f}" for s, f in zip(ir.later, ir.fields)}
+        block += _assign([f"dx_{f}" for f in ir.fields], adj.dx, names_x, "_x", shape_like=shape)
+        block += _assign([f"du_{u}" for u in ir.inputs], adj.du, here | {s: s.name for s in adj.dx_symbols}, "_u",
+                         shape_like=shape)
+        for i, name in enumerate(ir.inputs):
+            block += _du_store_lanes(i, name, j)
+        # hand down to step t - 1: c_t, B_t gbar_t (B_t = J1(y_{t-1}, x_t)^T) and its prefix y_{t-1}
+        block += _assign([f"cd_{f}_new" for f in ir.fields], adj.c, here, "_i", shape_like=shape)
+        block += _assign([f"b{k}" for k in range(nb)], adj.b_entries, b_names, "_b", shape_like=shape)
+        block += _assign([f"bd_{f}_new" for f in ir.fields], bd,
+                         {s: s.name for s in gb} | {E.symbol(f"b{k}"): f"b{k}" for k in range(nb)}, "_w", shape_like=shape)
+        block += [f"nq_{f}_new = q_{f}" for f in ir.fields]
+        block += _keep(carried, f"live{j}")
+    chunk.append(f"for ss0 in range(0, n_steps, {UNROLL}):")
+    chunk += _indent(block, 4)
     chunk.append("tl.debug_barrier()")
     body.append("for kk in range(0, n_chunks):")
     body += _indent(chunk, 4)
