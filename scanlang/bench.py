@@ -178,15 +178,15 @@ def _lanes_rows(table, kind, layout, mix, data, g, y_ref, g_ref, n, sweep: bool,
     runtime.OVERRIDES): fwd and fwd+bwd rows, each checked against the float64 reference."""
     from scanlang.backends.triton import runtime
     nf = len(data)
-    shapes = [(128, 4, 64)] + ([(64, 2, 64), (256, 8, 64), (128, 4, 128)] if sweep else [])
+    shapes = [(64, 2, 64, 16)] + ([(32, 1, 64, 16), (128, 4, 64, 16), (64, 2, 64, 4), (64, 2, 128, 8)] if sweep else [])
     leaves = {k: v.clone().requires_grad_() for k, v in data.items()}
 
     def fwd_bwd():
         return torch.autograd.grad(mix(**leaves)[0], tuple(leaves.values()), g)
-    for block_l, warps, chunk in shapes:
+    for block_l, warps, chunk, unroll in shapes:
         runtime.OVERRIDES.clear()
-        runtime.OVERRIDES.update(runtime.lanes_overrides(block_l=block_l, num_warps=warps, chunk=chunk))
-        note = f"lanes block_l={block_l} warps={warps} chunk={chunk}"
+        runtime.OVERRIDES.update(runtime.lanes_overrides(block_l=block_l, num_warps=warps, chunk=chunk, unroll=unroll))
+        note = f"lanes block_l={block_l} warps={warps} chunk={chunk} unroll={unroll}"
         try:
             err = _ratio(mix(**data)[0], y_ref)
             ms = _bench(lambda: mix(**data), graph=True)

@@ -17,7 +17,7 @@ from scanlang.testing import assert_close
 import test_mixer
 from test_triton_scan import DEVICE, LIBRARY, elems_for
 
-LANES = runtime.Config(block_t=4, block_l=8, num_warps=1, chunk=4, schedule="lanes")
+LANES = runtime.Config(block_t=4, block_l=8, num_warps=1, chunk=4, schedule="lanes", unroll=4)
 
 
 def _force(fwd: str, bwd: str):
@@ -97,11 +97,11 @@ def test_schedules_share_checkpoints(fwd, bwd):
         runtime.OVERRIDES.clear()
 
 
-def test_lanes_chunk_not_a_multiple_of_the_unroll(monkeypatch):
-    """Checkpoints every 6 steps, stepped in blocks of codegen_seq.UNROLL = 4 (a partial block per chunk)."""
-    from scanlang.backends.triton import codegen_seq
-    assert 6 % codegen_seq.UNROLL != 0
-    odd = runtime.Config(block_t=6, block_l=8, num_warps=1, chunk=6, schedule="lanes")
+@pytest.mark.parametrize("unroll", [1, 4, 16])
+def test_lanes_chunk_not_a_multiple_of_the_unroll(monkeypatch, unroll):
+    """Checkpoints every 6 steps, stepped in blocks of 1, 4 (a partial block per chunk) or 16 (more
+    than a chunk)."""
+    odd = runtime.Config(block_t=6, block_l=8, num_warps=1, chunk=6, schedule="lanes", unroll=unroll)
     for key in [(c, b) for c in (False, True) for b in (False, True)]:
         monkeypatch.setitem(runtime.OVERRIDES, key, odd)
     shape = (2, 17, 3)

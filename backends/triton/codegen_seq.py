@@ -6,7 +6,7 @@
   over the STATE lanes), store. Every CHUNK steps it stores the carry into the chunk: the same
   checkpoints as the tile schedule (slot j = the carry into chunk j), so either backward can run
   after either forward. No shared memory, no cross-thread traffic: work-optimal, one combine per
-  step and lane. Steps run in blocks of UNROLL: the block's loads are issued first (they do not
+  step and lane. Steps run in blocks of UNROLL (a constexpr <= MAX_UNROLL): the block's loads are issued first (they do not
   depend on the carry, and a store between them would keep the compiler from hoisting them), then
   the dependent chain; steps past the chunk's end are masked and leave the carries unchanged.
 - `scan_backward_lanes`: walks the chunks in reverse. Per chunk it replays the prefixes from the
@@ -55,7 +55,12 @@ def _prologue() -> list[str]:
     ]
 
 
-UNROLL = 4   # steps per loop iteration: their loads are issued together, ahead of the dependent chain
+MAX_UNROLL = 16   # steps per loop iteration (constexpr UNROLL <= this): loads issued together, ahead of the chain
+
+
+def _guarded(j: int, lines: list[str]) -> list[str]:
+    """Block step j exists when j < UNROLL (a constexpr: the other copies are not compiled)."""
+    return lines if j == 0 else [f"if {j} < UNROLL:", *_indent(lines, 4)]
 
 
 def _block_index(first: str) -> list[str]:
@@ -89,7 +94,7 @@ def _combine_call(ir: ScanIR, out: str, left: str, right: str) -> str:
 
 
 def render_forward_lanes(ir: ScanIR) -> list[str]:
-    consts = ["BLOCK_L", "CHUNK", "REVERSE", "HAS_INIT", "VARLEN", "STATE", "FP64"]
+    consts = ["BLOCK_L", "CHUNK", "UNROLL", "REVERSE", "HAS_INIT", "VARLEN", "STATE", "FP64"]
     body = _prologue()
     for i in range(len(ir.inputs)):
         body.append(f"u{i}_off = {_lane_off(f'u{i}')}")
@@ -97,27 +102,31 @@ def render_forward_lanes(ir: ScanIR) -> list[str]:
         body.append(f"o{j}_off = " + (_lane_off(f"o{j}", "group", "1") if ir.reduce_state else _lane_off(f"o{j}")))
     body += _initial_carry(ir)
     block = _block_index("s0")
-    for j in range(UNROLL):   # loads first: nothing below depends on the carry
-        block += [f"live{j} = s0 + {j} < n_steps", f"ok{j} = lane_ok & (lane * 0 + {j} < n_steps - s0)"]
-        block += _load_lift(ir, tag=str(j), shift=j, mask=f"ok{j}")
+    for j in range(MAX_UNROLL):   # loads first: nothing below depends on the carry
+        part = []
+        part += [f"live{j} = s0 + {j} < n_steps", f"ok{j} = lane_ok & (lane * 0 + {j} < n_steps - s0)"]
+        part += _load_lift(ir, tag=str(j), shift=j, mask=f"ok{j}")
+        block += _guarded(j, part)
     names = ({s: f"c_{s.name[2:]}" for s in ir.prefix_symbols} | {s: s.name for s in ir.previous_symbols}
              | _symbols_named(ir.input_symbols, "u_{}"))
-    for j in range(UNROLL):
-        block += [f"u_{n} = u{j}_{n}" for n in ir.inputs] + [f"e_{f} = e{j}_{f}" for f in ir.fields]
+    for j in range(MAX_UNROLL):
+        part = []
+        part += [f"u_{n} = u{j}_{n}" for n in ir.inputs] + [f"e_{f} = e{j}_{f}" for f in ir.fields]
         if ir.uses_previous:
-            block += [f"q_{f} = c_{f}" for f in ir.fields]
-        block.append(_combine_call(ir, "c_{}_new", "c_{}", "e_{}"))
-        block += _keep([f"c_{f}" for f in ir.fields], f"live{j}")
-        block += _assign([f"r{o}" for o in range(len(ir.outputs))], ir.readout, names, "_r", shape_like=f"c_{ir.fields[0]}")
+            part += [f"q_{f} = c_{f}" for f in ir.fields]
+        part.append(_combine_call(ir, "c_{}_new", "c_{}", "e_{}"))
+        part += _keep([f"c_{f}" for f in ir.fields], f"live{j}")
+        part += _assign([f"r{o}" for o in range(len(ir.outputs))], ir.readout, names, "_r", shape_like=f"c_{ir.fields[0]}")
         for o in range(len(ir.outputs)):
             ptr = f"o{o}_ptr + o{o}_off + (tt + {j} * step) * o{o}_st"
             if ir.reduce_state:
-                block.append(f"tl.store({ptr}, {_reduce(f'r{o}')}.to(o{o}_ptr.dtype.element_ty), mask=group_ok & (group * 0 + {j} < n_steps - s0))")
+                part.append(f"tl.store({ptr}, {_reduce(f'r{o}')}.to(o{o}_ptr.dtype.element_ty), mask=group_ok & (group * 0 + {j} < n_steps - s0))")
             else:
-                block.append(f"tl.store({ptr}, r{o}.to(o{o}_ptr.dtype.element_ty), mask=ok{j})")
+                part.append(f"tl.store({ptr}, r{o}.to(o{o}_ptr.dtype.element_ty), mask=ok{j})")
+        block += _guarded(j, part)
     chunk = [f"tl.store(ckpt_ptr + ({f} * n_slots + slot0 + k) * L + lane, c_{name}, mask=lane_ok)"
              for f, name in enumerate(ir.fields)]
-    chunk += ["n_steps = tl.minimum(CHUNK, seq_len - k * CHUNK)", f"for s0 in range(0, n_steps, {UNROLL}):"]
+    chunk += ["n_steps = tl.minimum(CHUNK, seq_len - k * CHUNK)", "for s0 in range(0, n_steps, UNROLL):"]
     chunk += _indent(block, 4)
     body.append("for k in range(0, n_chunks):")
     body += _indent(chunk, 4)
@@ -157,7 +166,7 @@ def _scratch(f: int, row: str) -> str:
 
 def render_backward_lanes(ir: ScanIR, adj: Adjoint) -> list[str]:
     n, nb = len(ir.fields), len(adj.b_entries)
-    consts = (["BLOCK_L", "CHUNK", "REVERSE", "HAS_INIT", "HAS_DFINAL", "VARLEN", "STATE", "FP64"]
+    consts = (["BLOCK_L", "CHUNK", "UNROLL", "REVERSE", "HAS_INIT", "HAS_DFINAL", "VARLEN", "STATE", "FP64"]
               + [f"DU{i}" for i in range(len(ir.inputs))])
     body = _prologue()
     for i in range(len(ir.inputs)):
@@ -178,29 +187,35 @@ def render_backward_lanes(ir: ScanIR, adj: Adjoint) -> list[str]:
                      f"other={_num(ident)}), FP64)")
         chunk.append(f"c_{name} = k_{name}")
     replay = _block_index("s0")
-    for j in range(UNROLL):
-        replay += [f"live{j} = s0 + {j} < n_steps", f"ok{j} = lane_ok & (lane * 0 + {j} < n_steps - s0)"]
-        replay += _load_lift(ir, tag=str(j), shift=j, mask=f"ok{j}")
-    for j in range(UNROLL):
-        replay.append(_combine_call(ir, "c_{}_new", "c_{}", f"e{j}_" + "{}"))
-        replay += _keep([f"c_{f}" for f in ir.fields], f"live{j}")
-        replay += [f"tl.store({_scratch(f, f's0 + {j}')}, c_{name}, mask=ok{j})" for f, name in enumerate(ir.fields)]
-    chunk.append(f"for s0 in range(0, n_steps, {UNROLL}):")
+    for j in range(MAX_UNROLL):
+        part = []
+        part += [f"live{j} = s0 + {j} < n_steps", f"ok{j} = lane_ok & (lane * 0 + {j} < n_steps - s0)"]
+        part += _load_lift(ir, tag=str(j), shift=j, mask=f"ok{j}")
+        replay += _guarded(j, part)
+    for j in range(MAX_UNROLL):
+        part = []
+        part.append(_combine_call(ir, "c_{}_new", "c_{}", f"e{j}_" + "{}"))
+        part += _keep([f"c_{f}" for f in ir.fields], f"live{j}")
+        part += [f"tl.store({_scratch(f, f's0 + {j}')}, c_{name}, mask=ok{j})" for f, name in enumerate(ir.fields)]
+        replay += _guarded(j, part)
+    chunk.append("for s0 in range(0, n_steps, UNROLL):")
     chunk += _indent(replay, 4)
     chunk.append("tl.debug_barrier()")
     chunk += [f"nq_{f} = c_{f}" for f in ir.fields]   # the prefix at the chunk's last step
     shape = f"p_{ir.fields[0]}"
     block = _block_index("(n_steps - 1 - ss0)")
-    for j in range(UNROLL):   # loads first (inputs, upstream gradients, previous prefixes), then the chain
-        block += [f"live{j} = ss0 + {j} < n_steps", f"ok{j} = lane_ok & (lane * 0 + {j} < n_steps - ss0)",
+    for j in range(MAX_UNROLL):   # loads first (inputs, upstream gradients, previous prefixes), then the chain
+        part = []
+        part += [f"live{j} = ss0 + {j} < n_steps", f"ok{j} = lane_ok & (lane * 0 + {j} < n_steps - ss0)",
                   f"s{j} = n_steps - 1 - ss0 - {j}"]
-        block += _load_lift(ir, tag=str(j), shift=-j, mask=f"ok{j}")
+        part += _load_lift(ir, tag=str(j), shift=-j, mask=f"ok{j}")
         for o, out in enumerate(ir.outputs):
-            block.append(f"g{j}_{out} = to_acc(tl.load(g{o}_ptr + g{o}_off + (tt - {j} * step) * g{o}_st, mask=ok{j}, "
+            part.append(f"g{j}_{out} = to_acc(tl.load(g{o}_ptr + g{o}_off + (tt - {j} * step) * g{o}_st, mask=ok{j}, "
                          "other=0.0), FP64)")
         for f, name in enumerate(ir.fields):   # the previous prefix: the checkpoint at the chunk's first step
-            block.append(f"q{j}_{name} = tl.where(s{j} > 0, tl.load({_scratch(f, f'tl.maximum(s{j} - 1, 0)')}, "
+            part.append(f"q{j}_{name} = tl.where(s{j} > 0, tl.load({_scratch(f, f'tl.maximum(s{j} - 1, 0)')}, "
                          f"mask=ok{j}, other=0.0), k_{name})")
+        block += _guarded(j, part)
     here = ({s: s.name for s in ir.prefix_symbols + ir.previous_symbols + adj.g}
             | _symbols_named(ir.input_symbols, "u_{}"))
     b_names = {s: s.name for s in ir.previous_symbols} | {s: f"e_{f}" for s, f in zip(ir.later, ir.fields)}
@@ -208,29 +223,31 @@ def render_backward_lanes(ir: ScanIR, adj: Adjoint) -> list[str]:
     gb = [E.symbol(f"gbar_{f}") for f in ir.fields]
     bd = [sum((bmat[i][j] * gb[j] for j in range(n)), sympy.Integer(0)) for i in range(n)]
     carried = [f"{c}_{f}" for c in ("cd", "bd", "nq") for f in ir.fields]
-    for j in range(UNROLL):
-        block += ([f"u_{u} = u{j}_{u}" for u in ir.inputs] + [f"e_{f} = e{j}_{f}" for f in ir.fields]
+    for j in range(MAX_UNROLL):
+        part = []
+        part += ([f"u_{u} = u{j}_{u}" for u in ir.inputs] + [f"e_{f} = e{j}_{f}" for f in ir.fields]
                   + [f"g_{o} = g{j}_{o}" for o in ir.outputs] + [f"q_{f} = q{j}_{f}" for f in ir.fields]
                   + [f"p_{f} = nq_{f}" for f in ir.fields])
-        block += _assign([f"dy_{f}" for f in ir.fields], adj.dy, here, "_d", shape_like=shape)
-        block += [f"d_{f} = dy_{f} + cd_{f}" for f in ir.fields]
-        block += _assign([f"v_{f}" for f in ir.fields], adj.direct, {s: s.name for s in ir.prefix_symbols + adj.d},
+        part += _assign([f"dy_{f}" for f in ir.fields], adj.dy, here, "_d", shape_like=shape)
+        part += [f"d_{f} = dy_{f} + cd_{f}" for f in ir.fields]
+        part += _assign([f"v_{f}" for f in ir.fields], adj.direct, {s: s.name for s in ir.prefix_symbols + adj.d},
                          "_v", shape_like=shape)
-        block += [f"gbar_{f} = v_{f} + bd_{f}" for f in ir.fields]
+        part += [f"gbar_{f} = v_{f} + bd_{f}" for f in ir.fields]
         names_x = {s: s.name for s in ir.previous_symbols + adj.gbar} | {s: f"e_{f}" for s, f in zip(ir.later, ir.fields)}
-        block += _assign([f"dx_{f}" for f in ir.fields], adj.dx, names_x, "_x", shape_like=shape)
-        block += _assign([f"du_{u}" for u in ir.inputs], adj.du, here | {s: s.name for s in adj.dx_symbols}, "_u",
+        part += _assign([f"dx_{f}" for f in ir.fields], adj.dx, names_x, "_x", shape_like=shape)
+        part += _assign([f"du_{u}" for u in ir.inputs], adj.du, here | {s: s.name for s in adj.dx_symbols}, "_u",
                          shape_like=shape)
         for i, name in enumerate(ir.inputs):
-            block += _du_store_lanes(i, name, j)
+            part += _du_store_lanes(i, name, j)
         # hand down to step t - 1: c_t, B_t gbar_t (B_t = J1(y_{t-1}, x_t)^T) and its prefix y_{t-1}
-        block += _assign([f"cd_{f}_new" for f in ir.fields], adj.c, here, "_i", shape_like=shape)
-        block += _assign([f"b{k}" for k in range(nb)], adj.b_entries, b_names, "_b", shape_like=shape)
-        block += _assign([f"bd_{f}_new" for f in ir.fields], bd,
+        part += _assign([f"cd_{f}_new" for f in ir.fields], adj.c, here, "_i", shape_like=shape)
+        part += _assign([f"b{k}" for k in range(nb)], adj.b_entries, b_names, "_b", shape_like=shape)
+        part += _assign([f"bd_{f}_new" for f in ir.fields], bd,
                          {s: s.name for s in gb} | {E.symbol(f"b{k}"): f"b{k}" for k in range(nb)}, "_w", shape_like=shape)
-        block += [f"nq_{f}_new = q_{f}" for f in ir.fields]
-        block += _keep(carried, f"live{j}")
-    chunk.append(f"for ss0 in range(0, n_steps, {UNROLL}):")
+        part += [f"nq_{f}_new = q_{f}" for f in ir.fields]
+        part += _keep(carried, f"live{j}")
+        block += _guarded(j, part)
+    chunk.append("for ss0 in range(0, n_steps, UNROLL):")
     chunk += _indent(block, 4)
     chunk.append("tl.debug_barrier()")
     body.append("for kk in range(0, n_chunks):")

@@ -150,7 +150,7 @@ def scan_fwd(key: str, inputs: list[torch.Tensor], initial: list[torch.Tensor], 
         meta = dict(BLOCK_L=cfg.block_l, CHUNK=_chunk(cfg, checkpoint), REVERSE=reverse, HAS_INIT=bool(initial),
                     VARLEN=varlen, STATE=_state(prog, layout), FP64=fp64, num_warps=cfg.num_warps)
         if cfg.schedule == "lanes":
-            kernel = prog.module.scan_forward_lanes
+            kernel, meta = prog.module.scan_forward_lanes, dict(meta, UNROLL=cfg.unroll)
         else:
             kernel, meta = prog.module.scan_forward, dict(meta, BLOCK_T=cfg.block_t, STAGES=cfg.stages)
         grid = (_cdiv(layout.L, cfg.block_l), n_seq)
@@ -236,7 +236,7 @@ def scan_bwd(key: str, inputs: list[torch.Tensor], initial: list[torch.Tensor], 
             grid = (_cdiv(layout.L, cfg.block_l), n_seq)
             if cfg.schedule == "lanes":   # per-lane scratch for one chunk's replayed prefixes
                 scratch = torch.empty((n, n_seq, chunk, layout.L), dtype=acc, device=device)
-                wrap_triton(prog.module.scan_backward_lanes)[grid](*args, scratch, **meta)
+                wrap_triton(prog.module.scan_backward_lanes)[grid](*args, scratch, UNROLL=cfg.unroll, **meta)
             else:
                 wrap_triton(prog.module.scan_backward)[grid](*args, BLOCK_T=cfg.block_t, STAGES=cfg.stages, **meta)
         # the backward's time tile is the forward's checkpoint interval: only lanes and warps shrink

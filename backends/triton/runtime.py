@@ -118,7 +118,7 @@ SCHEDULES = ("tile", "lanes")
 class Config:
     """A launch config. `schedule`: "tile" (`tl.associative_scan` over [block_t, block_l] tiles with a
     carried prefix) or "lanes" (lane-sequential: block_l lanes per program, time stepped one at a
-    time, checkpoints every `chunk or block_t` steps; block_t is otherwise unused)."""
+    time in blocks of `unroll`, checkpoints every `chunk or block_t` steps; block_t is otherwise unused)."""
 
     block_t: int
     block_l: int
@@ -126,10 +126,14 @@ class Config:
     stages: int = 1
     chunk: int = 0       # forward: checkpoint interval = the backward's time tile (0: block_t)
     schedule: str = "tile"
+    unroll: int = 4      # lanes: steps per loop iteration (their loads issued together)
 
     def __post_init__(self):
+        from .codegen_seq import MAX_UNROLL
         if self.schedule not in SCHEDULES:
             raise ValueError(f"schedule: expected one of {SCHEDULES}, got {self.schedule!r}")
+        if not 1 <= self.unroll <= MAX_UNROLL:
+            raise ValueError(f"unroll: expected 1..{MAX_UNROLL}, got {self.unroll}")
 
 
 # (time_contiguous, is_backward) -> Config forced by the benchmark or a test; empty in normal use.
@@ -137,9 +141,9 @@ class Config:
 OVERRIDES: dict = {}
 
 
-def lanes_overrides(block_l: int = 128, num_warps: int = 4, chunk: int = 64) -> dict:
+def lanes_overrides(block_l: int = 64, num_warps: int = 2, chunk: int = 64, unroll: int = 16) -> dict:
     """OVERRIDES entries that run every layout, forward and backward, on the lane-sequential schedule."""
-    cfg = Config(block_t=chunk, block_l=block_l, num_warps=num_warps, chunk=chunk, schedule="lanes")
+    cfg = Config(block_t=chunk, block_l=block_l, num_warps=num_warps, chunk=chunk, schedule="lanes", unroll=unroll)
     return {(time_contiguous, backward): cfg for time_contiguous in (False, True) for backward in (False, True)}
 
 
