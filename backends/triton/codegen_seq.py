@@ -6,12 +6,13 @@
   over the STATE lanes), store. Every CHUNK steps it stores the carry into the chunk: the same
   checkpoints as the tile schedule (slot j = the carry into chunk j), so either backward can run
   after either forward. No shared memory, no cross-thread traffic: work-optimal, one combine per
-  step and lane. Steps run in blocks of UNROLL (a constexpr <= MAX_UNROLL): the block's loads are issued first (they do not
-  depend on the carry, and a store between them would keep the compiler from hoisting them), then
-  the dependent chain; steps past the chunk's end are masked and leave the carries unchanged.
+  step and lane. Steps run in blocks of UNROLL (a constexpr <= MAX_UNROLL): the block's loads are
+  issued first (they do not depend on the carry, and a store between them would keep the compiler
+  from hoisting them), then the dependent chain; steps past the chunk's end are masked and leave
+  the carries unchanged.
 - `scan_backward_lanes`: walks the chunks in reverse. Per chunk it replays the prefixes from the
-  checkpoint into a per-lane scratch row (global memory, CHUNK x fields per lane: L2-resident,
-  written and read back by the same thread), then steps the adjoint backwards one step at a time
+  checkpoint into a per-lane scratch row (global memory, CHUNK x fields per lane: L2-resident;
+  a barrier separates writing and reading it), then steps the adjoint backwards one step at a time
   (scanlang/autodiff.py):
 
       gbar_t = direct(p_t, dy_t + c_{t+1} [+ dL/dfinal at the last step]) + B_{t+1} gbar_{t+1}
@@ -120,7 +121,8 @@ def render_forward_lanes(ir: ScanIR) -> list[str]:
         for o in range(len(ir.outputs)):
             ptr = f"o{o}_ptr + o{o}_off + (tt + {j} * step) * o{o}_st"
             if ir.reduce_state:
-                part.append(f"tl.store({ptr}, {_reduce(f'r{o}')}.to(o{o}_ptr.dtype.element_ty), mask=group_ok & (group * 0 + {j} < n_steps - s0))")
+                mask = f"group_ok & (group * 0 + {j} < n_steps - s0)"
+                part.append(f"tl.store({ptr}, {_reduce(f'r{o}')}.to(o{o}_ptr.dtype.element_ty), mask={mask})")
             else:
                 part.append(f"tl.store({ptr}, r{o}.to(o{o}_ptr.dtype.element_ty), mask=ok{j})")
         block += _guarded(j, part)
@@ -146,6 +148,7 @@ def _du_store_lanes(i: int, name: str, j: int) -> list[str]:
     ptr = f"du{i}_ptr + du{i}_off + {at} * du{i}_st"
     gptr = f"du{i}_ptr + du{i}_goff + {at} * du{i}_st"
     red = _reduce(f"tl.where(ok{j}, du_{name}, 0.0)")
+    group_live = f"group_ok & (group * 0 + {j} < n_steps - ss0)"
     return [
         f"if DU{i} == 0:",
         f"    tl.store({ptr}, du_{name}.to(du{i}_ptr.dtype.element_ty), mask=ok{j})",
@@ -154,9 +157,9 @@ def _du_store_lanes(i: int, name: str, j: int) -> list[str]:
         f"elif DU{i} == 2:",
         f"    acc{i} += tl.where(ok{j}, du_{name}, 0.0)",
         f"elif DU{i} == 3:",
-        f"    tl.store({gptr}, {red}.to(du{i}_ptr.dtype.element_ty), mask=group_ok & (group * 0 + {j} < n_steps - ss0))",
+        f"    tl.store({gptr}, {red}.to(du{i}_ptr.dtype.element_ty), mask={group_live})",
         "else:",
-        f"    tl.atomic_add({gptr}, {red}.to(du{i}_ptr.dtype.element_ty), mask=group_ok & (group * 0 + {j} < n_steps - ss0))",
+        f"    tl.atomic_add({gptr}, {red}.to(du{i}_ptr.dtype.element_ty), mask={group_live})",
     ]
 
 
