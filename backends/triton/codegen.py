@@ -143,10 +143,13 @@ def _lane_off(prefix, lanes="lane", d3="D3"):
 def _common_prologue():
     """Program = (lane block, sequence). Packed sequences (VARLEN) start at cu[seq] in memory; the
     checkpoint slots of sequence `seq` start at t0 // CHUNK + seq (disjoint ranges, no host sync)."""
+    return (["pid = tl.program_id(0)", "seq = tl.program_id(1)", "rows = tl.arange(0, BLOCK_T)[:, None]"]
+            + lanes_and_sequence() + ["n_tiles = tl.cdiv(seq_len, BLOCK_T)", "slot0 = t0 // CHUNK + seq"])
+
+
+def lanes_and_sequence() -> list[str]:
+    """This program's lane block and its sequence's start and length (both schedules)."""
     return [
-        "pid = tl.program_id(0)",
-        "seq = tl.program_id(1)",
-        "rows = tl.arange(0, BLOCK_T)[:, None]",
         "lane = pid.to(tl.int64) * BLOCK_L + tl.arange(0, BLOCK_L)",
         "lane_ok = lane < L",
         "if VARLEN:",
@@ -155,8 +158,6 @@ def _common_prologue():
         "else:",
         "    t0 = 0",
         "    seq_len = T",
-        "n_tiles = tl.cdiv(seq_len, BLOCK_T)",
-        "slot0 = t0 // CHUNK + seq",
     ]
 
 

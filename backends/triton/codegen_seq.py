@@ -33,7 +33,7 @@ from scanlang.autodiff import Adjoint
 from scanlang.ir import ScanIR
 
 from .codegen import (_assign, _indent, _initial_carry, _lane_off, _load_lift, _num, _symbols_named, backward_args,
-                      forward_args)
+                      forward_args, lanes_and_sequence)
 
 
 def _prologue() -> list[str]:
@@ -41,14 +41,7 @@ def _prologue() -> list[str]:
     return [
         "pid = tl.program_id(0)",
         "seq = tl.program_id(1)",
-        "lane = pid.to(tl.int64) * BLOCK_L + tl.arange(0, BLOCK_L)",
-        "lane_ok = lane < L",
-        "if VARLEN:",
-        "    t0 = tl.load(cu_ptr + seq).to(tl.int64)",
-        "    seq_len = tl.load(cu_ptr + seq + 1).to(tl.int64) - t0",
-        "else:",
-        "    t0 = 0",
-        "    seq_len = T",
+        *lanes_and_sequence(),
         "n_chunks = tl.cdiv(seq_len, CHUNK)",
         "slot0 = t0 // CHUNK + seq",
         "group = pid.to(tl.int64) * (BLOCK_L // STATE) + tl.arange(0, BLOCK_L // STATE)",

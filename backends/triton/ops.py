@@ -106,16 +106,19 @@ def _chunk(cfg: Config, checkpoint: bool = True) -> int:
     return min(cfg.chunk or cfg.block_t, cfg.block_t) if checkpoint else cfg.block_t
 
 
-@triton_op("scanlang::scan_fwd", mutates_args=())
-def scan_fwd(key: str, inputs: list[torch.Tensor], initial: list[torch.Tensor], cu_seqlens: Optional[torch.Tensor],
-             dim: int, reverse: bool, fp64: bool, checkpoint: bool) -> list[torch.Tensor]:
+def _context(key: str, inputs, cu_seqlens, fp64: bool):
+    """What both ops derive first: program, IR, accumulation dtype, device, packing, broadcast shape."""
     prog = PROGRAMS[key]
-    ir = prog.ir
-    acc = torch.float64 if fp64 else torch.float32
-    device = inputs[0].device
     varlen = cu_seqlens is not None
     n_seq = cu_seqlens.shape[0] - 1 if varlen else 1
     shape = list(torch.broadcast_shapes(*(t.shape for t in inputs)))
+    return (prog, prog.ir, torch.float64 if fp64 else torch.float32, inputs[0].device, varlen, n_seq, shape)
+
+
+@triton_op("scanlang::scan_fwd", mutates_args=())
+def scan_fwd(key: str, inputs: list[torch.Tensor], initial: list[torch.Tensor], cu_seqlens: Optional[torch.Tensor],
+             dim: int, reverse: bool, fp64: bool, checkpoint: bool) -> list[torch.Tensor]:
+    prog, ir, acc, device, varlen, n_seq, shape = _context(key, inputs, cu_seqlens, fp64)
     out_shape = shape[:-1] if ir.reduce_state else shape
     outs = [torch.empty(out_shape, dtype=acc, device=device) for _ in ir.outputs]
     init_st = [_init_strides(i, shape, dim, n_seq, varlen) for i in initial]
@@ -190,13 +193,7 @@ def _du_mode(du_strides, lane_sizes, reduce_state: bool, T: int) -> int:
 def scan_bwd(key: str, inputs: list[torch.Tensor], initial: list[torch.Tensor], cu_seqlens: Optional[torch.Tensor],
              ckpt: torch.Tensor, grads: list[torch.Tensor], dfinal: Optional[torch.Tensor], dim: int, reverse: bool,
              fp64: bool) -> list[torch.Tensor]:
-    prog = PROGRAMS[key]
-    ir = prog.ir
-    acc = torch.float64 if fp64 else torch.float32
-    device = inputs[0].device
-    varlen = cu_seqlens is not None
-    n_seq = cu_seqlens.shape[0] - 1 if varlen else 1
-    shape = list(torch.broadcast_shapes(*(t.shape for t in inputs)))
+    prog, ir, acc, device, varlen, n_seq, shape = _context(key, inputs, cu_seqlens, fp64)
     in_shapes = [t.shape for t in inputs]
     du_shapes = [list(t.shape) for t in inputs]
     extra = [_out_strides(g, shape, ir.reduce_state) for g in grads]
