@@ -79,6 +79,9 @@ def implementations(authors: str | None):
         "scan-joint": lambda *x: kalman_filter(*x, backend="triton", validate=False, form="joint")[:2],
         "scan-two": lambda *x: kalman_filter(*x, backend="triton", validate=False, form="two_scans")[:2],
     }
+    # the same fused programs on the lane-sequential schedule (runtime.OVERRIDES set around the run)
+    impls["fused-lanes"] = impls["fused"]
+    impls["fused-two-lanes"] = impls["fused-two"]
     if authors:
         sys.path.insert(0, authors)
         try:
@@ -134,6 +137,10 @@ def main(argv=None):
     parser.add_argument("--authors", default=None, help="path holding the authors' `kla` package (src/)")
     parser.add_argument("--quick", action="store_true", help="T=512 timings (smoke test)")
     parser.add_argument("--only", default=None, help="comma-separated implementation names to run")
+    parser.add_argument("--lanes-block", type=int, default=64, help="lanes per program for the *-lanes rows")
+    parser.add_argument("--lanes-warps", type=int, default=2)
+    parser.add_argument("--lanes-chunk", type=int, default=64)
+    parser.add_argument("--lanes-unroll", type=int, default=8)
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("the benchmark needs a CUDA GPU")
@@ -147,6 +154,13 @@ def main(argv=None):
         if args.only and name not in args.only.split(","):
             continue
         row = dict(name=name)
+        from scanlang.backends.triton import runtime
+        runtime.OVERRIDES.clear()
+        if name.endswith("-lanes"):
+            runtime.OVERRIDES.update(runtime.lanes_overrides(block_l=args.lanes_block, num_warps=args.lanes_warps,
+                                                             chunk=args.lanes_chunk, unroll=args.lanes_unroll))
+            row["config"] = dict(block_l=args.lanes_block, warps=args.lanes_warps, chunk=args.lanes_chunk,
+                                 unroll=args.lanes_unroll)
         try:
             row["check"] = check(fn, device)
             row["fwd_ms"], row["fwd_bwd_ms"], shape = timing(fn, device, args.quick)
