@@ -15,6 +15,7 @@ identity (one input per field) and readout = the prefix itself. Symbols: inputs 
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -45,6 +46,12 @@ class ScanIR:
     previous_symbols: tuple[sympy.Symbol, ...]
     readout: tuple[sympy.Expr, ...]          # one per output, over prefix/previous/input symbols
     reduce_state: bool                       # outputs summed over the last lane axis
+    constants: tuple[tuple[str, float], ...] = ()   # carry fields fixed at every step (`specialize_carry`)
+
+    @property
+    def sequential_only(self) -> bool:
+        """A specialised carry (`specialize_carry`) is valid for carry (+) element only: lane-sequential."""
+        return bool(self.constants)
 
     @property
     def is_projective(self) -> bool:
@@ -74,7 +81,7 @@ class ScanIR:
         text = repr((self.fields, self.identity, [sympy.srepr(e) for e in self.combine],
                      sympy.srepr(self.scale) if self.scale is not None else None, self.inputs,
                      [sympy.srepr(e) for e in self.lift], self.outputs,
-                     [sympy.srepr(e) for e in self.readout], self.reduce_state))
+                     [sympy.srepr(e) for e in self.readout], self.reduce_state, self.constants))
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
@@ -146,3 +153,48 @@ def _trace_readout(body, args, n_results: int):
     if not isinstance(out, (tuple, list)) or len(out) != n_results:
         raise ValueError(f"readout must return {n_results} values (one per output); got {out!r}")
     return tuple(o.expr if isinstance(o, E.Traced) else E.constant(o) for o in out)
+
+
+def specialize_carry(ir: ScanIR, constants: dict[str, float]) -> ScanIR:
+    """The step specialised to a carry whose fields in `constants` keep those values forever.
+
+    Given initial values for some fields (numbers known when the program is built), find the largest
+    subset K of them that every step preserves: with the carry's K fields set to their values, the
+    renormalised combine `ir.step()` returns exactly those values for every element (decided by
+    sympy). Example: the Kalman 3x3 monoid started from the constant map (a, c, d, e, g) = (0, 0, 1,
+    0, 0) stays of that form, so only (b, f) = (lam, eta) are carried and one step costs one
+    reciprocal instead of a 3x3 product and a renormalisation.
+
+    The result's combine is that step with K substituted (no longer a monoid: it is only valid as
+    carry (+) element, so `sequential_only` is set and only the lane-sequential schedule runs it);
+    its readout sees the constants; its adjoint (scanlang/autodiff.py) then carries gradients for
+    the free fields alone. Returns `ir` unchanged when K is empty.
+    """
+    unknown = [f for f in constants if f not in ir.fields]
+    if unknown:
+        raise ValueError(f"constants: {unknown} are not fields of {ir.name} {ir.fields}")
+    if ir.constants:
+        raise ValueError("specialize_carry: the IR is already specialised")
+    step = ir.step()
+    kept = dict(constants)
+    while kept:
+        subs = {ir.earlier[ir.fields.index(f)]: E.constant(v) for f, v in kept.items()}
+        fixed = {f: sympy.cancel(step[ir.fields.index(f)].subs(subs, simultaneous=True)) for f in kept}
+        broken = [f for f in kept if sympy.simplify(fixed[f] - E.constant(kept[f])) != 0]
+        if not broken:
+            break
+        for f in broken:
+            del kept[f]
+    if not kept:
+        return ir
+    subs = {ir.earlier[ir.fields.index(f)]: E.constant(v) for f, v in kept.items()}
+    combine = tuple(E.constant(kept[f]) if f in kept else sympy.cancel(e.subs(subs, simultaneous=True))
+                    for f, e in zip(ir.fields, step))
+    rsubs = {}
+    for f, v in kept.items():
+        i = ir.fields.index(f)
+        rsubs[ir.prefix_symbols[i]] = E.constant(v)
+        rsubs[ir.previous_symbols[i]] = E.constant(v)
+    readout = tuple(e.subs(rsubs, simultaneous=True) for e in ir.readout)
+    order = tuple((f, float(kept[f])) for f in ir.fields if f in kept)
+    return dataclasses.replace(ir, combine=combine, scale=None, readout=readout, constants=order)

@@ -27,7 +27,11 @@ Semantics, per lane (every index of `axes` but "t"):
 - `lift(u)` and `readout(p, u, q)` are elementwise bodies over named fields (`u.v`, `p.b`, `q.a`)
   using `+ - * /`, constants and `sl.exp/log/sqrt`; they are traced once into sympy like a combine.
   `q` (the previous prefix) is optional to use; when unused no code is generated for it.
-- Differentiable in every input and in `initial` (generated backward: the adjoint of the scan and the
+- `initial` fields given as Python numbers (e.g. `initial=(0, lam0, 0, 1)`) are constants of the
+  program: when the lane-sequential schedule runs (very many lanes), fields that every step keeps at
+  their value are not carried at all (`scanlang.ir.specialize_carry`, decided by sympy), e.g. the
+  Kalman 3x3 monoid from the constant map carries 2 fields instead of 7. Numbers get no gradient.
+- Differentiable in every input and in tensor `initial` fields (generated backward: the adjoint of the scan and the
   chain rule through lift and readout, gradients of broadcast inputs reduced inside the kernel).
 - The elements x_t and prefixes y_t never go to memory: the forward writes the outputs and one
   checkpoint per lane and time tile; the backward replays each tile from its checkpoint.
@@ -97,6 +101,27 @@ class Mixer:
         from . import pipeline
         self.program = pipeline.build(self.ir)   # generated and loaded now, never inside a traced call
         self.key = self.program.key
+        self._specialised: dict = {}
+
+    def _program_for(self, constants: dict, lanes: int):
+        """The program to launch: this mixer's, or one specialised to initial fields given as Python
+        numbers (ir.specialize_carry) when the lane-sequential schedule runs (many lanes, or forced).
+
+        Specialised programs are built on first use and kept; inside a torch.compile trace a program
+        not built yet is not generated (no sympy in a traced call): the general one runs instead."""
+        from .backends.triton import runtime
+        if not constants or not (runtime.prefers_lanes(lanes)
+                                 or any(c.schedule == "lanes" for c in runtime.OVERRIDES.values())):
+            return self.program
+        key = tuple(sorted(constants.items()))
+        if key not in self._specialised:
+            if torch.compiler.is_compiling():
+                return self.program
+            from . import pipeline
+            from .ir import specialize_carry
+            spec = specialize_carry(self.ir, constants)
+            self._specialised[key] = self.program if spec is self.ir else pipeline.build(spec)
+        return self._specialised[key]
 
     def source(self) -> str:
         """The generated Triton module (forward and backward)."""
@@ -162,7 +187,7 @@ def _call(self: Mixer, initial, output_final_state: bool, reverse: bool, cu_seql
     if cu_seqlens is not None:
         n_seq = _check_cu_seqlens(cu_seqlens, sizes["t"], views[0].device)
         state_shape = [n_seq] + lane_shape
-    init = None
+    init, constants = None, {}
     if initial is not None:
         if isinstance(initial, Mapping):
             initial = [initial[f] for f in self.monoid.fields]
@@ -170,14 +195,19 @@ def _call(self: Mixer, initial, output_final_state: bool, reverse: bool, cu_seql
             raise ValueError(f"initial: expected {len(self.monoid.fields)} values (fields {self.monoid.fields})")
         init = []
         for f, v in zip(self.monoid.fields, initial):
+            if isinstance(v, (int, float)) and not isinstance(v, bool):
+                constants[f] = float(v)
             v = torch.as_tensor(v, dtype=torch.float64 if fp64 else torch.float32, device=views[0].device)
             try:
                 init.append(v.expand(state_shape))
             except RuntimeError:
                 raise ValueError(f"initial[{f!r}]: shape {tuple(v.shape)} does not broadcast to {state_shape} "
                                  f"([sequences] + axes {[a for a in self.axes if a != 't']})") from None
-    from .backends.triton.ops import PROGRAMS
-    outs, final = pipeline.launch(PROGRAMS[self.key], views, init, dim, reverse, fp64, cu_seqlens)
+    lanes = 1
+    for n in lane_shape:
+        lanes *= n
+    program = self._program_for(constants, lanes)
+    outs, final = pipeline.launch(program, views, init, dim, reverse, fp64, cu_seqlens)
     fin = tuple(final[i].reshape(state_shape) for i in range(len(self.monoid.fields))) if output_final_state else None
     return self.result(*outs, fin)
 

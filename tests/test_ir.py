@@ -1,6 +1,7 @@
 """lower / differentiate / render: structure of the IR, the adjoint and the generated source (no kernels run)."""
 import ast
 
+import pytest
 import sympy
 
 import scanlang as sl
@@ -58,3 +59,20 @@ def test_mixer_readout_with_previous_prefix_and_reduction():
     assert any(c != 0 for c in adj.c)             # the previous prefix receives a gradient
     src = render(ir, adj)
     assert "tl.gather" in src and "STATE" in src
+
+
+def test_specialize_carry_keeps_only_the_constants_every_step_preserves():
+    from scanlang.ir import specialize_carry
+    ir = lower(sl.Affine)
+    spec = specialize_carry(ir, {"a": 0.0, "b": 0.0})   # a' = y.a * 0 = 0 stays; b' = y.b does not
+    assert spec.constants == (("a", 0.0),) and spec.sequential_only and spec.key != ir.key
+    assert spec.combine[0] == 0 and spec.combine[1] == ir.later[1]
+    assert specialize_carry(ir, {"b": 0.0}) is ir      # nothing preserved: the general program
+    mob = specialize_carry(lower(sl.Mobius), {"a": 0.0, "c": 0.0, "d": 1.0})
+    assert dict(mob.constants) == {"a": 0.0, "c": 0.0, "d": 1.0}
+    x_b = mob.earlier[1]
+    y_a, y_b, y_c, y_d = mob.later
+    assert sympy.simplify(mob.combine[1] - (y_a * x_b + y_b) / (y_c * x_b + y_d)) == 0   # the Möbius action
+    assert mob.scale is None
+    with pytest.raises(ValueError, match="constants: \\['z'\\] are not fields"):
+        specialize_carry(ir, {"z": 1.0})

@@ -18,6 +18,16 @@ F64 = torch.float64
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
+@pytest.fixture(params=["tiles", "lanes"])
+def schedule(request, monkeypatch):
+    """Both schedules: "lanes" lowers the lane threshold so these tiny shapes run lane-sequentially,
+    with the carry specialised to the constant fields (ir.specialize_carry)."""
+    if request.param == "lanes":
+        from scanlang.backends.triton import runtime
+        monkeypatch.setattr(runtime, "LANES_MIN", 1)
+    return request.param
+
+
 def on(ins, state=None):
     moved = {n: x.to(DEVICE) for n, x in ins.items()}
     return moved if state is None else (moved, tuple(s.to(DEVICE) for s in state))
@@ -26,7 +36,7 @@ def on(ins, state=None):
 @pytest.mark.parametrize("form", FUSED_FORMS)
 @pytest.mark.parametrize("length", [1, 7, 13])
 @pytest.mark.parametrize("heads", [None, 2])
-def test_fused_matches_covariance_filter(form, length, heads):
+def test_fused_matches_covariance_filter(form, length, heads, schedule):
     ins = make_inputs(2, length, 4, 2, heads=heads)
     state = make_state(2, 4, 2)
     dev_ins, dev_state = on(ins, state)
@@ -50,7 +60,7 @@ def test_fused_in_float64(form):
 
 @pytest.mark.parametrize("form", FUSED_FORMS)
 @pytest.mark.parametrize("heads", [None, 2])
-def test_fused_gradients_match_float64_autograd_of_the_loop(form, heads):
+def test_fused_gradients_match_float64_autograd_of_the_loop(form, heads, schedule):
     ins = make_inputs(2, 11, 4, 2, heads=heads)
     state = make_state(2, 4, 2)
     dev_ins, dev_state = on(ins, state)
@@ -64,7 +74,7 @@ def test_fused_gradients_match_float64_autograd_of_the_loop(form, heads):
 
 
 @pytest.mark.parametrize("form", FUSED_FORMS)
-def test_fused_state_carry_and_zero_keys(form):
+def test_fused_state_carry_and_zero_keys(form, schedule):
     ins = make_inputs(1, 12, 4, 2)
     ins["k"][:, 3:5] = 0.0
     ins["prec"][:, 9:] = 1e-30
@@ -98,6 +108,7 @@ def test_default_form_follows_the_measurements():
     from scanlang.recipes.kalman.filter import choose_form
     assert choose_form("triton", 16, needs_grad=False) == "fused"
     assert choose_form("triton", 16, needs_grad=True) == "two_scans"
+    assert choose_form("triton", 16, needs_grad=True, lanes=8 * 1536 * 16) == "fused"   # lane-sequential
     assert choose_form("triton", 12, needs_grad=False) == "two_scans"     # S not a power of two
     assert choose_form("reference", 16, needs_grad=False) == "two_scans"
 
@@ -150,7 +161,7 @@ def test_time_major_inputs_give_the_same_filter():
 
 
 @pytest.mark.parametrize("form", FUSED_FORMS)
-def test_fused_zero_keys_give_zero_not_nan_gradients(form):
+def test_fused_zero_keys_give_zero_not_nan_gradients(form, schedule):
     ins = make_inputs(1, 9, 4, 2)
     ins["k"][:, 3] = 0.0
     leaves = {n: x.to(DEVICE).requires_grad_() for n, x in ins.items()}
@@ -159,3 +170,20 @@ def test_fused_zero_keys_give_zero_not_nan_gradients(form):
     for n, x in leaves.items():
         assert torch.isfinite(x.grad).all(), n
     assert (leaves["v"].grad[:, 3] == 0).all() and (leaves["prec"].grad[:, 3] == 0).all()
+
+
+def test_lanes_run_the_specialised_carry(monkeypatch):
+    """On the lane-sequential schedule the 3x3 program carries (lam, eta) alone: 5 of its 7 fields
+    are constants of the generated kernels, which have no tile schedule."""
+    from scanlang.backends.triton import runtime
+    monkeypatch.setattr(runtime, "LANES_MIN", 1)
+    ins = make_inputs(1, 5, 4, 2)
+    kalman_filter(**on(ins), backend="triton", form="fused")
+    (program,) = [p for p in joint_mixer()._specialised.values() if p is not joint_mixer().program]
+    assert dict(program.ir.constants) == {"a": 0.0, "c": 0.0, "d": 1.0, "e": 0.0, "g": 0.0}
+    assert "\ndef scan_forward(" not in program.source and "\ndef scan_forward_lanes(" in program.source
+    kalman_filter(**on(ins), backend="triton", form="fused_two")
+    (mob,) = [p for p in precision_mixer()._specialised.values() if p is not precision_mixer().program]
+    assert dict(mob.ir.constants) == {"a": 0.0, "c": 0.0, "d": 1.0}
+    (aff,) = [p for p in information_mixer()._specialised.values() if p is not information_mixer().program]
+    assert dict(aff.ir.constants) == {"a": 0.0}

@@ -76,6 +76,12 @@ def _keep(names, live: str) -> list[str]:
     return [f"{n} = tl.where({live}, {n}_new, {n})" for n in names]
 
 
+def _free(ir: ScanIR) -> list[str]:
+    """The carried fields: all but the constants of a specialised carry (ir.specialize_carry)."""
+    const = dict(ir.constants)
+    return [f for f in ir.fields if f not in const]
+
+
 def _reduce(value: str) -> str:
     return f"tl.sum(tl.reshape({value}, (BLOCK_L // STATE, STATE)), 1)"
 
@@ -109,7 +115,7 @@ def render_forward_lanes(ir: ScanIR) -> list[str]:
         if ir.uses_previous:
             part += [f"q_{f} = c_{f}" for f in ir.fields]
         part.append(_combine_call(ir, "c_{}_new", "c_{}", "e_{}"))
-        part += _keep([f"c_{f}" for f in ir.fields], f"live{j}")
+        part += _keep([f"c_{f}" for f in _free(ir)], f"live{j}")
         part += _assign([f"r{o}" for o in range(len(ir.outputs))], ir.readout, names, "_r", shape_like=f"c_{ir.fields[0]}")
         for o in range(len(ir.outputs)):
             ptr = f"o{o}_ptr + o{o}_off + (tt + {j} * step) * o{o}_st"
@@ -120,7 +126,7 @@ def render_forward_lanes(ir: ScanIR) -> list[str]:
                 part.append(f"tl.store({ptr}, r{o}.to(o{o}_ptr.dtype.element_ty), mask=ok{j})")
         block += _guarded(j, part)
     chunk = [f"tl.store(ckpt_ptr + ({f} * n_slots + slot0 + k) * L + lane, c_{name}, mask=lane_ok)"
-             for f, name in enumerate(ir.fields)]
+             for f, name in enumerate(ir.fields) if name in _free(ir)]
     chunk += ["n_steps = tl.minimum(CHUNK, seq_len - k * CHUNK)", "for s0 in range(0, n_steps, UNROLL):"]
     chunk += _indent(block, 4)
     body.append("for k in range(0, n_chunks):")
@@ -178,9 +184,13 @@ def render_backward_lanes(ir: ScanIR, adj: Adjoint) -> list[str]:
                  f"    cd_{name} += to_acc(tl.load(dfinal_ptr + ({f} * n_seq + seq) * L + lane, mask=lane_ok, other=0.0), FP64)",
                  f"bd_{name} = to_acc(tl.zeros([BLOCK_L], tl.float32), FP64)"]
     chunk = ["k = n_chunks - 1 - kk", "n_steps = tl.minimum(CHUNK, seq_len - k * CHUNK)"]
+    const = dict(ir.constants)
     for f, (name, ident) in enumerate(zip(ir.fields, ir.identity)):
-        chunk.append(f"k_{name} = to_acc(tl.load(ckpt_ptr + ({f} * n_slots + slot0 + k) * L + lane, mask=lane_ok, "
-                     f"other={_num(ident)}), FP64)")
+        if name in const:
+            chunk.append(f"k_{name} = to_acc(tl.full([BLOCK_L], {_num(const[name])}, tl.float64), FP64)")
+        else:
+            chunk.append(f"k_{name} = to_acc(tl.load(ckpt_ptr + ({f} * n_slots + slot0 + k) * L + lane, mask=lane_ok, "
+                         f"other={_num(ident)}), FP64)")
         chunk.append(f"c_{name} = k_{name}")
     replay = _block_index("s0")
     for j in range(MAX_UNROLL):
@@ -191,8 +201,9 @@ def render_backward_lanes(ir: ScanIR, adj: Adjoint) -> list[str]:
     for j in range(MAX_UNROLL):
         part = []
         part.append(_combine_call(ir, "c_{}_new", "c_{}", f"e{j}_" + "{}"))
-        part += _keep([f"c_{f}" for f in ir.fields], f"live{j}")
-        part += [f"tl.store({_scratch(f, f's0 + {j}')}, c_{name}, mask=ok{j})" for f, name in enumerate(ir.fields)]
+        part += _keep([f"c_{f}" for f in _free(ir)], f"live{j}")
+        part += [f"tl.store({_scratch(f, f's0 + {j}')}, c_{name}, mask=ok{j})" for f, name in enumerate(ir.fields)
+                 if name not in const]
         replay += _guarded(j, part)
     chunk.append("for s0 in range(0, n_steps, UNROLL):")
     chunk += _indent(replay, 4)
@@ -209,6 +220,9 @@ def render_backward_lanes(ir: ScanIR, adj: Adjoint) -> list[str]:
             part.append(f"g{j}_{out} = to_acc(tl.load(g{o}_ptr + g{o}_off + (tt - {j} * step) * g{o}_st, mask=ok{j}, "
                          "other=0.0), FP64)")
         for f, name in enumerate(ir.fields):   # the previous prefix: the checkpoint at the chunk's first step
+            if name in const:
+                part.append(f"q{j}_{name} = k_{name}")
+                continue
             part.append(f"q{j}_{name} = tl.where(s{j} > 0, tl.load({_scratch(f, f'tl.maximum(s{j} - 1, 0)')}, "
                          f"mask=ok{j}, other=0.0), k_{name})")
         block += _guarded(j, part)

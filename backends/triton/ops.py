@@ -72,7 +72,8 @@ def _config(prog: Program, inputs, layout, dim, fp64: bool, backward: bool = Fal
     """(config, fit key): the chosen config, or the smaller one that fitted the device for this
     program, pass and shape bucket (runtime.fit_launch)."""
     contiguous = _time_contiguous(inputs, dim)
-    chosen = choose_config(layout.T, layout.L, contiguous, _state(prog, layout), len(prog.ir.fields), backward)
+    chosen = choose_config(layout.T, layout.L, contiguous, _state(prog, layout), len(prog.ir.fields), backward,
+                           sequential=prog.ir.sequential_only)
     key = (prog.key, backward, contiguous, max(layout.T - 1, 0).bit_length(), _state(prog, layout), fp64, chosen)
     return fitted(key, chosen), key
 

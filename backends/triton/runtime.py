@@ -147,14 +147,34 @@ def lanes_overrides(block_l: int = 64, num_warps: int = 2, chunk: int = 64, unro
     return {(time_contiguous, backward): cfg for time_contiguous in (False, True) for backward in (False, True)}
 
 
-def choose_config(T: int, L: int, time_contiguous: bool, state: int, n_fields: int, backward: bool = False) -> Config:
-    """Tile shape per layout: long time tiles when time is contiguous, wide lane tiles otherwise."""
+# Lanes at which the lane-sequential schedule wins (H200, 2026-11-30, BENCHMARKS.md): the Kalman
+# program at 196,608 lanes ran 6.7x faster on it than on tiles; the affine and Möbius scans at
+# 12,288 lanes ran 2-5x slower on it (too few lanes to hide each step's latency).
+LANES_MIN = 1 << 17
+
+
+def prefers_lanes(L: int) -> bool:
+    """True when `choose_config` picks the lane-sequential schedule for L lanes (forced configs aside)."""
+    return L >= LANES_MIN
+
+
+def choose_config(T: int, L: int, time_contiguous: bool, state: int, n_fields: int, backward: bool = False,
+                  sequential: bool = False) -> Config:
+    """Tile shape per layout: long time tiles when time is contiguous, wide lane tiles otherwise; the
+    lane-sequential schedule for very many lanes or for a program that has only that one (`sequential`)."""
     def pow2(n):
         return 1 << max(0, (n - 1).bit_length())
     forced = OVERRIDES.get((time_contiguous, backward))
-    if forced is not None:
+    if forced is not None and (forced.schedule == "lanes" or not sequential):
         return dataclasses.replace(forced, block_t=min(forced.block_t, pow2(T)), block_l=max(state, forced.block_l))
-    if settings.triton_interpret() and not torch.cuda.is_available():
+    interpret = settings.triton_interpret() and not torch.cuda.is_available()
+    if sequential or prefers_lanes(L):
+        if interpret:
+            return Config(block_t=4, block_l=max(state, min(4, pow2(L))), num_warps=1, chunk=4, schedule="lanes",
+                          unroll=2)
+        # measured with the Kalman program (BENCHMARKS.md): 64 lanes x 2 warps, 64-step chunks, unroll 8
+        return Config(block_t=64, block_l=max(state, 64), num_warps=2, chunk=64, schedule="lanes", unroll=8)
+    if interpret:
         return Config(block_t=min(8, pow2(T)), block_l=max(state, min(4, pow2(L))), num_warps=1, chunk=4)
     if time_contiguous:
         # measured on the H200 (BENCHMARKS.md): one long tile per lane forward; the backward (more

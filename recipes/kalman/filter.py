@@ -77,7 +77,8 @@ def kalman_filter(v, prec, k, q, a_bar, p_bar, initial_state=None, output_final_
     resolved = backend if backend is not None else ("triton" if v.device.type == "cuda" else "reference")
     if form is None:
         tensors = [v, prec, k, q, a_bar, p_bar, *(initial_state or ())]
-        form = choose_form(resolved, state_size, torch.is_grad_enabled() and any(x.requires_grad for x in tensors))
+        form = choose_form(resolved, state_size, torch.is_grad_enabled() and any(x.requires_grad for x in tensors),
+                           lanes=batch * channels * state_size)
     elif form in FUSED_FORMS and (resolved != "triton" or not fused.supports(state_size)):
         raise ValueError(f"form: {form!r} runs the generated mixer kernels: it needs backend='triton' (got "
                          f"{resolved!r}) and a power-of-two state size S (got {state_size})")
@@ -114,14 +115,17 @@ def kalman_filter(v, prec, k, q, a_bar, p_bar, initial_state=None, output_final_
     return y, y_var, state
 
 
-def choose_form(backend: str, state_size: int, needs_grad: bool) -> str:
-    """The default `form`, from the H200 measurements in BENCHMARKS.md (run 1, B8 T4096 M1536 S16).
+def choose_form(backend: str, state_size: int, needs_grad: bool, lanes: int = 0) -> str:
+    """The default `form`, from the H200 measurements in BENCHMARKS.md (B8 T4096 M1536 S16).
 
-    Generated kernels, no gradient: the fused 3x3 mixer (fwd 25 ms, against 77 ms for the sl.scan
-    path). With a gradient: the sl.scan path with the spec's adjoint (fwd+bwd 220 ms, against
-    2.0 s for the fused mixer's generated backward). The reference backend: two scans.
+    Generated kernels with enough lanes (B M S) for the lane-sequential schedule: the fused 3x3
+    mixer, forward and backward (fwd 11.3 ms, fwd+bwd 65 ms on that schedule, against 77 / 220 ms
+    for the sl.scan path). Fewer lanes (tile schedule), no gradient: the fused mixer (fwd 25 ms);
+    with a gradient: the sl.scan path with the spec's adjoint (the fused mixer's generated tile
+    backward took 2.0 s). The reference backend: two scans.
     """
-    if backend == "triton" and fused.supports(state_size) and not needs_grad:
+    from scanlang.backends.triton.runtime import prefers_lanes
+    if backend == "triton" and fused.supports(state_size) and (prefers_lanes(lanes) or not needs_grad):
         return "fused"
     return DEFAULT_FORM
 

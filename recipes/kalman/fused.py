@@ -120,8 +120,7 @@ def fused_filter(v, prec, k, q, a_bar, p_bar, lam0, eta0, output_final_state: bo
         ins = {n: _time_major(x) for n, x in ins.items()}
     a_bar = a_bar.clamp_min(A_FLOOR).reshape(heads, group, state)
     p_bar = p_bar.clamp_min(K.P_FLOOR).reshape(heads, group, state)
-    zero = torch.zeros((), dtype=lam0.dtype, device=lam0.device)
-    one = torch.ones((), dtype=lam0.dtype, device=lam0.device)
+    zero, one = 0.0, 1.0   # numbers, not tensors: the generator drops the fields they keep constant
     lam0, eta0 = lam0.reshape(lanes), eta0.reshape(lanes)
     if two_scans:
         gate, inv_lam, _ = precision_mixer()(prec=ins["prec"], k=ins["k"], a_bar=a_bar, p_bar=p_bar,
