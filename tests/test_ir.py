@@ -66,7 +66,7 @@ def test_specialize_carry_keeps_only_the_constants_every_step_preserves():
     ir = lower(sl.Affine)
     spec = specialize_carry(ir, {"a": 0.0, "b": 0.0})   # a' = y.a * 0 = 0 stays; b' = y.b does not
     assert spec.constants == (("a", 0.0),) and spec.sequential_only and spec.key != ir.key
-    assert spec.combine[0] == 0 and spec.combine[1] == ir.later[1]
+    assert spec.combine[0] == 0 and spec.combine[1] == ir.combine[1]
     assert specialize_carry(ir, {"b": 0.0}) is ir      # nothing preserved: the general program
     mob = specialize_carry(lower(sl.Mobius), {"a": 0.0, "c": 0.0, "d": 1.0})
     assert dict(mob.constants) == {"a": 0.0, "c": 0.0, "d": 1.0}
