@@ -174,19 +174,39 @@ def _time_index():
     ]
 
 
-def _load_lift(ir: ScanIR, tag: str = "", shift: int = 0, mask: str = "ok") -> list[str]:
+def _load_lift(ir: ScanIR, tag: str = "", shift: int = 0, mask: str = "ok", hoisted: bool = False) -> list[str]:
     """Load the inputs `shift` steps later in scan order (memory index tt + shift * step), lift them,
-    and pad with the identity where `mask` is false: u{tag}_<input>, e{tag}_<field>."""
+    and pad with the identity where `mask` is false: u{tag}_<input>, e{tag}_<field>. `hoisted`: an
+    input constant in time (constexpr TSTATIC<i>) is the value `us<i>` loaded once (`_static_loads`)."""
     lines = []
     at = "tt" if shift == 0 else f"(tt + {shift} * step)"
     for i, n in enumerate(ir.inputs):
-        lines.append(f"u{tag}_{n} = to_acc(tl.load(u{i}_ptr + u{i}_off + {at} * u{i}_st, mask={mask}, other=1.0), FP64)")
+        load = f"u{tag}_{n} = to_acc(tl.load(u{i}_ptr + u{i}_off + {at} * u{i}_st, mask={mask}, other=1.0), FP64)"
+        if hoisted:
+            lines += [f"if TSTATIC{i}:", f"    u{tag}_{n} = us{i}", "else:", f"    {load}"]
+        else:
+            lines.append(load)
     names = {s: f"u{tag}_{s.name[2:]}" for s in ir.input_symbols}
     lifted = _assign([f"l{tag}_{f}" for f in ir.fields], ir.lift, names, f"_l{tag}", shape_like=f"u{tag}_{ir.inputs[0]}")
     lines += lifted
     for f, ident in zip(ir.fields, ir.identity):
         lines.append(f"e{tag}_{f} = tl.where({mask}, l{tag}_{f}, {_num(ident)})")
     return lines
+
+
+def _static_loads(ir: ScanIR) -> list[str]:
+    """us<i>: input i loaded once per program when it is constant in time (constexpr TSTATIC<i>,
+    a time stride of 0: a broadcast static parameter), instead of once per step."""
+    lines = []
+    for i in range(len(ir.inputs)):
+        lines += [f"if TSTATIC{i}:",
+                  f"    us{i} = to_acc(tl.load(u{i}_ptr + u{i}_off, mask=lane_ok, other=1.0), FP64)"]
+    return lines
+
+
+def static_flags(ir: ScanIR) -> list[str]:
+    """The TSTATIC<i> constexpr parameters (default False: every step loads)."""
+    return [f"TSTATIC{i}: tl.constexpr = False" for i in range(len(ir.inputs))]
 
 
 def _replay(ir: ScanIR, tag: str = "", out: str = "p") -> list[str]:

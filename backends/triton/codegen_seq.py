@@ -32,8 +32,8 @@ from scanlang import expr as E
 from scanlang.autodiff import Adjoint
 from scanlang.ir import ScanIR
 
-from .codegen import (_assign, _indent, _initial_carry, _lane_off, _load_lift, _num, _symbols_named, backward_args,
-                      forward_args, lanes_and_sequence)
+from .codegen import (_assign, _indent, _initial_carry, _lane_off, _load_lift, _num, _static_loads, _symbols_named,
+                      backward_args, forward_args, lanes_and_sequence, static_flags)
 
 
 def _prologue() -> list[str]:
@@ -100,12 +100,13 @@ def render_forward_lanes(ir: ScanIR) -> list[str]:
         body.append(f"u{i}_off = {_lane_off(f'u{i}')}")
     for j in range(len(ir.outputs)):
         body.append(f"o{j}_off = " + (_lane_off(f"o{j}", "group", "1") if ir.reduce_state else _lane_off(f"o{j}")))
+    body += _static_loads(ir)
     body += _initial_carry(ir)
     block = _block_index("s0")
     for j in range(MAX_UNROLL):   # loads first: nothing below depends on the carry
         part = []
         part += [f"live{j} = s0 + {j} < n_steps", f"ok{j} = lane_ok & (lane * 0 + {j} < n_steps - s0)"]
-        part += _load_lift(ir, tag=str(j), shift=j, mask=f"ok{j}")
+        part += _load_lift(ir, tag=str(j), shift=j, mask=f"ok{j}", hoisted=True)
         block += _guarded(j, part)
     names = ({s: f"c_{s.name[2:]}" for s in ir.prefix_symbols} | {s: s.name for s in ir.previous_symbols}
              | _symbols_named(ir.input_symbols, "u_{}"))
@@ -133,7 +134,7 @@ def render_forward_lanes(ir: ScanIR) -> list[str]:
     body += _indent(chunk, 4)
     for f, name in enumerate(ir.fields):
         body.append(f"tl.store(final_ptr + ({f} * n_seq + seq) * L + lane, c_{name}, mask=lane_ok)")
-    sig = ", ".join(forward_args(ir) + [f"{c}: tl.constexpr" for c in consts])
+    sig = ", ".join(forward_args(ir) + [f"{c}: tl.constexpr" for c in consts] + static_flags(ir))
     return ["@triton.jit", f"def scan_forward_lanes({sig}):",
             f'    """Forward fused scan of {ir.name}, lane-sequential: one combine per step and lane, in registers."""',
             *_indent(body, 4)]
@@ -178,6 +179,7 @@ def render_backward_lanes(ir: ScanIR, adj: Adjoint) -> list[str]:
         body.append(f"acc{i} = to_acc(tl.zeros([BLOCK_L], tl.float32), FP64)")
     for j in range(len(ir.outputs)):
         body.append(f"g{j}_off = {_lane_off(f'g{j}')}")
+    body += _static_loads(ir)
     for f, name in enumerate(ir.fields):   # cd: direct terms handed down (dL/dfinal to the last step)
         body += [f"cd_{name} = to_acc(tl.zeros([BLOCK_L], tl.float32), FP64)",
                  "if HAS_DFINAL:",
@@ -196,7 +198,7 @@ def render_backward_lanes(ir: ScanIR, adj: Adjoint) -> list[str]:
     for j in range(MAX_UNROLL):
         part = []
         part += [f"live{j} = s0 + {j} < n_steps", f"ok{j} = lane_ok & (lane * 0 + {j} < n_steps - s0)"]
-        part += _load_lift(ir, tag=str(j), shift=j, mask=f"ok{j}")
+        part += _load_lift(ir, tag=str(j), shift=j, mask=f"ok{j}", hoisted=True)
         replay += _guarded(j, part)
     for j in range(MAX_UNROLL):
         part = []
@@ -215,7 +217,7 @@ def render_backward_lanes(ir: ScanIR, adj: Adjoint) -> list[str]:
         part = []
         part += [f"live{j} = ss0 + {j} < n_steps", f"ok{j} = lane_ok & (lane * 0 + {j} < n_steps - ss0)",
                   f"s{j} = n_steps - 1 - ss0 - {j}"]
-        part += _load_lift(ir, tag=str(j), shift=-j, mask=f"ok{j}")
+        part += _load_lift(ir, tag=str(j), shift=-j, mask=f"ok{j}", hoisted=True)
         for o, out in enumerate(ir.outputs):
             part.append(f"g{j}_{out} = to_acc(tl.load(g{o}_ptr + g{o}_off + (tt - {j} * step) * g{o}_st, mask=ok{j}, "
                          "other=0.0), FP64)")
@@ -268,7 +270,7 @@ def render_backward_lanes(ir: ScanIR, adj: Adjoint) -> list[str]:
     body.append("if HAS_INIT:")   # dL/d(initial) = c_0 + B_0 gbar_0 (dL/dfinal when the sequence is empty)
     for f, name in enumerate(ir.fields):
         body.append(f"    tl.store(dinit{f}_ptr + seq * L + lane, cd_{name} + bd_{name}, mask=lane_ok)")
-    sig = ", ".join(backward_args(ir) + ["scratch_ptr"] + [f"{c}: tl.constexpr" for c in consts])
+    sig = ", ".join(backward_args(ir) + ["scratch_ptr"] + [f"{c}: tl.constexpr" for c in consts] + static_flags(ir))
     return ["@triton.jit", f"def scan_backward_lanes({sig}):",
             f'    """Backward of {ir.name}, lane-sequential: replay each chunk into scratch, step the adjoint back."""',
             *_indent(body, 4)]
