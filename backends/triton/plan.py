@@ -1,0 +1,267 @@
+"""Launch plans: everything a scan launch derives from shapes, strides, dtypes and flags.
+
+A plan holds the broadcast shape, the lane layout (or the note that inputs are copied to contiguous
+first), the chosen configs and their `fit_launch` keys, and the kernels' scalar arguments with a
+hole wherever a tensor goes. `ops._forward` / `ops._backward_pass` build one per call under tracing
+(shapes may be symbolic there) and take one from `PLANS` in eager mode, so a repeated eager call
+only allocates and launches.
+
+The cache key is everything a plan reads: program key, pass flags, every tensor's (shape, stride,
+dtype), the device, the number of sequences, and `runtime.OVERRIDES` (a forced config changes the
+plan). The config that survives `fit_launch` (runtime.FITTED) is looked up at each launch, never cached here.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from . import runtime
+from .runtime import Config, broadcast_strides, lane_layout
+
+
+def _cdiv(a: int, b: int) -> int:
+    return (a + b - 1) // b
+
+
+def contiguous_strides(shape) -> list[int]:
+    """Strides of a contiguous tensor of `shape` (as torch lays it out: size-0 dims count as 1)."""
+    out, step = [], 1
+    for n in reversed(shape):
+        out.append(step)
+        step *= max(n, 1)
+    return out[::-1]
+
+
+def _buffer_strides(buffer_shape, shape) -> list[int]:
+    """Broadcast strides of a contiguous buffer of `buffer_shape` seen in `shape`."""
+    return [0 if (n == 1 and m != 1) else s for n, m, s in zip(buffer_shape, shape, contiguous_strides(buffer_shape))]
+
+
+def _time_contiguous(sizes, strides, dim) -> bool:
+    """Whether the first input that moves along `dim` has unit time stride."""
+    for size, st in zip(sizes, strides):
+        if size[dim] > 1 and st[dim] != 0:
+            return st[dim] == 1
+    return False
+
+
+def _du_mode(du_strides, lane_sizes, reduce_state: bool, T: int) -> int:
+    """0 store, 1 atomic add, 2 summed over time, 3 summed over the state lanes, 4 that plus atomic."""
+    if T > 1 and du_strides[0] == 0:
+        return 2
+    broadcast = [s == 0 and n > 1 for s, n in zip(du_strides[1:], lane_sizes)]
+    if not any(broadcast):
+        return 0
+    if reduce_state and broadcast[-1]:
+        return 3 if not any(broadcast[:-1]) else 4
+    return 1
+
+
+def _init_strides(t: torch.Tensor, shape, dim: int, n_seq: int, varlen: bool) -> tuple[int, list[int]]:
+    """(per-sequence stride, strides in `shape` with 0 at `dim`) of an initial element."""
+    lane_shape = shape[:dim] + shape[dim + 1:]
+    st = broadcast_strides(t, ([n_seq] if varlen else []) + lane_shape)
+    sn, st = (st[0], st[1:]) if varlen else (0, st)
+    return sn, st[:dim] + [0] + st[dim:]
+
+
+def chunk_of(cfg: Config, checkpoint: bool = True) -> int:
+    """The forward's checkpoint interval under `cfg` (the backward recomputes it the same way).
+
+    Tile schedule: without a backward to serve (`checkpoint=False`) the interval is the whole tile,
+    the cheapest forward; with one, the config's `chunk`, the backward's (shorter) tile. Lanes
+    schedule: `chunk` (or block_t) either way.
+    """
+    if cfg.schedule == "lanes":
+        return cfg.chunk or cfg.block_t
+    return min(cfg.chunk or cfg.block_t, cfg.block_t) if checkpoint else cfg.block_t
+
+
+class _Plan:
+    """Shared part of both passes: shape, layout (copying inputs when the lanes do not merge), configs."""
+
+    def _lay_out(self, prog, inputs, shape, extra, dim, fp64, extra_copied):
+        """Set layout, copy_shape and the forward's config for `inputs` broadcast to `shape`; `extra`
+        are the other tensors' strides, `extra_copied(shape)` theirs when the inputs are copied."""
+        ir = prog.ir
+        self.shape = shape
+        sizes = [list(t.shape) for t in inputs]
+        in_st = [broadcast_strides(t, shape) for t in inputs]
+        self.copy_shape = None
+        layout = lane_layout(shape, dim, in_st + extra, keep_last=ir.reduce_state)
+        if layout is None:   # too many lane dims: full-size contiguous copies
+            self.copy_shape = shape
+            sizes, in_st = [shape] * len(inputs), [contiguous_strides(shape)] * len(inputs)
+            layout = lane_layout(shape, dim, in_st + extra_copied(shape), keep_last=ir.reduce_state)
+        self.layout = layout
+        self.state = layout.sizes[-1] if ir.reduce_state else 1
+        self.time_contiguous = _time_contiguous(sizes, in_st, dim)
+        self.fwd_chosen, self.fwd_fit_key = self._choose(prog, fp64, backward=False)
+
+    def _choose(self, prog, fp64: bool, backward: bool) -> tuple[Config, tuple]:
+        """(chosen config, fit key): the key names program, pass and shape bucket for runtime.fit_launch."""
+        layout, contiguous = self.layout, self.time_contiguous
+        chosen = runtime.choose_config(layout.T, layout.L, contiguous, self.state, len(prog.ir.fields), backward,
+                                       sequential=prog.ir.sequential_only)
+        key = (prog.key, backward, contiguous, max(layout.T - 1, 0).bit_length(), self.state, fp64, chosen)
+        return chosen, key
+
+    def smaller(self, cfg: Config, keep_block_t: bool = False) -> Config | None:
+        return runtime.smaller_config(cfg, self.state, keep_block_t=keep_block_t)
+
+    def _holes(self, tensors_strides) -> tuple[list, tuple[int, ...]]:
+        """Kernel arguments [tensor, *strides] per tensor with None for the tensor; and where those are."""
+        head, slots = [], []
+        for st in tensors_strides:
+            slots.append(len(head))
+            head += [None, *st]
+        return head, tuple(slots)
+
+    def fill(self, tensors) -> list:
+        """This plan's leading kernel arguments with `tensors` in their holes (order as planned)."""
+        args = self.head.copy()
+        for pos, t in zip(self.slots, tensors):
+            args[pos] = t
+        return args
+
+
+class ForwardPlan(_Plan):
+    """scan_fwd: outputs, checkpoints and final prefix; launch arguments per config."""
+
+    def __init__(self, prog, inputs, initial, n_seq: int, varlen: bool, dim: int, reverse: bool, fp64: bool,
+                 checkpoint: bool):
+        ir = prog.ir
+        self.prog, self.checkpoint, self.n_seq, self.varlen = prog, checkpoint, n_seq, varlen
+        self.acc = torch.float64 if fp64 else torch.float32
+        self.n_out, n = len(ir.outputs), len(ir.fields)
+        shape = list(torch.broadcast_shapes(*(t.shape for t in inputs)))
+        self.out_shape = shape[:-1] if ir.reduce_state else shape
+        out_st = contiguous_strides(self.out_shape) + ([0] if ir.reduce_state else [])
+        init_st = [_init_strides(i, shape, dim, n_seq, varlen) for i in initial]
+        extra = [out_st] * self.n_out + [s for _, s in init_st]
+        self._lay_out(prog, inputs, shape, extra, dim, fp64, lambda s: extra)
+        layout = self.layout
+        self.final_shape = (n, n_seq, layout.L)
+        self.launches = layout.L > 0 and n_seq > 0
+        st = layout.strides
+        n_in = len(inputs)
+        per_tensor = list(st[:n_in + self.n_out])
+        for f in range(n):
+            per_tensor.append([init_st[f][0], *st[n_in + self.n_out + f][1:]] if initial else [0] * len(st[0]))
+        self.head, self.slots = self._holes(per_tensor)
+        self.tail = (layout.T, layout.L, *layout.sizes[1:], n_seq)
+        self.common = dict(REVERSE=reverse, HAS_INIT=bool(initial), VARLEN=varlen, STATE=self.state, FP64=fp64)
+        self._launch: dict = {}
+
+    def checkpoint_shape(self, cfg: Config) -> tuple[int, int, int]:
+        return (len(self.prog.ir.fields), _cdiv(self.layout.T, chunk_of(cfg, self.checkpoint)) + self.n_seq,
+                self.layout.L)
+
+    def launch(self, cfg: Config):
+        """(kernel, grid, constexpr/meta kwargs, checkpoint shape) under `cfg` (memoised)."""
+        got = self._launch.get(cfg)
+        if got is None:
+            meta = dict(self.common, BLOCK_L=cfg.block_l, CHUNK=chunk_of(cfg, self.checkpoint), num_warps=cfg.num_warps)
+            if cfg.schedule == "lanes":
+                kernel, meta = self.prog.module.scan_forward_lanes, dict(meta, UNROLL=cfg.unroll)
+            else:
+                kernel, meta = self.prog.module.scan_forward, dict(meta, BLOCK_T=cfg.block_t, STAGES=cfg.stages)
+            got = self._launch[cfg] = (kernel, (_cdiv(self.layout.L, cfg.block_l), self.n_seq), meta,
+                                       self.checkpoint_shape(cfg))
+        return got
+
+
+class BackwardPlan(_Plan):
+    """scan_bwd: gradient buffers (stored, atomically added or reduced in the kernel) and launch arguments."""
+
+    def __init__(self, prog, inputs, initial, grads, has_dfinal: bool, n_seq: int, varlen: bool, dim: int,
+                 reverse: bool, fp64: bool):
+        ir = prog.ir
+        self.prog, self.n_seq, self.varlen = prog, n_seq, varlen
+        self.acc = acc = torch.float64 if fp64 else torch.float32
+        n_in, n_out = len(inputs), len(grads)
+        shape = list(torch.broadcast_shapes(*(t.shape for t in inputs)))
+        g_st = [list(g.stride()) + ([0] if ir.reduce_state else []) for g in grads]
+        self.du_shapes = [list(t.shape) for t in inputs]
+        extra = g_st + [_buffer_strides(s, shape) for s in self.du_shapes]
+        self._lay_out(prog, inputs, shape, extra, dim, fp64, lambda s: g_st + [contiguous_strides(s)] * n_in)
+        if self.copy_shape is not None:   # full-size gradients, summed to the inputs' shapes after
+            self.du_shapes = [self.shape] * n_in
+        layout = self.layout
+        st = layout.strides
+        modes = [_du_mode(s, layout.sizes, ir.reduce_state, layout.T) for s in st[n_in + n_out:]]
+        self.du_zeroed = [m in (1, 2, 4) for m in modes]
+        self.launches = layout.L > 0 and n_seq > 0
+        self.head, self.slots = self._holes(st)
+        self.tail = (layout.T, layout.L, *layout.sizes[1:], n_seq)
+        self.common = dict(REVERSE=reverse, HAS_INIT=bool(initial), HAS_DFINAL=has_dfinal, VARLEN=varlen,
+                           STATE=self.state, FP64=fp64, **{f"DU{i}": m for i, m in enumerate(modes)})
+        # input gradients: (sum to the input's shape or None, dtype to cast to or None)
+        self.finish = [(tuple(t.shape) if list(t.shape) != s else None, t.dtype if t.dtype != acc else None)
+                       for t, s in zip(inputs, self.du_shapes)]
+        self.init_shape = ([n_seq] if varlen else []) + self.shape[:dim] + self.shape[dim + 1:]
+        self.bwd_chosen, bwd_fit_key = self._choose(prog, fp64, backward=True)
+        self._bwd_key = bwd_fit_key[:-1]
+        self._configs: dict = {}
+        self._launch: dict = {}
+
+    def config(self, chunk: int) -> tuple[Config, tuple]:
+        """(config, fit key) for the forward's checkpoint interval `chunk` (memoised).
+
+        The backward's time tile is that interval (block_t = chunk, kept when fit_launch shrinks);
+        the fit key names it, so a config fitted for one interval is never reused with another."""
+        got = self._configs.get(chunk)
+        if got is None:
+            cfg = dataclasses.replace(self.bwd_chosen, block_t=chunk)
+            got = self._configs[chunk] = (cfg, self._bwd_key + (cfg,))
+        return got
+
+    def launch(self, cfg: Config):
+        """(kernel, grid, constexpr/meta kwargs, lanes scratch shape or None) under `cfg` (memoised)."""
+        got = self._launch.get(cfg)
+        if got is None:
+            chunk = cfg.block_t
+            meta = dict(self.common, BLOCK_L=cfg.block_l, CHUNK=chunk, num_warps=cfg.num_warps)
+            grid = (_cdiv(self.layout.L, cfg.block_l), self.n_seq)
+            if cfg.schedule == "lanes":   # per-lane scratch for one chunk's replayed prefixes
+                scratch = (len(self.prog.ir.fields), self.n_seq, chunk, self.layout.L)
+                got = (self.prog.module.scan_backward_lanes, grid, dict(meta, UNROLL=cfg.unroll), scratch)
+            else:
+                got = (self.prog.module.scan_backward, grid, dict(meta, BLOCK_T=cfg.block_t, STAGES=cfg.stages), None)
+            self._launch[cfg] = got
+        return got
+
+
+class PlanCache:
+    """Eager plans by key. `built` counts plans built (a call whose plan was cached adds nothing)."""
+
+    def __init__(self, limit: int = 4096):
+        self.plans: dict = {}
+        self.built = 0
+        self.limit = limit
+
+    def get(self, key, build):
+        plan = self.plans.get(key)
+        if plan is None:
+            if len(self.plans) >= self.limit:   # shapes that keep changing: start over, stay bounded
+                self.plans.clear()
+            plan = self.plans[key] = build()
+            self.built += 1
+        return plan
+
+    def clear(self):
+        self.plans.clear()
+
+
+PLANS = PlanCache()
+
+
+def signature(tensors) -> tuple:
+    """What a plan reads of `tensors`: shapes, strides and dtypes."""
+    return tuple((t.shape, t.stride(), t.dtype) for t in tensors)
+
+
+def overrides() -> tuple:
+    """The forced configs (runtime.OVERRIDES) as part of a plan key."""
+    return tuple(runtime.OVERRIDES.items()) if runtime.OVERRIDES else ()
