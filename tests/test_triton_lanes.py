@@ -3,7 +3,9 @@ fitting launch configs to the device (shrink on OutOfResources, remembered per p
 
 The schedule is forced through runtime.OVERRIDES (how the benchmark selects it). Chunks of 4 steps
 and 8 lanes per program (two groups of the mixers' 4 state lanes; masked tails), so T = 1, 7, 9
-cover one partial chunk, a tail and several chunks.
+cover one partial chunk, a tail and several chunks. With CHUNK == UNROLL (here 4) the backward
+replays each chunk in registers; `test_lanes_chunk_not_a_multiple_of_the_unroll` covers the
+scratch-memory replay (CHUNK != UNROLL) and a 6-step register chunk.
 """
 import pytest
 import torch
@@ -97,10 +99,10 @@ def test_schedules_share_checkpoints(fwd, bwd):
         runtime.OVERRIDES.clear()
 
 
-@pytest.mark.parametrize("unroll", [1, 4, 16])
+@pytest.mark.parametrize("unroll", [1, 4, 6, 16])
 def test_lanes_chunk_not_a_multiple_of_the_unroll(monkeypatch, unroll):
-    """Checkpoints every 6 steps, stepped in blocks of 1, 4 (a partial block per chunk) or 16 (more
-    than a chunk)."""
+    """Checkpoints every 6 steps, stepped in blocks of 1, 4 (a partial block per chunk), 6 (one block:
+    the backward's replay stays in registers) or 16 (more than a chunk)."""
     odd = runtime.Config(block_t=6, block_l=8, num_warps=1, chunk=6, schedule="lanes", unroll=unroll)
     for key in [(c, b) for c in (False, True) for b in (False, True)]:
         monkeypatch.setitem(runtime.OVERRIDES, key, odd)

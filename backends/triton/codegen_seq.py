@@ -140,15 +140,14 @@ def render_forward_lanes(ir: ScanIR) -> list[str]:
             *_indent(body, 4)]
 
 
-def _du_store_lanes(i: int, name: str, j: int) -> list[str]:
-    """Write du_<name> [BLOCK_L] of block step j (memory index tt - j * step) by DU{i} (the tile
-    schedule's modes): 0 store, 1 atomic add, 2 summed over time, 3 summed over the STATE lanes then
-    stored, 4 summed over the STATE lanes then atomically added."""
-    at = f"(tt - {j} * step)"
+def _du_store_lanes(i: int, name: str, j: int, at: str, live: str) -> list[str]:
+    """Write du_<name> [BLOCK_L] of block step j (memory index `at`; `live`: the step exists) by
+    DU{i} (the tile schedule's modes): 0 store, 1 atomic add, 2 summed over time, 3 summed over the
+    STATE lanes then stored, 4 summed over the STATE lanes then atomically added."""
     ptr = f"du{i}_ptr + du{i}_off + {at} * du{i}_st"
     gptr = f"du{i}_ptr + du{i}_goff + {at} * du{i}_st"
     red = _reduce(f"tl.where(ok{j}, du_{name}, 0.0)")
-    group_live = f"group_ok & (group * 0 + {j} < n_steps - ss0)"
+    group_live = f"group_ok & ({live})"
     return [
         f"if DU{i} == 0:",
         f"    tl.store({ptr}, du_{name}.to(du{i}_ptr.dtype.element_ty), mask=ok{j})",
@@ -167,8 +166,117 @@ def _scratch(f: int, row: str) -> str:
     return f"scratch_ptr + (({f} * n_seq + seq) * CHUNK + {row}) * L + lane"
 
 
-def render_backward_lanes(ir: ScanIR, adj: Adjoint) -> list[str]:
+def _adjoint_step(ir: ScanIR, adj: Adjoint, j: int, at: str, live: str, carried: list[str]) -> list[str]:
+    """One step of the adjoint walked backwards, block step j: from u_*, e_*, g_*, q_* (the previous
+    prefix) and p_* (the prefix) set by the caller, and the carried cd_*, bd_*; stores the input
+    gradients at memory index `at` and hands c_t and B_t gbar_t down to step t - 1."""
     n, nb = len(ir.fields), len(adj.b_entries)
+    shape = f"p_{ir.fields[0]}"
+    here = ({s: s.name for s in ir.prefix_symbols + ir.previous_symbols + adj.g}
+            | _symbols_named(ir.input_symbols, "u_{}"))
+    b_names = {s: s.name for s in ir.previous_symbols} | {s: f"e_{f}" for s, f in zip(ir.later, ir.fields)}
+    bmat = adj.matrix([E.symbol(f"b{k}") for k in range(nb)])
+    gb = [E.symbol(f"gbar_{f}") for f in ir.fields]
+    bd = [sum((bmat[i][k] * gb[k] for k in range(n)), sympy.Integer(0)) for i in range(n)]
+    part = _assign([f"dy_{f}" for f in ir.fields], adj.dy, here, "_d", shape_like=shape)
+    part += [f"d_{f} = dy_{f} + cd_{f}" for f in ir.fields]
+    part += _assign([f"v_{f}" for f in ir.fields], adj.direct, {s: s.name for s in ir.prefix_symbols + adj.d},
+                    "_v", shape_like=shape)
+    part += [f"gbar_{f} = v_{f} + bd_{f}" for f in ir.fields]
+    names_x = {s: s.name for s in ir.previous_symbols + adj.gbar} | {s: f"e_{f}" for s, f in zip(ir.later, ir.fields)}
+    part += _assign([f"dx_{f}" for f in ir.fields], adj.dx, names_x, "_x", shape_like=shape)
+    part += _assign([f"du_{u}" for u in ir.inputs], adj.du, here | {s: s.name for s in adj.dx_symbols}, "_u",
+                    shape_like=shape)
+    for i, name in enumerate(ir.inputs):
+        part += _du_store_lanes(i, name, j, at, live)
+    # hand down to step t - 1: c_t, B_t gbar_t (B_t = J1(y_{t-1}, x_t)^T) and its prefix y_{t-1}
+    part += _assign([f"cd_{f}_new" for f in ir.fields], adj.c, here, "_i", shape_like=shape)
+    part += _assign([f"b{k}" for k in range(nb)], adj.b_entries, b_names, "_b", shape_like=shape)
+    part += _assign([f"bd_{f}_new" for f in ir.fields], bd,
+                    {s: s.name for s in gb} | {E.symbol(f"b{k}"): f"b{k}" for k in range(nb)}, "_w", shape_like=shape)
+    part += [f"nq_{f}_new = q_{f}" for f in ir.fields]
+    part += _keep(carried, f"live{j}")
+    return part
+
+
+def _grad_loads(ir: ScanIR, j: int, at: str) -> list[str]:
+    return [f"g{j}_{out} = to_acc(tl.load(g{o}_ptr + g{o}_off + {at} * g{o}_st, mask=ok{j}, other=0.0), FP64)"
+            for o, out in enumerate(ir.outputs)]
+
+
+def _step_inputs(ir: ScanIR, j: int) -> list[str]:
+    return ([f"u_{u} = u{j}_{u}" for u in ir.inputs] + [f"e_{f} = e{j}_{f}" for f in ir.fields]
+            + [f"g_{o} = g{j}_{o}" for o in ir.outputs] + [f"q_{f} = q{j}_{f}" for f in ir.fields])
+
+
+def _chunk_in_scratch(ir: ScanIR, adj: Adjoint) -> list[str]:
+    """CHUNK > UNROLL: replay the chunk's prefixes into the per-lane scratch rows, then walk back in
+    blocks of UNROLL steps reading each step's previous prefix from scratch."""
+    const = dict(ir.constants)
+    replay = _block_index("s0")
+    for j in range(MAX_UNROLL):
+        part = []
+        part += [f"live{j} = s0 + {j} < n_steps", f"ok{j} = lane_ok & (lane * 0 + {j} < n_steps - s0)"]
+        part += _load_lift(ir, tag=str(j), shift=j, mask=f"ok{j}", hoisted=True)
+        replay += _guarded(j, part)
+    for j in range(MAX_UNROLL):
+        part = []
+        part.append(_combine_call(ir, "c_{}_new", "c_{}", f"e{j}_" + "{}"))
+        part += _keep([f"c_{f}" for f in _free(ir)], f"live{j}")
+        part += [f"tl.store({_scratch(f, f's0 + {j}')}, c_{name}, mask=ok{j})" for f, name in enumerate(ir.fields)
+                 if name not in const]
+        replay += _guarded(j, part)
+    chunk = ["for s0 in range(0, n_steps, UNROLL):", *_indent(replay, 4), "tl.debug_barrier()"]
+    chunk += [f"nq_{f} = c_{f}" for f in ir.fields]   # the prefix at the chunk's last step
+    block = _block_index("(n_steps - 1 - ss0)")
+    for j in range(MAX_UNROLL):   # loads first (inputs, upstream gradients, previous prefixes), then the chain
+        part = []
+        part += [f"live{j} = ss0 + {j} < n_steps", f"ok{j} = lane_ok & (lane * 0 + {j} < n_steps - ss0)",
+                 f"s{j} = n_steps - 1 - ss0 - {j}"]
+        part += _load_lift(ir, tag=str(j), shift=-j, mask=f"ok{j}", hoisted=True)
+        part += _grad_loads(ir, j, f"(tt - {j} * step)")
+        for f, name in enumerate(ir.fields):   # the previous prefix: the checkpoint at the chunk's first step
+            if name in const:
+                part.append(f"q{j}_{name} = k_{name}")
+                continue
+            part.append(f"q{j}_{name} = tl.where(s{j} > 0, tl.load({_scratch(f, f'tl.maximum(s{j} - 1, 0)')}, "
+                        f"mask=ok{j}, other=0.0), k_{name})")
+        block += _guarded(j, part)
+    carried = [f"{c}_{f}" for c in ("cd", "bd", "nq") for f in ir.fields]
+    for j in range(MAX_UNROLL):
+        part = _step_inputs(ir, j) + [f"p_{f} = nq_{f}" for f in ir.fields]
+        part += _adjoint_step(ir, adj, j, f"(tt - {j} * step)", f"group * 0 + {j} < n_steps - ss0", carried)
+        block += _guarded(j, part)
+    chunk += ["for ss0 in range(0, n_steps, UNROLL):", *_indent(block, 4), "tl.debug_barrier()"]
+    return chunk
+
+
+def _chunk_in_registers(ir: ScanIR, adj: Adjoint) -> list[str]:
+    """CHUNK == UNROLL: the chunk is one block; its prefixes stay in registers (r<j>_<field>) and its
+    inputs and elements are reused by the walk back, so nothing goes through scratch memory. Steps
+    are at fixed positions j (memory index tt + j * step); positions past the chunk's end are masked."""
+    const = dict(ir.constants)
+    chunk = _block_index("0")
+    for j in range(MAX_UNROLL):
+        part = [f"live{j} = {j} < n_steps", f"ok{j} = lane_ok & (lane * 0 + {j} < n_steps)"]
+        part += _load_lift(ir, tag=str(j), shift=j, mask=f"ok{j}", hoisted=True)
+        part += _grad_loads(ir, j, f"(tt + {j} * step)")
+        chunk += _guarded(j, part)
+    for j in range(MAX_UNROLL):
+        part = [_combine_call(ir, "c_{}_new", "c_{}", f"e{j}_" + "{}")]
+        part += _keep([f"c_{f}" for f in _free(ir)], f"live{j}")
+        part += [f"r{j}_{f} = c_{f}" for f in _free(ir)]
+        chunk += _guarded(j, part)
+    carried = [f"{c}_{f}" for c in ("cd", "bd") for f in ir.fields]
+    for j in reversed(range(MAX_UNROLL)):
+        prev = [f"q{j}_{f} = " + (f"k_{f}" if f in const or j == 0 else f"r{j - 1}_{f}") for f in ir.fields]
+        part = prev + _step_inputs(ir, j) + [f"p_{f} = " + (f"k_{f}" if f in const else f"r{j}_{f}") for f in ir.fields]
+        part += _adjoint_step(ir, adj, j, f"(tt + {j} * step)", f"group * 0 + {j} < n_steps", carried)
+        chunk += _guarded(j, part)
+    return chunk
+
+
+def render_backward_lanes(ir: ScanIR, adj: Adjoint) -> list[str]:
     consts = (["BLOCK_L", "CHUNK", "UNROLL", "REVERSE", "HAS_INIT", "HAS_DFINAL", "VARLEN", "STATE", "FP64"]
               + [f"DU{i}" for i in range(len(ir.inputs))])
     body = _prologue()
@@ -194,74 +302,8 @@ def render_backward_lanes(ir: ScanIR, adj: Adjoint) -> list[str]:
             chunk.append(f"k_{name} = to_acc(tl.load(ckpt_ptr + ({f} * n_slots + slot0 + k) * L + lane, mask=lane_ok, "
                          f"other={_num(ident)}), FP64)")
         chunk.append(f"c_{name} = k_{name}")
-    replay = _block_index("s0")
-    for j in range(MAX_UNROLL):
-        part = []
-        part += [f"live{j} = s0 + {j} < n_steps", f"ok{j} = lane_ok & (lane * 0 + {j} < n_steps - s0)"]
-        part += _load_lift(ir, tag=str(j), shift=j, mask=f"ok{j}", hoisted=True)
-        replay += _guarded(j, part)
-    for j in range(MAX_UNROLL):
-        part = []
-        part.append(_combine_call(ir, "c_{}_new", "c_{}", f"e{j}_" + "{}"))
-        part += _keep([f"c_{f}" for f in _free(ir)], f"live{j}")
-        part += [f"tl.store({_scratch(f, f's0 + {j}')}, c_{name}, mask=ok{j})" for f, name in enumerate(ir.fields)
-                 if name not in const]
-        replay += _guarded(j, part)
-    chunk.append("for s0 in range(0, n_steps, UNROLL):")
-    chunk += _indent(replay, 4)
-    chunk.append("tl.debug_barrier()")
-    chunk += [f"nq_{f} = c_{f}" for f in ir.fields]   # the prefix at the chunk's last step
-    shape = f"p_{ir.fields[0]}"
-    block = _block_index("(n_steps - 1 - ss0)")
-    for j in range(MAX_UNROLL):   # loads first (inputs, upstream gradients, previous prefixes), then the chain
-        part = []
-        part += [f"live{j} = ss0 + {j} < n_steps", f"ok{j} = lane_ok & (lane * 0 + {j} < n_steps - ss0)",
-                  f"s{j} = n_steps - 1 - ss0 - {j}"]
-        part += _load_lift(ir, tag=str(j), shift=-j, mask=f"ok{j}", hoisted=True)
-        for o, out in enumerate(ir.outputs):
-            part.append(f"g{j}_{out} = to_acc(tl.load(g{o}_ptr + g{o}_off + (tt - {j} * step) * g{o}_st, mask=ok{j}, "
-                         "other=0.0), FP64)")
-        for f, name in enumerate(ir.fields):   # the previous prefix: the checkpoint at the chunk's first step
-            if name in const:
-                part.append(f"q{j}_{name} = k_{name}")
-                continue
-            part.append(f"q{j}_{name} = tl.where(s{j} > 0, tl.load({_scratch(f, f'tl.maximum(s{j} - 1, 0)')}, "
-                         f"mask=ok{j}, other=0.0), k_{name})")
-        block += _guarded(j, part)
-    here = ({s: s.name for s in ir.prefix_symbols + ir.previous_symbols + adj.g}
-            | _symbols_named(ir.input_symbols, "u_{}"))
-    b_names = {s: s.name for s in ir.previous_symbols} | {s: f"e_{f}" for s, f in zip(ir.later, ir.fields)}
-    bmat = adj.matrix([E.symbol(f"b{k}") for k in range(nb)])
-    gb = [E.symbol(f"gbar_{f}") for f in ir.fields]
-    bd = [sum((bmat[i][j] * gb[j] for j in range(n)), sympy.Integer(0)) for i in range(n)]
-    carried = [f"{c}_{f}" for c in ("cd", "bd", "nq") for f in ir.fields]
-    for j in range(MAX_UNROLL):
-        part = []
-        part += ([f"u_{u} = u{j}_{u}" for u in ir.inputs] + [f"e_{f} = e{j}_{f}" for f in ir.fields]
-                  + [f"g_{o} = g{j}_{o}" for o in ir.outputs] + [f"q_{f} = q{j}_{f}" for f in ir.fields]
-                  + [f"p_{f} = nq_{f}" for f in ir.fields])
-        part += _assign([f"dy_{f}" for f in ir.fields], adj.dy, here, "_d", shape_like=shape)
-        part += [f"d_{f} = dy_{f} + cd_{f}" for f in ir.fields]
-        part += _assign([f"v_{f}" for f in ir.fields], adj.direct, {s: s.name for s in ir.prefix_symbols + adj.d},
-                         "_v", shape_like=shape)
-        part += [f"gbar_{f} = v_{f} + bd_{f}" for f in ir.fields]
-        names_x = {s: s.name for s in ir.previous_symbols + adj.gbar} | {s: f"e_{f}" for s, f in zip(ir.later, ir.fields)}
-        part += _assign([f"dx_{f}" for f in ir.fields], adj.dx, names_x, "_x", shape_like=shape)
-        part += _assign([f"du_{u}" for u in ir.inputs], adj.du, here | {s: s.name for s in adj.dx_symbols}, "_u",
-                         shape_like=shape)
-        for i, name in enumerate(ir.inputs):
-            part += _du_store_lanes(i, name, j)
-        # hand down to step t - 1: c_t, B_t gbar_t (B_t = J1(y_{t-1}, x_t)^T) and its prefix y_{t-1}
-        part += _assign([f"cd_{f}_new" for f in ir.fields], adj.c, here, "_i", shape_like=shape)
-        part += _assign([f"b{k}" for k in range(nb)], adj.b_entries, b_names, "_b", shape_like=shape)
-        part += _assign([f"bd_{f}_new" for f in ir.fields], bd,
-                         {s: s.name for s in gb} | {E.symbol(f"b{k}"): f"b{k}" for k in range(nb)}, "_w", shape_like=shape)
-        part += [f"nq_{f}_new = q_{f}" for f in ir.fields]
-        part += _keep(carried, f"live{j}")
-        block += _guarded(j, part)
-    chunk.append("for ss0 in range(0, n_steps, UNROLL):")
-    chunk += _indent(block, 4)
-    chunk.append("tl.debug_barrier()")
+    chunk += ["if CHUNK == UNROLL:", *_indent(_chunk_in_registers(ir, adj), 4),
+              "else:", *_indent(_chunk_in_scratch(ir, adj), 4)]
     body.append("for kk in range(0, n_chunks):")
     body += _indent(chunk, 4)
     for i in range(len(ir.inputs)):
@@ -272,5 +314,6 @@ def render_backward_lanes(ir: ScanIR, adj: Adjoint) -> list[str]:
         body.append(f"    tl.store(dinit{f}_ptr + seq * L + lane, cd_{name} + bd_{name}, mask=lane_ok)")
     sig = ", ".join(backward_args(ir) + ["scratch_ptr"] + [f"{c}: tl.constexpr" for c in consts] + static_flags(ir))
     return ["@triton.jit", f"def scan_backward_lanes({sig}):",
-            f'    """Backward of {ir.name}, lane-sequential: replay each chunk into scratch, step the adjoint back."""',
+            f'    """Backward of {ir.name}, lane-sequential: replay each chunk (in registers when CHUNK == UNROLL, '
+            'else into scratch), step the adjoint back."""',
             *_indent(body, 4)]
