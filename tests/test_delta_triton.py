@@ -135,8 +135,10 @@ def test_zero_keys_and_zero_eta_write_nothing_even_with_eps_zero(grad):
         assert torch.equal(ts[4].grad[:, 4:9], torch.zeros_like(ts[4].grad[:, 4:9]))  # no step through zero keys
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_half_inputs(dtype):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_input_dtypes(dtype):
+    """The comparison test_delta_gpu.py makes (tolerance kinds per gradient), for every input dtype: its fp32
+    cases failed on the H200 because the table had no ("delta_gate_grad", float32) row."""
     q, k, v, g, eta, h0 = make_inputs(1, 37, 2, 16, 16, seed=8, zero_keys=False)
     q, k, v = (t.to(dtype) for t in (q, k, v))
     fn = lambda backend: lambda q, k, v, g, eta, h0: kaczmarz_delta_rule(  # noqa: E731

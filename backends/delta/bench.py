@@ -1,17 +1,21 @@
 """GPU benchmark of the generated delta-rule kernels against flash-linear-attention (fla), with checks.
 
-    python -m scanlang.backends.delta.bench [--out DIR] [--sweep]
+    python -m scanlang.backends.delta.bench [--out DIR] [--skip-correctness] [--no-breakdown]
+                                            [--sweep [SECONDS]]
 
-1. Correctness (B2 T300 H4 K=V=64, bf16, T not a multiple of the chunk): ours and fla's
+In this order, so that a run cut short by a time limit still has the headline table:
+1. Timing at B8 T4096 H16 K=V=128 bf16 (GDN-style inputs), median of triton.testing.do_bench: fwd and
+   fwd+bwd for fla, ours (GDN step), ours (Kaczmarz step), and one-token decode at B8 H16; then the
+   outputs of that shape checked against the float64 reference, and the headline table.
+2. Correctness (B2 T300 H4 K=V=64, bf16, T not a multiple of the chunk): ours and fla's
    chunk_gated_delta_rule against the float64 chunked reference (itself checked against the token
    loop by the CPU tests): o, final state and every gradient, ratio RMS(err)/RMS(ref). Kaczmarz with
    raw keys (norms log-uniform over [1e-2, 10]) for ours; fla runs it through the exact identity
    GDN(q, k r, v r, beta=eta), r = (||k||^2 + eps)^-1/2.
-2. Optionally (--sweep) a per-kernel search over value block / warps / stages; the best is kept.
-3. Timing at B8 T4096 H16 K=V=128 bf16 (GDN-style inputs), median of triton.testing.do_bench:
-   fwd and fwd+bwd for fla, ours (GDN step), ours (Kaczmarz step), with the outputs of that shape
-   checked against the float64 reference in the same run; one-token decode at B8 H16.
-Everything printed is also written to DIR/delta_bench.log and DIR/delta_bench.json.
+3. GPU time per kernel over one fwd+bwd (torch profiler), unless --no-breakdown.
+4. With --sweep: a per-kernel search over value block / warps / stages within SECONDS (default 300; every
+   config compiles, so it is bounded: kernels not reached keep their configs), then ours timed again.
+Everything printed is also written to DIR/delta_bench.log and DIR/delta_bench.json after every step.
 """
 from __future__ import annotations
 
@@ -21,6 +25,7 @@ import json
 import math
 import os
 import sys
+import time
 
 import torch
 import triton
@@ -31,6 +36,7 @@ from scanlang.recipes.kaczmarz import delta_rule, kaczmarz_delta_rule
 from scanlang.testing import ratio, tolerance
 
 LOG: list[str] = []
+SHAPE = (8, 4096, 16, 128, 128)     # B, T, H, K, V of the timed runs and the sweep
 
 
 def say(*parts):
@@ -127,27 +133,37 @@ def fwd_bwd(fn, ins, do):
     torch.autograd.grad(o, ins[:5], do)
 
 
-def sweep(device, results):
-    """Per kernel: try value blocks / warps / stages, keep the fastest (others at their current best)."""
-    say("## per-kernel sweep (B8 T4096 H16 K=V=128 bf16)")
-    ins = gdn_inputs(8, 4096, 16, 128, 128, torch.bfloat16, device, seed=5, requires_grad=True)
-    do = torch.randn(8, 4096, 16, 128, device=device)
+SWEEP_OPTIONS = {
+    "prep": [dict(num_warps=w, num_stages=st) for w in (4, 8) for st in (1, 2)],
+    "wu": [dict(BV=bv, num_warps=w, num_stages=2) for bv in (64, 128) for w in (4, 8)],
+    "state_fwd": [dict(BV=bv, num_warps=w, num_stages=2) for bv in (32, 64) for w in (4, 8)],
+    "output": [dict(BV=bv, num_warps=w, num_stages=2) for bv in (64, 128) for w in (4, 8)],
+    "dU_local": [dict(BV=64, num_warps=w, num_stages=2) for w in (4, 8)],
+    "state_bwd": [dict(BV=bv, num_warps=w, num_stages=2) for bv in (32, 64) for w in (4, 8)],
+    "bwd_dqk": [dict(BV=bv, num_warps=w, num_stages=1) for bv in (32, 64) for w in (4, 8)],
+    "bwd_wy": [dict(BV=bv, num_warps=w, num_stages=1) for bv in (32, 64) for w in (4, 8)],
+}
+
+
+def sweep(device, results, budget_s: float) -> bool:
+    """Per kernel: try value blocks / warps / stages, keep the fastest (others at their current best), until
+    `budget_s` seconds are spent (kernels not reached keep their configs). Returns whether a config changed."""
+    B, T, H, K, V = SHAPE
+    say(f"## per-kernel sweep (B{B} T{T} H{H} K=V={K} bf16), budget {budget_s:.0f} s")
+    deadline = time.monotonic() + budget_s
+    ins = gdn_inputs(B, T, H, K, V, torch.bfloat16, device, seed=5, requires_grad=True)
+    do = torch.randn(B, T, H, V, device=device)
     f = lambda: ours_fn(*ins)  # noqa: E731
     fb = lambda: fwd_bwd(ours_fn, ins, do)  # noqa: E731
-    options = {
-        "prep": [dict(num_warps=w, num_stages=s) for w in (4, 8) for s in (1, 2)],
-        "wu": [dict(BV=bv, num_warps=w, num_stages=2) for bv in (64, 128) for w in (4, 8)],
-        "state_fwd": [dict(BV=bv, num_warps=w, num_stages=2) for bv in (32, 64) for w in (4, 8)],
-        "output": [dict(BV=bv, num_warps=w, num_stages=2) for bv in (64, 128) for w in (4, 8)],
-        "dU_local": [dict(BV=64, num_warps=w, num_stages=2) for w in (4, 8)],
-        "state_bwd": [dict(BV=bv, num_warps=w, num_stages=2) for bv in (32, 64) for w in (4, 8)],
-        "bwd_dqk": [dict(BV=bv, num_warps=w, num_stages=1) for bv in (32, 64) for w in (4, 8)],
-        "bwd_wy": [dict(BV=bv, num_warps=w, num_stages=1) for bv in (32, 64) for w in (4, 8)],
-    }
-    for name, cfgs in options.items():
+    changed = False
+    names = list(SWEEP_OPTIONS)
+    for i, (name, cfgs) in enumerate(SWEEP_OPTIONS.items()):
         timer = f if name in ("prep", "state_fwd", "output") else fb   # "wu" runs in the backward only
+        start = dict(delta_ops.CONFIG[name])
         best = None
-        for cfg in cfgs:
+        for cfg in [start] + [c for c in cfgs if c != start]:
+            if time.monotonic() > deadline:
+                break
             delta_ops.CONFIG[name] = cfg
             try:
                 t = bench_ms(timer)
@@ -156,9 +172,15 @@ def sweep(device, results):
                 continue
             if best is None or t < best[0]:
                 best = (t, cfg)
-        delta_ops.CONFIG[name] = best[1]
-        say(f"  {name}: best {best[1]} -> {'fwd' if timer is f else 'fwd+bwd'} {best[0]:.3f} ms")
-    results["config"] = {k: dict(v) for k, v in delta_ops.CONFIG.items()}
+        delta_ops.CONFIG[name] = best[1] if best else start
+        changed |= delta_ops.CONFIG[name] != start
+        if best:
+            say(f"  {name}: best {best[1]} -> {'fwd' if timer is f else 'fwd+bwd'} {best[0]:.3f} ms")
+        if time.monotonic() > deadline:
+            say(f"  sweep budget spent; kept as they were: {names[i + 1:]}")
+            break
+    results["sweep_config"] = {k: dict(v) for k, v in delta_ops.CONFIG.items()}
+    return changed
 
 
 def kernel_breakdown(label, fn, results):
@@ -179,60 +201,93 @@ def kernel_breakdown(label, fn, results):
         say(f"    {ms:8.3f} ms  x{count:<3d} {name[:90]}")
 
 
-def timings(device, results, have_fla):
-    B, T, H, K, V = 8, 4096, 16, 128, 128
-    say(f"## timing B{B} T{T} H{H} K=V={K} bf16 (median ms, do_bench)")
+def _contenders(device, have_fla, only_ours=False):
+    B, T, H, K, V = SHAPE
     ins = gdn_inputs(B, T, H, K, V, torch.bfloat16, device, seed=7, requires_grad=True)
-    do = torch.randn(B, T, H, V, device=device)
     gen = torch.Generator(device=device).manual_seed(8)
     kz = [ins[0], (ins[1].float() * torch.exp(torch.empty(B, T, H, 1, device=device).uniform_(
         math.log(0.1), math.log(10), generator=gen))).to(torch.bfloat16).requires_grad_(), *ins[2:]]
     kz_fn = lambda q, k, v, g, e, h0: kaczmarz_delta_rule(  # noqa: E731
         q, k, v, g, e, initial_state=h0, output_final_state=True, backend="triton")
     contenders = [("ours GDN-step", ours_fn, ins), ("ours Kaczmarz", kz_fn, kz)]
-    if have_fla:
+    if have_fla and not only_ours:
         contenders.insert(0, ("fla chunk_gated_delta_rule", fla_fn, ins))
-    with torch.no_grad():
-        o_ref = reference_fn(*[t.detach() for t in ins])[0]
+    return ins, contenders
+
+
+def timings(device, results, have_fla, label_suffix="", only_ours=False):
+    """fwd, fwd+bwd and decode times first; checks of the same outputs against float64 after; then the table."""
+    B, T, H, K, V = SHAPE
+    say(f"## timing B{B} T{T} H{H} K=V={K} bf16 (median ms, do_bench){label_suffix}")
+    say(f"  launch configs: {dict(delta_ops.CONFIG)}")
+    ins, contenders = _contenders(device, have_fla, only_ours)
+    do = torch.randn(B, T, H, V, device=device)
+    timing = results.setdefault("timing" + label_suffix.replace(" ", "_"), {})
+    outputs = {}
     for label, fn, args in contenders:
-        torch.cuda.synchronize()
         with torch.no_grad():
-            o = fn(*args)[0]
-            r = ratio(o, o_ref) if args is ins else float("nan")
+            outputs[label] = fn(*args)[0]
             fwd = bench_ms(lambda: fn(*args))
-        say(f"  {label:28s} fwd {fwd:7.3f} ms")
         fb = bench_ms(lambda: fwd_bwd(fn, args, do))
-        results.setdefault("timing", {})[label] = dict(fwd_ms=fwd, fwd_bwd_ms=fb, o_ratio_vs_f64=r)
-        say(f"  {label:28s} fwd {fwd:7.3f} ms   fwd+bwd {fb:7.3f} ms   o ratio vs float64 {r:.2e}")
-        kernel_breakdown(label, lambda: fwd_bwd(fn, args, do), results)
-    results["config"] = {k: dict(v) for k, v in delta_ops.CONFIG.items()}
-    say(f"  launch configs used: {results['config']}")
-    # one-token decode with a carried state
-    say(f"## one-token decode B{B} H{H} K=V={K} (bf16 q/k/v, fp32 state)")
+        timing[label] = dict(fwd_ms=fwd, fwd_bwd_ms=fb)
+        say(f"  {label:28s} fwd {fwd:7.3f} ms   fwd+bwd {fb:7.3f} ms")
+    say(f"## one-token decode B{B} H{H} K=V={K} (bf16 q/k/v, fp32 state carried), whole call")
     q, k, v, g, beta = (t.detach()[:, :1].contiguous() for t in ins[:5])
     h0 = ins[5].detach()
     state_bytes = 2 * h0.numel() * 4
+    dec = [("ours (recurrent kernel)", lambda: delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True,
+                                                          backend="triton"))]
+    if have_fla and not only_ours:
+        from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule
+        dec.insert(0, ("fla fused_recurrent", lambda: fused_recurrent_gated_delta_rule(
+            q, k, v, g=g, beta=beta, initial_state=h0, output_final_state=True)))   # 4th positional is gk
+    decode = results.setdefault("decode" + label_suffix.replace(" ", "_"), {})
     with torch.no_grad():
-        o_ref, S_ref = reference_fn(q, k, v, g, beta, h0)
-        dec = [("ours (recurrent kernel)", lambda: delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True,
-                                                              backend="triton"))]
-        if have_fla:
-            from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule
-            dec.insert(0, ("fla fused_recurrent", lambda: fused_recurrent_gated_delta_rule(
-                q, k, v, g=g, beta=beta, initial_state=h0, output_final_state=True)))   # 4th positional is gk
+        dec_out = {}
         for label, fn in dec:
-            o, S = fn()
+            dec_out[label] = fn()
             t = bench_ms(fn)
-            results.setdefault("decode", {})[label] = dict(ms=t, o_ratio=ratio(o, o_ref), S_ratio=ratio(S, S_ref))
-            say(f"  {label:28s} {t * 1e3:7.1f} us  state r+w {state_bytes / t / 1e9:6.1f} GB/s  "
-                f"o ratio {ratio(o, o_ref):.1e}  S ratio {ratio(S, S_ref):.1e}")
+            decode[label] = dict(us=t * 1e3)
+            say(f"  {label:28s} {t * 1e3:7.1f} us  state r+w {state_bytes / t / 1e9:6.1f} GB/s")
+        # checks after the clock: outputs of the timed shape against float64
+        o_ref = reference_fn(*[t.detach() for t in ins])[0]
+        for label, fn, args in contenders:
+            if args is ins:
+                timing[label]["o_ratio_vs_f64"] = ratio(outputs[label], o_ref)
+        del o_ref
+        o_ref, S_ref = reference_fn(q, k, v, g, beta, h0)
+        for label, (o, S) in dec_out.items():
+            decode[label].update(o_ratio=ratio(o, o_ref), S_ratio=ratio(S, S_ref))
+    say(f"## headline{label_suffix}: B{B} T{T} H{H} K=V={K} bf16, {results['gpu']}, torch {results['torch']}, "
+        f"triton {results['triton']}")
+    say("  | | fwd (ms) | fwd+bwd (ms) | o ratio vs float64 |")
+    say("  |---|---|---|---|")
+    for label, row in timing.items():
+        r = row.get("o_ratio_vs_f64", float("nan"))
+        say(f"  | {label} | {row['fwd_ms']:.3f} | {row['fwd_bwd_ms']:.3f} | {r:.1e} |")
+    for label, row in decode.items():
+        say(f"  decode {label}: {row['us']:.1f} us (o ratio {row.get('o_ratio', float('nan')):.1e}, "
+            f"S ratio {row.get('S_ratio', float('nan')):.1e})")
+    results["config"] = {name: dict(cfg) for name, cfg in delta_ops.CONFIG.items()}
+
+
+def breakdown(device, results, have_fla):
+    B, T, H, K, V = SHAPE
+    say("## GPU time per kernel over one fwd+bwd (torch profiler)")
+    ins, contenders = _contenders(device, have_fla)
+    do = torch.randn(B, T, H, V, device=device)
+    for label, fn, args in contenders:
+        say(f"  {label}")
+        kernel_breakdown(label, lambda: fwd_bwd(fn, args, do), results)
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
-    parser.add_argument("--sweep", action="store_true")
+    parser.add_argument("--sweep", nargs="?", type=float, const=300.0, default=None, metavar="SECONDS",
+                        help="per-kernel config sweep after everything else, bounded to SECONDS (default 300)")
     parser.add_argument("--skip-correctness", action="store_true")
+    parser.add_argument("--no-breakdown", action="store_true")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("no CUDA device: this benchmark needs a GPU", file=sys.stderr)
@@ -251,10 +306,16 @@ def main(argv=None):
         have_fla = False
     say(f"# delta-rule benchmark {results['date']} on {results['gpu']}: torch {results['torch']}, "
         f"triton {results['triton']}, fla {results.get('fla')}")
-    steps = [] if args.skip_correctness else [("correctness", lambda: correctness(device, results, have_fla))]
-    if args.sweep:
-        steps.append(("sweep", lambda: sweep(device, results)))
-    steps.append(("timings", lambda: timings(device, results, have_fla)))
+    steps = [("timings", lambda: timings(device, results, have_fla))]
+    if not args.skip_correctness:
+        steps.append(("correctness", lambda: correctness(device, results, have_fla)))
+    if not args.no_breakdown:
+        steps.append(("breakdown", lambda: breakdown(device, results, have_fla)))
+    if args.sweep is not None:
+        def sweep_then_time():
+            if sweep(device, results, args.sweep):
+                timings(device, results, have_fla, label_suffix=" after sweep", only_ours=True)
+        steps.append(("sweep", sweep_then_time))
     for name, step in steps:
         try:
             step()

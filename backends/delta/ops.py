@@ -13,15 +13,23 @@ w, u (delta_wu) and the chunk states (state_fwd), then dU_local -> state_bwd (re
 bwd_dqk (dq; dk, dw, dG in part) -> bwd_wy (dv, dk, d step input, d decay input and its parameters).
 Short inputs without gradients (every sequence <= RECURRENT_MAX_LEN tokens, e.g. decoding) take the
 token-loop kernel instead.
+
+Host overhead. Outside torch.compile (and outside fake/functorch tracing) the chunked path skips the
+torch.library dispatcher: `_EagerChunk`, a torch.autograd.Function, runs the same two implementations
+(`_chunk_forward`, `_chunk_backward`) with the same kernels and configs, so both paths give identical
+bits. Per (program, K, V, dtype, device) a `Plan` holds the constexprs and launch configs, built once;
+chunk tables of equal-length batches and the empty parameter tensor are cached per shape.
 """
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
 import triton
 from torch.library import triton_op, wrap_triton
+from triton.runtime.errors import OutOfResources
 
 from scanlang.delta import GIVEN, KACZMARZ, DeltaRule
 
@@ -31,19 +39,44 @@ from . import codegen
 RECURRENT_MAX_LEN = 16
 KEY_BLOCK = 64           # key columns per program / loop step in the backward kernels
 # Per kernel: BV = value columns per program (or per loop step in delta_bwd_*), and Triton launch options.
-CONFIG = {   # chosen by ptxas spill counts for K=V=128 bf16 on sm_90 (see BENCHMARKS.md)
-    "prep": dict(num_warps=8, num_stages=2),
-    "wu": dict(BV=64, num_warps=8, num_stages=2),
-    "state_fwd": dict(BV=64, num_warps=8, num_stages=2),
-    "output": dict(BV=64, num_warps=4, num_stages=2),
+# Measured 2026-11-30 on the H200 (torch 2.11, Triton 3.6), B8 T4096 H16 K=V=128 bf16, by
+# `python -m scanlang.backends.delta.bench --sweep` (greedy, one kernel at a time, the others at their best so
+# far): fwd 1.621 ms, fwd+bwd 6.091 ms with these (the previous defaults, chosen by ptxas spill counts: 1.662 /
+# 8.61). "recurrent" was not swept.
+CONFIG: dict[str, dict]   # (assigned below: a dict that drops the cached plans when an entry changes)
+
+
+class _Configs(dict):
+    """Launch configs per kernel. Plans copy them, so setting or deleting an entry drops every cached plan."""
+
+    def __setitem__(self, name, cfg):
+        super().__setitem__(name, cfg)
+        PLANS.clear()
+
+    def __delitem__(self, name):
+        super().__delitem__(name)
+        PLANS.clear()
+
+
+CONFIG = _Configs({
+    "prep": dict(num_warps=4, num_stages=2),
+    "wu": dict(BV=64, num_warps=4, num_stages=2),
+    "state_fwd": dict(BV=64, num_warps=4, num_stages=2),
+    "output": dict(BV=128, num_warps=4, num_stages=2),
     "dU_local": dict(BV=64, num_warps=4, num_stages=2),
     "state_bwd": dict(BV=64, num_warps=8, num_stages=2),
-    "bwd_dqk": dict(BV=32, num_warps=8, num_stages=1),
-    "bwd_wy": dict(BV=32, num_warps=8, num_stages=1),
+    "bwd_dqk": dict(BV=32, num_warps=4, num_stages=1),
+    "bwd_wy": dict(BV=64, num_warps=4, num_stages=1),
     "recurrent": dict(BV=32, num_warps=4, num_stages=1),
-}
+})
+EAGER_FAST_PATH = True   # False: every chunked call goes through the torch.library ops (tests compare the two)
 _RULES = {"beta": GIVEN, "kaczmarz": KACZMARZ}
 PROGRAMS: dict[str, tuple] = {}     # key -> (generated module, chunk size); keys name rule, hooks and C
+_PROGRAM_KEYS: dict = {}            # (rule, chunk size) -> key in PROGRAMS
+PLANS: dict = {}                    # (program key, K, V, dtype, device, KEY_BLOCK) -> Plan
+TABLES: dict = {}                   # (B, T, chunk size, device) or (offsets, chunk size, device) -> ChunkTable
+_NO_PARAMS: dict = {}               # (H, device) -> the empty [0, H] parameter tensor
+_CACHE_LIMIT = 256                  # entries per shape cache before it is emptied
 
 
 def _empty(*shape, device, dtype):
@@ -56,13 +89,15 @@ class ChunkTable:
 
     The device tensors are built on first use (the recurrent path needs only `seq_tok`)."""
 
-    def __init__(self, B: int, T: int, cu_seqlens: torch.Tensor | None, C: int, device):
+    def __init__(self, B: int, T: int, cu_seqlens, C: int, device):
+        """`cu_seqlens`: None (B sequences of T tokens), or the offsets [N + 1] as a tensor or a sequence of ints."""
         self.B, self.T, self.C, self.device = B, T, C, device
         if cu_seqlens is None:
             self.cu = None
             self.n_seq, self.max_len = B, T
         else:
-            self.cu = [int(x) for x in cu_seqlens.tolist()]
+            cu = cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else cu_seqlens
+            self.cu = [int(x) for x in cu]
             self.n_seq = len(self.cu) - 1
             self.max_len = max((e - s for s, e in zip(self.cu, self.cu[1:])), default=0)
 
@@ -124,14 +159,56 @@ def _smaller(cfg: dict) -> dict | None:
     return None
 
 
-def _launch(name: str, kernel, grid, args: tuple, meta: dict, V: int):
-    """Launch `kernel` with CONFIG[name]; `grid(cfg)` gives the grid. A config that needs more shared
-    memory than the device has is shrunk until it fits, and remembered in CONFIG (the Triton
-    backend's runtime.fit_launch)."""
+@dataclass
+class Plan:
+    """How to launch one program at one (K, V, input dtype, device), whatever the lengths: the constexprs and
+    a launch config per kernel (CONFIG, value block clamped to the padded V). A config shrunk to fit the
+    device's shared memory is remembered in `configs`, for this shape only."""
+
+    mod: object
+    C: int
+    meta: dict          # K, V, BK, C, PREC, IN_PREC, UPCAST
+    BKS: int            # key columns per program / loop step in the backward
+    NK: int             # key blocks
+    configs: dict
+
+
+def plan(key: str, K: int, V: int, dtype: torch.dtype, device: torch.device) -> Plan:
+    """The cached Plan of program `key` (see `program_key`) for this shape, built on first use."""
+    pk = (key, K, V, dtype, device, KEY_BLOCK)
+    found = PLANS.get(pk)
+    if found is None:
+        mod, C = PROGRAMS[key]
+        meta = _meta(K, V, C, dtype, device)
+        BKS = min(KEY_BLOCK, meta["BK"])
+        if len(PLANS) >= _CACHE_LIMIT:
+            PLANS.clear()
+        found = PLANS[pk] = Plan(mod, C, meta, BKS, triton.cdiv(K, BKS),
+                                 {name: _clamp(cfg, V) for name, cfg in CONFIG.items()})
+    return found
+
+
+def _launch(name: str, kernel, grid, args: tuple, meta: dict, V: int, configs: dict | None = None,
+            direct: bool = False):
+    """Launch `kernel` with `configs[name]` (a plan's; without `configs`, CONFIG[name] clamped to V);
+    `grid(cfg)` gives the grid. A config that needs more shared memory than the device has is shrunk
+    until it fits and remembered in `configs` (or CONFIG) by the Triton backend's runtime.fit_launch.
+    `direct` launches the kernel itself (eager); otherwise through wrap_triton, which torch.compile traces."""
+    remembered = CONFIG if configs is None else configs
+    if configs is not None:          # the common case first, without fit_launch's bookkeeping
+        cfg = configs[name]
+        try:
+            (kernel if direct else wrap_triton(kernel))[grid(cfg)](*args, **meta, **cfg)
+            return
+        except OutOfResources:
+            if _smaller(cfg) is None:
+                raise
+            configs[name] = _smaller(cfg)
+
     def attempt(cfg):
         opts = _clamp(cfg, V)
-        wrap_triton(kernel)[grid(opts)](*args, **meta, **opts)
-    fit_launch(name, CONFIG[name], attempt, _smaller, remembered=CONFIG)
+        (kernel if direct else wrap_triton(kernel))[grid(opts)](*args, **meta, **opts)
+    fit_launch(name, remembered[name], attempt, _smaller, remembered=remembered)
 
 
 def _ptr(t: torch.Tensor, fallback: torch.Tensor) -> torch.Tensor:
@@ -146,72 +223,62 @@ def _fake(t: torch.Tensor) -> bool:
     return t.device.type == "meta" or (is_fake(t) and get_proxy_mode() is None)
 
 
-def _states(mod, k, v, a, hp, s, h0, chunk_tok, chunk_len, seq_chunk0, eps, C: int, saved=None):
+def _states(p: Plan, k, v, a, hp, s, h0, chunk_tok, chunk_len, seq_chunk0, eps, saved=None, direct=False):
     """(gcum, beta, Tm, w, chunk start states h, innovations U, final state).
 
     Without `saved`: prep (everything from the inputs) then state_fwd. With `saved = (Tm, gcum, beta)` from
     the forward (the backward's recomputation): w and u from Tm by delta_wu, then state_fwd."""
     TT, H, K = k.shape
     V = v.shape[-1]
-    NC, N, dev = chunk_tok.numel(), seq_chunk0.numel() - 1, k.device
-    meta = _meta(K, V, C, k.dtype, dev)
+    NC, N, dev, C = chunk_tok.numel(), seq_chunk0.numel() - 1, k.device, p.C
     w = _empty(TT, H, K, device=dev, dtype=k.dtype)
     u = _empty(TT, H, V, device=dev, dtype=k.dtype)
     h = _empty(NC, H, K, V, device=dev, dtype=k.dtype)
     U = _empty(TT, H, V, device=dev, dtype=k.dtype)
-    ht = _empty(N, H, K, V, device=dev, dtype=torch.float32)
+    ht = _empty(N, H, K, V, device=dev, dtype=torch.float32) if saved is None else h   # (not stored when recomputing)
     if saved is None:
         tm = _empty(NC, H, C, C, device=dev, dtype=torch.float32)
         gcum = _empty(TT, H, device=dev, dtype=torch.float32)
         beta = _empty(TT, H, device=dev, dtype=torch.float32)
     else:
         tm, gcum, beta = saved
-    if _fake(k):
+    if not direct and _fake(k):
         return gcum, beta, tm, w, h, U, ht
+    meta, cfgs = p.meta, p.configs
     if saved is None:
-        _launch("prep", mod.delta_prep, lambda cfg: (NC, H),
+        _launch("prep", p.mod.delta_prep, lambda cfg: (NC, H),
                 (k, v, a, _ptr(hp, k), s, eps, chunk_tok, chunk_len, w, u, tm, gcum, beta, H),
-                dict(meta, BV=max(16, triton.next_power_of_2(V))), V)
+                dict(meta, BV=max(16, triton.next_power_of_2(V))), V, cfgs, direct)
     else:
-        _launch("wu", mod.delta_wu, lambda cfg: (NC, H), (k, v, gcum, beta, tm, w, u, chunk_tok, chunk_len, H),
-                dict(meta, BKS=min(KEY_BLOCK, meta["BK"])), V)
-    _launch("state_fwd", mod.delta_state_fwd, lambda cfg: (N, H, triton.cdiv(V, cfg["BV"])),
+        _launch("wu", p.mod.delta_wu, lambda cfg: (NC, H), (k, v, gcum, beta, tm, w, u, chunk_tok, chunk_len, H),
+                dict(meta, BKS=p.BKS), V, cfgs, direct)
+    _launch("state_fwd", p.mod.delta_state_fwd, lambda cfg: (N, H, triton.cdiv(V, cfg["BV"])),
             (k, w, u, gcum, h0 if h0 is not None else h, chunk_tok, chunk_len, seq_chunk0, h, U, ht, H),
-            dict(meta, HAS_H0=h0 is not None, STORE_FINAL=saved is None), V)
+            dict(meta, HAS_H0=h0 is not None, STORE_FINAL=saved is None), V, cfgs, direct)
     return gcum, beta, tm, w, h, U, ht
 
 
-@triton_op("scanlang::delta_chunk_fwd", mutates_args=())
-def delta_chunk_fwd(key: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, hp: torch.Tensor,
-                    s: torch.Tensor, h0: Optional[torch.Tensor], chunk_tok: torch.Tensor, chunk_len: torch.Tensor,
-                    seq_chunk0: torch.Tensor, eps: float, scale: float) -> list[torch.Tensor]:
-    """Packed [TT, H, *] inputs (hp: the decay hook's per-head parameters [P, H] fp32) ->
-    [o [TT, H, V] fp32, final state [N, H, K, V] fp32, and for the backward Tm, gcum, beta]."""
-    mod, C = PROGRAMS[key]
-    TT, H, K = k.shape
+def _chunk_forward(p: Plan, q, k, v, a, hp, s, h0, chunk_tok, chunk_len, seq_chunk0, eps, scale, direct):
+    """[o, final state, Tm, gcum, beta]: the body of `delta_chunk_fwd`."""
+    TT, H, _ = k.shape
     V = v.shape[-1]
-    gcum, beta, tm, _, h, U, ht = _states(mod, k, v, a, hp, s, h0, chunk_tok, chunk_len, seq_chunk0, eps, C)
+    gcum, beta, tm, _, h, U, ht = _states(p, k, v, a, hp, s, h0, chunk_tok, chunk_len, seq_chunk0, eps,
+                                          direct=direct)
     o = _empty(TT, H, V, device=k.device, dtype=torch.float32)
-    if not _fake(k):
-        _launch("output", mod.delta_output, lambda cfg: (chunk_tok.numel(), H, triton.cdiv(V, cfg["BV"])),
-                (q, k, gcum, h, U, o, chunk_tok, chunk_len, scale, H), _meta(K, V, C, k.dtype, k.device), V)
+    if direct or not _fake(k):
+        _launch("output", p.mod.delta_output, lambda cfg: (chunk_tok.numel(), H, triton.cdiv(V, cfg["BV"])),
+                (q, k, gcum, h, U, o, chunk_tok, chunk_len, scale, H), p.meta, V, p.configs, direct)
     return [o, ht, tm, gcum, beta]
 
 
-@triton_op("scanlang::delta_chunk_bwd", mutates_args=())
-def delta_chunk_bwd(key: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, hp: torch.Tensor,
-                    s: torch.Tensor, h0: Optional[torch.Tensor], chunk_tok: torch.Tensor, chunk_len: torch.Tensor,
-                    seq_chunk0: torch.Tensor, tm: torch.Tensor, gcum: torch.Tensor, beta: torch.Tensor,
-                    do: torch.Tensor, dht: Optional[torch.Tensor], eps: float, scale: float) -> list[torch.Tensor]:
-    """Recompute w, u from the forward's Tm and the chunk states, then [dq, dk, dv (input dtypes), da, ds (fp32), dh0 (fp32; empty without h0),
-    dhp [P, H] fp32]."""
-    mod, C = PROGRAMS[key]
+def _chunk_backward(p: Plan, q, k, v, a, hp, s, h0, chunk_tok, chunk_len, seq_chunk0, tm, gcum, beta, do, dht,
+                    eps, scale, direct):
+    """[dq, dk, dv, da, ds, dh0, dhp]: the body of `delta_chunk_bwd`."""
     TT, H, K = k.shape
     V = v.shape[-1]
     NC, N, dev = chunk_tok.numel(), seq_chunk0.numel() - 1, k.device
-    meta = _meta(K, V, C, k.dtype, dev)
-    gcum, beta, tm, w, h, U, _ = _states(mod, k, v, a, hp, s, h0, chunk_tok, chunk_len, seq_chunk0, eps, C,
-                                         saved=(tm, gcum, beta))
+    gcum, beta, tm, w, h, U, _ = _states(p, k, v, a, hp, s, h0, chunk_tok, chunk_len, seq_chunk0, eps,
+                                         saved=(tm, gcum, beta), direct=direct)
     dul = _empty(TT, H, V, device=dev, dtype=torch.float32)
     dh = _empty(NC, H, K, V, device=dev, dtype=k.dtype)
     dU = _empty(TT, H, V, device=dev, dtype=torch.float32)
@@ -223,69 +290,145 @@ def delta_chunk_bwd(key: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     ds = _empty(TT, H, device=dev, dtype=torch.float32)
     dk_part = _empty(TT, H, K, device=dev, dtype=torch.float32)
     dw = _empty(TT, H, K, device=dev, dtype=torch.float32)
-    BKS = min(KEY_BLOCK, meta["BK"])
-    NK = triton.cdiv(K, BKS)
-    dG_part = _empty(NK, TT, H, device=dev, dtype=torch.float32)
+    dG_part = _empty(p.NK, TT, H, device=dev, dtype=torch.float32)
     dhp_tok = _empty(max(hp.shape[0], 1), TT, H, device=dev, dtype=torch.float32)
-    if _fake(k):
+    if not direct and _fake(k):
         return [dq, dk, dv, da, ds, dh0, hp.new_empty(hp.shape)]
+    meta, cfgs, mod = p.meta, p.configs, p.mod
     _launch("dU_local", mod.delta_dU_local, lambda cfg: (NC, H, triton.cdiv(V, cfg["BV"])),
-            (q, k, gcum, do, dul, chunk_tok, chunk_len, scale, H), meta, V)
+            (q, k, gcum, do, dul, chunk_tok, chunk_len, scale, H), meta, V, cfgs, direct)
     _launch("state_bwd", mod.delta_state_bwd, lambda cfg: (N, H, triton.cdiv(V, cfg["BV"])),
             (q, k, w, gcum, do, dul, dht if dht is not None else dh, chunk_tok, chunk_len, seq_chunk0, dh, dU,
              dh0 if h0 is not None else dh, scale, H),
-            dict(meta, HAS_DHT=dht is not None, STORE_DH0=h0 is not None), V)
-    _launch("bwd_dqk", mod.delta_bwd_dqk, lambda cfg: (NC, H, NK),
+            dict(meta, HAS_DHT=dht is not None, STORE_DH0=h0 is not None), V, cfgs, direct)
+    _launch("bwd_dqk", mod.delta_bwd_dqk, lambda cfg: (NC, H, p.NK),
             (q, k, gcum, h, dh, U, dU, do, dq, dk_part, dw, dG_part, chunk_tok, chunk_len, scale, TT * H, H),
-            dict(meta, BKS=BKS), V)
+            dict(meta, BKS=p.BKS), V, cfgs, direct)
     _launch("bwd_wy", mod.delta_bwd_wy, lambda cfg: (NC, H),
             (k, v, a, _ptr(hp, k), s, eps, gcum, beta, tm, dU, dw, dk_part, dG_part, dk, dv, da, dhp_tok, ds,
-             chunk_tok, chunk_len, TT * H, H), dict(meta, BKS=BKS), V)
+             chunk_tok, chunk_len, TT * H, H), dict(meta, BKS=p.BKS), V, cfgs, direct)
     return [dq, dk, dv, da, ds, dh0, dhp_tok[:hp.shape[0]].sum(1)]
+
+
+@triton_op("scanlang::delta_chunk_fwd", mutates_args=())
+def delta_chunk_fwd(key: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, hp: torch.Tensor,
+                    s: torch.Tensor, h0: Optional[torch.Tensor], chunk_tok: torch.Tensor, chunk_len: torch.Tensor,
+                    seq_chunk0: torch.Tensor, eps: float, scale: float) -> list[torch.Tensor]:
+    """Packed [TT, H, *] inputs (hp: the decay hook's per-head parameters [P, H] fp32) ->
+    [o [TT, H, V] fp32, final state [N, H, K, V] fp32, and for the backward Tm, gcum, beta]."""
+    p = plan(key, k.shape[-1], v.shape[-1], k.dtype, k.device)
+    return _chunk_forward(p, q, k, v, a, hp, s, h0, chunk_tok, chunk_len, seq_chunk0, eps, scale, direct=False)
+
+
+@triton_op("scanlang::delta_chunk_bwd", mutates_args=())
+def delta_chunk_bwd(key: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, hp: torch.Tensor,
+                    s: torch.Tensor, h0: Optional[torch.Tensor], chunk_tok: torch.Tensor, chunk_len: torch.Tensor,
+                    seq_chunk0: torch.Tensor, tm: torch.Tensor, gcum: torch.Tensor, beta: torch.Tensor,
+                    do: torch.Tensor, dht: Optional[torch.Tensor], eps: float, scale: float) -> list[torch.Tensor]:
+    """Recompute w, u from the forward's Tm and the chunk states, then [dq, dk, dv (input dtypes), da, ds (fp32),
+    dh0 (fp32; empty without h0), dhp [P, H] fp32]."""
+    p = plan(key, k.shape[-1], v.shape[-1], k.dtype, k.device)
+    return _chunk_backward(p, q, k, v, a, hp, s, h0, chunk_tok, chunk_len, seq_chunk0, tm, gcum, beta, do, dht,
+                           eps, scale, direct=False)
 
 
 def _setup_context(ctx, inputs, output):
     key, q, k, v, a, hp, s, h0, chunk_tok, chunk_len, seq_chunk0, eps, scale = inputs
     _, _, tm, gcum, beta = output
     ctx.mark_non_differentiable(tm, gcum, beta)
+    ctx.set_materialize_grads(False)      # no zero-filled gradients for Tm, gcum, beta (nor an unused o or S)
     ctx.save_for_backward(q, k, v, a, hp, s, h0, chunk_tok, chunk_len, seq_chunk0, tm, gcum, beta)
     ctx.key, ctx.eps, ctx.scale = key, eps, scale
 
 
-def _backward(ctx, grads):
+def _input_grads(ctx, do, dht, backward):
+    """Gradients of delta_chunk_fwd's inputs from those of (o, final state); `backward` is the op or the eager body."""
     q, k, v, a, hp, s, h0, chunk_tok, chunk_len, seq_chunk0, tm, gcum, beta = ctx.saved_tensors
-    do, dht = grads[:2]
     do = torch.zeros(*q.shape[:2], v.shape[-1], device=q.device) if do is None else do.contiguous().float()
     dht = None if dht is None else dht.contiguous().float()
-    dq, dk, dv, da, ds, dh0, dhp = delta_chunk_bwd(ctx.key, q, k, v, a, hp, s, h0, chunk_tok, chunk_len, seq_chunk0,
-                                                   tm, gcum, beta, do, dht, ctx.eps, ctx.scale)
+    dq, dk, dv, da, ds, dh0, dhp = backward(ctx.key, q, k, v, a, hp, s, h0, chunk_tok, chunk_len, seq_chunk0,
+                                            tm, gcum, beta, do, dht, ctx.eps, ctx.scale)
     return (None, dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), da.to(a.dtype), dhp.to(hp.dtype), ds.to(s.dtype),
             dh0.to(h0.dtype) if h0 is not None else None, None, None, None, None, None)
+
+
+def _backward(ctx, grads):
+    return _input_grads(ctx, grads[0], grads[1], delta_chunk_bwd)
 
 
 delta_chunk_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
-def recurrent_forward(mod, q, k, v, a, hp, s, h0, eps, scale, table: ChunkTable):
+def _eager_chunk_backward(key, q, k, v, *rest):
+    return _chunk_backward(plan(key, k.shape[-1], v.shape[-1], k.dtype, k.device), q, k, v, *rest, direct=True)
+
+
+class _EagerChunk(torch.autograd.Function):
+    """`delta_chunk_fwd` with its registered autograd, minus the dispatcher: same bodies, kernels launched directly.
+    (`forward` takes ctx itself: with a separate setup_context, Function.apply binds arguments through
+    inspect.signature on every call.)"""
+
+    @staticmethod
+    def forward(ctx, key, q, k, v, a, hp, s, h0, chunk_tok, chunk_len, seq_chunk0, eps, scale):
+        p = plan(key, k.shape[-1], v.shape[-1], k.dtype, k.device)
+        out = _chunk_forward(p, q, k, v, a, hp, s, h0, chunk_tok, chunk_len, seq_chunk0, eps, scale, direct=True)
+        _setup_context(ctx, (key, q, k, v, a, hp, s, h0, chunk_tok, chunk_len, seq_chunk0, eps, scale), out)
+        return tuple(out)
+
+    @staticmethod
+    def backward(ctx, do, dht, *_):
+        return _input_grads(ctx, do, dht, _eager_chunk_backward)
+
+
+def _eager(*tensors) -> bool:
+    """Whether the dispatcher can be skipped: not compiling, no dispatch mode (fake, proxy) and no functorch
+    transform active, plain tensors (no fake or other subclasses)."""
+    if (not EAGER_FAST_PATH or torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack()
+            or torch._C._functorch.peek_interpreter_stack() is not None):
+        return False
+    return all(type(t) is torch.Tensor for t in tensors)
+
+
+def recurrent_forward(p: Plan, q, k, v, a, hp, s, h0, eps, scale, table: ChunkTable):
     """Token loop with the state in registers: (o fp32, final state fp32). No autograd."""
     TT, H, K = k.shape
     V = v.shape[-1]
-    BK = max(16, triton.next_power_of_2(K))
-    cfg = _opts("recurrent", V)
     o = _empty(TT, H, V, device=k.device, dtype=torch.float32)
     ht = _empty(table.n_seq, H, K, V, device=k.device, dtype=torch.float32)
-    mod.delta_recurrent[(table.n_seq, H, triton.cdiv(V, cfg["BV"]))](
-        q, k, v, a, _ptr(hp, k), s, eps, h0 if h0 is not None else ht, o, ht, table.seq_tok, scale, H, K=K, V=V, BK=BK,
-        HAS_H0=h0 is not None, STORE_FINAL=True, **cfg)
+    _launch("recurrent", p.mod.delta_recurrent, lambda cfg: (table.n_seq, H, triton.cdiv(V, cfg["BV"])),
+            (q, k, v, a, _ptr(hp, k), s, eps, h0 if h0 is not None else ht, o, ht, table.seq_tok, scale, H),
+            dict(K=K, V=V, BK=p.meta["BK"], HAS_H0=h0 is not None, STORE_FINAL=True), V, p.configs, direct=True)
     return o, ht
 
 
 def program_key(rule: DeltaRule, chunk_size: int) -> str:
     """Load (once) the generated module for `rule` at `chunk_size` and return its key in PROGRAMS."""
-    key = f"{rule.name}_{rule.key}_c{chunk_size}"
-    if key not in PROGRAMS:
-        PROGRAMS[key] = (codegen.load(rule, chunk_size), chunk_size)
+    key = _PROGRAM_KEYS.get((rule, chunk_size))
+    if key is None:
+        key = f"{rule.name}_{rule.key}_c{chunk_size}"
+        if key not in PROGRAMS:
+            PROGRAMS[key] = (codegen.load(rule, chunk_size), chunk_size)
+        _PROGRAM_KEYS[(rule, chunk_size)] = key
     return key
+
+
+def _cached(cache: dict, key, make):
+    found = cache.get(key)
+    if found is None:
+        if len(cache) >= _CACHE_LIMIT:
+            cache.clear()
+        found = cache[key] = make()
+    return found
+
+
+def chunk_table(B: int, T: int, cu_seqlens, C: int, device) -> ChunkTable:
+    """The ChunkTable of this batch, cached per shape (or per offsets); a fresh one while compiling."""
+    if torch.compiler.is_compiling():
+        return ChunkTable(B, T, cu_seqlens, C, device)
+    if cu_seqlens is None:
+        return _cached(TABLES, (B, T, C, device), lambda: ChunkTable(B, T, None, C, device))
+    cu = tuple(int(x) for x in cu_seqlens.tolist())
+    return _cached(TABLES, (cu, C, device), lambda: ChunkTable(B, T, cu, C, device))
 
 
 def delta_rule(q, k, v, g, s, rule, scale: float, initial_state=None, output_final_state=False,
@@ -307,23 +450,33 @@ def delta_rule(q, k, v, g, s, rule, scale: float, initial_state=None, output_fin
         raise ValueError(f"decay_params must be {len(rule.head_params)} tensors of shape [H] = [{H}] "
                          f"({rule.head_params} of rule '{rule.name}')")
     dt = torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype)
-    table = ChunkTable(B, T, cu_seqlens, chunk_size, k.device)
+    table = chunk_table(B, T, cu_seqlens, chunk_size, k.device)
     if T == 0:
         o = torch.zeros(B, 0, H, V, device=k.device, dtype=torch.float32)
         S = initial_state.float() if initial_state is not None else torch.zeros(table.n_seq, H, K, V, device=k.device)
         return o, (S if output_final_state else None)
-    pack = lambda t: t.to(dt).reshape(B * T, H, t.shape[-1]).contiguous()  # noqa: E731
+    pack = lambda t: (t if t.dtype == dt else t.to(dt)).reshape(B * T, H, t.shape[-1]).contiguous()  # noqa: E731
     qp, kp, vp = pack(q), pack(k), pack(v)
     a, sp = g.reshape(B * T, H).contiguous(), s.reshape(B * T, H).contiguous()
-    hp = (torch.stack([p.float() for p in decay_params]) if decay_params
-          else torch.zeros(0, H, device=k.device, dtype=torch.float32))
+    if decay_params:
+        hp = torch.stack([p.float() for p in decay_params])
+    elif torch.compiler.is_compiling():
+        hp = torch.zeros(0, H, device=k.device, dtype=torch.float32)
+    else:
+        hp = _cached(_NO_PARAMS, (H, k.device), lambda: torch.zeros(0, H, device=k.device, dtype=torch.float32))
     h0 = initial_state.contiguous() if initial_state is not None else None
     key = program_key(rule, chunk_size)
     needs_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (q, k, v, g, s, initial_state, *decay_params))
     if not needs_grad and table.max_len <= RECURRENT_MAX_LEN:
-        o, S = recurrent_forward(PROGRAMS[key][0], qp, kp, vp, a, hp, sp, h0, eps, scale, table)
+        o, S = recurrent_forward(plan(key, K, V, dt, k.device), qp, kp, vp, a, hp, sp, h0, eps, scale, table)
     else:
-        o, S, *_ = delta_chunk_fwd(key, qp, kp, vp, a, hp, sp, h0, *table.chunks, float(eps), float(scale))
+        args = (qp, kp, vp, a, hp, sp, h0, *table.chunks, float(eps), float(scale))
+        if not _eager(qp, kp, vp, a, sp):
+            o, S, *_ = delta_chunk_fwd(key, *args)
+        elif needs_grad:
+            o, S, *_ = _EagerChunk.apply(key, *args)
+        else:
+            o, S, *_ = _chunk_forward(plan(key, K, V, dt, k.device), *args, direct=True)
     o = o.reshape(B, T, H, V)
     return o, (S if output_final_state else None)

@@ -31,9 +31,10 @@ def capture_launches(K: int, V: int, dtype: torch.dtype, T: int = 200, H: int = 
     """[(name, kernel, args, constexprs, config)] of one forward and backward, nothing executed."""
     launches = []
 
-    def record(name, kernel, grid, args, meta, V_):
+    def record(name, kernel, grid, args, meta, V_, configs=None, direct=False):
         # captured on CPU tensors, compiled for a GPU: no interpreter emulation of bf16
-        launches.append((name, kernel, args, dict(meta, UPCAST=False), ops._opts(name, V_)))
+        cfg = dict(configs[name]) if configs is not None else ops._opts(name, V_)
+        launches.append((name, kernel, args, dict(meta, UPCAST=False), cfg))
 
     saved, ops._launch = ops._launch, record
     try:

@@ -1,0 +1,174 @@
+"""Host-side machinery of the delta-rule ops (Triton's interpreter on CPU): the eager path that skips the
+torch.library dispatcher gives the op path's bits, per-shape plans and chunk tables are cached, launch configs
+shrunk to fit shared memory stay with their shape, and the launch count per call."""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports triton-using code
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from triton.runtime.errors import OutOfResources  # noqa: E402
+
+from scanlang.backends.delta import ops as delta_ops  # noqa: E402
+from scanlang.delta import KACZMARZ, KACZMARZ_MAMBA2  # noqa: E402
+from scanlang.recipes.kaczmarz import kaczmarz_delta_rule  # noqa: E402
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(autouse=True)
+def fresh_caches(monkeypatch, tmp_path):
+    monkeypatch.setenv("SCANLANG_CACHE_DIR", str(tmp_path))
+    delta_ops.PLANS.clear()
+    delta_ops.TABLES.clear()
+
+
+def inputs(B, T, H, K, V, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q, k = torch.randn(B, T, H, K, generator=gen), torch.randn(B, T, H, K, generator=gen)
+    v = torch.randn(B, T, H, V, generator=gen)
+    g, eta = -torch.rand(B, T, H, generator=gen) * 0.3 - 1e-3, torch.rand(B, T, H, generator=gen) * 0.98 + 0.01
+    return q, k, v, g, eta, torch.randn(B, H, K, V, generator=gen)
+
+
+def forward_backward(ins, cu_seqlens=None):
+    ts = [t.clone().requires_grad_() for t in ins]
+    o, S = kaczmarz_delta_rule(*ts[:5], initial_state=ts[5], output_final_state=True, backend="triton",
+                               chunk_size=16, cu_seqlens=cu_seqlens)
+    gen = torch.Generator().manual_seed(1)
+    grads = torch.autograd.grad((o * torch.randn(o.shape, generator=gen)).sum() + S.square().sum(), ts)
+    return [o, S, *grads]
+
+
+@pytest.mark.parametrize("varlen", [False, True])
+def test_eager_path_and_op_path_give_identical_bits(monkeypatch, varlen):
+    ins = inputs(1, 37, 2, 16, 16)
+    cu = None
+    if varlen:
+        cu = torch.tensor([0, 5, 37])
+        ins = (*ins[:5], torch.randn(2, 2, 16, 16))
+    paths = []
+    op = delta_ops.delta_chunk_fwd
+    monkeypatch.setattr(delta_ops, "delta_chunk_fwd", lambda *a: paths.append("op") or op(*a))
+    eager = forward_backward(ins, cu)
+    monkeypatch.setattr(delta_ops, "EAGER_FAST_PATH", False)
+    through_op = forward_backward(ins, cu)
+    assert paths == ["op"]                     # the first run never went through the dispatcher
+    for a, b in zip(eager, through_op):
+        assert torch.equal(a, b)
+    with torch.no_grad():                      # forward only: the body itself, no autograd.Function
+        monkeypatch.setattr(delta_ops, "EAGER_FAST_PATH", True)
+        o1, S1 = kaczmarz_delta_rule(*ins[:5], initial_state=ins[5], output_final_state=True, backend="triton",
+                                     chunk_size=16, cu_seqlens=cu)
+        monkeypatch.setattr(delta_ops, "EAGER_FAST_PATH", False)
+        o2, S2 = kaczmarz_delta_rule(*ins[:5], initial_state=ins[5], output_final_state=True, backend="triton",
+                                     chunk_size=16, cu_seqlens=cu)
+    assert torch.equal(o1, o2) and torch.equal(S1, S2) and paths == ["op", "op"]
+
+
+def test_tracing_and_compiling_take_the_op_path(monkeypatch):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    q = torch.randn(4, 2, 16)
+    assert delta_ops._eager(q)
+    with FakeTensorMode():
+        assert not delta_ops._eager(torch.randn(4, 2, 16))
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert not delta_ops._eager(q)
+
+
+def test_mamba2_decay_params_through_the_eager_path_match_the_op_path(monkeypatch):
+    q, k, v, a, eta, h0 = inputs(1, 21, 2, 16, 16, seed=3)
+    A_log, dt_bias = torch.tensor([-1.0, 0.5]), torch.tensor([0.0, -2.0])
+
+    def run():
+        ts = [t.clone().requires_grad_() for t in (q, k, v, a, eta, h0, A_log, dt_bias)]
+        o, S = delta_ops.delta_rule(*ts[:5], KACZMARZ_MAMBA2, scale=0.25, initial_state=ts[5],
+                                    output_final_state=True, chunk_size=16, eps=1e-6, decay_params=ts[6:])
+        return [o, S, *torch.autograd.grad(o.sum() + S.sum(), ts)]
+    eager = run()
+    monkeypatch.setattr(delta_ops, "EAGER_FAST_PATH", False)
+    for x, y in zip(eager, run()):
+        assert torch.equal(x, y)
+
+
+def test_plans_and_chunk_tables_are_built_once_per_shape():
+    ins = inputs(2, 20, 2, 16, 16)
+    forward_backward(ins)
+    plans, tables = dict(delta_ops.PLANS), dict(delta_ops.TABLES)
+    assert len(plans) == 1 and len(tables) == 1
+    forward_backward(ins)                                      # same shape: the same objects, nothing new
+    assert delta_ops.PLANS == plans and all(delta_ops.PLANS[key] is p for key, p in plans.items())
+    assert delta_ops.TABLES == tables and all(delta_ops.TABLES[key] is t for key, t in tables.items())
+    chunks = next(iter(tables.values())).chunks
+    assert delta_ops.chunk_table(2, 20, None, 16, CPU).chunks is chunks
+    forward_backward(inputs(2, 21, 2, 16, 16))                 # another length: a new table, the same plan
+    assert len(delta_ops.PLANS) == 1 and len(delta_ops.TABLES) == 2
+    forward_backward(inputs(2, 20, 2, 16, 32))                 # another V: a new plan
+    assert len(delta_ops.PLANS) == 2
+
+
+def test_changing_a_launch_config_drops_the_plans(monkeypatch):
+    key = delta_ops.program_key(KACZMARZ, 16)
+    p = delta_ops.plan(key, 16, 16, torch.float32, CPU)
+    assert delta_ops.plan(key, 16, 16, torch.float32, CPU) is p
+    monkeypatch.setitem(delta_ops.CONFIG, "output", dict(BV=16, num_warps=2, num_stages=1))
+    fresh = delta_ops.plan(key, 16, 16, torch.float32, CPU)
+    assert fresh is not p and fresh.configs["output"] == dict(BV=16, num_warps=2, num_stages=1)
+
+
+class _SharedMemoryLimited:
+    """A stand-in kernel that runs out of shared memory above a value block of 32."""
+
+    def __init__(self):
+        self.launched = []
+
+    def __getitem__(self, grid):
+        def run(*args, **opts):
+            if opts["BV"] > 32:
+                raise OutOfResources(opts["BV"] * 4096, 32 * 4096, "shared memory")
+            self.launched.append(opts["BV"])
+        return run
+
+
+def test_a_config_shrunk_to_fit_stays_with_its_shape():
+    key = delta_ops.program_key(KACZMARZ, 16)
+    big = delta_ops.plan(key, 128, 128, torch.float32, CPU)
+    other = delta_ops.plan(key, 128, 128, torch.bfloat16, CPU)
+    before = dict(delta_ops.CONFIG["output"])
+    kernel = _SharedMemoryLimited()
+    for _ in range(2):
+        delta_ops._launch("output", kernel, lambda cfg: (1,), (), {}, 128, big.configs, direct=True)
+    assert kernel.launched == [32, 32]
+    assert big.configs["output"]["BV"] == 32                  # remembered for this shape
+    assert other.configs["output"]["BV"] == before["BV"]       # not for others
+    assert delta_ops.CONFIG["output"] == before
+    with pytest.raises(OutOfResources):                        # nothing smaller left: the error surfaces
+        tiny = delta_ops.plan(key, 16, 16, torch.float32, CPU)
+        tiny.configs["output"] = dict(BV=16, num_warps=4, num_stages=1)
+        delta_ops._launch("output", _AlwaysTooBig(), lambda cfg: (1,), (), {}, 16, tiny.configs, direct=True)
+
+
+class _AlwaysTooBig:
+    def __getitem__(self, grid):
+        def run(*args, **opts):
+            raise OutOfResources(1 << 20, 1 << 17, "shared memory")
+        return run
+
+
+def test_launches_per_call(monkeypatch):
+    """Decode: one launch; chunked forward: prep, state_fwd, output; forward + backward: nine."""
+    from triton.runtime.interpreter import InterpretedFunction
+    from scanlang.backends.delta import host
+    launched = []
+    monkeypatch.setattr(InterpretedFunction, "run", lambda self, *a, **k: launched.append(self.fn.__name__))
+    counts = {}
+    for name, call in host.calls().items():
+        launched.clear()
+        call()
+        counts[name] = list(launched)
+    assert counts["decode (T=1, recurrent)"] == ["delta_recurrent"]
+    assert counts["chunked fwd"] == ["delta_prep", "delta_state_fwd", "delta_output"]
+    assert counts["chunked fwd+bwd"] == ["delta_prep", "delta_state_fwd", "delta_output", "delta_wu", "delta_state_fwd",
+                                         "delta_dU_local", "delta_state_bwd", "delta_bwd_dqk", "delta_bwd_wy"]
