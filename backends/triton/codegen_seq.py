@@ -11,9 +11,10 @@
   from hoisting them), then the dependent chain; steps past the chunk's end are masked and leave
   the carries unchanged.
 - `scan_backward_lanes`: walks the chunks in reverse. Per chunk it replays the prefixes from the
-  checkpoint into a per-lane scratch row (global memory, CHUNK x fields per lane: L2-resident;
-  a barrier separates writing and reading it), then steps the adjoint backwards one step at a time
-  (scanlang/autodiff.py):
+  checkpoint: with CHUNK == UNROLL into registers (the chunk is one block; its loaded inputs and
+  elements are reused on the way back), otherwise into a per-lane scratch row (global memory,
+  CHUNK x fields per lane; a barrier separates writing and reading it). Then it steps the adjoint
+  backwards one step at a time (scanlang/autodiff.py):
 
       gbar_t = direct(p_t, dy_t + c_{t+1} [+ dL/dfinal at the last step]) + B_{t+1} gbar_{t+1}
       dx_t   = J2(y_{t-1}, x_t)^T gbar_t,  du_t = (d lift/du)^T dx_t + (d readout/du)^T g_t
@@ -23,6 +24,9 @@
   transition J1(y_{t-1}, x_t)^T in its sparse form). At t = 0 they sum to dL/d(initial). The
   prefix y_t of a step is its successor's previous prefix (carried as `nq`), so each step reads
   one scratch row.
+- Both: an input constant in time (a broadcast static parameter, time stride 0: constexpr
+  TSTATIC<i>) is loaded once per program; the fields of a specialised carry (`ir.constants`,
+  scanlang/ir.py `specialize_carry`) are literals, never stored, loaded or carried.
 """
 from __future__ import annotations
 

@@ -97,6 +97,8 @@ class _Plan:
         self.layout = layout
         self.state = layout.sizes[-1] if ir.reduce_state else 1
         self.time_contiguous = _time_contiguous(sizes, in_st, dim)
+        # lane-sequential kernels load an input constant in time once per program (time stride 0)
+        self.static = {f"TSTATIC{i}": layout.strides[i][0] == 0 for i in range(len(inputs))}
         self.fwd_chosen, self.fwd_fit_key = self._choose(prog, fp64, backward=False)
 
     def _choose(self, prog, fp64: bool, backward: bool) -> tuple[Config, tuple]:
@@ -164,7 +166,7 @@ class ForwardPlan(_Plan):
         if got is None:
             meta = dict(self.common, BLOCK_L=cfg.block_l, CHUNK=chunk_of(cfg, self.checkpoint), num_warps=cfg.num_warps)
             if cfg.schedule == "lanes":
-                kernel, meta = self.prog.module.scan_forward_lanes, dict(meta, UNROLL=cfg.unroll)
+                kernel, meta = self.prog.module.scan_forward_lanes, dict(meta, UNROLL=cfg.unroll, **self.static)
             else:
                 kernel, meta = self.prog.module.scan_forward, dict(meta, BLOCK_T=cfg.block_t, STAGES=cfg.stages)
             got = self._launch[cfg] = (kernel, (_cdiv(self.layout.L, cfg.block_l), self.n_seq), meta,
@@ -224,9 +226,10 @@ class BackwardPlan(_Plan):
             chunk = cfg.block_t
             meta = dict(self.common, BLOCK_L=cfg.block_l, CHUNK=chunk, num_warps=cfg.num_warps)
             grid = (_cdiv(self.layout.L, cfg.block_l), self.n_seq)
-            if cfg.schedule == "lanes":   # per-lane scratch for one chunk's replayed prefixes
-                scratch = (len(self.prog.ir.fields), self.n_seq, chunk, self.layout.L)
-                got = (self.prog.module.scan_backward_lanes, grid, dict(meta, UNROLL=cfg.unroll), scratch)
+            if cfg.schedule == "lanes":   # per-lane scratch for one chunk's replayed prefixes (none in registers)
+                in_registers = chunk == cfg.unroll
+                scratch = (1, 1, 1, 1) if in_registers else (len(self.prog.ir.fields), self.n_seq, chunk, self.layout.L)
+                got = (self.prog.module.scan_backward_lanes, grid, dict(meta, UNROLL=cfg.unroll, **self.static), scratch)
             else:
                 got = (self.prog.module.scan_backward, grid, dict(meta, BLOCK_T=cfg.block_t, STAGES=cfg.stages), None)
             self._launch[cfg] = got
