@@ -94,12 +94,14 @@ def _reference(kind, data, dim, grad_out=None):
     return y.detach(), grads
 
 
-def run_scans(table, B, D, T, anchors: bool, sweep: bool, log: dict):
+def run_scans(table, B, D, T, anchors: bool, sweep: bool, log: dict, lanes: bool = True, only=None):
     import scanlang as sl
     from scanlang.backends.triton import runtime
     gen = torch.Generator(device="cuda").manual_seed(0)
     mixers = _mixers()
     for kind, layout in (("affine", "time"), ("affine", "channels"), ("mobius", "time"), ("mobius", "channels")):
+        if only is not None and f"{kind}:{layout}" not in only:
+            continue
         dim = 2 if layout == "time" else 1
         mix = mixers[kind, layout]
         data = _data(kind, layout, B, D, T, gen)
@@ -162,7 +164,8 @@ def run_scans(table, B, D, T, anchors: bool, sweep: bool, log: dict):
                   (nf + 1 + 2 * nf + 1) * n * 4, best_b[1],
                   note=f"{best_b[2] or 'default config'}; GPU time alone (CUDA graph) {best_b[3]:.4f} ms")
         runtime.OVERRIDES.clear()
-        _lanes_rows(table, kind, layout, mix, data, g, y_ref, g_ref, n, sweep, log)
+        if lanes:
+            _lanes_rows(table, kind, layout, mix, data, g, y_ref, g_ref, n, sweep, log)
         if kind == "affine":
             monoid_out = sl.scan(sl.Affine, (data["a"], data["b"]), dim=dim, backend="triton")
             ms = _bench(lambda: sl.scan(sl.Affine, (data["a"], data["b"]), dim=dim, backend="triton"))
@@ -277,6 +280,8 @@ def main(argv=None) -> int:
     p.add_argument("--T", type=int, default=4096)
     p.add_argument("--sweep", action="store_true", help="also time a few tile configs and keep the best")
     p.add_argument("--no-anchors", action="store_true")
+    p.add_argument("--no-lanes", action="store_true", help="skip the [lanes] rows (the lane-sequential schedule)")
+    p.add_argument("--only", default=None, help="comma-separated workloads, e.g. affine:time,mobius:channels")
     p.add_argument("--out", default=None, help="folder for bench.json and bench.md")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -293,7 +298,8 @@ def main(argv=None) -> int:
     print(header, flush=True)
     table = Table(copy_gbs)
     log = {"header": header}
-    run_scans(table, args.B, args.D, args.T, not args.no_anchors, args.sweep, log)
+    run_scans(table, args.B, args.D, args.T, not args.no_anchors, args.sweep, log, lanes=not args.no_lanes,
+              only=args.only.split(",") if args.only else None)
     md = f"{header}\n\n{table.markdown()}\n"
     print(md)
     if args.out:

@@ -23,8 +23,11 @@ Floor, counted before measuring:
   backward replays the forward and adds ~25 flops per entry: fwd+bwd floor ~0.9 ms.
 
 Every implementation's outputs and all gradients (v, prec, k, q, a_bar, p_bar) are compared with
-float64 autograd of the sequential loop at a shorter T in the same run (ratio RMS(err)/RMS(ref)),
-then timed with `triton.testing.do_bench` (median, fresh random inputs, warm-up).
+float64 autograd of the sequential loop at a shorter T in the same run (ratio RMS(err)/RMS(ref)) on
+the schedule the timed shape uses, its outputs at the timed shape with the float64 loop's, then it
+is timed with `triton.testing.do_bench` (median, fresh random inputs, warm-up). "fused" and
+"fused-two" run the configs `runtime.choose_config` picks (at this shape: the lane-sequential
+schedule with the specialised (lam, eta) carry); the "*-lanes" rows force `--lanes-*` instead.
 """
 from __future__ import annotations
 
@@ -98,7 +101,33 @@ def ratio(out, ref):
 
 
 def check(fn, device, weights_seed=1):
-    """Ratios of outputs and every gradient against float64 autograd of the loop (CHECK_SHAPE)."""
+    """Ratios of outputs and every gradient against float64 autograd of the loop (CHECK_SHAPE), on
+    the schedule the timed shape runs (the lane threshold lowered when SHAPE has enough lanes)."""
+    from scanlang.backends.triton import runtime
+    saved = runtime.LANES_MIN
+    if runtime.prefers_lanes(SHAPE["B"] * SHAPE["M"] * SHAPE["S"]):
+        runtime.LANES_MIN = 1
+    try:
+        return _check(fn, device, weights_seed)
+    finally:
+        runtime.LANES_MIN = saved
+
+
+def check_full_forward(fn, device):
+    """Output ratios at the timed shape against the float64 loop (forward only: memory)."""
+    ins = make_inputs(**SHAPE, device=device, seed=3)
+    with torch.no_grad():
+        y, y_var = fn(*ins)
+        if device not in _FULL_REFERENCE:   # computed once per run
+            _FULL_REFERENCE[device] = kalman_filter_loop(*(x.double() for x in ins))[:2]
+        y64, v64 = _FULL_REFERENCE[device]
+    return {"y_full": ratio(y, y64), "y_var_full": ratio(y_var, v64)}
+
+
+_FULL_REFERENCE: dict = {}
+
+
+def _check(fn, device, weights_seed):
     ins = make_inputs(**CHECK_SHAPE, device=device)
     leaves = [x.clone().requires_grad_() for x in ins]
     y, y_var = fn(*leaves)
@@ -137,9 +166,10 @@ def main(argv=None):
     parser.add_argument("--authors", default=None, help="path holding the authors' `kla` package (src/)")
     parser.add_argument("--quick", action="store_true", help="T=512 timings (smoke test)")
     parser.add_argument("--only", default=None, help="comma-separated implementation names to run")
-    parser.add_argument("--lanes-block", type=int, default=64, help="lanes per program for the *-lanes rows")
-    parser.add_argument("--lanes-warps", type=int, default=2)
-    parser.add_argument("--lanes-chunk", type=int, default=64)
+    parser.add_argument("--lanes-block", type=int, default=128,
+                        help="lanes per program for the *-lanes rows (the plain rows use runtime.choose_config)")
+    parser.add_argument("--lanes-warps", type=int, default=4)
+    parser.add_argument("--lanes-chunk", type=int, default=8)
     parser.add_argument("--lanes-unroll", type=int, default=8)
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -163,6 +193,7 @@ def main(argv=None):
                                  unroll=args.lanes_unroll)
         try:
             row["check"] = check(fn, device)
+            row["check"].update(check_full_forward(fn, device))
             row["fwd_ms"], row["fwd_bwd_ms"], shape = timing(fn, device, args.quick)
             row["shape"] = shape
         except Exception as exc:  # noqa: BLE001 - one failing implementation must not hide the rest
@@ -177,7 +208,7 @@ def main(argv=None):
             print(f"| {row['name']} | error: {row['error'][:80]} | | | |")
             continue
         c = row["check"]
-        worst_out = max(c["y"], c["y_var"])
+        worst_out = max(c["y"], c["y_var"], c.get("y_full", 0.0), c.get("y_var_full", 0.0))
         worst_grad = max(v for k_, v in c.items() if k_.startswith("d"))
         print(f"| {row['name']} | {row['fwd_ms']:.3f} | {row['fwd_bwd_ms']:.3f} | {worst_out:.1e} | {worst_grad:.1e} |")
     if args.out:
