@@ -5,10 +5,11 @@ import pytest
 import torch
 
 import scanlang as sl
-import test_mixer
 from scanlang.backends.reference import scan_sequential
 from scanlang.backends.triton import ops, plan, runtime
 from scanlang.testing import assert_close
+
+import test_mixer
 from test_triton_scan import DEVICE, elems_for
 
 

@@ -5,7 +5,8 @@
 
 The kernels come from `scanlang.pipeline` (lower -> differentiate -> render -> load) and run as the
 `torch.library` ops `scanlang::scan_fwd` / `scanlang::scan_bwd` (see `ops.py`), so autograd and
-`torch.compile(fullgraph=True)` see them as ordinary ops.
+`torch.compile(fullgraph=True)` see them as ordinary ops; plain eager calls run the same code without
+the dispatcher, with their launch plans cached (`plan.py`).
 """
 from __future__ import annotations
 
@@ -16,16 +17,18 @@ from scanlang import settings
 
 def _check(elems, initial, arg="elems"):
     tensors = list(elems) + list(initial or ())
+    device = None
     for t in tensors:
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{arg}: expected tensors, got {type(t).__name__}")
         if not t.is_floating_point():
             raise TypeError(f"{arg}: dtype {t.dtype} is not supported by the Triton backend; use float16, "
                             "bfloat16, float32 or float64")
-    devices = {t.device for t in tensors}
-    if len(devices) > 1:
-        raise ValueError(f"{arg}: tensors are on different devices {sorted(map(str, devices))}; use one device")
-    device = tensors[0].device
+        if device is None:
+            device = t.device
+        elif t.device != device:
+            devices = sorted({str(t.device) for t in tensors})
+            raise ValueError(f"{arg}: tensors are on different devices {devices}; use one device")
     if device.type != "cuda" and not settings.triton_interpret():
         raise ValueError(f"{arg}: the Triton backend needs CUDA tensors (got {device.type}), or TRITON_INTERPRET=1 "
                          "to run the generated kernels in Triton's interpreter")

@@ -153,7 +153,8 @@ class ForwardPlan(_Plan):
             per_tensor.append([init_st[f][0], *st[n_in + self.n_out + f][1:]] if initial else [0] * len(st[0]))
         self.head, self.slots = self._holes(per_tensor)
         self.tail = (layout.T, layout.L, *layout.sizes[1:], n_seq)
-        self.common = dict(REVERSE=reverse, HAS_INIT=bool(initial), VARLEN=varlen, STATE=self.state, FP64=fp64)
+        self.common = {"REVERSE": reverse, "HAS_INIT": bool(initial), "VARLEN": varlen, "STATE": self.state,
+                       "FP64": fp64}
         self._launch: dict = {}
 
     def checkpoint_shape(self, cfg: Config) -> tuple[int, int, int]:
