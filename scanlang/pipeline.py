@@ -6,7 +6,9 @@
 `verify` proves the law (the user or `scanlang verify` calls it; scans do not re-prove); `lower`
 adds the lift/readout and yields the scan IR; `differentiate` derives the adjoint; `render` prints
 the Triton module; `load` writes it to the content-addressed cache and imports it; `launch` runs
-it through the `torch.library` ops. `build` runs lower..load once per program.
+it through the `torch.library` ops under torch.compile and tracing, and through the same code
+without the dispatcher for plain eager tensors (launch plans cached per shape). `build` runs
+lower..load once per program.
 """
 from __future__ import annotations
 
@@ -55,7 +57,9 @@ def build(ir: ScanIR):
 
 
 def launch(program, inputs, initial, dim: int, reverse: bool, fp64: bool, cu_seqlens=None):
-    """Run the forward op (autograd attached): returns (outputs, final prefix [fields, sequences, lanes])."""
+    """Run the forward (autograd attached): returns (outputs, final prefix [fields, sequences, lanes]).
+
+    Eager calls on plain tensors skip the torch.library dispatcher; see backends/triton/ops.py."""
     from scanlang.backends.triton.ops import launch as launch_op
     return launch_op(program, inputs, initial, dim, reverse, fp64, cu_seqlens)
 
