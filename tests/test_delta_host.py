@@ -172,3 +172,15 @@ def test_launches_per_call(monkeypatch):
     assert counts["chunked fwd"] == ["delta_prep", "delta_state_fwd", "delta_output"]
     assert counts["chunked fwd+bwd"] == ["delta_prep", "delta_state_fwd", "delta_output", "delta_wu", "delta_state_fwd",
                                          "delta_dU_local", "delta_state_bwd", "delta_bwd_dqk", "delta_bwd_wy"]
+
+
+def test_plans_respect_the_measured_shared_memory_limits():
+    """fp32 at K=256: the output kernel's 128-column value block and state_bwd's second stage do not fit the
+    227 KB per block of sm_90 (ptxas, see ops.SHARED_MEMORY_FITS); other dtypes and K keep CONFIG."""
+    key = delta_ops.program_key(KACZMARZ, 64)
+    fp32 = delta_ops.plan(key, 256, 96, torch.float32, CPU).configs
+    assert fp32["output"]["BV"] == 64 and fp32["state_bwd"]["num_stages"] == 1
+    assert fp32["state_bwd"]["BV"] == delta_ops.CONFIG["state_bwd"]["BV"]
+    for dtype, K in ((torch.bfloat16, 256), (torch.float32, 128)):
+        cfgs = delta_ops.plan(key, K, 96, dtype, CPU).configs
+        assert cfgs["output"] == delta_ops.CONFIG["output"] and cfgs["state_bwd"] == delta_ops.CONFIG["state_bwd"]

@@ -69,10 +69,19 @@ CONFIG = _Configs({
     "bwd_wy": dict(BV=64, num_warps=4, num_stages=1),
     "recurrent": dict(BV=32, num_warps=4, num_stages=1),
 })
+# Configs above that need more shared memory than sm_90 gives a block (227 KB = 232448 B), and the change that
+# fits, per (kernel, input element bytes, padded K). From `python -m scanlang.backends.delta.spills` (ptxas for
+# sm_90a, Triton 3.9 offline, 2026-11-30) at the GPU tests' shapes (K = 64, 128, 256; V = 96; fp32/bf16/fp16):
+# every other kernel and shape fits. fp32, K=256: output BV=128 294912 B -> BV=64 212992 B; state_bwd (BV=64,
+# 8 warps) 2 stages 278788 B -> 1 stage 65536 B (BV=32 with 2 stages: 270596 B, still too much). What this
+# table misses (another Triton version, another shape) `_launch` shrinks at run time, per plan.
+SHARED_MEMORY_FITS = {
+    ("output", 4, 256): dict(BV=64),
+    ("state_bwd", 4, 256): dict(num_stages=1),
+}
 EAGER_FAST_PATH = True   # False: every chunked call goes through the torch.library ops (tests compare the two)
 _RULES = {"beta": GIVEN, "kaczmarz": KACZMARZ}
 PROGRAMS: dict[str, tuple] = {}     # key -> (generated module, chunk size); keys name rule, hooks and C
-_PROGRAM_KEYS: dict = {}            # (rule, chunk size) -> key in PROGRAMS
 PLANS: dict = {}                    # (program key, K, V, dtype, device, KEY_BLOCK) -> Plan
 TABLES: dict = {}                   # (B, T, chunk size, device) or (offsets, chunk size, device) -> ChunkTable
 _NO_PARAMS: dict = {}               # (H, device) -> the empty [0, H] parameter tensor
@@ -183,8 +192,9 @@ def plan(key: str, K: int, V: int, dtype: torch.dtype, device: torch.device) -> 
         BKS = min(KEY_BLOCK, meta["BK"])
         if len(PLANS) >= _CACHE_LIMIT:
             PLANS.clear()
-        found = PLANS[pk] = Plan(mod, C, meta, BKS, triton.cdiv(K, BKS),
-                                 {name: _clamp(cfg, V) for name, cfg in CONFIG.items()})
+        configs = {name: {**_clamp(cfg, V), **SHARED_MEMORY_FITS.get((name, dtype.itemsize, meta["BK"]), {})}
+                   for name, cfg in CONFIG.items()}
+        found = PLANS[pk] = Plan(mod, C, meta, BKS, triton.cdiv(K, BKS), configs)
     return found
 
 
@@ -390,10 +400,11 @@ def _eager(*tensors) -> bool:
 
 
 def recurrent_forward(p: Plan, q, k, v, a, hp, s, h0, eps, scale, table: ChunkTable):
-    """Token loop with the state in registers: (o fp32, final state fp32). No autograd."""
-    TT, H, K = k.shape
-    V = v.shape[-1]
-    o = _empty(TT, H, V, device=k.device, dtype=torch.float32)
+    """Token loop with the state in registers: (o fp32 shaped like v, final state fp32). No autograd.
+
+    Tensors are contiguous, packed [TT, H, *] or the batch itself [B, T, H, *] (the same memory)."""
+    H, K, V = k.shape[-2], p.meta["K"], p.meta["V"]
+    o = _empty(*v.shape, device=k.device, dtype=torch.float32)
     ht = _empty(table.n_seq, H, K, V, device=k.device, dtype=torch.float32)
     _launch("recurrent", p.mod.delta_recurrent, lambda cfg: (table.n_seq, H, triton.cdiv(V, cfg["BV"])),
             (q, k, v, a, _ptr(hp, k), s, eps, h0 if h0 is not None else ht, o, ht, table.seq_tok, scale, H),
@@ -403,12 +414,9 @@ def recurrent_forward(p: Plan, q, k, v, a, hp, s, h0, eps, scale, table: ChunkTa
 
 def program_key(rule: DeltaRule, chunk_size: int) -> str:
     """Load (once) the generated module for `rule` at `chunk_size` and return its key in PROGRAMS."""
-    key = _PROGRAM_KEYS.get((rule, chunk_size))
-    if key is None:
-        key = f"{rule.name}_{rule.key}_c{chunk_size}"
-        if key not in PROGRAMS:
-            PROGRAMS[key] = (codegen.load(rule, chunk_size), chunk_size)
-        _PROGRAM_KEYS[(rule, chunk_size)] = key
+    key = f"{rule.name}_{rule.key}_c{chunk_size}"
+    if key not in PROGRAMS:
+        PROGRAMS[key] = (codegen.load(rule, chunk_size), chunk_size)
     return key
 
 
@@ -455,9 +463,6 @@ def delta_rule(q, k, v, g, s, rule, scale: float, initial_state=None, output_fin
         o = torch.zeros(B, 0, H, V, device=k.device, dtype=torch.float32)
         S = initial_state.float() if initial_state is not None else torch.zeros(table.n_seq, H, K, V, device=k.device)
         return o, (S if output_final_state else None)
-    pack = lambda t: (t if t.dtype == dt else t.to(dt)).reshape(B * T, H, t.shape[-1]).contiguous()  # noqa: E731
-    qp, kp, vp = pack(q), pack(k), pack(v)
-    a, sp = g.reshape(B * T, H).contiguous(), s.reshape(B * T, H).contiguous()
     if decay_params:
         hp = torch.stack([p.float() for p in decay_params])
     elif torch.compiler.is_compiling():
@@ -469,14 +474,20 @@ def delta_rule(q, k, v, g, s, rule, scale: float, initial_state=None, output_fin
     needs_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (q, k, v, g, s, initial_state, *decay_params))
     if not needs_grad and table.max_len <= RECURRENT_MAX_LEN:
-        o, S = recurrent_forward(plan(key, K, V, dt, k.device), qp, kp, vp, a, hp, sp, h0, eps, scale, table)
+        # decode: contiguous [B, T, H, *] inputs are already the packed stream; no reshapes
+        dense = lambda t: (t if t.dtype == dt else t.to(dt)).contiguous()  # noqa: E731
+        o, S = recurrent_forward(plan(key, K, V, dt, k.device), dense(q), dense(k), dense(v), g.contiguous(), hp,
+                                 s.contiguous(), h0, eps, scale, table)
+        return o, (S if output_final_state else None)
+    pack = lambda t: (t if t.dtype == dt else t.to(dt)).reshape(B * T, H, t.shape[-1]).contiguous()  # noqa: E731
+    qp, kp, vp = pack(q), pack(k), pack(v)
+    a, sp = g.reshape(B * T, H).contiguous(), s.reshape(B * T, H).contiguous()
+    args = (qp, kp, vp, a, hp, sp, h0, *table.chunks, float(eps), float(scale))
+    if not _eager(qp, kp, vp, a, sp):
+        o, S, *_ = delta_chunk_fwd(key, *args)
+    elif needs_grad:
+        o, S, *_ = _EagerChunk.apply(key, *args)
     else:
-        args = (qp, kp, vp, a, hp, sp, h0, *table.chunks, float(eps), float(scale))
-        if not _eager(qp, kp, vp, a, sp):
-            o, S, *_ = delta_chunk_fwd(key, *args)
-        elif needs_grad:
-            o, S, *_ = _EagerChunk.apply(key, *args)
-        else:
-            o, S, *_ = _chunk_forward(plan(key, K, V, dt, k.device), *args, direct=True)
+        o, S, *_ = _chunk_forward(plan(key, K, V, dt, k.device), *args, direct=True)
     o = o.reshape(B, T, H, V)
     return o, (S if output_final_state else None)

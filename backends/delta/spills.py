@@ -3,9 +3,11 @@
     python -m scanlang.backends.delta.spills [--K 128] [--V 128] [--dtype bf16] [--arch 90]
 
 Runs the op on CPU tensors with the launches captured instead of executed, compiles each captured
-kernel for the target with its real argument types and the current `ops.CONFIG`, and asks ptxas
-(`-v`) for its resource use. This is how the launch configs in `ops.CONFIG` were chosen when no GPU was at
-hand; timings still need one (`bench.py`). Needs TRITON_INTERPRET unset and Triton's bundled ptxas.
+kernel for the target with its real argument types and the launch config its plan gives it (`ops.CONFIG`
+adjusted by `ops.SHARED_MEMORY_FITS`), and asks ptxas (`-v`) for its resource use. This is how the
+configs that do not fit sm_90's 227 KB of shared memory per block were found; timings need a GPU
+(`bench.py`). Needs TRITON_INTERPRET unset and Triton's bundled ptxas. fp32 inputs compile slowly
+(minutes per kernel at K=256: their dots run on FMA units and spill tens of KB per thread).
 """
 from __future__ import annotations
 
