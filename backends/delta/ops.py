@@ -430,12 +430,13 @@ def _cached(cache: dict, key, make):
 
 
 def chunk_table(B: int, T: int, cu_seqlens, C: int, device) -> ChunkTable:
-    """The ChunkTable of this batch, cached per shape (or per offsets); a fresh one while compiling."""
+    """The ChunkTable of this batch, cached per shape (or per offsets: a tensor, or a sequence of ints, which
+    spares a device read); a fresh one while compiling."""
     if torch.compiler.is_compiling():
         return ChunkTable(B, T, cu_seqlens, C, device)
     if cu_seqlens is None:
         return _cached(TABLES, (B, T, C, device), lambda: ChunkTable(B, T, None, C, device))
-    cu = tuple(int(x) for x in cu_seqlens.tolist())
+    cu = tuple(int(x) for x in (cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else cu_seqlens))
     return _cached(TABLES, (cu, C, device), lambda: ChunkTable(B, T, cu, C, device))
 
 

@@ -41,7 +41,8 @@ def _check_tensor(name, t, ndim, what):
 
 
 def validate(q, k, v, g, step, step_name, scale, initial_state, cu_seqlens, backend, chunk_size):
-    """Check shapes, dtypes, devices and options; return (backend, compute dtype, N sequences)."""
+    """Check shapes, dtypes, devices and options; return (backend, compute dtype, the offsets of cu_seqlens as a
+    tuple of ints or None). (The offsets are read from the device once, here.)"""
     _check_tensor("k", k, 4, "[B, T, H, K]")
     B, T, H, K = k.shape
     _check_tensor("q", q, 4, f"[B, T, H, K] = {[B, T, H, K]} like k")
@@ -68,7 +69,7 @@ def validate(q, k, v, g, step, step_name, scale, initial_state, cu_seqlens, back
     if chunk_size not in CHUNK_SIZES:
         raise ValueError(f"chunk_size must be one of {CHUNK_SIZES}, got {chunk_size!r}")
 
-    n_seq = B
+    n_seq, offsets = B, None
     if cu_seqlens is not None:
         if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.dtype not in (torch.int32, torch.int64):
             raise ValueError("cu_seqlens must be a 1-D int32/int64 tensor [N + 1] of sequence offsets")
@@ -77,7 +78,7 @@ def validate(q, k, v, g, step, step_name, scale, initial_state, cu_seqlens, back
         cu = cu_seqlens.tolist()
         if len(cu) < 2 or cu[0] != 0 or cu[-1] != T or any(b < a for a, b in zip(cu, cu[1:])):
             raise ValueError(f"cu_seqlens must increase from 0 to T = {T} (length N + 1 >= 2), got {cu}")
-        n_seq = len(cu) - 1
+        n_seq, offsets = len(cu) - 1, tuple(int(x) for x in cu)
 
     inputs = (q, k, v, g, step)
     compute = torch.float64 if any(t.dtype == torch.float64 for t in inputs) else torch.float32
@@ -103,7 +104,7 @@ def validate(q, k, v, g, step, step_name, scale, initial_state, cu_seqlens, back
                              "in Triton's interpreter on CPU")
         if compute == torch.float64:
             raise ValueError("backend='triton' takes bf16/fp16/fp32 inputs; use backend='reference' for float64")
-    return backend, compute, n_seq
+    return backend, compute, offsets
 
 
 def _reference(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, compute, chunk_size):
@@ -124,13 +125,14 @@ def delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_st
     fp32 (N = B, or the number of packed sequences with cu_seqlens [N+1] and B == 1). `scale`
     defaults to K**-0.5. q and k are used as given (normalise them yourself for GDN).
     """
-    backend, compute, _ = validate(q, k, v, g, beta, "beta", scale, initial_state, cu_seqlens, backend, chunk_size)
+    backend, compute, offsets = validate(q, k, v, g, beta, "beta", scale, initial_state, cu_seqlens, backend,
+                                         chunk_size)
     scale = k.shape[-1] ** -0.5 if scale is None else float(scale)
     if backend == "reference":
         return _reference(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, compute, chunk_size)
     from scanlang.backends.delta import ops as triton_ops
     return triton_ops.delta_rule(q, k, v, g, beta, "beta", scale=scale, initial_state=initial_state,
-                                 output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+                                 output_final_state=output_final_state, cu_seqlens=offsets,
                                  chunk_size=chunk_size)
 
 
@@ -141,7 +143,8 @@ def kaczmarz_delta_rule(q, k, v, g, eta, eps=1e-6, scale=None, initial_state=Non
     Keys are used raw (not normalised). A zero key or eta = 0 writes nothing. The squared norm is
     taken in fp32 (float64 for float64 inputs). Same shapes and returns as `delta_rule`.
     """
-    backend, compute, _ = validate(q, k, v, g, eta, "eta", scale, initial_state, cu_seqlens, backend, chunk_size)
+    backend, compute, offsets = validate(q, k, v, g, eta, "eta", scale, initial_state, cu_seqlens, backend,
+                                         chunk_size)
     if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not eps >= 0:
         raise ValueError(f"eps must be a real number >= 0, got {eps!r}")
     scale = k.shape[-1] ** -0.5 if scale is None else float(scale)
@@ -150,5 +153,5 @@ def kaczmarz_delta_rule(q, k, v, g, eta, eps=1e-6, scale=None, initial_state=Non
         return _reference(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, compute, chunk_size)
     from scanlang.backends.delta import ops as triton_ops
     return triton_ops.delta_rule(q, k, v, g, eta, "kaczmarz", scale=scale, initial_state=initial_state,
-                                 output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+                                 output_final_state=output_final_state, cu_seqlens=offsets,
                                  chunk_size=chunk_size, eps=float(eps))
