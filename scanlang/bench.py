@@ -94,7 +94,8 @@ def _reference(kind, data, dim, grad_out=None):
     return y.detach(), grads
 
 
-def run_scans(table, B, D, T, anchors: bool, sweep: bool, log: dict, lanes: bool = True, only=None):
+def run_scans(table, B, D, T, anchors: bool, sweep: bool, log: dict, lanes: bool = True, only=None,
+              bwd_sweep: bool = False):
     import scanlang as sl
     from scanlang.backends.triton import runtime
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -164,6 +165,8 @@ def run_scans(table, B, D, T, anchors: bool, sweep: bool, log: dict, lanes: bool
                   (nf + 1 + 2 * nf + 1) * n * 4, best_b[1],
                   note=f"{best_b[2] or 'default config'}; GPU time alone (CUDA graph) {best_b[3]:.4f} ms")
         runtime.OVERRIDES.clear()
+        if bwd_sweep and layout == "time":
+            _bwd_sweep_rows(table, kind, mix, data, g, g_ref, n, log)
         if lanes:
             _lanes_rows(table, kind, layout, mix, data, g, y_ref, g_ref, n, sweep, log)
         if kind == "affine":
@@ -174,6 +177,33 @@ def run_scans(table, B, D, T, anchors: bool, sweep: bool, log: dict, lanes: bool
             _anchors(table, kind, layout, data, dim, g, y_ref, g_ref, n, log)
         del data, leaves, y_ref, g_ref
         torch.cuda.empty_cache()
+
+
+def _bwd_sweep_rows(table, kind, mix, data, g, g_ref, n, log: dict):
+    """Time-contiguous fwd+bwd under a few (checkpoint interval = backward tile, backward warps)
+    pairs, the forward's tile kept at the whole sequence: GPU time alone (CUDA graph), checked."""
+    from scanlang.backends.triton.runtime import Config
+    nf = len(data)
+    leaves = {k: v.clone().requires_grad_() for k, v in data.items()}
+
+    def fwd_bwd():
+        return torch.autograd.grad(mix(**leaves)[0], tuple(leaves.values()), g)
+    for chunk, warps in ((256, 4), (512, 4), (1024, 8), (2048, 8)):
+        from scanlang.backends.triton import runtime
+        runtime.OVERRIDES.clear()
+        T = data["a"].shape[-1]
+        runtime.OVERRIDES[(True, False)] = Config(block_t=T, block_l=1, num_warps=8, chunk=chunk)
+        runtime.OVERRIDES[(True, True)] = Config(block_t=chunk, block_l=1, num_warps=warps, chunk=chunk)
+        note = f"checkpoint/backward tile {chunk}, backward warps {warps}"
+        try:
+            gerr = max(_ratio(a, b) for a, b in zip(fwd_bwd(), g_ref))
+            ms = _bench(fwd_bwd, graph=True)
+            table.add(f"scanlang {kind} fwd+bwd, GPU time (CUDA graph)", "time", ms, (3 * nf + 2) * n * 4, gerr,
+                      note=note)
+            log.setdefault("bwd_sweep", []).append(dict(kind=kind, cfg=note, ms=ms, err=gerr))
+        except Exception as exc:  # reported, not fatal
+            print(f"bwd sweep {note} failed: {type(exc).__name__}: {str(exc)[:300]}")
+    runtime.OVERRIDES.clear()
 
 
 def _lanes_rows(table, kind, layout, mix, data, g, y_ref, g_ref, n, sweep: bool, log: dict):
@@ -281,6 +311,7 @@ def main(argv=None) -> int:
     p.add_argument("--sweep", action="store_true", help="also time a few tile configs and keep the best")
     p.add_argument("--no-anchors", action="store_true")
     p.add_argument("--no-lanes", action="store_true", help="skip the [lanes] rows (the lane-sequential schedule)")
+    p.add_argument("--bwd-sweep", action="store_true", help="time-contiguous fwd+bwd under a few backward tiles")
     p.add_argument("--only", default=None, help="comma-separated workloads, e.g. affine:time,mobius:channels")
     p.add_argument("--out", default=None, help="folder for bench.json and bench.md")
     args = p.parse_args(argv)
@@ -299,7 +330,7 @@ def main(argv=None) -> int:
     table = Table(copy_gbs)
     log = {"header": header}
     run_scans(table, args.B, args.D, args.T, not args.no_anchors, args.sweep, log, lanes=not args.no_lanes,
-              only=args.only.split(",") if args.only else None)
+              only=args.only.split(",") if args.only else None, bwd_sweep=args.bwd_sweep)
     md = f"{header}\n\n{table.markdown()}\n"
     print(md)
     if args.out:
