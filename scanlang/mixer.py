@@ -163,11 +163,12 @@ def _check_cu_seqlens(cu_seqlens, total: int, device) -> int:
 
 
 def _call(self: Mixer, initial, output_final_state: bool, reverse: bool, cu_seqlens, tensors: dict):
-    """Validate, align and launch. Outside torch.compile what the inputs' shapes, dtypes and devices
-    decide (validation, views, fp64, lane shape) is remembered per signature, so a repeated call does
-    no validation work beyond the names and types."""
+    """Validate, align and launch. For plain eager tensors (outside torch.compile and tracing) what the
+    inputs' shapes, dtypes and devices decide (validation, views, fp64, lane shape) is remembered per
+    signature, so a repeated call does no validation work beyond the names and types."""
     from . import pipeline, settings
     from .backends import triton as triton_backend
+    from .backends.triton import ops as triton_ops
     names = list(self.input_axes)
     unknown = [n for n in tensors if n not in self.input_axes]
     missing = [n for n in names if n not in tensors]
@@ -179,7 +180,8 @@ def _call(self: Mixer, initial, output_final_state: bool, reverse: bool, cu_seql
             raise TypeError(f"{n}: expected a tensor, got {type(t).__name__}")
     values = list(ordered.values())
     device = values[0].device
-    checked = None if torch.compiler.is_compiling() else vars(self).setdefault("_checked", {})
+    # plain eager tensors only: under tracing, shapes may be symbolic (and unhashable)
+    checked = vars(self).setdefault("_checked", {}) if triton_ops.eager(values) else None
     signature = None if checked is None else tuple((t.shape, t.dtype, t.device) for t in values)
     known = None if checked is None else checked.get(signature)
     if known is None:

@@ -179,3 +179,14 @@ def test_no_grad_forward_skips_autograd_and_checkpoints_per_tile():
         out = sl.scan(sl.Affine, (a, b), dim=1, backend="triton")
     assert out.b.grad_fn is None and not out.b.requires_grad
     assert_close(out.b, scan_sequential(sl.Affine, (a.detach(), b), dim=1)[1], "scan")
+
+
+@pytest.mark.parametrize("mode", ["fake", "symbolic"])
+def test_graph_tracing_records_the_registered_op(mode):
+    """make_fx (a proxy dispatch mode; symbolic shapes too) sees the registered op, not the eager path."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+    ema = sl.mixer(sl.Affine, axes="b t d", inputs={"x": "b t d", "decay": "d"},
+                   lift=lambda u: (u.decay, (1 - u.decay) * u.x), readout=lambda p, u, q: p.b, outputs=("h",))
+    x, decay = torch.randn(2, 5, 3, device=DEVICE), torch.rand(3, device=DEVICE)
+    gm = make_fx(lambda x, d: ema(x=x, decay=d).h, tracing_mode=mode)(x, decay)
+    assert torch.ops.scanlang.scan_fwd.default in [n.target for n in gm.graph.nodes]
