@@ -36,15 +36,6 @@ from scanlang.delta import GIVEN, KACZMARZ, DeltaRule
 from ..triton.runtime import fit_launch
 from . import codegen
 
-RECURRENT_MAX_LEN = 16
-KEY_BLOCK = 64           # key columns per program / loop step in the backward kernels
-# Per kernel: BV = value columns per program (or per loop step in delta_bwd_*), and Triton launch options.
-# Measured 2026-11-30 on the H200 (torch 2.11, Triton 3.6), B8 T4096 H16 K=V=128 bf16, by
-# `python -m scanlang.backends.delta.bench --sweep` (greedy, one kernel at a time, the others at their best so
-# far): fwd 1.621 ms, fwd+bwd 6.091 ms with these (the previous defaults, chosen by ptxas spill counts: 1.662 /
-# 8.61). "recurrent" was not swept.
-CONFIG: dict[str, dict]   # (assigned below: a dict that drops the cached plans when an entry changes)
-
 
 class _Configs(dict):
     """Launch configs per kernel. Plans copy them, so setting or deleting an entry drops every cached plan."""
@@ -58,6 +49,13 @@ class _Configs(dict):
         PLANS.clear()
 
 
+RECURRENT_MAX_LEN = 16
+KEY_BLOCK = 64           # key columns per program / loop step in the backward kernels
+# Per kernel: BV = value columns per program (or per loop step in delta_bwd_*), and Triton launch options.
+# Measured 2026-11-30 on the H200 (torch 2.11, Triton 3.6), B8 T4096 H16 K=V=128 bf16, by
+# `python -m scanlang.backends.delta.bench --sweep` (greedy, one kernel at a time, the others at their best so
+# far): fwd 1.621 ms, fwd+bwd 6.091 ms with these (the previous defaults, chosen by ptxas spill counts: 1.662 /
+# 8.61). "recurrent" was not swept.
 CONFIG = _Configs({
     "prep": dict(num_warps=4, num_stages=2),
     "wu": dict(BV=64, num_warps=4, num_stages=2),
