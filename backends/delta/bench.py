@@ -5,8 +5,9 @@
 
 In this order, so that a run cut short by a time limit still has the headline table:
 1. Timing at B8 T4096 H16 K=V=128 bf16 (GDN-style inputs), median of triton.testing.do_bench: fwd and
-   fwd+bwd for fla, ours (GDN step), ours (Kaczmarz step), and one-token decode at B8 H16; then the
-   outputs of that shape checked against the float64 reference, and the headline table.
+   fwd+bwd for fla, ours (GDN step), ours (Kaczmarz step), and one-token decode at B8 H16 (the whole call,
+   and replayed as a CUDA graph: kernels only); then the outputs of that shape checked against the
+   float64 reference, and the headline table.
 2. Correctness (B2 T300 H4 K=V=64, bf16, T not a multiple of the chunk): ours and fla's
    chunk_gated_delta_rule against the float64 chunked reference (itself checked against the token
    loop by the CPU tests): o, final state and every gradient, ratio RMS(err)/RMS(ref). Kaczmarz with
@@ -128,6 +129,17 @@ def bench_ms(fn):
     return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
 
 
+def graph_ms(fn):
+    """GPU time of `fn` replayed as a CUDA graph: the kernels without the host's work; None if it cannot be
+    captured. (Called once first, so caches are filled outside the capture.)"""
+    try:
+        fn()
+        return triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median")
+    except Exception as exc:  # capture is a diagnostic; the whole-call time stands without it
+        say(f"    (CUDA graph capture failed: {type(exc).__name__}: {str(exc)[:100]})")
+        return None
+
+
 def fwd_bwd(fn, ins, do):
     o = fn(*ins)[0]
     torch.autograd.grad(o, ins[:5], do)
@@ -246,9 +258,11 @@ def timings(device, results, have_fla, label_suffix="", only_ours=False):
         dec_out = {}
         for label, fn in dec:
             dec_out[label] = fn()
-            t = bench_ms(fn)
-            decode[label] = dict(us=t * 1e3)
-            say(f"  {label:28s} {t * 1e3:7.1f} us  state r+w {state_bytes / t / 1e9:6.1f} GB/s")
+            t, tg = bench_ms(fn), graph_ms(fn)
+            decode[label] = dict(us=t * 1e3, graph_us=None if tg is None else tg * 1e3)
+            kernels = "" if tg is None else (f", as a CUDA graph (kernels only) {tg * 1e3:6.1f} us = "
+                                             f"{state_bytes / tg / 1e9:6.1f} GB/s of state r+w")
+            say(f"  {label:28s} whole call {t * 1e3:7.1f} us{kernels}")
         # checks after the clock: outputs of the timed shape against float64
         o_ref = reference_fn(*[t.detach() for t in ins])[0]
         for label, fn, args in contenders:
@@ -266,7 +280,8 @@ def timings(device, results, have_fla, label_suffix="", only_ours=False):
         r = row.get("o_ratio_vs_f64", float("nan"))
         say(f"  | {label} | {row['fwd_ms']:.3f} | {row['fwd_bwd_ms']:.3f} | {r:.1e} |")
     for label, row in decode.items():
-        say(f"  decode {label}: {row['us']:.1f} us (o ratio {row.get('o_ratio', float('nan')):.1e}, "
+        graph = "" if row["graph_us"] is None else f", kernels only {row['graph_us']:.1f} us"
+        say(f"  decode {label}: whole call {row['us']:.1f} us{graph} (o ratio {row.get('o_ratio', float('nan')):.1e}, "
             f"S ratio {row.get('S_ratio', float('nan')):.1e})")
     results["config"] = {name: dict(cfg) for name, cfg in delta_ops.CONFIG.items()}
 
