@@ -2,7 +2,9 @@
 
     template.py   the kernel module's source with two slots (hooks, unrolled prep kernel)
     codegen.py    renders a `scanlang.delta.DeltaRule` into it, writes it to the cache dir, imports it
-    ops.py        launches: torch.library ops `scanlang::delta_chunk_fwd/bwd` with autograd, decode path
+    ops.py        launches: torch.library ops `scanlang::delta_chunk_fwd/bwd` with autograd (and an eager path
+                  without the dispatcher), per-shape plans, decode path
     bench.py      GPU benchmark and parity check against flash-linear-attention
     spills.py     offline registers / spills / shared memory per kernel (ptxas, no GPU)
+    host.py       host (CPU) time per call with the launches no-op'd (Triton's interpreter, no GPU)
 """
