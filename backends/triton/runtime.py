@@ -179,13 +179,15 @@ def choose_config(T: int, L: int, time_contiguous: bool, state: int, n_fields: i
     if interpret:
         return Config(block_t=min(8, pow2(T)), block_l=max(state, min(4, pow2(L))), num_warps=1, chunk=4)
     if time_contiguous:
-        # measured on the H200 (BENCHMARKS.md): one long tile per lane forward; the backward (more
-        # live values) replays 512-step chunks; 4-field monoids prefer 1024-step tiles
-        if n_fields <= 2:
-            return Config(block_t=min(4096, pow2(T)), block_l=max(state, 1), num_warps=8, chunk=512)
+        # measured on the H200, [8,1536,4096] fp32 (BENCHMARKS.md, 2026-11-30 runs 1 and 3): forward
+        # 1024-step tiles x 4 warps (affine 0.143 ms, best of 3 tiles; Möbius 0.377 ms); checkpoints
+        # every 512 steps for the backward, whose 512-step tiles run best on 4 warps (affine fwd+bwd
+        # GPU time 0.589 ms against 0.736 on 8 warps; Möbius 2.18 ms, best of 5)
         return Config(block_t=min(1024, pow2(T)), block_l=max(state, 1), num_warps=4, chunk=512)
+    # one lane per thread (64-step tiles of 32 lanes on 1 warp: 79% of copy for the affine forward
+    # against 68% on 2 warps, same runs)
     bl = max(state, min(32, pow2(L)))
-    return Config(block_t=64, block_l=bl, num_warps=2, stages=2)
+    return Config(block_t=64, block_l=bl, num_warps=1, stages=2)
 
 
 # ---- fitting configs to the device ------------------------------------------------------------
