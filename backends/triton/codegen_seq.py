@@ -48,8 +48,7 @@ def _prologue() -> list[str]:
         *lanes_and_sequence(),
         "n_chunks = tl.cdiv(seq_len, CHUNK)",
         "slot0 = t0 // CHUNK + seq",
-        "group = pid.to(tl.int64) * (BLOCK_L // STATE) + tl.arange(0, BLOCK_L // STATE)",
-        "group_ok = group < L // STATE",
+        "first = (lane % STATE) == 0",   # the lane that stores its STATE-lane group's sum
     ]
 
 
@@ -86,8 +85,11 @@ def _free(ir: ScanIR) -> list[str]:
     return [f for f in ir.fields if f not in const]
 
 
-def _reduce(value: str) -> str:
-    return f"tl.sum(tl.reshape({value}, (BLOCK_L // STATE, STATE)), 1)"
+def _reduce_lanes(value: str) -> str:
+    """The group sum back on every lane of the group, in the lanes' own layout (so a store of it
+    needs no layout conversion: no shared memory, no barrier per step)."""
+    return (f"tl.reshape(tl.broadcast_to(tl.sum(tl.reshape({value}, (BLOCK_L // STATE, STATE)), 1, keep_dims=True), "
+            f"(BLOCK_L // STATE, STATE)), (BLOCK_L,))")
 
 
 def _combine_call(ir: ScanIR, out: str, left: str, right: str) -> str:
@@ -103,7 +105,7 @@ def render_forward_lanes(ir: ScanIR) -> list[str]:
     for i in range(len(ir.inputs)):
         body.append(f"u{i}_off = {_lane_off(f'u{i}')}")
     for j in range(len(ir.outputs)):
-        body.append(f"o{j}_off = " + (_lane_off(f"o{j}", "group", "1") if ir.reduce_state else _lane_off(f"o{j}")))
+        body.append(f"o{j}_off = " + (_lane_off(f"o{j}", "lane // STATE", "1") if ir.reduce_state else _lane_off(f"o{j}")))
     body += _static_loads(ir)
     body += _initial_carry(ir)
     block = _block_index("s0")
@@ -125,8 +127,8 @@ def render_forward_lanes(ir: ScanIR) -> list[str]:
         for o in range(len(ir.outputs)):
             ptr = f"o{o}_ptr + o{o}_off + (tt + {j} * step) * o{o}_st"
             if ir.reduce_state:
-                mask = f"group_ok & (group * 0 + {j} < n_steps - s0)"
-                part.append(f"tl.store({ptr}, {_reduce(f'r{o}')}.to(o{o}_ptr.dtype.element_ty), mask={mask})")
+                part.append(f"tl.store({ptr}, {_reduce_lanes(f'r{o}')}.to(o{o}_ptr.dtype.element_ty), "
+                            f"mask=ok{j} & first)")
             else:
                 part.append(f"tl.store({ptr}, r{o}.to(o{o}_ptr.dtype.element_ty), mask=ok{j})")
         block += _guarded(j, part)
@@ -144,14 +146,14 @@ def render_forward_lanes(ir: ScanIR) -> list[str]:
             *_indent(body, 4)]
 
 
-def _du_store_lanes(i: int, name: str, j: int, at: str, live: str) -> list[str]:
-    """Write du_<name> [BLOCK_L] of block step j (memory index `at`; `live`: the step exists) by
-    DU{i} (the tile schedule's modes): 0 store, 1 atomic add, 2 summed over time, 3 summed over the
-    STATE lanes then stored, 4 summed over the STATE lanes then atomically added."""
+def _du_store_lanes(i: int, name: str, j: int, at: str) -> list[str]:
+    """Write du_<name> [BLOCK_L] of block step j (memory index `at`, where ok<j>) by DU{i} (the tile
+    schedule's modes): 0 store, 1 atomic add, 2 summed over time, 3 summed over the STATE lanes then
+    stored, 4 summed over the STATE lanes then atomically added (by the group's first lane)."""
     ptr = f"du{i}_ptr + du{i}_off + {at} * du{i}_st"
     gptr = f"du{i}_ptr + du{i}_goff + {at} * du{i}_st"
-    red = _reduce(f"tl.where(ok{j}, du_{name}, 0.0)")
-    group_live = f"group_ok & ({live})"
+    red = _reduce_lanes(f"tl.where(ok{j}, du_{name}, 0.0)")
+    group_live = f"ok{j} & first"
     return [
         f"if DU{i} == 0:",
         f"    tl.store({ptr}, du_{name}.to(du{i}_ptr.dtype.element_ty), mask=ok{j})",
@@ -170,7 +172,7 @@ def _scratch(f: int, row: str) -> str:
     return f"scratch_ptr + (({f} * n_seq + seq) * CHUNK + {row}) * L + lane"
 
 
-def _adjoint_step(ir: ScanIR, adj: Adjoint, j: int, at: str, live: str, carried: list[str]) -> list[str]:
+def _adjoint_step(ir: ScanIR, adj: Adjoint, j: int, at: str, carried: list[str]) -> list[str]:
     """One step of the adjoint walked backwards, block step j: from u_*, e_*, g_*, q_* (the previous
     prefix) and p_* (the prefix) set by the caller, and the carried cd_*, bd_*; stores the input
     gradients at memory index `at` and hands c_t and B_t gbar_t down to step t - 1."""
@@ -192,7 +194,7 @@ def _adjoint_step(ir: ScanIR, adj: Adjoint, j: int, at: str, live: str, carried:
     part += _assign([f"du_{u}" for u in ir.inputs], adj.du, here | {s: s.name for s in adj.dx_symbols}, "_u",
                     shape_like=shape)
     for i, name in enumerate(ir.inputs):
-        part += _du_store_lanes(i, name, j, at, live)
+        part += _du_store_lanes(i, name, j, at)
     # hand down to step t - 1: c_t, B_t gbar_t (B_t = J1(y_{t-1}, x_t)^T) and its prefix y_{t-1}
     part += _assign([f"cd_{f}_new" for f in ir.fields], adj.c, here, "_i", shape_like=shape)
     part += _assign([f"b{k}" for k in range(nb)], adj.b_entries, b_names, "_b", shape_like=shape)
@@ -249,7 +251,7 @@ def _chunk_in_scratch(ir: ScanIR, adj: Adjoint) -> list[str]:
     carried = [f"{c}_{f}" for c in ("cd", "bd", "nq") for f in ir.fields]
     for j in range(MAX_UNROLL):
         part = _step_inputs(ir, j) + [f"p_{f} = nq_{f}" for f in ir.fields]
-        part += _adjoint_step(ir, adj, j, f"(tt - {j} * step)", f"group * 0 + {j} < n_steps - ss0", carried)
+        part += _adjoint_step(ir, adj, j, f"(tt - {j} * step)", carried)
         block += _guarded(j, part)
     chunk += ["for ss0 in range(0, n_steps, UNROLL):", *_indent(block, 4), "tl.debug_barrier()"]
     return chunk
@@ -275,7 +277,7 @@ def _chunk_in_registers(ir: ScanIR, adj: Adjoint) -> list[str]:
     for j in reversed(range(MAX_UNROLL)):
         prev = [f"q{j}_{f} = " + (f"k_{f}" if f in const or j == 0 else f"r{j - 1}_{f}") for f in ir.fields]
         part = prev + _step_inputs(ir, j) + [f"p_{f} = " + (f"k_{f}" if f in const else f"r{j}_{f}") for f in ir.fields]
-        part += _adjoint_step(ir, adj, j, f"(tt + {j} * step)", f"group * 0 + {j} < n_steps", carried)
+        part += _adjoint_step(ir, adj, j, f"(tt + {j} * step)", carried)
         chunk += _guarded(j, part)
     return chunk
 
@@ -287,7 +289,7 @@ def render_backward_lanes(ir: ScanIR, adj: Adjoint) -> list[str]:
     for i in range(len(ir.inputs)):
         body.append(f"u{i}_off = {_lane_off(f'u{i}')}")
         body.append(f"du{i}_off = {_lane_off(f'du{i}')}")
-        body.append(f"du{i}_goff = {_lane_off(f'du{i}', 'group', '1')}")
+        body.append(f"du{i}_goff = {_lane_off(f'du{i}', 'lane // STATE', '1')}")
         body.append(f"acc{i} = to_acc(tl.zeros([BLOCK_L], tl.float32), FP64)")
     for j in range(len(ir.outputs)):
         body.append(f"g{j}_off = {_lane_off(f'g{j}')}")
