@@ -123,7 +123,7 @@ def scan(monoid: Monoid, elems, dim: int, reverse: bool = False, initial=None, b
             raise ValueError(f"elems[{field!r}]: on {v.device}, but other elements are on {device}; "
                              "move every tensor to one device")
     try:
-        shape = torch.broadcast_shapes(*(t.shape for t in tensors))
+        shape = _broadcast_shape([t.shape for t in tensors])
     except RuntimeError:
         shapes = {f: tuple(v.shape) for f, v in zip(monoid.fields, values) if isinstance(v, torch.Tensor)}
         raise ValueError(f"elems: shapes {shapes} do not broadcast to one common shape") from None
@@ -147,7 +147,7 @@ def scan(monoid: Monoid, elems, dim: int, reverse: bool = False, initial=None, b
         for field, v in zip(monoid.fields, init_values):
             if isinstance(v, torch.Tensor):
                 try:
-                    ok = torch.broadcast_shapes(v.shape, init_shape) == init_shape
+                    ok = _broadcast_shape([v.shape, init_shape]) == init_shape
                 except RuntimeError:
                     ok = False
                 if not ok:
@@ -163,6 +163,22 @@ def scan(monoid: Monoid, elems, dim: int, reverse: bool = False, initial=None, b
         from .backends import triton as impl
     out = impl.scan(monoid, elems_b, dim, reverse, init_b, out_dtype)
     return result_type(monoid)(*out)
+
+
+def _broadcast_shape(shapes) -> torch.Size:
+    """torch.broadcast_shapes for plain int shapes without its per-call overhead (torch's own when
+    compiling, where sizes may be symbolic). Raises RuntimeError when they do not broadcast."""
+    if torch.compiler.is_compiling():
+        return torch.broadcast_shapes(*shapes)
+    out = [1] * max(len(s) for s in shapes)
+    for s in shapes:
+        for i, n in enumerate(s, len(out) - len(s)):
+            if n != 1:
+                if out[i] == 1:
+                    out[i] = n
+                elif out[i] != n:
+                    raise RuntimeError(f"shape {tuple(s)} does not broadcast")
+    return torch.Size(out)
 
 
 def _broadcast(values: tuple, shape, device, dtype) -> tuple[torch.Tensor, ...]:

@@ -205,3 +205,19 @@ def test_a_non_associative_combine_is_refused_not_scanned():
     with pytest.raises(sl.NotAssociativeError):
         sl.mixer(average, axes="b t", inputs={"x": "b t"}, lift=lambda u: (u.x,), readout=lambda p, u, q: p.m,
                  outputs=("y",))
+
+
+def test_front_end_broadcast_rule_is_torchs():
+    import itertools
+    from scanlang.scan import _broadcast_shape
+    shapes = [(), (1,), (3,), (0,), (2, 1), (1, 3), (2, 3), (4, 1, 3), (1, 0), (5, 0)]
+    for a, b in itertools.product(shapes, repeat=2):
+        try:
+            want = torch.broadcast_shapes(a, b)
+        except RuntimeError:
+            want = "error"
+        try:
+            got = _broadcast_shape([a, b])
+        except RuntimeError:
+            got = "error"
+        assert got == want, (a, b)
