@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from triton.runtime.errors import OutOfResources
 
 from scanlang import settings
 
@@ -205,7 +206,6 @@ def fit_launch(key, cfg, attempt, smaller, remembered: dict | None = None):
     """`attempt(cfg)`, shrinking `cfg` with `smaller(cfg)` while the launch raises Triton's
     OutOfResources (a compiled kernel needing more shared memory than the device has); the config
     that ran is remembered under `key` and tried first next time. Re-raises when nothing smaller is left."""
-    from triton.runtime.errors import OutOfResources
     remembered = FITTED if remembered is None else remembered
     cfg = remembered.get(key, cfg)
     while True:
