@@ -187,3 +187,24 @@ def test_lanes_run_the_specialised_carry(monkeypatch):
     assert dict(mob.ir.constants) == {"a": 0.0, "c": 0.0, "d": 1.0}
     (aff,) = [p for p in information_mixer()._specialised.values() if p is not information_mixer().program]
     assert dict(aff.ir.constants) == {"a": 0.0}
+
+
+def test_key_gradients_summed_per_program_or_per_lane_agree(monkeypatch):
+    """dk, dq (keys shared by the channels): summed over a program's groups before the atomic add
+    (plan mode 5) or one atomic per lane (mode 1); both against float64 autograd of the loop."""
+    from scanlang.backends.triton import plan, runtime
+    monkeypatch.setattr(runtime, "LANES_MIN", 1)
+    ins = make_inputs(2, 9, 4, 2)
+    state = make_state(2, 4, 2)
+    ref = _loss_and_grads(kalman_filter_loop, {n: x.to(F64) for n, x in ins.items()},
+                          tuple(s.to(F64) for s in state), seed=9)
+    for grouped in (True, False):
+        monkeypatch.setattr(plan, "SUM_GROUPS_BEFORE_ATOMICS", grouped)
+        plan.PLANS.plans.clear()
+        got = _loss_and_grads(kalman_filter, *on(ins, state), seed=9, output_final_state=True, backend="triton",
+                              form="fused")
+        for name, g, r in zip(NAMES, got, ref):
+            assert_close(g.cpu(), r, "kalman_grad", torch.float32, name=f"d{name} (grouped={grouped})")
+        modes = {v for p in plan.PLANS.plans.values() for _, _, meta, _ in getattr(p, "_launch", {}).values()
+                 for k, v in meta.items() if k.startswith("DU")}
+        assert (5 in modes) == grouped and (1 in modes) != grouped

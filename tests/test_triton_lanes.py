@@ -234,3 +234,19 @@ def test_delta_launch_shrinks_through_the_shared_helper(monkeypatch):
     delta_ops._launch("probe", None, lambda cfg: (cfg["BV"],), (), {}, V=128)
     assert seen == [((128,), 2), ((128,), 1), ((64,), 1), ((32,), 1)]
     assert delta_ops.CONFIG["probe"] == dict(BV=32, num_warps=4, num_stages=1)
+
+
+def test_gradient_modes_for_inputs_shared_by_state_groups():
+    """Keys shared by the channels of a reducing mixer (broadcast only over the lane dim above the
+    state): summed over a program's groups, then one relaxed atomic per state index (mode 5), only
+    on the lane-sequential schedule and when programs do not straddle an outer lane index."""
+    from scanlang.backends.triton import plan
+    sizes = (2, 3, 8, 4)   # lane dims (b, h, g, s); s is the state
+    assert plan._du_mode([5, 96, 4, 0, 1], sizes, True, 7) == 5     # k[b, t, h, s]
+    assert plan._du_mode([5, 96, 8, 1, 0], sizes, True, 7) == 3     # v[b, t, h, g]: summed over s
+    assert plan._du_mode([5, 96, 4, 0, 1], sizes, False, 7) == 1    # no state reduction: per-lane atomics
+    lanes = runtime.Config(block_t=4, block_l=16, num_warps=1, chunk=4, schedule="lanes", unroll=4)
+    assert plan._lanes_mode(5, sizes, lanes) == 5
+    assert plan._lanes_mode(5, sizes, runtime.Config(block_t=4, block_l=16, num_warps=1)) == 1   # tiles
+    assert plan._lanes_mode(5, (2, 3, 3, 4), lanes) == 1            # 16 does not divide 3 x 4 lanes
+    assert plan._lanes_mode(3, sizes, runtime.Config(block_t=4, block_l=16, num_warps=1)) == 3

@@ -22,12 +22,10 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from scanlang.backends.triton.resources import _tool, signature
 from scanlang.delta import KACZMARZ
 
 from . import ops
-
-_TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int32: "i32", torch.int64: "i64"}
-
 
 def capture_launches(K: int, V: int, dtype: torch.dtype, T: int = 200, H: int = 2, C: int = 64):
     """[(name, kernel, args, constexprs, config)] of one forward and backward, nothing executed."""
@@ -50,33 +48,13 @@ def capture_launches(K: int, V: int, dtype: torch.dtype, T: int = 200, H: int = 
     return launches
 
 
-def _signature(kernel, args, constexprs):
-    sig = {}
-    for name, arg in zip(kernel.arg_names, list(args) + [None] * len(kernel.arg_names)):
-        if name in constexprs:
-            sig[name] = "constexpr"
-        elif isinstance(arg, torch.Tensor):
-            sig[name] = "*" + _TYPES[arg.dtype]
-        elif isinstance(arg, bool):
-            sig[name] = "i1"
-        elif isinstance(arg, int):
-            sig[name] = "i32"
-        elif isinstance(arg, float):
-            sig[name] = "fp32"
-        else:
-            raise TypeError(f"{kernel.__name__}: no type for argument {name}={arg!r}")
-    return sig
-
-
 def resources(kernel, args, constexprs, config, arch: int = 90) -> str:
     """ptxas -v summary (registers, spill bytes) and Triton's shared memory for one compiled kernel."""
     consts = {k: v for k, v in {**constexprs, **config}.items() if k in kernel.arg_names}
-    src = ASTSource(fn=kernel, signature=_signature(kernel, args, consts), constexprs=consts)
+    src = ASTSource(fn=kernel, signature=signature(kernel, args, consts), constexprs=consts)
     options = {k: v for k, v in config.items() if k in ("num_warps", "num_stages")}
     compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
-    bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-    ptxas = next((os.path.join(bin_dir, n) for n in ("ptxas-blackwell", "ptxas")
-                  if os.path.exists(os.path.join(bin_dir, n))), "ptxas")
+    ptxas = _tool("ptxas-blackwell", "ptxas")
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "k.ptx")
         with open(path, "w") as f:

@@ -49,6 +49,7 @@ def _prologue() -> list[str]:
         "n_chunks = tl.cdiv(seq_len, CHUNK)",
         "slot0 = t0 // CHUNK + seq",
         "first = (lane % STATE) == 0",   # the lane that stores its STATE-lane group's sum
+        "first_group = tl.arange(0, BLOCK_L) < STATE",   # the program's group that adds the groups' sum
     ]
 
 
@@ -85,11 +86,12 @@ def _free(ir: ScanIR) -> list[str]:
     return [f for f in ir.fields if f not in const]
 
 
-def _reduce_lanes(value: str) -> str:
-    """The group sum back on every lane of the group, in the lanes' own layout (so a store of it
-    needs no layout conversion: no shared memory, no barrier per step)."""
-    return (f"tl.reshape(tl.broadcast_to(tl.sum(tl.reshape({value}, (BLOCK_L // STATE, STATE)), 1, keep_dims=True), "
-            f"(BLOCK_L // STATE, STATE)), (BLOCK_L,))")
+def _reduce_lanes(value: str, axis: int = 1) -> str:
+    """Sums over the [BLOCK_L // STATE, STATE] view of a lane vector back on every lane, in the
+    lanes' own layout (so a store of it needs no layout conversion: no shared memory, no barrier
+    per step): axis 1 sums each group's STATE lanes, axis 0 each state index over the groups."""
+    return (f"tl.reshape(tl.broadcast_to(tl.sum(tl.reshape({value}, (BLOCK_L // STATE, STATE)), {axis}, "
+            f"keep_dims=True), (BLOCK_L // STATE, STATE)), (BLOCK_L,))")
 
 
 def _combine_call(ir: ScanIR, out: str, left: str, right: str) -> str:
@@ -149,22 +151,27 @@ def render_forward_lanes(ir: ScanIR) -> list[str]:
 def _du_store_lanes(i: int, name: str, j: int, at: str) -> list[str]:
     """Write du_<name> [BLOCK_L] of block step j (memory index `at`, where ok<j>) by DU{i} (the tile
     schedule's modes): 0 store, 1 atomic add, 2 summed over time, 3 summed over the STATE lanes then
-    stored, 4 summed over the STATE lanes then atomically added (by the group's first lane)."""
+    stored, 4 summed over the STATE lanes then atomically added (by the group's first lane), 5 summed
+    over the program's groups lane by lane (inputs shared by the groups of a program) then
+    atomically added by the first group. Atomics are relaxed: gradients only accumulate."""
     ptr = f"du{i}_ptr + du{i}_off + {at} * du{i}_st"
     gptr = f"du{i}_ptr + du{i}_goff + {at} * du{i}_st"
     red = _reduce_lanes(f"tl.where(ok{j}, du_{name}, 0.0)")
+    across = _reduce_lanes(f"tl.where(ok{j}, du_{name}, 0.0)", axis=0)
     group_live = f"ok{j} & first"
     return [
         f"if DU{i} == 0:",
         f"    tl.store({ptr}, du_{name}.to(du{i}_ptr.dtype.element_ty), mask=ok{j})",
         f"elif DU{i} == 1:",
-        f"    tl.atomic_add({ptr}, du_{name}.to(du{i}_ptr.dtype.element_ty), mask=ok{j})",
+        f"    tl.atomic_add({ptr}, du_{name}.to(du{i}_ptr.dtype.element_ty), mask=ok{j}, sem='relaxed')",
         f"elif DU{i} == 2:",
         f"    acc{i} += tl.where(ok{j}, du_{name}, 0.0)",
         f"elif DU{i} == 3:",
         f"    tl.store({gptr}, {red}.to(du{i}_ptr.dtype.element_ty), mask={group_live})",
+        f"elif DU{i} == 4:",
+        f"    tl.atomic_add({gptr}, {red}.to(du{i}_ptr.dtype.element_ty), mask={group_live}, sem='relaxed')",
         "else:",
-        f"    tl.atomic_add({gptr}, {red}.to(du{i}_ptr.dtype.element_ty), mask={group_live})",
+        f"    tl.atomic_add({ptr}, {across}.to(du{i}_ptr.dtype.element_ty), mask=ok{j} & first_group, sem='relaxed')",
     ]
 
 

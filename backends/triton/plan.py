@@ -46,8 +46,17 @@ def _time_contiguous(sizes, strides, dim) -> bool:
     return False
 
 
+ATOMIC_MODES = (1, 2, 4, 5)   # gradient buffers these modes add into start zeroed
+# Mode 5 on (see `_du_mode`): a program sums the gradients of an input its state groups share before
+# adding atomically (the Kalman keys: 4x fewer atomics on 64-lane programs, for a cross-warp sum
+# with barriers). Not measured against per-lane atomics yet; benchmarks flip it to compare.
+SUM_GROUPS_BEFORE_ATOMICS = True
+
+
 def _du_mode(du_strides, lane_sizes, reduce_state: bool, T: int) -> int:
-    """0 store, 1 atomic add, 2 summed over time, 3 summed over the state lanes, 4 that plus atomic."""
+    """0 store, 1 atomic add, 2 summed over time, 3 summed over the state lanes, 4 that plus atomic,
+    5 (lane-sequential only, see `_lanes_mode`) summed over a program's state groups, then atomic:
+    an input broadcast only over the lane dim just above the state (e.g. keys shared by channels)."""
     if T > 1 and du_strides[0] == 0:
         return 2
     broadcast = [s == 0 and n > 1 for s, n in zip(du_strides[1:], lane_sizes)]
@@ -55,7 +64,18 @@ def _du_mode(du_strides, lane_sizes, reduce_state: bool, T: int) -> int:
         return 0
     if reduce_state and broadcast[-1]:
         return 3 if not any(broadcast[:-1]) else 4
+    if reduce_state and broadcast == [False] * (len(broadcast) - 2) + [True, False]:
+        return 5
     return 1
+
+
+def _lanes_mode(mode: int, sizes, cfg: Config) -> int:
+    """Mode 5 needs the lane-sequential kernel and programs whose lanes share every outer lane index
+    (BLOCK_L divides the two innermost lane sizes' product); otherwise one atomic per lane (1)."""
+    if mode == 5 and (not SUM_GROUPS_BEFORE_ATOMICS or cfg.schedule != "lanes"
+                      or (sizes[-2] * sizes[-1]) % cfg.block_l):
+        return 1
+    return mode
 
 
 def _init_strides(t: torch.Tensor, shape, dim: int, n_seq: int, varlen: bool) -> tuple[int, list[int]]:
@@ -194,7 +214,7 @@ class BackwardPlan(_Plan):
         layout = self.layout
         st = layout.strides
         modes = [_du_mode(s, layout.sizes, ir.reduce_state, layout.T) for s in st[n_in + n_out:]]
-        self.du_zeroed = [m in (1, 2, 4) for m in modes]
+        self.du_zeroed = [m in ATOMIC_MODES for m in modes]
         self.launches = layout.L > 0 and n_seq > 0
         self.head, self.slots = self._holes(st)
         self.tail = (layout.T, layout.L, *layout.sizes[1:], n_seq)
@@ -226,6 +246,7 @@ class BackwardPlan(_Plan):
         if got is None:
             chunk = cfg.block_t
             meta = dict(self.common, BLOCK_L=cfg.block_l, CHUNK=chunk, num_warps=cfg.num_warps)
+            meta.update({k: _lanes_mode(v, self.layout.sizes, cfg) for k, v in meta.items() if k.startswith("DU")})
             grid = (_cdiv(self.layout.L, cfg.block_l), self.n_seq)
             if cfg.schedule == "lanes":   # per-lane scratch for one chunk's replayed prefixes (none in registers)
                 in_registers = chunk == cfg.unroll

@@ -84,6 +84,8 @@ def implementations(authors: str | None):
     }
     # the same fused programs on the lane-sequential schedule (runtime.OVERRIDES set around the run)
     impls["fused-lanes"] = impls["fused"]
+    # the default program with one atomic per lane for the key/query gradients (plan mode 1 vs 5)
+    impls["fused-atomics"] = impls["fused"]
     impls["fused-two-lanes"] = impls["fused-two"]
     if authors:
         sys.path.insert(0, authors)
@@ -186,6 +188,9 @@ def main(argv=None):
         row = dict(name=name)
         from scanlang.backends.triton import runtime
         runtime.OVERRIDES.clear()
+        from scanlang.backends.triton import plan
+        plan.SUM_GROUPS_BEFORE_ATOMICS = name != "fused-atomics"
+        plan.PLANS.plans.clear()
         if name.endswith("-lanes"):
             runtime.OVERRIDES.update(runtime.lanes_overrides(block_l=args.lanes_block, num_warps=args.lanes_warps,
                                                              chunk=args.lanes_chunk, unroll=args.lanes_unroll))

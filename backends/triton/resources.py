@@ -1,0 +1,202 @@
+"""Registers, spills, shared memory and SASS mix of the generated scan kernels, compiled offline (no GPU).
+
+    python -m scanlang.backends.triton.resources [--workload kalman|affine|mobius] [--arch 90]
+                                                 [--lanes BLOCK_L,WARPS,CHUNK,UNROLL ...]
+
+Runs one forward and backward of the workload on CPU tensors with Triton's launches captured instead
+of executed, compiles every captured kernel for the target with its real argument types and
+constexprs, and reports ptxas -v (registers, spill bytes), Triton's shared memory, and the static
+SASS instruction mix from nvdisasm (total, barriers, shuffles, local-memory traffic, the commonest
+opcodes). This is how launch configs are compared when no GPU is at hand; only timings need one
+(`scanlang bench`, `python -m scanlang.recipes.kalman.bench`). Needs TRITON_INTERPRET unset and
+Triton's bundled ptxas and nvdisasm.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import os
+import re
+import subprocess
+import tempfile
+from dataclasses import dataclass
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from triton.runtime.jit import JITFunction
+
+_TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.float64: "fp64",
+          torch.int32: "i32", torch.int64: "i64"}
+_OPTIONS = ("num_warps", "num_stages")
+
+
+@dataclass
+class Launch:
+    """One captured launch: the kernel, its positional arguments and its keyword constexprs/options."""
+
+    kernel: JITFunction
+    args: tuple
+    kwargs: dict
+
+    @property
+    def options(self) -> dict:
+        return {k: v for k, v in self.kwargs.items() if k in _OPTIONS}
+
+    @property
+    def constexprs(self) -> dict:
+        """Keyword constexprs, plus the kernel's own defaults for those not passed."""
+        out = {k: v for k, v in self.kwargs.items() if k not in _OPTIONS}
+        for p in self.kernel.params[len(self.args):]:
+            if p.name not in out and p.is_constexpr and p.has_default:
+                out[p.name] = p.default
+        return out
+
+
+@contextlib.contextmanager
+def captured():
+    """Within the block, Triton launches are recorded (list of `Launch`) instead of run, and the
+    Triton backend accepts CPU tensors without the interpreter."""
+    from scanlang.backends import triton as backend
+    launches: list[Launch] = []
+    saved_run, saved_check = JITFunction.run, backend._check
+
+    def record(self, *args, grid, warmup, **kwargs):
+        launches.append(Launch(self, args, kwargs))
+
+    JITFunction.run = record
+    backend._check = lambda *a, **k: None
+    try:
+        yield launches
+    finally:
+        JITFunction.run, backend._check = saved_run, saved_check
+
+
+def signature(kernel, args, constexprs) -> dict:
+    """Triton's signature for `kernel` called with `args` (tensors by dtype, ints as i32) and constexprs."""
+    sig = {}
+    for name, arg in zip(kernel.arg_names, list(args) + [None] * len(kernel.arg_names)):
+        if name in constexprs:
+            sig[name] = "constexpr"
+        elif isinstance(arg, torch.Tensor):
+            sig[name] = "*" + _TYPES[arg.dtype]
+        elif isinstance(arg, bool):
+            sig[name] = "i1"
+        elif isinstance(arg, int):
+            sig[name] = "i32"
+        elif isinstance(arg, float):
+            sig[name] = "fp32"
+        else:
+            raise TypeError(f"{kernel.__name__}: no type for argument {name}={arg!r}")
+    return sig
+
+
+def compile_offline(kernel, args, constexprs, options, arch: int = 90):
+    """The compiled kernel for `arch` (no GPU needed)."""
+    consts = {k: v for k, v in constexprs.items() if k in kernel.arg_names}
+    src = ASTSource(fn=kernel, signature=signature(kernel, args, consts), constexprs=consts)
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(options))
+
+
+def _tool(*names: str) -> str:
+    """The first of `names` bundled with Triton (its newest ptxas is named ptxas-blackwell)."""
+    bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    return next((os.path.join(bin_dir, n) for n in names if os.path.exists(os.path.join(bin_dir, n))), names[-1])
+
+
+def ptxas_summary(compiled, arch: int = 90) -> dict:
+    """registers and spill bytes from ptxas -v, and Triton's shared memory in bytes."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "k.ptx")
+        with open(path, "w") as f:
+            f.write(compiled.asm["ptx"])
+        out = subprocess.run([_tool("ptxas-blackwell", "ptxas"), f"-arch=sm_{arch}a", "-v", path, "-o", os.path.join(tmp, "k.cubin")],
+                             capture_output=True, text=True)
+    text = out.stdout + out.stderr
+    regs = re.search(r"Used (\d+) registers", text)
+    spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", text)
+    if regs is None:
+        raise RuntimeError(f"ptxas failed: {text.strip()[-300:]}")
+    return dict(registers=int(regs.group(1)), spill_stores=int(spill.group(1)) if spill else None,
+                spill_loads=int(spill.group(2)) if spill else None, shared=compiled.metadata.shared)
+
+
+def sass_mix(compiled) -> collections.Counter:
+    """Static count of SASS opcodes (modifiers dropped: IMAD.WIDE counts as IMAD)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "k.cubin")
+        with open(path, "wb") as f:
+            f.write(compiled.asm["cubin"])
+        sass = subprocess.run([_tool("nvdisasm"), "-c", path], capture_output=True, text=True).stdout
+    ops = collections.Counter()
+    for line in sass.splitlines():
+        m = re.match(r"\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)", line)
+        if m:
+            ops[m.group(1)] += 1
+    return ops
+
+
+def report(launch: Launch, arch: int = 90) -> str:
+    """One line per kernel: registers, spills, shared memory and the SASS mix."""
+    compiled = compile_offline(launch.kernel, launch.args, launch.constexprs, launch.options, arch)
+    res = ptxas_summary(compiled, arch)
+    ops = sass_mix(compiled)
+    steps = launch.constexprs.get("UNROLL") or launch.constexprs.get("BLOCK_T") or 1
+    common = ", ".join(f"{k} {v}" for k, v in ops.most_common(6))
+    return (f"{launch.kernel.__name__:20s} {res['registers']:3d} registers, spills {res['spill_stores']} B stored / "
+            f"{res['spill_loads']} B loaded, shared {res['shared']} B; SASS {sum(ops.values())} "
+            f"({sum(ops.values()) // steps} per step of {steps}), BAR {ops['BAR']}, SHFL {ops['SHFL']}, "
+            f"LDL {ops['LDL']}, STL {ops['STL']}; {common}")
+
+
+def run_workload(workload: str):
+    """One forward and backward of `workload` on small CPU tensors (the launches are captured)."""
+    if workload == "kalman":
+        from scanlang.recipes.kalman import kalman_filter
+        from scanlang.recipes.kalman.bench import make_inputs
+        ins = [x.requires_grad_() for x in make_inputs(2, 40, 8, 16, "cpu")]
+        y, y_var, _ = kalman_filter(*ins, backend="triton", form="fused", validate=False)
+        torch.autograd.grad(y.sum() + y_var.sum(), ins)
+        return
+    from scanlang.bench import _mixers   # the benchmark's mixers, time-contiguous [B, D, T]
+    mix = _mixers()[workload, "time"]
+    names = ("a", "b") if workload == "affine" else ("a", "b", "c", "d")
+    data = {n: (torch.rand(2, 64, 40) + 0.5).requires_grad_() for n in names}
+    torch.autograd.grad(mix(**data)[0].sum(), tuple(data.values()))
+
+
+def main(argv=None):
+    from . import runtime
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workload", choices=("kalman", "affine", "mobius"), default="kalman")
+    parser.add_argument("--arch", type=int, default=90)
+    parser.add_argument("--lanes", nargs="*", default=None,
+                        help="lane-sequential configs BLOCK_L,WARPS,CHUNK,UNROLL (default: the chosen config)")
+    args = parser.parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET"):
+        raise SystemExit("unset TRITON_INTERPRET: the kernels are compiled for the GPU, not interpreted")
+    print(f"{args.workload}: sm_{args.arch}, Triton {triton.__version__}")
+    saved = runtime.LANES_MIN
+    if args.workload == "kalman":
+        runtime.LANES_MIN = 1   # the small capture shape runs the schedule the full-size layer uses
+    try:
+        for spec in args.lanes or [None]:
+            runtime.OVERRIDES.clear()
+            runtime.FITTED.clear()
+            if spec is not None:
+                block_l, warps, chunk, unroll = (int(x) for x in spec.split(","))
+                runtime.OVERRIDES.update(runtime.lanes_overrides(block_l, warps, chunk, unroll))
+            with captured() as launches:
+                run_workload(args.workload)
+            print(f"config {spec or 'chosen by runtime.choose_config'}:")
+            for launch in launches:
+                print("  " + report(launch, args.arch), flush=True)
+    finally:
+        runtime.LANES_MIN = saved
+        runtime.OVERRIDES.clear()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,18 @@
+"""The offline resource report (`python -m scanlang.backends.triton.resources`): compiles the captured
+kernels for sm_90 with Triton's bundled ptxas/nvdisasm, no GPU. Runs in a subprocess because the
+test session interprets kernels (TRITON_INTERPRET=1), and the report needs them compiled."""
+import os
+import re
+import subprocess
+import sys
+
+
+def test_lanes_kernels_compile_for_sm90_without_spills_or_barriers():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-m", "scanlang.backends.triton.resources", "--workload", "affine",
+                          "--lanes", "64,2,8,8"], capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = {m.group(1): m.group(0) for m in re.finditer(r"(scan_\w+_lanes)\s+(\d+) registers.*", out.stdout)}
+    assert set(rows) == {"scan_forward_lanes", "scan_backward_lanes"}, out.stdout
+    for row in rows.values():
+        assert "spills 0 B stored" in row and "BAR 0," in row, row
