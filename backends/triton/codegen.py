@@ -333,7 +333,7 @@ def _du_store(i: int, name: str) -> list[str]:
         f"if DU{i} == 0:",
         f"    tl.store({ptr}, du_{name}.to(du{i}_ptr.dtype.element_ty), mask=ok)",
         f"elif DU{i} == 1:",
-        f"    tl.atomic_add({ptr}, du_{name}.to(du{i}_ptr.dtype.element_ty), mask=ok)",
+        f"    tl.atomic_add({ptr}, du_{name}.to(du{i}_ptr.dtype.element_ty), mask=ok, sem='relaxed')",
         f"elif DU{i} == 2:",
         f"    acc{i} += tl.sum(tl.where(ok, du_{name}, 0.0), 0)",
         "else:",
@@ -342,7 +342,8 @@ def _du_store(i: int, name: str) -> list[str]:
         f"    if DU{i} == 3:",
         f"        tl.store(gptr{i}, red{i}.to(du{i}_ptr.dtype.element_ty), mask=(t < seq_len) & group_ok[None, :])",
         "    else:",
-        f"        tl.atomic_add(gptr{i}, red{i}.to(du{i}_ptr.dtype.element_ty), mask=(t < seq_len) & group_ok[None, :])",
+        f"        tl.atomic_add(gptr{i}, red{i}.to(du{i}_ptr.dtype.element_ty), mask=(t < seq_len) & group_ok[None, :], "
+        "sem='relaxed')",
     ]
 
 
@@ -459,7 +460,8 @@ def render_backward(ir: ScanIR, adj: Adjoint) -> list[str]:
     body += _indent(loop, 4)
     for i in range(len(ir.inputs)):
         body += [f"if DU{i} == 2:",
-                 f"    tl.atomic_add(du{i}_ptr + du{i}_lane_off, acc{i}.to(du{i}_ptr.dtype.element_ty), mask=lane_ok)"]
+                 f"    tl.atomic_add(du{i}_ptr + du{i}_lane_off, acc{i}.to(du{i}_ptr.dtype.element_ty), mask=lane_ok, "
+                 "sem='relaxed')"]
     body.append("if HAS_INIT:")
     for f, name in enumerate(ir.fields):
         body.append(f"    tl.store(dinit{f}_ptr + seq * L + lane, w0_{name}, mask=lane_ok)")

@@ -321,7 +321,8 @@ def render_backward_lanes(ir: ScanIR, adj: Adjoint) -> list[str]:
     body += _indent(chunk, 4)
     for i in range(len(ir.inputs)):
         body += [f"if DU{i} == 2:",
-                 f"    tl.atomic_add(du{i}_ptr + du{i}_off, acc{i}.to(du{i}_ptr.dtype.element_ty), mask=lane_ok)"]
+                 f"    tl.atomic_add(du{i}_ptr + du{i}_off, acc{i}.to(du{i}_ptr.dtype.element_ty), mask=lane_ok, "
+                 "sem='relaxed')"]
     body.append("if HAS_INIT:")   # dL/d(initial) = c_0 + B_0 gbar_0 (dL/dfinal when the sequence is empty)
     for f, name in enumerate(ir.fields):
         body.append(f"    tl.store(dinit{f}_ptr + seq * L + lane, cd_{name} + bd_{name}, mask=lane_ok)")
