@@ -182,16 +182,15 @@ def run_scans(table, B, D, T, anchors: bool, sweep: bool, log: dict, lanes: bool
 def _bwd_sweep_rows(table, kind, mix, data, g, g_ref, n, log: dict):
     """Time-contiguous fwd+bwd under a few (checkpoint interval = backward tile, backward warps)
     pairs, the forward's tile kept at the whole sequence: GPU time alone (CUDA graph), checked."""
+    from scanlang.backends.triton import runtime
     from scanlang.backends.triton.runtime import Config
-    nf = len(data)
+    nf, T = len(data), data["a"].shape[-1]
     leaves = {k: v.clone().requires_grad_() for k, v in data.items()}
 
     def fwd_bwd():
         return torch.autograd.grad(mix(**leaves)[0], tuple(leaves.values()), g)
     for chunk, warps in ((256, 4), (512, 4), (1024, 8), (2048, 8)):
-        from scanlang.backends.triton import runtime
         runtime.OVERRIDES.clear()
-        T = data["a"].shape[-1]
         runtime.OVERRIDES[(True, False)] = Config(block_t=T, block_l=1, num_warps=8, chunk=chunk)
         runtime.OVERRIDES[(True, True)] = Config(block_t=chunk, block_l=1, num_warps=warps, chunk=chunk)
         note = f"checkpoint/backward tile {chunk}, backward warps {warps}"

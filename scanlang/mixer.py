@@ -49,6 +49,7 @@ Semantics, per lane (every index of `axes` but "t"):
 from __future__ import annotations
 
 import collections
+import math
 from typing import Callable, Mapping, Sequence
 
 import torch
@@ -101,7 +102,8 @@ class Mixer:
         from . import pipeline
         self.program = pipeline.build(self.ir)   # generated and loaded now, never inside a traced call
         self.key = self.program.key
-        self._specialised: dict = {}
+        self._specialised: dict = {}   # constants -> program (`_program_for`)
+        self._checked: dict = {}       # eager input signature -> what validation derived (`_call`)
 
     def _program_for(self, constants: dict, lanes: int):
         """The program to launch: this mixer's, or one specialised to initial fields given as Python
@@ -181,7 +183,7 @@ def _call(self: Mixer, initial, output_final_state: bool, reverse: bool, cu_seql
     values = list(ordered.values())
     device = values[0].device
     # plain eager tensors only: under tracing, shapes may be symbolic (and unhashable)
-    checked = vars(self).setdefault("_checked", {}) if triton_ops.eager(values) else None
+    checked = self._checked if triton_ops.eager(values) else None
     signature = None if checked is None else tuple((t.shape, t.dtype, t.device) for t in values)
     known = None if checked is None else checked.get(signature)
     if known is None:
@@ -222,15 +224,11 @@ def _call(self: Mixer, initial, output_final_state: bool, reverse: bool, cu_seql
             except RuntimeError:
                 raise ValueError(f"initial[{f!r}]: shape {tuple(v.shape)} does not broadcast to {state_shape} "
                                  f"([sequences] + axes {[a for a in self.axes if a != 't']})") from None
-    program = self.program
-    if constants:
-        lanes = 1
-        for n in lane_shape:
-            lanes *= n
-        program = self._program_for(constants, lanes)
+    program = self._program_for(constants, math.prod(lane_shape)) if constants else self.program
     outs, final = pipeline.launch(program, views, init, dim, reverse, fp64, cu_seqlens)
     fin = tuple(final[i].reshape(state_shape) for i in range(len(self.monoid.fields))) if output_final_state else None
     return self.result(*outs, fin)
+
 
 def mixer(monoid: Monoid, axes: str, inputs: Mapping[str, str], lift: Callable, readout: Callable,
           outputs: Sequence[str], reduce: str | None = None) -> Mixer:

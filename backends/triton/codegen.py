@@ -161,10 +161,9 @@ def lanes_and_sequence() -> list[str]:
     ]
 
 
-def _time_index():
+def memory_index() -> list[str]:
+    """tt: the memory index of scan step t (backwards in memory when REVERSE), and its step."""
     return [
-        "t = k * BLOCK_T + rows",
-        "ok = (t < seq_len) & lane_ok[None, :]",
         "if REVERSE:",
         "    tt = (t0 + seq_len - 1 - t).to(tl.int64)",
         "    step = -1",
@@ -172,6 +171,10 @@ def _time_index():
         "    tt = (t0 + t).to(tl.int64)",
         "    step = 1",
     ]
+
+
+def _time_index():
+    return ["t = k * BLOCK_T + rows", "ok = (t < seq_len) & lane_ok[None, :]", *memory_index()]
 
 
 def _load_lift(ir: ScanIR, tag: str = "", shift: int = 0, mask: str = "ok", hoisted: bool = False) -> list[str]:

@@ -37,7 +37,7 @@ from scanlang.autodiff import Adjoint
 from scanlang.ir import ScanIR
 
 from .codegen import (_assign, _indent, _initial_carry, _lane_off, _load_lift, _num, _static_loads, _symbols_named,
-                      backward_args, forward_args, lanes_and_sequence, static_flags)
+                      backward_args, forward_args, lanes_and_sequence, memory_index, static_flags)
 
 
 def _prologue() -> list[str]:
@@ -64,15 +64,7 @@ def _guarded(j: int, lines: list[str]) -> list[str]:
 def _block_index(first: str) -> list[str]:
     """tt: the memory index of scan step t = k * CHUNK + `first` (backwards in memory when REVERSE);
     step j of the block is at tt + j * step (forward walk) or tt - j * step (backward walk)."""
-    return [
-        f"t = k * CHUNK + {first}",
-        "if REVERSE:",
-        "    tt = (t0 + seq_len - 1 - t).to(tl.int64)",
-        "    step = -1",
-        "else:",
-        "    tt = (t0 + t).to(tl.int64)",
-        "    step = 1",
-    ]
+    return [f"t = k * CHUNK + {first}", *memory_index()]
 
 
 def _keep(names, live: str) -> list[str]:

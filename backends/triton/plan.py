@@ -124,7 +124,7 @@ class _Plan:
     def _choose(self, prog, fp64: bool, backward: bool) -> tuple[Config, tuple]:
         """(chosen config, fit key): the key names program, pass and shape bucket for runtime.fit_launch."""
         layout, contiguous = self.layout, self.time_contiguous
-        chosen = runtime.choose_config(layout.T, layout.L, contiguous, self.state, len(prog.ir.fields), backward,
+        chosen = runtime.choose_config(layout.T, layout.L, contiguous, self.state, backward,
                                        sequential=prog.ir.sequential_only)
         key = (prog.key, backward, contiguous, max(layout.T - 1, 0).bit_length(), self.state, fp64, chosen)
         return chosen, key

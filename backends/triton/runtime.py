@@ -159,7 +159,7 @@ def prefers_lanes(L: int) -> bool:
     return L >= LANES_MIN
 
 
-def choose_config(T: int, L: int, time_contiguous: bool, state: int, n_fields: int, backward: bool = False,
+def choose_config(T: int, L: int, time_contiguous: bool, state: int, backward: bool = False,
                   sequential: bool = False) -> Config:
     """Tile shape per layout: long time tiles when time is contiguous, wide lane tiles otherwise; the
     lane-sequential schedule for very many lanes or for a program that has only that one (`sequential`)."""
