@@ -238,8 +238,11 @@ def _sweep_configs(layout):
     from scanlang.backends.triton.runtime import Config
     if layout == "time":
         return [Config(2048, 1, 8), Config(1024, 1, 4)]
-    # one lane per thread keeps the time scan inside a thread (no shared memory, no barriers)
-    return [Config(64, 32, 1, 2), Config(32, 64, 2, 2), Config(32, 128, 4, 3), Config(16, 128, 4, 2)]
+    # one lane per thread keeps the time scan inside a thread (no shared memory, no barriers); more
+    # stages keep more loads in flight (384 single-warp programs: ~3 warps per SM); 64 lanes on 1 warp
+    # is 2 lanes per thread
+    return [Config(64, 32, 1, 3), Config(128, 32, 1, 2), Config(128, 32, 1, 3), Config(32, 32, 1, 4),
+            Config(64, 64, 1, 2), Config(64, 64, 2, 2), Config(128, 64, 2, 3), Config(32, 128, 4, 3)]
 
 
 def _anchors(table, kind, layout, data, dim, g, y_ref, g_ref, n, log):
