@@ -47,10 +47,11 @@ def _time_contiguous(sizes, strides, dim) -> bool:
 
 
 ATOMIC_MODES = (1, 2, 4, 5)   # gradient buffers these modes add into start zeroed
-# Mode 5 on (see `_du_mode`): a program sums the gradients of an input its state groups share before
+# Mode 5 (see `_du_mode`): a program sums the gradients of an input its state groups share before
 # adding atomically (the Kalman keys: 4x fewer atomics on 64-lane programs, for a cross-warp sum
-# with barriers). Not measured against per-lane atomics yet; benchmarks flip it to compare.
-SUM_GROUPS_BEFORE_ATOMICS = True
+# with barriers). Off: per-lane relaxed atomics measured faster (H200, session 3 run 4: Kalman
+# fwd+bwd 19.2 ms against 24.0 ms with the group sums); benchmarks flip it to compare.
+SUM_GROUPS_BEFORE_ATOMICS = False
 
 
 def _du_mode(du_strides, lane_sizes, reduce_state: bool, T: int) -> int:
@@ -129,6 +130,14 @@ class _Plan:
         key = (prog.key, backward, contiguous, max(layout.T - 1, 0).bit_length(), self.state, fp64, chosen)
         return chosen, key
 
+    def lanes_meta(self, cfg: Config) -> dict:
+        """The lane-sequential kernels' layout constexprs: R lanes per thread slot
+        (runtime.lanes_per_thread), EVEN_L (every program full), TSTATIC<i> (input i constant in time:
+        loaded once), SLOT<i> (constant over the last lane dim, which R divides: loaded once per slot)."""
+        lanes = self.layout.L
+        slot = {f"SLOT{i}": st[4] == 0 for i, st in enumerate(self.layout.strides[:len(self.static)])}
+        return dict(R=runtime.lanes_per_thread(cfg, self.state), EVEN_L=lanes % cfg.block_l == 0, **self.static, **slot)
+
     def smaller(self, cfg: Config, keep_block_t: bool = False) -> Config | None:
         return runtime.smaller_config(cfg, self.state, keep_block_t=keep_block_t)
 
@@ -187,7 +196,7 @@ class ForwardPlan(_Plan):
         if got is None:
             meta = dict(self.common, BLOCK_L=cfg.block_l, CHUNK=chunk_of(cfg, self.checkpoint), num_warps=cfg.num_warps)
             if cfg.schedule == "lanes":
-                kernel, meta = self.prog.module.scan_forward_lanes, dict(meta, UNROLL=cfg.unroll, **self.static)
+                kernel, meta = self.prog.module.scan_forward_lanes, dict(meta, UNROLL=cfg.unroll, **self.lanes_meta(cfg))
             else:
                 kernel, meta = self.prog.module.scan_forward, dict(meta, BLOCK_T=cfg.block_t, STAGES=cfg.stages)
             got = self._launch[cfg] = (kernel, (_cdiv(self.layout.L, cfg.block_l), self.n_seq), meta,
@@ -251,7 +260,8 @@ class BackwardPlan(_Plan):
             if cfg.schedule == "lanes":   # per-lane scratch for one chunk's replayed prefixes (none in registers)
                 in_registers = chunk == cfg.unroll
                 scratch = (1, 1, 1, 1) if in_registers else (len(self.prog.ir.fields), self.n_seq, chunk, self.layout.L)
-                got = (self.prog.module.scan_backward_lanes, grid, dict(meta, UNROLL=cfg.unroll, **self.static), scratch)
+                got = (self.prog.module.scan_backward_lanes, grid, dict(meta, UNROLL=cfg.unroll, **self.lanes_meta(cfg)),
+                       scratch)
             else:
                 got = (self.prog.module.scan_backward, grid, dict(meta, BLOCK_T=cfg.block_t, STAGES=cfg.stages), None)
             self._launch[cfg] = got

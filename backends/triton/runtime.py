@@ -154,6 +154,13 @@ def lanes_overrides(block_l: int = 64, num_warps: int = 2, chunk: int = 64, unro
 LANES_MIN = 1 << 17
 
 
+def lanes_per_thread(cfg: Config, state: int) -> int:
+    """Lanes a thread slot of the lane-sequential kernels holds in registers: the program's lanes
+    over its threads, at most `state` (the state lanes of a reducing program, 1 otherwise), so a
+    group's state sum starts in registers and an input constant over the state loads once per slot."""
+    return max(1, min(cfg.block_l // (32 * cfg.num_warps), state))
+
+
 def prefers_lanes(L: int) -> bool:
     """True when `choose_config` picks the lane-sequential schedule for L lanes (forced configs aside)."""
     return L >= LANES_MIN
@@ -185,10 +192,11 @@ def choose_config(T: int, L: int, time_contiguous: bool, state: int, backward: b
         # every 512 steps for the backward, whose 512-step tiles run best on 4 warps (affine fwd+bwd
         # GPU time 0.589 ms against 0.736 on 8 warps; Möbius 2.18 ms, best of 5)
         return Config(block_t=min(1024, pow2(T)), block_l=max(state, 1), num_warps=4, chunk=512)
-    # one lane per thread (64-step tiles of 32 lanes on 1 warp: 79% of copy for the affine forward
-    # against 68% on 2 warps, same runs)
+    # one lane per thread, 32 lanes on 1 warp, 32-step tiles with 4 stages of loads in flight: 89.1%
+    # of copy for the affine forward (H200, session 3 run 4, best of 9) against 79% for 64-step tiles
+    # with 2 stages
     bl = max(state, min(32, pow2(L)))
-    return Config(block_t=64, block_l=bl, num_warps=1, stages=2)
+    return Config(block_t=32, block_l=bl, num_warps=1, stages=4)
 
 
 # ---- fitting configs to the device ------------------------------------------------------------

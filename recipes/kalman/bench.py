@@ -84,8 +84,9 @@ def implementations(authors: str | None):
     }
     # the same fused programs on the lane-sequential schedule (runtime.OVERRIDES set around the run)
     impls["fused-lanes"] = impls["fused"]
-    # the default program with one atomic per lane for the key/query gradients (plan mode 1 vs 5)
-    impls["fused-atomics"] = impls["fused"]
+    # the default program with the key/query gradients summed over a program's groups before one
+    # atomic per state index (plan mode 5) instead of one relaxed atomic per lane (mode 1, the default)
+    impls["fused-groupsum"] = impls["fused"]
     impls["fused-two-lanes"] = impls["fused-two"]
     if authors:
         sys.path.insert(0, authors)
@@ -189,7 +190,7 @@ def main(argv=None):
         from scanlang.backends.triton import runtime
         runtime.OVERRIDES.clear()
         from scanlang.backends.triton import plan
-        plan.SUM_GROUPS_BEFORE_ATOMICS = name != "fused-atomics"
+        plan.SUM_GROUPS_BEFORE_ATOMICS = name == "fused-groupsum"
         plan.PLANS.plans.clear()
         if name.endswith("-lanes"):
             runtime.OVERRIDES.update(runtime.lanes_overrides(block_l=args.lanes_block, num_warps=args.lanes_warps,
