@@ -135,9 +135,11 @@ def test_repeated_call_hits_the_plan_cache():
 
 def test_plan_cache_follows_overrides(monkeypatch):
     """A forced config (runtime.OVERRIDES) takes effect on the next call with the same shapes."""
+    from scanlang.backends.triton import launcher
     ran = []
-    real = ops.wrap_triton
-    monkeypatch.setattr(ops, "wrap_triton", lambda kernel: ran.append(kernel.__name__) or real(kernel))
+    real = launcher.launch
+    monkeypatch.setattr(launcher, "launch", lambda plan, cfg, kernel, *rest: ran.append(kernel.__name__)
+                        or real(plan, cfg, kernel, *rest))
     shape = (2, 7, 3)
     _affine_step(shape)
     assert set(ran) == {"scan_forward", "scan_backward"}

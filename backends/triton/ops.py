@@ -14,8 +14,9 @@ One implementation, two entry points. `_forward` and `_backward_pass` allocate a
 calls them through the registered ops (and `register_autograd`) under torch.compile, graph tracing,
 dispatch modes (FakeTensor, proxy), functorch transforms or tensor subclasses; with plain eager
 tensors it calls them directly inside one `torch.autograd.Function` (`_EagerScan`), skipping the
-dispatcher's per-call cost, and takes the launch plan (layout, configs, scalar arguments) from
-`plan.PLANS` instead of deriving it again.
+dispatcher's per-call cost, takes the launch plan (layout, configs, scalar arguments) from
+`plan.PLANS` instead of deriving it again, and relaunches the compiled kernels without Triton's
+per-call binding (`launcher.py`).
 """
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ from torch._library.triton import set_wrap_triton_enabled
 from torch.autograd.function import once_differentiable
 from torch.library import triton_op, wrap_triton
 
+from . import launcher
 from .plan import PLANS, BackwardPlan, ForwardPlan, chunk_of, overrides, signature
 from .runtime import fit_launch, fitted
 
@@ -94,8 +96,11 @@ def _forward(key: str, inputs, initial, cu_seqlens, dim: int, reverse: bool, fp6
     def attempt(cfg):
         kernel, grid, meta, ckpt_shape = plan.launch(cfg)
         ckpt = torch.empty(ckpt_shape, dtype=acc, device=device)
-        wrap_triton(kernel)[grid](*args, ckpt, final, cu_seqlens if varlen else ckpt, *plan.tail, ckpt_shape[1],
-                                  **meta)
+        full = [*args, ckpt, final, cu_seqlens if varlen else ckpt, *plan.tail, ckpt_shape[1]]
+        if eager:
+            launcher.launch(plan, cfg, kernel, grid, full, meta)
+        else:
+            wrap_triton(kernel)[grid](*full, **meta)
         return ckpt
     with _launching(eager):
         ckpt = fit_launch(plan.fwd_fit_key, plan.fwd_chosen, attempt, plan.smaller)
@@ -133,8 +138,11 @@ def _backward_pass(key: str, inputs, initial, cu_seqlens, ckpt, grads, dfinal, d
 
         def attempt(cfg):
             kernel, grid, meta, scratch = plan.launch(cfg)
-            extra = () if scratch is None else (torch.empty(scratch, dtype=acc, device=device),)
-            wrap_triton(kernel)[grid](*args, *extra, **meta)
+            extra = [] if scratch is None else [torch.empty(scratch, dtype=acc, device=device)]
+            if eager:
+                launcher.launch(plan, cfg, kernel, grid, args + extra, meta)
+            else:
+                wrap_triton(kernel)[grid](*args, *extra, **meta)
         with _launching(eager):
             fit_launch(fit_key, cfg, attempt, lambda c: plan.smaller(c, keep_block_t=True))
     elif initial:
