@@ -78,3 +78,11 @@ def test_a_kernel_without_a_compiled_handle_keeps_the_slow_path():
     for _ in range(2):
         launcher.launch(plan, "cfg", kernel, (1,), [torch.zeros(4), 4], {"BLOCK": 4})
     assert [entry[0] for entry in kernel.log] == ["jit", "jit"]
+
+
+def test_a_misaligned_first_launch_is_not_kept():
+    kernel, plan = _Kernel(), object.__new__(type("Plan", (), {}))
+    base = torch.zeros(65)
+    for x in (base[1:], base[1:], base[:64], base[:64]):
+        launcher.launch(plan, "cfg", kernel, (1,), [x, 64], {"BLOCK": 32})
+    assert [entry[0] for entry in kernel.log] == ["jit", "jit", "jit", "direct"]

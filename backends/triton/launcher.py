@@ -9,8 +9,8 @@ a fwd+bwd of a mixer spent more time launching than the GPU spent running it.
 Within one launch plan (`plan.ForwardPlan` / `plan.BackwardPlan`) every integer argument and every
 dtype is fixed by the plan's key (shapes, strides, dtypes, config), and the constexprs by `meta`. The
 only thing left that can change Triton's choice is the alignment of the tensors' data pointers. So
-the compiled kernel is cached per (plan, config) and alignment pattern, and called through its
-launcher directly: `CompiledKernel.run(grid, stream, function, metadata, hooks, *all arguments)`,
+the compiled kernel of a launch whose pointers were all 16-byte aligned is cached per (plan,
+config) and, while they stay aligned, called through its launcher directly: `CompiledKernel.run(grid, stream, function, metadata, hooks, *all arguments)`,
 what `JITFunction.run` itself calls after binding. The first launch of each entry goes through
 `kernel[grid]` (compiling if needed) and returns the compiled kernel that is kept.
 
@@ -23,12 +23,9 @@ import weakref
 
 import torch
 
-# plan -> {(config, alignment pattern): (compiled kernel, argument names to append from meta)}
+# plan -> {config: (compiled kernel of an all-aligned launch, positions of the tensor arguments,
+# argument values to append from meta)}
 _COMPILED: "weakref.WeakKeyDictionary[object, dict]" = weakref.WeakKeyDictionary()
-
-
-def _aligned(args) -> tuple[bool, ...]:
-    return tuple(a.data_ptr() % 16 == 0 for a in args if isinstance(a, torch.Tensor))
 
 
 def _bound_tail(kernel, n_positional: int, meta: dict) -> tuple | None:
@@ -46,28 +43,31 @@ def _bound_tail(kernel, n_positional: int, meta: dict) -> tuple | None:
 
 
 def launch(plan, cfg, kernel, grid, args, meta: dict) -> None:
-    """`kernel[grid](*args, **meta)`, relaunching the compiled kernel directly when this plan,
-    config and pointer alignment launched it before."""
+    """`kernel[grid](*args, **meta)`, relaunching the compiled kernel directly when this plan and
+    config launched it before with every pointer 16-byte aligned (the common case; other alignments
+    always take Triton's path, which specialises on them)."""
     per_plan = _COMPILED.get(plan)
     if per_plan is None:
         per_plan = _COMPILED[plan] = {}
-    key = (cfg, _aligned(args))
-    hit = per_plan.get(key)
+    hit = per_plan.get(cfg)
     if hit is not None:
-        compiled, tail = hit
-        stream = _stream(args[0].device)
-        values = (*args, *tail)
-        grid3 = (*grid, 1, 1)[:3]
-        enter, exit_ = _hooks()
-        compiled.run(grid3[0], grid3[1], grid3[2], stream, compiled.function, compiled.packed_metadata,
-                     compiled.launch_metadata(grid3, stream, *values), enter, exit_, *values)
-        return
+        compiled, tensors, tail = hit
+        if not any(args[i].data_ptr() & 15 for i in tensors):
+            stream = _stream(args[0].device)
+            grid3 = (*grid, 1, 1)[:3]
+            values = (*args, *tail)
+            enter, exit_ = _hooks()
+            metadata = None if enter is None else compiled.launch_metadata(grid3, stream, *values)
+            compiled.run(grid3[0], grid3[1], grid3[2], stream, compiled.function, compiled.packed_metadata,
+                         metadata, enter, exit_, *values)
+            return
     compiled = kernel[grid](*args, **meta)
-    if compiled is None or not hasattr(compiled, "packed_metadata"):
-        return   # the interpreter (or a Triton without compiled-kernel handles): keep the slow path
+    if hit is not None or compiled is None or not hasattr(compiled, "packed_metadata"):
+        return   # misaligned, or the interpreter (no compiled-kernel handle): Triton's path every time
+    tensors = tuple(i for i, a in enumerate(args) if isinstance(a, torch.Tensor))
     tail = _bound_tail(kernel, len(args), meta)
-    if tail is not None:
-        per_plan[key] = (compiled, tail)
+    if tail is not None and not any(args[i].data_ptr() & 15 for i in tensors):
+        per_plan[cfg] = (compiled, tensors, tail)
 
 
 def _stream(device: torch.device) -> int:
