@@ -189,7 +189,8 @@ def _bwd_sweep_rows(table, kind, mix, data, g, g_ref, n, log: dict):
 
     def fwd_bwd():
         return torch.autograd.grad(mix(**leaves)[0], tuple(leaves.values()), g)
-    for chunk, warps in ((256, 4), (512, 4), (1024, 8), (2048, 8)):
+    # tiles of 256 steps per warp: one 8-step run per thread in the run-based kernels (codegen_runs.py)
+    for chunk, warps in ((256, 1), (512, 2), (1024, 4), (2048, 8)):
         runtime.OVERRIDES.clear()
         runtime.OVERRIDES[(True, False)] = Config(block_t=T, block_l=1, num_warps=8, chunk=chunk)
         runtime.OVERRIDES[(True, True)] = Config(block_t=chunk, block_l=1, num_warps=warps, chunk=chunk)
@@ -236,8 +237,9 @@ def _lanes_rows(table, kind, layout, mix, data, g, y_ref, g_ref, n, sweep: bool,
 def _sweep_configs(layout):
     """A few forward tiles besides the default (the default itself came from a wider sweep)."""
     from scanlang.backends.triton.runtime import Config
-    if layout == "time":
-        return [Config(2048, 1, 8), Config(1024, 1, 4)]
+    if layout == "time":   # one 8-step run per thread (codegen_runs.py), and two; a pipelined tile loop
+        return [Config(2048, 1, 8), Config(1024, 1, 4), Config(512, 1, 2), Config(2048, 1, 4),
+                Config(1024, 1, 4, stages=2)]
     # one lane per thread keeps the time scan inside a thread (no shared memory, no barriers); more
     # stages keep more loads in flight (384 single-warp programs: ~3 warps per SM); 64 lanes on 1 warp
     # is 2 lanes per thread

@@ -79,7 +79,12 @@ def _combine_function(ir: ScanIR) -> list[str]:
     body = _assign(out, ir.combine, names, "_c", shape_like=xs[0])
     if ir.is_projective:
         body += _assign(["scale"], [ir.scale], dict(zip(ir.scale_symbols, out)), "_s")
-        body.append("inv_scale = 1.0 / scale")
+        # any positive multiple of the product is the same projective element: float32 rescales by
+        # the approximate reciprocal (div.approx, one MUFU.RCP) instead of full-range division
+        body += ["if scale.dtype == tl.float32:",
+                 "    inv_scale = tl.fdiv(1.0, scale, approx=True)",
+                 "else:",
+                 "    inv_scale = 1.0 / scale"]
         body.append(f"return {', '.join(f'{o} * inv_scale' for o in out)}")
     else:
         body.append(f"return {', '.join(out)}")
@@ -273,6 +278,7 @@ def backward_args(ir: ScanIR) -> list[str]:
 
 
 def render_forward(ir: ScanIR) -> list[str]:
+    from .codegen_runs import RUN, RUN_TILE, forward_loop, runs_prologue
     args = forward_args(ir)
     consts = ["BLOCK_T", "BLOCK_L", "CHUNK", "REVERSE", "HAS_INIT", "VARLEN", "STATE", "FP64", "STAGES"]
     body = _common_prologue()
@@ -318,8 +324,13 @@ def render_forward(ir: ScanIR) -> list[str]:
     loop.append("last = tl.minimum(seq_len - 1 - k * BLOCK_T, BLOCK_T - 1)")
     for name in ir.fields:
         loop.append(f"c_{name} = tl.sum(tl.where(rows == last, p_{name}, 0.0), 0)")
-    body.append("for k in tl.range(0, n_tiles, num_stages=STAGES):")
-    body += _indent(loop, 4)
+    body.append(f"if BLOCK_T >= {RUN_TILE}:   # runs of {RUN} steps per thread (codegen_runs.py)")
+    body += _indent(runs_prologue(), 4)
+    body.append("    for k in tl.range(0, n_tiles, num_stages=STAGES):")
+    body += _indent(forward_loop(ir), 8)
+    body.append("else:")
+    body.append("    for k in tl.range(0, n_tiles, num_stages=STAGES):")
+    body += _indent(loop, 8)
     for f, name in enumerate(ir.fields):
         body.append(f"tl.store(final_ptr + ({f} * n_seq + seq) * L + lane, c_{name}, mask=lane_ok)")
     sig = ", ".join(args + [f"{c}: tl.constexpr" for c in consts])
@@ -358,7 +369,9 @@ def render_backward(ir: ScanIR, adj: Adjoint) -> list[str]:
     """Tiles in reverse order. Per tile: replay p (prefixes) and q (previous prefixes, the scan of
     the elements shifted by one) from the checkpoint; load the next step's inputs; run the reverse
     affine scan gbar_s = E_s + A_s gbar_{s+1} with A_s = J1(p_s, x_{s+1})^T, E_s = dy_s + c_{s+1};
-    then dx = J2(q, x)^T gbar and the input gradients. No shifts of register tiles are needed."""
+    then dx = J2(q, x)^T gbar and the input gradients. No shifts of register tiles are needed.
+    Tiles of at least RUN_TILE steps run `codegen_runs.backward_loop` instead."""
+    from .codegen_runs import RUN, RUN_TILE, backward_loop, runs_prologue
     n = len(ir.fields)
     nb = len(adj.b_entries)
     args = backward_args(ir)
@@ -459,8 +472,13 @@ def render_backward(ir: ScanIR, adj: Adjoint) -> list[str]:
     for f in ir.fields:
         init_block.append(f"w0_{f} = tl.sum(tl.where(rows == 0, w_{f}, 0.0), 0)")
     loop += _indent(init_block, 4)
-    body.append("for kk in tl.range(0, n_tiles, num_stages=STAGES):")
-    body += _indent(loop, 4)
+    body.append(f"if BLOCK_T >= {RUN_TILE}:   # runs of {RUN} steps per thread (codegen_runs.py)")
+    body += _indent(runs_prologue(), 4)
+    body.append("    for kk in tl.range(0, n_tiles, num_stages=STAGES):")
+    body += _indent(backward_loop(ir, adj), 8)
+    body.append("else:")
+    body.append("    for kk in tl.range(0, n_tiles, num_stages=STAGES):")
+    body += _indent(loop, 8)
     for i in range(len(ir.inputs)):
         body += [f"if DU{i} == 2:",
                  f"    tl.atomic_add(du{i}_ptr + du{i}_lane_off, acc{i}.to(du{i}_ptr.dtype.element_ty), mask=lane_ok, "

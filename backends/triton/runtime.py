@@ -188,10 +188,15 @@ def choose_config(T: int, L: int, time_contiguous: bool, state: int, backward: b
         return Config(block_t=min(8, pow2(T)), block_l=max(state, min(4, pow2(L))), num_warps=1, chunk=4)
     if time_contiguous:
         # measured on the H200, [8,1536,4096] fp32 (BENCHMARKS.md, 2026-11-30 runs 1 and 3): forward
-        # 1024-step tiles x 4 warps (affine 0.143 ms, best of 3 tiles; Möbius 0.377 ms); checkpoints
-        # every 512 steps for the backward, whose 512-step tiles run best on 4 warps (affine fwd+bwd
-        # GPU time 0.589 ms against 0.736 on 8 warps; Möbius 2.18 ms, best of 5)
-        return Config(block_t=min(1024, pow2(T)), block_l=max(state, 1), num_warps=4, chunk=512)
+        # 1024-step tiles (affine 0.143 ms, best of 3 tiles; Möbius 0.377 ms), checkpoints every 512
+        # steps for the backward's tiles. Tiles of RUN_TILE steps or more scan runs of RUN steps per
+        # thread (codegen_runs.py): one run per thread, so warps = tile / (32 * RUN), at most 4.
+        from .codegen_runs import RUN
+        bt = min(1024, pow2(T))
+        chunk = min(512, bt)
+        tile = chunk if backward else bt
+        warps = max(1, min(4, tile * max(state, 1) // (32 * RUN)))
+        return Config(block_t=bt, block_l=max(state, 1), num_warps=warps, chunk=chunk)
     # one lane per thread, 32 lanes on 1 warp, 32-step tiles with 4 stages of loads in flight: 89.1%
     # of copy for the affine forward (H200, session 3 run 4, best of 9) against 79% for 64-step tiles
     # with 2 stages

@@ -1,0 +1,364 @@
+"""Run-based tile bodies of `scan_forward` / `scan_backward` (tiles of at least RUN_TILE steps).
+
+`tl.associative_scan` over a [BLOCK_T, BLOCK_L] tile costs several combines per element (its
+in-thread part covers only the 4 steps of one vector load; the warp shuffles and the cross-warp
+pass combine again, and the carried prefix once more). Here a tile is RUN interleaved
+[BLOCK_T // RUN, BLOCK_L] tensors: tensor j holds step run * RUN + j of every run, so a thread owns
+whole runs of RUN consecutive steps and
+
+    l_j  = e_0 (+) ... (+) e_j            in registers, RUN - 1 combines per run
+    s    = scan over the runs of l_{RUN-1} (tl.associative_scan on 1/RUN of the elements)
+    P    = c (+) s_{run-1}                 the prefix before each run (c before the first)
+    p_j  = P (+) l_j                       RUN combines per run
+
+about 2 combines per element instead of ~6. The previous prefix of step j is p_{j-1} (P for j = 0),
+and the next step's element is e_{j+1}, both in the same thread: the backward needs no second
+replay scan and no shifted loads except one per run. Loads of tensor j are strided by RUN steps;
+together they read each line whole (the L1 serves the rest).
+"""
+from __future__ import annotations
+
+import sympy
+
+from scanlang import expr as E
+from scanlang.autodiff import Adjoint
+from scanlang.ir import ScanIR
+
+from .codegen import _assign, _num
+
+RUN = 8            # steps per run (one thread's consecutive steps)
+RUN_TILE = 128     # tiles of at least this many steps take the run-based bodies
+
+
+VEC = 4            # steps per vector load/store where time is contiguous (16 B of float32)
+
+
+def runs_prologue() -> list[str]:
+    """run: the run index along the tile's rows; vec: the steps of one vector load."""
+    return [f"run = tl.arange(0, BLOCK_T // {RUN})[:, None]", f"vec = tl.arange(0, {VEC})[None, None, :]"]
+
+
+def _run_index() -> list[str]:
+    """ts: the first scan step of each run of tile k; ms its memory index; step the memory direction;
+    m{h} the memory indices of the run's h-th VEC steps in increasing memory order (the last VEC
+    steps first when REVERSE), okq{h} whether they are in the sequence."""
+    lines = [
+        f"ts = k * BLOCK_T + run * {RUN}",
+        "if REVERSE:",
+        "    ms = (t0 + seq_len - 1 - ts).to(tl.int64)",
+        "    step = -1",
+        f"    mq = ms - {VEC - 1}",
+        "else:",
+        "    ms = (t0 + ts).to(tl.int64)",
+        "    step = 1",
+        "    mq = ms",
+    ]
+    for h in range(RUN // VEC):
+        lines.append(f"m{h} = (mq + ({h * VEC} * step))[:, :, None] + vec")
+        lines.append(f"okq{h} = (m{h} >= t0) & (m{h} < t0 + seq_len) & lane_ok[None, :, None]")
+    return lines
+
+
+def _bases(ir: ScanIR, names: list[str]) -> list[str]:
+    """Per-tile base pointers at the runs' first steps for tensors `names` (e.g. u0, g0)."""
+    return [f"{n}_at = {n}_ptr + {n}_off + ms * {n}_st" for n in names]
+
+
+def _split_vec(h: int, src: str, outs: str) -> list[str]:
+    """The VEC steps of vector `src` ([runs, lanes, VEC], memory order) as outs.format(j), j the step."""
+    lines = [f"{src}_a, {src}_b = tl.split(tl.reshape({src}, [BLOCK_T // {RUN}, BLOCK_L, 2, 2]))",
+             f"{src}_0, {src}_2 = tl.split({src}_a)", f"{src}_1, {src}_3 = tl.split({src}_b)"]
+    fwd = ", ".join(outs.format(h * VEC + q) for q in range(VEC))
+    rev = ", ".join(outs.format(h * VEC + VEC - 1 - q) for q in range(VEC))
+    parts = ", ".join(f"{src}_{q}" for q in range(VEC))
+    return lines + ["if REVERSE:", f"    {rev} = {parts}", "else:", f"    {fwd} = {parts}"]
+
+
+def _join_vec(h: int, vals: str, dst: str) -> list[str]:
+    """vals.format(j) of the VEC steps of quad h joined into `dst` ([runs, lanes, VEC], memory order)."""
+    order = "if REVERSE:", "else:"
+    lines = []
+    for cond, js in zip(order, ([h * VEC + VEC - 1 - q for q in range(VEC)], [h * VEC + q for q in range(VEC)])):
+        a, b, c, d = (vals.format(j) for j in js)
+        joined = f"tl.join(tl.join({a}, {c}), tl.join({b}, {d}))"
+        lines += [cond, f"    {dst} = tl.reshape({joined}, [BLOCK_T // {RUN}, BLOCK_L, {VEC}])"]
+    return lines
+
+
+def _load_steps(tensor: str, out: str, other: str) -> list[str]:
+    """out.format(j): tensor `tensor` (u0, g0, ...) at step j of every run; vector loads of VEC steps
+    when its time stride is 1 (Triton specialises a stride of 1 into a constant), else one per step."""
+    vector = []
+    for h in range(RUN // VEC):
+        vector.append(f"w = tl.load({tensor}_ptr + {tensor}_off[:, :, None] + m{h}, mask=okq{h}, other={other})")
+        vector += _split_vec(h, "w", out)
+    scalar = [f"{out.format(j)} = tl.load({tensor}_at + ({j} * step) * {tensor}_st, mask=ok{j}, other={other})"
+              for j in range(RUN)]
+    return [f"if {tensor}_st == 1:"] + ["    " + ln for ln in vector] + ["else:"] + ["    " + ln for ln in scalar]
+
+
+def _store_steps(tensor: str, vals: str, cast: str, mask_j: str = "ok{}", mask_q: str = "okq{}") -> list[str]:
+    """Store vals.format(j) at step j of every run of `tensor` (vector stores when its time stride is 1)."""
+    vector = []
+    for h in range(RUN // VEC):
+        vector += _join_vec(h, vals, "w")
+        vector.append(f"tl.store({tensor}_ptr + {tensor}_off[:, :, None] + m{h}, w.to({cast}), mask={mask_q.format(h)})")
+    scalar = [f"tl.store({tensor}_at + ({j} * step) * {tensor}_st, {vals.format(j)}.to({cast}), mask={mask_j.format(j)})"
+              for j in range(RUN)]
+    return [f"if {tensor}_st == 1:"] + ["    " + ln for ln in vector] + ["else:"] + ["    " + ln for ln in scalar]
+
+
+def _lift_run(ir: ScanIR, tag: str, mask: str) -> list[str]:
+    """e{tag}_<field>: the lifted inputs u{tag}_<input>, the identity where `mask` is false."""
+    names = {s: f"u{tag}_{s.name[2:]}" for s in ir.input_symbols}
+    lines = [f"u{tag}_{n} = to_acc(u{tag}_{n}, FP64)" for n in ir.inputs]
+    lines += _assign([f"l{tag}_{f}" for f in ir.fields], ir.lift, names, f"_l{tag}_",
+                     shape_like=f"u{tag}_{ir.inputs[0]}")
+    for f, ident in zip(ir.fields, ir.identity):
+        lines.append(f"e{tag}_{f} = tl.where({mask}, l{tag}_{f}, {_num(ident)})")
+    return lines
+
+
+def _load_lift_runs(ir: ScanIR) -> list[str]:
+    """Inputs u{j}_<input> and elements e{j}_<field> of every step j of every run."""
+    lines = []
+    for i, name in enumerate(ir.inputs):
+        lines += _load_steps(f"u{i}", f"u{{}}_{name}", "1.0")
+    for j in range(RUN):
+        lines += _lift_run(ir, str(j), f"ok{j}")
+    return lines
+
+
+def _load_lift_after(ir: ScanIR) -> list[str]:
+    """un_<input>, en_<field>: the step after each run (masked by okn)."""
+    lines = [f"un_{name} = tl.load(u{i}_at + ({RUN} * step) * u{i}_st, mask=okn, other=1.0)"
+             for i, name in enumerate(ir.inputs)]
+    return lines + _lift_run(ir, "n", "okn")
+
+
+def _combine_call(ir: ScanIR, out: str, x: str, y: str) -> str:
+    outs = ", ".join(f"{out}_{f}" for f in ir.fields)   # one field: combine returns the value itself
+    return f"{outs} = combine({', '.join(f'{x}_{f}' for f in ir.fields)}, {', '.join(f'{y}_{f}' for f in ir.fields)})"
+
+
+def _replay_runs(ir: ScanIR) -> list[str]:
+    """Prefixes p{j}_* of every step of the tile from the elements e{j}_* and the carry c_*;
+    P_* is the prefix before each run (c_* before the first)."""
+    lines = [f"r0_{f} = e0_{f}" for f in ir.fields]
+    for j in range(1, RUN):
+        lines.append(_combine_call(ir, f"r{j}", f"r{j - 1}", f"e{j}"))
+    last = RUN - 1
+    s = ", ".join(f"s_{f}" for f in ir.fields) + ("," if len(ir.fields) == 1 else "")
+    lines.append(f"{s} = tl.associative_scan(({', '.join(f'r{last}_{f}' for f in ir.fields)},), 0, combine)")
+    # s of the previous run: a gather over the flattened tile (Triton gives a 2-D gather a warp-local
+    # layout, replicating the [runs, lanes] tile over the warps; a 1-D one goes through shared memory)
+    lines.append(f"prev_run = tl.maximum(tl.arange(0, BLOCK_T // {RUN} * BLOCK_L) - BLOCK_L, 0)")
+    for f in ir.fields:
+        lines.append(f"x_{f} = tl.reshape(tl.gather(tl.reshape(s_{f}, [BLOCK_T // {RUN} * BLOCK_L]), prev_run, 0), "
+                     f"[BLOCK_T // {RUN}, BLOCK_L])")
+    for f in ir.fields:
+        lines.append(f"cb_{f} = c_{f}[None, :] + tl.zeros_like(x_{f})")
+    lines.append(_combine_call(ir, "pc", "cb", "x"))
+    for f in ir.fields:
+        lines.append(f"P_{f} = tl.where(run == 0, cb_{f}, pc_{f})")
+    for j in range(RUN):
+        lines.append(_combine_call(ir, f"p{j}", "P", f"r{j}"))
+    return lines
+
+
+def _step_masks() -> list[str]:
+    return [f"ok{j} = (ts + {j} < seq_len) & lane_ok[None, :]" for j in range(RUN)]
+
+
+def _last_prefix(ir: ScanIR) -> list[str]:
+    """c_*: the prefix at the tile's last valid step (padding may not even be finite)."""
+    lines = ["last = tl.minimum(seq_len - 1 - k * BLOCK_T, BLOCK_T - 1)", f"last_run = last // {RUN}"]
+    lines += [f"z_{f} = p{RUN - 1}_{f}" for f in ir.fields]
+    lines.append(f"if last % {RUN} != {RUN - 1}:")
+    for j in range(RUN - 1):
+        lines.append(f"    {'if' if j == 0 else 'elif'} last % {RUN} == {j}:")
+        lines += [f"        z_{f} = p{j}_{f}" for f in ir.fields]
+    lines += [f"c_{f} = tl.sum(tl.where(run == last_run, z_{f}, 0.0), 0)" for f in ir.fields]
+    return lines
+
+
+def forward_loop(ir: ScanIR) -> list[str]:
+    """The tile loop of `scan_forward` on runs (module docstring); same checkpoints and outputs."""
+    loop = _run_index() + _step_masks()
+    loop.append("if CHUNK == BLOCK_T:")
+    for f, name in enumerate(ir.fields):
+        loop.append(f"    tl.store(ckpt_ptr + ({f} * n_slots + slot0 + k) * L + lane, c_{name}, mask=lane_ok)")
+    loop += _bases(ir, [f"u{i}" for i in range(len(ir.inputs))] + [f"o{j}" for j in range(len(ir.outputs))])
+    loop += _load_lift_runs(ir)
+    loop += _replay_runs(ir)
+    # checkpoints every CHUNK steps from inside the tile: the prefix at each chunk's last step
+    for j in range(RUN):
+        store = [f"chunk{j} = (ts + {j}) // CHUNK + 1",
+                 f"end{j} = ((ts + {j}) % CHUNK == CHUNK - 1) & (chunk{j} < tl.cdiv(seq_len, CHUNK)) & lane_ok[None, :]"]
+        store += [f"tl.store(ckpt_ptr + ({f} * n_slots + slot0 + chunk{j}) * L + lane[None, :], p{j}_{name}, mask=end{j})"
+                  for f, name in enumerate(ir.fields)]
+        # a chunk that is a multiple of RUN ends only on a run's last step
+        cond = "CHUNK < BLOCK_T" if j == RUN - 1 else f"CHUNK < BLOCK_T and CHUNK % {RUN} != 0"
+        loop += [f"if {cond}:"] + ["    " + s for s in store]
+    for j in range(RUN):
+        names = ({s: f"p{j}_{s.name[2:]}" for s in ir.prefix_symbols}
+                 | {s: (f"P_{s.name[2:]}" if j == 0 else f"p{j - 1}_{s.name[2:]}") for s in ir.previous_symbols}
+                 | {s: f"u{j}_{s.name[2:]}" for s in ir.input_symbols})
+        outs = [f"y{j}_{o}" for o in range(len(ir.outputs))]
+        loop += _assign(outs, ir.readout, names, f"_r{j}_", shape_like=f"p{j}_{ir.fields[0]}")
+        if ir.reduce_state:
+            loop += [f"y{j}_{o} = tl.sum(tl.reshape(y{j}_{o}, (BLOCK_T // {RUN}, BLOCK_L // STATE, STATE)), 2)"
+                     for o in range(len(ir.outputs))]
+    if ir.reduce_state:
+        loop += [f"okg{j} = (ts + {j} < seq_len) & group_ok[None, :]" for j in range(RUN)]
+        loop += [f"okgq{h} = (m{h} >= t0) & (m{h} < t0 + seq_len) & group_ok[None, :, None]" for h in range(RUN // VEC)]
+    for o in range(len(ir.outputs)):
+        masks = ("okg{}", "okgq{}") if ir.reduce_state else ("ok{}", "okq{}")
+        loop += _store_steps(f"o{o}", f"y{{}}_{o}", f"o{o}_ptr.dtype.element_ty", *masks)
+    loop += _last_prefix(ir)
+    return loop
+
+
+def _du_store_runs(i: int, name: str) -> list[str]:
+    """Write du{j}_<name> (step j of every run) by the constexpr mode DU{i} (see codegen._du_store)."""
+    cast = f"du{i}_ptr.dtype.element_ty"
+    lines = [f"if DU{i} == 0:"] + ["    " + ln for ln in _store_steps(f"du{i}", f"du{{}}_{name}", cast)]
+    lines.append(f"elif DU{i} == 1:")
+    lines += [f"    tl.atomic_add(du{i}_at + ({j} * step) * du{i}_st, du{j}_{name}.to({cast}), mask=ok{j}, sem='relaxed')"
+              for j in range(RUN)]
+    lines.append(f"elif DU{i} == 2:")
+    lines += [f"    acc{i} += tl.sum(tl.where(ok{j}, du{j}_{name}, 0.0), 0)" for j in range(RUN)]
+    lines.append("else:")
+    for j in range(RUN):
+        lines += [
+            f"    red = tl.sum(tl.reshape(tl.where(ok{j}, du{j}_{name}, 0.0), (BLOCK_T // {RUN}, BLOCK_L // STATE, STATE)), 2)",
+            f"    gptr = du{i}_ptr + du{i}_goff + (ms + {j} * step) * du{i}_st",
+            f"    if DU{i} == 3:",
+            f"        tl.store(gptr, red.to({cast}), mask=(ts + {j} < seq_len) & group_ok[None, :])",
+            "    else:",
+            f"        tl.atomic_add(gptr, red.to({cast}), mask=(ts + {j} < seq_len) & group_ok[None, :], sem='relaxed')",
+        ]
+    return lines
+
+
+def _matvec(adj: Adjoint, entries: list[str], vec: list[str], add: list[str] | None = None) -> list[sympy.Expr]:
+    """add + B vec with B given by its stored `entries` (names), as expressions over symbols."""
+    n = len(vec)
+    mat = adj.matrix([E.symbol(b) for b in entries])
+    return [(E.symbol(add[i]) if add else sympy.Integer(0))
+            + sum((mat[i][k] * E.symbol(vec[k]) for k in range(n)), sympy.Integer(0)) for i in range(n)]
+
+
+def backward_loop(ir: ScanIR, adj: Adjoint) -> list[str]:
+    """The tile loop of `scan_backward` on runs: replay the runs' prefixes (the previous prefix and
+    the next element are the neighbouring step in the same thread), form the adjoint elements, then
+    the reverse affine scan gbar_t = v_t + A_t gbar_{t+1} the same way as the forward: per run the
+    composed maps (RUN - 1 adjoint combines), a reverse scan over the runs, and per step one
+    matrix-vector product from the gbar entering the run."""
+    n, nb = len(ir.fields), len(adj.b_entries)
+    F = ir.fields
+    loop = ["k = n_tiles - 1 - kk"] + _run_index() + _step_masks()
+    loop.append(f"okn = (ts + {RUN} < seq_len) & lane_ok[None, :]")
+    for f, (name, ident) in enumerate(zip(F, ir.identity)):
+        loop.append(f"c_{name} = to_acc(tl.load(ckpt_ptr + ({f} * n_slots + slot0 + k) * L + lane, mask=lane_ok, "
+                    f"other={_num(ident)}), FP64)")
+    loop += _bases(ir, [f"u{i}" for i in range(len(ir.inputs))] + [f"g{j}" for j in range(len(ir.outputs))]
+                   + [f"du{i}" for i in range(len(ir.inputs))])
+    loop += _load_lift_runs(ir) + _load_lift_after(ir) + _replay_runs(ir)
+    for jo, o in enumerate(ir.outputs):
+        loop += _load_steps(f"g{jo}", f"g{{}}_{o}", "0.0")
+        loop += [f"g{j}_{o} = to_acc(g{j}_{o}, FP64)" for j in range(RUN)]
+    shape = f"p0_{F[0]}"
+
+    def q(j, f):   # the previous prefix of step j
+        return f"P_{f}" if j == 0 else f"p{j - 1}_{f}"
+
+    def nxt(j, f):   # the element of step j + 1
+        return f"en_{f}" if j == RUN - 1 else f"e{j + 1}_{f}"
+
+    def ok_next(j):
+        return "okn" if j == RUN - 1 else f"ok{j + 1}"
+
+    if ir.uses_previous:   # the readout after the run's last step: its prefix and upstream gradient
+        loop.append(_combine_call(ir, "pn", f"p{RUN - 1}", "en"))
+        for jo, o in enumerate(ir.outputs):
+            loop.append(f"gn_{o} = to_acc(tl.load(g{jo}_at + ({RUN} * step) * g{jo}_st, mask=okn, other=0.0), FP64)")
+    for j in range(RUN):
+        here = ({s: f"p{j}_{s.name[2:]}" for s in ir.prefix_symbols} | {s: q(j, s.name[2:]) for s in ir.previous_symbols}
+                | {g: f"g{j}_{g.name[2:]}" for g in adj.g} | {s: f"u{j}_{s.name[2:]}" for s in ir.input_symbols})
+        loop += _assign([f"dy{j}_{f}" for f in F], adj.dy, here, f"_d{j}_", shape_like=shape)
+        if ir.uses_previous:   # c_{t+1}: the next readout differentiated in its previous prefix (= p_t)
+            last = j == RUN - 1
+            names = ({s: (f"pn_{s.name[2:]}" if last else f"p{j + 1}_{s.name[2:]}") for s in ir.prefix_symbols}
+                     | {s: f"p{j}_{s.name[2:]}" for s in ir.previous_symbols}
+                     | {g: (f"gn_{g.name[2:]}" if last else f"g{j + 1}_{g.name[2:]}") for g in adj.g}
+                     | {s: (f"un_{s.name[2:]}" if last else f"u{j + 1}_{s.name[2:]}") for s in ir.input_symbols})
+            loop += _assign([f"cn{j}_{f}" for f in F], adj.c, names, f"_n{j}_", shape_like=shape)
+            cn = [f" + tl.where({ok_next(j)}, cn{j}_{f}, 0.0)" for f in F]
+        else:
+            cn = [""] * n
+        a_names = ({s: f"p{j}_{s.name[2:]}" for s in ir.previous_symbols}
+                   | {s: nxt(j, f) for s, f in zip(ir.later, F)})
+        loop += _assign([f"a{j}_{b}" for b in range(nb)], adj.b_entries, a_names, f"_a{j}_", shape_like=shape)
+        # the last step has no successor: A = 0 (its padding may not be finite)
+        loop += [f"a{j}_{b} = tl.where({ok_next(j)}, a{j}_{b}, 0.0)" for b in range(nb)]
+        loop.append(f"last{j} = ts + {j} == seq_len - 1")
+        loop += [f"d{j}_{f} = dy{j}_{f}{cn[i]} + tl.where(last{j}, dfin_{f}[None, :], 0.0)" for i, f in enumerate(F)]
+        names_v = {s: f"p{j}_{s.name[2:]}" for s in ir.prefix_symbols} | {s: f"d{j}_{s.name[2:]}" for s in adj.d}
+        loop += _assign([f"v{j}_{f}" for f in F], adj.direct, names_v, f"_v{j}_", shape_like=shape)
+        loop += [f"v{j}_{f} = tl.where(ok{j}, v{j}_{f}, 0.0)" for f in F]
+    # per run: the map gbar_{run end + 1} -> gbar_{run start}, composed from the last step backwards
+    last = RUN - 1
+    loop += [f"mb{last}_{b} = a{last}_{b}" for b in range(nb)] + [f"mv{last}_{f} = v{last}_{f}" for f in F]
+    for j in range(RUN - 2, -1, -1):
+        outs = [f"mb{j}_{b}" for b in range(nb)] + [f"mv{j}_{f}" for f in F]
+        args = ([f"mb{j + 1}_{b}" for b in range(nb)] + [f"mv{j + 1}_{f}" for f in F]
+                + [f"a{j}_{b}" for b in range(nb)] + [f"v{j}_{f}" for f in F])
+        loop.append(f"{', '.join(outs)} = adjoint_combine({', '.join(args)})")
+    tb = [f"tb_{b}" for b in range(nb)]
+    tv = [f"tv_{f}" for f in F]
+    loop.append(f"{', '.join(tb + tv)} = tl.associative_scan(({', '.join([f'mb0_{b}' for b in range(nb)] + [f'mv0_{f}' for f in F])},), "
+                "0, adjoint_combine, reverse=True)")
+    # gbar entering each run from the later runs (the carried gc after the tile's last run)
+    flat = f"BLOCK_T // {RUN} * BLOCK_L"
+    loop.append(f"next_run = tl.minimum(tl.arange(0, {flat}) + BLOCK_L, {flat} - 1)")
+    for x in tb + tv:
+        loop.append(f"{x}n = tl.reshape(tl.gather(tl.reshape({x}, [{flat}]), next_run, 0), [BLOCK_T // {RUN}, BLOCK_L])")
+    entering = _matvec(adj, [f"{x}n" for x in tb], [f"gcb_{f}" for f in F], [f"{x}n" for x in tv])
+    loop += [f"gcb_{f} = gc_{f}[None, :] + tl.zeros_like({shape})" for f in F]
+    names = {E.symbol(f"{x}n"): f"{x}n" for x in tb + tv} | {E.symbol(f"gcb_{f}"): f"gcb_{f}" for f in F}
+    loop += _assign([f"ge_{f}" for f in F], entering, names, "_ge")
+    loop += [f"gin_{f} = tl.where(run == BLOCK_T // {RUN} - 1, gcb_{f}, ge_{f})" for f in F]
+    # gbar_t = v_t + A_t gbar_{t+1}, the run's steps backwards
+    after = [f"gin_{f}" for f in F]
+    for j in range(RUN - 1, -1, -1):
+        exprs = _matvec(adj, [f"a{j}_{b}" for b in range(nb)], after, [f"v{j}_{f}" for f in F])
+        names = ({E.symbol(f"a{j}_{b}"): f"a{j}_{b}" for b in range(nb)} | {E.symbol(x): x for x in after}
+                 | {E.symbol(f"v{j}_{f}"): f"v{j}_{f}" for f in F})
+        loop += _assign([f"gbar{j}_{f}" for f in F], exprs, names, f"_g{j}_")
+        after = [f"gbar{j}_{f}" for f in F]
+    for j in range(RUN):
+        names_x = ({s: q(j, s.name[2:]) for s in ir.previous_symbols} | {s: f"gbar{j}_{s.name[5:]}" for s in adj.gbar}
+                   | {s: f"e{j}_{f}" for s, f in zip(ir.later, F)})
+        loop += _assign([f"dx{j}_{f}" for f in F], adj.dx, names_x, f"_x{j}_", shape_like=shape)
+        names_u = ({s: f"p{j}_{s.name[2:]}" for s in ir.prefix_symbols} | {s: q(j, s.name[2:]) for s in ir.previous_symbols}
+                   | {g: f"g{j}_{g.name[2:]}" for g in adj.g} | {s: f"u{j}_{s.name[2:]}" for s in ir.input_symbols}
+                   | {s: f"dx{j}_{s.name[3:]}" for s in adj.dx_symbols})
+        loop += _assign([f"du{j}_{name}" for name in ir.inputs], adj.du, names_u, f"_u{j}_", shape_like=shape)
+    for i, name in enumerate(ir.inputs):
+        loop += _du_store_runs(i, name)
+    loop += [f"gc_{f} = tl.sum(tl.where(run == 0, gbar0_{f}, 0.0), 0)" for f in F]
+    # dL/d(initial) = J1(q_0, x_0)^T gbar_0 + c_0, from the tile's first step (the loop's last tile)
+    here0 = ({s: f"p0_{s.name[2:]}" for s in ir.prefix_symbols} | {s: f"P_{s.name[2:]}" for s in ir.previous_symbols}
+             | {g: f"g0_{g.name[2:]}" for g in adj.g} | {s: f"u0_{s.name[2:]}" for s in ir.input_symbols})
+    init = _assign([f"cq_{f}" for f in F], adj.c, here0, "_i", shape_like=shape)
+    b_names = {s: f"P_{s.name[2:]}" for s in ir.previous_symbols} | {s: f"e0_{f}" for s, f in zip(ir.later, F)}
+    init += _assign([f"b{k}" for k in range(nb)], adj.b_entries, b_names, "_b", shape_like=shape)
+    w = _matvec(adj, [f"b{k}" for k in range(nb)], [f"gbar0_{f}" for f in F], [f"cq_{f}" for f in F])
+    names_w = ({E.symbol(f"cq_{f}"): f"cq_{f}" for f in F} | {E.symbol(f"gbar0_{f}"): f"gbar0_{f}" for f in F}
+               | {E.symbol(f"b{k}"): f"b{k}" for k in range(nb)})
+    init += _assign([f"w_{f}" for f in F], w, names_w, "_w", shape_like=shape)
+    init += [f"w0_{f} = tl.sum(tl.where(run == 0, w_{f}, 0.0), 0)" for f in F]
+    loop.append("if HAS_INIT:")
+    loop += ["    " + ln for ln in init]
+    return loop
