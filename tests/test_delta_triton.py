@@ -73,6 +73,30 @@ def test_kaczmarz_forward_and_gradients(T, C, K, V):
         assert_close(a, b, "delta_grad", torch.float32, name)
 
 
+@pytest.mark.parametrize("C, T", [(16, 20), (64, 150), (128, 150)])
+def test_prep_inverse_matches_float64(C, T):
+    """delta_prep's Tm = (I + A)^-1 per chunk (diagonal blocks by products of powers, blocks merged the same
+    way) against torch.linalg.inv in float64; rows past a short last chunk are identity rows. (C = 128 is no
+    public chunk size, but its merge has two factors where 64 has one.)"""
+    q, k, v, g, eta, _ = make_inputs(1, T, 2, 16, 16, seed=3)
+    table = delta_ops.ChunkTable(1, T, None, C, "cpu")
+    p = delta_ops.plan(delta_ops.program_key(KACZMARZ, C), 16, 16, torch.float32, torch.device("cpu"))
+    packed = [t.reshape(T, 2, -1).contiguous() for t in (q, k, v)]
+    _, _, tm, gcum, beta = delta_ops._chunk_forward(p, *packed, g.reshape(T, 2).contiguous(), torch.zeros(0, 2),
+                                                    eta.reshape(T, 2).contiguous(), None, *table.chunks, 1e-6,
+                                                    0.25, direct=True)
+    kd = packed[1].double()
+    for c, t0 in enumerate(range(0, T, C)):
+        n = min(C, T - t0)
+        for h in range(2):
+            kc, G, b = kd[t0:t0 + n, h], gcum[t0:t0 + n, h].double(), beta[t0:t0 + n, h].double()
+            A = torch.tril(b[:, None] * (kc @ kc.T) * torch.exp(G[:, None] - G[None, :]), -1)
+            ref = torch.eye(C, dtype=torch.float64)
+            ref[:n, :n] = torch.linalg.inv(torch.eye(n, dtype=torch.float64) + A)
+            assert_close(tm[c, h], ref, "delta_tm", torch.float32, f"Tm chunk {c} head {h}")
+            assert torch.equal(tm[c, h, n:].double(), ref[n:])
+
+
 def test_given_beta_without_initial_state():
     q, k, v, g, beta, _ = make_inputs(1, 45, 2, 16, 16, seed=3)
     fn = lambda backend: lambda q, k, v, g, b: delta_rule(q, k, v, g, b * 1.5, scale=0.7,  # noqa: E731
@@ -204,9 +228,11 @@ def test_generated_source_is_deterministic_and_cached(tmp_path):
     src = codegen.kernel_source(KACZMARZ, 64)
     assert src == codegen.kernel_source(KACZMARZ, 64)
     assert "return (s / ((eps + n2)))" in src            # the rendered Kaczmarz step hook
-    assert "T32 = -mm(T33, mm(A32, T22, PREC, UPCAST), PREC, UPCAST)" in src
-    assert "T30 = -mm(T33, " in src                 # blocked substitution unrolled over 4 blocks
-    assert "def delta_prep" in codegen.kernel_source(KACZMARZ, 16) and "T10" not in codegen.kernel_source(KACZMARZ, 16)
+    prep = lambda C: codegen.render_prep(C)  # noqa: E731
+    # the block merge (I + N)(I + N^2)...: log2(C/16) factors, none for a single block
+    assert prep(64).count("N = mm(N, N, PREC, UPCAST)") == 1 and prep(128).count("N = mm(N, N, PREC, UPCAST)") == 2
+    assert "Tm = Tm + mm(Q, Tm, PREC, UPCAST)" in prep(32) and "N = mm(N, N" not in prep(32)
+    assert "def delta_prep" in codegen.kernel_source(KACZMARZ, 16) and "Q" not in prep(16)
     mod = codegen.load(GDN_SIGMOID, 32)
     files = [f for f in (tmp_path / "triton").glob("scanlang_*.py")       # the shared kernel cache
              if f.read_text() == codegen.kernel_source(GDN_SIGMOID, 32)]

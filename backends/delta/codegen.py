@@ -2,8 +2,8 @@
 
     render_hooks(rule)          -> Triton source of step_hook, step_hook_grad, decay_hook, decay_hook_grad,
                                    printed from the rule's sympy expressions and derivatives
-    render_prep(chunk_size)     -> the chunk preparation kernel, unrolled over the C/16 row blocks
-                                   (blocked forward substitution for Tm = (I + A)^-1)
+    render_prep(chunk_size)     -> the chunk preparation kernel, its merge of the C/16 row blocks of
+                                   Tm = (I + A)^-1 unrolled
     kernel_source(rule, C)      -> the whole module: template.SOURCE with both slots filled
     load(rule, C)               -> the imported module, from a content-addressed file in the cache dir
 
@@ -88,7 +88,13 @@ def render_hooks(rule: DeltaRule) -> str:
 
 
 def render_prep(chunk_size: int) -> str:
-    """The prep kernel for C = chunk_size, with the C/16 row blocks unrolled by name (k0, k1, ...)."""
+    """The prep kernel for C = chunk_size.
+
+    Tm = (I + A)^-1 with A = Ad + Ao (Ad: the 16x16 diagonal blocks, Ao: strictly below them). With
+    Td = (I + Ad)^-1 (`inv_unit_lower_blocks`), I + A = (I + Ad)(I - N) for N = -Td Ao, strictly block-lower
+    with N^(C/16) = 0, so Tm = (I - N)^-1 Td = (I + N)(I + N^2)(I + N^4)... Td, the product unrolled here
+    (log2(C/16) factors). It is formed as Tm = Td + Q Td with Q = that product minus I (strictly
+    block-lower), so the diagonal blocks of Tm are exactly Td."""
     nb = chunk_size // BLOCK
     L = []
     a = L.append
@@ -96,68 +102,40 @@ def render_prep(chunk_size: int) -> str:
     a("def delta_prep(k_ptr, v_ptr, a_ptr, hp_ptr, s_ptr, eps, chunk_tok, chunk_len, w_ptr, u_ptr, tm_ptr, gcum_ptr,")
     a("               beta_ptr,")
     a("               H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,")
-    a("               PREC: tl.constexpr, IN_PREC: tl.constexpr, UPCAST: tl.constexpr):")
+    a("               BKS: tl.constexpr, PREC: tl.constexpr, IN_PREC: tl.constexpr, UPCAST: tl.constexpr):")
     a(f'    """gcum, beta, Tm = (I + A)^-1, w and u for one chunk of {chunk_size} tokens ({nb} blocks of {BLOCK} rows)."""')
     a("    c = tl.program_id(0)")
     a("    h = tl.program_id(1)")
     a("    t0 = tl.load(chunk_tok + c).to(tl.int64)")
     a("    nv = tl.load(chunk_len + c)")
-    a(f"    r = tl.arange(0, {BLOCK})")
+    a("    rows = tl.arange(0, C)")
     a("    kk = tl.arange(0, BK)")
-    a("    vv = tl.arange(0, BV)")
-    a("    strict = r[:, None] > r[None, :]")
-    a("    carry = tl.zeros([1], dtype=tl.float32)")
-    for b in range(nb):
-        a(f"    # rows {b * BLOCK}..{(b + 1) * BLOCK - 1}")
-        a(f"    rows{b} = {b * BLOCK} + r")
-        a(f"    ok{b} = rows{b} < nv")
-        a(f"    tok{b} = t0 + rows{b}")
-        a(f"    k{b} = tl.load(k_ptr + (tok{b}[:, None] * H + h) * K + kk[None, :], "
-          f"mask=ok{b}[:, None] & (kk[None, :] < K), other=0.0)")
-        a(f"    v{b} = tl.load(v_ptr + (tok{b}[:, None] * H + h) * V + vv[None, :], "
-          f"mask=ok{b}[:, None] & (vv[None, :] < V), other=0.0).to(tl.float32)")
-        a(f"    a{b} = tl.load(a_ptr + tok{b} * H + h, mask=ok{b}, other=0.0).to(tl.float32)")
-        a(f"    g{b} = tl.where(ok{b}, decay_hook(a{b}, hp_ptr, h, H), 0.0)")
-        a(f"    G{b} = tl.cumsum(g{b}, 0) + carry")
-        a(f"    carry += tl.sum(g{b}, 0)")
-        a(f"    s{b} = tl.load(s_ptr + tok{b} * H + h, mask=ok{b}, other=0.0).to(tl.float32)")
-        a(f"    kf{b} = k{b}.to(tl.float32)")
-        a(f"    n2_{b} = tl.sum(kf{b} * kf{b}, 1)")
-        a(f"    beta{b}, _ = step_beta(s{b}, n2_{b}, eps)")
-        a(f"    tl.store(gcum_ptr + tok{b} * H + h, G{b}, mask=ok{b})")
-        a(f"    tl.store(beta_ptr + tok{b} * H + h, beta{b}, mask=ok{b})")
-    a("    # A_ij = beta_i (k_i . k_j) exp(G_i - G_j), strictly lower; diagonal blocks inverted directly")
-    for b in range(nb):
-        for c in range(b + 1):
-            dot = f"mm(k{b}, tl.trans(k{c}), IN_PREC, UPCAST)"
-            if b == c:
-                a(f"    A{b}{b} = tl.where(strict, beta{b}[:, None] * {dot} * "
-                  f"tl.exp(tl.where(strict, G{b}[:, None] - G{b}[None, :], 0.0)), 0.0)")
-            else:
-                a(f"    A{b}{c} = beta{b}[:, None] * {dot} * tl.exp(G{b}[:, None] - G{c}[None, :])")
-        a(f"    T{b}{b} = inv_unit_lower16(A{b}{b})")
-    a("    # off-diagonal blocks: T_bc = -T_bb sum_{c <= d < b} A_bd T_dc, by distance from the diagonal")
-    for dist in range(1, nb):
-        for b in range(dist, nb):
-            c = b - dist
-            terms = " + ".join(f"mm(A{b}{d}, T{d}{c}, PREC, UPCAST)" for d in range(c, b))
-            a(f"    T{b}{c} = -mm(T{b}{b}, {terms}, PREC, UPCAST)")
-    a("    # w = Tm diag(beta e^G) K, u = Tm diag(beta) V")
-    for b in range(nb):
-        a(f"    X{b} = (beta{b} * tl.exp(G{b}))[:, None] * kf{b}")
-        a(f"    Y{b} = beta{b}[:, None] * v{b}")
-    for b in range(nb):
-        w = " + ".join(f"mm(T{b}{c}, X{c}, PREC, UPCAST)" for c in range(b + 1))
-        u = " + ".join(f"mm(T{b}{c}, Y{c}, PREC, UPCAST)" for c in range(b + 1))
-        a(f"    w{b} = {w}")
-        a(f"    u{b} = {u}")
-        a(f"    tl.store(w_ptr + (tok{b}[:, None] * H + h) * K + kk[None, :], rnd(w{b}, w_ptr.dtype.element_ty, UPCAST), "
-          f"mask=ok{b}[:, None] & (kk[None, :] < K))")
-        a(f"    tl.store(u_ptr + (tok{b}[:, None] * H + h) * V + vv[None, :], rnd(u{b}, u_ptr.dtype.element_ty, UPCAST), "
-          f"mask=ok{b}[:, None] & (vv[None, :] < V))")
-        for c in range(b + 1):
-            a(f"    tl.store(tm_ptr + ((c * H + h) * C + rows{b}[:, None]).to(tl.int64) * C + {c * BLOCK} + r[None, :], "
-              f"T{b}{c})")
+    a("    ok = rows < nv")
+    a("    tok = t0 + rows")
+    a("    km = ok[:, None] & (kk[None, :] < K)")
+    a("    k = tl.load(k_ptr + (tok[:, None] * H + h) * K + kk[None, :], mask=km, other=0.0)")
+    a("    a = tl.load(a_ptr + tok * H + h, mask=ok, other=0.0).to(tl.float32)")
+    a("    G = tl.cumsum(tl.where(ok, decay_hook(a, hp_ptr, h, H), 0.0), 0)")
+    a("    s = tl.load(s_ptr + tok * H + h, mask=ok, other=0.0).to(tl.float32)")
+    a("    kf = k.to(tl.float32)")
+    a("    beta, _ = step_beta(s, tl.sum(kf * kf, 1), eps)")
+    a("    tl.store(gcum_ptr + tok * H + h, G, mask=ok)")
+    a("    tl.store(beta_ptr + tok * H + h, beta, mask=ok)")
+    a("    # A_ij = beta_i (k_i . k_j) exp(G_i - G_j), strictly lower")
+    a("    strict = rows[:, None] > rows[None, :]")
+    a("    A = tl.where(strict, beta[:, None] * mm(k, tl.trans(k), IN_PREC, UPCAST) * "
+      "tl.exp(tl.where(strict, G[:, None] - G[None, :], 0.0)), 0.0)")
+    a("    Tm = inv_unit_lower_blocks(A, C)")
+    if nb > 1:
+        a(f"    below = (rows[:, None] // {BLOCK}) > (rows[None, :] // {BLOCK})")
+        a("    N = -mm(Tm, tl.where(below, A, 0.0), PREC, UPCAST)")
+        a("    Q = N")
+        for _ in range(1, (nb - 1).bit_length()):
+            a("    N = mm(N, N, PREC, UPCAST)")
+            a("    Q = Q + N + mm(Q, N, PREC, UPCAST)")
+        a("    Tm = Tm + mm(Q, Tm, PREC, UPCAST)")
+    a("    tl.store(tm_ptr + ((c * H + h) * C + rows[:, None]).to(tl.int64) * C + rows[None, :], Tm)")
+    a("    store_wu(k_ptr, v_ptr, w_ptr, u_ptr, Tm, beta * tl.exp(G), beta, tok, ok, h, H, K, V, BKS, BV, PREC, UPCAST)")
     return "\n".join(L)
 
 

@@ -50,7 +50,8 @@ class _Configs(dict):
 
 
 RECURRENT_MAX_LEN = 16
-KEY_BLOCK = 64           # key columns per program / loop step in the backward kernels
+KEY_BLOCK = 64           # key columns per program / loop step in the backward kernels (and per step of w in prep)
+PREP_VALUE_BLOCK = 64    # value columns per step of u in delta_prep (one [C, C] x [C, 64] product at a time)
 # Per kernel: BV = value columns per program (or per loop step in delta_bwd_*), and Triton launch options.
 # Measured 2026-11-30 on the H200 (torch 2.11, Triton 3.6), B8 T4096 H16 K=V=128 bf16, by
 # `python -m scanlang.backends.delta.bench --sweep` (greedy, one kernel at a time, the others at their best so
@@ -256,7 +257,7 @@ def _states(p: Plan, k, v, a, hp, s, h0, chunk_tok, chunk_len, seq_chunk0, eps, 
     if saved is None:
         _launch("prep", p.mod.delta_prep, lambda cfg: (NC, H),
                 (k, v, a, _ptr(hp, k), s, eps, chunk_tok, chunk_len, w, u, tm, gcum, beta, H),
-                dict(meta, BV=max(16, triton.next_power_of_2(V))), V, cfgs, direct)
+                dict(meta, BKS=p.BKS, BV=min(PREP_VALUE_BLOCK, max(16, triton.next_power_of_2(V)))), V, cfgs, direct)
     else:
         _launch("wu", p.mod.delta_wu, lambda cfg: (NC, H), (k, v, gcum, beta, tm, w, u, chunk_tok, chunk_len, H),
                 dict(meta, BKS=p.BKS), V, cfgs, direct)

@@ -1,10 +1,12 @@
 """Registers, spills and shared memory of every generated delta-rule kernel, compiled offline (no GPU).
 
-    python -m scanlang.backends.delta.spills [--K 128] [--V 128] [--dtype bf16] [--arch 90]
+    python -m scanlang.backends.delta.spills [--K 128] [--V 128] [--dtype bf16] [--arch 90] [--only prep,wu]
 
 Runs the op on CPU tensors with the launches captured instead of executed, compiles each captured
-kernel for the target with its real argument types and the launch config its plan gives it (`ops.CONFIG`
-adjusted by `ops.SHARED_MEMORY_FITS`), and asks ptxas (`-v`) for its resource use. This is how the
+kernel for the target with its real argument types, the alignment specialisation a GPU launch gives them,
+and the launch config its plan gives it (`ops.CONFIG` adjusted by `ops.SHARED_MEMORY_FITS`), and asks
+ptxas (`-v`) for its resource use, and nvdisasm for the static SASS mix (barriers, shuffles, local-memory
+spill traffic, loads/stores, tensor-core and FMA instructions). This is how the
 configs that do not fit sm_90's 227 KB of shared memory per block were found; timings need a GPU
 (`bench.py`). Needs TRITON_INTERPRET unset and Triton's bundled ptxas. fp32 inputs compile slowly
 (minutes per kernel at K=256: their dots run on FMA units and spill tens of KB per thread).
@@ -22,12 +24,15 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from scanlang.backends.triton.resources import _tool, signature
+from scanlang.backends.triton.resources import _tool, sass_mix, signature
 from scanlang.delta import KACZMARZ
 
 from . import ops
 
-def capture_launches(K: int, V: int, dtype: torch.dtype, T: int = 200, H: int = 2, C: int = 64):
+_MIX = ("BAR", "SHFL", "LDL", "STL", "LDS", "STS", "LDG", "STG", "HGMMA", "HMMA", "FFMA")   # SASS opcodes shown
+
+
+def capture_launches(K: int, V: int, dtype: torch.dtype, T: int = 200, H: int = 16, C: int = 64):
     """[(name, kernel, args, constexprs, config)] of one forward and backward, nothing executed."""
     launches = []
 
@@ -48,10 +53,25 @@ def capture_launches(K: int, V: int, dtype: torch.dtype, T: int = 200, H: int = 
     return launches
 
 
+def alignment_attrs(kernel, args, consts) -> dict:
+    """What Triton's launcher specialises on a GPU: 16-byte aligned pointers and integers divisible by 16
+    (tt.divisibility 16). Without it every load and store compiles unvectorised, with a 64-bit address
+    per element, and the register counts are those of a kernel that never runs."""
+    attrs = {}
+    for i, (name, arg) in enumerate(zip(kernel.arg_names, args)):
+        if name in consts or isinstance(arg, bool):
+            continue
+        if (isinstance(arg, torch.Tensor) and arg.data_ptr() % 16 == 0) or (isinstance(arg, int) and arg % 16 == 0):
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    return attrs
+
+
 def resources(kernel, args, constexprs, config, arch: int = 90) -> str:
-    """ptxas -v summary (registers, spill bytes) and Triton's shared memory for one compiled kernel."""
+    """ptxas -v summary (registers, spill bytes), Triton's shared memory and the static SASS mix for one
+    compiled kernel."""
     consts = {k: v for k, v in {**constexprs, **config}.items() if k in kernel.arg_names}
-    src = ASTSource(fn=kernel, signature=signature(kernel, args, consts), constexprs=consts)
+    src = ASTSource(fn=kernel, signature=signature(kernel, args, consts), constexprs=consts,
+                    attrs=alignment_attrs(kernel, args, consts))
     options = {k: v for k, v in config.items() if k in ("num_warps", "num_stages")}
     compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
     ptxas = _tool("ptxas-blackwell", "ptxas")
@@ -68,8 +88,11 @@ def resources(kernel, args, constexprs, config, arch: int = 90) -> str:
     spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", text)
     if regs is None:
         return f"ptxas failed: {text.strip()[-200:]}"
+    ops = sass_mix(compiled)
+    mix = " ".join(f"{op} {ops[op]}" for op in _MIX)
     return (f"{regs.group(1):>3s} registers, spills {spill.group(1) if spill else '?'} B stored / "
-            f"{spill.group(2) if spill else '?'} B loaded, shared {compiled.metadata.shared} B")
+            f"{spill.group(2) if spill else '?'} B loaded, shared {compiled.metadata.shared} B; "
+            f"SASS {sum(ops.values())}: {mix}")
 
 
 def main(argv=None):
@@ -78,10 +101,14 @@ def main(argv=None):
     parser.add_argument("--V", type=int, default=128)
     parser.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16")
     parser.add_argument("--arch", type=int, default=90)
+    parser.add_argument("--only", default="", help="comma-separated kernel names (default: all)")
     args = parser.parse_args(argv)
+    only = set(filter(None, args.only.split(",")))
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
     print(f"delta-rule kernels, K={args.K} V={args.V} {args.dtype}, sm_{args.arch}, Triton {triton.__version__}")
     for name, kernel, kargs, meta, cfg in capture_launches(args.K, args.V, dtype):
+        if only and name not in only:
+            continue
         shown = {k: v for k, v in cfg.items()}
         print(f"  {name:10s} {str(shown):52s} {resources(kernel, kargs, meta, cfg, args.arch)}", flush=True)
 

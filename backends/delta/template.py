@@ -3,7 +3,7 @@
 `SOURCE` is the text of a kernel module with two slots, filled by `backends/delta/codegen.py`:
 
     # @slot hooks        the family member's step/decay hooks and their derivatives, rendered from sympy
-    # @slot prep         the chunk preparation kernel, unrolled over the 16-row blocks of a chunk
+    # @slot prep         the chunk preparation kernel (its merge of 16-row blocks unrolled for the chunk size)
 
 All kernels index tokens as one packed stream [TT, H, ...] (an equal-length batch is packed too), and a
 chunk table gives each chunk's first token and length, so one template serves both cases.
@@ -13,8 +13,8 @@ input-dtype operands use IN_PREC ("ieee" for fp32 inputs, the default for bf16/f
 all go through `mm`, which can upcast bf16 operands for Triton's CPU interpreter (UPCAST).
 
 Kernels (per chunk c of C tokens, head h; S0 the chunk's start state, G the in-chunk cumsum of g):
-    delta_prep        gcum, beta, Tm = (I + A)^-1 (blocked forward substitution), w = Tm diag(beta e^G) K,
-                      u = Tm diag(beta) V
+    delta_prep        gcum, beta, Tm = (I + A)^-1 (16x16 diagonal blocks, then the blocks merged, each by
+                      products of powers of a nilpotent matrix), w = Tm diag(beta e^G) K, u = Tm diag(beta) V
     delta_wu          w and u again from the saved Tm (backward)
     delta_state_fwd   sequential over a sequence's chunks, fp32 state in registers: stores S0 per chunk,
                       U = u - w S0, S_end = e^G_last S0 + (K e^(G_last - G))^T U
@@ -69,18 +69,44 @@ def rnd(x, dtype: tl.constexpr, emulate: tl.constexpr):
 
 
 @triton.jit
-def inv_unit_lower16(A):
-    """(I + A)^-1 for a strictly lower [16, 16] block, by forward substitution over its rows."""
+def inv_unit_lower_blocks(A, C: tl.constexpr):
+    """The 16x16 diagonal blocks of (I + A)^-1 for a strictly lower [C, C] A, as a block-diagonal [C, C]
+    matrix. Per block, M = -A_bb is nilpotent (M^16 = 0), so (I + A_bb)^-1 = sum_{j<16} M^j
+    = (I + M)(I + M^2)(I + M^4)(I + M^8): six [16, 16] products (all blocks at once, batched) of fp32
+    operands in fp32 ("ieee"), instead of 15 dependent row steps."""
+    NB: tl.constexpr = C // 16
+    rows = tl.arange(0, C)
+    same = (rows[:, None] // 16) == (rows[None, :] // 16)
+    M = -tl.sum(tl.reshape(tl.where(same, A, 0.0), (NB, 16, NB, 16)), 2)
     r = tl.arange(0, 16)
-    T = tl.where(r[:, None] == r[None, :], 1.0, 0.0)
-    for i in tl.static_range(1, 16):
-        a_row = tl.sum(tl.where(r[:, None] == i, A, 0.0), 0)
-        new = tl.sum(a_row[:, None] * T, 0)
-        T = tl.where(r[:, None] == i, T - new[None, :], T)
-    return T
+    P = tl.where(r[None, :, None] == r[None, None, :], 1.0, 0.0) + M
+    for _ in tl.static_range(3):
+        M = tl.dot(M, M, input_precision="ieee")
+        P = tl.dot(P, M, P, input_precision="ieee")
+    T = tl.reshape(tl.broadcast_to(P[:, :, None, :], (NB, 16, NB, 16)), (C, C))
+    return tl.where(same, T, 0.0)
 
 
 # @slot prep
+
+
+@triton.jit
+def store_wu(k_ptr, v_ptr, w_ptr, u_ptr, Tm, bG, beta, tok, ok, h, H, K: tl.constexpr, V: tl.constexpr,
+             BKS: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr):
+    """w = Tm diag(bG) K and u = Tm diag(beta) V for one chunk (rows `tok`, valid where `ok`), BKS key and
+    BV value columns at a time."""
+    for kb in range(0, tl.cdiv(K, BKS)):
+        kk = kb * BKS + tl.arange(0, BKS)
+        km = ok[:, None] & (kk[None, :] < K)
+        k = tl.load(k_ptr + (tok[:, None] * H + h) * K + kk[None, :], mask=km, other=0.0).to(tl.float32)
+        w = mm(Tm, bG[:, None] * k, PREC, UPCAST)
+        tl.store(w_ptr + (tok[:, None] * H + h) * K + kk[None, :], rnd(w, w_ptr.dtype.element_ty, UPCAST), mask=km)
+    for iv in range(0, tl.cdiv(V, BV)):
+        vv = iv * BV + tl.arange(0, BV)
+        vm = ok[:, None] & (vv[None, :] < V)
+        v = tl.load(v_ptr + (tok[:, None] * H + h) * V + vv[None, :], mask=vm, other=0.0).to(tl.float32)
+        u = mm(Tm, beta[:, None] * v, PREC, UPCAST)
+        tl.store(u_ptr + (tok[:, None] * H + h) * V + vv[None, :], rnd(u, u_ptr.dtype.element_ty, UPCAST), mask=vm)
 
 
 @triton.jit
@@ -97,22 +123,11 @@ def delta_wu(k_ptr, v_ptr, gcum_ptr, beta_ptr, tm_ptr, w_ptr, u_ptr, chunk_tok, 
     tok = t0 + rows
     G = tl.load(gcum_ptr + tok * H + h, mask=ok, other=0.0)
     beta = tl.load(beta_ptr + tok * H + h, mask=ok, other=0.0)
-    bG = beta * tl.where(ok, tl.exp(G), 0.0)
     causal = (rows[:, None] >= rows[None, :]) & ok[:, None] & ok[None, :]
-    Tm = tl.load(tm_ptr + ((c * H + h) * C + rows[:, None]).to(tl.int64) * C + rows[None, :],
-                 mask=causal, other=0.0)
-    for kb in range(0, tl.cdiv(K, BKS)):
-        kk = kb * BKS + tl.arange(0, BKS)
-        km = ok[:, None] & (kk[None, :] < K)
-        k = tl.load(k_ptr + (tok[:, None] * H + h) * K + kk[None, :], mask=km, other=0.0).to(tl.float32)
-        w = mm(Tm, bG[:, None] * k, PREC, UPCAST)
-        tl.store(w_ptr + (tok[:, None] * H + h) * K + kk[None, :], rnd(w, w_ptr.dtype.element_ty, UPCAST), mask=km)
-    for iv in range(0, tl.cdiv(V, BV)):
-        vv = iv * BV + tl.arange(0, BV)
-        vm = ok[:, None] & (vv[None, :] < V)
-        v = tl.load(v_ptr + (tok[:, None] * H + h) * V + vv[None, :], mask=vm, other=0.0).to(tl.float32)
-        u = mm(Tm, beta[:, None] * v, PREC, UPCAST)
-        tl.store(u_ptr + (tok[:, None] * H + h) * V + vv[None, :], rnd(u, u_ptr.dtype.element_ty, UPCAST), mask=vm)
+    # an unmasked (vectorised) load: delta_prep wrote every element
+    Tm = tl.where(causal, tl.load(tm_ptr + ((c * H + h) * C + rows[:, None]).to(tl.int64) * C + rows[None, :]), 0.0)
+    store_wu(k_ptr, v_ptr, w_ptr, u_ptr, Tm, beta * tl.where(ok, tl.exp(G), 0.0), beta, tok, ok, h, H, K, V,
+             BKS, BV, PREC, UPCAST)
 
 
 @triton.jit
