@@ -135,7 +135,12 @@ def render_prep(chunk_size: int) -> str:
             a("    Q = Q + N + mm(Q, N, PREC, UPCAST)")
         a("    Tm = Tm + mm(Q, Tm, PREC, UPCAST)")
     a("    tl.store(tm_ptr + ((c * H + h) * C + rows[:, None]).to(tl.int64) * C + rows[None, :], Tm)")
-    a("    store_wu(k_ptr, v_ptr, w_ptr, u_ptr, Tm, beta * tl.exp(G), beta, tok, ok, h, H, K, V, BKS, BV, PREC, UPCAST)")
+    a("    # w = Tm diag(beta e^G) K, u = Tm diag(beta) V, 64 columns at a time")
+    a("    bG = beta * tl.exp(G)")
+    a("    for kb in range(0, tl.cdiv(K, BKS)):")
+    a("        wy_block(k_ptr, w_ptr, Tm, bG, tok, ok, h, H, kb * BKS, K, BKS, PREC, UPCAST)")
+    a("    for iv in range(0, tl.cdiv(V, BV)):")
+    a("        wy_block(v_ptr, u_ptr, Tm, beta, tok, ok, h, H, iv * BV, V, BV, PREC, UPCAST)")
     return "\n".join(L)
 
 

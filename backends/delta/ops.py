@@ -259,7 +259,8 @@ def _states(p: Plan, k, v, a, hp, s, h0, chunk_tok, chunk_len, seq_chunk0, eps, 
                 (k, v, a, _ptr(hp, k), s, eps, chunk_tok, chunk_len, w, u, tm, gcum, beta, H),
                 dict(meta, BKS=p.BKS, BV=min(PREP_VALUE_BLOCK, max(16, triton.next_power_of_2(V)))), V, cfgs, direct)
     else:
-        _launch("wu", p.mod.delta_wu, lambda cfg: (NC, H), (k, v, gcum, beta, tm, w, u, chunk_tok, chunk_len, H),
+        _launch("wu", p.mod.delta_wu, lambda cfg: (NC * (p.NK + triton.cdiv(V, cfg["BV"])), H),
+                (k, v, gcum, beta, tm, w, u, chunk_tok, chunk_len, H),
                 dict(meta, BKS=p.BKS), V, cfgs, direct)
     _launch("state_fwd", p.mod.delta_state_fwd, lambda cfg: (N, H, triton.cdiv(V, cfg["BV"])),
             (k, w, u, gcum, h0 if h0 is not None else h, chunk_tok, chunk_len, seq_chunk0, h, U, ht, H),

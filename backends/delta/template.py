@@ -91,43 +91,44 @@ def inv_unit_lower_blocks(A, C: tl.constexpr):
 
 
 @triton.jit
-def store_wu(k_ptr, v_ptr, w_ptr, u_ptr, Tm, bG, beta, tok, ok, h, H, K: tl.constexpr, V: tl.constexpr,
-             BKS: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr):
-    """w = Tm diag(bG) K and u = Tm diag(beta) V for one chunk (rows `tok`, valid where `ok`), BKS key and
-    BV value columns at a time."""
-    for kb in range(0, tl.cdiv(K, BKS)):
-        kk = kb * BKS + tl.arange(0, BKS)
-        km = ok[:, None] & (kk[None, :] < K)
-        k = tl.load(k_ptr + (tok[:, None] * H + h) * K + kk[None, :], mask=km, other=0.0).to(tl.float32)
-        w = mm(Tm, bG[:, None] * k, PREC, UPCAST)
-        tl.store(w_ptr + (tok[:, None] * H + h) * K + kk[None, :], rnd(w, w_ptr.dtype.element_ty, UPCAST), mask=km)
-    for iv in range(0, tl.cdiv(V, BV)):
-        vv = iv * BV + tl.arange(0, BV)
-        vm = ok[:, None] & (vv[None, :] < V)
-        v = tl.load(v_ptr + (tok[:, None] * H + h) * V + vv[None, :], mask=vm, other=0.0).to(tl.float32)
-        u = mm(Tm, beta[:, None] * v, PREC, UPCAST)
-        tl.store(u_ptr + (tok[:, None] * H + h) * V + vv[None, :], rnd(u, u_ptr.dtype.element_ty, UPCAST), mask=vm)
+def wy_block(x_ptr, out_ptr, Tm, scale, tok, ok, h, H, col0, D: tl.constexpr, BD: tl.constexpr,
+             PREC: tl.constexpr, UPCAST: tl.constexpr):
+    """out = Tm diag(scale) x on columns col0 .. col0 + BD of one chunk's rows `tok` (valid where `ok`) of the
+    [TT, H, D] tensors x and out: a block of w (x = K, scale = beta e^G) or of u (x = V, scale = beta)."""
+    cols = col0 + tl.arange(0, BD)
+    m = ok[:, None] & (cols[None, :] < D)
+    x = tl.load(x_ptr + (tok[:, None] * H + h) * D + cols[None, :], mask=m, other=0.0).to(tl.float32)
+    y = mm(Tm, scale[:, None] * x, PREC, UPCAST)
+    tl.store(out_ptr + (tok[:, None] * H + h) * D + cols[None, :], rnd(y, out_ptr.dtype.element_ty, UPCAST), mask=m)
 
 
 @triton.jit
 def delta_wu(k_ptr, v_ptr, gcum_ptr, beta_ptr, tm_ptr, w_ptr, u_ptr, chunk_tok, chunk_len,
              H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
              BKS: tl.constexpr, PREC: tl.constexpr, IN_PREC: tl.constexpr, UPCAST: tl.constexpr):
-    """w = Tm diag(beta e^G) K and u = Tm diag(beta) V from a saved Tm (the backward's recomputation)."""
-    c = tl.program_id(0)
+    """w = Tm diag(beta e^G) K and u = Tm diag(beta) V from a saved Tm (the backward's recomputation).
+    Program (c * NJ + j, h) writes column block j of chunk c: of w (BKS columns) for j < cdiv(K, BKS), else of
+    u (BV columns). Short programs (one load of Tm and one of K or V) keep many in flight; a chunk's NJ
+    programs are launched one after another, so all but the first find Tm in L2."""
+    NKB: tl.constexpr = (K + BKS - 1) // BKS
+    NJ: tl.constexpr = NKB + (V + BV - 1) // BV
+    c = tl.program_id(0) // NJ
+    j = tl.program_id(0) % NJ
     h = tl.program_id(1)
     rows = tl.arange(0, C)
     t0 = tl.load(chunk_tok + c).to(tl.int64)
     nv = tl.load(chunk_len + c)
     ok = rows < nv
     tok = t0 + rows
-    G = tl.load(gcum_ptr + tok * H + h, mask=ok, other=0.0)
     beta = tl.load(beta_ptr + tok * H + h, mask=ok, other=0.0)
     causal = (rows[:, None] >= rows[None, :]) & ok[:, None] & ok[None, :]
     # an unmasked (vectorised) load: delta_prep wrote every element
     Tm = tl.where(causal, tl.load(tm_ptr + ((c * H + h) * C + rows[:, None]).to(tl.int64) * C + rows[None, :]), 0.0)
-    store_wu(k_ptr, v_ptr, w_ptr, u_ptr, Tm, beta * tl.where(ok, tl.exp(G), 0.0), beta, tok, ok, h, H, K, V,
-             BKS, BV, PREC, UPCAST)
+    if j < NKB:
+        G = tl.load(gcum_ptr + tok * H + h, mask=ok, other=0.0)
+        wy_block(k_ptr, w_ptr, Tm, beta * tl.where(ok, tl.exp(G), 0.0), tok, ok, h, H, j * BKS, K, BKS, PREC, UPCAST)
+    else:
+        wy_block(v_ptr, u_ptr, Tm, beta, tok, ok, h, H, (j - NKB) * BV, V, BV, PREC, UPCAST)
 
 
 @triton.jit
