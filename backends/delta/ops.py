@@ -276,7 +276,7 @@ def _chunk_forward(p: Plan, q, k, v, a, hp, s, h0, chunk_tok, chunk_len, seq_chu
                                           direct=direct)
     o = _empty(TT, H, V, device=k.device, dtype=torch.float32)
     if direct or not _fake(k):
-        _launch("output", p.mod.delta_output, lambda cfg: (chunk_tok.numel(), H, triton.cdiv(V, cfg["BV"])),
+        _launch("output", p.mod.delta_output, lambda cfg: (chunk_tok.numel() * triton.cdiv(V, cfg["BV"]), H),
                 (q, k, gcum, h, U, o, chunk_tok, chunk_len, scale, H), p.meta, V, p.configs, direct)
     return [o, ht, tm, gcum, beta]
 
@@ -305,13 +305,13 @@ def _chunk_backward(p: Plan, q, k, v, a, hp, s, h0, chunk_tok, chunk_len, seq_ch
     if not direct and _fake(k):
         return [dq, dk, dv, da, ds, dh0, hp.new_empty(hp.shape)]
     meta, cfgs, mod = p.meta, p.configs, p.mod
-    _launch("dU_local", mod.delta_dU_local, lambda cfg: (NC, H, triton.cdiv(V, cfg["BV"])),
+    _launch("dU_local", mod.delta_dU_local, lambda cfg: (NC * triton.cdiv(V, cfg["BV"]), H),
             (q, k, gcum, do, dul, chunk_tok, chunk_len, scale, H), meta, V, cfgs, direct)
     _launch("state_bwd", mod.delta_state_bwd, lambda cfg: (N, H, triton.cdiv(V, cfg["BV"])),
             (q, k, w, gcum, do, dul, dht if dht is not None else dh, chunk_tok, chunk_len, seq_chunk0, dh, dU,
              dh0 if h0 is not None else dh, scale, H),
             dict(meta, HAS_DHT=dht is not None, STORE_DH0=h0 is not None), V, cfgs, direct)
-    _launch("bwd_dqk", mod.delta_bwd_dqk, lambda cfg: (NC, H, p.NK),
+    _launch("bwd_dqk", mod.delta_bwd_dqk, lambda cfg: (NC * p.NK, H),
             (q, k, gcum, h, dh, U, dU, do, dq, dk_part, dw, dG_part, chunk_tok, chunk_len, scale, TT * H, H),
             dict(meta, BKS=p.BKS), V, cfgs, direct)
     _launch("bwd_wy", mod.delta_bwd_wy, lambda cfg: (NC, H),

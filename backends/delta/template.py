@@ -174,9 +174,10 @@ def delta_state_fwd(k_ptr, w_ptr, u_ptr, gcum_ptr, h0_ptr, chunk_tok, chunk_len,
 def delta_output(q_ptr, k_ptr, gcum_ptr, h_ptr, U_ptr, o_ptr, chunk_tok, chunk_len, scale,
                  H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
                  PREC: tl.constexpr, IN_PREC: tl.constexpr, UPCAST: tl.constexpr):
-    c = tl.program_id(0)
+    NVB: tl.constexpr = (V + BV - 1) // BV     # a chunk's value blocks run back to back: q, k from L2
+    c = tl.program_id(0) // NVB
     h = tl.program_id(1)
-    vv = tl.program_id(2) * BV + tl.arange(0, BV)
+    vv = tl.program_id(0) % NVB * BV + tl.arange(0, BV)
     kk = tl.arange(0, BK)
     rows = tl.arange(0, C)
     t0 = tl.load(chunk_tok + c).to(tl.int64)
@@ -203,9 +204,10 @@ def delta_output(q_ptr, k_ptr, gcum_ptr, h_ptr, U_ptr, o_ptr, chunk_tok, chunk_l
 def delta_dU_local(q_ptr, k_ptr, gcum_ptr, do_ptr, dul_ptr, chunk_tok, chunk_len, scale,
                    H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
                    PREC: tl.constexpr, IN_PREC: tl.constexpr, UPCAST: tl.constexpr):
-    c = tl.program_id(0)
+    NVB: tl.constexpr = (V + BV - 1) // BV     # a chunk's value blocks run back to back: q, k from L2
+    c = tl.program_id(0) // NVB
     h = tl.program_id(1)
-    vv = tl.program_id(2) * BV + tl.arange(0, BV)
+    vv = tl.program_id(0) % NVB * BV + tl.arange(0, BV)
     kk = tl.arange(0, BK)
     rows = tl.arange(0, C)
     t0 = tl.load(chunk_tok + c).to(tl.int64)
@@ -278,9 +280,10 @@ def delta_bwd_dqk(q_ptr, k_ptr, gcum_ptr, h_ptr, dh_ptr, U_ptr, dU_ptr, do_ptr, 
                   BKS: tl.constexpr, PREC: tl.constexpr, IN_PREC: tl.constexpr, UPCAST: tl.constexpr):
     """Per chunk and block of BKS key columns, through O = scale (e^G Q S0 + (Q K^T * D) U), S_end and
     U = u - w S0: dq (final), dk (partial, fp32), dw (fp32), dG (this block's share, fp32)."""
-    c = tl.program_id(0)
+    NKB: tl.constexpr = (K + BKS - 1) // BKS     # a chunk's key blocks run back to back: U, dU, dO from L2
+    c = tl.program_id(0) // NKB
     h = tl.program_id(1)
-    kb = tl.program_id(2)
+    kb = tl.program_id(0) % NKB
     kk = kb * BKS + tl.arange(0, BKS)
     rows = tl.arange(0, C)
     t0 = tl.load(chunk_tok + c).to(tl.int64)
@@ -339,8 +342,9 @@ def delta_bwd_wy(k_ptr, v_ptr, a_ptr, hp_ptr, s_ptr, eps, gcum_ptr, beta_ptr, tm
                  H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
                  BKS: tl.constexpr, PREC: tl.constexpr, IN_PREC: tl.constexpr, UPCAST: tl.constexpr):
     """Per chunk, through w = Tm diag(beta e^G) K, u = Tm diag(beta) V, Tm = (I + A)^-1 and the hooks:
-    dv, dk (final), d decay input, d step input. Keys are visited in blocks of BKS columns; the partial
-    dk from delta_bwd_dqk is updated in place between the two passes over them."""
+    dv, dk (final), d decay input, d step input. Keys are visited in blocks of BKS columns, twice: the
+    second pass (through A, which needs all of dTm) recomputes dX = Tm^T dw, a cheap dot, rather than
+    storing and reloading a partial dk in between."""
     c = tl.program_id(0)
     h = tl.program_id(1)
     rows = tl.arange(0, C)
@@ -352,8 +356,8 @@ def delta_bwd_wy(k_ptr, v_ptr, a_ptr, hp_ptr, s_ptr, eps, gcum_ptr, beta_ptr, tm
     beta = tl.load(beta_ptr + tok * H + h, mask=ok, other=0.0)
     bG = beta * tl.where(ok, tl.exp(G), 0.0)
     causal = (rows[:, None] >= rows[None, :]) & ok[:, None] & ok[None, :]
-    Tm = tl.load(tm_ptr + ((c * H + h) * C + rows[:, None]).to(tl.int64) * C + rows[None, :],
-                 mask=causal, other=0.0)
+    # an unmasked (vectorised) load: delta_prep wrote every element
+    Tm = tl.where(causal, tl.load(tm_ptr + ((c * H + h) * C + rows[:, None]).to(tl.int64) * C + rows[None, :]), 0.0)
     dTm = tl.zeros([C, C], dtype=tl.float32)
     dbeta = tl.zeros([C], dtype=tl.float32)
     # u = Tm diag(beta) V
@@ -382,8 +386,6 @@ def delta_bwd_wy(k_ptr, v_ptr, a_ptr, hp_ptr, s_ptr, eps, gcum_ptr, beta_ptr, tm
         sx += tl.sum(dX * kf, 1)
         n2 += tl.sum(kf * kf, 1)
         KK += mm(k, tl.trans(k), IN_PREC, UPCAST)
-        dk_ptrs = dk_part_ptr + (tok[:, None] * H + h) * K + kk[None, :]
-        tl.store(dk_ptrs, tl.load(dk_ptrs, mask=km, other=0.0) + bG[:, None] * dX, mask=km)
     dbeta += tl.where(ok, tl.exp(G), 0.0) * sx
     dG = bG * sx
     for kb in range(0, tl.cdiv(K, BKS)):
@@ -409,6 +411,8 @@ def delta_bwd_wy(k_ptr, v_ptr, a_ptr, hp_ptr, s_ptr, eps, gcum_ptr, beta_ptr, tm
         km = ok[:, None] & (kk[None, :] < K)
         kf = tl.load(k_ptr + (tok[:, None] * H + h) * K + kk[None, :], mask=km, other=0.0).to(tl.float32)
         dk = tl.load(dk_part_ptr + (tok[:, None] * H + h) * K + kk[None, :], mask=km, other=0.0)
+        dw = tl.load(dw_ptr + (tok[:, None] * H + h) * K + kk[None, :], mask=km, other=0.0)
+        dk += bG[:, None] * mm(tl.trans(Tm), dw, PREC, UPCAST)
         dk += beta[:, None] * mm(E, kf, PREC, UPCAST) + mm(tl.trans(E), beta[:, None] * kf, PREC, UPCAST)
         dk += dn2[:, None] * kf
         tl.store(dk_ptr + (tok[:, None] * H + h) * K + kk[None, :], rnd(dk, dk_ptr.dtype.element_ty, UPCAST),
