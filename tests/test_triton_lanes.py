@@ -20,27 +20,36 @@ import test_mixer
 from test_triton_scan import DEVICE, LIBRARY, elems_for
 
 LANES = runtime.Config(block_t=4, block_l=8, num_warps=1, chunk=4, schedule="lanes", unroll=4)
+# 64 lanes on one warp: 2 lanes per thread slot (runtime.lanes_per_thread), so a group of the mixers'
+# 4 state lanes spans 2 slots (sums in registers, then across the slots)
+WIDE = runtime.Config(block_t=4, block_l=64, num_warps=1, chunk=4, schedule="lanes", unroll=4)
 
 
-def _force(fwd: str, bwd: str):
+def _force(fwd: str, bwd: str, cfg: runtime.Config = LANES):
     runtime.OVERRIDES.clear()
     for contiguous in (False, True):
         if fwd == "lanes":
-            runtime.OVERRIDES[(contiguous, False)] = LANES
+            runtime.OVERRIDES[(contiguous, False)] = cfg
         if bwd == "lanes":
-            runtime.OVERRIDES[(contiguous, True)] = LANES
+            runtime.OVERRIDES[(contiguous, True)] = cfg
 
 
-@pytest.fixture
-def lanes(monkeypatch):
-    """Force the lanes schedule and check that only its kernels ran."""
-    real, ran = ops.wrap_triton, []
+@pytest.fixture(params=["one", "wide"])
+def lanes(monkeypatch, request):
+    """Force the lanes schedule (one lane per thread slot, or several) and check that only its kernels ran."""
+    from scanlang.backends.triton import launcher
+    real, real_launch, ran = ops.wrap_triton, launcher.launch, []
 
     def spy(kernel):
         ran.append(kernel.__name__)
         return real(kernel)
+
+    def spy_launch(plan, cfg, kernel, *args):   # eager calls launch here, not through wrap_triton
+        ran.append(kernel.__name__)
+        return real_launch(plan, cfg, kernel, *args)
     monkeypatch.setattr(ops, "wrap_triton", spy)
-    _force("lanes", "lanes")
+    monkeypatch.setattr(launcher, "launch", spy_launch)
+    _force("lanes", "lanes", LANES if request.param == "one" else WIDE)
     yield
     runtime.OVERRIDES.clear()
     assert ran and set(ran) <= {"scan_forward_lanes", "scan_backward_lanes"}, ran
@@ -150,6 +159,46 @@ def test_lanes_projective_readout_float32(lanes):
     test_mixer.test_mixer_float32_projective_readout()
 
 
+# (block_l, warps, chunk, unroll) on the Kalman program with L = 2 x 16 x 4 lanes: R = 2 lanes per
+# slot with full programs (no lane masks) and register chunks; R = 4 (a group per slot) with a
+# partial program and scratch chunks; R = 2 with chunks of 6 steps in blocks of 4 (a partial block
+# in every chunk). T = 11: a partial last chunk everywhere.
+SEVERAL = [(64, 1, 4, 4), (256, 1, 4, 2), (64, 1, 6, 4)]
+
+
+@pytest.mark.parametrize("block_l,warps,chunk,unroll", SEVERAL)
+@pytest.mark.parametrize("group_sums", [False, True])
+def test_lanes_several_per_thread_kalman(monkeypatch, block_l, warps, chunk, unroll, group_sums):
+    """Several lanes per thread slot (the layout the Kalman benchmark runs): outputs, final state and
+    every gradient against float64 autograd of the loop; key gradients by per-lane atomics or summed
+    over the program's groups first (plan mode 5)."""
+    from scanlang.backends.triton import plan
+    from scanlang.recipes.kalman import kalman_filter
+    from scanlang.recipes.kalman.reference import kalman_filter_loop
+    from test_kalman import NAMES, _loss_and_grads, make_inputs, make_state
+    cfg = runtime.Config(block_t=chunk, block_l=block_l, num_warps=warps, chunk=chunk, schedule="lanes", unroll=unroll)
+    assert runtime.lanes_per_thread(cfg, 4) == min(4, block_l // (32 * warps)) > 1
+    monkeypatch.setattr(plan, "SUM_GROUPS_BEFORE_ATOMICS", group_sums)
+    for key in [(c, b) for c in (False, True) for b in (False, True)]:
+        monkeypatch.setitem(runtime.OVERRIDES, key, cfg)
+    ins = make_inputs(2, 11, 16, 4)
+    state = make_state(2, 16, 4)
+    dev = {n: x.to(DEVICE) for n, x in ins.items()}
+    dev_state = tuple(s.to(DEVICE) for s in state)
+    got = _loss_and_grads(kalman_filter, dev, dev_state, seed=3, output_final_state=True, backend="triton",
+                          form="fused")
+    ref = _loss_and_grads(kalman_filter_loop, {n: x.to(torch.float64) for n, x in ins.items()},
+                          tuple(s.to(torch.float64) for s in state), seed=3)
+    for name, g, r in zip(NAMES, got, ref):
+        assert_close(g.cpu(), r, "kalman_grad", torch.float32, name=f"d{name}")
+    y, y_var, (lam, eta) = kalman_filter(**dev, initial_state=dev_state, output_final_state=True,
+                                         backend="triton", form="fused")
+    ref_y, ref_var, (ref_lam, ref_eta) = kalman_filter_loop(**{n: x.to(torch.float64) for n, x in ins.items()},
+                                                            initial_state=tuple(s.to(torch.float64) for s in state))
+    for name, out, want in (("y", y, ref_y), ("y_var", y_var, ref_var), ("lam", lam, ref_lam), ("eta", eta, ref_eta)):
+        assert_close(out.cpu(), want, "kalman_out", torch.float32, name=name)
+
+
 # ---- fitting configs to the device ------------------------------------------------------------
 
 def test_fit_launch_shrinks_and_remembers():
@@ -198,7 +247,10 @@ def test_scan_shrinks_a_tile_that_does_not_fit(monkeypatch):
                 launched.append((self.kernel.__name__, meta.get("BLOCK_T"), meta["BLOCK_L"], meta["CHUNK"]))
                 return real(self.kernel)[grid](*args, **meta)
             return launch
+    from scanlang.backends.triton import launcher
     monkeypatch.setattr(ops, "wrap_triton", FakeLauncher)
+    # eager calls launch through launcher.launch, not wrap_triton
+    monkeypatch.setattr(launcher, "launch", lambda plan, cfg, kernel, grid, args, meta: FakeLauncher(kernel)[grid](*args, **meta))
     monkeypatch.setattr(runtime, "FITTED", {})
     shape = (2, 13, 3)
     elems = tuple(e.requires_grad_() for e in elems_for(sl.Affine, shape))
@@ -236,11 +288,13 @@ def test_delta_launch_shrinks_through_the_shared_helper(monkeypatch):
     assert delta_ops.CONFIG["probe"] == dict(BV=32, num_warps=4, num_stages=1)
 
 
-def test_gradient_modes_for_inputs_shared_by_state_groups():
+def test_gradient_modes_for_inputs_shared_by_state_groups(monkeypatch):
     """Keys shared by the channels of a reducing mixer (broadcast only over the lane dim above the
-    state): summed over a program's groups, then one relaxed atomic per state index (mode 5), only
-    on the lane-sequential schedule and when programs do not straddle an outer lane index."""
+    state): summed over a program's groups, then one relaxed atomic per state index (mode 5, when
+    plan.SUM_GROUPS_BEFORE_ATOMICS), only on the lane-sequential schedule and when programs do not
+    straddle an outer lane index."""
     from scanlang.backends.triton import plan
+    monkeypatch.setattr(plan, "SUM_GROUPS_BEFORE_ATOMICS", True)
     sizes = (2, 3, 8, 4)   # lane dims (b, h, g, s); s is the state
     assert plan._du_mode([5, 96, 4, 0, 1], sizes, True, 7) == 5     # k[b, t, h, s]
     assert plan._du_mode([5, 96, 8, 1, 0], sizes, True, 7) == 3     # v[b, t, h, g]: summed over s
@@ -250,3 +304,5 @@ def test_gradient_modes_for_inputs_shared_by_state_groups():
     assert plan._lanes_mode(5, sizes, runtime.Config(block_t=4, block_l=16, num_warps=1)) == 1   # tiles
     assert plan._lanes_mode(5, (2, 3, 3, 4), lanes) == 1            # 16 does not divide 3 x 4 lanes
     assert plan._lanes_mode(3, sizes, runtime.Config(block_t=4, block_l=16, num_warps=1)) == 3
+    monkeypatch.setattr(plan, "SUM_GROUPS_BEFORE_ATOMICS", False)
+    assert plan._lanes_mode(5, sizes, lanes) == 1                    # per-lane atomics

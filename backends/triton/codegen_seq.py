@@ -1,15 +1,23 @@
-"""The lane-sequential schedule (DESIGN.md "Schedules" (a)): one lane per thread slot, time stepped in registers.
+"""The lane-sequential schedule (DESIGN.md "Schedules" (a)): lanes in registers, time stepped one at a time.
 
-- `scan_forward_lanes`: a program owns BLOCK_L lanes (coalesced across lanes when lanes are
-  contiguous in memory, the channels-contiguous [B, T, D] layout; strided otherwise) and walks its
-  sequence one step at a time: lift, prefix = combine(prefix, element), readout (optionally summed
-  over the STATE lanes), store. Every CHUNK steps it stores the carry into the chunk: the same
-  checkpoints as the tile schedule (slot j = the carry into chunk j), so either backward can run
-  after either forward. No shared memory, no cross-thread traffic: work-optimal, one combine per
+Lane layout. A program owns BLOCK_L lanes held as [R, BLOCK_L // R] tensors: column g is a thread
+slot holding the R consecutive lanes slot..slot + R - 1 (slot = pid * BLOCK_L + g * R) in registers
+(Triton's default layout puts the whole first axis in one thread when BLOCK_L // R >= the threads).
+R (constexpr, runtime.lanes_per_thread) divides STATE, so a group's STATE lanes are STATE // R
+adjacent slots: its sum over the state is R - 1 adds in registers and log2(STATE // R) shuffles, and
+an input constant over the state (v, prec of the Kalman program: constexpr SLOT<i>) is loaded once
+per slot. Addresses: per slot a base pointer computed once, per lane a register offset r * stride
+(an immediate when the stride is 1), per step one scalar `index * time stride`.
+
+- `scan_forward_lanes`: walks its sequence one step at a time: lift, prefix = combine(prefix,
+  element), readout (optionally summed over the STATE lanes), store. Every CHUNK steps it stores the
+  carry into the chunk: the same checkpoints as the tile schedule (slot j = the carry into chunk j),
+  so either backward can run after either forward. No shared memory: work-optimal, one combine per
   step and lane. Steps run in blocks of UNROLL (a constexpr <= MAX_UNROLL): the block's loads are
   issued first (they do not depend on the carry, and a store between them would keep the compiler
-  from hoisting them), then the dependent chain; steps past the chunk's end are masked and leave
-  the carries unchanged.
+  from hoisting them), then the dependent chain. Full blocks run without step masks or keeps; the
+  chunk's partial last block (if any) runs a masked copy whose steps past the end leave the carries.
+  Lane masks vanish when every program is full (constexpr EVEN_L).
 - `scan_backward_lanes`: walks the chunks in reverse. Per chunk it replays the prefixes from the
   checkpoint: with CHUNK == UNROLL into registers (the chunk is one block; its loaded inputs and
   elements are reused on the way back), otherwise into a per-lane scratch row (global memory,
@@ -26,7 +34,10 @@
   one scratch row.
 - Both: an input constant in time (a broadcast static parameter, time stride 0: constexpr
   TSTATIC<i>) is loaded once per program; the fields of a specialised carry (`ir.constants`,
-  scanlang/ir.py `specialize_carry`) are literals, never stored, loaded or carried.
+  scanlang/ir.py `specialize_carry`) are literals, never stored, loaded or carried. The combine is
+  rendered in place, and every step inverts each distinct denominator once (`_assign_rcp`): with
+  constexpr RCP_APPROX (float32 on a GPU) by the hardware reciprocal, else by a division. The
+  forward stores checkpoints only when a backward will read them (constexpr CKPT).
 """
 from __future__ import annotations
 
@@ -36,20 +47,37 @@ from scanlang import expr as E
 from scanlang.autodiff import Adjoint
 from scanlang.ir import ScanIR
 
-from .codegen import (_assign, _indent, _initial_carry, _lane_off, _load_lift, _num, _static_loads, _symbols_named,
-                      backward_args, forward_args, lanes_and_sequence, memory_index, static_flags)
+from .codegen import _assign, _indent, _num, _symbols_named, backward_args, forward_args, memory_index
 
+SHAPE = "[R, BLOCK_L // R]"   # a lane tensor: R lanes per thread slot, BLOCK_L // R slots
 
 def _prologue() -> list[str]:
-    """Program = (lane block, sequence), as in the tile schedule; 1-d lane vectors, no time tile."""
+    """Program = (lane block, sequence), as in the tile schedule."""
     return [
         "pid = tl.program_id(0)",
         "seq = tl.program_id(1)",
-        *lanes_and_sequence(),
+        "r_idx = tl.arange(0, R)[:, None]",
+        "slot = pid.to(tl.int64) * BLOCK_L + tl.arange(0, BLOCK_L // R)[None, :] * R",
+        "lane = slot + r_idx",
+        # memory is accessed per register: lanes declared not contiguous (here and in `_at`) keep
+        # Triton from re-laying the lanes out through shared memory for vector accesses
+        "lane_mem = tl.max_contiguous(lane, [1, 1])",
+        "if EVEN_L:   # constant masks: the loads and stores below lose them",
+        "    slot_ok = tl.full([1, BLOCK_L // R], 1, tl.int1)",
+        f"    lane_ok = tl.full({SHAPE}, 1, tl.int1)",
+        "else:",
+        "    slot_ok = slot < L",
+        "    lane_ok = lane < L",
+        "if VARLEN:",
+        "    t0 = tl.load(cu_ptr + seq).to(tl.int64)",
+        "    seq_len = tl.load(cu_ptr + seq + 1).to(tl.int64) - t0",
+        "else:",
+        "    t0 = 0",
+        "    seq_len = T",
         "n_chunks = tl.cdiv(seq_len, CHUNK)",
         "slot0 = t0 // CHUNK + seq",
-        "first = (lane % STATE) == 0",   # the lane that stores its STATE-lane group's sum
-        "first_group = tl.arange(0, BLOCK_L) < STATE",   # the program's group that adds the groups' sum
+        "first = (slot % STATE) == 0",   # the slot that stores its group's sum
+        "first_group = slot - pid.to(tl.int64) * BLOCK_L < STATE",   # the program's group that adds the groups' sum
     ]
 
 
@@ -67,8 +95,91 @@ def _block_index(first: str) -> list[str]:
     return [f"t = k * CHUNK + {first}", *memory_index()]
 
 
+def _offsets(prefix: str, per_group: bool = False) -> list[str]:
+    """p<prefix>: the slots' base pointers [1, G]; <prefix>_r: the lanes' offsets from them [R, 1]
+    (lane dims D0..D3, last fastest; R divides D3). `per_group`: the group's address (lane // STATE
+    over dims D0..D2), for values summed over the state."""
+    if per_group:
+        return [f"p{prefix}g = {prefix}_ptr + lane_offsets(slot // STATE, D1, D2, 1, {prefix}_s0, {prefix}_s1, "
+                f"{prefix}_s2, {prefix}_s3)"]
+    return [f"p{prefix} = {prefix}_ptr + lane_offsets(slot, D1, D2, D3, {prefix}_s0, {prefix}_s1, {prefix}_s2, "
+            f"{prefix}_s3)", f"{prefix}_r = r_idx * {prefix}_s3"]
+
+
+def _at(prefix: str, at: str, per_slot: bool = False) -> str:
+    """Pointers of `prefix` at memory index `at`: per lane [R, G], or per slot [1, G]."""
+    base = f"p{prefix} + {at} * {prefix}_st"
+    return base if per_slot else f"tl.max_contiguous({base} + {prefix}_r, [1, 1])"
+
+
+def _masks(j: int, first: str, masked: bool) -> tuple[list[str], str, str, str]:
+    """(lines, lane mask, slot mask, live flag) of block step j. Full blocks: the lane masks only
+    (constant true under EVEN_L); a masked block: also the step's existence (first + j < n_steps)."""
+    if not masked:
+        return [], "lane_ok", "slot_ok", ""
+    return ([f"live{j} = {first} + {j} < n_steps", f"ok{j} = lane_ok & (lane * 0 + {j} < n_steps - {first})",
+             f"oks{j} = slot_ok & (slot * 0 + {j} < n_steps - {first})"],
+            f"ok{j}", f"oks{j}", f"live{j}")
+
+
+def _load_lift(ir: ScanIR, tag: str, at: str, lane_mask: str, slot_mask: str, masked: bool) -> list[str]:
+    """Load the inputs at memory index `at` (once per slot for SLOT<i>, once per program for
+    TSTATIC<i>), lift them: u{tag}_<input>, e{tag}_<field>; masked lanes get the identity."""
+    lines = []
+    for i, n in enumerate(ir.inputs):
+        lines += [f"if TSTATIC{i}:", f"    u{tag}_{n} = us{i}",
+                  f"elif SLOT{i}:",
+                  f"    u{tag}_{n} = to_acc(tl.load({_at(f'u{i}', at, True)}, mask={slot_mask}, other=1.0), FP64)",
+                  "else:",
+                  f"    u{tag}_{n} = to_acc(tl.load({_at(f'u{i}', at)}, mask={lane_mask}, other=1.0), FP64)"]
+    names = {s: f"u{tag}_{s.name[2:]}" for s in ir.input_symbols}
+    lines += _assign([f"l{tag}_{f}" for f in ir.fields], ir.lift, names, f"_l{tag}", shape_like=f"u{tag}_{ir.inputs[0]}")
+    for f, ident in zip(ir.fields, ir.identity):
+        lines.append(f"e{tag}_{f} = tl.where({lane_mask}, l{tag}_{f}, {_num(ident)})" if masked else f"e{tag}_{f} = l{tag}_{f}")
+    return lines
+
+
+def _static_loads(ir: ScanIR) -> list[str]:
+    """us<i>: input i loaded once per program when it is constant in time (constexpr TSTATIC<i>)."""
+    lines = []
+    for i in range(len(ir.inputs)):
+        lines += [f"if TSTATIC{i}:",
+                  f"    if SLOT{i}:",
+                  f"        us{i} = to_acc(tl.load(pu{i}, mask=slot_ok, other=1.0), FP64)",
+                  "    else:",
+                  f"        us{i} = to_acc(tl.load(pu{i} + u{i}_r, mask=lane_ok, other=1.0), FP64)"]
+    return lines
+
+
+def lanes_flags(ir: ScanIR) -> list[str]:
+    """The per-input constexpr parameters: TSTATIC<i> (constant in time), SLOT<i> (constant over the
+    R lanes of a slot: lane stride 0 along the last lane dim). Default False."""
+    return ([f"TSTATIC{i}: tl.constexpr = False" for i in range(len(ir.inputs))]
+            + [f"SLOT{i}: tl.constexpr = False" for i in range(len(ir.inputs))])
+
+
+def _initial_carry(ir: ScanIR) -> list[str]:
+    """c_<field>: the initial element of each lane (of sequence `seq`), else the identity; fields of a
+    specialised carry (`ir.constants`) are their constant."""
+    const = dict(ir.constants)
+    lines = [f"c_{f} = to_acc(tl.full({SHAPE}, {_num(v)}, tl.float64), FP64)" for f, v in ir.constants]
+    free = [(f, name, ident) for f, (name, ident) in enumerate(zip(ir.fields, ir.identity)) if name not in const]
+    if not free:
+        return lines
+    lines.append("if HAS_INIT:")
+    for f, name, ident in free:
+        lines.append(f"    c_{name} = to_acc(tl.load(init{f}_ptr + seq * init{f}_sn + lane_offsets(lane, D1, D2, D3, "
+                     f"init{f}_s0, init{f}_s1, init{f}_s2, init{f}_s3), mask=lane_ok, other={_num(ident)}), FP64)")
+    lines.append("else:")
+    for f, name, ident in free:
+        lines.append(f"    c_{name} = to_acc(tl.full({SHAPE}, {_num(ident)}, tl.float64), FP64)")
+    return lines
+
+
 def _keep(names, live: str) -> list[str]:
-    """Carried values advance only on live steps (a block's tail past the chunk end keeps them)."""
+    """Carried values advance (only on live steps in a masked block: its tail keeps them)."""
+    if not live:
+        return [f"{n} = {n}_new" for n in names]
     return [f"{n} = tl.where({live}, {n}_new, {n})" for n in names]
 
 
@@ -78,103 +189,162 @@ def _free(ir: ScanIR) -> list[str]:
     return [f for f in ir.fields if f not in const]
 
 
-def _reduce_lanes(value: str, axis: int = 1) -> str:
-    """Sums over the [BLOCK_L // STATE, STATE] view of a lane vector back on every lane, in the
-    lanes' own layout (so a store of it needs no layout conversion: no shared memory, no barrier
-    per step): axis 1 sums each group's STATE lanes, axis 0 each state index over the groups."""
-    return (f"tl.reshape(tl.broadcast_to(tl.sum(tl.reshape({value}, (BLOCK_L // STATE, STATE)), {axis}, "
-            f"keep_dims=True), (BLOCK_L // STATE, STATE)), (BLOCK_L,))")
+def _rcp(name: str, value: str) -> list[str]:
+    """name = 1 / value: the hardware reciprocal under RCP_APPROX (float32 on a GPU: rcp.approx.ftz,
+    within 1 ulp like the division Triton emits, subnormals flushed to zero), else a division."""
+    return ["if RCP_APPROX:",
+            f'    {name} = tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=f,f", [{value}], '
+            "dtype=tl.float32, is_pure=True, pack=1)",
+            "else:",
+            f"    {name} = 1.0 / {value}"]
 
 
-def _combine_call(ir: ScanIR, out: str, left: str, right: str) -> str:
-    """`out` = combine(`left`, `right`), each a format for one name per field."""
-    fs = ir.fields
-    lhs = ", ".join(out.format(f) for f in fs)   # one field: combine returns a scalar, not a tuple
-    return f"{lhs} = combine({', '.join(left.format(f) for f in fs)}, {', '.join(right.format(f) for f in fs)})"
+def _assign_rcp(names_out, exprs, names, prefix, recips: dict, shape_like=None) -> list[str]:
+    """codegen._assign, with every base raised to a negative integer power inverted once per step:
+    `recips` (rendered base -> variable, one dict per step) shares the reciprocals across the step's
+    assignments, and b^-n becomes r^n (r = 1 / b), so a step divides once per distinct denominator."""
+    names = dict(names)
+    lines, subs = [], {}
+    powers = {a for e in exprs for a in sympy.sympify(e).atoms(sympy.Pow) if a.exp.is_Integer and a.exp < 0}
+    for atom in sorted(powers, key=sympy.default_sort_key):
+        key = E.print_expr(atom.base, names, E.TRITON)
+        var = recips.get(key)
+        if var is None:
+            var = recips[key] = f"{prefix}rcp{len(recips)}"
+            pre, (src,) = E.render([atom.base], names, E.TRITON, temp_prefix=f"{var}_")
+            lines += pre + _rcp(var, src)
+        sym = E.symbol(var)
+        names[sym] = var
+        subs[atom] = sym ** (-atom.exp)
+    return lines + _assign(names_out, [sympy.sympify(e).xreplace(subs) for e in exprs], names, prefix, shape_like)
 
 
-def render_forward_lanes(ir: ScanIR) -> list[str]:
-    consts = ["BLOCK_L", "CHUNK", "UNROLL", "REVERSE", "HAS_INIT", "VARLEN", "STATE", "FP64"]
-    body = _prologue()
-    for i in range(len(ir.inputs)):
-        body.append(f"u{i}_off = {_lane_off(f'u{i}')}")
-    for j in range(len(ir.outputs)):
-        body.append(f"o{j}_off = " + (_lane_off(f"o{j}", "lane // STATE", "1") if ir.reduce_state else _lane_off(f"o{j}")))
-    body += _static_loads(ir)
-    body += _initial_carry(ir)
+def _combine_inline(ir: ScanIR, out: str, left: str, right: str, recips: dict) -> list[str]:
+    """`out` = combine(`left`, `right`) (formats for one name per field; left the earlier operand)
+    rendered in place, renormalised by the scale for projective monoids (the generated `combine`)."""
+    names = ({s: left.format(f) for s, f in zip(ir.earlier, ir.fields)}
+             | {s: right.format(f) for s, f in zip(ir.later, ir.fields)})
+    outs = [out.format(f) for f in ir.fields]
+    if not ir.is_projective:
+        return _assign_rcp(outs, ir.combine, names, "_c", recips, shape_like=left.format(ir.fields[0]))
+    raw = [f"_m_{f}" for f in ir.fields]
+    lines = _assign_rcp(raw, ir.combine, names, "_c", recips, shape_like=left.format(ir.fields[0]))
+    lines += _assign(["_scale"], [ir.scale], dict(zip(ir.scale_symbols, raw)), "_s")
+    lines += _rcp("_inv_scale", "_scale")
+    return lines + [f"{o} = {m} * _inv_scale" for o, m in zip(outs, raw)]
+
+
+def _state_sum(value: str) -> str:
+    """Each group's sum over its STATE lanes of a lane tensor [R, G], on every slot of the group
+    ([1, G]): in registers, then across the group's STATE // R adjacent slots. No layout change."""
+    per_slot = f"tl.sum(tl.broadcast_to({value}, {SHAPE}), 0, keep_dims=True)"
+    split = "(1, BLOCK_L // STATE, STATE // R)"
+    return (f"tl.reshape(tl.broadcast_to(tl.sum(tl.reshape({per_slot}, {split}), 2, keep_dims=True), {split}), "
+            "(1, BLOCK_L // R))")
+
+
+def _groups_sum(value: str) -> str:
+    """The sum over the program's groups per state index of a lane tensor [R, G], on every lane."""
+    split = "(R, BLOCK_L // STATE, STATE // R)"
+    return (f"tl.reshape(tl.broadcast_to(tl.sum(tl.reshape(tl.broadcast_to({value}, {SHAPE}), {split}), 1, "
+            f"keep_dims=True), {split}), {SHAPE})")
+
+
+def _split_blocks(full: list[str], masked: list[str], start: str) -> list[str]:
+    """The chunk's full blocks of UNROLL steps (loop variable `start`), then its partial last block."""
+    return [f"for {start} in range(0, n_steps - (UNROLL - 1), UNROLL):", *_indent(full, 4),
+            f"{start} = n_steps - n_steps % UNROLL",
+            f"if {start} < n_steps:", *_indent(masked, 4)]
+
+
+def _forward_block(ir: ScanIR, masked: bool) -> list[str]:
     block = _block_index("s0")
     for j in range(MAX_UNROLL):   # loads first: nothing below depends on the carry
-        part = []
-        part += [f"live{j} = s0 + {j} < n_steps", f"ok{j} = lane_ok & (lane * 0 + {j} < n_steps - s0)"]
-        part += _load_lift(ir, tag=str(j), shift=j, mask=f"ok{j}", hoisted=True)
-        block += _guarded(j, part)
+        lines, lmask, smask, _ = _masks(j, "s0", masked)
+        block += _guarded(j, lines + _load_lift(ir, str(j), f"(tt + {j} * step)", lmask, smask, masked))
     names = ({s: f"c_{s.name[2:]}" for s in ir.prefix_symbols} | {s: s.name for s in ir.previous_symbols}
              | _symbols_named(ir.input_symbols, "u_{}"))
     for j in range(MAX_UNROLL):
-        part = []
-        part += [f"u_{n} = u{j}_{n}" for n in ir.inputs] + [f"e_{f} = e{j}_{f}" for f in ir.fields]
+        _, lmask, smask, live = _masks(j, "s0", masked)
+        part = [f"u_{n} = u{j}_{n}" for n in ir.inputs] + [f"e_{f} = e{j}_{f}" for f in ir.fields]
         if ir.uses_previous:
             part += [f"q_{f} = c_{f}" for f in ir.fields]
-        part.append(_combine_call(ir, "c_{}_new", "c_{}", "e_{}"))
-        part += _keep([f"c_{f}" for f in _free(ir)], f"live{j}")
-        part += _assign([f"r{o}" for o in range(len(ir.outputs))], ir.readout, names, "_r", shape_like=f"c_{ir.fields[0]}")
+        recips: dict = {}
+        part += _combine_inline(ir, "c_{}_new", "c_{}", "e_{}", recips)
+        part += _keep([f"c_{f}" for f in _free(ir)], live)
+        part += _assign_rcp([f"r{o}" for o in range(len(ir.outputs))], ir.readout, names, "_r", {},
+                            shape_like=f"c_{ir.fields[0]}")
         for o in range(len(ir.outputs)):
-            ptr = f"o{o}_ptr + o{o}_off + (tt + {j} * step) * o{o}_st"
+            cast = f".to(o{o}_ptr.dtype.element_ty)"
             if ir.reduce_state:
-                part.append(f"tl.store({ptr}, {_reduce_lanes(f'r{o}')}.to(o{o}_ptr.dtype.element_ty), "
-                            f"mask=ok{j} & first)")
+                part.append(f"tl.store({_at(f'o{o}', f'(tt + {j} * step)', True)}, {_state_sum(f'r{o}')}{cast}, "
+                            f"mask={smask} & first)")
             else:
-                part.append(f"tl.store({ptr}, r{o}.to(o{o}_ptr.dtype.element_ty), mask=ok{j})")
+                part.append(f"tl.store({_at(f'o{o}', f'(tt + {j} * step)')}, r{o}{cast}, mask={lmask})")
         block += _guarded(j, part)
-    chunk = [f"tl.store(ckpt_ptr + ({f} * n_slots + slot0 + k) * L + lane, c_{name}, mask=lane_ok)"
-             for f, name in enumerate(ir.fields) if name in _free(ir)]
-    chunk += ["n_steps = tl.minimum(CHUNK, seq_len - k * CHUNK)", "for s0 in range(0, n_steps, UNROLL):"]
-    chunk += _indent(block, 4)
+    return block
+
+
+def render_forward_lanes(ir: ScanIR) -> list[str]:
+    consts = ["BLOCK_L", "R", "EVEN_L", "CHUNK", "UNROLL", "REVERSE", "HAS_INIT", "VARLEN", "STATE", "FP64",
+              "RCP_APPROX", "CKPT"]
+    body = _prologue()
+    for i in range(len(ir.inputs)):
+        body += _offsets(f"u{i}")
+    for o in range(len(ir.outputs)):
+        body += _offsets(f"o{o}", per_group=ir.reduce_state)
+    if ir.reduce_state:
+        body += [f"po{o} = po{o}g" for o in range(len(ir.outputs))]
+    body += _static_loads(ir)
+    body += _initial_carry(ir)
+    chunk = ["if CKPT:"] + [f"    tl.store(ckpt_ptr + ({f} * n_slots + slot0 + k) * L + lane_mem, c_{name}, mask=lane_ok)"
+                            for f, name in enumerate(ir.fields) if name in _free(ir)]
+    chunk.append("n_steps = tl.minimum(CHUNK, seq_len - k * CHUNK)")
+    chunk += _split_blocks(_forward_block(ir, masked=False), _forward_block(ir, masked=True), "s0")
     body.append("for k in range(0, n_chunks):")
     body += _indent(chunk, 4)
     for f, name in enumerate(ir.fields):
-        body.append(f"tl.store(final_ptr + ({f} * n_seq + seq) * L + lane, c_{name}, mask=lane_ok)")
-    sig = ", ".join(forward_args(ir) + [f"{c}: tl.constexpr" for c in consts] + static_flags(ir))
+        body.append(f"tl.store(final_ptr + ({f} * n_seq + seq) * L + lane_mem, c_{name}, mask=lane_ok)")
+    sig = ", ".join(forward_args(ir) + [f"{c}: tl.constexpr" for c in consts] + lanes_flags(ir))
     return ["@triton.jit", f"def scan_forward_lanes({sig}):",
             f'    """Forward fused scan of {ir.name}, lane-sequential: one combine per step and lane, in registers."""',
             *_indent(body, 4)]
 
 
-def _du_store_lanes(i: int, name: str, j: int, at: str) -> list[str]:
-    """Write du_<name> [BLOCK_L] of block step j (memory index `at`, where ok<j>) by DU{i} (the tile
-    schedule's modes): 0 store, 1 atomic add, 2 summed over time, 3 summed over the STATE lanes then
-    stored, 4 summed over the STATE lanes then atomically added (by the group's first lane), 5 summed
-    over the program's groups lane by lane (inputs shared by the groups of a program) then
-    atomically added by the first group. Atomics are relaxed: gradients only accumulate."""
-    ptr = f"du{i}_ptr + du{i}_off + {at} * du{i}_st"
-    gptr = f"du{i}_ptr + du{i}_goff + {at} * du{i}_st"
-    red = _reduce_lanes(f"tl.where(ok{j}, du_{name}, 0.0)")
-    across = _reduce_lanes(f"tl.where(ok{j}, du_{name}, 0.0)", axis=0)
-    group_live = f"ok{j} & first"
+def _du_store_lanes(i: int, name: str, at: str, lane_mask: str, slot_mask: str, masked: bool) -> list[str]:
+    """Write du_<name> (memory index `at`) by DU{i} (the tile schedule's modes): 0 store, 1 atomic
+    add, 2 summed over time, 3 summed over the STATE lanes then stored, 4 summed over the STATE
+    lanes then atomically added (by the group's first slot), 5 summed over the program's groups lane
+    by lane (inputs shared by the groups of a program) then atomically added by the first group.
+    Atomics are relaxed: gradients only accumulate."""
+    ptr, gptr = _at(f"du{i}", at), f"pdu{i}g + {at} * du{i}_st"
+    value = f"tl.where({lane_mask}, du_{name}, 0.0)" if masked else f"du_{name}"
+    cast = f".to(du{i}_ptr.dtype.element_ty)"
     return [
         f"if DU{i} == 0:",
-        f"    tl.store({ptr}, du_{name}.to(du{i}_ptr.dtype.element_ty), mask=ok{j})",
+        f"    tl.store({ptr}, du_{name}{cast}, mask={lane_mask})",
         f"elif DU{i} == 1:",
-        f"    tl.atomic_add({ptr}, du_{name}.to(du{i}_ptr.dtype.element_ty), mask=ok{j}, sem='relaxed')",
+        f"    tl.atomic_add({ptr}, du_{name}{cast}, mask={lane_mask}, sem='relaxed')",
         f"elif DU{i} == 2:",
-        f"    acc{i} += tl.where(ok{j}, du_{name}, 0.0)",
+        f"    acc{i} += {value}",
         f"elif DU{i} == 3:",
-        f"    tl.store({gptr}, {red}.to(du{i}_ptr.dtype.element_ty), mask={group_live})",
+        f"    tl.store({gptr}, {_state_sum(value)}{cast}, mask={slot_mask} & first)",
         f"elif DU{i} == 4:",
-        f"    tl.atomic_add({gptr}, {red}.to(du{i}_ptr.dtype.element_ty), mask={group_live}, sem='relaxed')",
+        f"    tl.atomic_add({gptr}, {_state_sum(value)}{cast}, mask={slot_mask} & first, sem='relaxed')",
         "else:",
-        f"    tl.atomic_add({ptr}, {across}.to(du{i}_ptr.dtype.element_ty), mask=ok{j} & first_group, sem='relaxed')",
+        f"    tl.atomic_add({ptr}, {_groups_sum(value)}{cast}, mask={lane_mask} & first_group, sem='relaxed')",
     ]
 
 
 def _scratch(f: int, row: str) -> str:
-    return f"scratch_ptr + (({f} * n_seq + seq) * CHUNK + {row}) * L + lane"
+    return f"scratch_ptr + (({f} * n_seq + seq) * CHUNK + {row}) * L + lane_mem"
 
 
-def _adjoint_step(ir: ScanIR, adj: Adjoint, j: int, at: str, carried: list[str]) -> list[str]:
+def _adjoint_step(ir: ScanIR, adj: Adjoint, j: int, at: str, carried: list[str], masked: bool) -> list[str]:
     """One step of the adjoint walked backwards, block step j: from u_*, e_*, g_*, q_* (the previous
     prefix) and p_* (the prefix) set by the caller, and the carried cd_*, bd_*; stores the input
     gradients at memory index `at` and hands c_t and B_t gbar_t down to step t - 1."""
+    _, lmask, smask, live = _masks(j, "", masked)
     n, nb = len(ir.fields), len(adj.b_entries)
     shape = f"p_{ir.fields[0]}"
     here = ({s: s.name for s in ir.prefix_symbols + ir.previous_symbols + adj.g}
@@ -183,29 +353,34 @@ def _adjoint_step(ir: ScanIR, adj: Adjoint, j: int, at: str, carried: list[str])
     bmat = adj.matrix([E.symbol(f"b{k}") for k in range(nb)])
     gb = [E.symbol(f"gbar_{f}") for f in ir.fields]
     bd = [sum((bmat[i][k] * gb[k] for k in range(n)), sympy.Integer(0)) for i in range(n)]
-    part = _assign([f"dy_{f}" for f in ir.fields], adj.dy, here, "_d", shape_like=shape)
+    recips: dict = {}   # one reciprocal per distinct denominator of the step
+    part = _assign_rcp([f"dy_{f}" for f in ir.fields], adj.dy, here, "_d", recips, shape_like=shape)
     part += [f"d_{f} = dy_{f} + cd_{f}" for f in ir.fields]
-    part += _assign([f"v_{f}" for f in ir.fields], adj.direct, {s: s.name for s in ir.prefix_symbols + adj.d},
-                    "_v", shape_like=shape)
+    part += _assign_rcp([f"v_{f}" for f in ir.fields], adj.direct, {s: s.name for s in ir.prefix_symbols + adj.d},
+                        "_v", recips, shape_like=shape)
     part += [f"gbar_{f} = v_{f} + bd_{f}" for f in ir.fields]
     names_x = {s: s.name for s in ir.previous_symbols + adj.gbar} | {s: f"e_{f}" for s, f in zip(ir.later, ir.fields)}
-    part += _assign([f"dx_{f}" for f in ir.fields], adj.dx, names_x, "_x", shape_like=shape)
-    part += _assign([f"du_{u}" for u in ir.inputs], adj.du, here | {s: s.name for s in adj.dx_symbols}, "_u",
-                    shape_like=shape)
+    part += _assign_rcp([f"dx_{f}" for f in ir.fields], adj.dx, names_x, "_x", recips, shape_like=shape)
+    part += _assign_rcp([f"du_{u}" for u in ir.inputs], adj.du, here | {s: s.name for s in adj.dx_symbols}, "_u",
+                        recips, shape_like=shape)
     for i, name in enumerate(ir.inputs):
-        part += _du_store_lanes(i, name, j, at)
+        part += _du_store_lanes(i, name, at, lmask, smask, masked)
     # hand down to step t - 1: c_t, B_t gbar_t (B_t = J1(y_{t-1}, x_t)^T) and its prefix y_{t-1}
-    part += _assign([f"cd_{f}_new" for f in ir.fields], adj.c, here, "_i", shape_like=shape)
-    part += _assign([f"b{k}" for k in range(nb)], adj.b_entries, b_names, "_b", shape_like=shape)
-    part += _assign([f"bd_{f}_new" for f in ir.fields], bd,
-                    {s: s.name for s in gb} | {E.symbol(f"b{k}"): f"b{k}" for k in range(nb)}, "_w", shape_like=shape)
+    part += _assign_rcp([f"cd_{f}_new" for f in ir.fields], adj.c, here, "_i", recips, shape_like=shape)
+    part += _assign_rcp([f"b{k}" for k in range(nb)], adj.b_entries, b_names, "_b", recips, shape_like=shape)
+    part += _assign_rcp([f"bd_{f}_new" for f in ir.fields], bd,
+                        {s: s.name for s in gb} | {E.symbol(f"b{k}"): f"b{k}" for k in range(nb)}, "_w", recips,
+                        shape_like=shape)
     part += [f"nq_{f}_new = q_{f}" for f in ir.fields]
-    part += _keep(carried, f"live{j}")
+    part += _keep(carried, live)
     return part
 
 
-def _grad_loads(ir: ScanIR, j: int, at: str) -> list[str]:
-    return [f"g{j}_{out} = to_acc(tl.load(g{o}_ptr + g{o}_off + {at} * g{o}_st, mask=ok{j}, other=0.0), FP64)"
+def _grad_loads(ir: ScanIR, j: int, at: str, lane_mask: str, slot_mask: str) -> list[str]:
+    """Upstream gradients of the outputs: per slot when summed over the state (stride 0 over it)."""
+    per_slot = ir.reduce_state
+    mask = slot_mask if per_slot else lane_mask
+    return [f"g{j}_{out} = to_acc(tl.load({_at(f'g{o}', at, per_slot)}, mask={mask}, other=0.0), FP64)"
             for o, out in enumerate(ir.outputs)]
 
 
@@ -214,97 +389,110 @@ def _step_inputs(ir: ScanIR, j: int) -> list[str]:
             + [f"g_{o} = g{j}_{o}" for o in ir.outputs] + [f"q_{f} = q{j}_{f}" for f in ir.fields])
 
 
-def _chunk_in_scratch(ir: ScanIR, adj: Adjoint) -> list[str]:
-    """CHUNK > UNROLL: replay the chunk's prefixes into the per-lane scratch rows, then walk back in
-    blocks of UNROLL steps reading each step's previous prefix from scratch."""
+def _replay_block(ir: ScanIR, masked: bool) -> list[str]:
+    """Replay UNROLL steps from s0 into the scratch rows."""
     const = dict(ir.constants)
-    replay = _block_index("s0")
+    block = _block_index("s0")
     for j in range(MAX_UNROLL):
-        part = []
-        part += [f"live{j} = s0 + {j} < n_steps", f"ok{j} = lane_ok & (lane * 0 + {j} < n_steps - s0)"]
-        part += _load_lift(ir, tag=str(j), shift=j, mask=f"ok{j}", hoisted=True)
-        replay += _guarded(j, part)
+        lines, lmask, smask, _ = _masks(j, "s0", masked)
+        block += _guarded(j, lines + _load_lift(ir, str(j), f"(tt + {j} * step)", lmask, smask, masked))
     for j in range(MAX_UNROLL):
-        part = []
-        part.append(_combine_call(ir, "c_{}_new", "c_{}", f"e{j}_" + "{}"))
-        part += _keep([f"c_{f}" for f in _free(ir)], f"live{j}")
-        part += [f"tl.store({_scratch(f, f's0 + {j}')}, c_{name}, mask=ok{j})" for f, name in enumerate(ir.fields)
+        _, lmask, _, live = _masks(j, "s0", masked)
+        part = _combine_inline(ir, "c_{}_new", "c_{}", f"e{j}_" + "{}", {})
+        part += _keep([f"c_{f}" for f in _free(ir)], live)
+        part += [f"tl.store({_scratch(f, f's0 + {j}')}, c_{name}, mask={lmask})" for f, name in enumerate(ir.fields)
                  if name not in const]
-        replay += _guarded(j, part)
-    chunk = ["for s0 in range(0, n_steps, UNROLL):", *_indent(replay, 4), "tl.debug_barrier()"]
-    chunk += [f"nq_{f} = c_{f}" for f in ir.fields]   # the prefix at the chunk's last step
+        block += _guarded(j, part)
+    return block
+
+
+def _walk_block(ir: ScanIR, adj: Adjoint, masked: bool) -> list[str]:
+    """UNROLL adjoint steps back from step n_steps - 1 - ss0, reading the previous prefixes from scratch."""
+    const = dict(ir.constants)
     block = _block_index("(n_steps - 1 - ss0)")
     for j in range(MAX_UNROLL):   # loads first (inputs, upstream gradients, previous prefixes), then the chain
-        part = []
-        part += [f"live{j} = ss0 + {j} < n_steps", f"ok{j} = lane_ok & (lane * 0 + {j} < n_steps - ss0)",
-                 f"s{j} = n_steps - 1 - ss0 - {j}"]
-        part += _load_lift(ir, tag=str(j), shift=-j, mask=f"ok{j}", hoisted=True)
-        part += _grad_loads(ir, j, f"(tt - {j} * step)")
+        lines, lmask, smask, _ = _masks(j, "ss0", masked)
+        part = lines + [f"s{j} = n_steps - 1 - ss0 - {j}"]
+        part += _load_lift(ir, str(j), f"(tt - {j} * step)", lmask, smask, masked)
+        part += _grad_loads(ir, j, f"(tt - {j} * step)", lmask, smask)
         for f, name in enumerate(ir.fields):   # the previous prefix: the checkpoint at the chunk's first step
             if name in const:
                 part.append(f"q{j}_{name} = k_{name}")
                 continue
             part.append(f"q{j}_{name} = tl.where(s{j} > 0, tl.load({_scratch(f, f'tl.maximum(s{j} - 1, 0)')}, "
-                        f"mask=ok{j}, other=0.0), k_{name})")
+                        f"mask={lmask}, other=0.0), k_{name})")
         block += _guarded(j, part)
     carried = [f"{c}_{f}" for c in ("cd", "bd", "nq") for f in ir.fields]
     for j in range(MAX_UNROLL):
         part = _step_inputs(ir, j) + [f"p_{f} = nq_{f}" for f in ir.fields]
-        part += _adjoint_step(ir, adj, j, f"(tt - {j} * step)", carried)
+        part += _adjoint_step(ir, adj, j, f"(tt - {j} * step)", carried, masked)
         block += _guarded(j, part)
-    chunk += ["for ss0 in range(0, n_steps, UNROLL):", *_indent(block, 4), "tl.debug_barrier()"]
-    return chunk
+    return block
 
 
-def _chunk_in_registers(ir: ScanIR, adj: Adjoint) -> list[str]:
-    """CHUNK == UNROLL: the chunk is one block; its prefixes stay in registers (r<j>_<field>) and its
-    inputs and elements are reused by the walk back, so nothing goes through scratch memory. Steps
-    are at fixed positions j (memory index tt + j * step); positions past the chunk's end are masked."""
+def _chunk_in_scratch(ir: ScanIR, adj: Adjoint) -> list[str]:
+    """CHUNK > UNROLL: replay the chunk's prefixes into the per-lane scratch rows, then walk back in
+    blocks of UNROLL steps reading each step's previous prefix from scratch."""
+    chunk = _split_blocks(_replay_block(ir, False), _replay_block(ir, True), "s0") + ["tl.debug_barrier()"]
+    chunk += [f"nq_{f} = c_{f}" for f in ir.fields]   # the prefix at the chunk's last step
+    chunk += _split_blocks(_walk_block(ir, adj, False), _walk_block(ir, adj, True), "ss0")
+    return chunk + ["tl.debug_barrier()"]
+
+
+def _registers_block(ir: ScanIR, adj: Adjoint, masked: bool) -> list[str]:
+    """The whole chunk as one block at fixed positions j (memory index tt + j * step)."""
     const = dict(ir.constants)
-    chunk = _block_index("0")
+    chunk = []
     for j in range(MAX_UNROLL):
-        part = [f"live{j} = {j} < n_steps", f"ok{j} = lane_ok & (lane * 0 + {j} < n_steps)"]
-        part += _load_lift(ir, tag=str(j), shift=j, mask=f"ok{j}", hoisted=True)
-        part += _grad_loads(ir, j, f"(tt + {j} * step)")
+        lines, lmask, smask, _ = _masks(j, "0", masked)
+        part = lines + _load_lift(ir, str(j), f"(tt + {j} * step)", lmask, smask, masked)
+        part += _grad_loads(ir, j, f"(tt + {j} * step)", lmask, smask)
         chunk += _guarded(j, part)
     for j in range(MAX_UNROLL):
-        part = [_combine_call(ir, "c_{}_new", "c_{}", f"e{j}_" + "{}")]
-        part += _keep([f"c_{f}" for f in _free(ir)], f"live{j}")
+        _, _, _, live = _masks(j, "0", masked)
+        part = _combine_inline(ir, "c_{}_new", "c_{}", f"e{j}_" + "{}", {})
+        part += _keep([f"c_{f}" for f in _free(ir)], live)
         part += [f"r{j}_{f} = c_{f}" for f in _free(ir)]
         chunk += _guarded(j, part)
     carried = [f"{c}_{f}" for c in ("cd", "bd") for f in ir.fields]
     for j in reversed(range(MAX_UNROLL)):
         prev = [f"q{j}_{f} = " + (f"k_{f}" if f in const or j == 0 else f"r{j - 1}_{f}") for f in ir.fields]
         part = prev + _step_inputs(ir, j) + [f"p_{f} = " + (f"k_{f}" if f in const else f"r{j}_{f}") for f in ir.fields]
-        part += _adjoint_step(ir, adj, j, f"(tt + {j} * step)", carried)
+        part += _adjoint_step(ir, adj, j, f"(tt + {j} * step)", carried, masked)
         chunk += _guarded(j, part)
     return chunk
 
 
+def _chunk_in_registers(ir: ScanIR, adj: Adjoint) -> list[str]:
+    """CHUNK == UNROLL: the chunk is one block; its prefixes stay in registers (r<j>_<field>) and its
+    inputs and elements are reused by the walk back, so nothing goes through scratch memory. A full
+    chunk runs unmasked; a partial one masks the positions past its end."""
+    return [*_block_index("0"), "if n_steps == CHUNK:", *_indent(_registers_block(ir, adj, False), 4),
+            "else:", *_indent(_registers_block(ir, adj, True), 4)]
+
+
 def render_backward_lanes(ir: ScanIR, adj: Adjoint) -> list[str]:
-    consts = (["BLOCK_L", "CHUNK", "UNROLL", "REVERSE", "HAS_INIT", "HAS_DFINAL", "VARLEN", "STATE", "FP64"]
-              + [f"DU{i}" for i in range(len(ir.inputs))])
+    consts = (["BLOCK_L", "R", "EVEN_L", "CHUNK", "UNROLL", "REVERSE", "HAS_INIT", "HAS_DFINAL", "VARLEN", "STATE",
+               "FP64", "RCP_APPROX"] + [f"DU{i}" for i in range(len(ir.inputs))])
     body = _prologue()
     for i in range(len(ir.inputs)):
-        body.append(f"u{i}_off = {_lane_off(f'u{i}')}")
-        body.append(f"du{i}_off = {_lane_off(f'du{i}')}")
-        body.append(f"du{i}_goff = {_lane_off(f'du{i}', 'lane // STATE', '1')}")
-        body.append(f"acc{i} = to_acc(tl.zeros([BLOCK_L], tl.float32), FP64)")
-    for j in range(len(ir.outputs)):
-        body.append(f"g{j}_off = {_lane_off(f'g{j}')}")
+        body += _offsets(f"u{i}") + _offsets(f"du{i}") + _offsets(f"du{i}", per_group=True)
+        body.append(f"acc{i} = to_acc(tl.zeros({SHAPE}, tl.float32), FP64)")
+    for o in range(len(ir.outputs)):
+        body += _offsets(f"g{o}")
     body += _static_loads(ir)
     for f, name in enumerate(ir.fields):   # cd: direct terms handed down (dL/dfinal to the last step)
-        body += [f"cd_{name} = to_acc(tl.zeros([BLOCK_L], tl.float32), FP64)",
+        body += [f"cd_{name} = to_acc(tl.zeros({SHAPE}, tl.float32), FP64)",
                  "if HAS_DFINAL:",
-                 f"    cd_{name} += to_acc(tl.load(dfinal_ptr + ({f} * n_seq + seq) * L + lane, mask=lane_ok, other=0.0), FP64)",
-                 f"bd_{name} = to_acc(tl.zeros([BLOCK_L], tl.float32), FP64)"]
+                 f"    cd_{name} += to_acc(tl.load(dfinal_ptr + ({f} * n_seq + seq) * L + lane_mem, mask=lane_ok, other=0.0), FP64)",
+                 f"bd_{name} = to_acc(tl.zeros({SHAPE}, tl.float32), FP64)"]
     chunk = ["k = n_chunks - 1 - kk", "n_steps = tl.minimum(CHUNK, seq_len - k * CHUNK)"]
     const = dict(ir.constants)
     for f, (name, ident) in enumerate(zip(ir.fields, ir.identity)):
         if name in const:
-            chunk.append(f"k_{name} = to_acc(tl.full([BLOCK_L], {_num(const[name])}, tl.float64), FP64)")
+            chunk.append(f"k_{name} = to_acc(tl.full({SHAPE}, {_num(const[name])}, tl.float64), FP64)")
         else:
-            chunk.append(f"k_{name} = to_acc(tl.load(ckpt_ptr + ({f} * n_slots + slot0 + k) * L + lane, mask=lane_ok, "
+            chunk.append(f"k_{name} = to_acc(tl.load(ckpt_ptr + ({f} * n_slots + slot0 + k) * L + lane_mem, mask=lane_ok, "
                          f"other={_num(ident)}), FP64)")
         chunk.append(f"c_{name} = k_{name}")
     chunk += ["if CHUNK == UNROLL:", *_indent(_chunk_in_registers(ir, adj), 4),
@@ -313,12 +501,11 @@ def render_backward_lanes(ir: ScanIR, adj: Adjoint) -> list[str]:
     body += _indent(chunk, 4)
     for i in range(len(ir.inputs)):
         body += [f"if DU{i} == 2:",
-                 f"    tl.atomic_add(du{i}_ptr + du{i}_off, acc{i}.to(du{i}_ptr.dtype.element_ty), mask=lane_ok, "
-                 "sem='relaxed')"]
+                 f"    tl.atomic_add(pdu{i} + du{i}_r, acc{i}.to(du{i}_ptr.dtype.element_ty), mask=lane_ok, sem='relaxed')"]
     body.append("if HAS_INIT:")   # dL/d(initial) = c_0 + B_0 gbar_0 (dL/dfinal when the sequence is empty)
     for f, name in enumerate(ir.fields):
-        body.append(f"    tl.store(dinit{f}_ptr + seq * L + lane, cd_{name} + bd_{name}, mask=lane_ok)")
-    sig = ", ".join(backward_args(ir) + ["scratch_ptr"] + [f"{c}: tl.constexpr" for c in consts] + static_flags(ir))
+        body.append(f"    tl.store(dinit{f}_ptr + seq * L + lane_mem, cd_{name} + bd_{name}, mask=lane_ok)")
+    sig = ", ".join(backward_args(ir) + ["scratch_ptr"] + [f"{c}: tl.constexpr" for c in consts] + lanes_flags(ir))
     return ["@triton.jit", f"def scan_backward_lanes({sig}):",
             f'    """Backward of {ir.name}, lane-sequential: replay each chunk (in registers when CHUNK == UNROLL, '
             'else into scratch), step the adjoint back."""',

@@ -16,6 +16,8 @@ import dataclasses
 
 import torch
 
+from scanlang import settings
+
 from . import runtime
 from .runtime import Config, broadcast_strides, lane_layout
 
@@ -133,10 +135,13 @@ class _Plan:
     def lanes_meta(self, cfg: Config) -> dict:
         """The lane-sequential kernels' layout constexprs: R lanes per thread slot
         (runtime.lanes_per_thread), EVEN_L (every program full), TSTATIC<i> (input i constant in time:
-        loaded once), SLOT<i> (constant over the last lane dim, which R divides: loaded once per slot)."""
+        loaded once), SLOT<i> (constant over the last lane dim, which R divides: loaded once per slot),
+        RCP_APPROX (float32 compiled for a GPU: reciprocals by the hardware instruction)."""
         lanes = self.layout.L
         slot = {f"SLOT{i}": st[4] == 0 for i, st in enumerate(self.layout.strides[:len(self.static)])}
-        return dict(R=runtime.lanes_per_thread(cfg, self.state), EVEN_L=lanes % cfg.block_l == 0, **self.static, **slot)
+        rcp = not self.common["FP64"] and not settings.triton_interpret()
+        return dict(R=runtime.lanes_per_thread(cfg, self.state), EVEN_L=lanes % cfg.block_l == 0, RCP_APPROX=rcp,
+                    **self.static, **slot)
 
     def smaller(self, cfg: Config, keep_block_t: bool = False) -> Config | None:
         return runtime.smaller_config(cfg, self.state, keep_block_t=keep_block_t)
@@ -196,7 +201,8 @@ class ForwardPlan(_Plan):
         if got is None:
             meta = dict(self.common, BLOCK_L=cfg.block_l, CHUNK=chunk_of(cfg, self.checkpoint), num_warps=cfg.num_warps)
             if cfg.schedule == "lanes":
-                kernel, meta = self.prog.module.scan_forward_lanes, dict(meta, UNROLL=cfg.unroll, **self.lanes_meta(cfg))
+                kernel = self.prog.module.scan_forward_lanes   # CKPT: checkpoints only for a backward
+                meta = dict(meta, UNROLL=cfg.unroll, CKPT=self.checkpoint, **self.lanes_meta(cfg))
             else:
                 kernel, meta = self.prog.module.scan_forward, dict(meta, BLOCK_T=cfg.block_t, STAGES=cfg.stages)
             got = self._launch[cfg] = (kernel, (_cdiv(self.layout.L, cfg.block_l), self.n_seq), meta,
