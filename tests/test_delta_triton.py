@@ -229,10 +229,11 @@ def test_generated_source_is_deterministic_and_cached(tmp_path):
     assert src == codegen.kernel_source(KACZMARZ, 64)
     assert "return (s / ((eps + n2)))" in src            # the rendered Kaczmarz step hook
     prep = lambda C: codegen.render_prep(C)  # noqa: E731
-    # the block merge (I + N)(I + N^2)...: log2(C/16) factors, none for a single block
-    assert prep(64).count("N = mm(N, N, PREC, UPCAST)") == 1 and prep(128).count("N = mm(N, N, PREC, UPCAST)") == 2
-    assert "Tm = Tm + mm(Q, Tm, PREC, UPCAST)" in prep(32) and "N = mm(N, N" not in prep(32)
-    assert "def delta_prep" in codegen.kernel_source(KACZMARZ, 16) and "Q" not in prep(16)
+    # the block merge (I + N)(I + N^2)... Td: log2(C/16) factors, none for a single block
+    assert "N1 = mm(N0, N0, PREC, UPCAST)" in prep(64) and "N2 = mm(N1, N1, PREC, UPCAST)" in prep(128)
+    assert prep(64).count("Tm = Tm + mm(N") == 2 and prep(128).count("Tm = Tm + mm(N") == 3
+    assert "Tm = Tm + mm(N0, Tm, PREC, UPCAST)" in prep(32) and "N1" not in prep(32)
+    assert "def delta_prep" in codegen.kernel_source(KACZMARZ, 16) and "N0" not in prep(16)
     mod = codegen.load(GDN_SIGMOID, 32)
     files = [f for f in (tmp_path / "triton").glob("scanlang_*.py")       # the shared kernel cache
              if f.read_text() == codegen.kernel_source(GDN_SIGMOID, 32)]

@@ -93,8 +93,8 @@ def render_prep(chunk_size: int) -> str:
     Tm = (I + A)^-1 with A = Ad + Ao (Ad: the 16x16 diagonal blocks, Ao: strictly below them). With
     Td = (I + Ad)^-1 (`inv_unit_lower_blocks`), I + A = (I + Ad)(I - N) for N = -Td Ao, strictly block-lower
     with N^(C/16) = 0, so Tm = (I - N)^-1 Td = (I + N)(I + N^2)(I + N^4)... Td, the product unrolled here
-    (log2(C/16) factors). It is formed as Tm = Td + Q Td with Q = that product minus I (strictly
-    block-lower), so the diagonal blocks of Tm are exactly Td."""
+    (log2(C/16) factors), applied right to left as Tm <- Tm + N^(2^j) Tm: every term added is strictly
+    block-lower, so the diagonal blocks of Tm are exactly Td, and only the powers and Tm stay live."""
     nb = chunk_size // BLOCK
     L = []
     a = L.append
@@ -128,12 +128,12 @@ def render_prep(chunk_size: int) -> str:
     a("    Tm = inv_unit_lower_blocks(A, C)")
     if nb > 1:
         a(f"    below = (rows[:, None] // {BLOCK}) > (rows[None, :] // {BLOCK})")
-        a("    N = -mm(Tm, tl.where(below, A, 0.0), PREC, UPCAST)")
-        a("    Q = N")
-        for _ in range(1, (nb - 1).bit_length()):
-            a("    N = mm(N, N, PREC, UPCAST)")
-            a("    Q = Q + N + mm(Q, N, PREC, UPCAST)")
-        a("    Tm = Tm + mm(Q, Tm, PREC, UPCAST)")
+        powers = (nb - 1).bit_length()             # N, N^2, ..., N^(2^(powers-1)); N^nb = 0
+        a("    N0 = -mm(Tm, tl.where(below, A, 0.0), PREC, UPCAST)")
+        for j in range(1, powers):
+            a(f"    N{j} = mm(N{j - 1}, N{j - 1}, PREC, UPCAST)")
+        for j in reversed(range(powers)):
+            a(f"    Tm = Tm + mm(N{j}, Tm, PREC, UPCAST)")
     a("    tl.store(tm_ptr + ((c * H + h) * C + rows[:, None]).to(tl.int64) * C + rows[None, :], Tm)")
     a("    # w = Tm diag(beta e^G) K, u = Tm diag(beta) V, 64 columns at a time")
     a("    bG = beta * tl.exp(G)")
