@@ -180,21 +180,37 @@ def run_scans(table, B, D, T, anchors: bool, sweep: bool, log: dict, lanes: bool
 
 
 def _bwd_sweep_rows(table, kind, mix, data, g, g_ref, n, log: dict):
-    """Time-contiguous fwd+bwd under a few (checkpoint interval = backward tile, backward warps)
-    pairs, the forward's tile kept at the whole sequence: GPU time alone (CUDA graph), checked."""
+    """Time-contiguous tile shapes of the run-based kernels (codegen_runs.py; 256 steps per warp is
+    one 8-step run per thread), GPU time alone (CUDA graph): the forward alone per (tile, warps,
+    stages), checked against the default config's output (itself checked against float64); then
+    fwd+bwd per backward tile = checkpoint interval (the forward on the same tile), checked."""
     from scanlang.backends.triton import runtime
     from scanlang.backends.triton.runtime import Config
-    nf, T = len(data), data["a"].shape[-1]
+    nf = len(data)
+    runtime.OVERRIDES.clear()
+    y_default = mix(**data)[0]
+    for bt, warps, stages in ((256, 1, 1), (512, 2, 1), (1024, 4, 1), (512, 1, 1), (1024, 2, 1), (2048, 4, 1),
+                              (256, 1, 2), (512, 2, 2)):
+        runtime.OVERRIDES.clear()
+        runtime.OVERRIDES[(True, False)] = Config(block_t=bt, block_l=1, num_warps=warps, stages=stages)
+        note = f"forward tile {bt}, warps {warps}, stages {stages}"
+        try:
+            err = _ratio(mix(**data)[0], y_default)
+            ms = _bench(lambda: mix(**data), graph=True)
+            table.add(f"scanlang {kind} fwd, GPU time (CUDA graph), err vs default", "time", ms, (nf + 1) * n * 4, err,
+                      note=note)
+            log.setdefault("fwd_sweep", []).append(dict(kind=kind, cfg=note, ms=ms, err=err))
+        except Exception as exc:  # reported, not fatal
+            print(f"fwd sweep {note} failed: {type(exc).__name__}: {str(exc)[:300]}")
     leaves = {k: v.clone().requires_grad_() for k, v in data.items()}
 
     def fwd_bwd():
         return torch.autograd.grad(mix(**leaves)[0], tuple(leaves.values()), g)
-    # tiles of 256 steps per warp: one 8-step run per thread in the run-based kernels (codegen_runs.py)
-    for chunk, warps in ((256, 1), (512, 2), (1024, 4), (2048, 8)):
+    for chunk, warps in ((256, 1), (512, 2), (1024, 4), (512, 1), (1024, 2)):
         runtime.OVERRIDES.clear()
-        runtime.OVERRIDES[(True, False)] = Config(block_t=T, block_l=1, num_warps=8, chunk=chunk)
+        runtime.OVERRIDES[(True, False)] = Config(block_t=chunk, block_l=1, num_warps=warps, chunk=chunk)
         runtime.OVERRIDES[(True, True)] = Config(block_t=chunk, block_l=1, num_warps=warps, chunk=chunk)
-        note = f"checkpoint/backward tile {chunk}, backward warps {warps}"
+        note = f"forward and backward tile {chunk} (= checkpoint interval), warps {warps}"
         try:
             gerr = max(_ratio(a, b) for a, b in zip(fwd_bwd(), g_ref))
             ms = _bench(fwd_bwd, graph=True)

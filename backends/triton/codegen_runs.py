@@ -18,6 +18,8 @@ together they read each line whole (the L1 serves the rest).
 """
 from __future__ import annotations
 
+import functools
+
 import sympy
 
 from scanlang import expr as E
@@ -108,22 +110,40 @@ def _store_steps(tensor: str, vals: str, cast: str, mask_j: str = "ok{}", mask_q
     return [f"if {tensor}_st == 1:"] + ["    " + ln for ln in vector] + ["else:"] + ["    " + ln for ln in scalar]
 
 
+def _direct_fields(ir: ScanIR) -> dict[int, tuple[str, float]]:
+    """Inputs lifted unchanged into exactly one field (and into no other field's lift): input index ->
+    (field, identity). Their loads pad with the identity, so no select is needed after the lift."""
+    out = {}
+    for i, u in enumerate(ir.input_symbols):
+        users = [f for f, e in enumerate(ir.lift) if u in e.free_symbols]
+        if len(users) == 1 and ir.lift[users[0]] == u:
+            out[i] = (ir.fields[users[0]], ir.identity[users[0]])
+    return out
+
+
 def _lift_run(ir: ScanIR, tag: str, mask: str) -> list[str]:
     """e{tag}_<field>: the lifted inputs u{tag}_<input>, the identity where `mask` is false."""
     names = {s: f"u{tag}_{s.name[2:]}" for s in ir.input_symbols}
     lines = [f"u{tag}_{n} = to_acc(u{tag}_{n}, FP64)" for n in ir.inputs]
     lines += _assign([f"l{tag}_{f}" for f in ir.fields], ir.lift, names, f"_l{tag}_",
                      shape_like=f"u{tag}_{ir.inputs[0]}")
+    direct = {f for f, _ in _direct_fields(ir).values()}
     for f, ident in zip(ir.fields, ir.identity):
-        lines.append(f"e{tag}_{f} = tl.where({mask}, l{tag}_{f}, {_num(ident)})")
+        lines.append(f"e{tag}_{f} = l{tag}_{f}" if f in direct else f"e{tag}_{f} = tl.where({mask}, l{tag}_{f}, {_num(ident)})")
     return lines
+
+
+def _pad(ir: ScanIR, i: int) -> str:
+    """The value a masked load of input i gives: the identity of the field it is lifted into unchanged."""
+    direct = _direct_fields(ir)
+    return _num(direct[i][1]) if i in direct else "1.0"
 
 
 def _load_lift_runs(ir: ScanIR) -> list[str]:
     """Inputs u{j}_<input> and elements e{j}_<field> of every step j of every run."""
     lines = []
     for i, name in enumerate(ir.inputs):
-        lines += _load_steps(f"u{i}", f"u{{}}_{name}", "1.0")
+        lines += _load_steps(f"u{i}", f"u{{}}_{name}", _pad(ir, i))
     for j in range(RUN):
         lines += _lift_run(ir, str(j), f"ok{j}")
     return lines
@@ -131,19 +151,19 @@ def _load_lift_runs(ir: ScanIR) -> list[str]:
 
 def _load_lift_after(ir: ScanIR) -> list[str]:
     """un_<input>, en_<field>: the step after each run (masked by okn)."""
-    lines = [f"un_{name} = tl.load(u{i}_at + ({RUN} * step) * u{i}_st, mask=okn, other=1.0)"
+    lines = [f"un_{name} = tl.load(u{i}_at + ({RUN} * step) * u{i}_st, mask=okn, other={_pad(ir, i)})"
              for i, name in enumerate(ir.inputs)]
     return lines + _lift_run(ir, "n", "okn")
 
 
-def _combine_call(ir: ScanIR, out: str, x: str, y: str) -> str:
+def _combine_call(ir: ScanIR, out: str, x: str, y: str, fn: str = "combine") -> str:
     outs = ", ".join(f"{out}_{f}" for f in ir.fields)   # one field: combine returns the value itself
-    return f"{outs} = combine({', '.join(f'{x}_{f}' for f in ir.fields)}, {', '.join(f'{y}_{f}' for f in ir.fields)})"
+    return f"{outs} = {fn}({', '.join(f'{x}_{f}' for f in ir.fields)}, {', '.join(f'{y}_{f}' for f in ir.fields)})"
 
 
-def _replay_runs(ir: ScanIR) -> list[str]:
+def _replay_runs(ir: ScanIR, raw: bool = False) -> list[str]:
     """Prefixes p{j}_* of every step of the tile from the elements e{j}_* and the carry c_*;
-    P_* is the prefix before each run (c_* before the first)."""
+    P_* is the prefix before each run (c_* before the first). `raw`: p{j}_* not rescaled."""
     lines = [f"r0_{f} = e0_{f}" for f in ir.fields]
     for j in range(1, RUN):
         lines.append(_combine_call(ir, f"r{j}", f"r{j - 1}", f"e{j}"))
@@ -162,24 +182,82 @@ def _replay_runs(ir: ScanIR) -> list[str]:
     for f in ir.fields:
         lines.append(f"P_{f} = tl.where(run == 0, cb_{f}, pc_{f})")
     for j in range(RUN):
-        lines.append(_combine_call(ir, f"p{j}", "P", f"r{j}"))
+        lines.append(_combine_call(ir, f"p{j}", "P", f"r{j}", "combine_raw" if raw else "combine"))
     return lines
+
+
+@functools.lru_cache(maxsize=256)
+def scale_invariant_readout(ir: ScanIR) -> bool:
+    """True for a projective monoid whose readout does not change when the prefix and the previous
+    prefix are each multiplied by any non-zero number (e.g. Möbius (a + b) / (c + d)): then the
+    forward's readout may take unnormalised prefixes (P (+) r_j without the rescale)."""
+    if not ir.is_projective:
+        return False
+    lam, mu = sympy.Symbol("_lambda", nonzero=True), sympy.Symbol("_mu", nonzero=True)
+    scaled = dict(zip(ir.prefix_symbols, [lam * x for x in ir.prefix_symbols]))
+    scaled |= dict(zip(ir.previous_symbols, [mu * x for x in ir.previous_symbols]))
+    for r in ir.readout:
+        if r.count_ops() > 60:
+            return False
+        if sympy.simplify(r.subs(scaled, simultaneous=True) - r) != 0:
+            return False
+    return True
+
+
+def raw_functions(ir: ScanIR) -> list[str]:
+    """`combine_raw` (the combine without the rescale) and `normalise` (the rescale alone) of a
+    projective monoid whose readout is scale invariant; nothing otherwise."""
+    if not scale_invariant_readout(ir):
+        return []
+    xs = [f"x_{f}" for f in ir.fields]
+    ys = [f"y_{f}" for f in ir.fields]
+    names = dict(zip(ir.earlier, xs)) | dict(zip(ir.later, ys))
+    out = [f"m_{f}" for f in ir.fields]
+    raw = _assign(out, ir.combine, names, "_c", shape_like=xs[0]) + [f"return {', '.join(out)}"]
+    norm = _assign(["scale"], [ir.scale], dict(zip(ir.scale_symbols, out)), "_s")
+    norm += ["if scale.dtype == tl.float32:", "    inv_scale = tl.fdiv(1.0, scale, approx=True)",
+             "else:", "    inv_scale = 1.0 / scale", f"return {', '.join(f'{o} * inv_scale' for o in out)}"]
+    return (["@triton.jit", f"def combine_raw({', '.join(xs + ys)}):",
+             '    """combine(x, y) without the rescale."""'] + ["    " + ln for ln in raw]
+            + ["", "", "@triton.jit", f"def normalise({', '.join(out)}):",
+               '    """m rescaled as the combine rescales."""'] + ["    " + ln for ln in norm])
 
 
 def _step_masks() -> list[str]:
     return [f"ok{j} = (ts + {j} < seq_len) & lane_ok[None, :]" for j in range(RUN)]
 
 
-def _last_prefix(ir: ScanIR) -> list[str]:
-    """c_*: the prefix at the tile's last valid step (padding may not even be finite)."""
+def _last_prefix(ir: ScanIR, raw: bool = False) -> list[str]:
+    """c_*: the prefix at the tile's last valid step (padding may not even be finite); rescaled
+    here when the prefixes are `raw`."""
     lines = ["last = tl.minimum(seq_len - 1 - k * BLOCK_T, BLOCK_T - 1)", f"last_run = last // {RUN}"]
     lines += [f"z_{f} = p{RUN - 1}_{f}" for f in ir.fields]
     lines.append(f"if last % {RUN} != {RUN - 1}:")
     for j in range(RUN - 1):
         lines.append(f"    {'if' if j == 0 else 'elif'} last % {RUN} == {j}:")
         lines += [f"        z_{f} = p{j}_{f}" for f in ir.fields]
-    lines += [f"c_{f} = tl.sum(tl.where(run == last_run, z_{f}, 0.0), 0)" for f in ir.fields]
+    if raw:
+        lines.append(f"{', '.join(f'z_{f}' for f in ir.fields)} = normalise({', '.join(f'z_{f}' for f in ir.fields)})")
+    lines += [f"z_{f} = tl.where(run == last_run, z_{f}, 0.0)" for f in ir.fields]
+    lines += _sum_runs(ir, "c", "z")
     return lines
+
+
+def _sum_runs(ir: ScanIR, out: str, src: str) -> list[str]:
+    """out_<field> = src_<field> summed over the runs, all fields in one reduction (one exchange
+    through shared memory instead of one per field)."""
+    if len(ir.fields) == 1:
+        return [f"{out}_{ir.fields[0]} = tl.sum({src}_{ir.fields[0]}, 0)"]
+    outs = ", ".join(f"{out}_{f}" for f in ir.fields)
+    return [f"{outs} = tl.reduce(({', '.join(f'{src}_{f}' for f in ir.fields)}), 0, sum_fields)"]
+
+
+def sum_fields_function(ir: ScanIR) -> list[str]:
+    """`sum_fields(x.., y..)`: fieldwise sum (the combine of `_sum_runs`)."""
+    xs = [f"x_{f}" for f in ir.fields]
+    ys = [f"y_{f}" for f in ir.fields]
+    return ["@triton.jit", f"def sum_fields({', '.join(xs + ys)}):", '    """Fieldwise x + y."""',
+            f"    return {', '.join(f'{x} + {y}' for x, y in zip(xs, ys))}"]
 
 
 def forward_loop(ir: ScanIR) -> list[str]:
@@ -189,13 +267,18 @@ def forward_loop(ir: ScanIR) -> list[str]:
     for f, name in enumerate(ir.fields):
         loop.append(f"    tl.store(ckpt_ptr + ({f} * n_slots + slot0 + k) * L + lane, c_{name}, mask=lane_ok)")
     loop += _bases(ir, [f"u{i}" for i in range(len(ir.inputs))] + [f"o{j}" for j in range(len(ir.outputs))])
+    raw = scale_invariant_readout(ir)
     loop += _load_lift_runs(ir)
-    loop += _replay_runs(ir)
+    loop += _replay_runs(ir, raw)
     # checkpoints every CHUNK steps from inside the tile: the prefix at each chunk's last step
     for j in range(RUN):
         store = [f"chunk{j} = (ts + {j}) // CHUNK + 1",
                  f"end{j} = ((ts + {j}) % CHUNK == CHUNK - 1) & (chunk{j} < tl.cdiv(seq_len, CHUNK)) & lane_ok[None, :]"]
-        store += [f"tl.store(ckpt_ptr + ({f} * n_slots + slot0 + chunk{j}) * L + lane[None, :], p{j}_{name}, mask=end{j})"
+        saved = f"p{j}"
+        if raw:
+            saved = f"n{j}"
+            store.append(f"{', '.join(f'n{j}_{f}' for f in ir.fields)} = normalise({', '.join(f'p{j}_{f}' for f in ir.fields)})")
+        store += [f"tl.store(ckpt_ptr + ({f} * n_slots + slot0 + chunk{j}) * L + lane[None, :], {saved}_{name}, mask=end{j})"
                   for f, name in enumerate(ir.fields)]
         # a chunk that is a multiple of RUN ends only on a run's last step
         cond = "CHUNK < BLOCK_T" if j == RUN - 1 else f"CHUNK < BLOCK_T and CHUNK % {RUN} != 0"
@@ -215,7 +298,7 @@ def forward_loop(ir: ScanIR) -> list[str]:
     for o in range(len(ir.outputs)):
         masks = ("okg{}", "okgq{}") if ir.reduce_state else ("ok{}", "okq{}")
         loop += _store_steps(f"o{o}", f"y{{}}_{o}", f"o{o}_ptr.dtype.element_ty", *masks)
-    loop += _last_prefix(ir)
+    loop += _last_prefix(ir, raw)
     return loop
 
 
@@ -347,7 +430,7 @@ def backward_loop(ir: ScanIR, adj: Adjoint) -> list[str]:
         loop += _assign([f"du{j}_{name}" for name in ir.inputs], adj.du, names_u, f"_u{j}_", shape_like=shape)
     for i, name in enumerate(ir.inputs):
         loop += _du_store_runs(i, name)
-    loop += [f"gc_{f} = tl.sum(tl.where(run == 0, gbar0_{f}, 0.0), 0)" for f in F]
+    loop += [f"gz_{f} = tl.where(run == 0, gbar0_{f}, 0.0)" for f in F] + _sum_runs(ir, "gc", "gz")
     # dL/d(initial) = J1(q_0, x_0)^T gbar_0 + c_0, from the tile's first step (the loop's last tile)
     here0 = ({s: f"p0_{s.name[2:]}" for s in ir.prefix_symbols} | {s: f"P_{s.name[2:]}" for s in ir.previous_symbols}
              | {g: f"g0_{g.name[2:]}" for g in adj.g} | {s: f"u0_{s.name[2:]}" for s in ir.input_symbols})
@@ -358,7 +441,7 @@ def backward_loop(ir: ScanIR, adj: Adjoint) -> list[str]:
     names_w = ({E.symbol(f"cq_{f}"): f"cq_{f}" for f in F} | {E.symbol(f"gbar0_{f}"): f"gbar0_{f}" for f in F}
                | {E.symbol(f"b{k}"): f"b{k}" for k in range(nb)})
     init += _assign([f"w_{f}" for f in F], w, names_w, "_w", shape_like=shape)
-    init += [f"w0_{f} = tl.sum(tl.where(run == 0, w_{f}, 0.0), 0)" for f in F]
+    init += [f"w_{f} = tl.where(run == 0, w_{f}, 0.0)" for f in F] + _sum_runs(ir, "w0", "w")
     loop.append("if HAS_INIT:")
     loop += ["    " + ln for ln in init]
     return loop

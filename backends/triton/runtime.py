@@ -191,13 +191,14 @@ def choose_config(T: int, L: int, time_contiguous: bool, state: int, backward: b
     if interpret:
         return Config(block_t=min(8, pow2(T)), block_l=max(state, min(4, pow2(L))), num_warps=1, chunk=4)
     if time_contiguous:
-        # measured on the H200, [8,1536,4096] fp32 (BENCHMARKS.md, 2026-11-30 runs 1 and 3): forward
-        # 1024-step tiles (affine 0.143 ms, best of 3 tiles; Möbius 0.377 ms), checkpoints every 512
-        # steps for the backward's tiles. Tiles of RUN_TILE steps or more scan runs of RUN steps per
-        # thread (codegen_runs.py): one run per thread, so warps = tile / (32 * RUN), at most 4.
+        # Tiles of RUN_TILE steps or more scan runs of RUN steps per thread (codegen_runs.py), one run
+        # per thread: 512-step tiles on 2 warps, checkpoints every tile (the backward's tile). Offline
+        # SASS per element (sm_90a, bench shapes; resources.py): Möbius forward 116 against 129 for
+        # 1024-step tiles on 4 warps (fewer cross-warp scan steps), 78 registers against 107. The
+        # pre-runs kernels measured best at 1024-step tiles (BENCHMARKS.md, 2026-11-30 runs 1 and 3).
         from .codegen_runs import RUN
-        bt = min(1024, pow2(T))
-        chunk = min(512, bt)
+        bt = min(512, pow2(T))
+        chunk = bt
         tile = chunk if backward else bt
         warps = max(1, min(4, tile * max(state, 1) // (32 * RUN)))
         return Config(block_t=bt, block_l=max(state, 1), num_warps=warps, chunk=chunk)
