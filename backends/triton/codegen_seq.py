@@ -122,9 +122,10 @@ def _masks(j: int, first: str, masked: bool) -> tuple[list[str], str, str, str]:
             f"ok{j}", f"oks{j}", f"live{j}")
 
 
-def _load_lift(ir: ScanIR, tag: str, at: str, lane_mask: str, slot_mask: str, masked: bool) -> list[str]:
+def _load_lift(ir: ScanIR, tag: str, at: str, lane_mask: str, slot_mask: str, masked: bool,
+               lift: bool = True) -> list[str]:
     """Load the inputs at memory index `at` (once per slot for SLOT<i>, once per program for
-    TSTATIC<i>), lift them: u{tag}_<input>, e{tag}_<field>; masked lanes get the identity."""
+    TSTATIC<i>), lift them (when `lift`): u{tag}_<input>, e{tag}_<field>; masked lanes get the identity."""
     lines = []
     for i, n in enumerate(ir.inputs):
         lines += [f"if TSTATIC{i}:", f"    u{tag}_{n} = us{i}",
@@ -132,6 +133,8 @@ def _load_lift(ir: ScanIR, tag: str, at: str, lane_mask: str, slot_mask: str, ma
                   f"    u{tag}_{n} = to_acc(tl.load({_at(f'u{i}', at, True)}, mask={slot_mask}, other=1.0), FP64)",
                   "else:",
                   f"    u{tag}_{n} = to_acc(tl.load({_at(f'u{i}', at)}, mask={lane_mask}, other=1.0), FP64)"]
+    if not lift:
+        return lines
     names = {s: f"u{tag}_{s.name[2:]}" for s in ir.input_symbols}
     lines += _assign([f"l{tag}_{f}" for f in ir.fields], ir.lift, names, f"_l{tag}", shape_like=f"u{tag}_{ir.inputs[0]}")
     for f, ident in zip(ir.fields, ir.identity):
@@ -234,6 +237,53 @@ def _combine_inline(ir: ScanIR, out: str, left: str, right: str, recips: dict) -
     return lines + [f"{o} = {m} * _inv_scale" for o, m in zip(outs, raw)]
 
 
+def _cost(exprs) -> int:
+    """Operations after common subexpressions are shared (how the renderer prints them)."""
+    reps, reduced = sympy.cse(list(exprs), optimizations=None, order="canonical")
+    return sum(sympy.count_ops(v) for _, v in reps) + sum(sympy.count_ops(e) for e in reduced)
+
+
+def _split_at_zero_carry(expr: sympy.Expr, carry: set) -> sympy.Expr:
+    """N / D (D depending on the carry) as q + r / D with q = N / D at carry 0: the part of the step
+    that does not depend on the carry moves off the dependent chain and the numerator shrinks
+    (Kalman: lam' = (a^2 phi + lam (1 + p phi)) / (a^2 + p lam) = phi + lam / (a^2 + p lam)). The
+    same function; `expr` itself when that is not cheaper."""
+    if sympy.count_ops(expr) > 200:
+        return expr
+    num, den = sympy.fraction(sympy.cancel(expr))
+    zero = {c: 0 for c in carry}
+    d0 = den.xreplace(zero)
+    if not (den.free_symbols & carry) or d0 == 0:
+        return expr
+    q = sympy.cancel(num.xreplace(zero) / d0)
+    split = q + sympy.cancel(sympy.expand(num - q * den)) / den
+    return split if _cost([split]) < _cost([expr]) else expr
+
+
+def _composed_step(ir: ScanIR):
+    """The carried fields' update combine(carry, lift(u)) as one expression per free field over the
+    carry (earlier symbols) and the inputs, each split at zero carry; None for a projective monoid
+    (its renormalisation stays with the combine)."""
+    if ir.is_projective:
+        return None
+    const = dict(ir.constants)
+    lift = dict(zip(ir.later, ir.lift))
+    carry = {x for x, f in zip(ir.earlier, ir.fields) if f not in const}
+    return [_split_at_zero_carry(sympy.sympify(ir.combine[ir.fields.index(f)]).xreplace(lift), carry)
+            for f in _free(ir)]
+
+
+def _advance(ir: ScanIR, inputs: str, elements: str, recips: dict) -> list[str]:
+    """c_<field>_new for the free fields: the composed step (inputs named by the format `inputs`),
+    else the combine of the carry with the lifted elements (format `elements`)."""
+    step = _composed_step(ir)
+    if step is None:
+        return _combine_inline(ir, "c_{}_new", "c_{}", elements, recips)
+    names = ({x: f"c_{f}" for x, f in zip(ir.earlier, ir.fields)}
+             | {s: inputs.format(s.name[2:]) for s in ir.input_symbols})
+    return _assign_rcp([f"c_{f}_new" for f in _free(ir)], step, names, "_c", recips, shape_like=f"c_{ir.fields[0]}")
+
+
 def _state_sum(value: str) -> str:
     """Each group's sum over its STATE lanes of a lane tensor [R, G], on every slot of the group
     ([1, G]): in registers, then across the group's STATE // R adjacent slots. No layout change."""
@@ -261,16 +311,16 @@ def _forward_block(ir: ScanIR, masked: bool) -> list[str]:
     block = _block_index("s0")
     for j in range(MAX_UNROLL):   # loads first: nothing below depends on the carry
         lines, lmask, smask, _ = _masks(j, "s0", masked)
-        block += _guarded(j, lines + _load_lift(ir, str(j), f"(tt + {j} * step)", lmask, smask, masked))
+        block += _guarded(j, lines + _load_lift(ir, str(j), f"(tt + {j} * step)", lmask, smask, masked,
+                                                lift=_composed_step(ir) is None))
     names = ({s: f"c_{s.name[2:]}" for s in ir.prefix_symbols} | {s: s.name for s in ir.previous_symbols}
              | _symbols_named(ir.input_symbols, "u_{}"))
     for j in range(MAX_UNROLL):
         _, lmask, smask, live = _masks(j, "s0", masked)
-        part = [f"u_{n} = u{j}_{n}" for n in ir.inputs] + [f"e_{f} = e{j}_{f}" for f in ir.fields]
+        part = [f"u_{n} = u{j}_{n}" for n in ir.inputs]
         if ir.uses_previous:
             part += [f"q_{f} = c_{f}" for f in ir.fields]
-        recips: dict = {}
-        part += _combine_inline(ir, "c_{}_new", "c_{}", "e_{}", recips)
+        part += _advance(ir, "u_{}", f"e{j}_" + "{}", {})
         part += _keep([f"c_{f}" for f in _free(ir)], live)
         part += _assign_rcp([f"r{o}" for o in range(len(ir.outputs))], ir.readout, names, "_r", {},
                             shape_like=f"c_{ir.fields[0]}")
@@ -350,7 +400,8 @@ def _adjoint_step(ir: ScanIR, adj: Adjoint, j: int, at: str, carried: list[str],
     here = ({s: s.name for s in ir.prefix_symbols + ir.previous_symbols + adj.g}
             | _symbols_named(ir.input_symbols, "u_{}"))
     b_names = {s: s.name for s in ir.previous_symbols} | {s: f"e_{f}" for s, f in zip(ir.later, ir.fields)}
-    bmat = adj.matrix([E.symbol(f"b{k}") for k in range(nb)])
+    # entries of B that are identically zero (e.g. the rows of a specialised carry's constants) drop out
+    bmat = adj.matrix([E.symbol(f"b{k}") if adj.b_entries[k] != 0 else sympy.Integer(0) for k in range(nb)])
     gb = [E.symbol(f"gbar_{f}") for f in ir.fields]
     bd = [sum((bmat[i][k] * gb[k] for k in range(n)), sympy.Integer(0)) for i in range(n)]
     recips: dict = {}   # one reciprocal per distinct denominator of the step
@@ -395,10 +446,11 @@ def _replay_block(ir: ScanIR, masked: bool) -> list[str]:
     block = _block_index("s0")
     for j in range(MAX_UNROLL):
         lines, lmask, smask, _ = _masks(j, "s0", masked)
-        block += _guarded(j, lines + _load_lift(ir, str(j), f"(tt + {j} * step)", lmask, smask, masked))
+        block += _guarded(j, lines + _load_lift(ir, str(j), f"(tt + {j} * step)", lmask, smask, masked,
+                                                lift=_composed_step(ir) is None))
     for j in range(MAX_UNROLL):
         _, lmask, _, live = _masks(j, "s0", masked)
-        part = _combine_inline(ir, "c_{}_new", "c_{}", f"e{j}_" + "{}", {})
+        part = _advance(ir, f"u{j}_" + "{}", f"e{j}_" + "{}", {})
         part += _keep([f"c_{f}" for f in _free(ir)], live)
         part += [f"tl.store({_scratch(f, f's0 + {j}')}, c_{name}, mask={lmask})" for f, name in enumerate(ir.fields)
                  if name not in const]
@@ -450,7 +502,7 @@ def _registers_block(ir: ScanIR, adj: Adjoint, masked: bool) -> list[str]:
         chunk += _guarded(j, part)
     for j in range(MAX_UNROLL):
         _, _, _, live = _masks(j, "0", masked)
-        part = _combine_inline(ir, "c_{}_new", "c_{}", f"e{j}_" + "{}", {})
+        part = _advance(ir, f"u{j}_" + "{}", f"e{j}_" + "{}", {})
         part += _keep([f"c_{f}" for f in _free(ir)], live)
         part += [f"r{j}_{f} = c_{f}" for f in _free(ir)]
         chunk += _guarded(j, part)
