@@ -56,14 +56,17 @@ PREP_VALUE_BLOCK = 64    # value columns per step of u in delta_prep (one [C, C]
 # Measured 2026-11-30 on the H200 (torch 2.11, Triton 3.6), B8 T4096 H16 K=V=128 bf16, by
 # `python -m scanlang.backends.delta.bench --sweep` (greedy, one kernel at a time, the others at their best so
 # far): fwd 1.621 ms, fwd+bwd 6.091 ms with these (the previous defaults, chosen by ptxas spill counts: 1.662 /
-# 8.61). "recurrent" was not swept.
+# 8.61). "recurrent" was not swept. Changed since, unmeasured: state_bwd BV 64 -> 128 (the sweep tried 32 and
+# 64 only). At BV=64 / 8 warps it needs 208 registers x 256 threads, so one block per SM, and its B*H*2 = 256
+# sequential programs ran in two waves on 132 SMs; at BV=128 the 128 programs run in one (255 registers, 284 B
+# spilled, 164 KB shared; offline ptxas, sm_90a).
 CONFIG = _Configs({
     "prep": dict(num_warps=4, num_stages=2),
     "wu": dict(BV=64, num_warps=4, num_stages=2),
     "state_fwd": dict(BV=64, num_warps=4, num_stages=2),
     "output": dict(BV=128, num_warps=4, num_stages=2),
     "dU_local": dict(BV=64, num_warps=4, num_stages=2),
-    "state_bwd": dict(BV=64, num_warps=8, num_stages=2),
+    "state_bwd": dict(BV=128, num_warps=8, num_stages=2),   # see below
     "bwd_dqk": dict(BV=32, num_warps=4, num_stages=1),
     "bwd_wy": dict(BV=64, num_warps=4, num_stages=1),
     "recurrent": dict(BV=32, num_warps=4, num_stages=1),
@@ -76,7 +79,11 @@ CONFIG = _Configs({
 # table misses (another Triton version, another shape) `_launch` shrinks at run time, per plan.
 SHARED_MEMORY_FITS = {
     ("output", 4, 256): dict(BV=64),
-    ("state_bwd", 4, 256): dict(num_stages=1),
+    ("state_bwd", 2, 256): dict(BV=64),                  # BV=128: 295172 B with 2 stages (1 stage: 1.7 KB spills)
+    # fp32 keeps BV=64 (BV=128 fits at K=128, 196868 B, but its FMA dots spill 44 KB per thread)
+    ("state_bwd", 4, 64): dict(BV=64),
+    ("state_bwd", 4, 128): dict(BV=64),
+    ("state_bwd", 4, 256): dict(BV=64, num_stages=1),
 }
 EAGER_FAST_PATH = True   # False: every chunked call goes through the torch.library ops (tests compare the two)
 _RULES = {"beta": GIVEN, "kaczmarz": KACZMARZ}
