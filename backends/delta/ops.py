@@ -9,7 +9,7 @@ The chunked path is two `torch.library` ops with registered autograd, `scanlang:
 `scanlang::delta_chunk_bwd` (launches through `wrap_triton`, so torch.compile traces them).
 Forward: prep (gcum, beta, Tm, w, u) -> state_fwd (chunk start states h, innovations U, final state)
 -> output. The backward keeps Tm (and the in-chunk decay cumsum and beta) from the forward, recomputes
-w, u (delta_wu) and the chunk states (state_fwd), then dU_local -> state_bwd (reverse over chunks) ->
+w, u (delta_wu) and the chunk states (state_fwd), then state_bwd (reverse over chunks) ->
 bwd_dqk (dq; dk, dw, dG in part) -> bwd_wy (dv, dk, d step input, d decay input and its parameters).
 Short inputs without gradients (every sequence <= RECURRENT_MAX_LEN tokens, e.g. decoding) take the
 token-loop kernel instead.
@@ -65,7 +65,6 @@ CONFIG = _Configs({
     "wu": dict(BV=64, num_warps=4, num_stages=2),
     "state_fwd": dict(BV=64, num_warps=4, num_stages=2),
     "output": dict(BV=128, num_warps=4, num_stages=2),
-    "dU_local": dict(BV=64, num_warps=4, num_stages=2),
     "state_bwd": dict(BV=128, num_warps=8, num_stages=2),   # see below
     "bwd_dqk": dict(BV=32, num_warps=4, num_stages=1),
     "bwd_wy": dict(BV=64, num_warps=4, num_stages=1),
@@ -296,7 +295,6 @@ def _chunk_backward(p: Plan, q, k, v, a, hp, s, h0, chunk_tok, chunk_len, seq_ch
     NC, N, dev = chunk_tok.numel(), seq_chunk0.numel() - 1, k.device
     gcum, beta, tm, w, h, U, _ = _states(p, k, v, a, hp, s, h0, chunk_tok, chunk_len, seq_chunk0, eps,
                                          saved=(tm, gcum, beta), direct=direct)
-    dul = _empty(TT, H, V, device=dev, dtype=torch.float32)
     dh = _empty(NC, H, K, V, device=dev, dtype=k.dtype)
     dU = _empty(TT, H, V, device=dev, dtype=torch.float32)
     dh0 = _empty(N, H, K, V, device=dev, dtype=torch.float32) if h0 is not None else k.new_empty(0, dtype=torch.float32)
@@ -312,10 +310,8 @@ def _chunk_backward(p: Plan, q, k, v, a, hp, s, h0, chunk_tok, chunk_len, seq_ch
     if not direct and _fake(k):
         return [dq, dk, dv, da, ds, dh0, hp.new_empty(hp.shape)]
     meta, cfgs, mod = p.meta, p.configs, p.mod
-    _launch("dU_local", mod.delta_dU_local, lambda cfg: (NC * triton.cdiv(V, cfg["BV"]), H),
-            (q, k, gcum, do, dul, chunk_tok, chunk_len, scale, H), meta, V, cfgs, direct)
     _launch("state_bwd", mod.delta_state_bwd, lambda cfg: (N, H, triton.cdiv(V, cfg["BV"])),
-            (q, k, w, gcum, do, dul, dht if dht is not None else dh, chunk_tok, chunk_len, seq_chunk0, dh, dU,
+            (q, k, w, gcum, do, dht if dht is not None else dh, chunk_tok, chunk_len, seq_chunk0, dh, dU,
              dh0 if h0 is not None else dh, scale, H),
             dict(meta, HAS_DHT=dht is not None, STORE_DH0=h0 is not None), V, cfgs, direct)
     _launch("bwd_dqk", mod.delta_bwd_dqk, lambda cfg: (NC * p.NK, H),

@@ -19,8 +19,7 @@ Kernels (per chunk c of C tokens, head h; S0 the chunk's start state, G the in-c
     delta_state_fwd   sequential over a sequence's chunks, fp32 state in registers: stores S0 per chunk,
                       U = u - w S0, S_end = e^G_last S0 + (K e^(G_last - G))^T U
     delta_output      O = scale (e^G Q S0 + (Q K^T * Dec) U)
-    delta_dU_local    dU from the outputs alone: scale (Q K^T * Dec)^T dO
-    delta_state_bwd   reverse over chunks: dS_end per chunk, dU += K~ dS_end,
+    delta_state_bwd   reverse over chunks: dS_end per chunk, dU = scale (Q K^T * Dec)^T dO + K~ dS_end,
                       dS0 = e^G_last dS_end + scale (e^G Q)^T dO - w^T dU
     delta_bwd_dqk     per chunk, through the outputs, S_end and U: dq, and dk, dw, dG in part
     delta_bwd_wy      per chunk, through w, u, Tm, A and the hooks: dv, dk, d(step input), d(decay input)
@@ -201,35 +200,7 @@ def delta_output(q_ptr, k_ptr, gcum_ptr, h_ptr, U_ptr, o_ptr, chunk_tok, chunk_l
 
 
 @triton.jit
-def delta_dU_local(q_ptr, k_ptr, gcum_ptr, do_ptr, dul_ptr, chunk_tok, chunk_len, scale,
-                   H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
-                   PREC: tl.constexpr, IN_PREC: tl.constexpr, UPCAST: tl.constexpr):
-    NVB: tl.constexpr = (V + BV - 1) // BV     # a chunk's value blocks run back to back: q, k from L2
-    c = tl.program_id(0) // NVB
-    h = tl.program_id(1)
-    vv = tl.program_id(0) % NVB * BV + tl.arange(0, BV)
-    kk = tl.arange(0, BK)
-    rows = tl.arange(0, C)
-    t0 = tl.load(chunk_tok + c).to(tl.int64)
-    nv = tl.load(chunk_len + c)
-    ok = rows < nv
-    tok = t0 + rows
-    km = ok[:, None] & (kk[None, :] < K)
-    vm = ok[:, None] & (vv[None, :] < V)
-    q = tl.load(q_ptr + (tok[:, None] * H + h) * K + kk[None, :], mask=km, other=0.0)
-    k = tl.load(k_ptr + (tok[:, None] * H + h) * K + kk[None, :], mask=km, other=0.0)
-    G = tl.load(gcum_ptr + tok * H + h, mask=ok, other=0.0)
-    do = tl.load(do_ptr + (tok[:, None] * H + h) * V + vv[None, :], mask=vm, other=0.0)
-    # row j (key), column i (query): the transpose of the causal output mask
-    causal_t = (rows[None, :] >= rows[:, None]) & ok[None, :]
-    Dt = tl.where(causal_t, tl.exp(tl.where(causal_t, G[None, :] - G[:, None], 0.0)), 0.0)
-    Mt = mm(k, tl.trans(q), IN_PREC, UPCAST) * Dt
-    dU = mm(rnd(Mt, q.dtype, UPCAST), rnd(do, q.dtype, UPCAST), IN_PREC, UPCAST) * scale
-    tl.store(dul_ptr + (tok[:, None] * H + h) * V + vv[None, :], dU, mask=vm)
-
-
-@triton.jit
-def delta_state_bwd(q_ptr, k_ptr, w_ptr, gcum_ptr, do_ptr, dul_ptr, dht_ptr, chunk_tok, chunk_len, seq_chunk0,
+def delta_state_bwd(q_ptr, k_ptr, w_ptr, gcum_ptr, do_ptr, dht_ptr, chunk_tok, chunk_len, seq_chunk0,
                     dh_ptr, dU_ptr, dh0_ptr, scale,
                     H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
                     HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr, PREC: tl.constexpr, IN_PREC: tl.constexpr, UPCAST: tl.constexpr):
@@ -261,7 +232,12 @@ def delta_state_bwd(q_ptr, k_ptr, w_ptr, gcum_ptr, do_ptr, dul_ptr, dht_ptr, chu
         G = tl.load(gcum_ptr + tok * H + h, mask=ok, other=0.0)
         G_last = tl.load(gcum_ptr + (t0 + nv - 1) * H + h)
         do = tl.load(do_ptr + (tok[:, None] * H + h) * V + vv[None, :], mask=vm, other=0.0)
-        dU = tl.load(dul_ptr + (tok[:, None] * H + h) * V + vv[None, :], mask=vm, other=0.0)
+        # dU from the outputs within the chunk, scale (Q K^T * D)^T dO (row j: key, column i: query; it does
+        # not depend on dS, so it is off the loop's dependency chain), then through the chunk end state
+        causal_t = (rows[None, :] >= rows[:, None]) & ok[None, :]
+        Dt = tl.where(causal_t, tl.exp(tl.where(causal_t, G[None, :] - G[:, None], 0.0)), 0.0)
+        Mt = mm(k, tl.trans(q), IN_PREC, UPCAST) * Dt
+        dU = mm(rnd(Mt, q.dtype, UPCAST), rnd(do, q.dtype, UPCAST), IN_PREC, UPCAST) * scale
         tail = tl.where(ok, tl.exp(G_last - G), 0.0)
         kt = rnd(k.to(tl.float32) * tail[:, None], k.dtype, UPCAST)
         dU += mm(kt, rnd(dS, k.dtype, UPCAST), IN_PREC, UPCAST)
