@@ -108,7 +108,7 @@ def _offsets(prefix: str, per_group: bool = False) -> list[str]:
 
 def _at(prefix: str, at: str, per_slot: bool = False) -> str:
     """Pointers of `prefix` at memory index `at`: per lane [R, G], or per slot [1, G]."""
-    base = f"p{prefix} + {at} * {prefix}_st"
+    base = f"p{prefix} + {at} * TS_{prefix}"
     return base if per_slot else f"tl.max_contiguous({base} + {prefix}_r, [1, 1])"
 
 
@@ -154,10 +154,16 @@ def _static_loads(ir: ScanIR) -> list[str]:
     return lines
 
 
-def lanes_flags(ir: ScanIR) -> list[str]:
-    """The per-input constexpr parameters: TSTATIC<i> (constant in time), SLOT<i> (constant over the
-    R lanes of a slot: lane stride 0 along the last lane dim). Default False."""
-    return ([f"TSTATIC{i}: tl.constexpr = False" for i in range(len(ir.inputs))]
+def lanes_flags(ir: ScanIR, backward: bool) -> list[str]:
+    """The per-buffer constexpr parameters: TS_<buffer>, its time stride (so a block's steps are
+    immediate offsets from one pointer; the runtime stride arguments go unused); per input
+    TSTATIC<i> (constant in time) and SLOT<i> (constant over the R lanes of a slot: lane stride 0
+    along the last lane dim), default False."""
+    per_step = ([f"u{i}" for i in range(len(ir.inputs))]
+                + ([f"g{o}" for o in range(len(ir.outputs))] + [f"du{i}" for i in range(len(ir.inputs))] if backward
+                   else [f"o{o}" for o in range(len(ir.outputs))]))
+    return ([f"TS_{b}: tl.constexpr" for b in per_step]
+            + [f"TSTATIC{i}: tl.constexpr = False" for i in range(len(ir.inputs))]
             + [f"SLOT{i}: tl.constexpr = False" for i in range(len(ir.inputs))])
 
 
@@ -355,7 +361,7 @@ def render_forward_lanes(ir: ScanIR) -> list[str]:
     body += _indent(chunk, 4)
     for f, name in enumerate(ir.fields):
         body.append(f"tl.store(final_ptr + ({f} * n_seq + seq) * L + lane_mem, c_{name}, mask=lane_ok)")
-    sig = ", ".join(forward_args(ir) + [f"{c}: tl.constexpr" for c in consts] + lanes_flags(ir))
+    sig = ", ".join(forward_args(ir) + [f"{c}: tl.constexpr" for c in consts] + lanes_flags(ir, False))
     return ["@triton.jit", f"def scan_forward_lanes({sig}):",
             f'    """Forward fused scan of {ir.name}, lane-sequential: one combine per step and lane, in registers."""',
             *_indent(body, 4)]
@@ -367,7 +373,7 @@ def _du_store_lanes(i: int, name: str, at: str, lane_mask: str, slot_mask: str, 
     lanes then atomically added (by the group's first slot), 5 summed over the program's groups lane
     by lane (inputs shared by the groups of a program) then atomically added by the first group.
     Atomics are relaxed: gradients only accumulate."""
-    ptr, gptr = _at(f"du{i}", at), f"pdu{i}g + {at} * du{i}_st"
+    ptr, gptr = _at(f"du{i}", at), f"pdu{i}g + {at} * TS_du{i}"
     value = f"tl.where({lane_mask}, du_{name}, 0.0)" if masked else f"du_{name}"
     cast = f".to(du{i}_ptr.dtype.element_ty)"
     return [
@@ -557,7 +563,8 @@ def render_backward_lanes(ir: ScanIR, adj: Adjoint) -> list[str]:
     body.append("if HAS_INIT:")   # dL/d(initial) = c_0 + B_0 gbar_0 (dL/dfinal when the sequence is empty)
     for f, name in enumerate(ir.fields):
         body.append(f"    tl.store(dinit{f}_ptr + seq * L + lane_mem, cd_{name} + bd_{name}, mask=lane_ok)")
-    sig = ", ".join(backward_args(ir) + ["scratch_ptr"] + [f"{c}: tl.constexpr" for c in consts] + lanes_flags(ir))
+    sig = ", ".join(backward_args(ir) + ["scratch_ptr"] + [f"{c}: tl.constexpr" for c in consts]
+                    + lanes_flags(ir, True))
     return ["@triton.jit", f"def scan_backward_lanes({sig}):",
             f'    """Backward of {ir.name}, lane-sequential: replay each chunk (in registers when CHUNK == UNROLL, '
             'else into scratch), step the adjoint back."""',

@@ -136,12 +136,22 @@ class _Plan:
         """The lane-sequential kernels' layout constexprs: R lanes per thread slot
         (runtime.lanes_per_thread), EVEN_L (every program full), TSTATIC<i> (input i constant in time:
         loaded once), SLOT<i> (constant over the last lane dim, which R divides: loaded once per slot),
-        RCP_APPROX (float32 compiled for a GPU: reciprocals by the hardware instruction)."""
+        RCP_APPROX (float32 compiled for a GPU: reciprocals by the hardware instruction), TS_<buffer>
+        (time strides: a block's steps become immediate offsets; one compiled kernel per stride set)."""
         lanes = self.layout.L
         slot = {f"SLOT{i}": st[4] == 0 for i, st in enumerate(self.layout.strides[:len(self.static)])}
         rcp = not self.common["FP64"] and not settings.triton_interpret()
         return dict(R=runtime.lanes_per_thread(cfg, self.state), EVEN_L=lanes % cfg.block_l == 0, RCP_APPROX=rcp,
-                    **self.static, **slot)
+                    **self.static, **slot, **self.time_strides())
+
+    def time_strides(self) -> dict:
+        """TS_<buffer>: the time stride of every buffer a lane-sequential step addresses (constexprs)."""
+        ir = self.prog.ir
+        n_in, n_out = len(ir.inputs), len(ir.outputs)
+        names = [f"u{i}" for i in range(n_in)] + (
+            [f"g{o}" for o in range(n_out)] + [f"du{i}" for i in range(n_in)] if isinstance(self, BackwardPlan)
+            else [f"o{o}" for o in range(n_out)])
+        return {f"TS_{n}": st[0] for n, st in zip(names, self.layout.strides)}
 
     def smaller(self, cfg: Config, keep_block_t: bool = False) -> Config | None:
         return runtime.smaller_config(cfg, self.state, keep_block_t=keep_block_t)

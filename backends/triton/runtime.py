@@ -183,8 +183,8 @@ def choose_config(T: int, L: int, time_contiguous: bool, state: int, backward: b
         if state > 1:
             # a reducing program (Kalman): 256 lanes x 2 warps = 4 state lanes per thread slot, blocks
             # of 4 steps, checkpoints every 8 (the backward replays a chunk through scratch). Offline
-            # SASS of the Kalman loop bodies (sm_90a, resources.py): forward 31 instructions per lane
-            # and step (was 97 on 64 x 2 x 8 x 8), backward 133 (was 235), no spills
+            # SASS of the Kalman loop bodies (sm_90a, resources.py): forward 22 instructions per lane
+            # and step (was 97 on 64 x 2 x 8 x 8), backward 120 (was 235), no spills
             return Config(block_t=8, block_l=max(state, 256), num_warps=2, chunk=8, schedule="lanes", unroll=4)
         # one lane per thread, 64 lanes x 2 warps, 8-step chunks = the unroll (the backward replays in registers)
         return Config(block_t=8, block_l=64, num_warps=2, chunk=8, schedule="lanes", unroll=8)
