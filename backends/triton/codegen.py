@@ -80,9 +80,10 @@ def _combine_function(ir: ScanIR) -> list[str]:
     if ir.is_projective:
         body += _assign(["scale"], [ir.scale], dict(zip(ir.scale_symbols, out)), "_s")
         # any positive multiple of the product is the same projective element: float32 rescales by
-        # the approximate reciprocal (div.approx, one MUFU.RCP) instead of full-range division
+        # Triton's non-IEEE division (tl.fdiv: div.full.f32, 2 ulp, a MUFU.RCP and a few FMAs) instead of
+        # the IEEE one; `approx=True` (div.approx) is not in Triton 3.6, the version on our H200
         body += ["if scale.dtype == tl.float32:",
-                 "    inv_scale = tl.fdiv(1.0, scale, approx=True)",
+                 "    inv_scale = tl.fdiv(1.0, scale)",
                  "else:",
                  "    inv_scale = 1.0 / scale"]
         body.append(f"return {', '.join(f'{o} * inv_scale' for o in out)}")

@@ -215,7 +215,7 @@ def raw_functions(ir: ScanIR) -> list[str]:
     out = [f"m_{f}" for f in ir.fields]
     raw = _assign(out, ir.combine, names, "_c", shape_like=xs[0]) + [f"return {', '.join(out)}"]
     norm = _assign(["scale"], [ir.scale], dict(zip(ir.scale_symbols, out)), "_s")
-    norm += ["if scale.dtype == tl.float32:", "    inv_scale = tl.fdiv(1.0, scale, approx=True)",
+    norm += ["if scale.dtype == tl.float32:", "    inv_scale = tl.fdiv(1.0, scale)",
              "else:", "    inv_scale = 1.0 / scale", f"return {', '.join(f'{o} * inv_scale' for o in out)}"]
     return (["@triton.jit", f"def combine_raw({', '.join(xs + ys)}):",
              '    """combine(x, y) without the rescale."""'] + ["    " + ln for ln in raw]
