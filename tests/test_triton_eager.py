@@ -110,8 +110,8 @@ def test_shape_propagation_under_fake_tensors_takes_the_op_path():
     from torch._subclasses.fake_tensor import FakeTensorMode
     mix = test_mixer.kalman_like()
     with FakeTensorMode():
-        v, k, q = torch.randn(2, 5, 3), torch.randn(2, 5, 4), torch.randn(2, 5, 4)
-        out = mix(v=v, k=k, q=q, a=torch.rand(3, 4))
+        v, k, q = (torch.randn(2, 5, n, device=DEVICE) for n in (3, 4, 4))
+        out = mix(v=v, k=k, q=q, a=torch.rand(3, 4, device=DEVICE))
         assert out.y.shape == (2, 5, 3) and out.z.shape == (2, 5, 3)
 
 
