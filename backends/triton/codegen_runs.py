@@ -46,10 +46,10 @@ def _run_index() -> list[str]:
     steps first when REVERSE), okq{h} whether they are in the sequence."""
     lines = [
         f"ts = k * BLOCK_T + run * {RUN}",
-        "if REVERSE:",
-        "    ms = (t0 + seq_len - 1 - ts).to(tl.int64)",
+        "if REVERSE:",   # mq written so that Triton sees it divisible by VEC (seq_len and ts are)
+        f"    mq = (t0 + seq_len - ts - {VEC}).to(tl.int64)",
         "    step = -1",
-        f"    mq = ms - {VEC - 1}",
+        f"    ms = mq + {VEC - 1}",
         "else:",
         "    ms = (t0 + ts).to(tl.int64)",
         "    step = 1",
@@ -170,12 +170,8 @@ def _replay_runs(ir: ScanIR, raw: bool = False) -> list[str]:
     last = RUN - 1
     s = ", ".join(f"s_{f}" for f in ir.fields) + ("," if len(ir.fields) == 1 else "")
     lines.append(f"{s} = tl.associative_scan(({', '.join(f'r{last}_{f}' for f in ir.fields)},), 0, combine)")
-    # s of the previous run: a gather over the flattened tile (Triton gives a 2-D gather a warp-local
-    # layout, replicating the [runs, lanes] tile over the warps; a 1-D one goes through shared memory)
     lines.append(f"prev_run = tl.maximum(tl.arange(0, BLOCK_T // {RUN} * BLOCK_L) - BLOCK_L, 0)")
-    for f in ir.fields:
-        lines.append(f"x_{f} = tl.reshape(tl.gather(tl.reshape(s_{f}, [BLOCK_T // {RUN} * BLOCK_L]), prev_run, 0), "
-                     f"[BLOCK_T // {RUN}, BLOCK_L])")
+    lines += _gather_runs([f"s_{f}" for f in ir.fields], "prev_run", [f"x_{f}" for f in ir.fields])
     for f in ir.fields:
         lines.append(f"cb_{f} = c_{f}[None, :] + tl.zeros_like(x_{f})")
     lines.append(_combine_call(ir, "pc", "cb", "x"))
@@ -221,6 +217,39 @@ def raw_functions(ir: ScanIR) -> list[str]:
              '    """combine(x, y) without the rescale."""'] + ["    " + ln for ln in raw]
             + ["", "", "@triton.jit", f"def normalise({', '.join(out)}):",
                '    """m rescaled as the combine rescales."""'] + ["    " + ln for ln in norm])
+
+
+def _pack(items: list[str]) -> str:
+    """One tensor [..., 2, .., 2] holding `items` (a power-of-2 count) in order along its new axes."""
+    if len(items) == 1:
+        return items[0]
+    return f"tl.join({_pack(items[0::2])}, {_pack(items[1::2])})"
+
+
+def _unpack(src: str, items: list[str], tmp: str) -> list[str]:
+    """Lines assigning the tensors packed by `_pack(items)` in `src` back to `items`."""
+    if len(items) == 1:
+        return [f"{items[0]} = {src}"]
+    lines = [f"{tmp}0, {tmp}1 = tl.split({src})"]
+    return (lines + _unpack(f"{tmp}0", items[0::2], f"{tmp}0_") + _unpack(f"{tmp}1", items[1::2], f"{tmp}1_"))
+
+
+def _gather_runs(srcs: list[str], index: str, outs: list[str]) -> list[str]:
+    """outs[i] = srcs[i] at run `index` ([runs * lanes], flattened run-major) of each run, all in one
+    gather through shared memory: the tensors are packed along new in-register axes and flattened
+    (Triton gives a 2-D gather a warp-local layout that replicates the tile over the warps; a 1-D
+    one goes through shared memory, one exchange and barrier pair for all of them)."""
+    flat = f"BLOCK_T // {RUN} * BLOCK_L"
+    k = 1 << max(0, (len(srcs) - 1).bit_length())
+    pad = [f"tl.zeros_like({srcs[0]})"] * (k - len(srcs))
+    items = [f"tl.reshape(to_acc({x}, FP64), [{flat}])" for x in srcs + pad]
+    idx = [f"{index} * {k} + {i}" for i in range(k)]
+    shape = ", ".join(["2"] * (k.bit_length() - 1))
+    lines = [f"gathered = tl.reshape(tl.gather(tl.reshape({_pack(items)}, [{flat} * {k}]), "
+             f"tl.reshape({_pack(idx)}, [{flat} * {k}]), 0), [{flat}{', ' + shape if shape else ''}])"]
+    names = [f"{o}_flat" for o in outs] + [f"_unused{i}" for i in range(len(pad))]
+    lines += _unpack("gathered", names, "_gs")
+    return lines + [f"{o} = tl.reshape({o}_flat, [BLOCK_T // {RUN}, BLOCK_L])" for o in outs]
 
 
 def _step_masks() -> list[str]:
@@ -405,8 +434,7 @@ def backward_loop(ir: ScanIR, adj: Adjoint) -> list[str]:
     # gbar entering each run from the later runs (the carried gc after the tile's last run)
     flat = f"BLOCK_T // {RUN} * BLOCK_L"
     loop.append(f"next_run = tl.minimum(tl.arange(0, {flat}) + BLOCK_L, {flat} - 1)")
-    for x in tb + tv:
-        loop.append(f"{x}n = tl.reshape(tl.gather(tl.reshape({x}, [{flat}]), next_run, 0), [BLOCK_T // {RUN}, BLOCK_L])")
+    loop += _gather_runs(tb + tv, "next_run", [f"{x}n" for x in tb + tv])
     entering = _matvec(adj, [f"{x}n" for x in tb], [f"gcb_{f}" for f in F], [f"{x}n" for x in tv])
     loop += [f"gcb_{f} = gc_{f}[None, :] + tl.zeros_like({shape})" for f in F]
     names = {E.symbol(f"{x}n"): f"{x}n" for x in tb + tv} | {E.symbol(f"gcb_{f}"): f"gcb_{f}" for f in F}
