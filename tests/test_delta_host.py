@@ -113,9 +113,9 @@ def test_changing_a_launch_config_drops_the_plans(monkeypatch):
     key = delta_ops.program_key(KACZMARZ, 16)
     p = delta_ops.plan(key, 16, 16, torch.float32, CPU)
     assert delta_ops.plan(key, 16, 16, torch.float32, CPU) is p
-    monkeypatch.setitem(delta_ops.CONFIG, "output", dict(BV=16, num_warps=2, num_stages=1))
+    monkeypatch.setitem(delta_ops.CONFIG, "state_output", dict(BV=16, num_warps=2, num_stages=1))
     fresh = delta_ops.plan(key, 16, 16, torch.float32, CPU)
-    assert fresh is not p and fresh.configs["output"] == dict(BV=16, num_warps=2, num_stages=1)
+    assert fresh is not p and fresh.configs["state_output"] == dict(BV=16, num_warps=2, num_stages=1)
 
 
 class _SharedMemoryLimited:
@@ -136,18 +136,18 @@ def test_a_config_shrunk_to_fit_stays_with_its_shape():
     key = delta_ops.program_key(KACZMARZ, 16)
     big = delta_ops.plan(key, 128, 128, torch.float32, CPU)
     other = delta_ops.plan(key, 128, 128, torch.bfloat16, CPU)
-    before = dict(delta_ops.CONFIG["output"])
+    before = dict(delta_ops.CONFIG["state_output"])
     kernel = _SharedMemoryLimited()
     for _ in range(2):
-        delta_ops._launch("output", kernel, lambda cfg: (1,), (), {}, 128, big.configs, direct=True)
+        delta_ops._launch("state_output", kernel, lambda cfg: (1,), (), {}, 128, big.configs, direct=True)
     assert kernel.launched == [32, 32]
-    assert big.configs["output"]["BV"] == 32                  # remembered for this shape
-    assert other.configs["output"]["BV"] == before["BV"]       # not for others
-    assert delta_ops.CONFIG["output"] == before
+    assert big.configs["state_output"]["BV"] == 32                  # remembered for this shape
+    assert other.configs["state_output"]["BV"] == before["BV"]       # not for others
+    assert delta_ops.CONFIG["state_output"] == before
     with pytest.raises(OutOfResources):                        # nothing smaller left: the error surfaces
         tiny = delta_ops.plan(key, 16, 16, torch.float32, CPU)
-        tiny.configs["output"] = dict(BV=16, num_warps=4, num_stages=1)
-        delta_ops._launch("output", _AlwaysTooBig(), lambda cfg: (1,), (), {}, 16, tiny.configs, direct=True)
+        tiny.configs["state_output"] = dict(BV=16, num_warps=4, num_stages=1)
+        delta_ops._launch("state_output", _AlwaysTooBig(), lambda cfg: (1,), (), {}, 16, tiny.configs, direct=True)
 
 
 class _AlwaysTooBig:
@@ -158,7 +158,7 @@ class _AlwaysTooBig:
 
 
 def test_launches_per_call(monkeypatch):
-    """Decode: one launch; chunked forward: prep, state_fwd, output; forward + backward: nine."""
+    """Decode: one launch; chunked forward: prep, state_output; forward + backward: seven."""
     from triton.runtime.interpreter import InterpretedFunction
     from scanlang.backends.delta import host
     launched = []
@@ -169,22 +169,24 @@ def test_launches_per_call(monkeypatch):
         call()
         counts[name] = list(launched)
     assert counts["decode (T=1, recurrent)"] == ["delta_recurrent"]
-    assert counts["chunked fwd"] == ["delta_prep", "delta_state_fwd", "delta_output"]
-    assert counts["chunked fwd+bwd"] == ["delta_prep", "delta_state_fwd", "delta_output", "delta_wu", "delta_state_fwd",
+    assert counts["chunked fwd"] == ["delta_prep", "delta_state_output"]
+    assert counts["chunked fwd+bwd"] == ["delta_prep", "delta_state_output", "delta_wu", "delta_state_fwd",
                                          "delta_state_bwd", "delta_bwd_dqk", "delta_bwd_wy"]
 
 
 def test_plans_respect_the_measured_shared_memory_limits():
-    """fp32 at K=256: the output kernel's 128-column value block and state_bwd's second stage do not fit the
-    227 KB per block of sm_90, nor state_bwd's 128-column value block at K=256 in any dtype (ptxas, see
-    ops.SHARED_MEMORY_FITS); fp32 state_bwd keeps 64 columns; other dtypes and K keep CONFIG."""
+    """The 128-column value blocks of state_output and state_bwd do not fit the 227 KB per block of sm_90 at
+    K=256, nor state_bwd's second stage in fp32 there (ptxas, see ops.SHARED_MEMORY_FITS); fp32 keeps 64 value
+    columns in both; other dtypes and K keep CONFIG."""
     key = delta_ops.program_key(KACZMARZ, 64)
+    cfg = delta_ops.CONFIG
     fp32 = delta_ops.plan(key, 256, 96, torch.float32, CPU).configs
-    assert fp32["output"]["BV"] == 64 and fp32["state_bwd"]["num_stages"] == 1 and fp32["state_bwd"]["BV"] == 64
+    assert fp32["state_output"] == {**cfg["state_output"], "BV": 64, "num_stages": 1}
+    assert fp32["state_bwd"] == {**cfg["state_bwd"], "BV": 64, "num_stages": 1}
     bf16 = delta_ops.plan(key, 256, 96, torch.bfloat16, CPU).configs
-    assert bf16["output"] == delta_ops.CONFIG["output"] and bf16["state_bwd"] == {**delta_ops.CONFIG["state_bwd"], "BV": 64}
+    assert bf16["state_output"] == {**cfg["state_output"], "BV": 64} and bf16["state_bwd"] == {**cfg["state_bwd"], "BV": 64}
     fp32 = delta_ops.plan(key, 128, 96, torch.float32, CPU).configs
-    assert fp32["output"] == delta_ops.CONFIG["output"] and fp32["state_bwd"] == {**delta_ops.CONFIG["state_bwd"], "BV": 64}
+    assert fp32["state_bwd"] == {**cfg["state_bwd"], "BV": 64}
     for dtype, K in ((torch.bfloat16, 128), (torch.float16, 64)):
         cfgs = delta_ops.plan(key, K, 96, dtype, CPU).configs
-        assert cfgs["output"] == delta_ops.CONFIG["output"] and cfgs["state_bwd"] == delta_ops.CONFIG["state_bwd"]
+        assert cfgs["state_output"] == cfg["state_output"] and cfgs["state_bwd"] == cfg["state_bwd"]

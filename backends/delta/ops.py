@@ -7,9 +7,9 @@ the same kernels.
 
 The chunked path is two `torch.library` ops with registered autograd, `scanlang::delta_chunk_fwd` and
 `scanlang::delta_chunk_bwd` (launches through `wrap_triton`, so torch.compile traces them).
-Forward: prep (gcum, beta, Tm, w, u) -> state_fwd (chunk start states h, innovations U, final state)
--> output. The backward keeps Tm (and the in-chunk decay cumsum and beta) from the forward, recomputes
-w, u (delta_wu) and the chunk states (state_fwd), then state_bwd (reverse over chunks) ->
+Forward: prep (gcum, beta, Tm, w, u) -> state_output (sequential over chunks: outputs, final state). The
+backward keeps Tm (and the in-chunk decay cumsum and beta) from the forward, recomputes w, u (delta_wu) and
+the chunk start states h and innovations U (state_fwd), then state_bwd (reverse over chunks; dU) ->
 bwd_dqk (dq; dk, dw, dG in part) -> bwd_wy (dv, dk, d step input, d decay input and its parameters).
 Short inputs without gradients (every sequence <= RECURRENT_MAX_LEN tokens, e.g. decoding) take the
 token-loop kernel instead.
@@ -56,15 +56,17 @@ PREP_VALUE_BLOCK = 64    # value columns per step of u in delta_prep (one [C, C]
 # Measured 2026-11-30 on the H200 (torch 2.11, Triton 3.6), B8 T4096 H16 K=V=128 bf16, by
 # `python -m scanlang.backends.delta.bench --sweep` (greedy, one kernel at a time, the others at their best so
 # far): fwd 1.621 ms, fwd+bwd 6.091 ms with these (the previous defaults, chosen by ptxas spill counts: 1.662 /
-# 8.61). "recurrent" was not swept. Changed since, unmeasured: state_bwd BV 64 -> 128 (the sweep tried 32 and
-# 64 only). At BV=64 / 8 warps it needs 208 registers x 256 threads, so one block per SM, and its B*H*2 = 256
-# sequential programs ran in two waves on 132 SMs; at BV=128 the 128 programs run in one (255 registers, 284 B
-# spilled, 164 KB shared; offline ptxas, sm_90a).
+# 8.61). "recurrent" was not swept. Changed since, unmeasured: output fused into the forward's state pass
+# (state_output: BV=128 on 8 warps runs B8 H16's 128 sequential programs in one wave, 148 KB shared, 456 B
+# spilled; at BV=64 / 4 warps its 115 KB of shared memory would allow one block per SM, two waves), and
+# state_bwd BV 64 -> 128 (the sweep tried 32 and 64 only). At BV=64 / 8 warps it needs 208 registers x 256
+# threads, so one block per SM, and its B*H*2 = 256 sequential programs ran in two waves on 132 SMs; at BV=128
+# the 128 programs run in one (255 registers, 384 B spilled, 165 KB shared; offline ptxas, sm_90a).
 CONFIG = _Configs({
     "prep": dict(num_warps=4, num_stages=2),
     "wu": dict(BV=64, num_warps=4, num_stages=2),
     "state_fwd": dict(BV=64, num_warps=4, num_stages=2),
-    "output": dict(BV=128, num_warps=4, num_stages=2),
+    "state_output": dict(BV=128, num_warps=8, num_stages=2),   # see below
     "state_bwd": dict(BV=128, num_warps=8, num_stages=2),   # see below
     "bwd_dqk": dict(BV=32, num_warps=4, num_stages=1),
     "bwd_wy": dict(BV=64, num_warps=4, num_stages=1),
@@ -73,11 +75,16 @@ CONFIG = _Configs({
 # Configs above that need more shared memory than sm_90 gives a block (227 KB = 232448 B), and the change that
 # fits, per (kernel, input element bytes, padded K). From `python -m scanlang.backends.delta.spills` (ptxas for
 # sm_90a, Triton 3.9 offline, 2026-11-30) at the GPU tests' shapes (K = 64, 128, 256; V = 96; fp32/bf16/fp16):
-# every other kernel and shape fits. fp32, K=256: output BV=128 294912 B -> BV=64 212992 B; state_bwd (BV=64,
-# 8 warps) 2 stages 278788 B -> 1 stage 65536 B (BV=32 with 2 stages: 270596 B, still too much). What this
-# table misses (another Triton version, another shape) `_launch` shrinks at run time, per plan.
+# every other kernel and shape fits. fp32, K=256: state_bwd (BV=64, 8 warps) 2 stages 278788 B -> 1 stage
+# 65536 B (BV=32 with 2 stages: 270596 B, still too much). 2-byte inputs at K=256: state_output (BV=128, 8 warps)
+# 262916 B -> BV=64 213764 B. What this table misses (another Triton version, another shape) `_launch` shrinks at
+# run time, per plan.
 SHARED_MEMORY_FITS = {
-    ("output", 4, 256): dict(BV=64),
+    ("state_output", 2, 256): dict(BV=64),
+    # fp32: 64 value columns, one stage (its dots run on FMA units; shared memory is not what limits it)
+    ("state_output", 4, 64): dict(BV=64, num_stages=1),
+    ("state_output", 4, 128): dict(BV=64, num_stages=1),
+    ("state_output", 4, 256): dict(BV=64, num_stages=1),
     ("state_bwd", 2, 256): dict(BV=64),                  # BV=128: 295172 B with 2 stages (1 stage: 1.7 KB spills)
     # fp32 keeps BV=64 (BV=128 fits at K=128, 196868 B, but its FMA dots spill 44 KB per thread)
     ("state_bwd", 4, 64): dict(BV=64),
@@ -238,52 +245,48 @@ def _fake(t: torch.Tensor) -> bool:
     return t.device.type == "meta" or (is_fake(t) and get_proxy_mode() is None)
 
 
-def _states(p: Plan, k, v, a, hp, s, h0, chunk_tok, chunk_len, seq_chunk0, eps, saved=None, direct=False):
-    """(gcum, beta, Tm, w, chunk start states h, innovations U, final state).
+def _states(p: Plan, k, v, hp, h0, chunk_tok, chunk_len, seq_chunk0, tm, gcum, beta, direct=False):
+    """The backward's recomputation from the forward's (Tm, gcum, beta): w and u by delta_wu, then the chunk
+    start states h and innovations U by delta_state_fwd. Returns (w, h, U)."""
+    TT, H, K = k.shape
+    V = v.shape[-1]
+    NC, N, dev = chunk_tok.numel(), seq_chunk0.numel() - 1, k.device
+    w = _empty(TT, H, K, device=dev, dtype=k.dtype)
+    u = _empty(TT, H, V, device=dev, dtype=k.dtype)
+    h = _empty(NC, H, K, V, device=dev, dtype=k.dtype)
+    U = _empty(TT, H, V, device=dev, dtype=k.dtype)
+    if not direct and _fake(k):
+        return w, h, U
+    meta, cfgs = p.meta, p.configs
+    _launch("wu", p.mod.delta_wu, lambda cfg: (NC * (p.NK + triton.cdiv(V, cfg["BV"])), H),
+            (k, v, gcum, beta, tm, w, u, chunk_tok, chunk_len, H), dict(meta, BKS=p.BKS), V, cfgs, direct)
+    _launch("state_fwd", p.mod.delta_state_fwd, lambda cfg: (N, H, triton.cdiv(V, cfg["BV"])),
+            (k, w, u, gcum, h0 if h0 is not None else h, chunk_tok, chunk_len, seq_chunk0, h, U, h, H),
+            dict(meta, HAS_H0=h0 is not None, STORE_FINAL=False), V, cfgs, direct)
+    return w, h, U
 
-    Without `saved`: prep (everything from the inputs) then state_fwd. With `saved = (Tm, gcum, beta)` from
-    the forward (the backward's recomputation): w and u from Tm by delta_wu, then state_fwd."""
+
+def _chunk_forward(p: Plan, q, k, v, a, hp, s, h0, chunk_tok, chunk_len, seq_chunk0, eps, scale, direct):
+    """[o, final state, Tm, gcum, beta]: the body of `delta_chunk_fwd`. prep (gcum, beta, Tm, w, u), then
+    delta_state_output (the sequential pass over chunks, storing the outputs and the final state)."""
     TT, H, K = k.shape
     V = v.shape[-1]
     NC, N, dev, C = chunk_tok.numel(), seq_chunk0.numel() - 1, k.device, p.C
     w = _empty(TT, H, K, device=dev, dtype=k.dtype)
     u = _empty(TT, H, V, device=dev, dtype=k.dtype)
-    h = _empty(NC, H, K, V, device=dev, dtype=k.dtype)
-    U = _empty(TT, H, V, device=dev, dtype=k.dtype)
-    ht = _empty(N, H, K, V, device=dev, dtype=torch.float32) if saved is None else h   # (not stored when recomputing)
-    if saved is None:
-        tm = _empty(NC, H, C, C, device=dev, dtype=torch.float32)
-        gcum = _empty(TT, H, device=dev, dtype=torch.float32)
-        beta = _empty(TT, H, device=dev, dtype=torch.float32)
-    else:
-        tm, gcum, beta = saved
-    if not direct and _fake(k):
-        return gcum, beta, tm, w, h, U, ht
-    meta, cfgs = p.meta, p.configs
-    if saved is None:
+    tm = _empty(NC, H, C, C, device=dev, dtype=torch.float32)
+    gcum = _empty(TT, H, device=dev, dtype=torch.float32)
+    beta = _empty(TT, H, device=dev, dtype=torch.float32)
+    o = _empty(TT, H, V, device=dev, dtype=torch.float32)
+    ht = _empty(N, H, K, V, device=dev, dtype=torch.float32)
+    if direct or not _fake(k):
+        meta, cfgs = p.meta, p.configs
         _launch("prep", p.mod.delta_prep, lambda cfg: (NC, H),
                 (k, v, a, _ptr(hp, k), s, eps, chunk_tok, chunk_len, w, u, tm, gcum, beta, H),
                 dict(meta, BKS=p.BKS, BV=min(PREP_VALUE_BLOCK, max(16, triton.next_power_of_2(V)))), V, cfgs, direct)
-    else:
-        _launch("wu", p.mod.delta_wu, lambda cfg: (NC * (p.NK + triton.cdiv(V, cfg["BV"])), H),
-                (k, v, gcum, beta, tm, w, u, chunk_tok, chunk_len, H),
-                dict(meta, BKS=p.BKS), V, cfgs, direct)
-    _launch("state_fwd", p.mod.delta_state_fwd, lambda cfg: (N, H, triton.cdiv(V, cfg["BV"])),
-            (k, w, u, gcum, h0 if h0 is not None else h, chunk_tok, chunk_len, seq_chunk0, h, U, ht, H),
-            dict(meta, HAS_H0=h0 is not None, STORE_FINAL=saved is None), V, cfgs, direct)
-    return gcum, beta, tm, w, h, U, ht
-
-
-def _chunk_forward(p: Plan, q, k, v, a, hp, s, h0, chunk_tok, chunk_len, seq_chunk0, eps, scale, direct):
-    """[o, final state, Tm, gcum, beta]: the body of `delta_chunk_fwd`."""
-    TT, H, _ = k.shape
-    V = v.shape[-1]
-    gcum, beta, tm, _, h, U, ht = _states(p, k, v, a, hp, s, h0, chunk_tok, chunk_len, seq_chunk0, eps,
-                                          direct=direct)
-    o = _empty(TT, H, V, device=k.device, dtype=torch.float32)
-    if direct or not _fake(k):
-        _launch("output", p.mod.delta_output, lambda cfg: (chunk_tok.numel() * triton.cdiv(V, cfg["BV"]), H),
-                (q, k, gcum, h, U, o, chunk_tok, chunk_len, scale, H), p.meta, V, p.configs, direct)
+        _launch("state_output", p.mod.delta_state_output, lambda cfg: (N, H, triton.cdiv(V, cfg["BV"])),
+                (q, k, w, u, gcum, h0 if h0 is not None else ht, chunk_tok, chunk_len, seq_chunk0, ht, o, scale, H),
+                dict(meta, HAS_H0=h0 is not None, STORE_FINAL=True), V, cfgs, direct)
     return [o, ht, tm, gcum, beta]
 
 
@@ -293,8 +296,7 @@ def _chunk_backward(p: Plan, q, k, v, a, hp, s, h0, chunk_tok, chunk_len, seq_ch
     TT, H, K = k.shape
     V = v.shape[-1]
     NC, N, dev = chunk_tok.numel(), seq_chunk0.numel() - 1, k.device
-    gcum, beta, tm, w, h, U, _ = _states(p, k, v, a, hp, s, h0, chunk_tok, chunk_len, seq_chunk0, eps,
-                                         saved=(tm, gcum, beta), direct=direct)
+    w, h, U = _states(p, k, v, hp, h0, chunk_tok, chunk_len, seq_chunk0, tm, gcum, beta, direct=direct)
     dh = _empty(NC, H, K, V, device=dev, dtype=k.dtype)
     dU = _empty(TT, H, V, device=dev, dtype=torch.float32)
     dh0 = _empty(N, H, K, V, device=dev, dtype=torch.float32) if h0 is not None else k.new_empty(0, dtype=torch.float32)

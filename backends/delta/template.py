@@ -17,8 +17,9 @@ Kernels (per chunk c of C tokens, head h; S0 the chunk's start state, G the in-c
                       products of powers of a nilpotent matrix), w = Tm diag(beta e^G) K, u = Tm diag(beta) V
     delta_wu          w and u again from the saved Tm (backward)
     delta_state_fwd   sequential over a sequence's chunks, fp32 state in registers: stores S0 per chunk,
-                      U = u - w S0, S_end = e^G_last S0 + (K e^(G_last - G))^T U
-    delta_output      O = scale (e^G Q S0 + (Q K^T * Dec) U)
+                      U = u - w S0, S_end = e^G_last S0 + (K e^(G_last - G))^T U (the backward's recomputation)
+    delta_state_output the same pass in the forward, storing O = scale (e^G Q S0 + (Q K^T * Dec) U) per chunk
+                      instead of S0 and U
     delta_state_bwd   reverse over chunks: dS_end per chunk, dU = scale (Q K^T * Dec)^T dO + K~ dS_end,
                       dS0 = e^G_last dS_end + scale (e^G Q)^T dO - w^T dU
     delta_bwd_dqk     per chunk, through the outputs, S_end and U: dq, and dk, dw, dG in part
@@ -131,9 +132,14 @@ def delta_wu(k_ptr, v_ptr, gcum_ptr, beta_ptr, tm_ptr, w_ptr, u_ptr, chunk_tok, 
 
 
 @triton.jit
-def delta_state_fwd(k_ptr, w_ptr, u_ptr, gcum_ptr, h0_ptr, chunk_tok, chunk_len, seq_chunk0, h_ptr, U_ptr, ht_ptr,
-                    H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
-                    HAS_H0: tl.constexpr, STORE_FINAL: tl.constexpr, PREC: tl.constexpr, IN_PREC: tl.constexpr, UPCAST: tl.constexpr):
+def state_pass(q_ptr, k_ptr, w_ptr, u_ptr, gcum_ptr, h0_ptr, chunk_tok, chunk_len, seq_chunk0, h_ptr, U_ptr, ht_ptr,
+               o_ptr, scale, H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
+               HAS_H0: tl.constexpr, STORE_FINAL: tl.constexpr, OUTPUT: tl.constexpr, PREC: tl.constexpr,
+               IN_PREC: tl.constexpr, UPCAST: tl.constexpr):
+    """Sequential over a sequence's chunks with the fp32 state S [K, BV] in registers: U = u - w S0,
+    S_end = e^G_last S0 + (K e^(G_last - G))^T U. Stores S0 per chunk and U (h_ptr, U_ptr), or with OUTPUT
+    the chunk's output O = scale (e^G Q S0 + (Q K^T * Dec) U) instead (o_ptr; all the forward needs), from
+    S0 and U rounded as they would have been stored."""
     n = tl.program_id(0)
     h = tl.program_id(1)
     vv = tl.program_id(2) * BV + tl.arange(0, BV)
@@ -151,8 +157,9 @@ def delta_state_fwd(k_ptr, w_ptr, u_ptr, gcum_ptr, h0_ptr, chunk_tok, chunk_len,
         nv = tl.load(chunk_len + c)
         ok = rows < nv
         tok = t0 + rows
-        tl.store(h_ptr + ((c * H + h) * K + kk[:, None]).to(tl.int64) * V + vv[None, :],
-                 rnd(S, h_ptr.dtype.element_ty, UPCAST), mask=sm)
+        if not OUTPUT:
+            tl.store(h_ptr + ((c * H + h) * K + kk[:, None]).to(tl.int64) * V + vv[None, :],
+                     rnd(S, h_ptr.dtype.element_ty, UPCAST), mask=sm)
         km = ok[:, None] & (kk[None, :] < K)
         vm = ok[:, None] & (vv[None, :] < V)
         w = tl.load(w_ptr + (tok[:, None] * H + h) * K + kk[None, :], mask=km, other=0.0)
@@ -160,43 +167,41 @@ def delta_state_fwd(k_ptr, w_ptr, u_ptr, gcum_ptr, h0_ptr, chunk_tok, chunk_len,
         u = tl.load(u_ptr + (tok[:, None] * H + h) * V + vv[None, :], mask=vm, other=0.0).to(tl.float32)
         G = tl.load(gcum_ptr + tok * H + h, mask=ok, other=0.0)
         G_last = tl.load(gcum_ptr + (t0 + nv - 1) * H + h)
-        U = u - mm(w, rnd(S, w.dtype, UPCAST), IN_PREC, UPCAST)
-        tl.store(U_ptr + (tok[:, None] * H + h) * V + vv[None, :], rnd(U, U_ptr.dtype.element_ty, UPCAST), mask=vm)
+        Sq = rnd(S, w.dtype, UPCAST)
+        U = u - mm(w, Sq, IN_PREC, UPCAST)
+        Uq = rnd(U, k.dtype, UPCAST)
+        if OUTPUT:
+            q = tl.load(q_ptr + (tok[:, None] * H + h) * K + kk[None, :], mask=km, other=0.0)
+            causal = (rows[:, None] >= rows[None, :]) & ok[:, None]
+            D = tl.where(causal, tl.exp(tl.where(causal, G[:, None] - G[None, :], 0.0)), 0.0)
+            M = mm(q, tl.trans(k), IN_PREC, UPCAST) * D
+            o = mm(q, Sq, IN_PREC, UPCAST) * tl.exp(G)[:, None]
+            o += mm(rnd(M, q.dtype, UPCAST), Uq, IN_PREC, UPCAST)
+            tl.store(o_ptr + (tok[:, None] * H + h) * V + vv[None, :], o * scale, mask=vm)
+        else:
+            tl.store(U_ptr + (tok[:, None] * H + h) * V + vv[None, :], rnd(U, U_ptr.dtype.element_ty, UPCAST), mask=vm)
         tail = tl.where(ok, tl.exp(G_last - G), 0.0)
         kt = rnd(k.to(tl.float32) * tail[:, None], k.dtype, UPCAST)
-        S = S * tl.exp(G_last) + mm(tl.trans(kt), rnd(U, k.dtype, UPCAST), IN_PREC, UPCAST)
+        S = S * tl.exp(G_last) + mm(tl.trans(kt), Uq, IN_PREC, UPCAST)
     if STORE_FINAL:
         tl.store(ht_ptr + ((n * H + h) * K + kk[:, None]).to(tl.int64) * V + vv[None, :], S, mask=sm)
 
 
 @triton.jit
-def delta_output(q_ptr, k_ptr, gcum_ptr, h_ptr, U_ptr, o_ptr, chunk_tok, chunk_len, scale,
-                 H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
-                 PREC: tl.constexpr, IN_PREC: tl.constexpr, UPCAST: tl.constexpr):
-    NVB: tl.constexpr = (V + BV - 1) // BV     # a chunk's value blocks run back to back: q, k from L2
-    c = tl.program_id(0) // NVB
-    h = tl.program_id(1)
-    vv = tl.program_id(0) % NVB * BV + tl.arange(0, BV)
-    kk = tl.arange(0, BK)
-    rows = tl.arange(0, C)
-    t0 = tl.load(chunk_tok + c).to(tl.int64)
-    nv = tl.load(chunk_len + c)
-    ok = rows < nv
-    tok = t0 + rows
-    km = ok[:, None] & (kk[None, :] < K)
-    vm = ok[:, None] & (vv[None, :] < V)
-    q = tl.load(q_ptr + (tok[:, None] * H + h) * K + kk[None, :], mask=km, other=0.0)
-    k = tl.load(k_ptr + (tok[:, None] * H + h) * K + kk[None, :], mask=km, other=0.0)
-    G = tl.load(gcum_ptr + tok * H + h, mask=ok, other=0.0)
-    S0 = tl.load(h_ptr + ((c * H + h) * K + kk[:, None]).to(tl.int64) * V + vv[None, :],
-                 mask=(kk[:, None] < K) & (vv[None, :] < V), other=0.0)
-    U = tl.load(U_ptr + (tok[:, None] * H + h) * V + vv[None, :], mask=vm, other=0.0)
-    causal = (rows[:, None] >= rows[None, :]) & ok[:, None]
-    D = tl.where(causal, tl.exp(tl.where(causal, G[:, None] - G[None, :], 0.0)), 0.0)
-    M = mm(q, tl.trans(k), IN_PREC, UPCAST) * D
-    o = mm(q, rnd(S0, q.dtype, UPCAST), IN_PREC, UPCAST) * tl.exp(G)[:, None]
-    o += mm(rnd(M, q.dtype, UPCAST), rnd(U, q.dtype, UPCAST), IN_PREC, UPCAST)
-    tl.store(o_ptr + (tok[:, None] * H + h) * V + vv[None, :], o * scale, mask=vm)
+def delta_state_fwd(k_ptr, w_ptr, u_ptr, gcum_ptr, h0_ptr, chunk_tok, chunk_len, seq_chunk0, h_ptr, U_ptr, ht_ptr,
+                    H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
+                    HAS_H0: tl.constexpr, STORE_FINAL: tl.constexpr, PREC: tl.constexpr, IN_PREC: tl.constexpr, UPCAST: tl.constexpr):
+    state_pass(k_ptr, k_ptr, w_ptr, u_ptr, gcum_ptr, h0_ptr, chunk_tok, chunk_len, seq_chunk0, h_ptr, U_ptr, ht_ptr,
+               ht_ptr, 1.0, H, K, V, BK, BV, C, HAS_H0, STORE_FINAL, False, PREC, IN_PREC, UPCAST)
+
+
+@triton.jit
+def delta_state_output(q_ptr, k_ptr, w_ptr, u_ptr, gcum_ptr, h0_ptr, chunk_tok, chunk_len, seq_chunk0, ht_ptr, o_ptr,
+                       scale, H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
+                       HAS_H0: tl.constexpr, STORE_FINAL: tl.constexpr, PREC: tl.constexpr, IN_PREC: tl.constexpr,
+                       UPCAST: tl.constexpr):
+    state_pass(q_ptr, k_ptr, w_ptr, u_ptr, gcum_ptr, h0_ptr, chunk_tok, chunk_len, seq_chunk0, o_ptr, o_ptr, ht_ptr,
+               o_ptr, scale, H, K, V, BK, BV, C, HAS_H0, STORE_FINAL, True, PREC, IN_PREC, UPCAST)
 
 
 @triton.jit
