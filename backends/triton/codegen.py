@@ -279,7 +279,7 @@ def backward_args(ir: ScanIR) -> list[str]:
 
 
 def render_forward(ir: ScanIR) -> list[str]:
-    from .codegen_runs import RUN, RUN_TILE, forward_loop, runs_prologue
+    from .codegen_runs import RUN, RUN_TILE, forward_loop, runs_epilogue, runs_prologue
     args = forward_args(ir)
     consts = ["BLOCK_T", "BLOCK_L", "CHUNK", "REVERSE", "HAS_INIT", "VARLEN", "STATE", "FP64", "STAGES"]
     body = _common_prologue()
@@ -326,9 +326,10 @@ def render_forward(ir: ScanIR) -> list[str]:
     for name in ir.fields:
         loop.append(f"c_{name} = tl.sum(tl.where(rows == last, p_{name}, 0.0), 0)")
     body.append(f"if BLOCK_T >= {RUN_TILE}:   # runs of {RUN} steps per thread (codegen_runs.py)")
-    body += _indent(runs_prologue(), 4)
+    body += _indent(runs_prologue(ir, "c"), 4)
     body.append("    for k in tl.range(0, n_tiles, num_stages=STAGES):")
     body += _indent(forward_loop(ir), 8)
+    body += _indent(runs_epilogue(ir, "c"), 4)
     body.append("else:")
     body.append("    for k in tl.range(0, n_tiles, num_stages=STAGES):")
     body += _indent(loop, 8)
@@ -474,7 +475,7 @@ def render_backward(ir: ScanIR, adj: Adjoint) -> list[str]:
         init_block.append(f"w0_{f} = tl.sum(tl.where(rows == 0, w_{f}, 0.0), 0)")
     loop += _indent(init_block, 4)
     body.append(f"if BLOCK_T >= {RUN_TILE}:   # runs of {RUN} steps per thread (codegen_runs.py)")
-    body += _indent(runs_prologue(), 4)
+    body += _indent(runs_prologue(ir, "gc"), 4)
     body.append("    for kk in tl.range(0, n_tiles, num_stages=STAGES):")
     body += _indent(backward_loop(ir, adj), 8)
     body.append("else:")

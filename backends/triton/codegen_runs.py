@@ -35,9 +35,19 @@ RUN_TILE = 128     # tiles of at least this many steps take the run-based bodies
 VEC = 4            # steps per vector load/store where time is contiguous (16 B of float32)
 
 
-def runs_prologue() -> list[str]:
-    """run: the run index along the tile's rows; vec: the steps of one vector load."""
-    return [f"run = tl.arange(0, BLOCK_T // {RUN})[:, None]", f"vec = tl.arange(0, {VEC})[None, None, :]"]
+def runs_prologue(ir: ScanIR, carried: str) -> list[str]:
+    """run: the run index along the tile's rows; vec: the steps of one vector load; {carried}r_<field>:
+    the carry {carried}_<field> [lanes] held on every run ([runs, lanes], so a tile hands it on with
+    one gather instead of a reduction over the runs)."""
+    lines = [f"run = tl.arange(0, BLOCK_T // {RUN})[:, None]", f"vec = tl.arange(0, {VEC})[None, None, :]"]
+    lines += [f"{carried}r_{f} = {carried}_{f}[None, :] + tl.zeros([BLOCK_T // {RUN}, BLOCK_L], {carried}_{f}.dtype)"
+              for f in ir.fields]
+    return lines
+
+
+def runs_epilogue(ir: ScanIR, carried: str) -> list[str]:
+    """{carried}_<field> [lanes] again from the per-run copies (all runs hold the same value)."""
+    return [f"{carried}_{f} = tl.sum(tl.where(run == 0, {carried}r_{f}, 0.0), 0)" for f in ir.fields]
 
 
 def _run_index() -> list[str]:
@@ -161,9 +171,10 @@ def _combine_call(ir: ScanIR, out: str, x: str, y: str, fn: str = "combine") -> 
     return f"{outs} = {fn}({', '.join(f'{x}_{f}' for f in ir.fields)}, {', '.join(f'{y}_{f}' for f in ir.fields)})"
 
 
-def _replay_runs(ir: ScanIR, raw: bool = False) -> list[str]:
-    """Prefixes p{j}_* of every step of the tile from the elements e{j}_* and the carry c_*;
-    P_* is the prefix before each run (c_* before the first). `raw`: p{j}_* not rescaled."""
+def _replay_runs(ir: ScanIR, raw: bool = False, carry: str = "cr") -> list[str]:
+    """Prefixes p{j}_* of every step of the tile from the elements e{j}_* and the carry {carry}_*
+    ([runs, lanes]); P_* is the prefix before each run (the carry before the first). `raw`: p{j}_*
+    not rescaled."""
     lines = [f"r0_{f} = e0_{f}" for f in ir.fields]
     for j in range(1, RUN):
         lines.append(_combine_call(ir, f"r{j}", f"r{j - 1}", f"e{j}"))
@@ -173,7 +184,7 @@ def _replay_runs(ir: ScanIR, raw: bool = False) -> list[str]:
     lines.append(f"prev_run = tl.maximum(tl.arange(0, BLOCK_T // {RUN} * BLOCK_L) - BLOCK_L, 0)")
     lines += _gather_runs([f"s_{f}" for f in ir.fields], "prev_run", [f"x_{f}" for f in ir.fields])
     for f in ir.fields:
-        lines.append(f"cb_{f} = c_{f}[None, :] + tl.zeros_like(x_{f})")
+        lines.append(f"cb_{f} = {carry}_{f}")
     lines.append(_combine_call(ir, "pc", "cb", "x"))
     for f in ir.fields:
         lines.append(f"P_{f} = tl.where(run == 0, cb_{f}, pc_{f})")
@@ -257,8 +268,8 @@ def _step_masks() -> list[str]:
 
 
 def _last_prefix(ir: ScanIR, raw: bool = False) -> list[str]:
-    """c_*: the prefix at the tile's last valid step (padding may not even be finite); rescaled
-    here when the prefixes are `raw`."""
+    """cr_*: the prefix at the tile's last valid step (padding may not even be finite) on every run;
+    rescaled here when the prefixes are `raw`."""
     lines = ["last = tl.minimum(seq_len - 1 - k * BLOCK_T, BLOCK_T - 1)", f"last_run = last // {RUN}"]
     lines += [f"z_{f} = p{RUN - 1}_{f}" for f in ir.fields]
     lines.append(f"if last % {RUN} != {RUN - 1}:")
@@ -267,8 +278,8 @@ def _last_prefix(ir: ScanIR, raw: bool = False) -> list[str]:
         lines += [f"        z_{f} = p{j}_{f}" for f in ir.fields]
     if raw:
         lines.append(f"{', '.join(f'z_{f}' for f in ir.fields)} = normalise({', '.join(f'z_{f}' for f in ir.fields)})")
-    lines += [f"z_{f} = tl.where(run == last_run, z_{f}, 0.0)" for f in ir.fields]
-    lines += _sum_runs(ir, "c", "z")
+    lines.append(f"last_run_lane = last_run * BLOCK_L + tl.arange(0, BLOCK_T // {RUN} * BLOCK_L) % BLOCK_L")
+    lines += _gather_runs([f"z_{f}" for f in ir.fields], "last_run_lane", [f"cr_{f}" for f in ir.fields])
     return lines
 
 
@@ -294,7 +305,8 @@ def forward_loop(ir: ScanIR) -> list[str]:
     loop = _run_index() + _step_masks()
     loop.append("if CHUNK == BLOCK_T:")
     for f, name in enumerate(ir.fields):
-        loop.append(f"    tl.store(ckpt_ptr + ({f} * n_slots + slot0 + k) * L + lane, c_{name}, mask=lane_ok)")
+        loop.append(f"    tl.store(ckpt_ptr + ({f} * n_slots + slot0 + k) * L + lane[None, :] + run * 0, cr_{name}, "
+                    "mask=(run == 0) & lane_ok[None, :])")
     loop += _bases(ir, [f"u{i}" for i in range(len(ir.inputs))] + [f"o{j}" for j in range(len(ir.outputs))])
     raw = scale_invariant_readout(ir)
     loop += _load_lift_runs(ir)
@@ -376,6 +388,7 @@ def backward_loop(ir: ScanIR, adj: Adjoint) -> list[str]:
                     f"other={_num(ident)}), FP64)")
     loop += _bases(ir, [f"u{i}" for i in range(len(ir.inputs))] + [f"g{j}" for j in range(len(ir.outputs))]
                    + [f"du{i}" for i in range(len(ir.inputs))])
+    loop += [f"cr_{f} = c_{f}[None, :] + tl.zeros([BLOCK_T // {RUN}, BLOCK_L], c_{f}.dtype)" for f in F]
     loop += _load_lift_runs(ir) + _load_lift_after(ir) + _replay_runs(ir)
     for jo, o in enumerate(ir.outputs):
         loop += _load_steps(f"g{jo}", f"g{{}}_{o}", "0.0")
@@ -436,7 +449,7 @@ def backward_loop(ir: ScanIR, adj: Adjoint) -> list[str]:
     loop.append(f"next_run = tl.minimum(tl.arange(0, {flat}) + BLOCK_L, {flat} - 1)")
     loop += _gather_runs(tb + tv, "next_run", [f"{x}n" for x in tb + tv])
     entering = _matvec(adj, [f"{x}n" for x in tb], [f"gcb_{f}" for f in F], [f"{x}n" for x in tv])
-    loop += [f"gcb_{f} = gc_{f}[None, :] + tl.zeros_like({shape})" for f in F]
+    loop += [f"gcb_{f} = gcr_{f}" for f in F]
     names = {E.symbol(f"{x}n"): f"{x}n" for x in tb + tv} | {E.symbol(f"gcb_{f}"): f"gcb_{f}" for f in F}
     loop += _assign([f"ge_{f}" for f in F], entering, names, "_ge")
     loop += [f"gin_{f} = tl.where(run == BLOCK_T // {RUN} - 1, gcb_{f}, ge_{f})" for f in F]
@@ -458,7 +471,8 @@ def backward_loop(ir: ScanIR, adj: Adjoint) -> list[str]:
         loop += _assign([f"du{j}_{name}" for name in ir.inputs], adj.du, names_u, f"_u{j}_", shape_like=shape)
     for i, name in enumerate(ir.inputs):
         loop += _du_store_runs(i, name)
-    loop += [f"gz_{f} = tl.where(run == 0, gbar0_{f}, 0.0)" for f in F] + _sum_runs(ir, "gc", "gz")
+    loop.append(f"first_run_lane = tl.arange(0, BLOCK_T // {RUN} * BLOCK_L) % BLOCK_L")
+    loop += _gather_runs([f"gbar0_{f}" for f in F], "first_run_lane", [f"gcr_{f}" for f in F])
     # dL/d(initial) = J1(q_0, x_0)^T gbar_0 + c_0, from the tile's first step (the loop's last tile)
     here0 = ({s: f"p0_{s.name[2:]}" for s in ir.prefix_symbols} | {s: f"P_{s.name[2:]}" for s in ir.previous_symbols}
              | {g: f"g0_{g.name[2:]}" for g in adj.g} | {s: f"u0_{s.name[2:]}" for s in ir.input_symbols})
