@@ -167,18 +167,20 @@ SEVERAL = [(64, 1, 4, 4), (256, 1, 4, 2), (64, 1, 6, 4)]
 
 
 @pytest.mark.parametrize("block_l,warps,chunk,unroll", SEVERAL)
-@pytest.mark.parametrize("group_sums", [False, True])
+@pytest.mark.parametrize("group_sums", ["program", "warp", "none"])
 def test_lanes_several_per_thread_kalman(monkeypatch, block_l, warps, chunk, unroll, group_sums):
     """Several lanes per thread slot (the layout the Kalman benchmark runs): outputs, final state and
-    every gradient against float64 autograd of the loop; key gradients by per-lane atomics or summed
-    over the program's groups first (plan mode 5)."""
+    every gradient against float64 autograd of the loop; key gradients summed over the program's
+    groups (plan mode 5), over each warp's groups (mode 6, where a warp's lanes share the batch
+    index) or per lane (mode 1) before the atomic add."""
     from scanlang.backends.triton import plan
     from scanlang.recipes.kalman import kalman_filter
     from scanlang.recipes.kalman.reference import kalman_filter_loop
     from test_kalman import NAMES, _loss_and_grads, make_inputs, make_state
     cfg = runtime.Config(block_t=chunk, block_l=block_l, num_warps=warps, chunk=chunk, schedule="lanes", unroll=unroll)
     assert runtime.lanes_per_thread(cfg, 4) == min(4, block_l // (32 * warps)) > 1
-    monkeypatch.setattr(plan, "SUM_GROUPS_BEFORE_ATOMICS", group_sums)
+    monkeypatch.setattr(plan, "SUM_GROUPS_BEFORE_ATOMICS", group_sums == "program")
+    monkeypatch.setattr(plan, "SUM_WARP_GROUPS_BEFORE_ATOMICS", group_sums == "warp")
     for key in [(c, b) for c in (False, True) for b in (False, True)]:
         monkeypatch.setitem(runtime.OVERRIDES, key, cfg)
     ins = make_inputs(2, 11, 16, 4)
@@ -305,4 +307,9 @@ def test_gradient_modes_for_inputs_shared_by_state_groups(monkeypatch):
     assert plan._lanes_mode(5, (2, 3, 3, 4), lanes) == 1            # 16 does not divide 3 x 4 lanes
     assert plan._lanes_mode(3, sizes, runtime.Config(block_t=4, block_l=16, num_warps=1)) == 3
     monkeypatch.setattr(plan, "SUM_GROUPS_BEFORE_ATOMICS", False)
-    assert plan._lanes_mode(5, sizes, lanes) == 1                    # per-lane atomics
+    assert plan._lanes_mode(5, sizes, lanes) == 1                    # 16 slots: less than a warp
+    wide = runtime.Config(block_t=4, block_l=64, num_warps=1, chunk=4, schedule="lanes", unroll=4)   # R = 2
+    assert plan._lanes_mode(5, (2, 3, 16, 4), wide, 4) == 6          # summed over each warp's groups
+    assert plan._lanes_mode(5, sizes, wide, 4) == 1                  # a warp's 64 lanes straddle 8 x 4
+    monkeypatch.setattr(plan, "SUM_WARP_GROUPS_BEFORE_ATOMICS", False)
+    assert plan._lanes_mode(5, (2, 3, 16, 4), wide, 4) == 1          # per-lane atomics

@@ -78,6 +78,7 @@ def _prologue() -> list[str]:
         "slot0 = t0 // CHUNK + seq",
         "first = (slot % STATE) == 0",   # the slot that stores its group's sum
         "first_group = slot - pid.to(tl.int64) * BLOCK_L < STATE",   # the program's group that adds the groups' sum
+        "first_in_warp = (slot - pid.to(tl.int64) * BLOCK_L) % (32 * R) < STATE",   # each warp's first group
     ]
 
 
@@ -299,6 +300,14 @@ def _state_sum(value: str) -> str:
             "(1, BLOCK_L // R))")
 
 
+def _warp_groups_sum(value: str) -> str:
+    """The sum over the groups of each 32 consecutive thread slots (one warp's) per state index of a
+    lane tensor [R, G] (G a multiple of 32), on every lane: shuffles within the warp only."""
+    split = "(R, BLOCK_L // R // 32, 32 * R // STATE, STATE // R)"
+    return (f"tl.reshape(tl.broadcast_to(tl.sum(tl.reshape(tl.broadcast_to({value}, {SHAPE}), {split}), 2, "
+            f"keep_dims=True), {split}), {SHAPE})")
+
+
 def _groups_sum(value: str) -> str:
     """The sum over the program's groups per state index of a lane tensor [R, G], on every lane."""
     split = "(R, BLOCK_L // STATE, STATE // R)"
@@ -371,8 +380,9 @@ def _du_store_lanes(i: int, name: str, at: str, lane_mask: str, slot_mask: str, 
     """Write du_<name> (memory index `at`) by DU{i} (the tile schedule's modes): 0 store, 1 atomic
     add, 2 summed over time, 3 summed over the STATE lanes then stored, 4 summed over the STATE
     lanes then atomically added (by the group's first slot), 5 summed over the program's groups lane
-    by lane (inputs shared by the groups of a program) then atomically added by the first group.
-    Atomics are relaxed: gradients only accumulate."""
+    by lane (inputs shared by the groups of a program) then atomically added by the first group, 6
+    the same over the groups of each warp (plan._lanes_mode). Atomics are relaxed: gradients only
+    accumulate."""
     ptr, gptr = _at(f"du{i}", at), f"pdu{i}g + {at} * TS_du{i}"
     value = f"tl.where({lane_mask}, du_{name}, 0.0)" if masked else f"du_{name}"
     cast = f".to(du{i}_ptr.dtype.element_ty)"
@@ -387,8 +397,10 @@ def _du_store_lanes(i: int, name: str, at: str, lane_mask: str, slot_mask: str, 
         f"    tl.store({gptr}, {_state_sum(value)}{cast}, mask={slot_mask} & first)",
         f"elif DU{i} == 4:",
         f"    tl.atomic_add({gptr}, {_state_sum(value)}{cast}, mask={slot_mask} & first, sem='relaxed')",
-        "else:",
+        f"elif DU{i} == 5:",
         f"    tl.atomic_add({ptr}, {_groups_sum(value)}{cast}, mask={lane_mask} & first_group, sem='relaxed')",
+        "else:",
+        f"    tl.atomic_add({ptr}, {_warp_groups_sum(value)}{cast}, mask={lane_mask} & first_in_warp, sem='relaxed')",
     ]
 
 

@@ -48,12 +48,17 @@ def _time_contiguous(sizes, strides, dim) -> bool:
     return False
 
 
-ATOMIC_MODES = (1, 2, 4, 5)   # gradient buffers these modes add into start zeroed
+ATOMIC_MODES = (1, 2, 4, 5, 6)   # gradient buffers these modes add into start zeroed
 # Mode 5 (see `_du_mode`): a program sums the gradients of an input its state groups share before
 # adding atomically (the Kalman keys: 4x fewer atomics on 64-lane programs, for a cross-warp sum
 # with barriers). Off: per-lane relaxed atomics measured faster (H200, session 3 run 4: Kalman
 # fwd+bwd 19.2 ms against 24.0 ms with the group sums); benchmarks flip it to compare.
 SUM_GROUPS_BEFORE_ATOMICS = False
+# Mode 6 (see `_lanes_mode`): the lane-sequential kernels sum such gradients over the groups of each
+# warp (shuffles, no barrier) before the atomic add: Kalman keys on 256-lane programs (4 lanes per
+# thread slot) 8x fewer atomics for 17 more instructions per lane and step (offline SASS). Not
+# measured yet against per-lane atomics; flip to compare.
+SUM_WARP_GROUPS_BEFORE_ATOMICS = True
 
 
 def _du_mode(du_strides, lane_sizes, reduce_state: bool, T: int) -> int:
@@ -72,13 +77,25 @@ def _du_mode(du_strides, lane_sizes, reduce_state: bool, T: int) -> int:
     return 1
 
 
-def _lanes_mode(mode: int, sizes, cfg: Config) -> int:
+def _lanes_mode(mode: int, sizes, cfg: Config, state: int = 1) -> int:
     """Mode 5 needs the lane-sequential kernel and programs whose lanes share every outer lane index
-    (BLOCK_L divides the two innermost lane sizes' product); otherwise one atomic per lane (1)."""
-    if mode == 5 and (not SUM_GROUPS_BEFORE_ATOMICS or cfg.schedule != "lanes"
-                      or (sizes[-2] * sizes[-1]) % cfg.block_l):
+    (BLOCK_L divides the two innermost lane sizes' product), and SUM_GROUPS_BEFORE_ATOMICS. Else mode
+    6 (lane-sequential, SUM_WARP_GROUPS_BEFORE_ATOMICS): the sum over the groups of each 32
+    consecutive thread slots (one warp's: shuffles only, no shared memory), then one atomic per state
+    index and warp, when those slots share every outer lane index (32 R lanes divide that product, R = runtime.lanes_per_thread);
+    otherwise one atomic per lane (1)."""
+    if mode != 5:
+        return mode
+    if cfg.schedule != "lanes":
         return 1
-    return mode
+    inner = sizes[-2] * sizes[-1]
+    if SUM_GROUPS_BEFORE_ATOMICS and inner % cfg.block_l == 0:
+        return 5
+    r = runtime.lanes_per_thread(cfg, state)
+    slots = cfg.block_l // r
+    if SUM_WARP_GROUPS_BEFORE_ATOMICS and slots % 32 == 0 and 32 % (state // r) == 0 and inner % (32 * r) == 0:
+        return 6
+    return 1
 
 
 def _init_strides(t: torch.Tensor, shape, dim: int, n_seq: int, varlen: bool) -> tuple[int, list[int]]:
@@ -271,7 +288,8 @@ class BackwardPlan(_Plan):
         if got is None:
             chunk = cfg.block_t
             meta = dict(self.common, BLOCK_L=cfg.block_l, CHUNK=chunk, num_warps=cfg.num_warps)
-            meta.update({k: _lanes_mode(v, self.layout.sizes, cfg) for k, v in meta.items() if k.startswith("DU")})
+            meta.update({k: _lanes_mode(v, self.layout.sizes, cfg, self.state) for k, v in meta.items()
+                         if k.startswith("DU")})
             grid = (_cdiv(self.layout.L, cfg.block_l), self.n_seq)
             if cfg.schedule == "lanes":   # per-lane scratch for one chunk's replayed prefixes (none in registers)
                 in_registers = chunk == cfg.unroll
