@@ -149,9 +149,8 @@ SWEEP_OPTIONS = {
     "prep": [dict(num_warps=w, num_stages=st) for w in (4, 8) for st in (1, 2)],
     "wu": [dict(BV=bv, num_warps=w, num_stages=2) for bv in (64, 128) for w in (4, 8)],
     "state_fwd": [dict(BV=bv, num_warps=w, num_stages=2) for bv in (32, 64) for w in (4, 8)],
-    "output": [dict(BV=bv, num_warps=w, num_stages=2) for bv in (64, 128) for w in (4, 8)],
-    "dU_local": [dict(BV=64, num_warps=w, num_stages=2) for w in (4, 8)],
-    "state_bwd": [dict(BV=bv, num_warps=w, num_stages=2) for bv in (32, 64) for w in (4, 8)],
+    "state_output": [dict(BV=bv, num_warps=w, num_stages=st) for bv in (64, 128) for w in (4, 8) for st in (1, 2)],
+    "state_bwd": [dict(BV=bv, num_warps=w, num_stages=2) for bv in (32, 64, 128) for w in (4, 8)],
     "bwd_dqk": [dict(BV=bv, num_warps=w, num_stages=1) for bv in (32, 64) for w in (4, 8)],
     "bwd_wy": [dict(BV=bv, num_warps=w, num_stages=1) for bv in (32, 64) for w in (4, 8)],
 }
@@ -170,7 +169,7 @@ def sweep(device, results, budget_s: float) -> bool:
     changed = False
     names = list(SWEEP_OPTIONS)
     for i, (name, cfgs) in enumerate(SWEEP_OPTIONS.items()):
-        timer = f if name in ("prep", "state_fwd", "output") else fb   # "wu" runs in the backward only
+        timer = f if name in ("prep", "state_output") else fb   # "wu" runs in the backward only
         start = dict(delta_ops.CONFIG[name])
         best = None
         for cfg in [start] + [c for c in cfgs if c != start]:
