@@ -144,6 +144,7 @@ def test_runs_scale_invariant_readout(runs, chunk, dtype):
 
 def test_scale_invariance_is_detected_only_where_it_holds():
     from scanlang.backends.triton.codegen_runs import scale_invariant_readout
+
     from scanlang.ir import lower
     ratio = lower(sl.Mobius, inputs=tuple("abcd"), lift=lambda u: (u.a, u.b, u.c, u.d),
                   outputs=("lam",), readout=lambda p, u, q: (p.a + p.b) / (p.c + p.d))

@@ -13,8 +13,11 @@ whole runs of RUN consecutive steps and
 
 about 2 combines per element instead of ~6. The previous prefix of step j is p_{j-1} (P for j = 0),
 and the next step's element is e_{j+1}, both in the same thread: the backward needs no second
-replay scan and no shifted loads except one per run. Loads of tensor j are strided by RUN steps;
-together they read each line whole (the L1 serves the rest).
+replay scan and no shifted loads except one per run; its reverse adjoint scan is split the same
+way. Where time is contiguous (Triton specialises a unit stride), a run's steps are loaded and
+stored VEC at a time (16-byte vectors split into the step tensors in registers); otherwise one
+strided access per step. Values crossing threads (the runs' exclusive prefixes, the carry into the
+next tile) go through one packed 1-D gather each.
 """
 from __future__ import annotations
 
@@ -30,8 +33,6 @@ from .codegen import _assign, _num
 
 RUN = 8            # steps per run (one thread's consecutive steps)
 RUN_TILE = 128     # tiles of at least this many steps take the run-based bodies
-
-
 VEC = 4            # steps per vector load/store where time is contiguous (16 B of float32)
 
 
@@ -256,8 +257,9 @@ def _gather_runs(srcs: list[str], index: str, outs: list[str]) -> list[str]:
     items = [f"tl.reshape(to_acc({x}, FP64), [{flat}])" for x in srcs + pad]
     idx = [f"{index} * {k} + {i}" for i in range(k)]
     shape = ", ".join(["2"] * (k.bit_length() - 1))
-    lines = [f"gathered = tl.reshape(tl.gather(tl.reshape({_pack(items)}, [{flat} * {k}]), "
-             f"tl.reshape({_pack(idx)}, [{flat} * {k}]), 0), [{flat}{', ' + shape if shape else ''}])"]
+    gathered = (f"tl.gather(tl.reshape({_pack(items)}, [{flat} * {k}]), "
+                f"tl.reshape({_pack(idx)}, [{flat} * {k}]), 0)")
+    lines = [f"gathered = tl.reshape({gathered}, [{flat}{', ' + shape if shape else ''}])"]
     names = [f"{o}_flat" for o in outs] + [f"_unused{i}" for i in range(len(pad))]
     lines += _unpack("gathered", names, "_gs")
     return lines + [f"{o} = tl.reshape({o}_flat, [BLOCK_T // {RUN}, BLOCK_L])" for o in outs]
