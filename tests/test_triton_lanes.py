@@ -34,9 +34,10 @@ def _force(fwd: str, bwd: str, cfg: runtime.Config = LANES):
             runtime.OVERRIDES[(contiguous, True)] = cfg
 
 
-@pytest.fixture(params=["one", "wide"])
+@pytest.fixture
 def lanes(monkeypatch, request):
-    """Force the lanes schedule (one lane per thread slot, or several) and check that only its kernels ran."""
+    """Force the lanes schedule and check that only its kernels ran: one lane per thread slot, or
+    several ("wide", parametrized indirectly by the mixer tests: their 4 state lanes)."""
     from scanlang.backends.triton import launcher
     real, real_launch, ran = ops.wrap_triton, launcher.launch, []
 
@@ -49,7 +50,7 @@ def lanes(monkeypatch, request):
         return real_launch(plan, cfg, kernel, *args)
     monkeypatch.setattr(ops, "wrap_triton", spy)
     monkeypatch.setattr(launcher, "launch", spy_launch)
-    _force("lanes", "lanes", LANES if request.param == "one" else WIDE)
+    _force("lanes", "lanes", WIDE if getattr(request, "param", "one") == "wide" else LANES)
     yield
     runtime.OVERRIDES.clear()
     assert ran and set(ran) <= {"scan_forward_lanes", "scan_backward_lanes"}, ran
@@ -142,19 +143,23 @@ def test_lanes_gradcheck_float64(lanes):
 # inputs broadcast over lane axes (the mixer tests, run with the schedule forced)
 
 @pytest.mark.parametrize("T", [1, 11])
+@pytest.mark.parametrize("lanes", ["one", "wide"], indirect=True)
 def test_lanes_fused_mixer(lanes, T):
     test_mixer.test_fused_mixer_outputs_final_state_and_gradients(T)
 
 
 @pytest.mark.parametrize("reverse", [False, True])
+@pytest.mark.parametrize("lanes", ["one", "wide"], indirect=True)
 def test_lanes_packed_sequences(lanes, reverse):
     test_mixer.test_packed_sequences_restart_at_every_start(reverse)
 
 
+@pytest.mark.parametrize("lanes", ["one", "wide"], indirect=True)
 def test_lanes_broadcast_input_gradients(lanes):
     test_mixer.test_gradients_of_inputs_broadcast_over_several_lane_axes()
 
 
+@pytest.mark.parametrize("lanes", ["one", "wide"], indirect=True)
 def test_lanes_projective_readout_float32(lanes):
     test_mixer.test_mixer_float32_projective_readout()
 

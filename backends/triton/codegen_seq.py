@@ -41,6 +41,8 @@ per slot. Addresses: per slot a base pointer computed once, per lane a register 
 """
 from __future__ import annotations
 
+import functools
+
 import sympy
 
 from scanlang import expr as E
@@ -250,6 +252,20 @@ def _cost(exprs) -> int:
     return sum(sympy.count_ops(v) for _, v in reps) + sum(sympy.count_ops(e) for e in reduced)
 
 
+def _cheapest(exprs) -> list:
+    """The same expressions as printed with the fewest operations: as given, over common
+    denominators (sympy.together) or factored (sympy.factor); expressions over 300 operations stay."""
+    return list(_cheapest_of(tuple(sympy.sympify(e) for e in exprs)))
+
+
+@functools.lru_cache(maxsize=1024)
+def _cheapest_of(exprs: tuple) -> tuple:
+    if not exprs or any(sympy.count_ops(e) > 300 for e in exprs):
+        return exprs
+    candidates = [exprs, tuple(sympy.together(e) for e in exprs), tuple(sympy.factor(e) for e in exprs)]
+    return min(candidates, key=_cost)   # the first of equal costs: as given
+
+
 def _split_at_zero_carry(expr: sympy.Expr, carry: set) -> sympy.Expr:
     """N / D (D depending on the carry) as q + r / D with q = N / D at carry 0: the part of the step
     that does not depend on the carry moves off the dependent chain and the numerator shrinks
@@ -423,20 +439,21 @@ def _adjoint_step(ir: ScanIR, adj: Adjoint, j: int, at: str, carried: list[str],
     gb = [E.symbol(f"gbar_{f}") for f in ir.fields]
     bd = [sum((bmat[i][k] * gb[k] for k in range(n)), sympy.Integer(0)) for i in range(n)]
     recips: dict = {}   # one reciprocal per distinct denominator of the step
-    part = _assign_rcp([f"dy_{f}" for f in ir.fields], adj.dy, here, "_d", recips, shape_like=shape)
+    part = _assign_rcp([f"dy_{f}" for f in ir.fields], _cheapest(adj.dy), here, "_d", recips, shape_like=shape)
     part += [f"d_{f} = dy_{f} + cd_{f}" for f in ir.fields]
-    part += _assign_rcp([f"v_{f}" for f in ir.fields], adj.direct, {s: s.name for s in ir.prefix_symbols + adj.d},
-                        "_v", recips, shape_like=shape)
+    part += _assign_rcp([f"v_{f}" for f in ir.fields], _cheapest(adj.direct),
+                        {s: s.name for s in ir.prefix_symbols + adj.d}, "_v", recips, shape_like=shape)
     part += [f"gbar_{f} = v_{f} + bd_{f}" for f in ir.fields]
     names_x = {s: s.name for s in ir.previous_symbols + adj.gbar} | {s: f"e_{f}" for s, f in zip(ir.later, ir.fields)}
-    part += _assign_rcp([f"dx_{f}" for f in ir.fields], adj.dx, names_x, "_x", recips, shape_like=shape)
-    part += _assign_rcp([f"du_{u}" for u in ir.inputs], adj.du, here | {s: s.name for s in adj.dx_symbols}, "_u",
-                        recips, shape_like=shape)
+    part += _assign_rcp([f"dx_{f}" for f in ir.fields], _cheapest(adj.dx), names_x, "_x", recips, shape_like=shape)
+    part += _assign_rcp([f"du_{u}" for u in ir.inputs], _cheapest(adj.du), here | {s: s.name for s in adj.dx_symbols},
+                        "_u", recips, shape_like=shape)
     for i, name in enumerate(ir.inputs):
         part += _du_store_lanes(i, name, at, lmask, smask, masked)
     # hand down to step t - 1: c_t, B_t gbar_t (B_t = J1(y_{t-1}, x_t)^T) and its prefix y_{t-1}
-    part += _assign_rcp([f"cd_{f}_new" for f in ir.fields], adj.c, here, "_i", recips, shape_like=shape)
-    part += _assign_rcp([f"b{k}" for k in range(nb)], adj.b_entries, b_names, "_b", recips, shape_like=shape)
+    part += _assign_rcp([f"cd_{f}_new" for f in ir.fields], _cheapest(adj.c), here, "_i", recips, shape_like=shape)
+    part += _assign_rcp([f"b{k}" for k in range(nb)], _cheapest(adj.b_entries), b_names, "_b", recips,
+                        shape_like=shape)
     part += _assign_rcp([f"bd_{f}_new" for f in ir.fields], bd,
                         {s: s.name for s in gb} | {E.symbol(f"b{k}"): f"b{k}" for k in range(nb)}, "_w", recips,
                         shape_like=shape)
