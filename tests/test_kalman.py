@@ -227,7 +227,7 @@ def _loss_and_grads(fn, ins, state, seed, **kw):
     lam0, eta0 = (s.detach().clone().requires_grad_() for s in state)
     y, y_var, (lam, eta) = fn(**leaves, initial_state=(lam0, eta0), **kw)
     gen = torch.Generator().manual_seed(seed)
-    weights = [torch.randn(x.shape, generator=gen, dtype=F64).to(x.dtype) for x in (y, y_var, lam, eta)]
+    weights = [torch.randn(x.shape, generator=gen, dtype=F64).to(x.device, x.dtype) for x in (y, y_var, lam, eta)]
     loss = sum((w * x).sum() for w, x in zip(weights, (y, y_var, lam, eta)))
     return torch.autograd.grad(loss, [*leaves.values(), lam0, eta0])
 
