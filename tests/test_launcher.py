@@ -86,3 +86,14 @@ def test_a_misaligned_first_launch_is_not_kept():
     for x in (base[1:], base[1:], base[:64], base[:64]):
         launcher.launch(plan, "cfg", kernel, (1,), [x, 64], {"BLOCK": 32})
     assert [entry[0] for entry in kernel.log] == ["jit", "jit", "jit", "direct"]
+
+
+def test_host_time_tool_reports_both_calls_and_restores_the_interpreter(capsys):
+    from triton.runtime.interpreter import InterpretedFunction
+
+    from scanlang.backends.triton import host
+    run = InterpretedFunction.run
+    host.main(["--calls", "2"])
+    assert InterpretedFunction.run is run
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if "affine mixer" in ln]
+    assert len(lines) == 2 and all(float(ln.split()[-2]) > 0 for ln in lines)

@@ -1,0 +1,105 @@
+"""Host (CPU) time per call of a generated scan: what a call costs before and between its launches.
+
+    python -m scanlang.backends.triton.host [--calls 200] [--profile] [--anchor]
+
+The benchmark's affine mixer (`scanlang bench`, time-contiguous) at a small shape [1, 64, 256], so
+the GPU finishes each kernel long before the host launches the next: the time per call, taken
+without synchronising inside the loop, is host time (validation, plans, allocation, autograd, the
+launches). Forward without grad and forward + backward. `--anchor` times accelerated-scan's
+`scan` the same way (if installed); `--profile` prints cProfile's top functions of the fwd+bwd.
+On a machine without CUDA the kernels run in Triton's interpreter with every launch a no-op (as in
+`python -m scanlang.backends.delta.host`), which leaves out Triton's launcher and the driver.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"   # before the generated kernels are imported
+
+import argparse  # noqa: E402
+import contextlib  # noqa: E402
+import cProfile  # noqa: E402
+import pstats  # noqa: E402
+import time  # noqa: E402
+
+
+def _per_call_us(fn, calls: int) -> float:
+    for _ in range(20):
+        fn()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    per_call = (time.perf_counter() - start) / calls * 1e6
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return per_call
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--calls", type=int, default=200)
+    parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--anchor", action="store_true", help="also time accelerated-scan's scan")
+    args = parser.parse_args(argv)
+    with _no_launches_without_cuda():
+        _report(args)
+
+
+@contextlib.contextmanager
+def _no_launches_without_cuda():
+    """Without CUDA, interpreter launches return at once for the duration (restored after)."""
+    if torch.cuda.is_available():
+        yield
+        return
+    from triton.runtime.interpreter import InterpretedFunction
+    saved = InterpretedFunction.run
+    InterpretedFunction.run = lambda self, *a, **k: None
+    try:
+        yield
+    finally:
+        InterpretedFunction.run = saved
+
+
+def _report(args):
+    from scanlang.bench import _mixers
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    mix = _mixers()["affine", "time"]
+    a = (torch.rand(1, 64, 256, device=device) * 0.5 + 0.5).requires_grad_()
+    b = torch.randn(1, 64, 256, device=device).requires_grad_()
+    g = torch.randn(1, 64, 256, device=device)
+
+    def forward():
+        with torch.no_grad():
+            mix(a=a, b=b)
+
+    def fwd_bwd():
+        torch.autograd.grad(mix(a=a, b=b)[0], (a, b), g)
+    print(f"host time per call ({device}, launches {'real' if device == 'cuda' else 'no-ops'}), "
+          f"mean over {args.calls} calls:")
+    print(f"  scanlang affine mixer fwd      {_per_call_us(forward, args.calls):8.1f} us")
+    print(f"  scanlang affine mixer fwd+bwd  {_per_call_us(fwd_bwd, args.calls):8.1f} us")
+    if args.anchor:
+        try:
+            from accelerated_scan.scalar import scan
+        except ImportError as exc:
+            print(f"  accelerated-scan unavailable: {exc}")
+        else:
+            def anchor():
+                torch.autograd.grad(scan(a, b), (a, b), g)
+            print(f"  accelerated-scan fwd+bwd       {_per_call_us(anchor, args.calls):8.1f} us")
+    if args.profile:
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(args.calls):
+            fwd_bwd()
+        prof.disable()
+        pstats.Stats(prof).sort_stats("tottime").print_stats(15)
+
+
+if __name__ == "__main__":
+    main()
