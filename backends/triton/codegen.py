@@ -235,11 +235,11 @@ def _previous(ir: ScanIR) -> list[str]:
     return lines
 
 
-def _initial_carry(ir: ScanIR) -> list[str]:
-    """c_<field> [BLOCK_L]: the initial element of each lane (of sequence `seq`), else the identity;
-    fields of a specialised carry (`ir.constants`) are their constant."""
+def _initial_carry(ir: ScanIR, shape: str = "[BLOCK_L]") -> list[str]:
+    """c_<field> (a `shape` lane tensor): the initial element of each lane (of sequence `seq`), else
+    the identity; fields of a specialised carry (`ir.constants`) are their constant."""
     const = dict(ir.constants)
-    lines = [f"c_{f} = to_acc(tl.full([BLOCK_L], {_num(v)}, tl.float64), FP64)" for f, v in ir.constants]
+    lines = [f"c_{f} = to_acc(tl.full({shape}, {_num(v)}, tl.float64), FP64)" for f, v in ir.constants]
     free = [(f, name, ident) for f, (name, ident) in enumerate(zip(ir.fields, ir.identity)) if name not in const]
     if not free:
         return lines
@@ -249,7 +249,7 @@ def _initial_carry(ir: ScanIR) -> list[str]:
                      f"init{f}_s2, init{f}_s3), mask=lane_ok, other={_num(ident)}), FP64)")
     lines.append("else:")
     for f, name, ident in free:
-        lines.append(f"    c_{name} = to_acc(tl.full([BLOCK_L], {_num(ident)}, tl.float64), FP64)")
+        lines.append(f"    c_{name} = to_acc(tl.full({shape}, {_num(ident)}, tl.float64), FP64)")
     return lines
 
 

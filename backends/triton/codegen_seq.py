@@ -49,7 +49,8 @@ from scanlang import expr as E
 from scanlang.autodiff import Adjoint
 from scanlang.ir import ScanIR
 
-from .codegen import _assign, _indent, _num, _symbols_named, backward_args, forward_args, memory_index
+from .codegen import (_assign, _indent, _initial_carry, _num, _symbols_named, backward_args, forward_args,
+                      memory_index)
 
 SHAPE = "[R, BLOCK_L // R]"   # a lane tensor: R lanes per thread slot, BLOCK_L // R slots
 
@@ -168,24 +169,6 @@ def lanes_flags(ir: ScanIR, backward: bool) -> list[str]:
     return ([f"TS_{b}: tl.constexpr" for b in per_step]
             + [f"TSTATIC{i}: tl.constexpr = False" for i in range(len(ir.inputs))]
             + [f"SLOT{i}: tl.constexpr = False" for i in range(len(ir.inputs))])
-
-
-def _initial_carry(ir: ScanIR) -> list[str]:
-    """c_<field>: the initial element of each lane (of sequence `seq`), else the identity; fields of a
-    specialised carry (`ir.constants`) are their constant."""
-    const = dict(ir.constants)
-    lines = [f"c_{f} = to_acc(tl.full({SHAPE}, {_num(v)}, tl.float64), FP64)" for f, v in ir.constants]
-    free = [(f, name, ident) for f, (name, ident) in enumerate(zip(ir.fields, ir.identity)) if name not in const]
-    if not free:
-        return lines
-    lines.append("if HAS_INIT:")
-    for f, name, ident in free:
-        lines.append(f"    c_{name} = to_acc(tl.load(init{f}_ptr + seq * init{f}_sn + lane_offsets(lane, D1, D2, D3, "
-                     f"init{f}_s0, init{f}_s1, init{f}_s2, init{f}_s3), mask=lane_ok, other={_num(ident)}), FP64)")
-    lines.append("else:")
-    for f, name, ident in free:
-        lines.append(f"    c_{name} = to_acc(tl.full({SHAPE}, {_num(ident)}, tl.float64), FP64)")
-    return lines
 
 
 def _keep(names, live: str) -> list[str]:
@@ -377,7 +360,7 @@ def render_forward_lanes(ir: ScanIR) -> list[str]:
     if ir.reduce_state:
         body += [f"po{o} = po{o}g" for o in range(len(ir.outputs))]
     body += _static_loads(ir)
-    body += _initial_carry(ir)
+    body += _initial_carry(ir, SHAPE)
     chunk = ["if CKPT:"] + [f"    tl.store(ckpt_ptr + ({f} * n_slots + slot0 + k) * L + lane_mem, c_{name}, mask=lane_ok)"
                             for f, name in enumerate(ir.fields) if name in _free(ir)]
     chunk.append("n_steps = tl.minimum(CHUNK, seq_len - k * CHUNK)")
