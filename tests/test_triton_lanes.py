@@ -17,7 +17,7 @@ from scanlang.backends.triton import ops, runtime
 from scanlang.testing import assert_close
 
 import test_mixer
-from test_triton_scan import DEVICE, LIBRARY, elems_for
+from test_triton_scan import DEVICE, LIBRARY, check_with_initial, elems_for
 
 LANES = runtime.Config(block_t=4, block_l=8, num_warps=1, chunk=4, schedule="lanes", unroll=4)
 # 64 lanes on one warp: 2 lanes per thread slot (runtime.lanes_per_thread), so a group of the mixers'
@@ -76,19 +76,7 @@ def test_lanes_forward_matches_sequential_loop(lanes, monoid, length):
 @pytest.mark.parametrize("layout,reverse", [("time", False), ("channels", True)])
 def test_lanes_gradients_with_initial(lanes, monoid, layout, reverse):
     shape, dim = _shape(layout, 9)
-    elems = tuple(e.requires_grad_() for e in elems_for(monoid, shape))
-    initial = tuple(e.requires_grad_() for e in elems_for(monoid, shape[:dim] + shape[dim + 1:]))
-    out = sl.scan(monoid, elems, dim=dim, reverse=reverse, initial=initial, backend="triton")
-    ref = scan_sequential(monoid, elems, dim=dim, reverse=reverse, initial=initial)
-    for f, o, r in zip(monoid.fields, out, ref):
-        assert_close(o, r, "scan", name=f"{monoid.name}.{f}")
-    weights = [torch.randn(shape, dtype=torch.float64, device=DEVICE) for _ in monoid.fields]
-    leaves = elems + initial
-    got = torch.autograd.grad(sum((o * w).sum() for o, w in zip(out, weights)), leaves)
-    want = torch.autograd.grad(sum((r * w).sum() for r, w in zip(ref, weights)), leaves)
-    for i, (g, w) in enumerate(zip(got, want)):
-        assert g.shape == w.shape
-        assert_close(g, w, "scan_grad", name=f"{monoid.name} grad {i}")
+    check_with_initial(monoid, shape, dim, reverse)
 
 
 @pytest.mark.parametrize("fwd,bwd", [("lanes", "tile"), ("tile", "lanes")])

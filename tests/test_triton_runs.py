@@ -10,7 +10,7 @@ import pytest
 import torch
 from scanlang.backends.reference import scan_sequential
 from scanlang.backends.triton import codegen_runs, runtime
-from test_triton_scan import DEVICE, LIBRARY, elems_for
+from test_triton_scan import DEVICE, LIBRARY, check_with_initial, elems_for
 
 import scanlang as sl
 from scanlang.testing import assert_close
@@ -50,19 +50,7 @@ def test_runs_gradients_with_initial(runs, monoid, layout, reverse, chunk):
     runs(chunk)
     T = 203 if chunk > 4 else 37   # 4-step checkpoints: the old backward's 4-step tiles are slow to interpret
     shape, dim = ((2, 3, T), 2) if layout == "time" else ((2, T, 3), 1)
-    elems = tuple(e.requires_grad_() for e in elems_for(monoid, shape))
-    initial = tuple(e.requires_grad_() for e in elems_for(monoid, shape[:dim] + shape[dim + 1:]))
-    out = sl.scan(monoid, elems, dim=dim, reverse=reverse, initial=initial, backend="triton")
-    ref = scan_sequential(monoid, elems, dim=dim, reverse=reverse, initial=initial)
-    for f, o, r in zip(monoid.fields, out, ref):
-        assert_close(o, r, "scan", name=f"{monoid.name}.{f}")
-    weights = [torch.randn(shape, dtype=torch.float64, device=DEVICE) for _ in monoid.fields]
-    leaves = elems + initial
-    got = torch.autograd.grad(sum((o * w).sum() for o, w in zip(out, weights)), leaves)
-    want = torch.autograd.grad(sum((r * w).sum() for r, w in zip(ref, weights)), leaves)
-    for i, (g, w) in enumerate(zip(got, want)):
-        assert g.shape == w.shape
-        assert_close(g, w, "scan_grad", name=f"{monoid.name} grad {i}")
+    check_with_initial(monoid, shape, dim, reverse)
 
 
 def test_runs_take_the_run_bodies():
