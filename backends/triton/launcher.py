@@ -2,16 +2,18 @@
 
 `kernel[grid](*args, **meta)` re-derives on every call what Triton specialises a kernel on: each
 argument's type, each integer's size class (== 1, divisible by 16, 32/64-bit) and each tensor's
-alignment (data pointer divisible by 16), then hashes them to find the compiled kernel. The H200
-host measured 100-110 µs per launch of our ~40-argument kernels that way (session 3, cProfile), so
-a fwd+bwd of a mixer spent more time launching than the GPU spent running it.
+alignment (data pointer divisible by 16), then hashes them to find the compiled kernel. On the
+H200's host that cost about 90 µs per launch of our ~40-argument kernels: a mixer's fwd+bwd took
+609 µs of host time before this module and 435 µs after (session 3, `python -m
+scanlang.backends.triton.host`).
 
 Within one launch plan (`plan.ForwardPlan` / `plan.BackwardPlan`) every integer argument and every
 dtype is fixed by the plan's key (shapes, strides, dtypes, config), and the constexprs by `meta`. The
 only thing left that can change Triton's choice is the alignment of the tensors' data pointers. So
 the compiled kernel of a launch whose pointers were all 16-byte aligned is cached per (plan,
-config) and, while they stay aligned, called through its launcher directly: `CompiledKernel.run(grid, stream, function, metadata, hooks, *all arguments)`,
-what `JITFunction.run` itself calls after binding. The first launch of each entry goes through
+config) and, while they stay aligned, called through its launcher directly:
+`CompiledKernel.run(grid, stream, function, metadata, hooks, *all arguments)`, what
+`JITFunction.run` itself calls after binding. The first launch of each entry goes through
 `kernel[grid]` (compiling if needed) and returns the compiled kernel that is kept.
 
 Not used under Triton's interpreter (no compiled kernel) nor while tracing (the registered ops
