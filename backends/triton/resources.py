@@ -4,12 +4,14 @@
                                                  [--lanes BLOCK_L,WARPS,CHUNK,UNROLL ...]
 
 Runs one forward and backward of the workload on CPU tensors with Triton's launches captured instead
-of executed, compiles every captured kernel for the target with its real argument types and
-constexprs, and reports ptxas -v (registers, spill bytes), Triton's shared memory, and the static
-SASS instruction mix from nvdisasm (total, barriers, shuffles, local-memory traffic, the commonest
-opcodes). This is how launch configs are compared when no GPU is at hand; only timings need one
-(`scanlang bench`, `python -m scanlang.recipes.kalman.bench`). Needs TRITON_INTERPRET unset and
-Triton's bundled ptxas and nvdisasm.
+of executed, compiles every captured kernel for the target as a launch with those arguments would
+(Triton's binder specialises them), and reports ptxas -v (registers, spill bytes), Triton's shared
+memory, the static SASS instruction mix from nvdisasm (total, barriers, shuffles, local-memory
+traffic, the commonest opcodes) and the longest loop per element or lane-step. This is how launch
+configs are compared when no GPU is at hand; only timings need one (`scanlang bench`,
+`python -m scanlang.recipes.kalman.bench`). The code is the installed Triton's: the H200 runs
+Triton 3.6, whose layouts can differ from a newer version's, so install that version to see the
+GPU's code. Needs TRITON_INTERPRET unset and Triton's bundled ptxas and nvdisasm.
 """
 from __future__ import annotations
 
@@ -93,11 +95,21 @@ def signature(kernel, args, constexprs) -> dict:
     return sig
 
 
-def compile_offline(kernel, args, constexprs, options, arch: int = 90):
-    """The compiled kernel for `arch` (no GPU needed)."""
-    consts = {k: v for k, v in constexprs.items() if k in kernel.arg_names}
-    src = ASTSource(fn=kernel, signature=signature(kernel, args, consts), constexprs=consts)
-    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(options))
+def compile_like_launch(launch: Launch, arch: int = 90):
+    """The kernel compiled for `arch` as a launch with these arguments compiles it on a GPU: Triton's
+    own binder specialises the arguments (integers equal to 1 become constants, multiples of 16 and
+    16-byte aligned pointers get divisibility hints), so registers, layouts and SASS are the GPU's,
+    for the installed Triton version (the H200 runs 3.6: install that version to see its code)."""
+    from triton.compiler import make_backend
+    from triton.runtime.jit import create_function_from_signature
+    kernel = launch.kernel
+    target = GPUTarget("cuda", arch, 32)
+    backend = make_backend(target)
+    binder = create_function_from_signature(kernel.signature, kernel.params, backend)
+    kwargs = dict(launch.kwargs, debug=False)
+    bound, specialization, options = binder(*launch.args, **kwargs)
+    options, sig, constexprs, attrs = kernel._pack_args(backend, kwargs, bound, specialization, options)
+    return triton.compile(ASTSource(kernel, sig, constexprs, attrs), target=target, options=options.__dict__)
 
 
 def _tool(*names: str) -> str:
@@ -123,32 +135,62 @@ def ptxas_summary(compiled, arch: int = 90) -> dict:
                 spill_loads=int(spill.group(2)) if spill else None, shared=compiled.metadata.shared)
 
 
-def sass_mix(compiled) -> collections.Counter:
-    """Static count of SASS opcodes (modifiers dropped: IMAD.WIDE counts as IMAD)."""
+def _sass(compiled) -> list[str]:
+    """The instruction lines of the kernel's SASS (nvdisasm)."""
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "k.cubin")
         with open(path, "wb") as f:
             f.write(compiled.asm["cubin"])
         sass = subprocess.run([_tool("nvdisasm"), "-c", path], capture_output=True, text=True).stdout
+    return sass.splitlines()
+
+
+_OPCODE = re.compile(r"\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)")
+
+
+def sass_mix(compiled) -> collections.Counter:
+    """Static count of SASS opcodes (modifiers dropped: IMAD.WIDE counts as IMAD)."""
     ops = collections.Counter()
-    for line in sass.splitlines():
-        m = re.match(r"\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)", line)
+    for line in _sass(compiled):
+        m = _OPCODE.match(line)
         if m:
             ops[m.group(1)] += 1
     return ops
 
 
+def longest_loop(compiled) -> int:
+    """Instructions in the kernel's longest loop (the widest backward branch): the hot loop, apart from
+    the prologue and epilogue the whole-kernel count includes. An upper bound: a loop that also holds
+    a masked copy of its body for partial blocks (the lane-sequential kernels) counts both."""
+    lines = _sass(compiled)
+    labels, best = {}, 0
+    for i, line in enumerate(lines):
+        m = re.match(r"^(\.L_x_\d+):", line)
+        if m:
+            labels[m.group(1)] = i
+        m = re.search(r"BRA `\((\.L_x_\d+)\)", line)
+        if m and m.group(1) in labels:
+            best = max(best, sum(1 for ln in lines[labels[m.group(1)]:i + 1] if _OPCODE.match(ln)))
+    return best
+
+
 def report(launch: Launch, arch: int = 90) -> str:
-    """One line per kernel: registers, spills, shared memory and the SASS mix."""
-    compiled = compile_offline(launch.kernel, launch.args, launch.constexprs, launch.options, arch)
+    """One line per kernel: registers, spills, shared memory, the SASS mix and the longest loop's length
+    per element (tiles) or per lane-step (lane-sequential)."""
+    compiled = compile_like_launch(launch, arch)
     res = ptxas_summary(compiled, arch)
     ops = sass_mix(compiled)
-    steps = launch.constexprs.get("UNROLL") or launch.constexprs.get("BLOCK_T") or 1
+    c = launch.constexprs
+    if "UNROLL" in c:   # lane-sequential: a loop iteration is UNROLL steps of R lanes per thread
+        per, unit = c["UNROLL"] * c.get("R", 1), "lane-step"
+    else:               # tiles: a loop iteration is one tile, spread over the program's threads
+        per, unit = max(1, c["BLOCK_T"] * c["BLOCK_L"] // (32 * launch.options.get("num_warps", 4))), "element"
+    loop = longest_loop(compiled)
     common = ", ".join(f"{k} {v}" for k, v in ops.most_common(6))
     return (f"{launch.kernel.__name__:20s} {res['registers']:3d} registers, spills {res['spill_stores']} B stored / "
-            f"{res['spill_loads']} B loaded, shared {res['shared']} B; SASS {sum(ops.values())} "
-            f"({sum(ops.values()) // steps} per step of {steps}), BAR {ops['BAR']}, SHFL {ops['SHFL']}, "
-            f"LDL {ops['LDL']}, STL {ops['STL']}; {common}")
+            f"{res['spill_loads']} B loaded, shared {res['shared']} B; SASS {sum(ops.values())}, longest loop {loop} "
+            f"({loop / per:.1f} per {unit}), BAR {ops['BAR']}, SHFL {ops['SHFL']}, LDL {ops['LDL']}, "
+            f"STL {ops['STL']}; {common}")
 
 
 def run_workload(workload: str):
@@ -160,11 +202,12 @@ def run_workload(workload: str):
         y, y_var, _ = kalman_filter(*ins, backend="triton", form="fused", validate=False)
         torch.autograd.grad(y.sum() + y_var.sum(), ins)
         return
-    from scanlang.bench import _mixers   # the benchmark's mixers, time-contiguous [B, D, T]
+    from scanlang.bench import _mixers   # the benchmark's mixers, time-contiguous [B, D, T], its T
     mix = _mixers()[workload, "time"]
     names = ("a", "b") if workload == "affine" else ("a", "b", "c", "d")
-    data = {n: (torch.rand(2, 64, 40) + 0.5).requires_grad_() for n in names}
-    torch.autograd.grad(mix(**data)[0].sum(), tuple(data.values()))
+    data = {n: (torch.rand(1, 64, 4096) + 0.5).requires_grad_() for n in names}
+    y = mix(**data)[0]
+    torch.autograd.grad(y, tuple(data.values()), torch.randn_like(y))   # a dense upstream gradient, as in training
 
 
 def main(argv=None):
