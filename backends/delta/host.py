@@ -18,13 +18,13 @@ import os
 os.environ["TRITON_INTERPRET"] = "1"   # before the generated kernels are imported: interpreter launches
 
 import argparse  # noqa: E402
-import cProfile  # noqa: E402
-import pstats  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 
 import torch  # noqa: E402
+
+from scanlang.backends.triton.host import print_profile  # noqa: E402
 
 
 def _no_launches():
@@ -94,12 +94,7 @@ def main(argv=None):
     for name, fn in calls().items():
         print(f"  {name:26s} {median_us(fn, args.calls):8.1f} us", flush=True)
         if args.profile:
-            prof = cProfile.Profile()
-            prof.enable()
-            for _ in range(args.calls):
-                fn()
-            prof.disable()
-            pstats.Stats(prof, stream=sys.stdout).sort_stats("tottime").print_stats(12)
+            print_profile(fn, args.calls, top=12)
     return 0
 
 

@@ -150,14 +150,13 @@ def _common_prologue():
     """Program = (lane block, sequence). Packed sequences (VARLEN) start at cu[seq] in memory; the
     checkpoint slots of sequence `seq` start at t0 // CHUNK + seq (disjoint ranges, no host sync)."""
     return (["pid = tl.program_id(0)", "seq = tl.program_id(1)", "rows = tl.arange(0, BLOCK_T)[:, None]"]
-            + lanes_and_sequence() + ["n_tiles = tl.cdiv(seq_len, BLOCK_T)", "slot0 = t0 // CHUNK + seq"])
+            + ["lane = pid.to(tl.int64) * BLOCK_L + tl.arange(0, BLOCK_L)", "lane_ok = lane < L"]
+            + sequence_bounds() + ["n_tiles = tl.cdiv(seq_len, BLOCK_T)", "slot0 = t0 // CHUNK + seq"])
 
 
-def lanes_and_sequence() -> list[str]:
-    """This program's lane block and its sequence's start and length (both schedules)."""
+def sequence_bounds() -> list[str]:
+    """t0, seq_len: where sequence `seq` starts in memory and its length (both schedules)."""
     return [
-        "lane = pid.to(tl.int64) * BLOCK_L + tl.arange(0, BLOCK_L)",
-        "lane_ok = lane < L",
         "if VARLEN:",
         "    t0 = tl.load(cu_ptr + seq).to(tl.int64)",
         "    seq_len = tl.load(cu_ptr + seq + 1).to(tl.int64) - t0",

@@ -50,7 +50,7 @@ from scanlang.autodiff import Adjoint
 from scanlang.ir import ScanIR
 
 from .codegen import (_assign, _indent, _initial_carry, _num, _symbols_named, backward_args, forward_args,
-                      memory_index)
+                      memory_index, sequence_bounds, static_flags)
 
 SHAPE = "[R, BLOCK_L // R]"   # a lane tensor: R lanes per thread slot, BLOCK_L // R slots
 
@@ -71,12 +71,7 @@ def _prologue() -> list[str]:
         "else:",
         "    slot_ok = slot < L",
         "    lane_ok = lane < L",
-        "if VARLEN:",
-        "    t0 = tl.load(cu_ptr + seq).to(tl.int64)",
-        "    seq_len = tl.load(cu_ptr + seq + 1).to(tl.int64) - t0",
-        "else:",
-        "    t0 = 0",
-        "    seq_len = T",
+        *sequence_bounds(),
         "n_chunks = tl.cdiv(seq_len, CHUNK)",
         "slot0 = t0 // CHUNK + seq",
         "first = (slot % STATE) == 0",   # the slot that stores its group's sum
@@ -167,7 +162,7 @@ def lanes_flags(ir: ScanIR, backward: bool) -> list[str]:
                 + ([f"g{o}" for o in range(len(ir.outputs))] + [f"du{i}" for i in range(len(ir.inputs))] if backward
                    else [f"o{o}" for o in range(len(ir.outputs))]))
     return ([f"TS_{b}: tl.constexpr" for b in per_step]
-            + [f"TSTATIC{i}: tl.constexpr = False" for i in range(len(ir.inputs))]
+            + static_flags(ir)
             + [f"SLOT{i}: tl.constexpr = False" for i in range(len(ir.inputs))])
 
 
