@@ -1,0 +1,203 @@
+"""Triton source of the chunkwise gated delta rule's backward kernels (part of `template.SOURCE`).
+
+See template.py for the kernels' roles; these use its helpers (`mm`, `rnd`, `step_beta`, the hooks).
+"""
+
+BACKWARD = '''\
+@triton.jit
+def delta_state_bwd(q_ptr, k_ptr, w_ptr, gcum_ptr, do_ptr, dht_ptr, chunk_tok, chunk_len, seq_chunk0,
+                    dh_ptr, dU_ptr, dh0_ptr, scale,
+                    H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
+                    HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr, PREC: tl.constexpr, IN_PREC: tl.constexpr, UPCAST: tl.constexpr):
+    n = tl.program_id(0)
+    h = tl.program_id(1)
+    vv = tl.program_id(2) * BV + tl.arange(0, BV)
+    kk = tl.arange(0, BK)
+    rows = tl.arange(0, C)
+    sm = (kk[:, None] < K) & (vv[None, :] < V)
+    if HAS_DHT:
+        dS = tl.load(dht_ptr + ((n * H + h) * K + kk[:, None]).to(tl.int64) * V + vv[None, :], mask=sm, other=0.0).to(tl.float32)
+    else:
+        dS = tl.zeros([BK, BV], dtype=tl.float32)
+    c0 = tl.load(seq_chunk0 + n)
+    c1 = tl.load(seq_chunk0 + n + 1)
+    for i in range(0, c1 - c0):
+        c = c1 - 1 - i
+        t0 = tl.load(chunk_tok + c).to(tl.int64)
+        nv = tl.load(chunk_len + c)
+        ok = rows < nv
+        tok = t0 + rows
+        tl.store(dh_ptr + ((c * H + h) * K + kk[:, None]).to(tl.int64) * V + vv[None, :],
+                 rnd(dS, dh_ptr.dtype.element_ty, UPCAST), mask=sm)
+        km = ok[:, None] & (kk[None, :] < K)
+        vm = ok[:, None] & (vv[None, :] < V)
+        q = tl.load(q_ptr + (tok[:, None] * H + h) * K + kk[None, :], mask=km, other=0.0)
+        k = tl.load(k_ptr + (tok[:, None] * H + h) * K + kk[None, :], mask=km, other=0.0)
+        w = tl.load(w_ptr + (tok[:, None] * H + h) * K + kk[None, :], mask=km, other=0.0)
+        G = tl.load(gcum_ptr + tok * H + h, mask=ok, other=0.0)
+        G_last = tl.load(gcum_ptr + (t0 + nv - 1) * H + h)
+        do = tl.load(do_ptr + (tok[:, None] * H + h) * V + vv[None, :], mask=vm, other=0.0)
+        # dU from the outputs within the chunk, scale (Q K^T * D)^T dO (row j: key, column i: query; it does
+        # not depend on dS, so it is off the loop's dependency chain), then through the chunk end state
+        causal_t = (rows[None, :] >= rows[:, None]) & ok[None, :]
+        Dt = tl.where(causal_t, tl.exp(tl.where(causal_t, G[None, :] - G[:, None], 0.0)), 0.0)
+        Mt = mm(k, tl.trans(q), IN_PREC, UPCAST) * Dt
+        dU = mm(rnd(Mt, q.dtype, UPCAST), rnd(do, q.dtype, UPCAST), IN_PREC, UPCAST) * scale
+        tail = tl.where(ok, tl.exp(G_last - G), 0.0)
+        kt = rnd(k.to(tl.float32) * tail[:, None], k.dtype, UPCAST)
+        dU += mm(kt, rnd(dS, k.dtype, UPCAST), IN_PREC, UPCAST)
+        tl.store(dU_ptr + (tok[:, None] * H + h) * V + vv[None, :], dU, mask=vm)
+        qg = rnd(q.to(tl.float32) * tl.where(ok, tl.exp(G), 0.0)[:, None], q.dtype, UPCAST)
+        dS = dS * tl.exp(G_last) + scale * mm(tl.trans(qg), rnd(do, q.dtype, UPCAST), IN_PREC, UPCAST)
+        dS -= mm(tl.trans(w), rnd(dU, w.dtype, UPCAST), IN_PREC, UPCAST)
+    if STORE_DH0:
+        tl.store(dh0_ptr + ((n * H + h) * K + kk[:, None]).to(tl.int64) * V + vv[None, :], dS, mask=sm)
+
+
+@triton.jit
+def delta_bwd_dqk(q_ptr, k_ptr, gcum_ptr, h_ptr, dh_ptr, U_ptr, dU_ptr, do_ptr, dq_ptr, dk_ptr, dw_ptr, dG_ptr,
+                  chunk_tok, chunk_len, scale, TTH,
+                  H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
+                  BKS: tl.constexpr, PREC: tl.constexpr, IN_PREC: tl.constexpr, UPCAST: tl.constexpr):
+    """Per chunk and block of BKS key columns, through O = scale (e^G Q S0 + (Q K^T * D) U), S_end and
+    U = u - w S0: dq (final), dk (partial, fp32), dw (fp32), dG (this block's share, fp32)."""
+    NKB: tl.constexpr = (K + BKS - 1) // BKS     # a chunk's key blocks run back to back: U, dU, dO from L2
+    c = tl.program_id(0) // NKB
+    h = tl.program_id(1)
+    kb = tl.program_id(0) % NKB
+    kk = kb * BKS + tl.arange(0, BKS)
+    rows = tl.arange(0, C)
+    t0 = tl.load(chunk_tok + c).to(tl.int64)
+    nv = tl.load(chunk_len + c)
+    ok = rows < nv
+    tok = t0 + rows
+    km = ok[:, None] & (kk[None, :] < K)
+    q = tl.load(q_ptr + (tok[:, None] * H + h) * K + kk[None, :], mask=km, other=0.0)
+    k = tl.load(k_ptr + (tok[:, None] * H + h) * K + kk[None, :], mask=km, other=0.0)
+    G = tl.load(gcum_ptr + tok * H + h, mask=ok, other=0.0)
+    G_last = tl.load(gcum_ptr + (t0 + nv - 1) * H + h)
+    causal = (rows[:, None] >= rows[None, :]) & ok[:, None] & ok[None, :]
+    dq1 = tl.zeros([C, BKS], dtype=tl.float32)
+    dks = tl.zeros([C, BKS], dtype=tl.float32)
+    dw = tl.zeros([C, BKS], dtype=tl.float32)
+    dOU = tl.zeros([C, C], dtype=tl.float32)
+    dlast = tl.zeros([BKS], dtype=tl.float32)
+    for iv in range(0, tl.cdiv(V, BV)):
+        vv = iv * BV + tl.arange(0, BV)
+        vm = ok[:, None] & (vv[None, :] < V)
+        sm = (kk[:, None] < K) & (vv[None, :] < V)
+        S0 = tl.load(h_ptr + ((c * H + h) * K + kk[:, None]).to(tl.int64) * V + vv[None, :], mask=sm, other=0.0)
+        dSe = tl.load(dh_ptr + ((c * H + h) * K + kk[:, None]).to(tl.int64) * V + vv[None, :], mask=sm, other=0.0)
+        U = rnd(tl.load(U_ptr + (tok[:, None] * H + h) * V + vv[None, :], mask=vm, other=0.0), q.dtype, UPCAST)
+        dU = tl.load(dU_ptr + (tok[:, None] * H + h) * V + vv[None, :], mask=vm, other=0.0)
+        do = rnd(tl.load(do_ptr + (tok[:, None] * H + h) * V + vv[None, :], mask=vm, other=0.0), q.dtype, UPCAST)
+        S0q = rnd(S0, q.dtype, UPCAST)
+        dOU += mm(do, tl.trans(U), IN_PREC, UPCAST)
+        dq1 += mm(do, tl.trans(S0q), IN_PREC, UPCAST)
+        dks += mm(U, tl.trans(rnd(dSe, q.dtype, UPCAST)), IN_PREC, UPCAST)
+        dw -= mm(rnd(dU, q.dtype, UPCAST), tl.trans(S0q), IN_PREC, UPCAST)
+        dlast += tl.sum(S0.to(tl.float32) * dSe.to(tl.float32), 1)
+    # outputs (every dG term below is a sum over key columns: each block adds its share)
+    dq1 = dq1 * (scale * tl.where(ok, tl.exp(G), 0.0))[:, None]
+    dG = tl.sum(dq1 * q.to(tl.float32), 1)
+    dM = dOU * tl.where(causal, tl.exp(tl.where(causal, G[:, None] - G[None, :], 0.0)), 0.0) * scale
+    PM = dM * mm(q, tl.trans(k), IN_PREC, UPCAST)
+    dG += tl.sum(PM, 1) - tl.sum(PM, 0)
+    dMq = rnd(dM, q.dtype, UPCAST)
+    dq = dq1 + mm(dMq, k, IN_PREC, UPCAST)
+    tl.store(dq_ptr + (tok[:, None] * H + h) * K + kk[None, :], rnd(dq, dq_ptr.dtype.element_ty, UPCAST), mask=km)
+    # chunk end state: S_end = e^G_last S0 + (K e^(G_last - G))^T U
+    dks = dks * tl.where(ok, tl.exp(G_last - G), 0.0)[:, None]
+    cj = tl.sum(dks * k.to(tl.float32), 1)
+    dG -= cj
+    dG += tl.where(rows == nv - 1, tl.sum(dlast, 0) * tl.exp(G_last) + tl.sum(cj, 0), 0.0)
+    dk = dks + mm(tl.trans(dMq), q, IN_PREC, UPCAST)
+    tl.store(dk_ptr + (tok[:, None] * H + h) * K + kk[None, :], dk, mask=km)
+    tl.store(dw_ptr + (tok[:, None] * H + h) * K + kk[None, :], dw, mask=km)
+    tl.store(dG_ptr + kb * TTH + tok * H + h, dG, mask=ok)
+
+
+@triton.jit
+def delta_bwd_wy(k_ptr, v_ptr, a_ptr, hp_ptr, s_ptr, eps, gcum_ptr, beta_ptr, tm_ptr, dU_ptr, dw_ptr, dk_part_ptr,
+                 dG_part_ptr, dk_ptr, dv_ptr, da_ptr, dhp_ptr, ds_ptr, chunk_tok, chunk_len, TTH,
+                 H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
+                 BKS: tl.constexpr, PREC: tl.constexpr, IN_PREC: tl.constexpr, UPCAST: tl.constexpr):
+    """Per chunk, through w = Tm diag(beta e^G) K, u = Tm diag(beta) V, Tm = (I + A)^-1 and the hooks:
+    dv, dk (final), d decay input, d step input. Keys are visited in blocks of BKS columns, twice: the
+    second pass (through A, which needs all of dTm) recomputes dX = Tm^T dw, a cheap dot, rather than
+    storing and reloading a partial dk in between."""
+    c = tl.program_id(0)
+    h = tl.program_id(1)
+    rows = tl.arange(0, C)
+    t0 = tl.load(chunk_tok + c).to(tl.int64)
+    nv = tl.load(chunk_len + c)
+    ok = rows < nv
+    tok = t0 + rows
+    G = tl.load(gcum_ptr + tok * H + h, mask=ok, other=0.0)
+    beta = tl.load(beta_ptr + tok * H + h, mask=ok, other=0.0)
+    bG = beta * tl.where(ok, tl.exp(G), 0.0)
+    causal = (rows[:, None] >= rows[None, :]) & ok[:, None] & ok[None, :]
+    # an unmasked (vectorised) load: delta_prep wrote every element
+    Tm = tl.where(causal, tl.load(tm_ptr + ((c * H + h) * C + rows[:, None]).to(tl.int64) * C + rows[None, :]), 0.0)
+    dTm = tl.zeros([C, C], dtype=tl.float32)
+    dbeta = tl.zeros([C], dtype=tl.float32)
+    # u = Tm diag(beta) V
+    for iv in range(0, tl.cdiv(V, BV)):
+        vv = iv * BV + tl.arange(0, BV)
+        vm = ok[:, None] & (vv[None, :] < V)
+        dU = tl.load(dU_ptr + (tok[:, None] * H + h) * V + vv[None, :], mask=vm, other=0.0)
+        v = tl.load(v_ptr + (tok[:, None] * H + h) * V + vv[None, :], mask=vm, other=0.0).to(tl.float32)
+        dY = mm(tl.trans(Tm), dU, PREC, UPCAST)
+        tl.store(dv_ptr + (tok[:, None] * H + h) * V + vv[None, :],
+                 rnd(beta[:, None] * dY, dv_ptr.dtype.element_ty, UPCAST), mask=vm)
+        dbeta += tl.sum(dY * v, 1)
+        dTm += mm(dU, tl.trans(beta[:, None] * v), PREC, UPCAST)
+    # w = Tm X with X = diag(beta e^G) K; also K K^T and ||k||^2 for what follows
+    sx = tl.zeros([C], dtype=tl.float32)
+    n2 = tl.zeros([C], dtype=tl.float32)
+    KK = tl.zeros([C, C], dtype=tl.float32)
+    for kb in range(0, tl.cdiv(K, BKS)):
+        kk = kb * BKS + tl.arange(0, BKS)
+        km = ok[:, None] & (kk[None, :] < K)
+        k = tl.load(k_ptr + (tok[:, None] * H + h) * K + kk[None, :], mask=km, other=0.0)
+        kf = k.to(tl.float32)
+        dw = tl.load(dw_ptr + (tok[:, None] * H + h) * K + kk[None, :], mask=km, other=0.0)
+        dX = mm(tl.trans(Tm), dw, PREC, UPCAST)
+        dTm += mm(dw, tl.trans(bG[:, None] * kf), PREC, UPCAST)
+        sx += tl.sum(dX * kf, 1)
+        n2 += tl.sum(kf * kf, 1)
+        KK += mm(k, tl.trans(k), IN_PREC, UPCAST)
+    dbeta += tl.where(ok, tl.exp(G), 0.0) * sx
+    dG = bG * sx
+    for kb in range(0, tl.cdiv(K, BKS)):
+        dG += tl.load(dG_part_ptr + kb * TTH + tok * H + h, mask=ok, other=0.0)
+    # Tm = (I + A)^-1, A = strictly_lower(diag(beta) K K^T * D): dA = -Tm^T dTm Tm^T
+    strict = (rows[:, None] > rows[None, :]) & ok[:, None] & ok[None, :]
+    dA = -mm(tl.trans(Tm), mm(dTm, tl.trans(Tm), PREC, UPCAST), PREC, UPCAST)
+    E = tl.where(strict, dA * tl.exp(tl.where(strict, G[:, None] - G[None, :], 0.0)), 0.0)
+    dbeta += tl.sum(E * KK, 1)
+    PA = E * KK * beta[:, None]
+    dG += tl.sum(PA, 1) - tl.sum(PA, 0)
+    # G = cumsum(g) in the chunk: dg_t = sum over i >= t of dG_i; then the hooks' chain rule
+    dg = tl.sum(dG, 0) - tl.cumsum(dG, 0) + dG
+    a = tl.load(a_ptr + tok * H + h, mask=ok, other=0.0).to(tl.float32)
+    store_decay_grads(dg, a, hp_ptr, h, H, da_ptr, dhp_ptr, tok * H + h, TTH, ok)
+    s = tl.load(s_ptr + tok * H + h, mask=ok, other=0.0).to(tl.float32)
+    dbeta_ds, dbeta_dn2 = step_hook_grad(s, n2, eps)
+    _, dead = step_beta(s, n2, eps)
+    tl.store(ds_ptr + tok * H + h, tl.where(dead, 0.0, dbeta * dbeta_ds), mask=ok)
+    dn2 = tl.where(dead, 0.0, 2.0 * dbeta * dbeta_dn2)
+    for kb in range(0, tl.cdiv(K, BKS)):
+        kk = kb * BKS + tl.arange(0, BKS)
+        km = ok[:, None] & (kk[None, :] < K)
+        kf = tl.load(k_ptr + (tok[:, None] * H + h) * K + kk[None, :], mask=km, other=0.0).to(tl.float32)
+        dk = tl.load(dk_part_ptr + (tok[:, None] * H + h) * K + kk[None, :], mask=km, other=0.0)
+        dw = tl.load(dw_ptr + (tok[:, None] * H + h) * K + kk[None, :], mask=km, other=0.0)
+        dk += bG[:, None] * mm(tl.trans(Tm), dw, PREC, UPCAST)
+        dk += beta[:, None] * mm(E, kf, PREC, UPCAST) + mm(tl.trans(E), beta[:, None] * kf, PREC, UPCAST)
+        dk += dn2[:, None] * kf
+        tl.store(dk_ptr + (tok[:, None] * H + h) * K + kk[None, :], rnd(dk, dk_ptr.dtype.element_ty, UPCAST),
+                 mask=km)
+
+
+'''
