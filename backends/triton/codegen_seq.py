@@ -9,6 +9,13 @@ an input constant over the state (v, prec of the Kalman program: constexpr SLOT<
 per slot. Addresses: per slot a base pointer computed once, per lane a register offset r * stride
 (an immediate when the stride is 1), per step one scalar `index * time stride`.
 
+Memory. Every load, store and atomic goes through the lane (or slot) tensor reshaped to 1-D
+(`_load`, `_store`): a 1-D access has one order, so Triton's coalescing keeps the layout the [R, G]
+arithmetic has (R in registers) whatever the strides. Accessed as [R, G], Triton 3.6 ordered the
+accesses dim 0 first when both dims' contiguities tied, spread R over 4 threads, and the state sums
+then needed shuffles and 32 layout conversions through shared memory per forward loop (offline
+SASS, Kalman forward inner loop: 44 -> 23 instructions per lane-step under 3.6).
+
 - `scan_forward_lanes`: walks its sequence one step at a time: lift, prefix = combine(prefix,
   element), readout (optionally summed over the STATE lanes), store. Every CHUNK steps it stores the
   carry into the chunk: the same checkpoints as the tile schedule (slot j = the carry into chunk j),
@@ -53,6 +60,27 @@ from .codegen import (_assign, _indent, _initial_carry, _num, _symbols_named, ba
                       memory_index, sequence_bounds, static_flags)
 
 SHAPE = "[R, BLOCK_L // R]"   # a lane tensor: R lanes per thread slot, BLOCK_L // R slots
+SLOTS = "[1, BLOCK_L // R]"   # a slot tensor: one value per thread slot
+
+
+def _flat(x: str, per_slot: bool = False) -> str:
+    """`x` (a lane tensor, or a slot tensor when `per_slot`) as the 1-D tensor memory is accessed through."""
+    return f"tl.reshape({x}, {'(BLOCK_L // R,)' if per_slot else '(BLOCK_L,)'})"
+
+
+def _load(ptr: str, mask: str, other: str, per_slot: bool = False) -> str:
+    """A lane (or slot) tensor loaded through flat 1-D pointers (see the module docstring, "Memory")."""
+    shape = SLOTS if per_slot else SHAPE
+    return f"tl.reshape(tl.load({_flat(ptr, per_slot)}, mask={_flat(mask, per_slot)}, other={other}), {shape})"
+
+
+def _store(ptr: str, value: str, mask: str, per_slot: bool = False, atomic: bool = False) -> str:
+    """A lane (or slot) tensor stored (or atomically added, relaxed) through flat 1-D pointers."""
+    value = _flat(f"tl.broadcast_to({value}, {SLOTS if per_slot else SHAPE})", per_slot)
+    if atomic:
+        return f"tl.atomic_add({_flat(ptr, per_slot)}, {value}, mask={_flat(mask, per_slot)}, sem='relaxed')"
+    return f"tl.store({_flat(ptr, per_slot)}, {value}, mask={_flat(mask, per_slot)})"
+
 
 def _prologue() -> list[str]:
     """Program = (lane block, sequence), as in the tile schedule."""
@@ -62,9 +90,6 @@ def _prologue() -> list[str]:
         "r_idx = tl.arange(0, R)[:, None]",
         "slot = pid.to(tl.int64) * BLOCK_L + tl.arange(0, BLOCK_L // R)[None, :] * R",
         "lane = slot + r_idx",
-        # memory is accessed per register: lanes declared not contiguous (here and in `_at`) keep
-        # Triton from re-laying the lanes out through shared memory for vector accesses
-        "lane_mem = tl.max_contiguous(lane, [1, 1])",
         "if EVEN_L:   # constant masks: the loads and stores below lose them",
         "    slot_ok = tl.full([1, BLOCK_L // R], 1, tl.int1)",
         f"    lane_ok = tl.full({SHAPE}, 1, tl.int1)",
@@ -108,7 +133,7 @@ def _offsets(prefix: str, per_group: bool = False) -> list[str]:
 def _at(prefix: str, at: str, per_slot: bool = False) -> str:
     """Pointers of `prefix` at memory index `at`: per lane [R, G], or per slot [1, G]."""
     base = f"p{prefix} + {at} * TS_{prefix}"
-    return base if per_slot else f"tl.max_contiguous({base} + {prefix}_r, [1, 1])"
+    return base if per_slot else f"{base} + {prefix}_r"
 
 
 def _masks(j: int, first: str, masked: bool) -> tuple[list[str], str, str, str]:
@@ -129,9 +154,9 @@ def _load_lift(ir: ScanIR, tag: str, at: str, lane_mask: str, slot_mask: str, ma
     for i, n in enumerate(ir.inputs):
         lines += [f"if TSTATIC{i}:", f"    u{tag}_{n} = us{i}",
                   f"elif SLOT{i}:",
-                  f"    u{tag}_{n} = to_acc(tl.load({_at(f'u{i}', at, True)}, mask={slot_mask}, other=1.0), FP64)",
+                  f"    u{tag}_{n} = to_acc({_load(_at(f'u{i}', at, True), slot_mask, '1.0', True)}, FP64)",
                   "else:",
-                  f"    u{tag}_{n} = to_acc(tl.load({_at(f'u{i}', at)}, mask={lane_mask}, other=1.0), FP64)"]
+                  f"    u{tag}_{n} = to_acc({_load(_at(f'u{i}', at), lane_mask, '1.0')}, FP64)"]
     if not lift:
         return lines
     names = {s: f"u{tag}_{s.name[2:]}" for s in ir.input_symbols}
@@ -147,9 +172,9 @@ def _static_loads(ir: ScanIR) -> list[str]:
     for i in range(len(ir.inputs)):
         lines += [f"if TSTATIC{i}:",
                   f"    if SLOT{i}:",
-                  f"        us{i} = to_acc(tl.load(pu{i}, mask=slot_ok, other=1.0), FP64)",
+                  f"        us{i} = to_acc({_load(f'pu{i}', 'slot_ok', '1.0', True)}, FP64)",
                   "    else:",
-                  f"        us{i} = to_acc(tl.load(pu{i} + u{i}_r, mask=lane_ok, other=1.0), FP64)"]
+                  f"        us{i} = to_acc({_load(f'pu{i} + u{i}_r', 'lane_ok', '1.0')}, FP64)"]
     return lines
 
 
@@ -336,10 +361,10 @@ def _forward_block(ir: ScanIR, masked: bool) -> list[str]:
         for o in range(len(ir.outputs)):
             cast = f".to(o{o}_ptr.dtype.element_ty)"
             if ir.reduce_state:
-                part.append(f"tl.store({_at(f'o{o}', f'(tt + {j} * step)', True)}, {_state_sum(f'r{o}')}{cast}, "
-                            f"mask={smask} & first)")
+                part.append(_store(_at(f'o{o}', f'(tt + {j} * step)', True), f"{_state_sum(f'r{o}')}{cast}",
+                                   f"{smask} & first", per_slot=True))
             else:
-                part.append(f"tl.store({_at(f'o{o}', f'(tt + {j} * step)')}, r{o}{cast}, mask={lmask})")
+                part.append(_store(_at(f'o{o}', f'(tt + {j} * step)'), f"r{o}{cast}", lmask))
         block += _guarded(j, part)
     return block
 
@@ -356,14 +381,14 @@ def render_forward_lanes(ir: ScanIR) -> list[str]:
         body += [f"po{o} = po{o}g" for o in range(len(ir.outputs))]
     body += _static_loads(ir)
     body += _initial_carry(ir, SHAPE)
-    chunk = ["if CKPT:"] + [f"    tl.store(ckpt_ptr + ({f} * n_slots + slot0 + k) * L + lane_mem, c_{name}, mask=lane_ok)"
+    chunk = ["if CKPT:"] + ["    " + _store(f"ckpt_ptr + ({f} * n_slots + slot0 + k) * L + lane", f"c_{name}", "lane_ok")
                             for f, name in enumerate(ir.fields) if name in _free(ir)]
     chunk.append("n_steps = tl.minimum(CHUNK, seq_len - k * CHUNK)")
     chunk += _split_blocks(_forward_block(ir, masked=False), _forward_block(ir, masked=True), "s0")
     body.append("for k in range(0, n_chunks):")
     body += _indent(chunk, 4)
     for f, name in enumerate(ir.fields):
-        body.append(f"tl.store(final_ptr + ({f} * n_seq + seq) * L + lane_mem, c_{name}, mask=lane_ok)")
+        body.append(_store(f"final_ptr + ({f} * n_seq + seq) * L + lane", f"c_{name}", "lane_ok"))
     sig = ", ".join(forward_args(ir) + [f"{c}: tl.constexpr" for c in consts] + lanes_flags(ir, False))
     return ["@triton.jit", f"def scan_forward_lanes({sig}):",
             f'    """Forward fused scan of {ir.name}, lane-sequential: one combine per step and lane, in registers."""',
@@ -382,24 +407,24 @@ def _du_store_lanes(i: int, name: str, at: str, lane_mask: str, slot_mask: str, 
     cast = f".to(du{i}_ptr.dtype.element_ty)"
     return [
         f"if DU{i} == 0:",
-        f"    tl.store({ptr}, du_{name}{cast}, mask={lane_mask})",
+        "    " + _store(ptr, f"du_{name}{cast}", lane_mask),
         f"elif DU{i} == 1:",
-        f"    tl.atomic_add({ptr}, du_{name}{cast}, mask={lane_mask}, sem='relaxed')",
+        "    " + _store(ptr, f"du_{name}{cast}", lane_mask, atomic=True),
         f"elif DU{i} == 2:",
         f"    acc{i} += {value}",
         f"elif DU{i} == 3:",
-        f"    tl.store({gptr}, {_state_sum(value)}{cast}, mask={slot_mask} & first)",
+        "    " + _store(gptr, f"{_state_sum(value)}{cast}", f"{slot_mask} & first", per_slot=True),
         f"elif DU{i} == 4:",
-        f"    tl.atomic_add({gptr}, {_state_sum(value)}{cast}, mask={slot_mask} & first, sem='relaxed')",
+        "    " + _store(gptr, f"{_state_sum(value)}{cast}", f"{slot_mask} & first", per_slot=True, atomic=True),
         f"elif DU{i} == 5:",
-        f"    tl.atomic_add({ptr}, {_groups_sum(value)}{cast}, mask={lane_mask} & first_group, sem='relaxed')",
+        "    " + _store(ptr, f"{_groups_sum(value)}{cast}", f"{lane_mask} & first_group", atomic=True),
         "else:",
-        f"    tl.atomic_add({ptr}, {_warp_groups_sum(value)}{cast}, mask={lane_mask} & first_in_warp, sem='relaxed')",
+        "    " + _store(ptr, f"{_warp_groups_sum(value)}{cast}", f"{lane_mask} & first_in_warp", atomic=True),
     ]
 
 
 def _scratch(f: int, row: str) -> str:
-    return f"scratch_ptr + (({f} * n_seq + seq) * CHUNK + {row}) * L + lane_mem"
+    return f"scratch_ptr + (({f} * n_seq + seq) * CHUNK + {row}) * L + lane"
 
 
 def _adjoint_step(ir: ScanIR, adj: Adjoint, j: int, at: str, carried: list[str], masked: bool) -> list[str]:
@@ -444,7 +469,7 @@ def _grad_loads(ir: ScanIR, j: int, at: str, lane_mask: str, slot_mask: str) -> 
     """Upstream gradients of the outputs: per slot when summed over the state (stride 0 over it)."""
     per_slot = ir.reduce_state
     mask = slot_mask if per_slot else lane_mask
-    return [f"g{j}_{out} = to_acc(tl.load({_at(f'g{o}', at, per_slot)}, mask={mask}, other=0.0), FP64)"
+    return [f"g{j}_{out} = to_acc({_load(_at(f'g{o}', at, per_slot), mask, '0.0', per_slot)}, FP64)"
             for o, out in enumerate(ir.outputs)]
 
 
@@ -465,7 +490,7 @@ def _replay_block(ir: ScanIR, masked: bool) -> list[str]:
         _, lmask, _, live = _masks(j, "s0", masked)
         part = _advance(ir, f"u{j}_" + "{}", f"e{j}_" + "{}", {})
         part += _keep([f"c_{f}" for f in _free(ir)], live)
-        part += [f"tl.store({_scratch(f, f's0 + {j}')}, c_{name}, mask={lmask})" for f, name in enumerate(ir.fields)
+        part += [_store(_scratch(f, f's0 + {j}'), f"c_{name}", lmask) for f, name in enumerate(ir.fields)
                  if name not in const]
         block += _guarded(j, part)
     return block
@@ -484,8 +509,8 @@ def _walk_block(ir: ScanIR, adj: Adjoint, masked: bool) -> list[str]:
             if name in const:
                 part.append(f"q{j}_{name} = k_{name}")
                 continue
-            part.append(f"q{j}_{name} = tl.where(s{j} > 0, tl.load({_scratch(f, f'tl.maximum(s{j} - 1, 0)')}, "
-                        f"mask={lmask}, other=0.0), k_{name})")
+            part.append(f"q{j}_{name} = tl.where(s{j} > 0, {_load(_scratch(f, f'tl.maximum(s{j} - 1, 0)'), lmask, '0.0')}, "
+                        f"k_{name})")
         block += _guarded(j, part)
     carried = [f"{c}_{f}" for c in ("cd", "bd", "nq") for f in ir.fields]
     for j in range(MAX_UNROLL):
@@ -549,7 +574,7 @@ def render_backward_lanes(ir: ScanIR, adj: Adjoint) -> list[str]:
     for f, name in enumerate(ir.fields):   # cd: direct terms handed down (dL/dfinal to the last step)
         body += [f"cd_{name} = to_acc(tl.zeros({SHAPE}, tl.float32), FP64)",
                  "if HAS_DFINAL:",
-                 f"    cd_{name} += to_acc(tl.load(dfinal_ptr + ({f} * n_seq + seq) * L + lane_mem, mask=lane_ok, other=0.0), FP64)",
+                 f"    cd_{name} += to_acc({_load(f'dfinal_ptr + ({f} * n_seq + seq) * L + lane', 'lane_ok', '0.0')}, FP64)",
                  f"bd_{name} = to_acc(tl.zeros({SHAPE}, tl.float32), FP64)"]
     chunk = ["k = n_chunks - 1 - kk", "n_steps = tl.minimum(CHUNK, seq_len - k * CHUNK)"]
     const = dict(ir.constants)
@@ -557,8 +582,8 @@ def render_backward_lanes(ir: ScanIR, adj: Adjoint) -> list[str]:
         if name in const:
             chunk.append(f"k_{name} = to_acc(tl.full({SHAPE}, {_num(const[name])}, tl.float64), FP64)")
         else:
-            chunk.append(f"k_{name} = to_acc(tl.load(ckpt_ptr + ({f} * n_slots + slot0 + k) * L + lane_mem, mask=lane_ok, "
-                         f"other={_num(ident)}), FP64)")
+            chunk.append(f"k_{name} = to_acc({_load(f'ckpt_ptr + ({f} * n_slots + slot0 + k) * L + lane', 'lane_ok', _num(ident))}, "
+                         "FP64)")
         chunk.append(f"c_{name} = k_{name}")
     chunk += ["if CHUNK == UNROLL:", *_indent(_chunk_in_registers(ir, adj), 4),
               "else:", *_indent(_chunk_in_scratch(ir, adj), 4)]
@@ -566,10 +591,10 @@ def render_backward_lanes(ir: ScanIR, adj: Adjoint) -> list[str]:
     body += _indent(chunk, 4)
     for i in range(len(ir.inputs)):
         body += [f"if DU{i} == 2:",
-                 f"    tl.atomic_add(pdu{i} + du{i}_r, acc{i}.to(du{i}_ptr.dtype.element_ty), mask=lane_ok, sem='relaxed')"]
+                 "    " + _store(f"pdu{i} + du{i}_r", f"acc{i}.to(du{i}_ptr.dtype.element_ty)", "lane_ok", atomic=True)]
     body.append("if HAS_INIT:")   # dL/d(initial) = c_0 + B_0 gbar_0 (dL/dfinal when the sequence is empty)
     for f, name in enumerate(ir.fields):
-        body.append(f"    tl.store(dinit{f}_ptr + seq * L + lane_mem, cd_{name} + bd_{name}, mask=lane_ok)")
+        body.append("    " + _store(f"dinit{f}_ptr + seq * L + lane", f"cd_{name} + bd_{name}", "lane_ok"))
     sig = ", ".join(backward_args(ir) + ["scratch_ptr"] + [f"{c}: tl.constexpr" for c in consts]
                     + lanes_flags(ir, True))
     return ["@triton.jit", f"def scan_backward_lanes({sig}):",
