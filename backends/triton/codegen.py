@@ -2,7 +2,10 @@
 
 One module per program, deterministic text, holding:
 - `combine(x.., y..)`: the monoid's combine on one scalar per field (x earlier), renormalised by the
-  scale expression for projective monoids;
+  scale expression for projective monoids; `combine_rcp`, where the combine divides or rescales: the
+  same with every reciprocal by the hardware instruction (`reciprocal`), which the tile kernels call
+  instead under constexpr RCP_APPROX (float32 compiled for a GPU; plan.py). Their readouts and
+  adjoint expressions multiply by `reciprocal(d, RCP_APPROX)` instead of dividing by d;
 - `adjoint_combine`: the reverse affine scan's combine over (B entries, vector) pairs;
 - `scan_forward`: lanes = every index but time, flattened over up to four lane dims with arbitrary
   strides (stride 0 = a broadcast parameter, loaded, never materialised). A program owns BLOCK_L
@@ -31,6 +34,10 @@ from scanlang.ir import ScanIR
 
 LANE_DIMS = 4
 STRIDES = ("st", "s0", "s1", "s2", "s3")
+# the tile kernels' layout constexprs (plan.py): RCP_APPROX (float32 compiled for a GPU: reciprocals by
+# the hardware instruction), EVEN_T (every time tile full: not VARLEN and BLOCK_T divides T), EVEN_L
+# (every lane block full); under EVEN_T and EVEN_L the loads, stores and identity pads drop their masks
+TILE_FLAGS = ["RCP_APPROX", "EVEN_T", "EVEN_L"]
 
 
 def _num(v: float) -> str:
@@ -69,6 +76,72 @@ def _assign(names_out, exprs, names, prefix, shape_like=None):
             src = f"tl.zeros_like({shape_like}) + {src}"
         lines.append(f"{name} = {src}")
     return lines
+
+
+def _assign_inverted(names_out, exprs, names, prefix, shape_like=None, hw: str = "RCP_APPROX",
+                     recips: dict | None = None) -> list[str]:
+    """`_assign`, with every base raised to a negative integer power inverted once by
+    `reciprocal(base, hw)`: b^-n becomes r^n (r = 1 / b), so a multiply replaces each division.
+    `recips` (rendered base -> variable) shares the reciprocals across the assignments of one scope."""
+    recips = {} if recips is None else recips
+    names = dict(names)
+    exprs = [sympy.sympify(e) for e in exprs]
+    lines, subs = [], {}
+    powers = {a for e in exprs for a in e.atoms(sympy.Pow) if a.exp.is_Integer and a.exp < 0}
+    for atom in sorted(powers, key=sympy.default_sort_key):
+        key = E.print_expr(atom.base, names, E.TRITON)
+        var = recips.get(key)
+        if var is None:
+            var = recips[key] = f"{prefix}rcp{len(recips)}"
+            pre, (src,) = E.render([atom.base], names, E.TRITON, temp_prefix=f"{var}_")
+            lines += pre + [f"{var} = reciprocal({src}, {hw})"]
+        names[E.symbol(var)] = var
+        subs[atom] = E.symbol(var) ** (-atom.exp)
+    return lines + _assign(names_out, [e.xreplace(subs) for e in exprs], names, prefix, shape_like)
+
+
+def has_combine_rcp(ir: ScanIR) -> bool:
+    """Whether the combine inverts anything (a division, or a projective rescale): then the module has
+    `combine_rcp`, the combine with the hardware reciprocal."""
+    return ir.is_projective or any(a.exp.is_Integer and a.exp < 0 for e in ir.combine
+                                   for a in sympy.sympify(e).atoms(sympy.Pow))
+
+
+def combine_call(ir: ScanIR, outs: str, args: str, fn: str = "combine") -> list[str]:
+    """`outs = fn(args)` (fn the combine, or tl.associative_scan's combine argument when `args`
+    names it), by `combine_rcp` under RCP_APPROX where the module has one."""
+    if fn != "combine" or not has_combine_rcp(ir):
+        return [f"{outs} = {fn}({args})"]
+    return ["if RCP_APPROX:", f"    {outs} = combine_rcp({args})", "else:", f"    {outs} = combine({args})"]
+
+
+def scan_call(ir: ScanIR, outs: str, args: str, extra: str = "") -> list[str]:
+    """`outs = tl.associative_scan((args,), 0, combine{extra})`, by `combine_rcp` under RCP_APPROX
+    where the module has one."""
+    plain = [f"{outs} = tl.associative_scan(({args},), 0, combine{extra})"]
+    if not has_combine_rcp(ir):
+        return plain
+    return ["if RCP_APPROX:", f"    {outs} = tl.associative_scan(({args},), 0, combine_rcp{extra})",
+            "else:", "    " + plain[0]]
+
+
+def _combine_rcp_function(ir: ScanIR) -> list[str]:
+    """`combine_rcp`: `combine` with every reciprocal (its divisions and the projective rescale) by the
+    hardware instruction; [] when the combine inverts nothing."""
+    if not has_combine_rcp(ir):
+        return []
+    xs = [f"x_{f}" for f in ir.fields]
+    ys = [f"y_{f}" for f in ir.fields]
+    names = dict(zip(ir.earlier, xs)) | dict(zip(ir.later, ys))
+    out = [f"m_{f}" for f in ir.fields]
+    body = _assign_inverted(out, ir.combine, names, "_c", shape_like=xs[0], hw="True")
+    if ir.is_projective:
+        body += _assign(["scale"], [ir.scale], dict(zip(ir.scale_symbols, out)), "_s")
+        body += ["inv_scale = reciprocal(scale, True)", f"return {', '.join(f'{o} * inv_scale' for o in out)}"]
+    else:
+        body.append(f"return {', '.join(out)}")
+    return ["@triton.jit", f"def combine_rcp({', '.join(xs + ys)}):",
+            '    """combine(x, y) by the hardware reciprocal (float32 on a GPU: RCP_APPROX)."""', *_indent(body, 4)]
 
 
 def _combine_function(ir: ScanIR) -> list[str]:
@@ -126,6 +199,19 @@ def to_acc(x, FP64: tl.constexpr):
         return x.to(tl.float32)'''
 
 
+RECIPROCAL = '''@triton.jit
+def reciprocal(x, HW: tl.constexpr):
+    """1 / x. HW (RCP_APPROX: float32 compiled for a GPU): the hardware reciprocal rcp.approx.ftz.f32,
+    within 1 ulp, |x| > 2^126 flushed to 0 (one MUFU.RCP; the division is that plus range fixes);
+    otherwise a division (float32: Triton's div.full.f32, 2 ulp; float64: IEEE)."""
+    if HW:
+        r = tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True,
+                                      pack=1)
+    else:
+        r = 1.0 / x
+    return r'''
+
+
 LANE_OFFSETS = '''@triton.jit
 def lane_offsets(lane, D1, D2, D3, s0, s1, s2, s3):
     """Memory offset of flattened lane indices over lane dims (D0, D1, D2, D3), last fastest."""
@@ -150,7 +236,11 @@ def _common_prologue():
     """Program = (lane block, sequence). Packed sequences (VARLEN) start at cu[seq] in memory; the
     checkpoint slots of sequence `seq` start at t0 // CHUNK + seq (disjoint ranges, no host sync)."""
     return (["pid = tl.program_id(0)", "seq = tl.program_id(1)", "rows = tl.arange(0, BLOCK_T)[:, None]"]
-            + ["lane = pid.to(tl.int64) * BLOCK_L + tl.arange(0, BLOCK_L)", "lane_ok = lane < L"]
+            + ["lane = pid.to(tl.int64) * BLOCK_L + tl.arange(0, BLOCK_L)",
+               "if EVEN_L:   # every lane block full: masks by lane_ok fold away",
+               "    lane_ok = tl.full([BLOCK_L], 1, tl.int1)",
+               "else:",
+               "    lane_ok = lane < L"]
             + sequence_bounds() + ["n_tiles = tl.cdiv(seq_len, BLOCK_T)", "slot0 = t0 // CHUNK + seq"])
 
 
@@ -224,7 +314,7 @@ def _replay(ir: ScanIR, tag: str = "", out: str = "p") -> list[str]:
     c = ", ".join(f"c_{f}[None, :]" for f in ir.fields)
     s = ", ".join(f"s{tag}_{f}" for f in ir.fields)
     unpack = s if len(ir.fields) > 1 else f"{s},"
-    return [f"{unpack} = tl.associative_scan(({e},), 0, combine)", f"{p} = combine({c}, {s})"]
+    return scan_call(ir, unpack, e) + combine_call(ir, p, f"{c}, {s}")
 
 
 def _previous(ir: ScanIR) -> list[str]:
@@ -280,7 +370,7 @@ def backward_args(ir: ScanIR) -> list[str]:
 def render_forward(ir: ScanIR) -> list[str]:
     from .codegen_runs import RUN, RUN_TILE, forward_loop, runs_epilogue, runs_prologue
     args = forward_args(ir)
-    consts = ["BLOCK_T", "BLOCK_L", "CHUNK", "REVERSE", "HAS_INIT", "VARLEN", "STATE", "FP64", "STAGES"]
+    consts = ["BLOCK_T", "BLOCK_L", "CHUNK", "REVERSE", "HAS_INIT", "VARLEN", "STATE", "FP64", "STAGES"] + TILE_FLAGS
     body = _common_prologue()
     for i in range(len(ir.inputs)):
         body.append(f"u{i}_off = {_lane_off(f'u{i}')}[None, :]")
@@ -312,7 +402,7 @@ def render_forward(ir: ScanIR) -> list[str]:
     if ir.uses_previous:
         loop += _previous(ir)
     names = {s: s.name for s in ir.prefix_symbols + ir.previous_symbols + ir.input_symbols}
-    loop += _assign([f"r{j}" for j in range(len(ir.outputs))], ir.readout, names, "_r", shape_like=f"p_{ir.fields[0]}")
+    loop += _assign_inverted([f"r{j}" for j in range(len(ir.outputs))], ir.readout, names, "_r", shape_like=f"p_{ir.fields[0]}")
     for j in range(len(ir.outputs)):
         if ir.reduce_state:
             loop.append(f"r{j} = tl.sum(tl.reshape(r{j}, (BLOCK_T, BLOCK_L // STATE, STATE)), 2)")
@@ -377,7 +467,7 @@ def render_backward(ir: ScanIR, adj: Adjoint) -> list[str]:
     nb = len(adj.b_entries)
     args = backward_args(ir)
     consts = (["BLOCK_T", "BLOCK_L", "CHUNK", "REVERSE", "HAS_INIT", "HAS_DFINAL", "VARLEN", "STATE", "FP64", "STAGES"]
-              + [f"DU{i}" for i in range(len(ir.inputs))])
+              + TILE_FLAGS + [f"DU{i}" for i in range(len(ir.inputs))])
     body = _common_prologue()
     body += ["group = pid.to(tl.int64) * (BLOCK_L // STATE) + tl.arange(0, BLOCK_L // STATE)",
              "group_ok = group < L // STATE"]
@@ -421,8 +511,8 @@ def render_backward(ir: ScanIR, adj: Adjoint) -> list[str]:
             loop.append(f"gn_{o} = to_acc(tl.load(g{j}_ptr + g{j}_off + (tt + step) * g{j}_st, mask=ok_next, "
                         "other=0.0), FP64)")
         pn = ", ".join(f"pn_{f}" for f in ir.fields)
-        loop.append(f"{pn}{',' if n == 1 else ''} = combine({', '.join(f'p_{f}' for f in ir.fields)}, "
-                    f"{', '.join(f'en_{f}' for f in ir.fields)})")
+        loop += combine_call(ir, f"{pn}{',' if n == 1 else ''}", f"{', '.join(f'p_{f}' for f in ir.fields)}, "
+                             f"{', '.join(f'en_{f}' for f in ir.fields)}")
         nxt = ({s: f"pn_{s.name[2:]}" for s in ir.prefix_symbols} | {s: f"p_{s.name[2:]}" for s in ir.previous_symbols}
                | {g: f"gn_{g.name[2:]}" for g in adj.g} | _symbols_named(ir.input_symbols, "un_{}"))
         loop += _assign([f"cn_{f}" for f in ir.fields], adj.c, nxt, "_n", shape_like=shape)
@@ -500,17 +590,20 @@ def render(ir: ScanIR, adj: Adjoint) -> str:
     from .codegen_seq import render_backward_lanes, render_forward_lanes
     tiles = not ir.sequential_only
     raw = raw_functions(ir) if tiles else []
+    rcp = _combine_rcp_function(ir) if tiles else []
+    kernels = ["\n".join(render_forward(ir)), "\n".join(render_backward(ir, adj))] if tiles else []
     blocks = [
         f'"""Generated by scanlang from monoid {ir.name} (program {ir.key}). Do not edit."""\n'
         "import triton\nimport triton.language as tl",
         "\n".join(_combine_function(ir)),
+        "\n".join(rcp) if rcp else None,
         "\n".join(_adjoint_combine_function(ir, adj)) if tiles else None,
         "\n".join(raw) if raw else None,
         "\n".join(sum_fields_function(ir)) if tiles else None,
+        RECIPROCAL if any("reciprocal(" in b for b in kernels + ["\n".join(raw + rcp)]) else None,
         TO_ACC,
         LANE_OFFSETS,
-        "\n".join(render_forward(ir)) if tiles else None,
-        "\n".join(render_backward(ir, adj)) if tiles else None,
+        *kernels,
         "\n".join(render_forward_lanes(ir)),
         "\n".join(render_backward_lanes(ir, adj)),
     ]

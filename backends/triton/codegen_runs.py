@@ -29,7 +29,7 @@ from scanlang import expr as E
 from scanlang.autodiff import Adjoint
 from scanlang.ir import ScanIR
 
-from .codegen import _assign, _num
+from .codegen import _assign, _assign_inverted, _num, combine_call, scan_call
 
 RUN = 8            # steps per run (one thread's consecutive steps)
 RUN_TILE = 128     # tiles of at least this many steps take the run-based bodies
@@ -68,7 +68,11 @@ def _run_index() -> list[str]:
     ]
     for h in range(RUN // VEC):
         lines.append(f"m{h} = (mq + ({h * VEC} * step))[:, :, None] + vec")
-        lines.append(f"okq{h} = (m{h} >= t0) & (m{h} < t0 + seq_len) & lane_ok[None, :, None]")
+    lines.append("if EVEN_T:   # every step of the tile is in the sequence")
+    lines += [f"    okq{h} = tl.full([BLOCK_T // {RUN}, BLOCK_L, {VEC}], 1, tl.int1) & lane_ok[None, :, None]"
+              for h in range(RUN // VEC)]
+    lines.append("else:")
+    lines += [f"    okq{h} = (m{h} >= t0) & (m{h} < t0 + seq_len) & lane_ok[None, :, None]" for h in range(RUN // VEC)]
     return lines
 
 
@@ -167,30 +171,32 @@ def _load_lift_after(ir: ScanIR) -> list[str]:
     return lines + _lift_run(ir, "n", "okn")
 
 
-def _combine_call(ir: ScanIR, out: str, x: str, y: str, fn: str = "combine") -> str:
+def _combine_call(ir: ScanIR, out: str, x: str, y: str, fn: str = "combine") -> list[str]:
     outs = ", ".join(f"{out}_{f}" for f in ir.fields)   # one field: combine returns the value itself
-    return f"{outs} = {fn}({', '.join(f'{x}_{f}' for f in ir.fields)}, {', '.join(f'{y}_{f}' for f in ir.fields)})"
+    return combine_call(ir, outs, f"{', '.join(f'{x}_{f}' for f in ir.fields)}, {', '.join(f'{y}_{f}' for f in ir.fields)}", fn)
 
 
 def _replay_runs(ir: ScanIR, raw: bool = False, carry: str = "cr") -> list[str]:
     """Prefixes p{j}_* of every step of the tile from the elements e{j}_* and the carry {carry}_*
     ([runs, lanes]); P_* is the prefix before each run (the carry before the first). `raw`: p{j}_*
-    not rescaled."""
+    not rescaled, nor the run's partial products r{j}_* of an odd number of elements (j even): each
+    is one element times a rescaled r{j-1}, so no product grows past two elements' magnitude (what
+    every rescaled combine already computes before it rescales)."""
     lines = [f"r0_{f} = e0_{f}" for f in ir.fields]
     for j in range(1, RUN):
-        lines.append(_combine_call(ir, f"r{j}", f"r{j - 1}", f"e{j}"))
+        lines += _combine_call(ir, f"r{j}", f"r{j - 1}", f"e{j}", "combine_raw" if raw and j % 2 == 0 else "combine")
     last = RUN - 1
     s = ", ".join(f"s_{f}" for f in ir.fields) + ("," if len(ir.fields) == 1 else "")
-    lines.append(f"{s} = tl.associative_scan(({', '.join(f'r{last}_{f}' for f in ir.fields)},), 0, combine)")
+    lines += scan_call(ir, s, ", ".join(f"r{last}_{f}" for f in ir.fields))
     lines.append(f"prev_run = tl.maximum(tl.arange(0, BLOCK_T // {RUN} * BLOCK_L) - BLOCK_L, 0)")
     lines += _gather_runs([f"s_{f}" for f in ir.fields], "prev_run", [f"x_{f}" for f in ir.fields])
     for f in ir.fields:
         lines.append(f"cb_{f} = {carry}_{f}")
-    lines.append(_combine_call(ir, "pc", "cb", "x"))
+    lines += _combine_call(ir, "pc", "cb", "x")
     for f in ir.fields:
         lines.append(f"P_{f} = tl.where(run == 0, cb_{f}, pc_{f})")
     for j in range(RUN):
-        lines.append(_combine_call(ir, f"p{j}", "P", f"r{j}", "combine_raw" if raw else "combine"))
+        lines += _combine_call(ir, f"p{j}", "P", f"r{j}", "combine_raw" if raw else "combine")
     return lines
 
 
@@ -223,12 +229,12 @@ def raw_functions(ir: ScanIR) -> list[str]:
     out = [f"m_{f}" for f in ir.fields]
     raw = _assign(out, ir.combine, names, "_c", shape_like=xs[0]) + [f"return {', '.join(out)}"]
     norm = _assign(["scale"], [ir.scale], dict(zip(ir.scale_symbols, out)), "_s")
-    norm += ["if scale.dtype == tl.float32:", "    inv_scale = tl.fdiv(1.0, scale)",
-             "else:", "    inv_scale = 1.0 / scale", f"return {', '.join(f'{o} * inv_scale' for o in out)}"]
+    norm += ["inv_scale = reciprocal(scale, HW)", f"return {', '.join(f'{o} * inv_scale' for o in out)}"]
     return (["@triton.jit", f"def combine_raw({', '.join(xs + ys)}):",
              '    """combine(x, y) without the rescale."""'] + ["    " + ln for ln in raw]
-            + ["", "", "@triton.jit", f"def normalise({', '.join(out)}):",
-               '    """m rescaled as the combine rescales."""'] + ["    " + ln for ln in norm])
+            + ["", "", "@triton.jit", f"def normalise({', '.join(out)}, HW: tl.constexpr):",
+               '    """m rescaled as the combine rescales (HW: by the hardware reciprocal, as combine_rcp)."""']
+            + ["    " + ln for ln in norm])
 
 
 def _pack(items: list[str]) -> str:
@@ -266,20 +272,23 @@ def _gather_runs(srcs: list[str], index: str, outs: list[str]) -> list[str]:
 
 
 def _step_masks() -> list[str]:
-    return [f"ok{j} = (ts + {j} < seq_len) & lane_ok[None, :]" for j in range(RUN)]
+    """ok{j}: step j of every run is in the sequence (constant under EVEN_T: the masks fold away)."""
+    return (["if EVEN_T:"] + [f"    ok{j} = tl.full([BLOCK_T // {RUN}, BLOCK_L], 1, tl.int1) & lane_ok[None, :]" for j in range(RUN)]
+            + ["else:"] + [f"    ok{j} = (ts + {j} < seq_len) & lane_ok[None, :]" for j in range(RUN)])
 
 
 def _last_prefix(ir: ScanIR, raw: bool = False) -> list[str]:
     """cr_*: the prefix at the tile's last valid step (padding may not even be finite) on every run;
     rescaled here when the prefixes are `raw`."""
-    lines = ["last = tl.minimum(seq_len - 1 - k * BLOCK_T, BLOCK_T - 1)", f"last_run = last // {RUN}"]
+    lines = ["if EVEN_T:", "    last = BLOCK_T - 1", "else:", "    last = tl.minimum(seq_len - 1 - k * BLOCK_T, BLOCK_T - 1)",
+             f"last_run = last // {RUN}"]
     lines += [f"z_{f} = p{RUN - 1}_{f}" for f in ir.fields]
     lines.append(f"if last % {RUN} != {RUN - 1}:")
     for j in range(RUN - 1):
         lines.append(f"    {'if' if j == 0 else 'elif'} last % {RUN} == {j}:")
         lines += [f"        z_{f} = p{j}_{f}" for f in ir.fields]
     if raw:
-        lines.append(f"{', '.join(f'z_{f}' for f in ir.fields)} = normalise({', '.join(f'z_{f}' for f in ir.fields)})")
+        lines.append(f"{', '.join(f'z_{f}' for f in ir.fields)} = normalise({', '.join(f'z_{f}' for f in ir.fields)}, RCP_APPROX)")
     lines.append(f"last_run_lane = last_run * BLOCK_L + tl.arange(0, BLOCK_T // {RUN} * BLOCK_L) % BLOCK_L")
     lines += _gather_runs([f"z_{f}" for f in ir.fields], "last_run_lane", [f"cr_{f}" for f in ir.fields])
     return lines
@@ -320,7 +329,7 @@ def forward_loop(ir: ScanIR) -> list[str]:
         saved = f"p{j}"
         if raw:
             saved = f"n{j}"
-            store.append(f"{', '.join(f'n{j}_{f}' for f in ir.fields)} = normalise({', '.join(f'p{j}_{f}' for f in ir.fields)})")
+            store.append(f"{', '.join(f'n{j}_{f}' for f in ir.fields)} = normalise({', '.join(f'p{j}_{f}' for f in ir.fields)}, RCP_APPROX)")
         store += [f"tl.store(ckpt_ptr + ({f} * n_slots + slot0 + chunk{j}) * L + lane[None, :], {saved}_{name}, mask=end{j})"
                   for f, name in enumerate(ir.fields)]
         # a chunk that is a multiple of RUN ends only on a run's last step
@@ -331,7 +340,7 @@ def forward_loop(ir: ScanIR) -> list[str]:
                  | {s: (f"P_{s.name[2:]}" if j == 0 else f"p{j - 1}_{s.name[2:]}") for s in ir.previous_symbols}
                  | {s: f"u{j}_{s.name[2:]}" for s in ir.input_symbols})
         outs = [f"y{j}_{o}" for o in range(len(ir.outputs))]
-        loop += _assign(outs, ir.readout, names, f"_r{j}_", shape_like=f"p{j}_{ir.fields[0]}")
+        loop += _assign_inverted(outs, ir.readout, names, f"_r{j}_", shape_like=f"p{j}_{ir.fields[0]}")
         if ir.reduce_state:
             loop += [f"y{j}_{o} = tl.sum(tl.reshape(y{j}_{o}, (BLOCK_T // {RUN}, BLOCK_L // STATE, STATE)), 2)"
                      for o in range(len(ir.outputs))]
@@ -407,7 +416,7 @@ def backward_loop(ir: ScanIR, adj: Adjoint) -> list[str]:
         return "okn" if j == RUN - 1 else f"ok{j + 1}"
 
     if ir.uses_previous:   # the readout after the run's last step: its prefix and upstream gradient
-        loop.append(_combine_call(ir, "pn", f"p{RUN - 1}", "en"))
+        loop += _combine_call(ir, "pn", f"p{RUN - 1}", "en")
         for jo, o in enumerate(ir.outputs):
             loop.append(f"gn_{o} = to_acc(tl.load(g{jo}_at + ({RUN} * step) * g{jo}_st, mask=okn, other=0.0), FP64)")
     for j in range(RUN):

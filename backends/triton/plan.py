@@ -161,6 +161,13 @@ class _Plan:
         return dict(R=runtime.lanes_per_thread(cfg, self.state), EVEN_L=lanes % cfg.block_l == 0, RCP_APPROX=rcp,
                     **self.static, **slot, **self.time_strides())
 
+    def tile_meta(self, cfg: Config) -> dict:
+        """The tile kernels' layout constexprs (codegen.TILE_FLAGS): RCP_APPROX (float32 compiled for a
+        GPU: reciprocals by the hardware instruction), EVEN_T (every time tile full: one sequence whose
+        length block_t divides), EVEN_L (every lane block full)."""
+        return dict(RCP_APPROX=not self.common["FP64"] and not settings.triton_interpret(),
+                    EVEN_T=not self.varlen and self.layout.T % cfg.block_t == 0, EVEN_L=self.layout.L % cfg.block_l == 0)
+
     def time_strides(self) -> dict:
         """TS_<buffer>: the time stride of every buffer a lane-sequential step addresses (constexprs)."""
         ir = self.prog.ir
@@ -231,7 +238,8 @@ class ForwardPlan(_Plan):
                 kernel = self.prog.module.scan_forward_lanes   # CKPT: checkpoints only for a backward
                 meta = dict(meta, UNROLL=cfg.unroll, CKPT=self.checkpoint, **self.lanes_meta(cfg))
             else:
-                kernel, meta = self.prog.module.scan_forward, dict(meta, BLOCK_T=cfg.block_t, STAGES=cfg.stages)
+                kernel = self.prog.module.scan_forward
+                meta = dict(meta, BLOCK_T=cfg.block_t, STAGES=cfg.stages, **self.tile_meta(cfg))
             got = self._launch[cfg] = (kernel, (_cdiv(self.layout.L, cfg.block_l), self.n_seq), meta,
                                        self.checkpoint_shape(cfg))
         return got
@@ -297,7 +305,8 @@ class BackwardPlan(_Plan):
                 got = (self.prog.module.scan_backward_lanes, grid, dict(meta, UNROLL=cfg.unroll, **self.lanes_meta(cfg)),
                        scratch)
             else:
-                got = (self.prog.module.scan_backward, grid, dict(meta, BLOCK_T=cfg.block_t, STAGES=cfg.stages), None)
+                got = (self.prog.module.scan_backward, grid,
+                       dict(meta, BLOCK_T=cfg.block_t, STAGES=cfg.stages, **self.tile_meta(cfg)), None)
             self._launch[cfg] = got
         return got
 
