@@ -4,15 +4,21 @@ thread scanning runs of RUN consecutive steps) against float64 sequential loops.
 The tile configs are forced through runtime.OVERRIDES: 128-step tiles on 2 lanes (the smallest
 tile that takes the run bodies), checkpoints every 64, 128 or 4 steps (multiples of the run, and one
 that ends inside runs). Lengths 1, 13 (one partial run), 128 (one whole tile) and 203 (two tiles,
-the last one ending inside a run) cover partial runs, partial tiles and the carry between tiles.
+the last one ending inside a run) cover partial runs, partial tiles and the carry between tiles;
+256 steps on 3 lanes (full tiles, EVEN_T, a partial lane block) the mask-free loads and stores. The
+float32 path by the hardware reciprocal (RCP_APPROX) runs on a GPU; here its instruction is emulated.
 """
+from types import SimpleNamespace
+
+import numpy as np
 import pytest
 import torch
 from scanlang.backends.reference import scan_sequential
-from scanlang.backends.triton import codegen_runs, runtime
+from scanlang.backends.triton import codegen_runs, plan, runtime
 from test_triton_scan import DEVICE, LIBRARY, check_with_initial, elems_for
 
 import scanlang as sl
+from scanlang import library
 from scanlang.testing import assert_close
 
 TILE = codegen_runs.RUN_TILE
@@ -143,3 +149,118 @@ def test_scale_invariance_is_detected_only_where_it_holds():
     assert not scale_invariant_readout(plain)
     assert not scale_invariant_readout(mixed)
     assert not scale_invariant_readout(lower(sl.Affine))
+
+
+@pytest.fixture
+def tile_flags(monkeypatch):
+    """The tile constexprs (RCP_APPROX, EVEN_T, EVEN_L) of every tile launch, in launch order."""
+    seen, original = [], plan._Plan.tile_meta
+
+    def spy(self, cfg):
+        seen.append(original(self, cfg))
+        return seen[-1]
+    plan.PLANS.clear()
+    monkeypatch.setattr(plan._Plan, "tile_meta", spy)
+    yield seen
+    plan.PLANS.clear()
+
+
+@pytest.mark.parametrize("monoid", LIBRARY, ids=lambda m: m.name)
+def test_runs_full_tiles_drop_their_masks(runs, tile_flags, monoid):
+    """256 steps in 128-step tiles and checkpoints (every tile full in both passes: EVEN_T) on 3 lanes
+    in blocks of 2 (the last block half empty: not EVEN_L), outputs and gradients with an initial element."""
+    runs(TILE)
+    check_with_initial(monoid, (1, 3, 256), 2, reverse=False)
+    assert [(m["EVEN_T"], m["EVEN_L"]) for m in tile_flags] == [(True, False), (True, False)]
+    assert not any(m["RCP_APPROX"] for m in tile_flags)   # float64, and the interpreter
+
+
+@pytest.mark.parametrize("monoid", [library.Affine, library.Mobius], ids=lambda m: m.name)
+def test_runs_full_tiles_strided_reverse_and_full_lane_blocks(runs, tile_flags, monoid):
+    """Full tiles and full lane blocks (EVEN_T and EVEN_L: no mask at all) with strided time (one load
+    per step), reversed."""
+    runs(64)
+    check_with_initial(monoid, (2, 128, 2), 1, reverse=True)
+    assert [(m["EVEN_T"], m["EVEN_L"]) for m in tile_flags] == [(True, True), (True, True)]
+
+
+def test_tile_flags_follow_the_layout(runs, tile_flags):
+    """EVEN_T only where every tile is full: not for 203 steps, nor for packed sequences filling whole
+    tiles in all (256 steps in sequences of 100 and 156, each against its own loop)."""
+    sl.scan(library.Affine, elems_for(library.Affine, (2, 3, 203)), dim=2, backend="triton")
+    mix = _mobius_ratio_mixer()
+    xs = {f: torch.rand(1, 3, 256, dtype=torch.float64, device=DEVICE) + 0.5 for f in "abcd"}
+    out = mix(**xs, cu_seqlens=torch.tensor([0, 100, 256], device=DEVICE))
+    for lo, hi in ((0, 100), (100, 256)):
+        lam, _ = _mobius_ratio_loop({f: x[..., lo:hi] for f, x in xs.items()}, hi - lo)
+        assert_close(out.lam[..., lo:hi], lam, "scan")
+    assert [m["EVEN_T"] for m in tile_flags] == [False, False]
+
+
+@pytest.fixture
+def hardware_reciprocal(monkeypatch):
+    """The float32 tile kernels on their GPU path (RCP_APPROX) in the interpreter: the flag forced on,
+    and the inline rcp.approx.ftz.f32 evaluated as float32 1 / x rounded to nearest (within the
+    instruction's 1 ulp), inputs and results below 2^-126 flushed to zero as .ftz does. Yields the
+    number of reciprocals evaluated (one entry per call)."""
+    if torch.cuda.is_available():
+        pytest.skip("on a GPU the float32 tests run the instruction itself")
+    from triton.runtime import interpreter
+    tiny, calls = np.float32(2.0 ** -126), []
+
+    def create_inline_asm(self, asm, constraints, values, type, is_pure, pack):
+        assert asm.startswith("rcp.approx.ftz.f32") and len(values) == 1
+        x = values[0].data.astype(np.float32)
+        x = np.where(np.abs(x) < tiny, np.float32(0), x)
+        with np.errstate(divide="ignore"):
+            r = (np.float32(1) / x).astype(np.float32)
+        r = np.where(np.abs(r) < tiny, np.float32(0), r).astype(np.float32)
+        calls.append(r.size)
+        handle = interpreter.TensorHandle(r, values[0].dtype)
+        return SimpleNamespace(get_result=lambda i: handle)
+
+    original = plan._Plan.tile_meta
+    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_inline_asm", create_inline_asm)
+    monkeypatch.setattr(plan._Plan, "tile_meta", lambda self, cfg: dict(original(self, cfg), RCP_APPROX=not self.common["FP64"]))
+    plan.PLANS.clear()
+    yield calls
+    plan.PLANS.clear()
+
+
+@pytest.mark.parametrize("monoid", [library.Mobius, library.Welford], ids=lambda m: m.name)
+@pytest.mark.parametrize("length", [13, 256])
+def test_runs_float32_by_the_hardware_reciprocal(runs, hardware_reciprocal, monoid, length):
+    """float32 scans whose combine rescales (Möbius) or divides (Welford) on the RCP_APPROX path
+    (combine_rcp), outputs and gradients against the float64 loop at the float32 tolerances."""
+    runs(TILE)
+    elems = tuple(e.requires_grad_() for e in elems_for(monoid, (2, 3, length)))
+    out = sl.scan(monoid, tuple(e.float() for e in elems), dim=2, backend="triton")
+    ref = scan_sequential(monoid, elems, dim=2)
+    for f, o, r in zip(monoid.fields, out, ref):
+        assert o.dtype == torch.float32
+        assert_close(o, r, "scan", dtype=torch.float32, name=f"{monoid.name}.{f}")
+    weights = [torch.randn_like(r) for r in ref]
+    got = torch.autograd.grad(sum((o.double() * w).sum() for o, w in zip(out, weights)), elems)
+    want = torch.autograd.grad(sum((r * w).sum() for r, w in zip(ref, weights)), elems)
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert_close(g, w, "scan_grad", dtype=torch.float32, name=f"{monoid.name} grad {i}")
+    assert hardware_reciprocal, "the hardware-reciprocal path did not run"
+
+
+@pytest.mark.parametrize("length", [1, 203, 256])
+def test_runs_scale_invariant_readout_by_the_hardware_reciprocal(runs, hardware_reciprocal, length):
+    """The Möbius ratio readout in float32 on the RCP_APPROX path: rescales by `normalise(.., HW)`, the
+    readout (a + b) / (c + d) as a product with the reciprocal, checkpoints inside runs (chunk 4)."""
+    runs(4 if length == 203 else TILE)
+    mix = _mobius_ratio_mixer()
+    xs = {f: (torch.rand(2, 3, length, dtype=torch.float64, device=DEVICE) + 0.5).requires_grad_() for f in "abcd"}
+    out = mix(**{f: x.float() for f, x in xs.items()})
+    lam, dlam = _mobius_ratio_loop(xs, length)
+    assert_close(out.lam, lam, "scan", dtype=torch.float32)
+    assert_close(out.dlam, dlam, "scan", dtype=torch.float32)
+    w = torch.randn_like(lam)
+    got = torch.autograd.grad((out.lam.double() * w).sum() + out.dlam.double().sum(), tuple(xs.values()))
+    want = torch.autograd.grad((lam * w).sum() + dlam.sum(), tuple(xs.values()))
+    for f, g, r in zip("abcd", got, want):
+        assert_close(g, r, "scan_grad", dtype=torch.float32, name=f"d{f}")
+    assert hardware_reciprocal, "the hardware-reciprocal path did not run"
