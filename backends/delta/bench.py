@@ -151,7 +151,8 @@ SWEEP_OPTIONS = {
     "state_fwd": [dict(BV=bv, num_warps=w, num_stages=2) for bv in (32, 64) for w in (4, 8)],
     "state_output": [dict(BV=bv, num_warps=w, num_stages=st) for bv in (64, 128) for w in (4, 8) for st in (1, 2)],
     "state_bwd": [dict(BV=bv, num_warps=w, num_stages=2) for bv in (32, 64, 128) for w in (4, 8)],
-    "bwd_dqk": [dict(BV=bv, num_warps=w, num_stages=1) for bv in (32, 64) for w in (4, 8)],
+    "bwd_dqk": [dict(BKS=64, BV=32, num_warps=4, num_stages=1)] + [
+        dict(BKS=bk, BV=bv, num_warps=8, num_stages=st) for bk in (64, 128) for bv in (32, 64) for st in (1, 2)],
     "bwd_wy": [dict(BV=bv, num_warps=w, num_stages=1) for bv in (32, 64) for w in (4, 8)],
 }
 

@@ -10,7 +10,8 @@ The chunked path is two `torch.library` ops with registered autograd, `scanlang:
 Forward: prep (gcum, beta, Tm, w, u) -> state_output (sequential over chunks: outputs, final state). The
 backward keeps Tm (and the in-chunk decay cumsum and beta) from the forward, recomputes w, u (delta_wu) and
 the chunk start states h and innovations U (state_fwd), then state_bwd (reverse over chunks; dU) ->
-bwd_dqk (dq; dk, dw, dG in part) -> bwd_wy (dv, dk, d step input, d decay input and its parameters).
+bwd_dqk (dq; shares of dk, dTm, dG, dbeta per key block) -> bwd_wy (dv, dk, d step input, d decay input and
+its parameters).
 Short inputs without gradients (every sequence <= RECURRENT_MAX_LEN tokens, e.g. decoding) take the
 token-loop kernel instead.
 
@@ -62,13 +63,16 @@ PREP_VALUE_BLOCK = 64    # value columns per step of u in delta_prep (one [C, C]
 # state_bwd BV 64 -> 128 (the sweep tried 32 and 64 only). At BV=64 / 8 warps it needs 208 registers x 256
 # threads, so one block per SM, and its B*H*2 = 256 sequential programs ran in two waves on 132 SMs; at BV=128
 # the 128 programs run in one (255 registers, 384 B spilled, 165 KB shared; offline ptxas, sm_90a).
+# bwd_dqk (unmeasured): BKS = key columns per program (clamped to the padded K). One program per chunk at K=128
+# loads U, dU, dO and forms dO U^T once instead of once per 64-column block (8192 programs of 8 warps instead of
+# 16384 of 4; offline, Triton 3.6: 255 registers, 96 B spilled in the epilogue only, none in the value loop).
 CONFIG = _Configs({
     "prep": dict(num_warps=4, num_stages=2),
     "wu": dict(BV=64, num_warps=4, num_stages=2),
     "state_fwd": dict(BV=64, num_warps=4, num_stages=2),
     "state_output": dict(BV=128, num_warps=8, num_stages=2),   # see below
     "state_bwd": dict(BV=128, num_warps=8, num_stages=2),   # see below
-    "bwd_dqk": dict(BV=32, num_warps=4, num_stages=1),
+    "bwd_dqk": dict(BKS=128, BV=32, num_warps=8, num_stages=1),    # see below
     "bwd_wy": dict(BV=64, num_warps=4, num_stages=1),
     "recurrent": dict(BV=32, num_warps=4, num_stages=1),
 })
@@ -206,6 +210,8 @@ def plan(key: str, K: int, V: int, dtype: torch.dtype, device: torch.device) -> 
             PLANS.clear()
         configs = {name: {**_clamp(cfg, V), **SHARED_MEMORY_FITS.get((name, dtype.itemsize, meta["BK"]), {})}
                    for name, cfg in CONFIG.items()}
+        # delta_bwd_dqk's key block: its config's BKS (else KEY_BLOCK), at most the padded K
+        configs["bwd_dqk"]["BKS"] = min(configs["bwd_dqk"].get("BKS", BKS), meta["BK"])
         found = PLANS[pk] = Plan(mod, C, meta, BKS, triton.cdiv(K, BKS), configs)
     return found
 
@@ -305,9 +311,11 @@ def _chunk_backward(p: Plan, q, k, v, a, hp, s, h0, chunk_tok, chunk_len, seq_ch
     dv = _empty(TT, H, V, device=dev, dtype=v.dtype)
     da = _empty(TT, H, device=dev, dtype=torch.float32)
     ds = _empty(TT, H, device=dev, dtype=torch.float32)
+    NKQ = triton.cdiv(K, p.configs["bwd_dqk"]["BKS"])      # delta_bwd_dqk's key blocks, each storing shares
     dk_part = _empty(TT, H, K, device=dev, dtype=torch.float32)
-    dw = _empty(TT, H, K, device=dev, dtype=torch.float32)
-    dG_part = _empty(p.NK, TT, H, device=dev, dtype=torch.float32)
+    dTm_part = _empty(NC, H, NKQ, p.C, p.C, device=dev, dtype=torch.float32)
+    dG_part = _empty(NKQ, TT, H, device=dev, dtype=torch.float32)
+    dbeta_part = _empty(NKQ, TT, H, device=dev, dtype=torch.float32)
     dhp_tok = _empty(max(hp.shape[0], 1), TT, H, device=dev, dtype=torch.float32)
     if not direct and _fake(k):
         return [dq, dk, dv, da, ds, dh0, hp.new_empty(hp.shape)]
@@ -316,12 +324,12 @@ def _chunk_backward(p: Plan, q, k, v, a, hp, s, h0, chunk_tok, chunk_len, seq_ch
             (q, k, w, gcum, do, dht if dht is not None else dh, chunk_tok, chunk_len, seq_chunk0, dh, dU,
              dh0 if h0 is not None else dh, scale, H),
             dict(meta, HAS_DHT=dht is not None, STORE_DH0=h0 is not None), V, cfgs, direct)
-    _launch("bwd_dqk", mod.delta_bwd_dqk, lambda cfg: (NC * p.NK, H),
-            (q, k, gcum, h, dh, U, dU, do, dq, dk_part, dw, dG_part, chunk_tok, chunk_len, scale, TT * H, H),
-            dict(meta, BKS=p.BKS), V, cfgs, direct)
+    _launch("bwd_dqk", mod.delta_bwd_dqk, lambda cfg: (NC * NKQ, H),
+            (q, k, gcum, beta, tm, h, dh, U, dU, do, dq, dk_part, dTm_part, dG_part, dbeta_part, chunk_tok, chunk_len,
+             scale, TT * H, H), meta, V, cfgs, direct)
     _launch("bwd_wy", mod.delta_bwd_wy, lambda cfg: (NC, H),
-            (k, v, a, _ptr(hp, k), s, eps, gcum, beta, tm, dU, dw, dk_part, dG_part, dk, dv, da, dhp_tok, ds,
-             chunk_tok, chunk_len, TT * H, H), dict(meta, BKS=p.BKS), V, cfgs, direct)
+            (k, v, a, _ptr(hp, k), s, eps, gcum, beta, tm, dU, dTm_part, dk_part, dG_part, dbeta_part, dk, dv, da,
+             dhp_tok, ds, chunk_tok, chunk_len, TT * H, H), dict(meta, BKS=p.BKS, NKQ=NKQ), V, cfgs, direct)
     return [dq, dk, dv, da, ds, dh0, dhp_tok[:hp.shape[0]].sum(1)]
 
 

@@ -55,12 +55,13 @@ def delta_state_bwd(q_ptr, k_ptr, w_ptr, gcum_ptr, do_ptr, dht_ptr, chunk_tok, c
 
 
 @triton.jit
-def delta_bwd_dqk(q_ptr, k_ptr, gcum_ptr, h_ptr, dh_ptr, U_ptr, dU_ptr, do_ptr, dq_ptr, dk_ptr, dw_ptr, dG_ptr,
-                  chunk_tok, chunk_len, scale, TTH,
+def delta_bwd_dqk(q_ptr, k_ptr, gcum_ptr, beta_ptr, tm_ptr, h_ptr, dh_ptr, U_ptr, dU_ptr, do_ptr, dq_ptr, dk_ptr,
+                  dTm_ptr, dG_ptr, dbeta_ptr, chunk_tok, chunk_len, scale, TTH,
                   H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
                   BKS: tl.constexpr, PREC: tl.constexpr, IN_PREC: tl.constexpr, UPCAST: tl.constexpr):
-    """Per chunk and block of BKS key columns, through O = scale (e^G Q S0 + (Q K^T * D) U), S_end and
-    U = u - w S0: dq (final), dk (partial, fp32), dw (fp32), dG (this block's share, fp32)."""
+    """Per chunk and block of BKS key columns, through O = scale (e^G Q S0 + (Q K^T * D) U), S_end,
+    U = u - w S0 and w = Tm X, X = diag(beta e^G) K: dq (final); this block's shares (fp32) of dk, of dTm
+    = dw X^T, of dG and of dbeta. dw = -dU S0^T is used where it is formed (dX = Tm^T dw), never stored."""
     NKB: tl.constexpr = (K + BKS - 1) // BKS     # a chunk's key blocks run back to back: U, dU, dO from L2
     c = tl.program_id(0) // NKB
     h = tl.program_id(1)
@@ -72,10 +73,6 @@ def delta_bwd_dqk(q_ptr, k_ptr, gcum_ptr, h_ptr, dh_ptr, U_ptr, dU_ptr, do_ptr, 
     ok = rows < nv
     tok = t0 + rows
     km = ok[:, None] & (kk[None, :] < K)
-    q = tl.load(q_ptr + (tok[:, None] * H + h) * K + kk[None, :], mask=km, other=0.0)
-    k = tl.load(k_ptr + (tok[:, None] * H + h) * K + kk[None, :], mask=km, other=0.0)
-    G = tl.load(gcum_ptr + tok * H + h, mask=ok, other=0.0)
-    G_last = tl.load(gcum_ptr + (t0 + nv - 1) * H + h)
     causal = (rows[:, None] >= rows[None, :]) & ok[:, None] & ok[None, :]
     dq1 = tl.zeros([C, BKS], dtype=tl.float32)
     dks = tl.zeros([C, BKS], dtype=tl.float32)
@@ -88,44 +85,61 @@ def delta_bwd_dqk(q_ptr, k_ptr, gcum_ptr, h_ptr, dh_ptr, U_ptr, dU_ptr, do_ptr, 
         sm = (kk[:, None] < K) & (vv[None, :] < V)
         S0 = tl.load(h_ptr + ((c * H + h) * K + kk[:, None]).to(tl.int64) * V + vv[None, :], mask=sm, other=0.0)
         dSe = tl.load(dh_ptr + ((c * H + h) * K + kk[:, None]).to(tl.int64) * V + vv[None, :], mask=sm, other=0.0)
-        U = rnd(tl.load(U_ptr + (tok[:, None] * H + h) * V + vv[None, :], mask=vm, other=0.0), q.dtype, UPCAST)
+        # h, dh and U are stored in the input dtype; dU and dO (fp32) are rounded to it for the dots
+        U = tl.load(U_ptr + (tok[:, None] * H + h) * V + vv[None, :], mask=vm, other=0.0)
         dU = tl.load(dU_ptr + (tok[:, None] * H + h) * V + vv[None, :], mask=vm, other=0.0)
-        do = rnd(tl.load(do_ptr + (tok[:, None] * H + h) * V + vv[None, :], mask=vm, other=0.0), q.dtype, UPCAST)
-        S0q = rnd(S0, q.dtype, UPCAST)
+        do = rnd(tl.load(do_ptr + (tok[:, None] * H + h) * V + vv[None, :], mask=vm, other=0.0), S0.dtype, UPCAST)
         dOU += mm(do, tl.trans(U), IN_PREC, UPCAST)
-        dq1 += mm(do, tl.trans(S0q), IN_PREC, UPCAST)
-        dks += mm(U, tl.trans(rnd(dSe, q.dtype, UPCAST)), IN_PREC, UPCAST)
-        dw -= mm(rnd(dU, q.dtype, UPCAST), tl.trans(S0q), IN_PREC, UPCAST)
+        dq1 += mm(do, tl.trans(S0), IN_PREC, UPCAST)
+        dks += mm(U, tl.trans(dSe), IN_PREC, UPCAST)
+        dw -= mm(rnd(dU, S0.dtype, UPCAST), tl.trans(S0), IN_PREC, UPCAST)
         dlast += tl.sum(S0.to(tl.float32) * dSe.to(tl.float32), 1)
+    # the epilogue consumes the loop's tiles one by one: dOU, dq1, dw, dks
+    G = tl.load(gcum_ptr + tok * H + h, mask=ok, other=0.0)
+    G_last = tl.load(gcum_ptr + (t0 + nv - 1) * H + h)
+    eG = tl.where(ok, tl.exp(G), 0.0)
+    q = tl.load(q_ptr + (tok[:, None] * H + h) * K + kk[None, :], mask=km, other=0.0)
+    k = tl.load(k_ptr + (tok[:, None] * H + h) * K + kk[None, :], mask=km, other=0.0)
+    kf = k.to(tl.float32)
     # outputs (every dG term below is a sum over key columns: each block adds its share)
-    dq1 = dq1 * (scale * tl.where(ok, tl.exp(G), 0.0))[:, None]
-    dG = tl.sum(dq1 * q.to(tl.float32), 1)
     dM = dOU * tl.where(causal, tl.exp(tl.where(causal, G[:, None] - G[None, :], 0.0)), 0.0) * scale
     PM = dM * mm(q, tl.trans(k), IN_PREC, UPCAST)
-    dG += tl.sum(PM, 1) - tl.sum(PM, 0)
+    dG = tl.sum(PM, 1) - tl.sum(PM, 0)
     dMq = rnd(dM, q.dtype, UPCAST)
+    dq1 = dq1 * (scale * eG)[:, None]
+    dG += tl.sum(dq1 * q.to(tl.float32), 1)
     dq = dq1 + mm(dMq, k, IN_PREC, UPCAST)
     tl.store(dq_ptr + (tok[:, None] * H + h) * K + kk[None, :], rnd(dq, dq_ptr.dtype.element_ty, UPCAST), mask=km)
     # chunk end state: S_end = e^G_last S0 + (K e^(G_last - G))^T U
-    dks = dks * tl.where(ok, tl.exp(G_last - G), 0.0)[:, None]
-    cj = tl.sum(dks * k.to(tl.float32), 1)
+    dk = dks * tl.where(ok, tl.exp(G_last - G), 0.0)[:, None]
+    cj = tl.sum(dk * kf, 1)
     dG -= cj
     dG += tl.where(rows == nv - 1, tl.sum(dlast, 0) * tl.exp(G_last) + tl.sum(cj, 0), 0.0)
-    dk = dks + mm(tl.trans(dMq), q, IN_PREC, UPCAST)
+    dk += mm(tl.trans(dMq), q, IN_PREC, UPCAST)
+    # w = Tm X on this block's columns: dTm += dw X^T, dX = Tm^T dw (fp32 operands: PREC)
+    bG = tl.load(beta_ptr + tok * H + h, mask=ok, other=0.0) * eG
+    dTm = mm(dw, tl.trans(bG[:, None] * kf), PREC, UPCAST)
+    tl.store(dTm_ptr + (((c * H + h) * NKB + kb) * C + rows[:, None]).to(tl.int64) * C + rows[None, :], dTm)
+    # an unmasked (vectorised) load: delta_prep wrote every element
+    Tm = tl.where(causal, tl.load(tm_ptr + ((c * H + h) * C + rows[:, None]).to(tl.int64) * C + rows[None, :]), 0.0)
+    dX = mm(tl.trans(Tm), dw, PREC, UPCAST)
+    sx = tl.sum(dX * kf, 1)
+    tl.store(dbeta_ptr + kb * TTH + tok * H + h, eG * sx, mask=ok)
+    dG += bG * sx
+    dk += bG[:, None] * dX
     tl.store(dk_ptr + (tok[:, None] * H + h) * K + kk[None, :], dk, mask=km)
-    tl.store(dw_ptr + (tok[:, None] * H + h) * K + kk[None, :], dw, mask=km)
     tl.store(dG_ptr + kb * TTH + tok * H + h, dG, mask=ok)
 
 
 @triton.jit
-def delta_bwd_wy(k_ptr, v_ptr, a_ptr, hp_ptr, s_ptr, eps, gcum_ptr, beta_ptr, tm_ptr, dU_ptr, dw_ptr, dk_part_ptr,
-                 dG_part_ptr, dk_ptr, dv_ptr, da_ptr, dhp_ptr, ds_ptr, chunk_tok, chunk_len, TTH,
-                 H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
-                 BKS: tl.constexpr, PREC: tl.constexpr, IN_PREC: tl.constexpr, UPCAST: tl.constexpr):
-    """Per chunk, through w = Tm diag(beta e^G) K, u = Tm diag(beta) V, Tm = (I + A)^-1 and the hooks:
-    dv, dk (final), d decay input, d step input. Keys are visited in blocks of BKS columns, twice: the
-    second pass (through A, which needs all of dTm) recomputes dX = Tm^T dw, a cheap dot, rather than
-    storing and reloading a partial dk in between."""
+def delta_bwd_wy(k_ptr, v_ptr, a_ptr, hp_ptr, s_ptr, eps, gcum_ptr, beta_ptr, tm_ptr, dU_ptr, dTm_part_ptr,
+                 dk_part_ptr, dG_part_ptr, dbeta_part_ptr, dk_ptr, dv_ptr, da_ptr, dhp_ptr, ds_ptr, chunk_tok,
+                 chunk_len, TTH, H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                 C: tl.constexpr, BKS: tl.constexpr, NKQ: tl.constexpr, PREC: tl.constexpr, IN_PREC: tl.constexpr,
+                 UPCAST: tl.constexpr):
+    """Per chunk, through u = Tm diag(beta) V, Tm = (I + A)^-1 and the hooks: dv, dk (final), d decay input,
+    d step input. The w = Tm diag(beta e^G) K terms arrive from delta_bwd_dqk as NKQ key-block shares of dTm,
+    dk, dG and dbeta; keys are visited in blocks of BKS columns after dA (K K^T, ||k||^2, then dk)."""
     c = tl.program_id(0)
     h = tl.program_id(1)
     rows = tl.arange(0, C)
@@ -135,12 +149,16 @@ def delta_bwd_wy(k_ptr, v_ptr, a_ptr, hp_ptr, s_ptr, eps, gcum_ptr, beta_ptr, tm
     tok = t0 + rows
     G = tl.load(gcum_ptr + tok * H + h, mask=ok, other=0.0)
     beta = tl.load(beta_ptr + tok * H + h, mask=ok, other=0.0)
-    bG = beta * tl.where(ok, tl.exp(G), 0.0)
     causal = (rows[:, None] >= rows[None, :]) & ok[:, None] & ok[None, :]
     # an unmasked (vectorised) load: delta_prep wrote every element
     Tm = tl.where(causal, tl.load(tm_ptr + ((c * H + h) * C + rows[:, None]).to(tl.int64) * C + rows[None, :]), 0.0)
     dTm = tl.zeros([C, C], dtype=tl.float32)
     dbeta = tl.zeros([C], dtype=tl.float32)
+    dG = tl.zeros([C], dtype=tl.float32)
+    for kb in range(0, NKQ):
+        dTm += tl.load(dTm_part_ptr + (((c * H + h) * NKQ + kb) * C + rows[:, None]).to(tl.int64) * C + rows[None, :])
+        dG += tl.load(dG_part_ptr + kb * TTH + tok * H + h, mask=ok, other=0.0)
+        dbeta += tl.load(dbeta_part_ptr + kb * TTH + tok * H + h, mask=ok, other=0.0)
     # u = Tm diag(beta) V
     for iv in range(0, tl.cdiv(V, BV)):
         vv = iv * BV + tl.arange(0, BV)
@@ -152,29 +170,17 @@ def delta_bwd_wy(k_ptr, v_ptr, a_ptr, hp_ptr, s_ptr, eps, gcum_ptr, beta_ptr, tm
                  rnd(beta[:, None] * dY, dv_ptr.dtype.element_ty, UPCAST), mask=vm)
         dbeta += tl.sum(dY * v, 1)
         dTm += mm(dU, tl.trans(beta[:, None] * v), PREC, UPCAST)
-    # w = Tm X with X = diag(beta e^G) K; also K K^T and ||k||^2 for what follows
-    sx = tl.zeros([C], dtype=tl.float32)
-    n2 = tl.zeros([C], dtype=tl.float32)
-    KK = tl.zeros([C, C], dtype=tl.float32)
-    for kb in range(0, tl.cdiv(K, BKS)):
-        kk = kb * BKS + tl.arange(0, BKS)
-        km = ok[:, None] & (kk[None, :] < K)
-        k = tl.load(k_ptr + (tok[:, None] * H + h) * K + kk[None, :], mask=km, other=0.0)
-        kf = k.to(tl.float32)
-        dw = tl.load(dw_ptr + (tok[:, None] * H + h) * K + kk[None, :], mask=km, other=0.0)
-        dX = mm(tl.trans(Tm), dw, PREC, UPCAST)
-        dTm += mm(dw, tl.trans(bG[:, None] * kf), PREC, UPCAST)
-        sx += tl.sum(dX * kf, 1)
-        n2 += tl.sum(kf * kf, 1)
-        KK += mm(k, tl.trans(k), IN_PREC, UPCAST)
-    dbeta += tl.where(ok, tl.exp(G), 0.0) * sx
-    dG = bG * sx
-    for kb in range(0, tl.cdiv(K, BKS)):
-        dG += tl.load(dG_part_ptr + kb * TTH + tok * H + h, mask=ok, other=0.0)
     # Tm = (I + A)^-1, A = strictly_lower(diag(beta) K K^T * D): dA = -Tm^T dTm Tm^T
     strict = (rows[:, None] > rows[None, :]) & ok[:, None] & ok[None, :]
     dA = -mm(tl.trans(Tm), mm(dTm, tl.trans(Tm), PREC, UPCAST), PREC, UPCAST)
     E = tl.where(strict, dA * tl.exp(tl.where(strict, G[:, None] - G[None, :], 0.0)), 0.0)
+    n2 = tl.zeros([C], dtype=tl.float32)
+    KK = tl.zeros([C, C], dtype=tl.float32)
+    for kb in range(0, tl.cdiv(K, BKS)):
+        kk = kb * BKS + tl.arange(0, BKS)
+        k = tl.load(k_ptr + (tok[:, None] * H + h) * K + kk[None, :], mask=ok[:, None] & (kk[None, :] < K), other=0.0)
+        n2 += tl.sum(k.to(tl.float32) * k.to(tl.float32), 1)
+        KK += mm(k, tl.trans(k), IN_PREC, UPCAST)
     dbeta += tl.sum(E * KK, 1)
     PA = E * KK * beta[:, None]
     dG += tl.sum(PA, 1) - tl.sum(PA, 0)
@@ -192,8 +198,6 @@ def delta_bwd_wy(k_ptr, v_ptr, a_ptr, hp_ptr, s_ptr, eps, gcum_ptr, beta_ptr, tm
         km = ok[:, None] & (kk[None, :] < K)
         kf = tl.load(k_ptr + (tok[:, None] * H + h) * K + kk[None, :], mask=km, other=0.0).to(tl.float32)
         dk = tl.load(dk_part_ptr + (tok[:, None] * H + h) * K + kk[None, :], mask=km, other=0.0)
-        dw = tl.load(dw_ptr + (tok[:, None] * H + h) * K + kk[None, :], mask=km, other=0.0)
-        dk += bG[:, None] * mm(tl.trans(Tm), dw, PREC, UPCAST)
         dk += beta[:, None] * mm(E, kf, PREC, UPCAST) + mm(tl.trans(E), beta[:, None] * kf, PREC, UPCAST)
         dk += dn2[:, None] * kf
         tl.store(dk_ptr + (tok[:, None] * H + h) * K + kk[None, :], rnd(dk, dk_ptr.dtype.element_ty, UPCAST),

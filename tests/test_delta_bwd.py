@@ -1,0 +1,64 @@
+"""Backward kernels of the generated delta rule (Triton's interpreter on CPU): their launch configs give the
+same gradients, each checked against float64 autograd of the chunked reference. fp32 inputs run every dot in
+fp32 ("ieee"), so the kernels' algebra is checked to fp32 rounding, well inside the spec's tolerances."""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports triton-using code
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from scanlang.backends.delta import ops as delta_ops  # noqa: E402
+from scanlang.recipes.kaczmarz import kaczmarz_delta_rule  # noqa: E402
+from scanlang.testing import assert_close  # noqa: E402
+
+from test_delta_triton import NAMES, make_inputs, run_with_grads  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def poisoned_buffers(monkeypatch, tmp_path):
+    """Every kernel buffer starts as NaN (so an unwritten element shows), in a fresh cache dir."""
+    monkeypatch.setattr(delta_ops, "_empty", lambda *s, device, dtype: torch.full(s, float("nan"), device=device, dtype=dtype))
+    monkeypatch.setenv("SCANLANG_CACHE_DIR", str(tmp_path))
+
+
+def kaczmarz(backend, C):
+    return lambda q, k, v, g, eta, h0: kaczmarz_delta_rule(
+        q, k, v, g, eta, initial_state=h0, output_final_state=True, backend=backend, chunk_size=C)
+
+
+@pytest.fixture(scope="module")
+def odd_case():
+    """K = 40 (three 16-column key blocks, or one block of the padded 64), V = 20, two chunks of 32, the
+    second short; float64 reference gradients."""
+    inputs = make_inputs(1, 40, 2, 40, 20, seed=11)
+    return inputs, run_with_grads(kaczmarz("reference", 32), inputs, torch.float64)
+
+
+@pytest.mark.parametrize("dqk, wy", [
+    (dict(BKS=16, BV=16, num_warps=4, num_stages=1), dict(BV=16, num_warps=4, num_stages=1)),
+    (dict(BKS=128, BV=32, num_warps=8, num_stages=2), dict(BV=32, num_warps=8, num_stages=1)),
+])
+def test_backward_configs_match_float64(monkeypatch, odd_case, dqk, wy):
+    """delta_bwd_dqk in several key blocks (each storing its shares of dk, dTm, dG, dbeta, summed by
+    delta_bwd_wy) or in one (BKS clamped to the padded K); value blocks smaller than V or not."""
+    monkeypatch.setattr(delta_ops, "KEY_BLOCK", 16)
+    monkeypatch.setitem(delta_ops.CONFIG, "bwd_dqk", dqk)
+    monkeypatch.setitem(delta_ops.CONFIG, "bwd_wy", wy)
+    inputs, ref = odd_case
+    got = run_with_grads(kaczmarz("triton", 32), inputs, torch.float32)
+    for name, a, b in zip(("o", "S") + NAMES, got, ref):
+        assert torch.isfinite(a).all(), name
+        assert_close(a, b, "delta_ieee", torch.float32, name)
+
+
+def test_dqk_key_block_from_config_clamped_to_padded_k(monkeypatch):
+    key = delta_ops.program_key(delta_ops._RULES["kaczmarz"], 16)
+    monkeypatch.setitem(delta_ops.CONFIG, "bwd_dqk", dict(BKS=128, BV=32, num_warps=8, num_stages=1))
+    p = delta_ops.plan(key, 40, 20, torch.float32, torch.device("cpu"))
+    assert p.configs["bwd_dqk"]["BKS"] == 64 and p.configs["bwd_dqk"]["BV"] == 32
+    monkeypatch.setitem(delta_ops.CONFIG, "bwd_dqk", dict(BV=32, num_warps=4, num_stages=1))
+    p = delta_ops.plan(key, 40, 20, torch.float32, torch.device("cpu"))
+    assert p.configs["bwd_dqk"]["BKS"] == min(delta_ops.KEY_BLOCK, 64)
