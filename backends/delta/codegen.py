@@ -125,7 +125,11 @@ def render_prep(chunk_size: int) -> str:
     a("    strict = rows[:, None] > rows[None, :]")
     a("    A = tl.where(strict, beta[:, None] * mm(k, tl.trans(k), IN_PREC, UPCAST) * "
       "tl.exp(tl.where(strict, G[:, None] - G[None, :], 0.0)), 0.0)")
-    a("    Tm = inv_unit_lower_blocks(A, C)")
+    a("    # diagonal blocks in fp32 (\"ieee\") for fp32 inputs, on tensor cores at about fp32's accuracy otherwise")
+    a("    if PREC == \"ieee\":")
+    a("        Tm = inv_unit_lower_blocks(A, C, \"ieee\")")
+    a("    else:")
+    a("        Tm = inv_unit_lower_blocks(A, C, \"tf32x3\")")
     if nb > 1:
         a(f"    below = (rows[:, None] // {BLOCK}) > (rows[None, :] // {BLOCK})")
         powers = (nb - 1).bit_length()             # N, N^2, ..., N^(2^(powers-1)); N^nb = 0
@@ -135,12 +139,7 @@ def render_prep(chunk_size: int) -> str:
         for j in reversed(range(powers)):
             a(f"    Tm = Tm + mm(N{j}, Tm, PREC, UPCAST)")
     a("    tl.store(tm_ptr + ((c * H + h) * C + rows[:, None]).to(tl.int64) * C + rows[None, :], Tm)")
-    a("    # w = Tm diag(beta e^G) K, u = Tm diag(beta) V, 64 columns at a time")
-    a("    bG = beta * tl.exp(G)")
-    a("    for kb in range(0, tl.cdiv(K, BKS)):")
-    a("        wy_block(k_ptr, w_ptr, Tm, bG, tok, ok, h, H, kb * BKS, K, BKS, PREC, UPCAST)")
-    a("    for iv in range(0, tl.cdiv(V, BV)):")
-    a("        wy_block(v_ptr, u_ptr, Tm, beta, tok, ok, h, H, iv * BV, V, BV, PREC, UPCAST)")
+    a("    wy_factors(k_ptr, v_ptr, w_ptr, u_ptr, Tm, beta, beta * tl.exp(G), tok, ok, h, H, K, V, BKS, BV, PREC, UPCAST)")
     return "\n".join(L)
 
 

@@ -73,11 +73,14 @@ def rnd(x, dtype: tl.constexpr, emulate: tl.constexpr):
 
 
 @triton.jit
-def inv_unit_lower_blocks(A, C: tl.constexpr):
+def inv_unit_lower_blocks(A, C: tl.constexpr, PRECISION: tl.constexpr):
     """The 16x16 diagonal blocks of (I + A)^-1 for a strictly lower [C, C] A, as a block-diagonal [C, C]
     matrix. Per block, M = -A_bb is nilpotent (M^16 = 0), so (I + A_bb)^-1 = sum_{j<16} M^j
     = (I + M)(I + M^2)(I + M^4)(I + M^8): six [16, 16] products (all blocks at once, batched) of fp32
-    operands in fp32 ("ieee"), instead of 15 dependent row steps."""
+    operands, instead of 15 dependent row steps. PRECISION "ieee" runs them on FMA units; "tf32x3" (each
+    operand split into two tf32 parts, three tensor-core products: about fp32's accuracy) on tensor cores,
+    which for half inputs' prep halves the shared-memory traffic and cuts 219 registers to 161 (Triton 3.6,
+    sm_90a, K = 128)."""
     NB: tl.constexpr = C // 16
     rows = tl.arange(0, C)
     same = (rows[:, None] // 16) == (rows[None, :] // 16)
@@ -85,8 +88,8 @@ def inv_unit_lower_blocks(A, C: tl.constexpr):
     r = tl.arange(0, 16)
     P = tl.where(r[None, :, None] == r[None, None, :], 1.0, 0.0) + M
     for _ in tl.static_range(3):
-        M = tl.dot(M, M, input_precision="ieee")
-        P = tl.dot(P, M, P, input_precision="ieee")
+        M = tl.dot(M, M, input_precision=PRECISION)
+        P = tl.dot(P, M, P, input_precision=PRECISION)
     T = tl.reshape(tl.broadcast_to(P[:, :, None, :], (NB, 16, NB, 16)), (C, C))
     return tl.where(same, T, 0.0)
 
@@ -104,6 +107,47 @@ def wy_block(x_ptr, out_ptr, Tm, scale, tok, ok, h, H, col0, D: tl.constexpr, BD
     x = tl.load(x_ptr + (tok[:, None] * H + h) * D + cols[None, :], mask=m, other=0.0).to(tl.float32)
     y = mm(Tm, scale[:, None] * x, PREC, UPCAST)
     tl.store(out_ptr + (tok[:, None] * H + h) * D + cols[None, :], rnd(y, out_ptr.dtype.element_ty, UPCAST), mask=m)
+
+
+@triton.jit
+def split_scaled(Tm, scale, UPCAST: tl.constexpr):
+    """Tm diag(scale) as hi + lo, two bf16 matrices (hi the rounded product, lo the rounded remainder): together
+    about 16 significant bits (tf32 keeps 11), multiplied by bf16 inputs as stored in two bf16 tensor-core
+    products, which cost what one tf32 product of the same shape costs."""
+    Ts = Tm * scale[None, :]
+    hi = rnd(Ts, tl.bfloat16, UPCAST)
+    return hi, rnd(Ts - hi.to(tl.float32), tl.bfloat16, UPCAST)
+
+
+@triton.jit
+def wy_block_split(x_ptr, out_ptr, Th, Tl, tok, ok, h, H, col0, D: tl.constexpr, BD: tl.constexpr,
+                   PREC: tl.constexpr, UPCAST: tl.constexpr):
+    """`wy_block` for bf16 x: out = (Th + Tl) x with (Th, Tl) = split_scaled(Tm, scale); x enters the tensor
+    cores as loaded, with no fp32 copy."""
+    cols = col0 + tl.arange(0, BD)
+    m = ok[:, None] & (cols[None, :] < D)
+    x = tl.load(x_ptr + (tok[:, None] * H + h) * D + cols[None, :], mask=m, other=0.0)
+    y = mm(Th, x, PREC, UPCAST) + mm(Tl, x, PREC, UPCAST)
+    tl.store(out_ptr + (tok[:, None] * H + h) * D + cols[None, :], rnd(y, out_ptr.dtype.element_ty, UPCAST), mask=m)
+
+
+@triton.jit
+def wy_factors(k_ptr, v_ptr, w_ptr, u_ptr, Tm, beta, bG, tok, ok, h, H, K: tl.constexpr, V: tl.constexpr,
+               BKS: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr):
+    """w = Tm diag(bG) K (bG = beta e^G) and u = Tm diag(beta) V of one chunk, BKS / BV columns at a time:
+    bf16 inputs through `split_scaled` (Tm diag(scale) split once per factor), others by `wy_block`."""
+    if k_ptr.dtype.element_ty == tl.bfloat16:
+        Wh, Wl = split_scaled(Tm, bG, UPCAST)
+        for kb in range(0, tl.cdiv(K, BKS)):
+            wy_block_split(k_ptr, w_ptr, Wh, Wl, tok, ok, h, H, kb * BKS, K, BKS, PREC, UPCAST)
+        Uh, Ul = split_scaled(Tm, beta, UPCAST)
+        for iv in range(0, tl.cdiv(V, BV)):
+            wy_block_split(v_ptr, u_ptr, Uh, Ul, tok, ok, h, H, iv * BV, V, BV, PREC, UPCAST)
+    else:
+        for kb in range(0, tl.cdiv(K, BKS)):
+            wy_block(k_ptr, w_ptr, Tm, bG, tok, ok, h, H, kb * BKS, K, BKS, PREC, UPCAST)
+        for iv in range(0, tl.cdiv(V, BV)):
+            wy_block(v_ptr, u_ptr, Tm, beta, tok, ok, h, H, iv * BV, V, BV, PREC, UPCAST)
 
 
 @triton.jit
@@ -130,9 +174,19 @@ def delta_wu(k_ptr, v_ptr, gcum_ptr, beta_ptr, tm_ptr, w_ptr, u_ptr, chunk_tok, 
     Tm = tl.where(causal, tl.load(tm_ptr + ((c * H + h) * C + rows[:, None]).to(tl.int64) * C + rows[None, :]), 0.0)
     if j < NKB:
         G = tl.load(gcum_ptr + tok * H + h, mask=ok, other=0.0)
-        wy_block(k_ptr, w_ptr, Tm, beta * tl.where(ok, tl.exp(G), 0.0), tok, ok, h, H, j * BKS, K, BKS, PREC, UPCAST)
+        scale = beta * tl.where(ok, tl.exp(G), 0.0)
     else:
-        wy_block(v_ptr, u_ptr, Tm, beta, tok, ok, h, H, (j - NKB) * BV, V, BV, PREC, UPCAST)
+        scale = beta
+    if k_ptr.dtype.element_ty == tl.bfloat16:       # as delta_prep computes them (`wy_factors`)
+        Th, Tl = split_scaled(Tm, scale, UPCAST)
+        if j < NKB:
+            wy_block_split(k_ptr, w_ptr, Th, Tl, tok, ok, h, H, j * BKS, K, BKS, PREC, UPCAST)
+        else:
+            wy_block_split(v_ptr, u_ptr, Th, Tl, tok, ok, h, H, (j - NKB) * BV, V, BV, PREC, UPCAST)
+    elif j < NKB:
+        wy_block(k_ptr, w_ptr, Tm, scale, tok, ok, h, H, j * BKS, K, BKS, PREC, UPCAST)
+    else:
+        wy_block(v_ptr, u_ptr, Tm, scale, tok, ok, h, H, (j - NKB) * BV, V, BV, PREC, UPCAST)
 
 
 @triton.jit
@@ -156,9 +210,14 @@ def state_pass(q_ptr, k_ptr, w_ptr, u_ptr, gcum_ptr, h0_ptr, chunk_tok, chunk_le
         S = tl.zeros([BK, BV], dtype=tl.float32)
     c0 = tl.load(seq_chunk0 + n)
     c1 = tl.load(seq_chunk0 + n + 1)
+    # A sequence's chunks are consecutive runs of C tokens: their first tokens and lengths follow from the
+    # sequence's bounds, so no address in the loop waits on a load and the next chunk's loads can be issued early.
+    some = c1 > c0
+    first = tl.load(chunk_tok + c0, mask=some, other=0).to(tl.int64)
+    end = tl.load(chunk_tok + c1 - 1, mask=some, other=0).to(tl.int64) + tl.load(chunk_len + c1 - 1, mask=some, other=0)
     for c in range(c0, c1):
-        t0 = tl.load(chunk_tok + c).to(tl.int64)
-        nv = tl.load(chunk_len + c)
+        t0 = first + (c - c0) * C
+        nv = tl.minimum(end - t0, C).to(tl.int32)
         ok = rows < nv
         tok = t0 + rows
         if not OUTPUT:
@@ -184,9 +243,10 @@ def state_pass(q_ptr, k_ptr, w_ptr, u_ptr, gcum_ptr, h0_ptr, chunk_tok, chunk_le
             tl.store(o_ptr + (tok[:, None] * H + h) * V + vv[None, :], o * scale, mask=vm)
         else:
             tl.store(U_ptr + (tok[:, None] * H + h) * V + vv[None, :], rnd(U, U_ptr.dtype.element_ty, UPCAST), mask=vm)
+        # (K e^(G_last - G))^T U as K^T (e^(G_last - G) U): the decay scales the [C, BV] innovations, not the
+        # [C, K] keys, which enter the tensor cores as loaded
         tail = tl.where(ok, tl.exp(G_last - G), 0.0)
-        kt = rnd(k.to(tl.float32) * tail[:, None], k.dtype, UPCAST)
-        S = S * tl.exp(G_last) + mm(tl.trans(kt), Uq, IN_PREC, UPCAST)
+        S = S * tl.exp(G_last) + mm(tl.trans(k), rnd(U * tail[:, None], k.dtype, UPCAST), IN_PREC, UPCAST)
     if STORE_FINAL:
         tl.store(ht_ptr + ((n * H + h) * K + kk[:, None]).to(tl.int64) * V + vv[None, :], S, mask=sm)
 
