@@ -54,6 +54,7 @@ from typing import Callable, Mapping, Sequence
 
 import torch
 
+from . import settings
 from .monoid import Monoid
 
 
@@ -104,6 +105,7 @@ class Mixer:
         self.key = self.program.key
         self._specialised: dict = {}   # constants -> program (`_program_for`)
         self._checked: dict = {}       # eager input signature -> what validation derived (`_call`)
+        self._time_dim = self.axes.index("t")
 
     def _program_for(self, constants: dict, lanes: int):
         """The program to launch: this mixer's, or one specialised to initial fields given as Python
@@ -148,6 +150,41 @@ class Mixer:
             views.append(t.reshape(shape))
         return views, sizes
 
+    def _validate(self, values: list) -> tuple:
+        """Check the inputs (types, devices, dims, axis sizes, the reduced axis); return what a call
+        needs of them: (each input's view shape or None (all None: None), fp64, lane shape, length)."""
+        for n, t in zip(self.input_axes, values):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{n}: expected a tensor, got {type(t).__name__}")
+        triton_backend_check(values)
+        views, sizes = self._align(dict(zip(self.input_axes, values)))
+        if self.reduce is not None:
+            s = sizes[self.reduce]
+            if s & (s - 1):
+                raise ValueError(f"reduce: the size of axis {self.reduce!r} must be a power of two, got {s}")
+        view_shapes = [v.shape if v.shape != t.shape else None for v, t in zip(views, values)]
+        return (None if all(s is None for s in view_shapes) else view_shapes,
+                any(t.dtype == torch.float64 for t in views), [sizes[a] for a in self.axes if a != "t"], sizes["t"])
+
+    def _initial(self, initial, state_shape, fp64: bool, device) -> tuple[list, dict]:
+        """`initial` as one tensor per field expanded to `state_shape`, and the fields given as Python
+        numbers (constants of the program, see `_program_for`)."""
+        if isinstance(initial, Mapping):
+            initial = [initial[f] for f in self.monoid.fields]
+        if len(initial) != len(self.monoid.fields):
+            raise ValueError(f"initial: expected {len(self.monoid.fields)} values (fields {self.monoid.fields})")
+        init, constants = [], {}
+        for f, v in zip(self.monoid.fields, initial):
+            if isinstance(v, (int, float)) and not isinstance(v, bool):
+                constants[f] = float(v)
+            v = torch.as_tensor(v, dtype=torch.float64 if fp64 else torch.float32, device=device)
+            try:
+                init.append(v.expand(state_shape))
+            except RuntimeError:
+                raise ValueError(f"initial[{f!r}]: shape {tuple(v.shape)} does not broadcast to {state_shape} "
+                                 f"([sequences] + axes {[a for a in self.axes if a != 't']})") from None
+        return init, constants
+
     def __call__(self, initial=None, output_final_state: bool = False, reverse: bool = False, cu_seqlens=None,
                  **tensors):
         """Run the fused scan on named input tensors; returns a namedtuple (outputs..., final)."""
@@ -164,70 +201,62 @@ def _check_cu_seqlens(cu_seqlens, total: int, device) -> int:
     return cu_seqlens.numel() - 1
 
 
+_ops = None   # backends.triton.ops, bound on the first call (importing scanlang does not import Triton)
+
+
+def _triton_ops():
+    global _ops
+    if _ops is None:
+        from .backends.triton import ops
+        _ops = ops
+    return _ops
+
+
 def _call(self: Mixer, initial, output_final_state: bool, reverse: bool, cu_seqlens, tensors: dict):
     """Validate, align and launch. For plain eager tensors (outside torch.compile and tracing) what the
     inputs' shapes, dtypes and devices decide (validation, views, fp64, lane shape) is remembered per
     signature, so a repeated call does no validation work beyond the names and types."""
-    from . import pipeline, settings
-    from .backends import triton as triton_backend
-    from .backends.triton import ops as triton_ops
-    names = list(self.input_axes)
-    unknown = [n for n in tensors if n not in self.input_axes]
-    missing = [n for n in names if n not in tensors]
-    if unknown or missing:
+    triton_ops = _triton_ops()
+    if tensors.keys() != self.input_axes.keys():
+        names = list(self.input_axes)
+        unknown = [n for n in tensors if n not in self.input_axes]
+        missing = [n for n in names if n not in tensors]
         raise ValueError(f"inputs: expected exactly {names}; unknown {unknown}, missing {missing}")
-    ordered = {n: tensors[n] for n in names}
-    for n, t in ordered.items():
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{n}: expected a tensor, got {type(t).__name__}")
-    values = list(ordered.values())
-    device = values[0].device
-    # plain eager tensors only: under tracing, shapes may be symbolic (and unhashable)
-    checked = self._checked if triton_ops.eager(values) else None
-    signature = None if checked is None else tuple((t.shape, t.dtype, t.device) for t in values)
-    known = None if checked is None else checked.get(signature)
+    values = [tensors[n] for n in self.input_axes]
+    # plain eager tensors only (the check also refuses non-tensors): under tracing, shapes may be
+    # symbolic (and unhashable)
+    eager = triton_ops.eager(values if cu_seqlens is None else values + [cu_seqlens])
+    known = None
+    if eager:
+        signature = tuple([(t.shape, t.dtype, t.device) for t in values])
+        known = self._checked.get(signature)
     if known is None:
-        triton_backend._check(values, None, arg="inputs")
-        views, sizes = self._align(ordered)
-        if self.reduce is not None:
-            s = sizes[self.reduce]
-            if s & (s - 1):
-                raise ValueError(f"reduce: the size of axis {self.reduce!r} must be a power of two, got {s}")
-        known = ([v.shape if v.shape != t.shape else None for v, t in zip(views, values)],
-                 any(t.dtype == torch.float64 for t in views), [sizes[a] for a in self.axes if a != "t"], sizes["t"])
-        if checked is not None:
-            if len(checked) >= 256:   # shapes that keep changing: stay bounded
-                checked.clear()
-            checked[signature] = known
-    elif device.type != "cuda" and not settings.triton_interpret():
-        triton_backend._check(values, None, arg="inputs")   # raises: the environment changed since
+        known = self._validate(values)
+        if eager:
+            if len(self._checked) >= 256:   # shapes that keep changing: stay bounded
+                self._checked.clear()
+            self._checked[signature] = known
+    elif values[0].device.type != "cuda" and not settings.triton_interpret():
+        triton_backend_check(values)   # raises: the environment changed since
     view_shapes, fp64, lane_shape, length = known
-    views = [t if s is None else t.reshape(s) for t, s in zip(values, view_shapes)]
-    dim = self.axes.index("t")
+    views = values if view_shapes is None else [t if s is None else t.reshape(s) for t, s in zip(values, view_shapes)]
     state_shape = lane_shape
     if cu_seqlens is not None:
-        n_seq = _check_cu_seqlens(cu_seqlens, length, device)
-        state_shape = [n_seq] + lane_shape
+        state_shape = [_check_cu_seqlens(cu_seqlens, length, values[0].device)] + lane_shape
     init, constants = None, {}
     if initial is not None:
-        if isinstance(initial, Mapping):
-            initial = [initial[f] for f in self.monoid.fields]
-        if len(initial) != len(self.monoid.fields):
-            raise ValueError(f"initial: expected {len(self.monoid.fields)} values (fields {self.monoid.fields})")
-        init = []
-        for f, v in zip(self.monoid.fields, initial):
-            if isinstance(v, (int, float)) and not isinstance(v, bool):
-                constants[f] = float(v)
-            v = torch.as_tensor(v, dtype=torch.float64 if fp64 else torch.float32, device=device)
-            try:
-                init.append(v.expand(state_shape))
-            except RuntimeError:
-                raise ValueError(f"initial[{f!r}]: shape {tuple(v.shape)} does not broadcast to {state_shape} "
-                                 f"([sequences] + axes {[a for a in self.axes if a != 't']})") from None
+        init, constants = self._initial(initial, state_shape, fp64, values[0].device)
+        eager = None   # the initial elements' tensors count too: ops.launch decides
     program = self._program_for(constants, math.prod(lane_shape)) if constants else self.program
-    outs, final = pipeline.launch(program, views, init, dim, reverse, fp64, cu_seqlens)
+    outs, final = triton_ops.launch(program, views, init, self._time_dim, reverse, fp64, cu_seqlens, is_eager=eager)
     fin = tuple(final[i].reshape(state_shape) for i in range(len(self.monoid.fields))) if output_final_state else None
     return self.result(*outs, fin)
+
+
+def triton_backend_check(values):
+    """The Triton backend's device and dtype checks of the inputs (`backends.triton._check`)."""
+    from .backends import triton as triton_backend
+    triton_backend._check(values, None, arg="inputs")
 
 
 def mixer(monoid: Monoid, axes: str, inputs: Mapping[str, str], lift: Callable, readout: Callable,

@@ -88,12 +88,43 @@ def test_a_misaligned_first_launch_is_not_kept():
     assert [entry[0] for entry in kernel.log] == ["jit", "jit", "jit", "direct"]
 
 
+def test_direct_launches_pass_launch_hooks_only_when_some_are_set(monkeypatch):
+    """Triton's empty hook chains (never None since Triton 3.5) go as None: no launch metadata built;
+    a registered hook is passed with its metadata, as `kernel[grid]` would."""
+    from triton import knobs
+    made = []
+
+    class Compiled(_Compiled):
+        def launch_metadata(self, grid, stream, *args):
+            made.append(grid)
+            return "metadata"
+
+        def run(self, g0, g1, g2, stream, function, packed, launch_metadata, enter, exit_, *values):
+            self.log.append(("direct", launch_metadata, enter, exit_))
+
+    class Kernel(_Kernel):
+        def __getitem__(self, grid):
+            return lambda *args, **meta: Compiled(self.log)
+    kernel, plan = Kernel(), object.__new__(type("Plan", (), {}))
+    x = torch.zeros(64)
+    for _ in range(2):
+        launcher.launch(plan, "cfg", kernel, (1,), [x, 64], {"BLOCK": 32})
+    assert kernel.log == [("direct", None, None, None)] and not made
+    hook = knobs.runtime.launch_enter_hook
+    if hasattr(hook, "calls"):   # a hook chain (Triton >= 3.5): register one hook on it
+        monkeypatch.setattr(hook, "calls", [lambda metadata: None])
+    else:
+        monkeypatch.setattr(knobs.runtime, "launch_enter_hook", lambda metadata: None)
+    launcher.launch(plan, "cfg", kernel, (1,), [x, 64], {"BLOCK": 32})
+    assert kernel.log[-1][:2] == ("direct", "metadata") and kernel.log[-1][2] is not None and made == [(1, 1, 1)]
+
+
 def test_host_time_tool_reports_both_calls_and_restores_the_interpreter(capsys):
     from triton.runtime.interpreter import InterpretedFunction
 
     from scanlang.backends.triton import host
     run = InterpretedFunction.run
-    host.main(["--calls", "2"])
-    assert InterpretedFunction.run is run
+    host.main(["--calls", "2", "--repeat", "2"])
+    assert InterpretedFunction.run is run and not hasattr(InterpretedFunction, "params")
     lines = [ln for ln in capsys.readouterr().out.splitlines() if "affine mixer" in ln]
     assert len(lines) == 2 and all(float(ln.split()[-2]) > 0 for ln in lines)

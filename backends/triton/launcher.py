@@ -21,13 +21,13 @@ launch through `wrap_triton`).
 """
 from __future__ import annotations
 
-import weakref
-
 import torch
+from triton import knobs
 
-# plan -> {config: (compiled kernel of an all-aligned launch, positions of the tensor arguments,
-# argument values to append from meta)}
-_COMPILED: "weakref.WeakKeyDictionary[object, dict]" = weakref.WeakKeyDictionary()
+# Kept on the plan object itself (a plain attribute: cheaper per launch than a weak-keyed table, and
+# gone with the plan): {config: (compiled kernel of an all-aligned launch, positions of the tensor
+# arguments, argument values to append from meta)}
+_ATTRIBUTE = "_launcher_compiled"
 
 
 def _bound_tail(kernel, n_positional: int, meta: dict) -> tuple | None:
@@ -48,17 +48,17 @@ def launch(plan, cfg, kernel, grid, args, meta: dict) -> None:
     """`kernel[grid](*args, **meta)`, relaunching the compiled kernel directly when this plan and
     config launched it before with every pointer 16-byte aligned (the common case; other alignments
     always take Triton's path, which specialises on them)."""
-    per_plan = _COMPILED.get(plan)
+    per_plan = getattr(plan, _ATTRIBUTE, None)
     if per_plan is None:
-        per_plan = _COMPILED[plan] = {}
+        per_plan = {}
+        setattr(plan, _ATTRIBUTE, per_plan)
     hit = per_plan.get(cfg)
     if hit is not None:
-        compiled, tensors, tail = hit
-        if not any(args[i].data_ptr() & 15 for i in tensors):
+        compiled, tensors, tail, grid3 = hit
+        if not any([args[i].data_ptr() & 15 for i in tensors]):
             stream = _stream(args[0].device)
-            grid3 = (*grid, 1, 1)[:3]
             values = (*args, *tail)
-            enter, exit_ = _hooks()
+            enter, exit_ = _hook(knobs.runtime.launch_enter_hook), _hook(knobs.runtime.launch_exit_hook)
             metadata = None if enter is None else compiled.launch_metadata(grid3, stream, *values)
             compiled.run(grid3[0], grid3[1], grid3[2], stream, compiled.function, compiled.packed_metadata,
                          metadata, enter, exit_, *values)
@@ -69,7 +69,7 @@ def launch(plan, cfg, kernel, grid, args, meta: dict) -> None:
     tensors = tuple(i for i, a in enumerate(args) if isinstance(a, torch.Tensor))
     tail = _bound_tail(kernel, len(args), meta)
     if tail is not None and not any(args[i].data_ptr() & 15 for i in tensors):
-        per_plan[cfg] = (compiled, tensors, tail)
+        per_plan[cfg] = (compiled, tensors, tail, (*grid, 1, 1)[:3])
 
 
 def _stream(device: torch.device) -> int:
@@ -77,6 +77,8 @@ def _stream(device: torch.device) -> int:
     return torch._C._cuda_getCurrentRawStream(device.index) if device.type == "cuda" else 0
 
 
-def _hooks():
-    from triton import knobs
-    return knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
+def _hook(hook):
+    """A launch hook of Triton's, None when no hook is set. Triton >= 3.5 holds them as hook chains
+    that are never None; passing an empty one would still build launch metadata (a dict) and make
+    two Python calls per launch, which `kernel[grid]` pays but a direct relaunch need not."""
+    return hook if getattr(hook, "calls", hook) else None

@@ -20,17 +20,18 @@ per-call binding (`launcher.py`).
 """
 from __future__ import annotations
 
-import contextlib
+import collections
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
-from torch._library.triton import set_wrap_triton_enabled
 from torch.autograd.function import once_differentiable
 from torch.library import triton_op, wrap_triton
+from triton.runtime.errors import OutOfResources
 
 from . import launcher
-from .plan import PLANS, BackwardPlan, ForwardPlan, chunk_of, overrides, signature
+from . import runtime
+from .plan import PLANS, BackwardPlan, ForwardPlan, chunk_of, overrides
 from .runtime import fit_launch, fitted
 
 
@@ -58,14 +59,39 @@ def _fake(t: torch.Tensor) -> bool:
     return t.device.type == "meta" or (is_fake(t) and get_proxy_mode() is None)
 
 
-def _launching(eager: bool):
-    """Eager launches call the kernel itself: `wrap_triton` off, as torch's triton_op does in eager mode
-    (left on outside an op it would dispatch every launch through a higher-order op)."""
-    return set_wrap_triton_enabled(False) if eager else contextlib.nullcontext()
-
-
 def _sequences(cu_seqlens) -> tuple[bool, int]:
     return (False, 1) if cu_seqlens is None else (True, cu_seqlens.shape[0] - 1)
+
+
+def _signature(tensors) -> tuple:
+    """plan.signature: what a plan reads of `tensors` (shapes, strides, dtypes)."""
+    return tuple([(t.shape, t.stride(), t.dtype) for t in tensors]) if tensors else ()
+
+
+def _fill(plan, tensors) -> list:
+    """plan.fill: the plan's leading kernel arguments with `tensors` in their holes (one C-level pass)."""
+    args = plan.head.copy()
+    collections.deque(map(args.__setitem__, plan.slots, tensors), maxlen=0)
+    return args
+
+
+def _fit_launch(key, chosen, attempt, smaller):
+    """runtime.fit_launch(key, chosen, attempt, smaller), going straight to `attempt` with the config
+    already remembered for `key` (the usual case: no bookkeeping to redo)."""
+    cfg = runtime.FITTED.get(key)
+    if cfg is not None:
+        try:
+            return attempt(cfg)
+        except OutOfResources:
+            pass
+    return fit_launch(key, chosen, attempt, smaller)
+
+
+def _finish(grad, shape, dtype):
+    """An input gradient summed to the input's shape (shape None: already) and cast to its dtype (None: same)."""
+    if shape is not None:
+        grad = grad.sum_to_size(shape)
+    return grad if dtype is None else grad.to(dtype)
 
 
 def _forward(key: str, inputs, initial, cu_seqlens, dim: int, reverse: bool, fp64: bool, checkpoint: bool,
@@ -79,8 +105,8 @@ def _forward(key: str, inputs, initial, cu_seqlens, dim: int, reverse: bool, fp6
     def build():
         return ForwardPlan(prog, inputs, initial, n_seq, varlen, dim, reverse, fp64, checkpoint)
     if eager:
-        plan = PLANS.get(("fwd", key, dim, reverse, fp64, checkpoint, device, n_seq, varlen, signature(inputs),
-                          signature(initial), overrides()), build)
+        plan = PLANS.get(("fwd", key, dim, reverse, fp64, checkpoint, device, n_seq, varlen, _signature(inputs),
+                          _signature(initial), overrides()), build)
     else:
         plan = build()
     acc = plan.acc
@@ -91,7 +117,7 @@ def _forward(key: str, inputs, initial, cu_seqlens, dim: int, reverse: bool, fp6
     if not plan.launches or (not eager and _fake(inputs[0])):
         ckpt = torch.empty(plan.checkpoint_shape(fitted(plan.fwd_fit_key, plan.fwd_chosen)), dtype=acc, device=device)
         return outs + [ckpt, final]
-    args = plan.fill([*inputs, *outs, *(initial or [inputs[0]] * len(prog.ir.fields))])
+    args = _fill(plan, [*inputs, *outs, *(initial or [inputs[0]] * len(prog.ir.fields))])
 
     def attempt(cfg):
         kernel, grid, meta, ckpt_shape = plan.launch(cfg)
@@ -102,8 +128,7 @@ def _forward(key: str, inputs, initial, cu_seqlens, dim: int, reverse: bool, fp6
         else:
             wrap_triton(kernel)[grid](*full, **meta)
         return ckpt
-    with _launching(eager):
-        ckpt = fit_launch(plan.fwd_fit_key, plan.fwd_chosen, attempt, plan.smaller)
+    ckpt = _fit_launch(plan.fwd_fit_key, plan.fwd_chosen, attempt, plan.smaller)
     return outs + [ckpt, final]
 
 
@@ -118,8 +143,8 @@ def _backward_pass(key: str, inputs, initial, cu_seqlens, ckpt, grads, dfinal, d
     def build():
         return BackwardPlan(prog, inputs, initial, grads, dfinal is not None, n_seq, varlen, dim, reverse, fp64)
     if eager:
-        plan = PLANS.get(("bwd", key, dim, reverse, fp64, device, n_seq, varlen, signature(inputs), signature(initial),
-                          signature(grads), dfinal is not None, ckpt.shape, overrides()), build)
+        plan = PLANS.get(("bwd", key, dim, reverse, fp64, device, n_seq, varlen, _signature(inputs),
+                          _signature(initial), _signature(grads), dfinal is not None, ckpt.shape, overrides()), build)
     else:
         plan = build()
     acc, L = plan.acc, plan.layout.L
@@ -131,7 +156,7 @@ def _backward_pass(key: str, inputs, initial, cu_seqlens, ckpt, grads, dfinal, d
     if plan.launches and (eager or not _fake(inputs[0])):
         chunk = chunk_of(fitted(plan.fwd_fit_key, plan.fwd_chosen))   # the forward's checkpoint interval
         cfg, fit_key = plan.config(chunk)
-        args = plan.fill([*inputs, *grads, *dus])
+        args = _fill(plan, [*inputs, *grads, *dus])
         args += dinit if initial else [ckpt] * n
         args += [dfinal if dfinal is not None else ckpt, ckpt, cu_seqlens if varlen else ckpt, *plan.tail,
                  ckpt.shape[1]]
@@ -143,16 +168,11 @@ def _backward_pass(key: str, inputs, initial, cu_seqlens, ckpt, grads, dfinal, d
                 launcher.launch(plan, cfg, kernel, grid, args + extra, meta)
             else:
                 wrap_triton(kernel)[grid](*args, *extra, **meta)
-        with _launching(eager):
-            fit_launch(fit_key, cfg, attempt, lambda c: plan.smaller(c, keep_block_t=True))
+        _fit_launch(fit_key, cfg, attempt, lambda c: plan.smaller(c, keep_block_t=True))
     elif initial:
         for f in range(n):
             dinit[f] = dfinal[f].clone() if dfinal is not None else torch.zeros_like(dinit[f])
-    result = []
-    for d, (shape, dtype) in zip(dus, plan.finish):
-        if shape is not None:
-            d = d.sum_to_size(shape)
-        result.append(d if dtype is None else d.to(dtype))
+    result = [_finish(d, shape, dtype) for d, (shape, dtype) in zip(dus, plan.finish)]
     for f, i in enumerate(initial):
         result.append(dinit[f].reshape(plan.init_shape).sum_to_size(i.shape).to(i.dtype))
     return result
@@ -213,10 +233,13 @@ scan_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 class _EagerScan(torch.autograd.Function):
     """scan_fwd with its registered autograd, for plain eager tensors: the same `_forward`,
-    `_save`, `_gradients` and `_backward_pass`, called without the dispatcher."""
+    `_save`, `_gradients` and `_backward_pass`, called without the dispatcher. The non-tensor
+    arguments travel as one tuple `call` = (key, cu_seqlens, dim, reverse, fp64, number of inputs):
+    Function.apply walks every argument on every call."""
 
     @staticmethod
-    def forward(ctx, key, cu_seqlens, dim, reverse, fp64, n_inputs, *tensors):
+    def forward(ctx, call, *tensors):
+        key, cu_seqlens, dim, reverse, fp64, n_inputs = call
         ins, initial = list(tensors[:n_inputs]), list(tensors[n_inputs:])
         output = _forward(key, ins, initial, cu_seqlens, dim, reverse, fp64, True, eager=True)
         _save(ctx, key, ins, initial, cu_seqlens, dim, reverse, fp64, output)
@@ -224,9 +247,17 @@ class _EagerScan(torch.autograd.Function):
         return tuple(output)
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, *grads):
-        return (None,) * 6 + tuple(_gradients(ctx, grads, eager=True))
+        if torch.is_grad_enabled():   # create_graph=True: the kernels' gradients are not differentiable
+            return _EagerScan._backward_once(ctx, *grads)
+        return (None, *_gradients(ctx, grads, eager=True))
+
+    @staticmethod
+    @once_differentiable
+    def _backward_once(ctx, *grads):
+        """`backward` marked once-differentiable (a second differentiation raises); the wrapper's own
+        work (a no_grad block, checks) only matters when grad mode is on, so plain backwards skip it."""
+        return (None, *_gradients(ctx, grads, eager=True))
 
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
@@ -240,21 +271,27 @@ def eager(tensors) -> bool:
     if (torch._C._len_torch_dispatch_stack() or torch._C._functorch.peek_interpreter_stack() is not None
             or torch._C._get_tracing_state() is not None):
         return False
-    return all(type(t) in _PLAIN and t.device.type != "meta" for t in tensors)
+    return all([type(t) in _PLAIN and t.device.type != "meta" for t in tensors])
 
 
 def launch(prog: Program, inputs, initial, dim: int, reverse: bool, fp64: bool, cu_seqlens=None,
-           use_ops: bool = False):
+           use_ops: bool = False, is_eager: bool | None = None):
     """Run the forward (autograd attached): returns (outputs, final prefix [n_fields, sequences, lanes]).
 
     Plain eager tensors skip the dispatcher (see the module docstring); `use_ops=True` forces the
-    registered ops (the path torch.compile takes)."""
-    inputs, initial = list(inputs), list(initial or [])
-    tensors = inputs + initial
-    checkpoint = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
-    if not use_ops and eager(tensors if cu_seqlens is None else tensors + [cu_seqlens]):
+    registered ops (the path torch.compile takes). `is_eager`: the caller's `eager(...)` of these
+    tensors (inputs, initial, cu_seqlens) when it has it already; None: decided here."""
+    inputs = list(inputs)
+    initial = list(initial) if initial else []
+    tensors = inputs + initial if initial else inputs
+    checkpoint = torch.is_grad_enabled() and any([t.requires_grad for t in tensors])
+    if use_ops:
+        is_eager = False
+    elif is_eager is None:
+        is_eager = eager(tensors if cu_seqlens is None else tensors + [cu_seqlens])
+    if is_eager:
         if checkpoint:
-            res = _EagerScan.apply(prog.key, cu_seqlens, dim, reverse, fp64, len(inputs), *tensors)
+            res = _EagerScan.apply((prog.key, cu_seqlens, dim, reverse, fp64, len(inputs)), *tensors)
         else:
             res = _forward(prog.key, inputs, initial, cu_seqlens, dim, reverse, fp64, False, eager=True)
     else:
