@@ -45,8 +45,8 @@ def test_rendered_module_parses_and_has_the_stages():
     src = render(ir, differentiate(ir))
     tree = ast.parse(src)
     names = [n.name for n in tree.body if isinstance(n, ast.FunctionDef)]
-    assert names == ["combine", "adjoint_combine", "sum_fields", "to_acc", "lane_offsets", "scan_forward",
-                     "scan_backward", "scan_forward_lanes", "scan_backward_lanes"]
+    assert names == ["combine", "combine_rcp", "adjoint_combine", "sum_fields", "reciprocal", "to_acc",
+                     "lane_offsets", "scan_forward", "scan_backward", "scan_forward_lanes", "scan_backward_lanes"]
     assert "inv_scale = 1.0 / scale" in src       # projective: renormalised after each combine
     assert src == render(lower(sl.Mobius), differentiate(lower(sl.Mobius)))
 
