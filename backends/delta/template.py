@@ -16,12 +16,13 @@ all go through `mm`, which can upcast bf16 operands for Triton's CPU interpreter
 
 Kernels (per chunk c of C tokens, head h; S0 the chunk's start state, G the in-chunk cumsum of g):
     delta_prep        gcum, beta, Tm = (I + A)^-1 (16x16 diagonal blocks, then the blocks merged, each by
-                      products of powers of a nilpotent matrix), w = Tm diag(beta e^G) K, u = Tm diag(beta) V
+                      products of powers of a nilpotent matrix), w = Tm diag(beta e^G) K, u = Tm diag(beta) V,
+                      and the output's in-chunk matrix Q K^T * Dec (causal), which needs no state
     delta_wu          w and u again from the saved Tm (backward)
     delta_state_fwd   sequential over a sequence's chunks, fp32 state in registers: stores S0 per chunk,
                       U = u - w S0, S_end = e^G_last S0 + (K e^(G_last - G))^T U (the backward's recomputation)
     delta_state_output the same pass in the forward, storing O = scale (e^G Q S0 + (Q K^T * Dec) U) per chunk
-                      instead of S0 and U
+                      (Q K^T * Dec from delta_prep) instead of S0 and U
     delta_state_bwd   reverse over chunks: dS_end per chunk, dU = scale (Q K^T * Dec)^T dO + K~ dS_end,
                       dS0 = e^G_last dS_end + scale (e^G Q)^T dO - w^T dU
     delta_bwd_dqk     per chunk, through the outputs, S_end and U: dq, and dk, dw, dG in part
@@ -191,13 +192,14 @@ def delta_wu(k_ptr, v_ptr, gcum_ptr, beta_ptr, tm_ptr, w_ptr, u_ptr, chunk_tok, 
 
 @triton.jit
 def state_pass(q_ptr, k_ptr, w_ptr, u_ptr, gcum_ptr, h0_ptr, chunk_tok, chunk_len, seq_chunk0, h_ptr, U_ptr, ht_ptr,
-               o_ptr, scale, H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
+               o_ptr, mq_ptr, scale, H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
                HAS_H0: tl.constexpr, STORE_FINAL: tl.constexpr, OUTPUT: tl.constexpr, PREC: tl.constexpr,
                IN_PREC: tl.constexpr, UPCAST: tl.constexpr):
     """Sequential over a sequence's chunks with the fp32 state S [K, BV] in registers: U = u - w S0,
     S_end = e^G_last S0 + (K e^(G_last - G))^T U. Stores S0 per chunk and U (h_ptr, U_ptr), or with OUTPUT
     the chunk's output O = scale (e^G Q S0 + (Q K^T * Dec) U) instead (o_ptr; all the forward needs), from
-    S0 and U rounded as they would have been stored."""
+    S0 and U rounded as they would have been stored, and (Q K^T * Dec) as delta_prep stored it (mq_ptr [NC, H, C, C]:
+    state-independent work stays in the parallel kernel)."""
     n = tl.program_id(0)
     h = tl.program_id(1)
     vv = tl.program_id(2) * BV + tl.arange(0, BV)
@@ -235,11 +237,10 @@ def state_pass(q_ptr, k_ptr, w_ptr, u_ptr, gcum_ptr, h0_ptr, chunk_tok, chunk_le
         Uq = rnd(U, k.dtype, UPCAST)
         if OUTPUT:
             q = tl.load(q_ptr + (tok[:, None] * H + h) * K + kk[None, :], mask=km, other=0.0)
-            causal = (rows[:, None] >= rows[None, :]) & ok[:, None]
-            D = tl.where(causal, tl.exp(tl.where(causal, G[:, None] - G[None, :], 0.0)), 0.0)
-            M = mm(q, tl.trans(k), IN_PREC, UPCAST) * D
+            # an unmasked (vectorised) load: delta_prep wrote every element
+            M = tl.load(mq_ptr + ((c * H + h) * C + rows[:, None]).to(tl.int64) * C + rows[None, :])
             o = mm(q, Sq, IN_PREC, UPCAST) * tl.exp(G)[:, None]
-            o += mm(rnd(M, q.dtype, UPCAST), Uq, IN_PREC, UPCAST)
+            o += mm(M, Uq, IN_PREC, UPCAST)
             tl.store(o_ptr + (tok[:, None] * H + h) * V + vv[None, :], o * scale, mask=vm)
         else:
             tl.store(U_ptr + (tok[:, None] * H + h) * V + vv[None, :], rnd(U, U_ptr.dtype.element_ty, UPCAST), mask=vm)
@@ -256,16 +257,16 @@ def delta_state_fwd(k_ptr, w_ptr, u_ptr, gcum_ptr, h0_ptr, chunk_tok, chunk_len,
                     H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
                     HAS_H0: tl.constexpr, STORE_FINAL: tl.constexpr, PREC: tl.constexpr, IN_PREC: tl.constexpr, UPCAST: tl.constexpr):
     state_pass(k_ptr, k_ptr, w_ptr, u_ptr, gcum_ptr, h0_ptr, chunk_tok, chunk_len, seq_chunk0, h_ptr, U_ptr, ht_ptr,
-               ht_ptr, 1.0, H, K, V, BK, BV, C, HAS_H0, STORE_FINAL, False, PREC, IN_PREC, UPCAST)
+               ht_ptr, k_ptr, 1.0, H, K, V, BK, BV, C, HAS_H0, STORE_FINAL, False, PREC, IN_PREC, UPCAST)
 
 
 @triton.jit
 def delta_state_output(q_ptr, k_ptr, w_ptr, u_ptr, gcum_ptr, h0_ptr, chunk_tok, chunk_len, seq_chunk0, ht_ptr, o_ptr,
-                       scale, H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
+                       mq_ptr, scale, H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
                        HAS_H0: tl.constexpr, STORE_FINAL: tl.constexpr, PREC: tl.constexpr, IN_PREC: tl.constexpr,
                        UPCAST: tl.constexpr):
     state_pass(q_ptr, k_ptr, w_ptr, u_ptr, gcum_ptr, h0_ptr, chunk_tok, chunk_len, seq_chunk0, o_ptr, o_ptr, ht_ptr,
-               o_ptr, scale, H, K, V, BK, BV, C, HAS_H0, STORE_FINAL, True, PREC, IN_PREC, UPCAST)
+               o_ptr, mq_ptr, scale, H, K, V, BK, BV, C, HAS_H0, STORE_FINAL, True, PREC, IN_PREC, UPCAST)
 
 
 ''' + BACKWARD + '''@triton.jit
