@@ -1,5 +1,5 @@
-"""Backward kernels of the generated delta rule (Triton's interpreter on CPU): their launch configs give the
-same gradients, each checked against float64 autograd of the chunked reference. fp32 inputs run every dot in
+"""Backward kernels of the generated delta rule (Triton's interpreter on CPU): their launch configs and
+variants give the same gradients, each checked against float64 autograd of the chunked reference. fp32 inputs run every dot in
 fp32 ("ieee"), so the kernels' algebra is checked to fp32 rounding, well inside the spec's tolerances."""
 from __future__ import annotations
 
@@ -37,16 +37,19 @@ def odd_case():
     return inputs, run_with_grads(kaczmarz("reference", 32), inputs, torch.float64)
 
 
-@pytest.mark.parametrize("dqk, wy", [
-    (dict(BKS=16, BV=16, num_warps=4, num_stages=1), dict(BV=16, num_warps=4, num_stages=1)),
-    (dict(BKS=128, BV=32, num_warps=8, num_stages=2), dict(BV=32, num_warps=8, num_stages=1)),
+@pytest.mark.parametrize("state_bwd, dU_local, dqk, wy", [
+    (dict(LOCAL_DU=False, BV=16, num_warps=4, num_stages=2), dict(BV=16, num_warps=4, num_stages=2),
+     dict(BKS=16, BV=16, num_warps=4, num_stages=1), dict(BV=16, num_warps=4, num_stages=1)),
+    (dict(LOCAL_DU=True, BV=32, num_warps=8, num_stages=2), dict(BV=16, num_warps=4, num_stages=2),
+     dict(BKS=128, BV=32, num_warps=8, num_stages=2), dict(BV=32, num_warps=8, num_stages=1)),
 ])
-def test_backward_configs_match_float64(monkeypatch, odd_case, dqk, wy):
-    """delta_bwd_dqk in several key blocks (each storing its shares of dk, dTm, dG, dbeta, summed by
-    delta_bwd_wy) or in one (BKS clamped to the padded K); value blocks smaller than V or not."""
+def test_backward_configs_match_float64(monkeypatch, odd_case, state_bwd, dU_local, dqk, wy):
+    """delta_state_bwd with the local dU from delta_dU_local or formed itself, in value blocks smaller than V
+    or not; delta_bwd_dqk in several key blocks (each storing its shares of dk, dTm, dG, dbeta, summed by
+    delta_bwd_wy) or in one (BKS clamped to the padded K)."""
     monkeypatch.setattr(delta_ops, "KEY_BLOCK", 16)
-    monkeypatch.setitem(delta_ops.CONFIG, "bwd_dqk", dqk)
-    monkeypatch.setitem(delta_ops.CONFIG, "bwd_wy", wy)
+    for name, cfg in dict(state_bwd=state_bwd, dU_local=dU_local, bwd_dqk=dqk, bwd_wy=wy).items():
+        monkeypatch.setitem(delta_ops.CONFIG, name, cfg)
     inputs, ref = odd_case
     got = run_with_grads(kaczmarz("triton", 32), inputs, torch.float32)
     for name, a, b in zip(("o", "S") + NAMES, got, ref):

@@ -158,7 +158,7 @@ class _AlwaysTooBig:
 
 
 def test_launches_per_call(monkeypatch):
-    """Decode: one launch; chunked forward: prep, state_output; forward + backward: seven."""
+    """Decode: one launch; chunked forward: prep, state_output; forward + backward: eight."""
     from triton.runtime.interpreter import InterpretedFunction
     from scanlang.backends.delta import host
     launched = []
@@ -171,7 +171,7 @@ def test_launches_per_call(monkeypatch):
     assert counts["decode (T=1, recurrent)"] == ["delta_recurrent"]
     assert counts["chunked fwd"] == ["delta_prep", "delta_state_output"]
     assert counts["chunked fwd+bwd"] == ["delta_prep", "delta_state_output", "delta_wu", "delta_state_fwd",
-                                         "delta_state_bwd", "delta_bwd_dqk", "delta_bwd_wy"]
+                                         "delta_dU_local", "delta_state_bwd", "delta_bwd_dqk", "delta_bwd_wy"]
 
 
 def test_plans_respect_the_measured_shared_memory_limits():

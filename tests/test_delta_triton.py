@@ -341,4 +341,4 @@ def test_launch_sequence_of_forward_and_backward():
     """What `spills.py` compiles offline: every kernel of one forward + backward, in order."""
     from scanlang.backends.delta import spills
     names = [name for name, *_ in spills.capture_launches(32, 16, torch.bfloat16, T=40)]
-    assert names == ["prep", "state_output", "wu", "state_fwd", "state_bwd", "bwd_dqk", "bwd_wy"]
+    assert names == ["prep", "state_output", "wu", "state_fwd", "dU_local", "state_bwd", "bwd_dqk", "bwd_wy"]

@@ -150,7 +150,10 @@ SWEEP_OPTIONS = {
     "wu": [dict(BV=bv, num_warps=w, num_stages=2) for bv in (64, 128) for w in (4, 8)],
     "state_fwd": [dict(BV=bv, num_warps=w, num_stages=2) for bv in (32, 64) for w in (4, 8)],
     "state_output": [dict(BV=bv, num_warps=w, num_stages=st) for bv in (64, 128) for w in (4, 8) for st in (1, 2)],
-    "state_bwd": [dict(BV=bv, num_warps=w, num_stages=2) for bv in (32, 64, 128) for w in (4, 8)],
+    "state_bwd": [dict(LOCAL_DU=False, BV=bv, num_warps=w, num_stages=st)
+                  for bv, w, st in ((64, 8, 2), (64, 4, 1), (64, 4, 2), (32, 4, 2), (128, 8, 2))] + [
+        dict(LOCAL_DU=True, BV=bv, num_warps=8, num_stages=2) for bv in (64, 128)],
+    "dU_local": [dict(BV=bv, num_warps=w, num_stages=2) for bv in (64, 128) for w in (4, 8)],
     "bwd_dqk": [dict(BKS=64, BV=32, num_warps=4, num_stages=1)] + [
         dict(BKS=bk, BV=bv, num_warps=8, num_stages=st) for bk in (64, 128) for bv in (32, 64) for st in (1, 2)],
     "bwd_wy": [dict(BV=bv, num_warps=w, num_stages=1) for bv in (32, 64) for w in (4, 8)],

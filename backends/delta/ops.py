@@ -59,10 +59,12 @@ PREP_VALUE_BLOCK = 64    # value columns per step of u in delta_prep (one [C, C]
 # far): fwd 1.621 ms, fwd+bwd 6.091 ms with these (the previous defaults, chosen by ptxas spill counts: 1.662 /
 # 8.61). "recurrent" was not swept. Changed since, unmeasured: output fused into the forward's state pass
 # (state_output: BV=128 on 8 warps runs B8 H16's 128 sequential programs in one wave, 148 KB shared, 456 B
-# spilled; at BV=64 / 4 warps its 115 KB of shared memory would allow one block per SM, two waves), and
-# state_bwd BV 64 -> 128 (the sweep tried 32 and 64 only). At BV=64 / 8 warps it needs 208 registers x 256
-# threads, so one block per SM, and its B*H*2 = 256 sequential programs ran in two waves on 132 SMs; at BV=128
-# the 128 programs run in one (255 registers, 384 B spilled, 165 KB shared; offline ptxas, sm_90a).
+# spilled; at BV=64 / 4 warps its 115 KB of shared memory would allow one block per SM, two waves).
+# state_bwd: LOCAL_DU forms the local dU = scale (Q K^T * D)^T dO inside the sequential pass; measured in session
+# 4 (BV=128, 8 warps) at 1.125 ms against 0.737 + 0.286 for session 2's pass with a separate dU_local kernel,
+# which is the default again (LOCAL_DU=False; offline, Triton 3.6: 232 registers, no spills, 131 KB shared; at
+# BV=64 / 4 warps / 1 stage, 255 registers, 80 B spilled and 66 KB shared, two blocks per SM would run all 256
+# sequential programs of B8 H16 in one wave: for the sweep).
 # bwd_dqk (unmeasured): BKS = key columns per program (clamped to the padded K). One program per chunk at K=128
 # loads U, dU, dO and forms dO U^T once instead of once per 64-column block (8192 programs of 8 warps instead of
 # 16384 of 4; offline, Triton 3.6: 255 registers, 96 B spilled in the epilogue only, none in the value loop).
@@ -71,7 +73,8 @@ CONFIG = _Configs({
     "wu": dict(BV=64, num_warps=4, num_stages=2),
     "state_fwd": dict(BV=64, num_warps=4, num_stages=2),
     "state_output": dict(BV=128, num_warps=8, num_stages=2),   # see below
-    "state_bwd": dict(BV=128, num_warps=8, num_stages=2),   # see below
+    "dU_local": dict(BV=64, num_warps=4, num_stages=2),     # only for state_bwd without LOCAL_DU
+    "state_bwd": dict(LOCAL_DU=False, BV=64, num_warps=8, num_stages=2),   # see below
     "bwd_dqk": dict(BKS=128, BV=32, num_warps=8, num_stages=1),    # see below
     "bwd_wy": dict(BV=64, num_warps=4, num_stages=1),
     "recurrent": dict(BV=32, num_warps=4, num_stages=1),
@@ -212,6 +215,7 @@ def plan(key: str, K: int, V: int, dtype: torch.dtype, device: torch.device) -> 
                    for name, cfg in CONFIG.items()}
         # delta_bwd_dqk's key block: its config's BKS (else KEY_BLOCK), at most the padded K
         configs["bwd_dqk"]["BKS"] = min(configs["bwd_dqk"].get("BKS", BKS), meta["BK"])
+        configs["state_bwd"] = {"LOCAL_DU": False, **configs["state_bwd"]}
         found = PLANS[pk] = Plan(mod, C, meta, BKS, triton.cdiv(K, BKS), configs)
     return found
 
@@ -273,9 +277,8 @@ def _states(p: Plan, k, v, hp, h0, chunk_tok, chunk_len, seq_chunk0, tm, gcum, b
 
 
 def _chunk_forward(p: Plan, q, k, v, a, hp, s, h0, chunk_tok, chunk_len, seq_chunk0, eps, scale, direct):
-    """[o, final state, Tm, gcum, beta]: the body of `delta_chunk_fwd`. prep (gcum, beta, Tm, w, u and the outputs'
-    in-chunk matrices Q K^T * Dec), then delta_state_output (the sequential pass over chunks, storing the outputs
-    and the final state)."""
+    """[o, final state, Tm, gcum, beta]: the body of `delta_chunk_fwd`. prep (gcum, beta, Tm, w, u), then
+    delta_state_output (the sequential pass over chunks, storing the outputs and the final state)."""
     TT, H, K = k.shape
     V = v.shape[-1]
     NC, N, dev, C = chunk_tok.numel(), seq_chunk0.numel() - 1, k.device, p.C
@@ -286,14 +289,13 @@ def _chunk_forward(p: Plan, q, k, v, a, hp, s, h0, chunk_tok, chunk_len, seq_chu
     beta = _empty(TT, H, device=dev, dtype=torch.float32)
     o = _empty(TT, H, V, device=dev, dtype=torch.float32)
     ht = _empty(N, H, K, V, device=dev, dtype=torch.float32)
-    mq = _empty(NC, H, C, C, device=dev, dtype=k.dtype)     # Q K^T * Dec per chunk, from prep to state_output
     if direct or not _fake(k):
         meta, cfgs = p.meta, p.configs
         _launch("prep", p.mod.delta_prep, lambda cfg: (NC, H),
-                (q, k, v, a, _ptr(hp, k), s, eps, chunk_tok, chunk_len, w, u, tm, gcum, beta, mq, H),
+                (k, v, a, _ptr(hp, k), s, eps, chunk_tok, chunk_len, w, u, tm, gcum, beta, H),
                 dict(meta, BKS=p.BKS, BV=min(PREP_VALUE_BLOCK, max(16, triton.next_power_of_2(V)))), V, cfgs, direct)
         _launch("state_output", p.mod.delta_state_output, lambda cfg: (N, H, triton.cdiv(V, cfg["BV"])),
-                (q, k, w, u, gcum, h0 if h0 is not None else ht, chunk_tok, chunk_len, seq_chunk0, ht, o, mq, scale, H),
+                (q, k, w, u, gcum, h0 if h0 is not None else ht, chunk_tok, chunk_len, seq_chunk0, ht, o, scale, H),
                 dict(meta, HAS_H0=h0 is not None, STORE_FINAL=True), V, cfgs, direct)
     return [o, ht, tm, gcum, beta]
 
@@ -307,6 +309,8 @@ def _chunk_backward(p: Plan, q, k, v, a, hp, s, h0, chunk_tok, chunk_len, seq_ch
     w, h, U = _states(p, k, v, hp, h0, chunk_tok, chunk_len, seq_chunk0, tm, gcum, beta, direct=direct)
     dh = _empty(NC, H, K, V, device=dev, dtype=k.dtype)
     dU = _empty(TT, H, V, device=dev, dtype=torch.float32)
+    local_du = p.configs["state_bwd"]["LOCAL_DU"]     # else delta_dU_local stores the local part first
+    dul = dU if local_du else _empty(TT, H, V, device=dev, dtype=torch.float32)
     dh0 = _empty(N, H, K, V, device=dev, dtype=torch.float32) if h0 is not None else k.new_empty(0, dtype=torch.float32)
     dq = _empty(TT, H, K, device=dev, dtype=q.dtype)
     dk = _empty(TT, H, K, device=dev, dtype=k.dtype)
@@ -322,8 +326,11 @@ def _chunk_backward(p: Plan, q, k, v, a, hp, s, h0, chunk_tok, chunk_len, seq_ch
     if not direct and _fake(k):
         return [dq, dk, dv, da, ds, dh0, hp.new_empty(hp.shape)]
     meta, cfgs, mod = p.meta, p.configs, p.mod
+    if not local_du:
+        _launch("dU_local", mod.delta_dU_local, lambda cfg: (NC * triton.cdiv(V, cfg["BV"]), H),
+                (q, k, gcum, do, dul, chunk_tok, chunk_len, scale, H), meta, V, cfgs, direct)
     _launch("state_bwd", mod.delta_state_bwd, lambda cfg: (N, H, triton.cdiv(V, cfg["BV"])),
-            (q, k, w, gcum, do, dht if dht is not None else dh, chunk_tok, chunk_len, seq_chunk0, dh, dU,
+            (q, k, w, gcum, do, dul, dht if dht is not None else dh, chunk_tok, chunk_len, seq_chunk0, dh, dU,
              dh0 if h0 is not None else dh, scale, H),
             dict(meta, HAS_DHT=dht is not None, STORE_DH0=h0 is not None), V, cfgs, direct)
     _launch("bwd_dqk", mod.delta_bwd_dqk, lambda cfg: (NC * NKQ, H),

@@ -5,10 +5,49 @@ See template.py for the kernels' roles; these use its helpers (`mm`, `rnd`, `ste
 
 BACKWARD = '''\
 @triton.jit
-def delta_state_bwd(q_ptr, k_ptr, w_ptr, gcum_ptr, do_ptr, dht_ptr, chunk_tok, chunk_len, seq_chunk0,
+def delta_dU_local(q_ptr, k_ptr, gcum_ptr, do_ptr, dul_ptr, chunk_tok, chunk_len, scale,
+                   H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
+                   PREC: tl.constexpr, IN_PREC: tl.constexpr, UPCAST: tl.constexpr):
+    """dU from the outputs within each chunk, scale (Q K^T * D)^T dO (fp32), for delta_state_bwd without
+    LOCAL_DU: per chunk and block of BV value columns, in parallel."""
+    NVB: tl.constexpr = (V + BV - 1) // BV     # a chunk's value blocks run back to back: q, k from L2
+    c = tl.program_id(0) // NVB
+    h = tl.program_id(1)
+    vv = tl.program_id(0) % NVB * BV + tl.arange(0, BV)
+    kk = tl.arange(0, BK)
+    rows = tl.arange(0, C)
+    t0 = tl.load(chunk_tok + c).to(tl.int64)
+    nv = tl.load(chunk_len + c)
+    ok = rows < nv
+    tok = t0 + rows
+    km = ok[:, None] & (kk[None, :] < K)
+    vm = ok[:, None] & (vv[None, :] < V)
+    q = tl.load(q_ptr + (tok[:, None] * H + h) * K + kk[None, :], mask=km, other=0.0)
+    k = tl.load(k_ptr + (tok[:, None] * H + h) * K + kk[None, :], mask=km, other=0.0)
+    G = tl.load(gcum_ptr + tok * H + h, mask=ok, other=0.0)
+    do = tl.load(do_ptr + (tok[:, None] * H + h) * V + vv[None, :], mask=vm, other=0.0)
+    tl.store(dul_ptr + (tok[:, None] * H + h) * V + vv[None, :], local_dU(q, k, G, do, ok, rows, scale, IN_PREC, UPCAST),
+             mask=vm)
+
+
+@triton.jit
+def local_dU(q, k, G, do, ok, rows, scale, IN_PREC: tl.constexpr, UPCAST: tl.constexpr):
+    """scale (Q K^T * D)^T dO for one chunk (row j: key, column i: query of the causal mask's transpose)."""
+    causal_t = (rows[None, :] >= rows[:, None]) & ok[None, :]
+    Dt = tl.where(causal_t, tl.exp(tl.where(causal_t, G[None, :] - G[:, None], 0.0)), 0.0)
+    Mt = mm(k, tl.trans(q), IN_PREC, UPCAST) * Dt
+    return mm(rnd(Mt, q.dtype, UPCAST), rnd(do, q.dtype, UPCAST), IN_PREC, UPCAST) * scale
+
+
+@triton.jit
+def delta_state_bwd(q_ptr, k_ptr, w_ptr, gcum_ptr, do_ptr, dul_ptr, dht_ptr, chunk_tok, chunk_len, seq_chunk0,
                     dh_ptr, dU_ptr, dh0_ptr, scale,
                     H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
-                    HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr, PREC: tl.constexpr, IN_PREC: tl.constexpr, UPCAST: tl.constexpr):
+                    HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr, LOCAL_DU: tl.constexpr, PREC: tl.constexpr,
+                    IN_PREC: tl.constexpr, UPCAST: tl.constexpr):
+    """Reverse over a sequence's chunks with dS [K, BV] (fp32) in registers: stores dS_end per chunk (dh) and
+    dU = scale (Q K^T * D)^T dO + K~ dS_end (the local part formed here with LOCAL_DU, else loaded from
+    delta_dU_local's dul); dS0 = e^G_last dS_end + scale (e^G Q)^T dO - w^T dU."""
     n = tl.program_id(0)
     h = tl.program_id(1)
     vv = tl.program_id(2) * BV + tl.arange(0, BV)
@@ -37,12 +76,10 @@ def delta_state_bwd(q_ptr, k_ptr, w_ptr, gcum_ptr, do_ptr, dht_ptr, chunk_tok, c
         G = tl.load(gcum_ptr + tok * H + h, mask=ok, other=0.0)
         G_last = tl.load(gcum_ptr + (t0 + nv - 1) * H + h)
         do = tl.load(do_ptr + (tok[:, None] * H + h) * V + vv[None, :], mask=vm, other=0.0)
-        # dU from the outputs within the chunk, scale (Q K^T * D)^T dO (row j: key, column i: query; it does
-        # not depend on dS, so it is off the loop's dependency chain), then through the chunk end state
-        causal_t = (rows[None, :] >= rows[:, None]) & ok[None, :]
-        Dt = tl.where(causal_t, tl.exp(tl.where(causal_t, G[None, :] - G[:, None], 0.0)), 0.0)
-        Mt = mm(k, tl.trans(q), IN_PREC, UPCAST) * Dt
-        dU = mm(rnd(Mt, q.dtype, UPCAST), rnd(do, q.dtype, UPCAST), IN_PREC, UPCAST) * scale
+        if LOCAL_DU:    # off the loop's dependency chain (it does not depend on dS)
+            dU = local_dU(q, k, G, do, ok, rows, scale, IN_PREC, UPCAST)
+        else:
+            dU = tl.load(dul_ptr + (tok[:, None] * H + h) * V + vv[None, :], mask=vm, other=0.0)
         tail = tl.where(ok, tl.exp(G_last - G), 0.0)
         kt = rnd(k.to(tl.float32) * tail[:, None], k.dtype, UPCAST)
         dU += mm(kt, rnd(dS, k.dtype, UPCAST), IN_PREC, UPCAST)
