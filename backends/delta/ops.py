@@ -277,8 +277,9 @@ def _states(p: Plan, k, v, hp, h0, chunk_tok, chunk_len, seq_chunk0, tm, gcum, b
 
 
 def _chunk_forward(p: Plan, q, k, v, a, hp, s, h0, chunk_tok, chunk_len, seq_chunk0, eps, scale, direct):
-    """[o, final state, Tm, gcum, beta]: the body of `delta_chunk_fwd`. prep (gcum, beta, Tm, w, u), then
-    delta_state_output (the sequential pass over chunks, storing the outputs and the final state)."""
+    """[o, final state, Tm, gcum, beta]: the body of `delta_chunk_fwd`. prep (gcum, beta, Tm, w, u and the outputs'
+    in-chunk matrices Q K^T * Dec), then delta_state_output (the sequential pass over chunks, storing the outputs
+    and the final state)."""
     TT, H, K = k.shape
     V = v.shape[-1]
     NC, N, dev, C = chunk_tok.numel(), seq_chunk0.numel() - 1, k.device, p.C
@@ -289,13 +290,14 @@ def _chunk_forward(p: Plan, q, k, v, a, hp, s, h0, chunk_tok, chunk_len, seq_chu
     beta = _empty(TT, H, device=dev, dtype=torch.float32)
     o = _empty(TT, H, V, device=dev, dtype=torch.float32)
     ht = _empty(N, H, K, V, device=dev, dtype=torch.float32)
+    mq = _empty(NC, H, C, C, device=dev, dtype=k.dtype)     # Q K^T * Dec per chunk, from prep to state_output
     if direct or not _fake(k):
         meta, cfgs = p.meta, p.configs
         _launch("prep", p.mod.delta_prep, lambda cfg: (NC, H),
-                (k, v, a, _ptr(hp, k), s, eps, chunk_tok, chunk_len, w, u, tm, gcum, beta, H),
+                (q, k, v, a, _ptr(hp, k), s, eps, chunk_tok, chunk_len, w, u, tm, gcum, beta, mq, H),
                 dict(meta, BKS=p.BKS, BV=min(PREP_VALUE_BLOCK, max(16, triton.next_power_of_2(V)))), V, cfgs, direct)
         _launch("state_output", p.mod.delta_state_output, lambda cfg: (N, H, triton.cdiv(V, cfg["BV"])),
-                (q, k, w, u, gcum, h0 if h0 is not None else ht, chunk_tok, chunk_len, seq_chunk0, ht, o, scale, H),
+                (q, k, w, u, gcum, h0 if h0 is not None else ht, chunk_tok, chunk_len, seq_chunk0, ht, o, mq, scale, H),
                 dict(meta, HAS_H0=h0 is not None, STORE_FINAL=True), V, cfgs, direct)
     return [o, ht, tm, gcum, beta]
 
