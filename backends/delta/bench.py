@@ -156,7 +156,8 @@ SWEEP_OPTIONS = {
     "dU_local": [dict(BV=bv, num_warps=w, num_stages=2) for bv in (64, 128) for w in (4, 8)],
     "bwd_dqk": [dict(BKS=64, BV=32, num_warps=4, num_stages=1)] + [
         dict(BKS=bk, BV=bv, num_warps=8, num_stages=st) for bk in (64, 128) for bv in (32, 64) for st in (1, 2)],
-    "bwd_wy": [dict(BV=bv, num_warps=w, num_stages=1) for bv in (32, 64) for w in (4, 8)],
+    "bwd_wy": [dict(BV=bv, num_warps=w, num_stages=st) for bv, w, st in
+               ((64, 4, 1), (64, 4, 2), (32, 4, 2), (32, 4, 1), (64, 8, 1), (128, 8, 1))],
 }
 
 

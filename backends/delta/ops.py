@@ -311,8 +311,7 @@ def _chunk_backward(p: Plan, q, k, v, a, hp, s, h0, chunk_tok, chunk_len, seq_ch
     w, h, U = _states(p, k, v, hp, h0, chunk_tok, chunk_len, seq_chunk0, tm, gcum, beta, direct=direct)
     dh = _empty(NC, H, K, V, device=dev, dtype=k.dtype)
     dU = _empty(TT, H, V, device=dev, dtype=torch.float32)
-    local_du = p.configs["state_bwd"]["LOCAL_DU"]     # else delta_dU_local stores the local part first
-    dul = dU if local_du else _empty(TT, H, V, device=dev, dtype=torch.float32)
+    local_du = p.configs["state_bwd"]["LOCAL_DU"]     # else delta_dU_local stores the local part in dU first
     dh0 = _empty(N, H, K, V, device=dev, dtype=torch.float32) if h0 is not None else k.new_empty(0, dtype=torch.float32)
     dq = _empty(TT, H, K, device=dev, dtype=q.dtype)
     dk = _empty(TT, H, K, device=dev, dtype=k.dtype)
@@ -330,9 +329,9 @@ def _chunk_backward(p: Plan, q, k, v, a, hp, s, h0, chunk_tok, chunk_len, seq_ch
     meta, cfgs, mod = p.meta, p.configs, p.mod
     if not local_du:
         _launch("dU_local", mod.delta_dU_local, lambda cfg: (NC * triton.cdiv(V, cfg["BV"]), H),
-                (q, k, gcum, do, dul, chunk_tok, chunk_len, scale, H), meta, V, cfgs, direct)
+                (q, k, gcum, do, dU, chunk_tok, chunk_len, scale, H), meta, V, cfgs, direct)
     _launch("state_bwd", mod.delta_state_bwd, lambda cfg: (N, H, triton.cdiv(V, cfg["BV"])),
-            (q, k, w, gcum, do, dul, dht if dht is not None else dh, chunk_tok, chunk_len, seq_chunk0, dh, dU,
+            (q, k, w, gcum, do, dU, dht if dht is not None else dh, chunk_tok, chunk_len, seq_chunk0, dh, dU,
              dh0 if h0 is not None else dh, scale, H),
             dict(meta, HAS_DHT=dht is not None, STORE_DH0=h0 is not None), V, cfgs, direct)
     _launch("bwd_dqk", mod.delta_bwd_dqk, lambda cfg: (NC * NKQ, H),

@@ -46,8 +46,8 @@ def delta_state_bwd(q_ptr, k_ptr, w_ptr, gcum_ptr, do_ptr, dul_ptr, dht_ptr, chu
                     HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr, LOCAL_DU: tl.constexpr, PREC: tl.constexpr,
                     IN_PREC: tl.constexpr, UPCAST: tl.constexpr):
     """Reverse over a sequence's chunks with dS [K, BV] (fp32) in registers: stores dS_end per chunk (dh) and
-    dU = scale (Q K^T * D)^T dO + K~ dS_end (the local part formed here with LOCAL_DU, else loaded from
-    delta_dU_local's dul); dS0 = e^G_last dS_end + scale (e^G Q)^T dO - w^T dU."""
+    dU = scale (Q K^T * D)^T dO + K~ dS_end (the local part formed here with LOCAL_DU, else loaded from dul,
+    where delta_dU_local stored it: the dU buffer itself); dS0 = e^G_last dS_end + scale (e^G Q)^T dO - w^T dU."""
     n = tl.program_id(0)
     h = tl.program_id(1)
     vv = tl.program_id(2) * BV + tl.arange(0, BV)
