@@ -58,8 +58,12 @@ PREP_VALUE_BLOCK = 64    # value columns per step of u in delta_prep (one [C, C]
 # `python -m scanlang.backends.delta.bench --sweep` (greedy, one kernel at a time, the others at their best so
 # far): fwd 1.621 ms, fwd+bwd 6.091 ms with these (the previous defaults, chosen by ptxas spill counts: 1.662 /
 # 8.61). "recurrent" was not swept. Changed since, unmeasured: output fused into the forward's state pass
-# (state_output: BV=128 on 8 warps runs B8 H16's 128 sequential programs in one wave, 148 KB shared, 456 B
-# spilled; at BV=64 / 4 warps its 115 KB of shared memory would allow one block per SM, two waves).
+# (state_output), whose Q K^T * Dec now comes from prep. Offline (Triton 3.6, sm_90a, K=V=128 bf16; loop = SASS
+# instructions per chunk step): BV=64 / 4 warps / 1 stage 255 registers, 68 B spilled, 64 KB shared, loop 891: two
+# blocks per SM run B8 H16's 256 sequential programs in one wave; BV=128 / 8 warps / 2 stages (the previous
+# default) 255 registers, 196 B spilled, 176 KB shared, loop 1206, one block per SM; BV=32 / 4 warps / 1 stage
+# 202 registers, no spills, loop 687, but 512 programs need 4 blocks per SM (maxnreg=128: 244 B spilled). prep:
+# 168 registers (3 blocks per SM), maxnreg=128 fits 4 for 160 B of spills. All in bench.py's sweep.
 # state_bwd: LOCAL_DU forms the local dU = scale (Q K^T * D)^T dO inside the sequential pass; measured in session
 # 4 (BV=128, 8 warps) at 1.125 ms against 0.737 + 0.286 for session 2's pass with a separate dU_local kernel,
 # which is the default again (LOCAL_DU=False; offline, Triton 3.6: 232 registers, no spills, 131 KB shared; at
@@ -72,7 +76,7 @@ CONFIG = _Configs({
     "prep": dict(num_warps=4, num_stages=2),
     "wu": dict(BV=64, num_warps=4, num_stages=2),
     "state_fwd": dict(BV=64, num_warps=4, num_stages=2),
-    "state_output": dict(BV=128, num_warps=8, num_stages=2),   # see below
+    "state_output": dict(BV=64, num_warps=4, num_stages=1),   # see above and below
     "dU_local": dict(BV=64, num_warps=4, num_stages=2),     # only for state_bwd without LOCAL_DU
     "state_bwd": dict(LOCAL_DU=False, BV=64, num_warps=8, num_stages=2),   # see below
     "bwd_dqk": dict(BKS=128, BV=32, num_warps=8, num_stages=1),    # see below

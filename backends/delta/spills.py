@@ -24,7 +24,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from scanlang.backends.triton.resources import _tool, sass_mix, signature
+from scanlang.backends.triton.resources import _tool, longest_loop, sass_mix, signature
 from scanlang.delta import KACZMARZ
 
 from . import ops
@@ -67,12 +67,13 @@ def alignment_attrs(kernel, args, consts) -> dict:
 
 
 def resources(kernel, args, constexprs, config, arch: int = 90) -> str:
-    """ptxas -v summary (registers, spill bytes), Triton's shared memory and the static SASS mix for one
-    compiled kernel."""
+    """ptxas -v summary (registers, spill bytes), Triton's shared memory, the static SASS mix and the longest
+    loop's instruction count (the sequential kernels' per-chunk step) for one compiled kernel. A config's
+    `maxnreg` caps the registers (ptxas spills the rest)."""
     consts = {k: v for k, v in {**constexprs, **config}.items() if k in kernel.arg_names}
     src = ASTSource(fn=kernel, signature=signature(kernel, args, consts), constexprs=consts,
                     attrs=alignment_attrs(kernel, args, consts))
-    options = {k: v for k, v in config.items() if k in ("num_warps", "num_stages")}
+    options = {k: v for k, v in config.items() if k in ("num_warps", "num_stages", "maxnreg")}
     compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
     ptxas = _tool("ptxas-blackwell", "ptxas")
     with tempfile.TemporaryDirectory() as tmp:
@@ -92,7 +93,7 @@ def resources(kernel, args, constexprs, config, arch: int = 90) -> str:
     mix = " ".join(f"{op} {ops[op]}" for op in _MIX)
     return (f"{regs.group(1):>3s} registers, spills {spill.group(1) if spill else '?'} B stored / "
             f"{spill.group(2) if spill else '?'} B loaded, shared {compiled.metadata.shared} B; "
-            f"SASS {sum(ops.values())}: {mix}")
+            f"SASS {sum(ops.values())}: {mix}; longest loop {longest_loop(compiled)}")
 
 
 def main(argv=None):
