@@ -269,7 +269,13 @@ def memory_index() -> list[str]:
 
 
 def _time_index():
-    return ["t = k * BLOCK_T + rows", "ok = (t < seq_len) & lane_ok[None, :]", *memory_index()]
+    """t, ok (in the sequence; constant under EVEN_T: the masks fold away), and the memory index."""
+    return ["t = k * BLOCK_T + rows",
+            "if EVEN_T:",
+            "    ok = tl.full([BLOCK_T, BLOCK_L], 1, tl.int1) & lane_ok[None, :]",
+            "else:",
+            "    ok = (t < seq_len) & lane_ok[None, :]",
+            *memory_index()]
 
 
 def _load_lift(ir: ScanIR, tag: str = "", shift: int = 0, mask: str = "ok", hoisted: bool = False) -> list[str]:
@@ -411,7 +417,7 @@ def render_forward(ir: ScanIR) -> list[str]:
         else:
             loop.append(f"tl.store(o{j}_ptr + o{j}_off + tt * o{j}_st, r{j}.to(o{j}_ptr.dtype.element_ty), mask=ok)")
     # the carry is the prefix at the tile's last valid row (padding may not even be finite)
-    loop.append("last = tl.minimum(seq_len - 1 - k * BLOCK_T, BLOCK_T - 1)")
+    loop += ["if EVEN_T:", "    last = BLOCK_T - 1", "else:", "    last = tl.minimum(seq_len - 1 - k * BLOCK_T, BLOCK_T - 1)"]
     for name in ir.fields:
         loop.append(f"c_{name} = tl.sum(tl.where(rows == last, p_{name}, 0.0), 0)")
     body.append(f"if BLOCK_T >= {RUN_TILE}:   # runs of {RUN} steps per thread (codegen_runs.py)")
@@ -505,7 +511,8 @@ def render_backward(ir: ScanIR, adj: Adjoint) -> list[str]:
         loop.append(f"g_{o} = to_acc(tl.load(g{j}_ptr + g{j}_off + tt * g{j}_st, mask=ok, other=0.0), FP64)")
     here = ({s: s.name for s in ir.prefix_symbols + ir.previous_symbols + adj.g}
             | _symbols_named(ir.input_symbols, "u_{}"))
-    loop += _assign([f"dy_{f}" for f in ir.fields], adj.dy, here, "_d", shape_like=shape)
+    recips = {}   # divisions by reciprocals, each inverted once (another set after the adjoint scan)
+    loop += _assign_inverted([f"dy_{f}" for f in ir.fields], adj.dy, here, "_d", shape_like=shape, recips=recips)
     if ir.uses_previous:   # c_{s+1}: the next step's readout differentiated in its previous prefix (= p_s)
         for j, o in enumerate(ir.outputs):
             loop.append(f"gn_{o} = to_acc(tl.load(g{j}_ptr + g{j}_off + (tt + step) * g{j}_st, mask=ok_next, "
@@ -515,19 +522,19 @@ def render_backward(ir: ScanIR, adj: Adjoint) -> list[str]:
                              f"{', '.join(f'en_{f}' for f in ir.fields)}")
         nxt = ({s: f"pn_{s.name[2:]}" for s in ir.prefix_symbols} | {s: f"p_{s.name[2:]}" for s in ir.previous_symbols}
                | {g: f"gn_{g.name[2:]}" for g in adj.g} | _symbols_named(ir.input_symbols, "un_{}"))
-        loop += _assign([f"cn_{f}" for f in ir.fields], adj.c, nxt, "_n", shape_like=shape)
+        loop += _assign_inverted([f"cn_{f}" for f in ir.fields], adj.c, nxt, "_n", shape_like=shape, recips=recips)
     else:
         loop += [f"cn_{f} = 0.0" for f in ir.fields]
     a_names = ({s: f"p_{s.name[2:]}" for s in ir.previous_symbols}
                | {s: f"en_{f}" for s, f in zip(ir.later, ir.fields)})
-    loop += _assign([f"a{k}" for k in range(nb)], adj.b_entries, a_names, "_a", shape_like=shape)
+    loop += _assign_inverted([f"a{k}" for k in range(nb)], adj.b_entries, a_names, "_a", shape_like=shape, recips=recips)
     for k in range(nb):   # the last step has no successor: A = 0 (its padding may not be finite)
         loop.append(f"a{k} = tl.where(ok_next, a{k}, 0.0)")
     loop.append("is_last = t == seq_len - 1")
     for f in ir.fields:   # the direct gradient of y_t: its readout, the next readout, a returned final prefix
         loop.append(f"d_{f} = dy_{f} + tl.where(ok_next, cn_{f}, 0.0) + tl.where(is_last, dfin_{f}[None, :], 0.0)")
     names_v = {s: s.name for s in ir.prefix_symbols + adj.d}
-    loop += _assign([f"v_{f}" for f in ir.fields], adj.direct, names_v, "_v", shape_like=shape)
+    loop += _assign_inverted([f"v_{f}" for f in ir.fields], adj.direct, names_v, "_v", shape_like=shape, recips=recips)
     for f in ir.fields:
         loop.append(f"v_{f} = tl.where(ok, v_{f}, 0.0)")
     ra = [f"ra{k}" for k in range(nb)]
@@ -541,18 +548,21 @@ def render_backward(ir: ScanIR, adj: Adjoint) -> list[str]:
     loop += _assign([f"gbar_{f}" for f in ir.fields], g_exprs, names_g, "_g")
     names_x = ({s: s.name for s in ir.previous_symbols + adj.gbar}
                | {s: f"e_{f}" for s, f in zip(ir.later, ir.fields)})
-    loop += _assign([f"dx_{f}" for f in ir.fields], adj.dx, names_x, "_x", shape_like=shape)
+    recips = {}
+    loop += _assign_inverted([f"dx_{f}" for f in ir.fields], adj.dx, names_x, "_x", shape_like=shape, recips=recips)
     names_u = here | {s: s.name for s in adj.dx_symbols}
-    loop += _assign([f"du_{n_}" for n_ in ir.inputs], adj.du, names_u, "_u", shape_like=shape)
+    loop += _assign_inverted([f"du_{n_}" for n_ in ir.inputs], adj.du, names_u, "_u", shape_like=shape, recips=recips)
     for i, name in enumerate(ir.inputs):
         loop += _du_store(i, name)
     for f in ir.fields:
         loop.append(f"gc_{f} = tl.sum(tl.where(rows == 0, gbar_{f}, 0.0), 0)")
     # dL/d(initial) = J1(q_0, x_0)^T gbar_0 + c_0, taken from the first tile (the loop's last)
     loop.append("if HAS_INIT:")
-    init_block = _assign([f"cq_{f}" for f in ir.fields], adj.c, here, "_i", shape_like=shape)
+    recips = {}
+    init_block = _assign_inverted([f"cq_{f}" for f in ir.fields], adj.c, here, "_i", shape_like=shape, recips=recips)
     b_names = ({s: s.name for s in ir.previous_symbols} | {s: f"e_{f}" for s, f in zip(ir.later, ir.fields)})
-    init_block += _assign([f"b{k}" for k in range(nb)], adj.b_entries, b_names, "_b", shape_like=shape)
+    init_block += _assign_inverted([f"b{k}" for k in range(nb)], adj.b_entries, b_names, "_b", shape_like=shape,
+                                   recips=recips)
     bmat = adj.matrix([E.symbol(f"b{k}") for k in range(nb)])
     gb = [E.symbol(f"gbar_{f}") for f in ir.fields]
     w_exprs = [E.symbol(f"cq_{ir.fields[i]}") + sum((bmat[i][j] * gb[j] for j in range(n)), sympy.Integer(0))

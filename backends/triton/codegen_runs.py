@@ -419,29 +419,31 @@ def backward_loop(ir: ScanIR, adj: Adjoint) -> list[str]:
         loop += _combine_call(ir, "pn", f"p{RUN - 1}", "en")
         for jo, o in enumerate(ir.outputs):
             loop.append(f"gn_{o} = to_acc(tl.load(g{jo}_at + ({RUN} * step) * g{jo}_st, mask=okn, other=0.0), FP64)")
-    for j in range(RUN):
+    for j in range(RUN):   # divisions by reciprocals, each inverted once per step (`recips`)
+        recips = {}
         here = ({s: f"p{j}_{s.name[2:]}" for s in ir.prefix_symbols} | {s: q(j, s.name[2:]) for s in ir.previous_symbols}
                 | {g: f"g{j}_{g.name[2:]}" for g in adj.g} | {s: f"u{j}_{s.name[2:]}" for s in ir.input_symbols})
-        loop += _assign([f"dy{j}_{f}" for f in F], adj.dy, here, f"_d{j}_", shape_like=shape)
+        loop += _assign_inverted([f"dy{j}_{f}" for f in F], adj.dy, here, f"_d{j}_", shape_like=shape, recips=recips)
         if ir.uses_previous:   # c_{t+1}: the next readout differentiated in its previous prefix (= p_t)
             last = j == RUN - 1
             names = ({s: (f"pn_{s.name[2:]}" if last else f"p{j + 1}_{s.name[2:]}") for s in ir.prefix_symbols}
                      | {s: f"p{j}_{s.name[2:]}" for s in ir.previous_symbols}
                      | {g: (f"gn_{g.name[2:]}" if last else f"g{j + 1}_{g.name[2:]}") for g in adj.g}
                      | {s: (f"un_{s.name[2:]}" if last else f"u{j + 1}_{s.name[2:]}") for s in ir.input_symbols})
-            loop += _assign([f"cn{j}_{f}" for f in F], adj.c, names, f"_n{j}_", shape_like=shape)
+            loop += _assign_inverted([f"cn{j}_{f}" for f in F], adj.c, names, f"_n{j}_", shape_like=shape, recips=recips)
             cn = [f" + tl.where({ok_next(j)}, cn{j}_{f}, 0.0)" for f in F]
         else:
             cn = [""] * n
         a_names = ({s: f"p{j}_{s.name[2:]}" for s in ir.previous_symbols}
                    | {s: nxt(j, f) for s, f in zip(ir.later, F)})
-        loop += _assign([f"a{j}_{b}" for b in range(nb)], adj.b_entries, a_names, f"_a{j}_", shape_like=shape)
+        loop += _assign_inverted([f"a{j}_{b}" for b in range(nb)], adj.b_entries, a_names, f"_a{j}_", shape_like=shape,
+                                 recips=recips)
         # the last step has no successor: A = 0 (its padding may not be finite)
         loop += [f"a{j}_{b} = tl.where({ok_next(j)}, a{j}_{b}, 0.0)" for b in range(nb)]
         loop.append(f"last{j} = ts + {j} == seq_len - 1")
         loop += [f"d{j}_{f} = dy{j}_{f}{cn[i]} + tl.where(last{j}, dfin_{f}[None, :], 0.0)" for i, f in enumerate(F)]
         names_v = {s: f"p{j}_{s.name[2:]}" for s in ir.prefix_symbols} | {s: f"d{j}_{s.name[2:]}" for s in adj.d}
-        loop += _assign([f"v{j}_{f}" for f in F], adj.direct, names_v, f"_v{j}_", shape_like=shape)
+        loop += _assign_inverted([f"v{j}_{f}" for f in F], adj.direct, names_v, f"_v{j}_", shape_like=shape, recips=recips)
         loop += [f"v{j}_{f} = tl.where(ok{j}, v{j}_{f}, 0.0)" for f in F]
     # per run: the map gbar_{run end + 1} -> gbar_{run start}, composed from the last step backwards
     last = RUN - 1
@@ -472,14 +474,16 @@ def backward_loop(ir: ScanIR, adj: Adjoint) -> list[str]:
                  | {E.symbol(f"v{j}_{f}"): f"v{j}_{f}" for f in F})
         loop += _assign([f"gbar{j}_{f}" for f in F], exprs, names, f"_g{j}_")
         after = [f"gbar{j}_{f}" for f in F]
-    for j in range(RUN):
+    for j in range(RUN):   # after the adjoint scan: reciprocals again (none kept live across it)
+        recips = {}
         names_x = ({s: q(j, s.name[2:]) for s in ir.previous_symbols} | {s: f"gbar{j}_{s.name[5:]}" for s in adj.gbar}
                    | {s: f"e{j}_{f}" for s, f in zip(ir.later, F)})
-        loop += _assign([f"dx{j}_{f}" for f in F], adj.dx, names_x, f"_x{j}_", shape_like=shape)
+        loop += _assign_inverted([f"dx{j}_{f}" for f in F], adj.dx, names_x, f"_x{j}_", shape_like=shape, recips=recips)
         names_u = ({s: f"p{j}_{s.name[2:]}" for s in ir.prefix_symbols} | {s: q(j, s.name[2:]) for s in ir.previous_symbols}
                    | {g: f"g{j}_{g.name[2:]}" for g in adj.g} | {s: f"u{j}_{s.name[2:]}" for s in ir.input_symbols}
                    | {s: f"dx{j}_{s.name[3:]}" for s in adj.dx_symbols})
-        loop += _assign([f"du{j}_{name}" for name in ir.inputs], adj.du, names_u, f"_u{j}_", shape_like=shape)
+        loop += _assign_inverted([f"du{j}_{name}" for name in ir.inputs], adj.du, names_u, f"_u{j}_", shape_like=shape,
+                                 recips=recips)
     for i, name in enumerate(ir.inputs):
         loop += _du_store_runs(i, name)
     loop.append(f"first_run_lane = tl.arange(0, BLOCK_T // {RUN} * BLOCK_L) % BLOCK_L")
@@ -487,9 +491,10 @@ def backward_loop(ir: ScanIR, adj: Adjoint) -> list[str]:
     # dL/d(initial) = J1(q_0, x_0)^T gbar_0 + c_0, from the tile's first step (the loop's last tile)
     here0 = ({s: f"p0_{s.name[2:]}" for s in ir.prefix_symbols} | {s: f"P_{s.name[2:]}" for s in ir.previous_symbols}
              | {g: f"g0_{g.name[2:]}" for g in adj.g} | {s: f"u0_{s.name[2:]}" for s in ir.input_symbols})
-    init = _assign([f"cq_{f}" for f in F], adj.c, here0, "_i", shape_like=shape)
+    recips = {}
+    init = _assign_inverted([f"cq_{f}" for f in F], adj.c, here0, "_i", shape_like=shape, recips=recips)
     b_names = {s: f"P_{s.name[2:]}" for s in ir.previous_symbols} | {s: f"e0_{f}" for s, f in zip(ir.later, F)}
-    init += _assign([f"b{k}" for k in range(nb)], adj.b_entries, b_names, "_b", shape_like=shape)
+    init += _assign_inverted([f"b{k}" for k in range(nb)], adj.b_entries, b_names, "_b", shape_like=shape, recips=recips)
     w = _matvec(adj, [f"b{k}" for k in range(nb)], [f"gbar0_{f}" for f in F], [f"cq_{f}" for f in F])
     names_w = ({E.symbol(f"cq_{f}"): f"cq_{f}" for f in F} | {E.symbol(f"gbar0_{f}"): f"gbar0_{f}" for f in F}
                | {E.symbol(f"b{k}"): f"b{k}" for k in range(nb)})
