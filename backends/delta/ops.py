@@ -74,7 +74,7 @@ PREP_VALUE_BLOCK = 64    # value columns per step of u in delta_prep (one [C, C]
 # 16384 of 4; offline, Triton 3.6: 255 registers, 96 B spilled in the epilogue only, none in the value loop).
 CONFIG = _Configs({
     "prep": dict(num_warps=4, num_stages=2),
-    "wu": dict(BV=64, num_warps=4, num_stages=2),
+    "wu": dict(BV=64, num_warps=4, num_stages=2, PER_CHUNK=True),   # one program per chunk (see delta_wu)
     "state_fwd": dict(BV=64, num_warps=4, num_stages=2),
     "state_output": dict(BV=64, num_warps=4, num_stages=1),   # see above and below
     "dU_local": dict(BV=64, num_warps=4, num_stages=2),     # only for state_bwd without LOCAL_DU
@@ -272,7 +272,8 @@ def _states(p: Plan, k, v, hp, h0, chunk_tok, chunk_len, seq_chunk0, tm, gcum, b
     if not direct and _fake(k):
         return w, h, U
     meta, cfgs = p.meta, p.configs
-    _launch("wu", p.mod.delta_wu, lambda cfg: (NC * (p.NK + triton.cdiv(V, cfg["BV"])), H),
+    _launch("wu", p.mod.delta_wu,
+            lambda cfg: (NC * (1 if cfg.get("PER_CHUNK") else p.NK + triton.cdiv(V, cfg["BV"])), H),
             (k, v, gcum, beta, tm, w, u, chunk_tok, chunk_len, H), dict(meta, BKS=p.BKS), V, cfgs, direct)
     _launch("state_fwd", p.mod.delta_state_fwd, lambda cfg: (N, H, triton.cdiv(V, cfg["BV"])),
             (k, w, u, gcum, h0 if h0 is not None else h, chunk_tok, chunk_len, seq_chunk0, h, U, h, H),

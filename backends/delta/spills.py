@@ -39,7 +39,9 @@ def capture_launches(K: int, V: int, dtype: torch.dtype, T: int = 200, H: int = 
     def record(name, kernel, grid, args, meta, V_, configs=None, direct=False):
         # captured on CPU tensors, compiled for a GPU: no interpreter emulation of bf16
         cfg = dict(configs[name]) if configs is not None else ops._opts(name, V_)
-        launches.append((name, kernel, args, dict(meta, UPCAST=False), cfg))
+        defaults = {p.name: p.default for p in getattr(kernel, "params", ())   # constexprs left at their defaults
+                    if p.is_constexpr and p.has_default and p.name not in meta and p.name not in cfg}
+        launches.append((name, kernel, args, dict(meta, **defaults, UPCAST=False), cfg))
 
     saved, ops._launch = ops._launch, record
     try:

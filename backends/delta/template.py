@@ -154,13 +154,15 @@ def wy_factors(k_ptr, v_ptr, w_ptr, u_ptr, Tm, beta, bG, tok, ok, h, H, K: tl.co
 @triton.jit
 def delta_wu(k_ptr, v_ptr, gcum_ptr, beta_ptr, tm_ptr, w_ptr, u_ptr, chunk_tok, chunk_len,
              H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
-             BKS: tl.constexpr, PREC: tl.constexpr, IN_PREC: tl.constexpr, UPCAST: tl.constexpr):
+             BKS: tl.constexpr, PREC: tl.constexpr, IN_PREC: tl.constexpr, UPCAST: tl.constexpr,
+             PER_CHUNK: tl.constexpr = False):
     """w = Tm diag(beta e^G) K and u = Tm diag(beta) V from a saved Tm (the backward's recomputation).
     Program (c * NJ + j, h) writes column block j of chunk c: of w (BKS columns) for j < cdiv(K, BKS), else of
     u (BV columns). Short programs (one load of Tm and one of K or V) keep many in flight; a chunk's NJ
-    programs are launched one after another, so all but the first find Tm in L2."""
+    programs are launched one after another, so all but the first find Tm in L2. With PER_CHUNK, program (c, h)
+    writes all of chunk c's blocks as delta_prep does (`wy_factors`): Tm read and split once per chunk."""
     NKB: tl.constexpr = (K + BKS - 1) // BKS
-    NJ: tl.constexpr = NKB + (V + BV - 1) // BV
+    NJ: tl.constexpr = 1 if PER_CHUNK else NKB + (V + BV - 1) // BV
     c = tl.program_id(0) // NJ
     j = tl.program_id(0) % NJ
     h = tl.program_id(1)
@@ -173,21 +175,26 @@ def delta_wu(k_ptr, v_ptr, gcum_ptr, beta_ptr, tm_ptr, w_ptr, u_ptr, chunk_tok, 
     causal = (rows[:, None] >= rows[None, :]) & ok[:, None] & ok[None, :]
     # an unmasked (vectorised) load: delta_prep wrote every element
     Tm = tl.where(causal, tl.load(tm_ptr + ((c * H + h) * C + rows[:, None]).to(tl.int64) * C + rows[None, :]), 0.0)
-    if j < NKB:
+    if PER_CHUNK:
         G = tl.load(gcum_ptr + tok * H + h, mask=ok, other=0.0)
-        scale = beta * tl.where(ok, tl.exp(G), 0.0)
+        wy_factors(k_ptr, v_ptr, w_ptr, u_ptr, Tm, beta, beta * tl.where(ok, tl.exp(G), 0.0), tok, ok, h, H, K, V,
+                   BKS, BV, PREC, UPCAST)
     else:
-        scale = beta
-    if k_ptr.dtype.element_ty == tl.bfloat16:       # as delta_prep computes them (`wy_factors`)
-        Th, Tl = split_scaled(Tm, scale, UPCAST)
         if j < NKB:
-            wy_block_split(k_ptr, w_ptr, Th, Tl, tok, ok, h, H, j * BKS, K, BKS, PREC, UPCAST)
+            G = tl.load(gcum_ptr + tok * H + h, mask=ok, other=0.0)
+            scale = beta * tl.where(ok, tl.exp(G), 0.0)
         else:
-            wy_block_split(v_ptr, u_ptr, Th, Tl, tok, ok, h, H, (j - NKB) * BV, V, BV, PREC, UPCAST)
-    elif j < NKB:
-        wy_block(k_ptr, w_ptr, Tm, scale, tok, ok, h, H, j * BKS, K, BKS, PREC, UPCAST)
-    else:
-        wy_block(v_ptr, u_ptr, Tm, scale, tok, ok, h, H, (j - NKB) * BV, V, BV, PREC, UPCAST)
+            scale = beta
+        if k_ptr.dtype.element_ty == tl.bfloat16:       # as delta_prep computes them (`wy_factors`)
+            Th, Tl = split_scaled(Tm, scale, UPCAST)
+            if j < NKB:
+                wy_block_split(k_ptr, w_ptr, Th, Tl, tok, ok, h, H, j * BKS, K, BKS, PREC, UPCAST)
+            else:
+                wy_block_split(v_ptr, u_ptr, Th, Tl, tok, ok, h, H, (j - NKB) * BV, V, BV, PREC, UPCAST)
+        elif j < NKB:
+            wy_block(k_ptr, w_ptr, Tm, scale, tok, ok, h, H, j * BKS, K, BKS, PREC, UPCAST)
+        else:
+            wy_block(v_ptr, u_ptr, Tm, scale, tok, ok, h, H, (j - NKB) * BV, V, BV, PREC, UPCAST)
 
 
 @triton.jit
