@@ -42,11 +42,13 @@ def odd_case():
      dict(BKS=16, BV=16, num_warps=4, num_stages=1), dict(BV=16, num_warps=4, num_stages=1)),
     (dict(LOCAL_DU=True, BV=32, num_warps=8, num_stages=2), dict(BV=16, num_warps=4, num_stages=2),
      dict(BKS=128, BV=32, num_warps=8, num_stages=2), dict(BV=32, num_warps=8, num_stages=1)),
+    (dict(LOCAL_DU=False, BV=64, num_warps=8, num_stages=2), dict(BV=64, num_warps=4, num_stages=2),
+     dict(WY=True, BKS=16, BV=16, num_warps=8, num_stages=1), dict(BV=16, num_warps=4, num_stages=1)),
 ])
 def test_backward_configs_match_float64(monkeypatch, odd_case, state_bwd, dU_local, dqk, wy):
     """delta_state_bwd with the local dU from delta_dU_local or formed itself, in value blocks smaller than V
     or not; delta_bwd_dqk in several key blocks (each storing its shares of dk, dTm, dG, dbeta, summed by
-    delta_bwd_wy) or in one (BKS clamped to the padded K)."""
+    delta_bwd_wy), in one (BKS clamped to the padded K), or in one doing delta_bwd_wy's work too (WY)."""
     monkeypatch.setattr(delta_ops, "KEY_BLOCK", 16)
     for name, cfg in dict(state_bwd=state_bwd, dU_local=dU_local, bwd_dqk=dqk, bwd_wy=wy).items():
         monkeypatch.setitem(delta_ops.CONFIG, name, cfg)
@@ -57,11 +59,17 @@ def test_backward_configs_match_float64(monkeypatch, odd_case, state_bwd, dU_loc
         assert_close(a, b, "delta_ieee", torch.float32, name)
 
 
-def test_dqk_key_block_from_config_clamped_to_padded_k(monkeypatch):
+def test_dqk_key_block_and_wy_from_config(monkeypatch):
     key = delta_ops.program_key(delta_ops._RULES["kaczmarz"], 16)
     monkeypatch.setitem(delta_ops.CONFIG, "bwd_dqk", dict(BKS=128, BV=32, num_warps=8, num_stages=1))
     p = delta_ops.plan(key, 40, 20, torch.float32, torch.device("cpu"))
     assert p.configs["bwd_dqk"]["BKS"] == 64 and p.configs["bwd_dqk"]["BV"] == 32
     monkeypatch.setitem(delta_ops.CONFIG, "bwd_dqk", dict(BV=32, num_warps=4, num_stages=1))
     p = delta_ops.plan(key, 40, 20, torch.float32, torch.device("cpu"))
-    assert p.configs["bwd_dqk"]["BKS"] == min(delta_ops.KEY_BLOCK, 64)
+    assert p.configs["bwd_dqk"]["BKS"] == min(delta_ops.KEY_BLOCK, 64) and not p.configs["bwd_dqk"]["WY"]
+    # WY: one block of all K columns, up to K = 128
+    monkeypatch.setitem(delta_ops.CONFIG, "bwd_dqk", dict(WY=True, BKS=16, BV=32, num_warps=8, num_stages=1))
+    p = delta_ops.plan(key, 100, 20, torch.float32, torch.device("cpu"))
+    assert p.configs["bwd_dqk"]["BKS"] == 128 and p.configs["bwd_dqk"]["WY"]
+    p = delta_ops.plan(key, 200, 20, torch.float32, torch.device("cpu"))
+    assert p.configs["bwd_dqk"]["BKS"] == 16 and not p.configs["bwd_dqk"]["WY"]

@@ -161,8 +161,10 @@ SWEEP_OPTIONS = {
                   for bv, w, st in ((64, 8, 2), (64, 4, 1), (64, 4, 2), (32, 4, 2), (128, 8, 2))] + [
         dict(LOCAL_DU=True, BV=bv, num_warps=8, num_stages=2) for bv in (64, 128)],
     "dU_local": [dict(BV=bv, num_warps=w, num_stages=2) for bv in (64, 128) for w in (4, 8)],
-    "bwd_dqk": [dict(BKS=64, BV=32, num_warps=4, num_stages=1)] + [
-        dict(BKS=bk, BV=bv, num_warps=8, num_stages=st) for bk in (64, 128) for bv in (32, 64) for st in (1, 2)],
+    # bwd_dqk: WY=True also does bwd_wy's work (then bwd_wy is not launched, and its sweep times nothing new)
+    "bwd_dqk": [dict(WY=False, BKS=bk, BV=bv, num_warps=w, num_stages=st) for bk, bv, w, st in
+                ((64, 32, 4, 1), (64, 32, 4, 2), (64, 64, 4, 1), (64, 32, 8, 2), (128, 32, 8, 2))] + [
+        dict(WY=True, BV=bv, num_warps=8, num_stages=st) for bv, st in ((32, 1), (32, 2), (16, 1))],
     "bwd_wy": [dict(BV=bv, num_warps=w, num_stages=st) for bv, w, st in
                ((64, 4, 1), (64, 4, 2), (32, 4, 2), (32, 4, 1), (64, 8, 1), (128, 8, 1))],
 }

@@ -69,9 +69,12 @@ PREP_VALUE_BLOCK = 64    # value columns per step of u in delta_prep (one [C, C]
 # which is the default again (LOCAL_DU=False; offline, Triton 3.6: 232 registers, no spills, 131 KB shared; at
 # BV=64 / 4 warps / 1 stage, 255 registers, 80 B spilled and 66 KB shared, two blocks per SM would run all 256
 # sequential programs of B8 H16 in one wave: for the sweep).
-# bwd_dqk (unmeasured): BKS = key columns per program (clamped to the padded K). One program per chunk at K=128
-# loads U, dU, dO and forms dO U^T once instead of once per 64-column block (8192 programs of 8 warps instead of
-# 16384 of 4; offline, Triton 3.6: 255 registers, 96 B spilled in the epilogue only, none in the value loop).
+# bwd_dqk: BKS = key columns per program (clamped to the padded K). Run 8 (session 4) measured BKS=128 on 8 warps
+# (one program per chunk at K=128, dO U^T formed once; one block per SM) at 1.625 ms against 1.320 for 64 columns
+# on 4 warps (two blocks per SM) before dw moved into it: back to 64 / 4 warps (offline, Triton 3.6: 255
+# registers, 520 B spilled, all in the epilogue, none in the value loop). WY=True: one program per chunk also
+# does bwd_wy's work (no dk, dTm, dG, dbeta shares through memory, no second read of dU and Tm; 8 warps, one
+# block per SM: 255 registers, ~500 B spilled, 8 B of it in the value loop, 184 KB shared); for the sweep.
 CONFIG = _Configs({
     "prep": dict(num_warps=4, num_stages=2),
     "wu": dict(BV=64, num_warps=4, num_stages=2, PER_CHUNK=True),   # one program per chunk (see delta_wu)
@@ -79,7 +82,7 @@ CONFIG = _Configs({
     "state_output": dict(BV=64, num_warps=4, num_stages=1),   # see above and below
     "dU_local": dict(BV=64, num_warps=4, num_stages=2),     # only for state_bwd without LOCAL_DU
     "state_bwd": dict(LOCAL_DU=False, BV=64, num_warps=8, num_stages=2),   # see below
-    "bwd_dqk": dict(BKS=128, BV=32, num_warps=8, num_stages=1),    # see below
+    "bwd_dqk": dict(WY=False, BKS=64, BV=32, num_warps=4, num_stages=1),    # see below
     "bwd_wy": dict(BV=64, num_warps=4, num_stages=1),
     "recurrent": dict(BV=32, num_warps=4, num_stages=1),
 })
@@ -217,8 +220,11 @@ def plan(key: str, K: int, V: int, dtype: torch.dtype, device: torch.device) -> 
             PLANS.clear()
         configs = {name: {**_clamp(cfg, V), **SHARED_MEMORY_FITS.get((name, dtype.itemsize, meta["BK"]), {})}
                    for name, cfg in CONFIG.items()}
-        # delta_bwd_dqk's key block: its config's BKS (else KEY_BLOCK), at most the padded K
-        configs["bwd_dqk"]["BKS"] = min(configs["bwd_dqk"].get("BKS", BKS), meta["BK"])
+        # delta_bwd_dqk's key block: its config's BKS (else KEY_BLOCK), at most the padded K; all of K with WY
+        # (delta_bwd_wy's work in the same program), which is taken up to K = 128 only (registers)
+        dqk = configs["bwd_dqk"]
+        dqk["WY"] = bool(dqk.get("WY", False)) and meta["BK"] <= 128
+        dqk["BKS"] = meta["BK"] if dqk["WY"] else min(dqk.get("BKS", BKS), meta["BK"])
         configs["state_bwd"] = {"LOCAL_DU": False, **configs["state_bwd"]}
         found = PLANS[pk] = Plan(mod, C, meta, BKS, triton.cdiv(K, BKS), configs)
     return found
@@ -324,10 +330,12 @@ def _chunk_backward(p: Plan, q, k, v, a, hp, s, h0, chunk_tok, chunk_len, seq_ch
     da = _empty(TT, H, device=dev, dtype=torch.float32)
     ds = _empty(TT, H, device=dev, dtype=torch.float32)
     NKQ = triton.cdiv(K, p.configs["bwd_dqk"]["BKS"])      # delta_bwd_dqk's key blocks, each storing shares
-    dk_part = _empty(TT, H, K, device=dev, dtype=torch.float32)
-    dTm_part = _empty(NC, H, NKQ, p.C, p.C, device=dev, dtype=torch.float32)
-    dG_part = _empty(NKQ, TT, H, device=dev, dtype=torch.float32)
-    dbeta_part = _empty(NKQ, TT, H, device=dev, dtype=torch.float32)
+    wy = p.configs["bwd_dqk"]["WY"]                         # or one block doing delta_bwd_wy's work too
+    if not wy:
+        dk_part = _empty(TT, H, K, device=dev, dtype=torch.float32)
+        dTm_part = _empty(NC, H, NKQ, p.C, p.C, device=dev, dtype=torch.float32)
+        dG_part = _empty(NKQ, TT, H, device=dev, dtype=torch.float32)
+        dbeta_part = _empty(NKQ, TT, H, device=dev, dtype=torch.float32)
     dhp_tok = _empty(max(hp.shape[0], 1), TT, H, device=dev, dtype=torch.float32)
     if not direct and _fake(k):
         return [dq, dk, dv, da, ds, dh0, hp.new_empty(hp.shape)]
@@ -339,12 +347,16 @@ def _chunk_backward(p: Plan, q, k, v, a, hp, s, h0, chunk_tok, chunk_len, seq_ch
             (q, k, w, gcum, do, dU, dht if dht is not None else dh, chunk_tok, chunk_len, seq_chunk0, dh, dU,
              dh0 if h0 is not None else dh, scale, H),
             dict(meta, HAS_DHT=dht is not None, STORE_DH0=h0 is not None), V, cfgs, direct)
+    hp_ = _ptr(hp, k)
+    # with WY the shares' pointers are placeholders, never touched; without it, dv, da, dhp, ds are
     _launch("bwd_dqk", mod.delta_bwd_dqk, lambda cfg: (NC * NKQ, H),
-            (q, k, gcum, beta, tm, h, dh, U, dU, do, dq, dk_part, dTm_part, dG_part, dbeta_part, chunk_tok, chunk_len,
-             scale, TT * H, H), meta, V, cfgs, direct)
-    _launch("bwd_wy", mod.delta_bwd_wy, lambda cfg: (NC, H),
-            (k, v, a, _ptr(hp, k), s, eps, gcum, beta, tm, dU, dTm_part, dk_part, dG_part, dbeta_part, dk, dv, da,
-             dhp_tok, ds, chunk_tok, chunk_len, TT * H, H), dict(meta, BKS=p.BKS, NKQ=NKQ), V, cfgs, direct)
+            (q, k, v, a, hp_, s, eps, gcum, beta, tm, h, dh, U, dU, do, dq, dk if wy else dk_part, dv,
+             *((dU, dU, dU) if wy else (dTm_part, dG_part, dbeta_part)), da, dhp_tok, ds, chunk_tok, chunk_len, scale,
+             TT * H, H), meta, V, cfgs, direct)
+    if not wy:
+        _launch("bwd_wy", mod.delta_bwd_wy, lambda cfg: (NC, H),
+                (k, v, a, hp_, s, eps, gcum, beta, tm, dU, dTm_part, dk_part, dG_part, dbeta_part, dk, dv, da,
+                 dhp_tok, ds, chunk_tok, chunk_len, TT * H, H), dict(meta, BKS=p.BKS, NKQ=NKQ), V, cfgs, direct)
     return [dq, dk, dv, da, ds, dh0, dhp_tok[:hp.shape[0]].sum(1)]
 
 

@@ -92,13 +92,17 @@ def delta_state_bwd(q_ptr, k_ptr, w_ptr, gcum_ptr, do_ptr, dul_ptr, dht_ptr, chu
 
 
 @triton.jit
-def delta_bwd_dqk(q_ptr, k_ptr, gcum_ptr, beta_ptr, tm_ptr, h_ptr, dh_ptr, U_ptr, dU_ptr, do_ptr, dq_ptr, dk_ptr,
-                  dTm_ptr, dG_ptr, dbeta_ptr, chunk_tok, chunk_len, scale, TTH,
+def delta_bwd_dqk(q_ptr, k_ptr, v_ptr, a_ptr, hp_ptr, s_ptr, eps, gcum_ptr, beta_ptr, tm_ptr, h_ptr, dh_ptr, U_ptr,
+                  dU_ptr, do_ptr, dq_ptr, dk_ptr, dv_ptr, dTm_ptr, dG_ptr, dbeta_ptr, da_ptr, dhp_ptr, ds_ptr,
+                  chunk_tok, chunk_len, scale, TTH,
                   H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
-                  BKS: tl.constexpr, PREC: tl.constexpr, IN_PREC: tl.constexpr, UPCAST: tl.constexpr):
+                  BKS: tl.constexpr, WY: tl.constexpr, PREC: tl.constexpr, IN_PREC: tl.constexpr,
+                  UPCAST: tl.constexpr):
     """Per chunk and block of BKS key columns, through O = scale (e^G Q S0 + (Q K^T * D) U), S_end,
     U = u - w S0 and w = Tm X, X = diag(beta e^G) K: dq (final); this block's shares (fp32) of dk, of dTm
-    = dw X^T, of dG and of dbeta. dw = -dU S0^T is used where it is formed (dX = Tm^T dw), never stored."""
+    = dw X^T, of dG and of dbeta. dw = -dU S0^T is used where it is formed (dX = Tm^T dw), never stored.
+    With WY (one block of all K columns) the program also does delta_bwd_wy's work for its chunk, from the
+    same loads and without the shares' round trip: dv, dk, d step input, d decay input (final)."""
     NKB: tl.constexpr = (K + BKS - 1) // BKS     # a chunk's key blocks run back to back: U, dU, dO from L2
     c = tl.program_id(0) // NKB
     h = tl.program_id(1)
@@ -116,6 +120,12 @@ def delta_bwd_dqk(q_ptr, k_ptr, gcum_ptr, beta_ptr, tm_ptr, h_ptr, dh_ptr, U_ptr
     dw = tl.zeros([C, BKS], dtype=tl.float32)
     dOU = tl.zeros([C, C], dtype=tl.float32)
     dlast = tl.zeros([BKS], dtype=tl.float32)
+    beta = tl.load(beta_ptr + tok * H + h, mask=ok, other=0.0)
+    dTm = tl.zeros([C, C], dtype=tl.float32)
+    dbeta = tl.zeros([C], dtype=tl.float32)
+    if WY:   # Tm is needed in the value loop (u = Tm diag(beta) V); an unmasked load: delta_prep wrote it all
+        Tm = tl.where(causal, tl.load(tm_ptr + ((c * H + h) * C + rows[:, None]).to(tl.int64) * C + rows[None, :]),
+                      0.0)
     for iv in range(0, tl.cdiv(V, BV)):
         vv = iv * BV + tl.arange(0, BV)
         vm = ok[:, None] & (vv[None, :] < V)
@@ -131,7 +141,9 @@ def delta_bwd_dqk(q_ptr, k_ptr, gcum_ptr, beta_ptr, tm_ptr, h_ptr, dh_ptr, U_ptr
         dks += mm(U, tl.trans(dSe), IN_PREC, UPCAST)
         dw -= mm(rnd(dU, S0.dtype, UPCAST), tl.trans(S0), IN_PREC, UPCAST)
         dlast += tl.sum(S0.to(tl.float32) * dSe.to(tl.float32), 1)
-    # the epilogue consumes the loop's tiles one by one: dOU, dq1, dw, dks
+        if WY:
+            dbeta, dTm = u_grads(v_ptr, dv_ptr, Tm, dU, beta, dbeta, dTm, tok, vv, vm, h, H, V, PREC, UPCAST)
+    # the epilogue consumes the loop's tiles one by one: dOU, dq1, dks, dw
     G = tl.load(gcum_ptr + tok * H + h, mask=ok, other=0.0)
     G_last = tl.load(gcum_ptr + (t0 + nv - 1) * H + h)
     eG = tl.where(ok, tl.exp(G), 0.0)
@@ -154,18 +166,69 @@ def delta_bwd_dqk(q_ptr, k_ptr, gcum_ptr, beta_ptr, tm_ptr, h_ptr, dh_ptr, U_ptr
     dG += tl.where(rows == nv - 1, tl.sum(dlast, 0) * tl.exp(G_last) + tl.sum(cj, 0), 0.0)
     dk += mm(tl.trans(dMq), q, IN_PREC, UPCAST)
     # w = Tm X on this block's columns: dTm += dw X^T, dX = Tm^T dw (fp32 operands: PREC)
-    bG = tl.load(beta_ptr + tok * H + h, mask=ok, other=0.0) * eG
-    dTm = mm(dw, tl.trans(bG[:, None] * kf), PREC, UPCAST)
-    tl.store(dTm_ptr + (((c * H + h) * NKB + kb) * C + rows[:, None]).to(tl.int64) * C + rows[None, :], dTm)
-    # an unmasked (vectorised) load: delta_prep wrote every element
-    Tm = tl.where(causal, tl.load(tm_ptr + ((c * H + h) * C + rows[:, None]).to(tl.int64) * C + rows[None, :]), 0.0)
+    bG = beta * eG
+    if WY:
+        dTm += mm(dw, tl.trans(bG[:, None] * kf), PREC, UPCAST)
+    else:
+        tl.store(dTm_ptr + (((c * H + h) * NKB + kb) * C + rows[:, None]).to(tl.int64) * C + rows[None, :],
+                 mm(dw, tl.trans(bG[:, None] * kf), PREC, UPCAST))
+        Tm = tl.where(causal, tl.load(tm_ptr + ((c * H + h) * C + rows[:, None]).to(tl.int64) * C + rows[None, :]),
+                      0.0)
     dX = mm(tl.trans(Tm), dw, PREC, UPCAST)
     sx = tl.sum(dX * kf, 1)
-    tl.store(dbeta_ptr + kb * TTH + tok * H + h, eG * sx, mask=ok)
     dG += bG * sx
     dk += bG[:, None] * dX
-    tl.store(dk_ptr + (tok[:, None] * H + h) * K + kk[None, :], dk, mask=km)
-    tl.store(dG_ptr + kb * TTH + tok * H + h, dG, mask=ok)
+    if WY:
+        dbeta += eG * sx
+        E = through_inverse(Tm, dTm, G, ok, rows, PREC, UPCAST)
+        KK = mm(k, tl.trans(k), IN_PREC, UPCAST)
+        dbeta += tl.sum(E * KK, 1)
+        PA = E * KK * beta[:, None]
+        dG += tl.sum(PA, 1) - tl.sum(PA, 0)
+        dn2 = hook_grads(dG, dbeta, tl.sum(kf * kf, 1), a_ptr, hp_ptr, s_ptr, eps, da_ptr, dhp_ptr, ds_ptr, tok, h,
+                         H, TTH, ok)
+        dk += beta[:, None] * mm(E, kf, PREC, UPCAST) + mm(tl.trans(E), beta[:, None] * kf, PREC, UPCAST)
+        dk += dn2[:, None] * kf
+        tl.store(dk_ptr + (tok[:, None] * H + h) * K + kk[None, :], rnd(dk, dk_ptr.dtype.element_ty, UPCAST),
+                 mask=km)
+    else:
+        tl.store(dbeta_ptr + kb * TTH + tok * H + h, eG * sx, mask=ok)
+        tl.store(dk_ptr + (tok[:, None] * H + h) * K + kk[None, :], dk, mask=km)
+        tl.store(dG_ptr + kb * TTH + tok * H + h, dG, mask=ok)
+
+
+@triton.jit
+def u_grads(v_ptr, dv_ptr, Tm, dU, beta, dbeta, dTm, tok, vv, vm, h, H, V: tl.constexpr, PREC: tl.constexpr,
+            UPCAST: tl.constexpr):
+    """Through u = Tm diag(beta) V on one block of value columns: stores dv; returns dbeta and dTm updated."""
+    v = tl.load(v_ptr + (tok[:, None] * H + h) * V + vv[None, :], mask=vm, other=0.0).to(tl.float32)
+    dY = mm(tl.trans(Tm), dU, PREC, UPCAST)
+    tl.store(dv_ptr + (tok[:, None] * H + h) * V + vv[None, :], rnd(beta[:, None] * dY, dv_ptr.dtype.element_ty, UPCAST),
+             mask=vm)
+    return dbeta + tl.sum(dY * v, 1), dTm + mm(dU, tl.trans(beta[:, None] * v), PREC, UPCAST)
+
+
+@triton.jit
+def through_inverse(Tm, dTm, G, ok, rows, PREC: tl.constexpr, UPCAST: tl.constexpr):
+    """Tm = (I + A)^-1, A = strictly_lower(diag(beta) K K^T * D): E = dA * D = -(Tm^T dTm Tm^T) * D, strictly
+    lower (dA's part that reaches beta K K^T)."""
+    strict = (rows[:, None] > rows[None, :]) & ok[:, None] & ok[None, :]
+    dA = -mm(tl.trans(Tm), mm(dTm, tl.trans(Tm), PREC, UPCAST), PREC, UPCAST)
+    return tl.where(strict, dA * tl.exp(tl.where(strict, G[:, None] - G[None, :], 0.0)), 0.0)
+
+
+@triton.jit
+def hook_grads(dG, dbeta, n2, a_ptr, hp_ptr, s_ptr, eps, da_ptr, dhp_ptr, ds_ptr, tok, h, H, TTH, ok):
+    """From dG (G = cumsum(g) in the chunk: dg_t = sum over i >= t of dG_i) and dbeta through the hooks' chain
+    rule: stores the decay input's and parameters' gradients and the step input's; returns d||k||^2."""
+    dg = tl.sum(dG, 0) - tl.cumsum(dG, 0) + dG
+    a = tl.load(a_ptr + tok * H + h, mask=ok, other=0.0).to(tl.float32)
+    store_decay_grads(dg, a, hp_ptr, h, H, da_ptr, dhp_ptr, tok * H + h, TTH, ok)
+    s = tl.load(s_ptr + tok * H + h, mask=ok, other=0.0).to(tl.float32)
+    dbeta_ds, dbeta_dn2 = step_hook_grad(s, n2, eps)
+    _, dead = step_beta(s, n2, eps)
+    tl.store(ds_ptr + tok * H + h, tl.where(dead, 0.0, dbeta * dbeta_ds), mask=ok)
+    return tl.where(dead, 0.0, 2.0 * dbeta * dbeta_dn2)
 
 
 @triton.jit
@@ -201,16 +264,8 @@ def delta_bwd_wy(k_ptr, v_ptr, a_ptr, hp_ptr, s_ptr, eps, gcum_ptr, beta_ptr, tm
         vv = iv * BV + tl.arange(0, BV)
         vm = ok[:, None] & (vv[None, :] < V)
         dU = tl.load(dU_ptr + (tok[:, None] * H + h) * V + vv[None, :], mask=vm, other=0.0)
-        v = tl.load(v_ptr + (tok[:, None] * H + h) * V + vv[None, :], mask=vm, other=0.0).to(tl.float32)
-        dY = mm(tl.trans(Tm), dU, PREC, UPCAST)
-        tl.store(dv_ptr + (tok[:, None] * H + h) * V + vv[None, :],
-                 rnd(beta[:, None] * dY, dv_ptr.dtype.element_ty, UPCAST), mask=vm)
-        dbeta += tl.sum(dY * v, 1)
-        dTm += mm(dU, tl.trans(beta[:, None] * v), PREC, UPCAST)
-    # Tm = (I + A)^-1, A = strictly_lower(diag(beta) K K^T * D): dA = -Tm^T dTm Tm^T
-    strict = (rows[:, None] > rows[None, :]) & ok[:, None] & ok[None, :]
-    dA = -mm(tl.trans(Tm), mm(dTm, tl.trans(Tm), PREC, UPCAST), PREC, UPCAST)
-    E = tl.where(strict, dA * tl.exp(tl.where(strict, G[:, None] - G[None, :], 0.0)), 0.0)
+        dbeta, dTm = u_grads(v_ptr, dv_ptr, Tm, dU, beta, dbeta, dTm, tok, vv, vm, h, H, V, PREC, UPCAST)
+    E = through_inverse(Tm, dTm, G, ok, rows, PREC, UPCAST)
     n2 = tl.zeros([C], dtype=tl.float32)
     KK = tl.zeros([C, C], dtype=tl.float32)
     for kb in range(0, tl.cdiv(K, BKS)):
@@ -221,15 +276,7 @@ def delta_bwd_wy(k_ptr, v_ptr, a_ptr, hp_ptr, s_ptr, eps, gcum_ptr, beta_ptr, tm
     dbeta += tl.sum(E * KK, 1)
     PA = E * KK * beta[:, None]
     dG += tl.sum(PA, 1) - tl.sum(PA, 0)
-    # G = cumsum(g) in the chunk: dg_t = sum over i >= t of dG_i; then the hooks' chain rule
-    dg = tl.sum(dG, 0) - tl.cumsum(dG, 0) + dG
-    a = tl.load(a_ptr + tok * H + h, mask=ok, other=0.0).to(tl.float32)
-    store_decay_grads(dg, a, hp_ptr, h, H, da_ptr, dhp_ptr, tok * H + h, TTH, ok)
-    s = tl.load(s_ptr + tok * H + h, mask=ok, other=0.0).to(tl.float32)
-    dbeta_ds, dbeta_dn2 = step_hook_grad(s, n2, eps)
-    _, dead = step_beta(s, n2, eps)
-    tl.store(ds_ptr + tok * H + h, tl.where(dead, 0.0, dbeta * dbeta_ds), mask=ok)
-    dn2 = tl.where(dead, 0.0, 2.0 * dbeta * dbeta_dn2)
+    dn2 = hook_grads(dG, dbeta, n2, a_ptr, hp_ptr, s_ptr, eps, da_ptr, dhp_ptr, ds_ptr, tok, h, H, TTH, ok)
     for kb in range(0, tl.cdiv(K, BKS)):
         kk = kb * BKS + tl.arange(0, BKS)
         km = ok[:, None] & (kk[None, :] < K)
