@@ -8,10 +8,8 @@ the last one ending inside a run) cover partial runs, partial tiles and the carr
 256 steps on 3 lanes (full tiles, EVEN_T, a partial lane block) the mask-free loads and stores. The
 float32 path by the hardware reciprocal (RCP_APPROX) runs on a GPU; here its instruction is emulated.
 """
-from types import SimpleNamespace
-
-import numpy as np
 import pytest
+import test_triton_scan
 import torch
 from scanlang.backends.reference import scan_sequential
 from scanlang.backends.triton import codegen_runs, plan, runtime
@@ -22,6 +20,7 @@ from scanlang import library
 from scanlang.testing import assert_close
 
 TILE = codegen_runs.RUN_TILE
+hardware_reciprocal = test_triton_scan.hardware_reciprocal   # the fixture (float32 RCP_APPROX path emulated)
 
 
 def _force(chunk: int, block_l: int = 2):
@@ -195,36 +194,6 @@ def test_tile_flags_follow_the_layout(runs, tile_flags):
         lam, _ = _mobius_ratio_loop({f: x[..., lo:hi] for f, x in xs.items()}, hi - lo)
         assert_close(out.lam[..., lo:hi], lam, "scan")
     assert [m["EVEN_T"] for m in tile_flags] == [False, False]
-
-
-@pytest.fixture
-def hardware_reciprocal(monkeypatch):
-    """The float32 tile kernels on their GPU path (RCP_APPROX) in the interpreter: the flag forced on,
-    and the inline rcp.approx.ftz.f32 evaluated as float32 1 / x rounded to nearest (within the
-    instruction's 1 ulp), inputs and results below 2^-126 flushed to zero as .ftz does. Yields the
-    number of reciprocals evaluated (one entry per call)."""
-    if torch.cuda.is_available():
-        pytest.skip("on a GPU the float32 tests run the instruction itself")
-    from triton.runtime import interpreter
-    tiny, calls = np.float32(2.0 ** -126), []
-
-    def create_inline_asm(self, asm, constraints, values, type, is_pure, pack):
-        assert asm.startswith("rcp.approx.ftz.f32") and len(values) == 1
-        x = values[0].data.astype(np.float32)
-        x = np.where(np.abs(x) < tiny, np.float32(0), x)
-        with np.errstate(divide="ignore"):
-            r = (np.float32(1) / x).astype(np.float32)
-        r = np.where(np.abs(r) < tiny, np.float32(0), r).astype(np.float32)
-        calls.append(r.size)
-        handle = interpreter.TensorHandle(r, values[0].dtype)
-        return SimpleNamespace(get_result=lambda i: handle)
-
-    original = plan._Plan.tile_meta
-    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_inline_asm", create_inline_asm)
-    monkeypatch.setattr(plan._Plan, "tile_meta", lambda self, cfg: dict(original(self, cfg), RCP_APPROX=not self.common["FP64"]))
-    plan.PLANS.clear()
-    yield calls
-    plan.PLANS.clear()
 
 
 @pytest.mark.parametrize("monoid", [library.Mobius, library.Welford], ids=lambda m: m.name)

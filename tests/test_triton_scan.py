@@ -2,12 +2,15 @@
 
 Runs in Triton's interpreter on CPU (conftest sets TRITON_INTERPRET=1 when there is no GPU), on the
 GPU otherwise. Interpreter tiles are 8 steps x 4 lanes, so T = 1, 7, 8, 19 cover one partial tile,
-exactly one tile and several tiles with a tail.
+exactly one tile and several tiles with a tail. The float32 path by the hardware reciprocal
+(RCP_APPROX) runs on a GPU; here its instruction is emulated (`hardware_reciprocal`).
 """
 import os
 import subprocess
 import sys
+from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
@@ -15,6 +18,7 @@ import scanlang as sl
 from scanlang import library
 from scanlang.backends import triton as tb
 from scanlang.backends.reference import scan_sequential
+from scanlang.backends.triton import plan
 from scanlang.testing import assert_close, ratio, tolerance
 
 LIBRARY = [m for m in vars(library).values() if isinstance(m, sl.Monoid)]
@@ -189,3 +193,56 @@ def test_unexpanded_broadcast_inputs_get_reduced_gradients():
     for g, r in zip(got, want):
         assert g.shape == r.shape
         assert_close(g, r, "scan_grad")
+
+
+@pytest.fixture
+def hardware_reciprocal(monkeypatch):
+    """The float32 tile kernels on their GPU path (RCP_APPROX) in the interpreter: the flag forced on,
+    and the inline rcp.approx.ftz.f32 evaluated as float32 1 / x rounded to nearest (within the
+    instruction's 1 ulp), inputs and results below 2^-126 flushed to zero as .ftz does. Yields the
+    number of reciprocals evaluated (one entry per call)."""
+    if torch.cuda.is_available():
+        pytest.skip("on a GPU the float32 tests run the instruction itself")
+    from triton.runtime import interpreter
+    tiny, calls = np.float32(2.0 ** -126), []
+
+    def create_inline_asm(self, asm, constraints, values, type, is_pure, pack):
+        assert asm.startswith("rcp.approx.ftz.f32") and len(values) == 1
+        x = values[0].data.astype(np.float32)
+        x = np.where(np.abs(x) < tiny, np.float32(0), x)
+        with np.errstate(divide="ignore"):
+            r = (np.float32(1) / x).astype(np.float32)
+        r = np.where(np.abs(r) < tiny, np.float32(0), r).astype(np.float32)
+        calls.append(r.size)
+        handle = interpreter.TensorHandle(r, values[0].dtype)
+        return SimpleNamespace(get_result=lambda i: handle)
+
+    original = plan._Plan.tile_meta
+    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_inline_asm", create_inline_asm)
+    monkeypatch.setattr(plan._Plan, "tile_meta", lambda self, cfg: dict(original(self, cfg), RCP_APPROX=not self.common["FP64"]))
+    plan.PLANS.clear()
+    yield calls
+    plan.PLANS.clear()
+
+
+@pytest.mark.parametrize("monoid", [library.Mobius, library.Welford], ids=lambda m: m.name)
+@pytest.mark.parametrize("length", [1, 8, 19])
+def test_float32_by_the_hardware_reciprocal(hardware_reciprocal, monoid, length):
+    """Small tiles on the RCP_APPROX path: a combine that rescales (Möbius) or divides (Welford) by
+    combine_rcp, the adjoint expressions by reciprocals; outputs and gradients of every element and
+    initial field against the float64 loop at the float32 tolerances."""
+    shape = (2, length, 3)
+    elems = tuple(e.requires_grad_() for e in elems_for(monoid, shape))
+    initial = tuple(e.requires_grad_() for e in elems_for(monoid, (2, 3)))
+    out = sl.scan(monoid, tuple(e.float() for e in elems), dim=1, initial=tuple(i.float() for i in initial),
+                  backend="triton")
+    ref = scan_sequential(monoid, elems, dim=1, initial=initial)
+    for f, o, r in zip(monoid.fields, out, ref):
+        assert o.dtype == torch.float32
+        assert_close(o, r, "scan", dtype=torch.float32, name=f"{monoid.name}.{f}")
+    weights = [torch.randn_like(r) for r in ref]
+    got = torch.autograd.grad(sum((o.double() * w).sum() for o, w in zip(out, weights)), elems + initial)
+    want = torch.autograd.grad(sum((r * w).sum() for r, w in zip(ref, weights)), elems + initial)
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert_close(g, w, "scan_grad", dtype=torch.float32, name=f"{monoid.name} grad {i}")
+    assert hardware_reciprocal, "the hardware-reciprocal path did not run"
