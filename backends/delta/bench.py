@@ -160,13 +160,18 @@ SWEEP_OPTIONS = {
     "state_bwd": [dict(LOCAL_DU=False, BV=bv, num_warps=w, num_stages=st)
                   for bv, w, st in ((64, 8, 2), (64, 4, 1), (64, 4, 2), (32, 4, 2), (128, 8, 2))] + [
         dict(LOCAL_DU=True, BV=bv, num_warps=8, num_stages=2) for bv in (64, 128)],
-    "dU_local": [dict(BV=bv, num_warps=w, num_stages=2) for bv in (64, 128) for w in (4, 8)],
+    "dU_local": [dict(BV=bv, num_warps=w, num_stages=2) for bv in (64, 128) for w in (4, 8)] + [
+        dict(BV=64, num_warps=4, num_stages=2, maxnreg=128)],     # 4 blocks per SM instead of 3, no spills
     # bwd_dqk: WY=True also does bwd_wy's work (then bwd_wy is not launched, and its sweep times nothing new)
+    # and 32 key columns: 229 registers, no spills (maxnreg=168: 3 blocks per SM, 240 B spilled outside the loop)
     "bwd_dqk": [dict(WY=False, BKS=bk, BV=bv, num_warps=w, num_stages=st) for bk, bv, w, st in
-                ((64, 32, 4, 1), (64, 32, 4, 2), (64, 64, 4, 1), (64, 32, 8, 2), (128, 32, 8, 2))] + [
+                ((64, 32, 4, 1), (64, 32, 4, 2), (32, 32, 4, 1), (32, 32, 4, 2), (64, 64, 4, 1), (64, 32, 8, 2),
+                 (128, 32, 8, 2))] + [
+        dict(WY=False, BKS=32, BV=32, num_warps=4, num_stages=1, maxnreg=168)] + [
         dict(WY=True, BV=bv, num_warps=8, num_stages=st) for bv, st in ((32, 1), (32, 2), (16, 1))],
     "bwd_wy": [dict(BV=bv, num_warps=w, num_stages=st) for bv, w, st in
-               ((64, 4, 1), (64, 4, 2), (32, 4, 2), (32, 4, 1), (64, 8, 1), (128, 8, 1))],
+               ((64, 4, 1), (64, 4, 2), (32, 4, 2), (32, 4, 1), (64, 8, 1), (128, 8, 1))] + [
+        dict(BV=32, num_warps=4, num_stages=1, maxnreg=168)],     # 3 blocks per SM, 360 B spilled
 }
 
 
