@@ -192,3 +192,56 @@ def test_graph_tracing_records_the_registered_op(mode):
     x, decay = torch.randn(2, 5, 3, device=DEVICE), torch.rand(3, device=DEVICE)
     gm = make_fx(lambda x, d: ema(x=x, decay=d).h, tracing_mode=mode)(x, decay)
     assert torch.ops.scanlang.scan_fwd.default in [n.target for n in gm.graph.nodes]
+
+
+def _ema():
+    return sl.mixer(sl.Affine, axes="b t d", inputs={"x": "b t d", "decay": "d"},
+                    lift=lambda u: (u.decay, (1 - u.decay) * u.x), readout=lambda p, u, q: p.b, outputs=("h",))
+
+
+def _ema_loop(x, decay):
+    h, out = torch.zeros(x.shape[0], x.shape[2], dtype=torch.float64, device=x.device), []
+    for t in range(x.shape[1]):
+        h = decay.double() * h + (1 - decay.double()) * x[:, t].double()
+        out.append(h)
+    return torch.stack(out, 1)
+
+
+def test_cached_calls_follow_every_change_of_shape_stride_and_dtype():
+    """One mixer called repeatedly while the inputs' length, batch, strides and dtype change (and
+    back): each call misses or hits the validation and plan caches correctly, every output and
+    gradient matches the float64 loop, and no plan of another signature is reused."""
+    ema = _ema()
+    gen = torch.Generator().manual_seed(1)
+    base = torch.randn(3, 9, 4, dtype=torch.float64, generator=gen)
+    cases = [("float32", base[:2, :5].float()), ("longer", base[:2].float()), ("batch", base.float()),
+             ("time-major strides", base.float().transpose(0, 1).contiguous().transpose(0, 1)),
+             ("float64", base), ("float32 again", base[:2, :5].float())]
+    for name, x in cases:
+        for _ in range(2):   # the second call takes the cached path
+            x_in = x.to(DEVICE).requires_grad_()
+            decay = (torch.rand(4, dtype=x.dtype, generator=gen) * 0.5 + 0.4).to(DEVICE).requires_grad_()
+            out = ema(x=x_in, decay=decay)
+            assert out.h.dtype == (torch.float64 if x.dtype == torch.float64 else torch.float32), name
+            ref = _ema_loop(x_in.detach(), decay.detach())
+            assert_close(out.h, ref, "scan", name=name)
+            w = torch.randn(ref.shape, dtype=torch.float64, generator=gen).to(DEVICE)
+            got = torch.autograd.grad((out.h * w.to(out.h.dtype)).sum(), (x_in, decay))
+            x64, d64 = x_in.detach().double().requires_grad_(), decay.detach().double().requires_grad_()
+            want = torch.autograd.grad((_ema_loop(x64, d64) * w).sum(), (x64, d64))
+            for g, r in zip(got, want):
+                assert g.dtype == x.dtype
+                assert_close(g, r, "scan_grad", name=name)
+
+
+def test_create_graph_backward_refuses_a_second_differentiation():
+    """With create_graph=True the eager backward goes through once_differentiable: gradients come
+    back, and differentiating them again raises instead of returning wrong (zero) second derivatives."""
+    a, b = (e.requires_grad_() for e in elems_for(sl.Affine, (2, 5, 3)))
+    w = torch.randn(2, 5, 3, dtype=torch.float64, device=DEVICE, requires_grad=True)
+    out = sl.scan(sl.Affine, (a, b), dim=1, backend="triton")
+    ga, gb = torch.autograd.grad(out.b, (a, b), w, create_graph=True)
+    assert_close(gb, torch.autograd.grad(scan_sequential(sl.Affine, (a, b), dim=1)[1], b, w)[0], "scan_grad")
+    assert gb.requires_grad
+    with pytest.raises(RuntimeError, match="differentiate twice"):
+        gb.sum().backward()

@@ -21,12 +21,15 @@ launch through `wrap_triton`).
 """
 from __future__ import annotations
 
+import functools
+import operator
+
 import torch
 from triton import knobs
 
 # Kept on the plan object itself (a plain attribute: cheaper per launch than a weak-keyed table, and
-# gone with the plan): {config: (compiled kernel of an all-aligned launch, positions of the tensor
-# arguments, argument values to append from meta)}
+# gone with the plan): {config: (compiled kernel of an all-aligned launch, a getter of the tensor
+# arguments, argument values to append from meta, the 3-d grid)}
 _ATTRIBUTE = "_launcher_compiled"
 
 
@@ -54,11 +57,11 @@ def launch(plan, cfg, kernel, grid, args, meta: dict) -> None:
         setattr(plan, _ATTRIBUTE, per_plan)
     hit = per_plan.get(cfg)
     if hit is not None:
-        compiled, tensors, tail, grid3 = hit
-        if not any([args[i].data_ptr() & 15 for i in tensors]):
+        compiled, tensors_of, tail, grid3 = hit
+        if _aligned(tensors_of(args)):
             stream = _stream(args[0].device)
             values = (*args, *tail)
-            enter, exit_ = _hook(knobs.runtime.launch_enter_hook), _hook(knobs.runtime.launch_exit_hook)
+            enter, exit_ = _hooks()
             metadata = None if enter is None else compiled.launch_metadata(grid3, stream, *values)
             compiled.run(grid3[0], grid3[1], grid3[2], stream, compiled.function, compiled.packed_metadata,
                          metadata, enter, exit_, *values)
@@ -66,10 +69,19 @@ def launch(plan, cfg, kernel, grid, args, meta: dict) -> None:
     compiled = kernel[grid](*args, **meta)
     if hit is not None or compiled is None or not hasattr(compiled, "packed_metadata"):
         return   # misaligned, or the interpreter (no compiled-kernel handle): Triton's path every time
-    tensors = tuple(i for i, a in enumerate(args) if isinstance(a, torch.Tensor))
+    positions = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+    if not positions:
+        return
+    # the tensor arguments as a tuple (the first one twice: itemgetter of one position returns the item)
+    tensors_of = operator.itemgetter(*positions, positions[0])
     tail = _bound_tail(kernel, len(args), meta)
-    if tail is not None and not any(args[i].data_ptr() & 15 for i in tensors):
-        per_plan[cfg] = (compiled, tensors, tail, (*grid, 1, 1)[:3])
+    if tail is not None and _aligned(tensors_of(args)):
+        per_plan[cfg] = (compiled, tensors_of, tail, (*grid, 1, 1)[:3])
+
+
+def _aligned(tensors) -> bool:
+    """Whether every tensor's data pointer is 16-byte aligned (one pass in C: or of the pointers)."""
+    return not functools.reduce(operator.or_, map(torch.Tensor.data_ptr, tensors)) & 15
 
 
 def _stream(device: torch.device) -> int:
@@ -77,8 +89,9 @@ def _stream(device: torch.device) -> int:
     return torch._C._cuda_getCurrentRawStream(device.index) if device.type == "cuda" else 0
 
 
-def _hook(hook):
-    """A launch hook of Triton's, None when no hook is set. Triton >= 3.5 holds them as hook chains
-    that are never None; passing an empty one would still build launch metadata (a dict) and make
-    two Python calls per launch, which `kernel[grid]` pays but a direct relaunch need not."""
-    return hook if getattr(hook, "calls", hook) else None
+def _hooks():
+    """Triton's launch enter and exit hooks, each None when no hook is set. Triton >= 3.5 holds them
+    as hook chains that are never None; passing empty ones would still build launch metadata (a
+    dict) and make two Python calls per launch, which `kernel[grid]` pays but a relaunch need not."""
+    enter, exit_ = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
+    return (enter if getattr(enter, "calls", enter) else None), (exit_ if getattr(exit_, "calls", exit_) else None)

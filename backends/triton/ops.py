@@ -271,7 +271,7 @@ def eager(tensors) -> bool:
     if (torch._C._len_torch_dispatch_stack() or torch._C._functorch.peek_interpreter_stack() is not None
             or torch._C._get_tracing_state() is not None):
         return False
-    return all([type(t) in _PLAIN and t.device.type != "meta" for t in tensors])
+    return all([type(t) in _PLAIN and not t.is_meta for t in tensors])
 
 
 def launch(prog: Program, inputs, initial, dim: int, reverse: bool, fp64: bool, cu_seqlens=None,
