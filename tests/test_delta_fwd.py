@@ -36,7 +36,8 @@ def make_inputs(B, T, H, K, V, seed):
 @pytest.fixture(autouse=True)
 def poisoned_buffers(monkeypatch, tmp_path):
     """Every kernel buffer starts as NaN (so an unwritten element shows), in a fresh cache dir."""
-    monkeypatch.setattr(delta_ops, "_empty", lambda *s, device, dtype: torch.full(s, float("nan"), device=device, dtype=dtype))
+    monkeypatch.setattr(delta_ops, "_empty",
+                        lambda *s, device, dtype: torch.full(s, float("nan"), device=device, dtype=dtype))
     monkeypatch.setenv("SCANLANG_CACHE_DIR", str(tmp_path))
 
 

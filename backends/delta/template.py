@@ -199,8 +199,8 @@ def delta_wu(k_ptr, v_ptr, gcum_ptr, beta_ptr, tm_ptr, w_ptr, u_ptr, chunk_tok, 
 
 @triton.jit
 def state_pass(q_ptr, k_ptr, w_ptr, u_ptr, gcum_ptr, h0_ptr, chunk_tok, chunk_len, seq_chunk0, h_ptr, U_ptr, ht_ptr,
-               o_ptr, mq_ptr, scale, H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
-               HAS_H0: tl.constexpr, STORE_FINAL: tl.constexpr, OUTPUT: tl.constexpr, PREC: tl.constexpr,
+               o_ptr, mq_ptr, scale, H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+               C: tl.constexpr, HAS_H0: tl.constexpr, STORE_FINAL: tl.constexpr, OUTPUT: tl.constexpr, PREC: tl.constexpr,
                IN_PREC: tl.constexpr, UPCAST: tl.constexpr):
     """Sequential over a sequence's chunks with the fp32 state S [K, BV] in registers: U = u - w S0,
     S_end = e^G_last S0 + (K e^(G_last - G))^T U. Stores S0 per chunk and U (h_ptr, U_ptr), or with OUTPUT
@@ -269,8 +269,8 @@ def delta_state_fwd(k_ptr, w_ptr, u_ptr, gcum_ptr, h0_ptr, chunk_tok, chunk_len,
 
 @triton.jit
 def delta_state_output(q_ptr, k_ptr, w_ptr, u_ptr, gcum_ptr, h0_ptr, chunk_tok, chunk_len, seq_chunk0, ht_ptr, o_ptr,
-                       mq_ptr, scale, H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
-                       HAS_H0: tl.constexpr, STORE_FINAL: tl.constexpr, PREC: tl.constexpr, IN_PREC: tl.constexpr,
+                       mq_ptr, scale, H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                       C: tl.constexpr, HAS_H0: tl.constexpr, STORE_FINAL: tl.constexpr, PREC: tl.constexpr, IN_PREC: tl.constexpr,
                        UPCAST: tl.constexpr):
     state_pass(q_ptr, k_ptr, w_ptr, u_ptr, gcum_ptr, h0_ptr, chunk_tok, chunk_len, seq_chunk0, o_ptr, o_ptr, ht_ptr,
                o_ptr, mq_ptr, scale, H, K, V, BK, BV, C, HAS_H0, STORE_FINAL, True, PREC, IN_PREC, UPCAST)
