@@ -157,9 +157,10 @@ SWEEP_OPTIONS = {
     "state_output": [dict(BV=bv, num_warps=w, num_stages=st) for bv, w, st in
                      ((64, 4, 1), (128, 8, 2), (128, 8, 1), (64, 8, 1), (64, 4, 2), (32, 4, 1), (32, 8, 1))] + [
         dict(BV=32, num_warps=4, num_stages=1, maxnreg=128)],
+    # state_bwd: 4 warps / 1 stage fit two blocks per SM (B8 H16's 256 programs at BV=64 in one wave)
     "state_bwd": [dict(LOCAL_DU=False, BV=bv, num_warps=w, num_stages=st)
-                  for bv, w, st in ((64, 8, 2), (64, 4, 1), (64, 4, 2), (32, 4, 2), (128, 8, 2))] + [
-        dict(LOCAL_DU=True, BV=bv, num_warps=8, num_stages=2) for bv in (64, 128)],
+                  for bv, w, st in ((64, 8, 2), (64, 4, 1), (64, 8, 1), (32, 4, 1), (64, 4, 2), (128, 8, 2))] + [
+        dict(LOCAL_DU=True, BV=bv, num_warps=w, num_stages=st) for bv, w, st in ((64, 4, 1), (64, 8, 2), (128, 8, 2))],
     "dU_local": [dict(BV=bv, num_warps=w, num_stages=2) for bv in (64, 128) for w in (4, 8)] + [
         dict(BV=64, num_warps=4, num_stages=2, maxnreg=128)],     # 4 blocks per SM instead of 3, no spills
     # bwd_dqk: WY=True also does bwd_wy's work (then bwd_wy is not launched, and its sweep times nothing new)
