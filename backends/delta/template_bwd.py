@@ -159,12 +159,6 @@ def delta_bwd_dqk(q_ptr, k_ptr, v_ptr, a_ptr, hp_ptr, s_ptr, eps, gcum_ptr, beta
     dG += tl.sum(dq1 * q.to(tl.float32), 1)
     dq = dq1 + mm(dMq, k, IN_PREC, UPCAST)
     tl.store(dq_ptr + (tok[:, None] * H + h) * K + kk[None, :], rnd(dq, dq_ptr.dtype.element_ty, UPCAST), mask=km)
-    # chunk end state: S_end = e^G_last S0 + (K e^(G_last - G))^T U
-    dk = dks * tl.where(ok, tl.exp(G_last - G), 0.0)[:, None]
-    cj = tl.sum(dk * kf, 1)
-    dG -= cj
-    dG += tl.where(rows == nv - 1, tl.sum(dlast, 0) * tl.exp(G_last) + tl.sum(cj, 0), 0.0)
-    dk += mm(tl.trans(dMq), q, IN_PREC, UPCAST)
     # w = Tm X on this block's columns: dTm += dw X^T, dX = Tm^T dw (fp32 operands: PREC)
     bG = beta * eG
     if WY:
@@ -177,6 +171,12 @@ def delta_bwd_dqk(q_ptr, k_ptr, v_ptr, a_ptr, hp_ptr, s_ptr, eps, gcum_ptr, beta
     dX = mm(tl.trans(Tm), dw, PREC, UPCAST)
     sx = tl.sum(dX * kf, 1)
     dG += bG * sx
+    # chunk end state: S_end = e^G_last S0 + (K e^(G_last - G))^T U
+    dk = dks * tl.where(ok, tl.exp(G_last - G), 0.0)[:, None]
+    cj = tl.sum(dk * kf, 1)
+    dG -= cj
+    dG += tl.where(rows == nv - 1, tl.sum(dlast, 0) * tl.exp(G_last) + tl.sum(cj, 0), 0.0)
+    dk += mm(tl.trans(dMq), q, IN_PREC, UPCAST)
     dk += bG[:, None] * dX
     if WY:
         dbeta += eG * sx
