@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import collections
 import numbers
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence   # isinstance checks: cheaper than typing's aliases
 
 import torch
 
@@ -170,6 +170,9 @@ def _broadcast_shape(shapes) -> torch.Size:
     compiling, where sizes may be symbolic). Raises RuntimeError when they do not broadcast."""
     if torch.compiler.is_compiling():
         return torch.broadcast_shapes(*shapes)
+    first = shapes[0]
+    if all([s == first for s in shapes]):   # the usual case: nothing broadcasts
+        return torch.Size(first)
     out = [1] * max(len(s) for s in shapes)
     for s in shapes:
         for i, n in enumerate(s, len(out) - len(s)):
@@ -182,7 +185,9 @@ def _broadcast_shape(shapes) -> torch.Size:
 
 
 def _broadcast(values: tuple, shape, device, dtype) -> tuple[torch.Tensor, ...]:
-    """Numbers become tensors; every tensor gets len(shape) dims (leading size-1 dims, a view)."""
+    """Numbers become tensors; every tensor gets len(shape) dims (leading size-1 dims, a view; a tensor
+    that has them already is passed as it is)."""
     tensors = [v if isinstance(v, torch.Tensor) else torch.tensor(float(v), dtype=dtype, device=device)
                for v in values]
-    return tuple(t.reshape((1,) * (len(shape) - t.dim()) + tuple(t.shape)) for t in tensors)
+    return tuple([t if t.dim() == len(shape) else t.reshape((1,) * (len(shape) - t.dim()) + tuple(t.shape))
+                  for t in tensors])

@@ -65,7 +65,7 @@ def scan(monoid, elems, dim: int, reverse: bool, initial, out_dtype) -> tuple[to
     `out_dtype` (float32 or float64; the accumulation dtype too). Differentiable in every element and
     in `initial` through the generated backward kernel.
     """
-    from scanlang import pipeline
+    from .ops import PROGRAMS, launch
     if out_dtype not in (torch.float32, torch.float64):
         raise TypeError(f"out_dtype: expected torch.float32 or torch.float64, got {out_dtype}")
     elems = tuple(elems)
@@ -78,9 +78,8 @@ def scan(monoid, elems, dim: int, reverse: bool, initial, out_dtype) -> tuple[to
     if not 0 <= dim < ndim:
         raise ValueError(f"dim: expected 0 <= dim < {ndim}, got {dim}")
     init = list(initial) if initial is not None else None
-    from .ops import PROGRAMS
     prog = PROGRAMS[program_key(monoid.combine_fn, monoid.fields, monoid.identity, monoid.scale_fn, monoid.name)]
-    outs, _ = pipeline.launch(prog, elems, init, dim, reverse, out_dtype == torch.float64)
+    outs, _ = launch(prog, elems, init, dim, reverse, out_dtype == torch.float64)
     return tuple(outs)
 
 
