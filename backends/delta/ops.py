@@ -71,10 +71,11 @@ PREP_VALUE_BLOCK = 64    # value columns per step of u in delta_prep (one [C, C]
 # sequential programs of B8 H16 in one wave: for the sweep).
 # bwd_dqk: BKS = key columns per program (clamped to the padded K). Run 8 (session 4) measured BKS=128 on 8 warps
 # (one program per chunk at K=128, dO U^T formed once; one block per SM) at 1.625 ms against 1.320 for 64 columns
-# on 4 warps (two blocks per SM) before dw moved into it: back to 64 / 4 warps (offline, Triton 3.6: 255
-# registers, 520 B spilled, all in the epilogue, none in the value loop). WY=True: one program per chunk also
-# does bwd_wy's work (no dk, dTm, dG, dbeta shares through memory, no second read of dU and Tm; 8 warps, one
-# block per SM: 255 registers, ~500 B spilled, 8 B of it in the value loop, 184 KB shared); for the sweep.
+# on 4 warps (two blocks per SM) before dw moved into it: back to 64 / 4 warps, with the value loop's loads
+# pipelined (2 stages; offline, Triton 3.6: 255 registers, 320 B spilled, all in the epilogue, 48 KB shared; 1
+# stage 392 B). WY=True: one program per chunk also does bwd_wy's work (no dk, dTm, dG, dbeta shares through
+# memory, no second read of dU and Tm; 8 warps, one block per SM: 255 registers, ~600 B spilled, 8 B of it in
+# the value loop, 196 KB shared); for the sweep.
 CONFIG = _Configs({
     "prep": dict(num_warps=4, num_stages=2),
     "wu": dict(BV=64, num_warps=4, num_stages=2, PER_CHUNK=True),   # one program per chunk (see delta_wu)
@@ -82,7 +83,7 @@ CONFIG = _Configs({
     "state_output": dict(BV=64, num_warps=4, num_stages=1),   # see above and below
     "dU_local": dict(BV=64, num_warps=4, num_stages=2),     # only for state_bwd without LOCAL_DU
     "state_bwd": dict(LOCAL_DU=False, BV=64, num_warps=8, num_stages=2),   # see below
-    "bwd_dqk": dict(WY=False, BKS=64, BV=32, num_warps=4, num_stages=1),    # see below
+    "bwd_dqk": dict(WY=False, BKS=64, BV=32, num_warps=4, num_stages=2),    # see below
     "bwd_wy": dict(BV=64, num_warps=4, num_stages=1),
     "recurrent": dict(BV=32, num_warps=4, num_stages=1),
 })
