@@ -65,6 +65,7 @@ def test_backward_recomputation_of_w_u_per_chunk_or_per_block(monkeypatch, per_c
     """delta_wu writing all of a chunk's column blocks in one program or one block per program (K = 40 in
     16-column blocks, V = 20): the gradients, which use the recomputed w and u, against float64."""
     monkeypatch.setattr(delta_ops, "KEY_BLOCK", 16)
+    monkeypatch.setattr(delta_ops, "SHARED_MEMORY_FITS", {})      # fp32 would otherwise take per-block programs
     monkeypatch.setitem(delta_ops.CONFIG, "wu", dict(BV=16, num_warps=4, num_stages=1, PER_CHUNK=per_chunk))
     q, k, v, g, eta = make_inputs(1, 37, 2, 40, 20, seed=23)
     ins = [t.to(dtype) if t.dim() == 4 else t for t in (q, k, v)] + [g, eta]
@@ -111,3 +112,14 @@ def test_bf16_wy_factors_match_float64():
             assert_close(tm[t0 // C, h, :n, :n], Tm, "delta_tm", torch.float32, "Tm")
     assert w.dtype == torch.bfloat16
     assert_close(w, w_ref, "delta_out", torch.bfloat16, "w")
+
+
+def test_fp32_plans_recompute_w_u_per_block():
+    """fp32's delta_wu takes a column block per program (per chunk its FMA products spill, ops.SHARED_MEMORY_FITS);
+    half inputs keep CONFIG's one program per chunk."""
+    key = delta_ops.program_key(KACZMARZ, 64)
+    cpu = torch.device("cpu")
+    for K in (64, 128, 256):
+        assert delta_ops.plan(key, K, 96, torch.float32, cpu).configs["wu"]["PER_CHUNK"] is False
+        for dtype in (torch.bfloat16, torch.float16):
+            assert delta_ops.plan(key, K, 96, dtype, cpu).configs["wu"] == delta_ops._clamp(delta_ops.CONFIG["wu"], 96)

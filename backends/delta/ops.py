@@ -105,6 +105,10 @@ SHARED_MEMORY_FITS = {
     ("state_bwd", 4, 64): dict(BV=64),
     ("state_bwd", 4, 128): dict(BV=64),
     ("state_bwd", 4, 256): dict(BV=64, num_stages=1),
+    # fp32 delta_wu: a block per program (per chunk its FMA products spill 19 KB per thread at K=64, against 1.2 KB)
+    ("wu", 4, 64): dict(PER_CHUNK=False),
+    ("wu", 4, 128): dict(PER_CHUNK=False),
+    ("wu", 4, 256): dict(PER_CHUNK=False),
 }
 EAGER_FAST_PATH = True   # False: every chunked call goes through the torch.library ops (tests compare the two)
 _RULES = {"beta": GIVEN, "kaczmarz": KACZMARZ}
