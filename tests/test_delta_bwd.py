@@ -1,6 +1,7 @@
 """Backward kernels of the generated delta rule (Triton's interpreter on CPU): their launch configs and
-variants give the same gradients, each checked against float64 autograd of the chunked reference. fp32 inputs run every dot in
-fp32 ("ieee"), so the kernels' algebra is checked to fp32 rounding, well inside the spec's tolerances."""
+variants give the same gradients, each checked against float64 autograd of the chunked reference. fp32
+inputs run every dot in fp32 ("ieee"), so the kernels' algebra is checked to fp32 rounding, well inside
+the spec's tolerances."""
 from __future__ import annotations
 
 import os
@@ -20,7 +21,8 @@ from test_delta_triton import NAMES, make_inputs, run_with_grads  # noqa: E402
 @pytest.fixture(autouse=True)
 def poisoned_buffers(monkeypatch, tmp_path):
     """Every kernel buffer starts as NaN (so an unwritten element shows), in a fresh cache dir."""
-    monkeypatch.setattr(delta_ops, "_empty", lambda *s, device, dtype: torch.full(s, float("nan"), device=device, dtype=dtype))
+    monkeypatch.setattr(delta_ops, "_empty",
+                        lambda *s, device, dtype: torch.full(s, float("nan"), device=device, dtype=dtype))
     monkeypatch.setenv("SCANLANG_CACHE_DIR", str(tmp_path))
 
 

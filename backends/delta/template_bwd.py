@@ -26,8 +26,8 @@ def delta_dU_local(q_ptr, k_ptr, gcum_ptr, do_ptr, dul_ptr, chunk_tok, chunk_len
     k = tl.load(k_ptr + (tok[:, None] * H + h) * K + kk[None, :], mask=km, other=0.0)
     G = tl.load(gcum_ptr + tok * H + h, mask=ok, other=0.0)
     do = tl.load(do_ptr + (tok[:, None] * H + h) * V + vv[None, :], mask=vm, other=0.0)
-    tl.store(dul_ptr + (tok[:, None] * H + h) * V + vv[None, :], local_dU(q, k, G, do, ok, rows, scale, IN_PREC, UPCAST),
-             mask=vm)
+    dU = local_dU(q, k, G, do, ok, rows, scale, IN_PREC, UPCAST)
+    tl.store(dul_ptr + (tok[:, None] * H + h) * V + vv[None, :], dU, mask=vm)
 
 
 @triton.jit
@@ -203,8 +203,8 @@ def u_grads(v_ptr, dv_ptr, Tm, dU, beta, dbeta, dTm, tok, vv, vm, h, H, V: tl.co
     """Through u = Tm diag(beta) V on one block of value columns: stores dv; returns dbeta and dTm updated."""
     v = tl.load(v_ptr + (tok[:, None] * H + h) * V + vv[None, :], mask=vm, other=0.0).to(tl.float32)
     dY = mm(tl.trans(Tm), dU, PREC, UPCAST)
-    tl.store(dv_ptr + (tok[:, None] * H + h) * V + vv[None, :], rnd(beta[:, None] * dY, dv_ptr.dtype.element_ty, UPCAST),
-             mask=vm)
+    tl.store(dv_ptr + (tok[:, None] * H + h) * V + vv[None, :],
+             rnd(beta[:, None] * dY, dv_ptr.dtype.element_ty, UPCAST), mask=vm)
     return dbeta + tl.sum(dY * v, 1), dTm + mm(dU, tl.trans(beta[:, None] * v), PREC, UPCAST)
 
 
