@@ -38,7 +38,10 @@ SASS, Kalman forward inner loop: 44 -> 23 instructions per lane-step under 3.6).
   (the readout at t differentiated in its previous prefix) and `bd` = B_t gbar_t (B_t the adjoint
   transition J1(y_{t-1}, x_t)^T in its sparse form). At t = 0 they sum to dL/d(initial). The
   prefix y_t of a step is its successor's previous prefix (carried as `nq`), so each step reads
-  one scratch row.
+  one scratch row. A readout that does not use the previous prefix (c = 0) carries `bd` alone.
+  When the step composes with the lift (`_composed_step`), so does the adjoint
+  (`_composed_adjoint`): B's entries and du = (dF/du)^T gbar + (d readout/du)^T g over the inputs
+  and prefixes, simplified with the lift in view, and no dx.
 - Both: an input constant in time (a broadcast static parameter, time stride 0: constexpr
   TSTATIC<i>) is loaded once per program; the fields of a specialised carry (`ir.constants`,
   scanlang/ir.py `specialize_carry`) are literals, never stored, loaded or carried. The combine is
@@ -48,6 +51,7 @@ SASS, Kalman forward inner loop: 44 -> 23 instructions per lane-step under 3.6).
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import sympy
@@ -102,6 +106,10 @@ def _prologue() -> list[str]:
         "first = (slot % STATE) == 0",   # the slot that stores its group's sum
         "first_group = slot - pid.to(tl.int64) * BLOCK_L < STATE",   # the program's group that adds the groups' sum
         "first_in_warp = (slot - pid.to(tl.int64) * BLOCK_L) % (32 * R) < STATE",   # each warp's first group
+        # a slot's group within its warp; the first R groups' slots add the warp's sums of state
+        # index (slot % STATE) + warp_group, one register each (`_du_store_lanes`, mode 6)
+        "warp_group = ((slot - pid.to(tl.int64) * BLOCK_L) // STATE) % ((32 * R + STATE - 1) // STATE)",
+        "pick_ok = (warp_group < R) & (slot + warp_group < L)",
     ]
 
 
@@ -381,7 +389,8 @@ def render_forward_lanes(ir: ScanIR) -> list[str]:
         body += [f"po{o} = po{o}g" for o in range(len(ir.outputs))]
     body += _static_loads(ir)
     body += _initial_carry(ir, SHAPE)
-    chunk = ["if CKPT:"] + ["    " + _store(f"ckpt_ptr + ({f} * n_slots + slot0 + k) * L + lane", f"c_{name}", "lane_ok")
+    ckpt = "ckpt_ptr + ({} * n_slots + slot0 + k) * L + lane"
+    chunk = ["if CKPT:"] + ["    " + _store(ckpt.format(f), f"c_{name}", "lane_ok")
                             for f, name in enumerate(ir.fields) if name in _free(ir)]
     chunk.append("n_steps = tl.minimum(CHUNK, seq_len - k * CHUNK)")
     chunk += _split_blocks(_forward_block(ir, masked=False), _forward_block(ir, masked=True), "s0")
@@ -400,8 +409,10 @@ def _du_store_lanes(i: int, name: str, at: str, lane_mask: str, slot_mask: str, 
     add, 2 summed over time, 3 summed over the STATE lanes then stored, 4 summed over the STATE
     lanes then atomically added (by the group's first slot), 5 summed over the program's groups lane
     by lane (inputs shared by the groups of a program) then atomically added by the first group, 6
-    the same over the groups of each warp (plan._lanes_mode). Atomics are relaxed: gradients only
-    accumulate."""
+    the same over the groups of each warp (plan._lanes_mode), added by one atomic per slot of the
+    warp's first R groups (each adds its register warp_group: R x fewer atomic instructions, each
+    predicated atomic being a branch in SASS) when STATE <= 32, else by the first group's R
+    registers. Atomics are relaxed: gradients only accumulate."""
     ptr, gptr = _at(f"du{i}", at), f"pdu{i}g + {at} * TS_du{i}"
     value = f"tl.where({lane_mask}, du_{name}, 0.0)" if masked else f"du_{name}"
     cast = f".to(du{i}_ptr.dtype.element_ty)"
@@ -418,9 +429,18 @@ def _du_store_lanes(i: int, name: str, at: str, lane_mask: str, slot_mask: str, 
         "    " + _store(gptr, f"{_state_sum(value)}{cast}", f"{slot_mask} & first", per_slot=True, atomic=True),
         f"elif DU{i} == 5:",
         "    " + _store(ptr, f"{_groups_sum(value)}{cast}", f"{lane_mask} & first_group", atomic=True),
+        "elif STATE <= 32:",   # a warp holds at least R groups: one atomic per slot of its first R groups
+        "    " + _store(f"pdu{i} + {at} * TS_du{i} + warp_group * du{i}_s3",
+                        f"{_picked(_warp_groups_sum(value))}{cast}", f"{slot_mask} & pick_ok", per_slot=True,
+                        atomic=True),
         "else:",
         "    " + _store(ptr, f"{_warp_groups_sum(value)}{cast}", f"{lane_mask} & first_in_warp", atomic=True),
     ]
+
+
+def _picked(value: str) -> str:
+    """Per slot [1, G], register warp_group of a lane tensor (exact: the other registers add zeros)."""
+    return f"tl.sum(tl.where(r_idx == warp_group, {value}, 0.0), 0, keep_dims=True)"
 
 
 def _scratch(f: int, row: str) -> str:
@@ -436,25 +456,27 @@ def _adjoint_step(ir: ScanIR, adj: Adjoint, j: int, at: str, carried: list[str],
     shape = f"p_{ir.fields[0]}"
     here = ({s: s.name for s in ir.prefix_symbols + ir.previous_symbols + adj.g}
             | _symbols_named(ir.input_symbols, "u_{}"))
-    b_names = {s: s.name for s in ir.previous_symbols} | {s: f"e_{f}" for s, f in zip(ir.later, ir.fields)}
+    b_names = {s: s.name for s in ir.previous_symbols} | {s: f"e_{f}" for s, f in zip(ir.later, ir.fields)} | here
     # entries of B that are identically zero (e.g. the rows of a specialised carry's constants) drop out
     bmat = adj.matrix([E.symbol(f"b{k}") if adj.b_entries[k] != 0 else sympy.Integer(0) for k in range(nb)])
     gb = [E.symbol(f"gbar_{f}") for f in ir.fields]
     bd = [sum((bmat[i][k] * gb[k] for k in range(n)), sympy.Integer(0)) for i in range(n)]
     recips: dict = {}   # one reciprocal per distinct denominator of the step
     part = _assign_rcp([f"dy_{f}" for f in ir.fields], _cheapest(adj.dy), here, "_d", recips, shape_like=shape)
-    part += [f"d_{f} = dy_{f} + cd_{f}" for f in ir.fields]
+    part += [f"d_{f} = dy_{f} + cd_{f}" if _hands_down_c(adj) else f"d_{f} = dy_{f}" for f in ir.fields]
     part += _assign_rcp([f"v_{f}" for f in ir.fields], _cheapest(adj.direct),
                         {s: s.name for s in ir.prefix_symbols + adj.d}, "_v", recips, shape_like=shape)
     part += [f"gbar_{f} = v_{f} + bd_{f}" for f in ir.fields]
     names_x = {s: s.name for s in ir.previous_symbols + adj.gbar} | {s: f"e_{f}" for s, f in zip(ir.later, ir.fields)}
-    part += _assign_rcp([f"dx_{f}" for f in ir.fields], _cheapest(adj.dx), names_x, "_x", recips, shape_like=shape)
-    part += _assign_rcp([f"du_{u}" for u in ir.inputs], _cheapest(adj.du), here | {s: s.name for s in adj.dx_symbols},
-                        "_u", recips, shape_like=shape)
+    if adj.dx:   # (a composed adjoint has none: its du is over gbar directly)
+        part += _assign_rcp([f"dx_{f}" for f in ir.fields], _cheapest(adj.dx), names_x, "_x", recips, shape_like=shape)
+    part += _assign_rcp([f"du_{u}" for u in ir.inputs], _cheapest(adj.du),
+                        here | {s: s.name for s in adj.dx_symbols + adj.gbar}, "_u", recips, shape_like=shape)
     for i, name in enumerate(ir.inputs):
         part += _du_store_lanes(i, name, at, lmask, smask, masked)
     # hand down to step t - 1: c_t, B_t gbar_t (B_t = J1(y_{t-1}, x_t)^T) and its prefix y_{t-1}
-    part += _assign_rcp([f"cd_{f}_new" for f in ir.fields], _cheapest(adj.c), here, "_i", recips, shape_like=shape)
+    if _hands_down_c(adj):
+        part += _assign_rcp([f"cd_{f}_new" for f in ir.fields], _cheapest(adj.c), here, "_i", recips, shape_like=shape)
     part += _assign_rcp([f"b{k}" for k in range(nb)], _cheapest(adj.b_entries), b_names, "_b", recips,
                         shape_like=shape)
     part += _assign_rcp([f"bd_{f}_new" for f in ir.fields], bd,
@@ -463,6 +485,48 @@ def _adjoint_step(ir: ScanIR, adj: Adjoint, j: int, at: str, carried: list[str],
     part += [f"nq_{f}_new = q_{f}" for f in ir.fields]
     part += _keep(carried, live)
     return part
+
+
+def _composed_adjoint(ir: ScanIR, adj: Adjoint) -> Adjoint:
+    """`adj` with the lift composed in, for programs whose step composes (`_composed_step`; else `adj`):
+    B's entries over the previous prefix and the inputs, and du = (dF/du)^T gbar + (d readout/du)^T g
+    with F(q, u) = combine(q, lift(u)) differentiated directly (no dx), each expression simplified with
+    the lift in view. The same gradients with fewer operations (Kalman: B's entries reduce to
+    a^2 / den^2, -a p eta / den^2 and a / den; du_k to 2 prec k gbar_lam + prec v gbar_eta)."""
+    if _composed_step(ir) is None:
+        return adj
+    lift = dict(zip(ir.later, ir.lift))
+    const = dict(ir.constants)
+    step = [sympy.sympify(e).xreplace(dict(zip(ir.earlier, ir.previous_symbols))).xreplace(lift)
+            for f, e in zip(ir.fields, ir.combine) if f not in const]
+    gbar = [g for g, f in zip(adj.gbar, ir.fields) if f not in const]
+    du = tuple(sum((gb * sympy.diff(e, u) for gb, e in zip(gbar, step)), sympy.Integer(0))
+               + sum((g * sympy.diff(r, u) for g, r in zip(adj.g, ir.readout)), sympy.Integer(0))
+               for u in ir.input_symbols)
+    b_entries = tuple(sympy.sympify(b).xreplace(lift) for b in adj.b_entries)
+    return dataclasses.replace(adj, b_entries=_simplest(b_entries), dx=(), du=_simplest(du))
+
+
+def _simplest(exprs) -> tuple:
+    """Each expression in its cheapest of: as given, sympy.cancel, sympy.factor (`_cost`)."""
+    out = []
+    for e in exprs:
+        if sympy.count_ops(e) > 300:
+            out.append(e)
+            continue
+        out.append(min([e, sympy.cancel(e), sympy.factor(e)], key=lambda x: _cost([x])))
+    return tuple(out)
+
+
+def _hands_down_c(adj: Adjoint) -> bool:
+    """Whether a step's readout uses its previous prefix (c_t not identically zero): only then is
+    `cd` carried; otherwise gbar_t = dy_t + B_{t+1} gbar_{t+1}, and dL/dfinal starts `bd` instead."""
+    return any(c != 0 for c in adj.c)
+
+
+def _carried_adjoint(adj: Adjoint) -> tuple[str, ...]:
+    """The adjoint vectors carried from step to step: ("cd", "bd"), or ("bd",) without c_t."""
+    return ("cd", "bd") if _hands_down_c(adj) else ("bd",)
 
 
 def _grad_loads(ir: ScanIR, j: int, at: str, lane_mask: str, slot_mask: str) -> list[str]:
@@ -509,10 +573,10 @@ def _walk_block(ir: ScanIR, adj: Adjoint, masked: bool) -> list[str]:
             if name in const:
                 part.append(f"q{j}_{name} = k_{name}")
                 continue
-            part.append(f"q{j}_{name} = tl.where(s{j} > 0, {_load(_scratch(f, f'tl.maximum(s{j} - 1, 0)'), lmask, '0.0')}, "
-                        f"k_{name})")
+            row = _load(_scratch(f, f'tl.maximum(s{j} - 1, 0)'), lmask, '0.0')
+            part.append(f"q{j}_{name} = tl.where(s{j} > 0, {row}, k_{name})")
         block += _guarded(j, part)
-    carried = [f"{c}_{f}" for c in ("cd", "bd", "nq") for f in ir.fields]
+    carried = [f"{c}_{f}" for c in _carried_adjoint(adj) + ("nq",) for f in ir.fields]
     for j in range(MAX_UNROLL):
         part = _step_inputs(ir, j) + [f"p_{f} = nq_{f}" for f in ir.fields]
         part += _adjoint_step(ir, adj, j, f"(tt - {j} * step)", carried, masked)
@@ -544,7 +608,7 @@ def _registers_block(ir: ScanIR, adj: Adjoint, masked: bool) -> list[str]:
         part += _keep([f"c_{f}" for f in _free(ir)], live)
         part += [f"r{j}_{f} = c_{f}" for f in _free(ir)]
         chunk += _guarded(j, part)
-    carried = [f"{c}_{f}" for c in ("cd", "bd") for f in ir.fields]
+    carried = [f"{c}_{f}" for c in _carried_adjoint(adj) for f in ir.fields]
     for j in reversed(range(MAX_UNROLL)):
         prev = [f"q{j}_{f} = " + (f"k_{f}" if f in const or j == 0 else f"r{j - 1}_{f}") for f in ir.fields]
         part = prev + _step_inputs(ir, j) + [f"p_{f} = " + (f"k_{f}" if f in const else f"r{j}_{f}") for f in ir.fields]
@@ -562,6 +626,7 @@ def _chunk_in_registers(ir: ScanIR, adj: Adjoint) -> list[str]:
 
 
 def render_backward_lanes(ir: ScanIR, adj: Adjoint) -> list[str]:
+    adj = _composed_adjoint(ir, adj)
     consts = (["BLOCK_L", "R", "EVEN_L", "CHUNK", "UNROLL", "REVERSE", "HAS_INIT", "HAS_DFINAL", "VARLEN", "STATE",
                "FP64", "RCP_APPROX"] + [f"DU{i}" for i in range(len(ir.inputs))])
     body = _prologue()
@@ -571,19 +636,18 @@ def render_backward_lanes(ir: ScanIR, adj: Adjoint) -> list[str]:
     for o in range(len(ir.outputs)):
         body += _offsets(f"g{o}")
     body += _static_loads(ir)
-    for f, name in enumerate(ir.fields):   # cd: direct terms handed down (dL/dfinal to the last step)
-        body += [f"cd_{name} = to_acc(tl.zeros({SHAPE}, tl.float32), FP64)",
-                 "if HAS_DFINAL:",
-                 f"    cd_{name} += to_acc({_load(f'dfinal_ptr + ({f} * n_seq + seq) * L + lane', 'lane_ok', '0.0')}, FP64)",
-                 f"bd_{name} = to_acc(tl.zeros({SHAPE}, tl.float32), FP64)"]
+    for f, name in enumerate(ir.fields):   # dL/dfinal handed to the last step (in cd, else in bd)
+        body += [f"{c}_{name} = to_acc(tl.zeros({SHAPE}, tl.float32), FP64)" for c in _carried_adjoint(adj)]
+        dfinal = _load(f"dfinal_ptr + ({f} * n_seq + seq) * L + lane", "lane_ok", "0.0")
+        body += ["if HAS_DFINAL:", f"    {_carried_adjoint(adj)[0]}_{name} += to_acc({dfinal}, FP64)"]
     chunk = ["k = n_chunks - 1 - kk", "n_steps = tl.minimum(CHUNK, seq_len - k * CHUNK)"]
     const = dict(ir.constants)
     for f, (name, ident) in enumerate(zip(ir.fields, ir.identity)):
         if name in const:
             chunk.append(f"k_{name} = to_acc(tl.full({SHAPE}, {_num(const[name])}, tl.float64), FP64)")
         else:
-            chunk.append(f"k_{name} = to_acc({_load(f'ckpt_ptr + ({f} * n_slots + slot0 + k) * L + lane', 'lane_ok', _num(ident))}, "
-                         "FP64)")
+            ckpt = _load(f"ckpt_ptr + ({f} * n_slots + slot0 + k) * L + lane", "lane_ok", _num(ident))
+            chunk.append(f"k_{name} = to_acc({ckpt}, FP64)")
         chunk.append(f"c_{name} = k_{name}")
     chunk += ["if CHUNK == UNROLL:", *_indent(_chunk_in_registers(ir, adj), 4),
               "else:", *_indent(_chunk_in_scratch(ir, adj), 4)]
@@ -594,7 +658,8 @@ def render_backward_lanes(ir: ScanIR, adj: Adjoint) -> list[str]:
                  "    " + _store(f"pdu{i} + du{i}_r", f"acc{i}.to(du{i}_ptr.dtype.element_ty)", "lane_ok", atomic=True)]
     body.append("if HAS_INIT:")   # dL/d(initial) = c_0 + B_0 gbar_0 (dL/dfinal when the sequence is empty)
     for f, name in enumerate(ir.fields):
-        body.append("    " + _store(f"dinit{f}_ptr + seq * L + lane", f"cd_{name} + bd_{name}", "lane_ok"))
+        body.append("    " + _store(f"dinit{f}_ptr + seq * L + lane",
+                                       " + ".join(f"{c}_{name}" for c in _carried_adjoint(adj)), "lane_ok"))
     sig = ", ".join(backward_args(ir) + ["scratch_ptr"] + [f"{c}: tl.constexpr" for c in consts]
                     + lanes_flags(ir, True))
     return ["@triton.jit", f"def scan_backward_lanes({sig}):",

@@ -174,6 +174,24 @@ def longest_loop(compiled) -> int:
     return best
 
 
+def inner_loops(compiled) -> list[int]:
+    """Instructions in each innermost loop (a loop holding no other loop), in SASS order: the hot
+    paths. The lane-sequential kernels' full-block loops (the backward's replay and walk through
+    scratch), without the masked copy of the chunk's partial block that `longest_loop` counts."""
+    lines = _sass(compiled)
+    labels, loops = {}, []
+    for i, line in enumerate(lines):
+        m = re.match(r"^(\.L_x_\d+):", line)
+        if m:
+            labels[m.group(1)] = i
+        m = re.search(r"BRA `\((\.L_x_\d+)\)", line)
+        if m and m.group(1) in labels and labels[m.group(1)] < i:
+            loops.append((labels[m.group(1)], i))
+    inner = [(a, b) for a, b in loops
+             if b > a + 1 and not any(a <= c and d <= b and (c, d) != (a, b) for c, d in loops)]
+    return [sum(1 for ln in lines[a:b + 1] if _OPCODE.match(ln)) for a, b in inner]
+
+
 def report(launch: Launch, arch: int = 90) -> str:
     """One line per kernel: registers, spills, shared memory, the SASS mix and the longest loop's length
     per element (tiles) or per lane-step (lane-sequential)."""
@@ -186,10 +204,12 @@ def report(launch: Launch, arch: int = 90) -> str:
     else:               # tiles: a loop iteration is one tile, spread over the program's threads
         per, unit = max(1, c["BLOCK_T"] * c["BLOCK_L"] // (32 * launch.options.get("num_warps", 4))), "element"
     loop = longest_loop(compiled)
+    inner = inner_loops(compiled) if "UNROLL" in c else []
+    hot = f", inner loops {' + '.join(map(str, inner))} ({sum(inner) / per:.1f} per {unit})" if inner else ""
     common = ", ".join(f"{k} {v}" for k, v in ops.most_common(6))
     return (f"{launch.kernel.__name__:20s} {res['registers']:3d} registers, spills {res['spill_stores']} B stored / "
             f"{res['spill_loads']} B loaded, shared {res['shared']} B; SASS {sum(ops.values())}, longest loop {loop} "
-            f"({loop / per:.1f} per {unit}), BAR {ops['BAR']}, SHFL {ops['SHFL']}, LDL {ops['LDL']}, "
+            f"({loop / per:.1f} per {unit}){hot}, BAR {ops['BAR']}, SHFL {ops['SHFL']}, LDL {ops['LDL']}, "
             f"STL {ops['STL']}; {common}")
 
 
@@ -200,7 +220,7 @@ def run_workload(workload: str):
         from scanlang.recipes.kalman.bench import make_inputs
         ins = [x.requires_grad_() for x in make_inputs(2, 40, 8, 16, "cpu")]
         y, y_var, _ = kalman_filter(*ins, backend="triton", form="fused", validate=False)
-        torch.autograd.grad(y.sum() + y_var.sum(), ins)
+        torch.autograd.grad((y, y_var), ins, (torch.randn_like(y), torch.randn_like(y_var)))   # dense, as in training
         return
     from scanlang.bench import _mixers   # the benchmark's mixers, time-contiguous [B, D, T], its T
     mix = _mixers()[workload, "time"]

@@ -180,16 +180,17 @@ def choose_config(T: int, L: int, time_contiguous: bool, state: int, backward: b
         if interpret:
             return Config(block_t=4, block_l=max(state, min(4, pow2(L))), num_warps=1, chunk=4, schedule="lanes",
                           unroll=2)
-        if state > 1 and not backward:
-            # a reducing program (Kalman) forward: 256 lanes x 2 warps = 4 state lanes per thread slot,
-            # blocks of 4 steps, checkpoints every 8. Offline SASS of the Kalman loop body (sm_90a,
-            # resources.py): 22 instructions per lane and step (was 97 on 64 x 2 x 8 x 8), 72 registers
-            return Config(block_t=8, block_l=max(state, 256), num_warps=2, chunk=8, schedule="lanes", unroll=4)
-        # backward (Kalman, same SASS count): one lane per thread replaying the 8-step chunk in
-        # registers, 124 instructions per lane and step (133 with key gradients summed per warp) at
-        # 204 registers: 8 resident warps per SM over many waves, no scratch traffic. 256 x 2 x 8 x 4
-        # replays through scratch at 120 (137) with 254 registers: 1.45 waves of 8 warps per SM.
-        # Other programs, both passes: one lane per thread, 64 lanes x 2 warps, 8-step chunks = the unroll
+        if state > 1:
+            # a reducing program (Kalman): 256 lanes x 2 warps = 4 state lanes per thread slot,
+            # checkpoints every 16 steps. Offline SASS under Triton 3.6 (the H200's; sm_90a,
+            # resources.py, inner loops per lane-step): forward in blocks of 4 steps 22.9 at 80
+            # registers; backward replaying each chunk through scratch in blocks of 2 steps 103.5 at
+            # 156 registers: 6 programs per SM, so the bench's 768 programs run in one wave (blocks
+            # of 4: 97.4 at 201 registers, 4 per SM, 1.45 waves). One lane per thread (64 x 2 x 8 x 8)
+            # costs 53.5 (forward) and 122 (backward, registers replay) with 8x the key atomics.
+            return Config(block_t=16, block_l=max(state, 256), num_warps=2, chunk=16, schedule="lanes",
+                          unroll=2 if backward else 4)
+        # other programs, both passes: one lane per thread, 64 lanes x 2 warps, 8-step chunks = the unroll
         return Config(block_t=8, block_l=64, num_warps=2, chunk=8, schedule="lanes", unroll=8)
     if interpret:
         return Config(block_t=min(8, pow2(T)), block_l=max(state, min(4, pow2(L))), num_warps=1, chunk=4)

@@ -1,0 +1,87 @@
+"""The lane-sequential generator's source-level guarantees (codegen_seq.py): the composed adjoint equals
+the generic one, memory is accessed through 1-D tensors, and the warp-summed key gradients are right
+when a warp holds fewer groups than lanes per slot (STATE > 32).
+"""
+import re
+
+import pytest
+import sympy
+import torch
+
+from scanlang.autodiff import differentiate
+from scanlang.backends.triton import codegen_seq, runtime
+from scanlang.ir import specialize_carry
+from scanlang.testing import assert_close
+
+from test_triton_scan import DEVICE
+
+# the constant map the fused Kalman filter starts from
+KALMAN_CARRY = {"a": 0.0, "c": 0.0, "d": 1.0, "e": 0.0, "g": 0.0}
+
+
+def _programs():
+    """(name, ir) of the fused Kalman programs whose steps compose with their lifts."""
+    from scanlang.recipes.kalman import fused
+    return [("kalman_joint", specialize_carry(fused.joint_mixer().ir, KALMAN_CARRY)),
+            ("kalman_information", fused.information_mixer().ir)]
+
+
+@pytest.mark.parametrize("name,ir", _programs(), ids=lambda x: x if isinstance(x, str) else "")
+def test_composed_adjoint_equals_the_generic_one(name, ir):
+    """du = (dF/du)^T gbar + (d readout/du)^T g and B over the inputs (`_composed_adjoint`) against the
+    generic adjoint's du (through dx = J2^T gbar and d lift/du) and B with the lift substituted."""
+    adj = differentiate(ir)
+    composed = codegen_seq._composed_adjoint(ir, adj)
+    assert composed.dx == () and composed is not adj
+    lift = dict(zip(ir.later, ir.lift))
+    dx = dict(zip(adj.dx_symbols, adj.dx))
+    for u, generic, got in zip(ir.inputs, adj.du, composed.du):
+        want = sympy.sympify(generic).xreplace(dx).xreplace(lift)
+        assert sympy.simplify(want - got) == 0, f"{name}: du_{u}"
+        assert sympy.count_ops(got) <= sympy.count_ops(want), f"{name}: du_{u} not simpler"
+    for generic, got in zip(adj.b_entries, composed.b_entries):
+        assert sympy.simplify(sympy.sympify(generic).xreplace(lift) - got) == 0, name
+
+
+def test_projective_programs_keep_the_generic_adjoint():
+    from scanlang.recipes.kalman import fused
+    ir = fused.precision_mixer().ir
+    adj = differentiate(ir)
+    assert codegen_seq._composed_adjoint(ir, adj) is adj
+
+
+def test_memory_goes_through_flat_tensors():
+    """Every load, store and atomic of the time loops takes a pointer tensor reshaped to 1-D (so
+    Triton 3.6 keeps the [R, G] layout; module docstring, "Memory"). The exceptions: the sequence
+    bounds (scalars) and the initial carry (codegen._initial_carry, once per program)."""
+    ir = _programs()[0][1]
+    source = "\n".join(codegen_seq.render_forward_lanes(ir) + codegen_seq.render_backward_lanes(ir, differentiate(ir)))
+    ops = re.findall(r"tl\.(?:load|store|atomic_add)\((.{0,40})", source)
+    assert len(ops) > 50
+    loose = [o for o in ops if not o.startswith("tl.reshape(") and not o.startswith(("cu_ptr", "init"))]
+    assert not loose, loose[:5]
+
+
+def test_warp_summed_key_gradients_with_wide_state(monkeypatch):
+    """STATE = 64 > 32 (a warp holds 2 groups, fewer than the 4 lanes per slot): mode 6 adds the first
+    group's registers (the other branch of `_du_store_lanes`); every gradient against the float64 loop."""
+    from scanlang.backends.triton import plan
+    from scanlang.recipes.kalman import kalman_filter
+    from scanlang.recipes.kalman.reference import kalman_filter_loop
+    from test_kalman import NAMES, _loss_and_grads, make_inputs, make_state
+    cfg = runtime.Config(block_t=4, block_l=128, num_warps=1, chunk=4, schedule="lanes", unroll=2)
+    assert runtime.lanes_per_thread(cfg, 64) == 4
+    monkeypatch.setattr(plan, "SUM_GROUPS_BEFORE_ATOMICS", False)
+    monkeypatch.setattr(plan, "SUM_WARP_GROUPS_BEFORE_ATOMICS", True)
+    assert plan._lanes_mode(5, (1, 1, 2, 64), cfg, 64) == 6
+    for key in [(c, b) for c in (False, True) for b in (False, True)]:
+        monkeypatch.setitem(runtime.OVERRIDES, key, cfg)
+    ins = make_inputs(1, 5, 2, 64)
+    state = make_state(1, 2, 64)
+    got = _loss_and_grads(kalman_filter, {n: x.to(DEVICE) for n, x in ins.items()},
+                          tuple(s.to(DEVICE) for s in state), seed=5, output_final_state=True, backend="triton",
+                          form="fused")
+    ref = _loss_and_grads(kalman_filter_loop, {n: x.to(torch.float64) for n, x in ins.items()},
+                          tuple(s.to(torch.float64) for s in state), seed=5)
+    for name, g, r in zip(NAMES, got, ref):
+        assert_close(g.cpu(), r, "kalman_grad", torch.float32, name=f"d{name}")
