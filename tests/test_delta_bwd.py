@@ -75,3 +75,25 @@ def test_dqk_key_block_and_wy_from_config(monkeypatch):
     assert p.configs["bwd_dqk"]["BKS"] == 128 and p.configs["bwd_dqk"]["WY"]
     p = delta_ops.plan(key, 200, 20, torch.float32, torch.device("cpu"))
     assert p.configs["bwd_dqk"]["BKS"] == 16 and not p.configs["bwd_dqk"]["WY"]
+
+
+def test_bf16_local_dU_from_its_kernel_or_the_state_pass_same_bits(monkeypatch):
+    """bf16 inputs: delta_dU_local (which also stores dO rounded to bf16 for the later kernels) or the local dU
+    formed in the state pass (reading fp32 dO and rounding it there) give bit-identical gradients, within the
+    spec's bf16 tolerances of float64 (on the bf16-rounded inputs)."""
+    q, k, v, g, eta, h0 = make_inputs(1, 40, 2, 40, 20, seed=11)
+    inputs = [t.to(torch.bfloat16) for t in (q, k, v)] + [g, eta, h0]
+
+    def fn(backend):
+        return lambda q, k, v, g, eta, h0: kaczmarz_delta_rule(
+            q, k, v, g, eta, initial_state=h0.float() if h0.dtype != torch.float64 else h0,
+            output_final_state=True, backend=backend, chunk_size=32)
+    ref = run_with_grads(fn("reference"), inputs, torch.float64)
+    got = {}
+    for local in (False, True):
+        monkeypatch.setitem(delta_ops.CONFIG, "state_bwd", dict(LOCAL_DU=local, BV=16, num_warps=4, num_stages=1))
+        got[local] = run_with_grads(fn("triton"), inputs, torch.bfloat16)
+    for name, a, b, r in zip(("o", "S") + NAMES, got[False], got[True], ref):
+        assert torch.equal(a, b), name
+        kind = "delta_out" if name in ("o", "S") else "delta_gate_grad" if name in ("dg", "deta") else "delta_grad"
+        assert_close(a, r, kind, torch.bfloat16, name)

@@ -328,6 +328,9 @@ def _chunk_backward(p: Plan, q, k, v, a, hp, s, h0, chunk_tok, chunk_len, seq_ch
     dh = _empty(NC, H, K, V, device=dev, dtype=k.dtype)
     dU = _empty(TT, H, V, device=dev, dtype=torch.float32)
     local_du = p.configs["state_bwd"]["LOCAL_DU"]     # else delta_dU_local stores the local part in dU first
+    # and dO rounded to the input dtype (every use rounds it so): state_bwd and bwd_dqk read half the bytes
+    store_do = not local_du and k.dtype != do.dtype
+    doq = _empty(TT, H, V, device=dev, dtype=k.dtype) if store_do else do
     dh0 = _empty(N, H, K, V, device=dev, dtype=torch.float32) if h0 is not None else k.new_empty(0, dtype=torch.float32)
     dq = _empty(TT, H, K, device=dev, dtype=q.dtype)
     dk = _empty(TT, H, K, device=dev, dtype=k.dtype)
@@ -347,15 +350,16 @@ def _chunk_backward(p: Plan, q, k, v, a, hp, s, h0, chunk_tok, chunk_len, seq_ch
     meta, cfgs, mod = p.meta, p.configs, p.mod
     if not local_du:
         _launch("dU_local", mod.delta_dU_local, lambda cfg: (NC * triton.cdiv(V, cfg["BV"]), H),
-                (q, k, gcum, do, dU, chunk_tok, chunk_len, scale, H), meta, V, cfgs, direct)
+                (q, k, gcum, do, dU, doq, chunk_tok, chunk_len, scale, H), dict(meta, STORE_DO=store_do), V, cfgs,
+                direct)
     _launch("state_bwd", mod.delta_state_bwd, lambda cfg: (N, H, triton.cdiv(V, cfg["BV"])),
-            (q, k, w, gcum, do, dU, dht if dht is not None else dh, chunk_tok, chunk_len, seq_chunk0, dh, dU,
+            (q, k, w, gcum, doq, dU, dht if dht is not None else dh, chunk_tok, chunk_len, seq_chunk0, dh, dU,
              dh0 if h0 is not None else dh, scale, H),
             dict(meta, HAS_DHT=dht is not None, STORE_DH0=h0 is not None), V, cfgs, direct)
     hp_ = _ptr(hp, k)
     # with WY the shares' pointers are placeholders, never touched; without it, dv, da, dhp, ds are
     _launch("bwd_dqk", mod.delta_bwd_dqk, lambda cfg: (NC * NKQ, H),
-            (q, k, v, a, hp_, s, eps, gcum, beta, tm, h, dh, U, dU, do, dq, dk if wy else dk_part, dv,
+            (q, k, v, a, hp_, s, eps, gcum, beta, tm, h, dh, U, dU, doq, dq, dk if wy else dk_part, dv,
              *((dU, dU, dU) if wy else (dTm_part, dG_part, dbeta_part)), da, dhp_tok, ds, chunk_tok, chunk_len, scale,
              TT * H, H), meta, V, cfgs, direct)
     if not wy:

@@ -5,11 +5,12 @@ See template.py for the kernels' roles; these use its helpers (`mm`, `rnd`, `ste
 
 BACKWARD = '''\
 @triton.jit
-def delta_dU_local(q_ptr, k_ptr, gcum_ptr, do_ptr, dul_ptr, chunk_tok, chunk_len, scale,
+def delta_dU_local(q_ptr, k_ptr, gcum_ptr, do_ptr, dul_ptr, doq_ptr, chunk_tok, chunk_len, scale,
                    H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
-                   PREC: tl.constexpr, IN_PREC: tl.constexpr, UPCAST: tl.constexpr):
+                   STORE_DO: tl.constexpr, PREC: tl.constexpr, IN_PREC: tl.constexpr, UPCAST: tl.constexpr):
     """dU from the outputs within each chunk, scale (Q K^T * D)^T dO (fp32), for delta_state_bwd without
-    LOCAL_DU: per chunk and block of BV value columns, in parallel."""
+    LOCAL_DU: per chunk and block of BV value columns, in parallel. With STORE_DO, also dO rounded to doq's
+    dtype (the input dtype, to which every later use of dO rounds it: the same bits, half the reads)."""
     NVB: tl.constexpr = (V + BV - 1) // BV     # a chunk's value blocks run back to back: q, k from L2
     c = tl.program_id(0) // NVB
     h = tl.program_id(1)
@@ -26,6 +27,8 @@ def delta_dU_local(q_ptr, k_ptr, gcum_ptr, do_ptr, dul_ptr, chunk_tok, chunk_len
     k = tl.load(k_ptr + (tok[:, None] * H + h) * K + kk[None, :], mask=km, other=0.0)
     G = tl.load(gcum_ptr + tok * H + h, mask=ok, other=0.0)
     do = tl.load(do_ptr + (tok[:, None] * H + h) * V + vv[None, :], mask=vm, other=0.0)
+    if STORE_DO:
+        tl.store(doq_ptr + (tok[:, None] * H + h) * V + vv[None, :], rnd(do, doq_ptr.dtype.element_ty, UPCAST), mask=vm)
     dU = local_dU(q, k, G, do, ok, rows, scale, IN_PREC, UPCAST)
     tl.store(dul_ptr + (tok[:, None] * H + h) * V + vv[None, :], dU, mask=vm)
 
