@@ -97,3 +97,34 @@ def test_bf16_local_dU_from_its_kernel_or_the_state_pass_same_bits(monkeypatch):
         assert torch.equal(a, b), name
         kind = "delta_out" if name in ("o", "S") else "delta_gate_grad" if name in ("dg", "deta") else "delta_grad"
         assert_close(a, r, kind, torch.bfloat16, name)
+
+
+@pytest.mark.parametrize("wy", [False, True])
+def test_varlen_and_decay_parameters_through_both_backward_layouts(monkeypatch, wy):
+    """Packed sequences (an empty one, lengths off the chunk) with the Mamba2 decay hook's per-head parameters:
+    bwd_dqk in 16-column key blocks with bwd_wy, or one WY program per chunk storing every gradient itself."""
+    from scanlang.delta import KACZMARZ_MAMBA2
+    monkeypatch.setattr(delta_ops, "KEY_BLOCK", 16)
+    monkeypatch.setitem(delta_ops.CONFIG, "bwd_dqk", dict(WY=wy, BKS=16, BV=16, num_warps=4, num_stages=1))
+    q, k, v, _, eta, _ = make_inputs(1, 40, 2, 24, 20, seed=4)
+    gen = torch.Generator().manual_seed(5)
+    a = torch.randn(1, 40, 2, generator=gen)
+    cu = torch.tensor([0, 3, 3, 21, 40])
+    h0 = torch.randn(4, 2, 24, 20, generator=gen)
+    A_log, dt_bias = torch.tensor([-1.0, 0.5]), torch.tensor([0.0, -2.0])
+
+    def triton_fn(q, k, v, a, eta, h0, A_log, dt_bias):
+        return delta_ops.delta_rule(q, k, v, a, eta, KACZMARZ_MAMBA2, scale=0.25, initial_state=h0,
+                                    output_final_state=True, cu_seqlens=cu, chunk_size=16, eps=1e-6,
+                                    decay_params=(A_log, dt_bias))
+
+    def reference_fn(q, k, v, a, eta, h0, A_log, dt_bias):
+        g = -torch.exp(A_log) * torch.nn.functional.softplus(a + dt_bias, threshold=1e9)
+        return kaczmarz_delta_rule(q, k, v, g, eta, scale=0.25, initial_state=h0, output_final_state=True,
+                                   cu_seqlens=cu, backend="reference", chunk_size=16)
+
+    inputs = (q, k, v, a, eta, h0, A_log, dt_bias)
+    got = run_with_grads(triton_fn, inputs, torch.float32)
+    ref = run_with_grads(reference_fn, inputs, torch.float64)
+    for name, x, y in zip(("o", "S", "dq", "dk", "dv", "da", "deta", "dh0", "dA_log", "ddt_bias"), got, ref):
+        assert_close(x, y, "delta_ieee", torch.float32, name)
