@@ -45,3 +45,13 @@ def test_sweep_stops_at_its_budget(tiny_bench, monkeypatch):
     assert not changed and len(timed) == 2                   # two configs of "prep" tried, then out of time
     assert "kept as they were: ['wu'," in "\n".join(bench.LOG)
     assert {name: dict(cfg) for name, cfg in delta_ops.CONFIG.items()} == before
+
+
+def test_sweep_of_named_kernels_only(tiny_bench, monkeypatch):
+    results, timed = tiny_bench
+    monkeypatch.setitem(delta_ops.CONFIG, "bwd_wy", dict(delta_ops.CONFIG["bwd_wy"]))     # restored afterwards
+    monkeypatch.setitem(bench.SWEEP_OPTIONS, "bwd_wy", [dict(BV=16, num_warps=4, num_stages=1)])
+    bench.sweep(torch.device("cpu"), results, budget_s=1e9, only={"bwd_wy"})
+    log = "\n".join(bench.LOG)
+    assert len(timed) == 2                                    # its start config and the one other
+    assert "bwd_wy: best" in log and "prep: best" not in log

@@ -176,9 +176,10 @@ SWEEP_OPTIONS = {
 }
 
 
-def sweep(device, results, budget_s: float) -> bool:
-    """Per kernel: try value blocks / warps / stages, keep the fastest (others at their current best), until
-    `budget_s` seconds are spent (kernels not reached keep their configs). Returns whether a config changed."""
+def sweep(device, results, budget_s: float, only=()) -> bool:
+    """Per kernel (those named in `only`, else all): try value blocks / warps / stages, keep the fastest (others at
+    their current best), until `budget_s` seconds are spent (kernels not reached keep their configs). Returns
+    whether a config changed."""
     B, T, H, K, V = SHAPE
     say(f"## per-kernel sweep (B{B} T{T} H{H} K=V={K} bf16), budget {budget_s:.0f} s")
     deadline = time.monotonic() + budget_s
@@ -187,8 +188,9 @@ def sweep(device, results, budget_s: float) -> bool:
     f = lambda: ours_fn(*ins)  # noqa: E731
     fb = lambda: fwd_bwd(ours_fn, ins, do)  # noqa: E731
     changed = False
-    names = list(SWEEP_OPTIONS)
-    for i, (name, cfgs) in enumerate(SWEEP_OPTIONS.items()):
+    options = {name: cfgs for name, cfgs in SWEEP_OPTIONS.items() if not only or name in only}
+    names = list(options)
+    for i, (name, cfgs) in enumerate(options.items()):
         timer = f if name in ("prep", "state_output") else fb   # "wu" runs in the backward only
         start = dict(delta_ops.CONFIG[name])
         best = None
@@ -323,6 +325,8 @@ def main(argv=None):
                         help="per-kernel config sweep after everything else, bounded to SECONDS (default 300)")
     parser.add_argument("--skip-correctness", action="store_true")
     parser.add_argument("--no-breakdown", action="store_true")
+    parser.add_argument("--sweep-only", default="", metavar="NAMES",
+                        help="comma-separated kernels to sweep, e.g. state_bwd,dU_local,bwd_dqk,bwd_wy (default: all)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("no CUDA device: this benchmark needs a GPU", file=sys.stderr)
@@ -348,7 +352,7 @@ def main(argv=None):
         steps.append(("breakdown", lambda: breakdown(device, results, have_fla)))
     if args.sweep is not None:
         def sweep_then_time():
-            if sweep(device, results, args.sweep):
+            if sweep(device, results, args.sweep, set(filter(None, args.sweep_only.split(",")))):
                 timings(device, results, have_fla, label_suffix=" after sweep", only_ours=True)
         steps.append(("sweep", sweep_then_time))
     for name, step in steps:
