@@ -89,15 +89,18 @@ def _no_launches_without_cuda():
         yield
         return
     from triton.runtime.interpreter import InterpretedFunction
-    saved = InterpretedFunction.run
+    saved = {name: InterpretedFunction.__dict__[name] for name in ("run", "params") if name in InterpretedFunction.__dict__}
     InterpretedFunction.run = lambda self, *a, **k: _CompiledStandIn()
     InterpretedFunction.params = property(
         lambda self: [_Param(p) for p in inspect.signature(self.fn).parameters.values()])
     try:
         yield
     finally:
-        InterpretedFunction.run = saved
-        del InterpretedFunction.params
+        for name in ("run", "params"):
+            if name in saved:
+                setattr(InterpretedFunction, name, saved[name])
+            else:
+                delattr(InterpretedFunction, name)
 
 
 def _report(args):
