@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import collections
 import numbers
-from collections.abc import Mapping, Sequence   # isinstance checks: cheaper than typing's aliases
+from collections.abc import Mapping, Sequence  # isinstance checks: cheaper than typing's aliases
 
 import torch
 
@@ -171,7 +171,7 @@ def _broadcast_shape(shapes) -> torch.Size:
     if torch.compiler.is_compiling():
         return torch.broadcast_shapes(*shapes)
     first = shapes[0]
-    if all([s == first for s in shapes]):   # the usual case: nothing broadcasts
+    if all(s == first for s in shapes):   # the usual case: nothing broadcasts
         return torch.Size(first)
     out = [1] * max(len(s) for s in shapes)
     for s in shapes:

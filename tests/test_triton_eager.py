@@ -240,7 +240,7 @@ def test_create_graph_backward_refuses_a_second_differentiation():
     a, b = (e.requires_grad_() for e in elems_for(sl.Affine, (2, 5, 3)))
     w = torch.randn(2, 5, 3, dtype=torch.float64, device=DEVICE, requires_grad=True)
     out = sl.scan(sl.Affine, (a, b), dim=1, backend="triton")
-    ga, gb = torch.autograd.grad(out.b, (a, b), w, create_graph=True)
+    _, gb = torch.autograd.grad(out.b, (a, b), w, create_graph=True)
     assert_close(gb, torch.autograd.grad(scan_sequential(sl.Affine, (a, b), dim=1)[1], b, w)[0], "scan_grad")
     assert gb.requires_grad
     with pytest.raises(RuntimeError, match="differentiate twice"):

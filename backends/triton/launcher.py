@@ -14,7 +14,8 @@ the compiled kernel of a launch whose pointers were all 16-byte aligned is cache
 config) and, while they stay aligned, called through its launcher directly:
 `CompiledKernel.run(grid, stream, function, metadata, hooks, *all arguments)`, what
 `JITFunction.run` itself calls after binding. The first launch of each entry goes through
-`kernel[grid]` (compiling if needed) and returns the compiled kernel that is kept.
+`kernel[grid]` (compiling if needed) and returns the compiled kernel that is kept. Triton's launch
+hooks go along only when one is set (see `_hooks`).
 
 Not used under Triton's interpreter (no compiled kernel) nor while tracing (the registered ops
 launch through `wrap_triton`).

@@ -29,8 +29,7 @@ from torch.autograd.function import once_differentiable
 from torch.library import triton_op, wrap_triton
 from triton.runtime.errors import OutOfResources
 
-from . import launcher
-from . import runtime
+from . import launcher, runtime
 from .plan import PLANS, BackwardPlan, ForwardPlan, chunk_of, overrides
 from .runtime import fit_launch, fitted
 
@@ -271,7 +270,7 @@ def eager(tensors) -> bool:
     if (torch._C._len_torch_dispatch_stack() or torch._C._functorch.peek_interpreter_stack() is not None
             or torch._C._get_tracing_state() is not None):
         return False
-    return all([type(t) in _PLAIN and not t.is_meta for t in tensors])
+    return all(type(t) in _PLAIN and not t.is_meta for t in tensors)
 
 
 def launch(prog: Program, inputs, initial, dim: int, reverse: bool, fp64: bool, cu_seqlens=None,
@@ -284,7 +283,7 @@ def launch(prog: Program, inputs, initial, dim: int, reverse: bool, fp64: bool, 
     inputs = list(inputs)
     initial = list(initial) if initial else []
     tensors = inputs + initial if initial else inputs
-    checkpoint = torch.is_grad_enabled() and any([t.requires_grad for t in tensors])
+    checkpoint = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
     if use_ops:
         is_eager = False
     elif is_eager is None:
