@@ -156,7 +156,7 @@ class Mixer:
         for n, t in zip(self.input_axes, values):
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"{n}: expected a tensor, got {type(t).__name__}")
-        triton_backend_check(values)
+        _triton_backend_check(values)
         views, sizes = self._align(dict(zip(self.input_axes, values)))
         if self.reduce is not None:
             s = sizes[self.reduce]
@@ -237,7 +237,7 @@ def _call(self: Mixer, initial, output_final_state: bool, reverse: bool, cu_seql
                 self._checked.clear()
             self._checked[signature] = known
     elif values[0].device.type != "cuda" and not settings.triton_interpret():
-        triton_backend_check(values)   # raises: the environment changed since
+        _triton_backend_check(values)   # raises: the environment changed since
     view_shapes, fp64, lane_shape, length = known
     views = values if view_shapes is None else [t if s is None else t.reshape(s) for t, s in zip(values, view_shapes)]
     state_shape = lane_shape
@@ -253,7 +253,7 @@ def _call(self: Mixer, initial, output_final_state: bool, reverse: bool, cu_seql
     return self.result(*outs, fin)
 
 
-def triton_backend_check(values):
+def _triton_backend_check(values):
     """The Triton backend's device and dtype checks of the inputs (`backends.triton._check`)."""
     from .backends import triton as triton_backend
     triton_backend._check(values, None, arg="inputs")
