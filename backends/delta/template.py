@@ -23,10 +23,15 @@ Kernels (per chunk c of C tokens, head h; S0 the chunk's start state, G the in-c
                       U = u - w S0, S_end = e^G_last S0 + (K e^(G_last - G))^T U (the backward's recomputation)
     delta_state_output the same pass in the forward, storing O = scale (e^G Q S0 + (Q K^T * Dec) U) per chunk
                       (Q K^T * Dec from delta_prep) instead of S0 and U
-    delta_state_bwd   reverse over chunks: dS_end per chunk, dU = scale (Q K^T * Dec)^T dO + K~ dS_end,
-                      dS0 = e^G_last dS_end + scale (e^G Q)^T dO - w^T dU
-    delta_bwd_dqk     per chunk, through the outputs, S_end and U: dq, and dk, dw, dG in part
-    delta_bwd_wy      per chunk, through w, u, Tm, A and the hooks: dv, dk, d(step input), d(decay input)
+    delta_dU_local    per chunk and value block, in parallel: the local dU = scale (Q K^T * Dec)^T dO (and dO
+                      rounded to the input dtype for the kernels after it)
+    delta_state_bwd   reverse over chunks: dS_end per chunk, dU = local dU + K~ dS_end (the local part formed
+                      here instead under LOCAL_DU), dS0 = e^G_last dS_end + scale (e^G Q)^T dO - w^T dU
+    delta_bwd_dqk     per chunk and key block, through the outputs, S_end and U: dq, dk and dG in part, and dw
+                      applied where it is formed (shares of dk, dTm, dbeta, dG; never stored); under WY one
+                      program per chunk also does delta_bwd_wy's work
+    delta_bwd_wy      per chunk, through u, Tm, A and the hooks, summing dqk's shares: dv, dk, d(step input),
+                      d(decay input)
     delta_recurrent   token loop with the state in registers (decode / short inputs)
 """
 from .template_bwd import BACKWARD
