@@ -376,7 +376,7 @@ def backward_args(ir: ScanIR) -> list[str]:
 def render_forward(ir: ScanIR) -> list[str]:
     from .codegen_runs import RUN, RUN_TILE, forward_loop, runs_epilogue, runs_prologue
     args = forward_args(ir)
-    consts = ["BLOCK_T", "BLOCK_L", "CHUNK", "REVERSE", "HAS_INIT", "VARLEN", "STATE", "FP64", "STAGES"] + TILE_FLAGS
+    consts = ["BLOCK_T", "BLOCK_L", "CHUNK", "REVERSE", "HAS_INIT", "VARLEN", "STATE", "FP64", "STAGES", "CKPT"] + TILE_FLAGS
     body = _common_prologue()
     for i in range(len(ir.inputs)):
         body.append(f"u{i}_off = {_lane_off(f'u{i}')}[None, :]")
@@ -389,11 +389,12 @@ def render_forward(ir: ScanIR) -> list[str]:
         for j in range(len(ir.outputs)):
             body.append(f"o{j}_off = {_lane_off(f'o{j}')}[None, :]")
     body += _initial_carry(ir)
-    # checkpoints every CHUNK steps (the backward's tile): slot j holds the carry into chunk j. With
-    # CHUNK == BLOCK_T that is the carry at each tile start; with a shorter CHUNK the prefixes at
-    # chunk ends are stored from inside the tile (a masked store, one row in CHUNK active).
+    # checkpoints every CHUNK steps (the backward's tile), only for a backward (CKPT; without one
+    # CHUNK is BLOCK_T and nothing is stored): slot j holds the carry into chunk j. With CHUNK ==
+    # BLOCK_T that is the carry at each tile start; with a shorter CHUNK the prefixes at chunk ends
+    # are stored from inside the tile (a masked store, one row in CHUNK active).
     loop = _time_index()
-    loop.append("if CHUNK == BLOCK_T:")
+    loop.append("if CKPT and CHUNK == BLOCK_T:")
     for f, name in enumerate(ir.fields):
         loop.append(f"    tl.store(ckpt_ptr + ({f} * n_slots + slot0 + k) * L + lane, c_{name}, mask=lane_ok)")
     loop += _load_lift(ir) + _replay(ir)

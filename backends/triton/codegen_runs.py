@@ -314,7 +314,7 @@ def sum_fields_function(ir: ScanIR) -> list[str]:
 def forward_loop(ir: ScanIR) -> list[str]:
     """The tile loop of `scan_forward` on runs (module docstring); same checkpoints and outputs."""
     loop = _run_index() + _step_masks()
-    loop.append("if CHUNK == BLOCK_T:")
+    loop.append("if CKPT and CHUNK == BLOCK_T:")
     for f, name in enumerate(ir.fields):
         loop.append(f"    tl.store(ckpt_ptr + ({f} * n_slots + slot0 + k) * L + lane[None, :] + run * 0, cr_{name}, "
                     "mask=(run == 0) & lane_ok[None, :])")

@@ -239,7 +239,7 @@ class ForwardPlan(_Plan):
                 meta = dict(meta, UNROLL=cfg.unroll, CKPT=self.checkpoint, **self.lanes_meta(cfg))
             else:
                 kernel = self.prog.module.scan_forward
-                meta = dict(meta, BLOCK_T=cfg.block_t, STAGES=cfg.stages, **self.tile_meta(cfg))
+                meta = dict(meta, BLOCK_T=cfg.block_t, STAGES=cfg.stages, CKPT=self.checkpoint, **self.tile_meta(cfg))
             got = self._launch[cfg] = (kernel, (_cdiv(self.layout.L, cfg.block_l), self.n_seq), meta,
                                        self.checkpoint_shape(cfg))
         return got
