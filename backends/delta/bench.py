@@ -154,8 +154,10 @@ SWEEP_OPTIONS = {
     "state_fwd": [dict(BV=bv, num_warps=w, num_stages=st) for bv, w, st in
                   ((64, 4, 2), (64, 4, 1), (32, 4, 2), (64, 8, 2), (128, 8, 2))],
     # state_output: see ops.CONFIG's comment (blocks per SM against B8 H16's 128 * V / BV sequential programs)
+    # (BV=32, 8 warps, 1 stage) is left out: on the H200 (Triton 3.6, run 9 of session 4) it raised an illegal
+    # memory access, which poisons the CUDA context and ends the sweep; not yet reduced to a repro
     "state_output": [dict(BV=bv, num_warps=w, num_stages=st) for bv, w, st in
-                     ((64, 4, 1), (128, 8, 2), (128, 8, 1), (64, 8, 1), (64, 4, 2), (32, 4, 1), (32, 8, 1))] + [
+                     ((64, 4, 1), (128, 8, 2), (128, 8, 1), (64, 8, 1), (64, 4, 2), (32, 4, 1))] + [
         dict(BV=32, num_warps=4, num_stages=1, maxnreg=128)],
     # state_bwd: 4 warps / 1 stage fit two blocks per SM (B8 H16's 256 programs at BV=64 in one wave)
     "state_bwd": [dict(LOCAL_DU=False, BV=bv, num_warps=w, num_stages=st)
