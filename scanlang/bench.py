@@ -27,8 +27,8 @@ def _bench(fn, graph: bool = False) -> float:
     fn()
     torch.cuda.synchronize()
     if graph:
-        return tt.do_bench_cudagraph(fn, rep=50)
-    return tt.do_bench(fn, warmup=25, rep=100)
+        return tt.do_bench_cudagraph(fn, rep=50, return_mode="median")
+    return tt.do_bench(fn, warmup=25, rep=100, return_mode="median")
 
 
 def _ratio(out, ref) -> float:
