@@ -188,6 +188,7 @@ def choose_config(T: int, L: int, time_contiguous: bool, state: int, backward: b
             # 156 registers: 6 programs per SM, so the bench's 768 programs run in one wave (blocks
             # of 4: 97.4 at 201 registers, 4 per SM, 1.45 waves). One lane per thread (64 x 2 x 8 x 8)
             # costs 53.5 (forward) and 122 (backward, registers replay) with 8x the key atomics.
+            # Measured (H200, session 4 run 9): fwd 1.634 ms, fwd+bwd 6.84 ms; blocks of 4 in the backward 9.56.
             return Config(block_t=16, block_l=max(state, 256), num_warps=2, chunk=16, schedule="lanes",
                           unroll=2 if backward else 4)
         # other programs, both passes: one lane per thread, 64 lanes x 2 warps, 8-step chunks = the unroll
@@ -196,10 +197,11 @@ def choose_config(T: int, L: int, time_contiguous: bool, state: int, backward: b
         return Config(block_t=min(8, pow2(T)), block_l=max(state, min(4, pow2(L))), num_warps=1, chunk=4)
     if time_contiguous:
         # Tiles of RUN_TILE steps or more scan runs of RUN steps per thread (codegen_runs.py), one run
-        # per thread: 512-step tiles on 2 warps, checkpoints every tile (the backward's tile). Offline
-        # SASS per element (sm_90a, bench shapes; resources.py): Möbius forward 116 against 129 for
-        # 1024-step tiles on 4 warps (fewer cross-warp scan steps), 78 registers against 107. The
-        # pre-runs kernels measured best at 1024-step tiles (BENCHMARKS.md, 2026-11-30 runs 1 and 3).
+        # per thread: 512-step tiles on 2 warps, checkpoints every tile (the backward's tile). Measured
+        # (H200, session 4 run 9): affine fwd 0.1459 ms (99.1% of copy), fwd+bwd 0.4019, Möbius fwd 0.2419
+        # (99.7%); offline SASS per element under Triton 3.6 (resources.py): Möbius forward 48.8 (no-grad)
+        # and backward 170.5, affine 13.1 and 37.4. 1024 x 2 measured 0.146 ms for the affine forward in
+        # session 3 (run 6) against 0.149 for 512 x 2 then; not re-measured since the reciprocal changes.
         from .codegen_runs import RUN
         bt = min(512, pow2(T))
         chunk = bt
@@ -208,7 +210,7 @@ def choose_config(T: int, L: int, time_contiguous: bool, state: int, backward: b
         return Config(block_t=bt, block_l=max(state, 1), num_warps=warps, chunk=chunk)
     # one lane per thread, 32 lanes on 1 warp, 32-step tiles with 4 stages of loads in flight: 89.1%
     # of copy for the affine forward (H200, session 3 run 4, best of 9) against 79% for 64-step tiles
-    # with 2 stages
+    # with 2 stages; 97.5% after the mask-free full tiles and reciprocals (session 4 run 9)
     bl = max(state, min(32, pow2(L)))
     return Config(block_t=32, block_l=bl, num_warps=1, stages=4)
 
