@@ -60,7 +60,7 @@ from scanlang import expr as E
 from scanlang.autodiff import Adjoint
 from scanlang.ir import ScanIR
 
-from .codegen import (_assign, _indent, _initial_carry, _num, _symbols_named, backward_args, forward_args,
+from .codegen import (_assign, _assign_inverted, _indent, _initial_carry, _num, _symbols_named, backward_args, forward_args,
                       memory_index, sequence_bounds, static_flags)
 
 SHAPE = "[R, BLOCK_L // R]"   # a lane tensor: R lanes per thread slot, BLOCK_L // R slots
@@ -213,33 +213,14 @@ def _free(ir: ScanIR) -> list[str]:
 
 
 def _rcp(name: str, value: str) -> list[str]:
-    """name = 1 / value: the hardware reciprocal under RCP_APPROX (float32 on a GPU: rcp.approx.ftz,
-    within 1 ulp like the division Triton emits, subnormals flushed to zero), else a division."""
-    return ["if RCP_APPROX:",
-            f'    {name} = tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=f,f", [{value}], '
-            "dtype=tl.float32, is_pure=True, pack=1)",
-            "else:",
-            f"    {name} = 1.0 / {value}"]
+    """name = 1 / value by the generated `reciprocal` (the hardware one under RCP_APPROX)."""
+    return [f"{name} = reciprocal({value}, RCP_APPROX)"]
 
 
 def _assign_rcp(names_out, exprs, names, prefix, recips: dict, shape_like=None) -> list[str]:
-    """codegen._assign, with every base raised to a negative integer power inverted once per step:
-    `recips` (rendered base -> variable, one dict per step) shares the reciprocals across the step's
-    assignments, and b^-n becomes r^n (r = 1 / b), so a step divides once per distinct denominator."""
-    names = dict(names)
-    lines, subs = [], {}
-    powers = {a for e in exprs for a in sympy.sympify(e).atoms(sympy.Pow) if a.exp.is_Integer and a.exp < 0}
-    for atom in sorted(powers, key=sympy.default_sort_key):
-        key = E.print_expr(atom.base, names, E.TRITON)
-        var = recips.get(key)
-        if var is None:
-            var = recips[key] = f"{prefix}rcp{len(recips)}"
-            pre, (src,) = E.render([atom.base], names, E.TRITON, temp_prefix=f"{var}_")
-            lines += pre + _rcp(var, src)
-        sym = E.symbol(var)
-        names[sym] = var
-        subs[atom] = sym ** (-atom.exp)
-    return lines + _assign(names_out, [sympy.sympify(e).xreplace(subs) for e in exprs], names, prefix, shape_like)
+    """codegen._assign_inverted under RCP_APPROX, one `recips` dict per step: each step divides once per
+    distinct denominator."""
+    return _assign_inverted(names_out, exprs, names, prefix, shape_like, hw="RCP_APPROX", recips=recips)
 
 
 def _combine_inline(ir: ScanIR, out: str, left: str, right: str, recips: dict) -> list[str]:
