@@ -65,6 +65,14 @@ def mm(a, b, precision: tl.constexpr, upcast: tl.constexpr):
 
 
 @triton.jit
+def chunk_tokens(chunk_tok, chunk_len, c, rows):
+    """Chunk c of the chunk table: its first token (int64), its length, its rows' tokens and which exist."""
+    t0 = tl.load(chunk_tok + c).to(tl.int64)
+    nv = tl.load(chunk_len + c)
+    return t0, nv, t0 + rows, rows < nv
+
+
+@triton.jit
 def rnd(x, dtype: tl.constexpr, emulate: tl.constexpr):
     """x in `dtype`. With `emulate` (Triton's CPU interpreter, which truncates fp32 -> bf16), bf16 is
     rounded to nearest even by hand, as the GPU does."""
@@ -172,10 +180,7 @@ def delta_wu(k_ptr, v_ptr, gcum_ptr, beta_ptr, tm_ptr, w_ptr, u_ptr, chunk_tok, 
     j = tl.program_id(0) % NJ
     h = tl.program_id(1)
     rows = tl.arange(0, C)
-    t0 = tl.load(chunk_tok + c).to(tl.int64)
-    nv = tl.load(chunk_len + c)
-    ok = rows < nv
-    tok = t0 + rows
+    t0, nv, tok, ok = chunk_tokens(chunk_tok, chunk_len, c, rows)
     beta = tl.load(beta_ptr + tok * H + h, mask=ok, other=0.0)
     causal = (rows[:, None] >= rows[None, :]) & ok[:, None] & ok[None, :]
     # an unmasked (vectorised) load: delta_prep wrote every element

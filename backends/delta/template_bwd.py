@@ -17,10 +17,7 @@ def delta_dU_local(q_ptr, k_ptr, gcum_ptr, do_ptr, dul_ptr, doq_ptr, chunk_tok, 
     vv = tl.program_id(0) % NVB * BV + tl.arange(0, BV)
     kk = tl.arange(0, BK)
     rows = tl.arange(0, C)
-    t0 = tl.load(chunk_tok + c).to(tl.int64)
-    nv = tl.load(chunk_len + c)
-    ok = rows < nv
-    tok = t0 + rows
+    t0, nv, tok, ok = chunk_tokens(chunk_tok, chunk_len, c, rows)
     km = ok[:, None] & (kk[None, :] < K)
     vm = ok[:, None] & (vv[None, :] < V)
     q = tl.load(q_ptr + (tok[:, None] * H + h) * K + kk[None, :], mask=km, other=0.0)
@@ -65,10 +62,7 @@ def delta_state_bwd(q_ptr, k_ptr, w_ptr, gcum_ptr, do_ptr, dul_ptr, dht_ptr, chu
     c1 = tl.load(seq_chunk0 + n + 1)
     for i in range(0, c1 - c0):
         c = c1 - 1 - i
-        t0 = tl.load(chunk_tok + c).to(tl.int64)
-        nv = tl.load(chunk_len + c)
-        ok = rows < nv
-        tok = t0 + rows
+        t0, nv, tok, ok = chunk_tokens(chunk_tok, chunk_len, c, rows)
         tl.store(dh_ptr + ((c * H + h) * K + kk[:, None]).to(tl.int64) * V + vv[None, :],
                  rnd(dS, dh_ptr.dtype.element_ty, UPCAST), mask=sm)
         km = ok[:, None] & (kk[None, :] < K)
@@ -112,10 +106,7 @@ def delta_bwd_dqk(q_ptr, k_ptr, v_ptr, a_ptr, hp_ptr, s_ptr, eps, gcum_ptr, beta
     kb = tl.program_id(0) % NKB
     kk = kb * BKS + tl.arange(0, BKS)
     rows = tl.arange(0, C)
-    t0 = tl.load(chunk_tok + c).to(tl.int64)
-    nv = tl.load(chunk_len + c)
-    ok = rows < nv
-    tok = t0 + rows
+    t0, nv, tok, ok = chunk_tokens(chunk_tok, chunk_len, c, rows)
     km = ok[:, None] & (kk[None, :] < K)
     causal = (rows[:, None] >= rows[None, :]) & ok[:, None] & ok[None, :]
     dq1 = tl.zeros([C, BKS], dtype=tl.float32)
@@ -246,10 +237,7 @@ def delta_bwd_wy(k_ptr, v_ptr, a_ptr, hp_ptr, s_ptr, eps, gcum_ptr, beta_ptr, tm
     c = tl.program_id(0)
     h = tl.program_id(1)
     rows = tl.arange(0, C)
-    t0 = tl.load(chunk_tok + c).to(tl.int64)
-    nv = tl.load(chunk_len + c)
-    ok = rows < nv
-    tok = t0 + rows
+    t0, nv, tok, ok = chunk_tokens(chunk_tok, chunk_len, c, rows)
     G = tl.load(gcum_ptr + tok * H + h, mask=ok, other=0.0)
     beta = tl.load(beta_ptr + tok * H + h, mask=ok, other=0.0)
     causal = (rows[:, None] >= rows[None, :]) & ok[:, None] & ok[None, :]
