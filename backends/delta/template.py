@@ -73,6 +73,24 @@ def chunk_tokens(chunk_tok, chunk_len, c, rows):
 
 
 @triton.jit
+def state_offsets(n, h, H, kk, vv, K: tl.constexpr, V: tl.constexpr):
+    """Offsets of rows kk and columns vv of sequence n's head-h state in a [N, H, K, V] tensor."""
+    return ((n * H + h) * K + kk[:, None]).to(tl.int64) * V + vv[None, :]
+
+
+@triton.jit
+def initial_state(ptr, n, h, H, kk, vv, sm, PRESENT: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                  BK: tl.constexpr, BV: tl.constexpr):
+    """The [BK, BV] block of a state (or state gradient) a sequence starts from, in fp32: loaded when
+    PRESENT, else zeros."""
+    if PRESENT:
+        state = tl.load(ptr + state_offsets(n, h, H, kk, vv, K, V), mask=sm, other=0.0).to(tl.float32)
+    else:
+        state = tl.zeros([BK, BV], dtype=tl.float32)
+    return state
+
+
+@triton.jit
 def rnd(x, dtype: tl.constexpr, emulate: tl.constexpr):
     """x in `dtype`. With `emulate` (Triton's CPU interpreter, which truncates fp32 -> bf16), bf16 is
     rounded to nearest even by hand, as the GPU does."""
@@ -223,10 +241,7 @@ def state_pass(q_ptr, k_ptr, w_ptr, u_ptr, gcum_ptr, h0_ptr, chunk_tok, chunk_le
     kk = tl.arange(0, BK)
     rows = tl.arange(0, C)
     sm = (kk[:, None] < K) & (vv[None, :] < V)
-    if HAS_H0:
-        S = tl.load(h0_ptr + ((n * H + h) * K + kk[:, None]).to(tl.int64) * V + vv[None, :], mask=sm, other=0.0).to(tl.float32)
-    else:
-        S = tl.zeros([BK, BV], dtype=tl.float32)
+    S = initial_state(h0_ptr, n, h, H, kk, vv, sm, HAS_H0, K, V, BK, BV)
     c0 = tl.load(seq_chunk0 + n)
     c1 = tl.load(seq_chunk0 + n + 1)
     # A sequence's chunks are consecutive runs of C tokens: their first tokens and lengths follow from the
@@ -266,7 +281,7 @@ def state_pass(q_ptr, k_ptr, w_ptr, u_ptr, gcum_ptr, h0_ptr, chunk_tok, chunk_le
         tail = tl.where(ok, tl.exp(G_last - G), 0.0)
         S = S * tl.exp(G_last) + mm(tl.trans(k), rnd(U * tail[:, None], k.dtype, UPCAST), IN_PREC, UPCAST)
     if STORE_FINAL:
-        tl.store(ht_ptr + ((n * H + h) * K + kk[:, None]).to(tl.int64) * V + vv[None, :], S, mask=sm)
+        tl.store(ht_ptr + state_offsets(n, h, H, kk, vv, K, V), S, mask=sm)
 
 
 @triton.jit
@@ -297,10 +312,7 @@ def delta_recurrent(q_ptr, k_ptr, v_ptr, a_ptr, hp_ptr, s_ptr, eps, h0_ptr, o_pt
     kmask = kk < K
     vmask = vv < V
     sm = kmask[:, None] & vmask[None, :]
-    if HAS_H0:
-        S = tl.load(h0_ptr + ((n * H + h) * K + kk[:, None]).to(tl.int64) * V + vv[None, :], mask=sm, other=0.0).to(tl.float32)
-    else:
-        S = tl.zeros([BK, BV], dtype=tl.float32)
+    S = initial_state(h0_ptr, n, h, H, kk, vv, sm, HAS_H0, K, V, BK, BV)
     bos = tl.load(cu_ptr + n).to(tl.int64)
     eos = tl.load(cu_ptr + n + 1).to(tl.int64)
     for t in range(bos, eos):
@@ -316,5 +328,5 @@ def delta_recurrent(q_ptr, k_ptr, v_ptr, a_ptr, hp_ptr, s_ptr, eps, h0_ptr, o_pt
         S += (beta * k)[:, None] * e[None, :]
         tl.store(o_ptr + (t * H + h) * V + vv, scale * tl.sum(S * q[:, None], 0), mask=vmask)
     if STORE_FINAL:
-        tl.store(ht_ptr + ((n * H + h) * K + kk[:, None]).to(tl.int64) * V + vv[None, :], S, mask=sm)
+        tl.store(ht_ptr + state_offsets(n, h, H, kk, vv, K, V), S, mask=sm)
 '''

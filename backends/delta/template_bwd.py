@@ -54,10 +54,7 @@ def delta_state_bwd(q_ptr, k_ptr, w_ptr, gcum_ptr, do_ptr, dul_ptr, dht_ptr, chu
     kk = tl.arange(0, BK)
     rows = tl.arange(0, C)
     sm = (kk[:, None] < K) & (vv[None, :] < V)
-    if HAS_DHT:
-        dS = tl.load(dht_ptr + ((n * H + h) * K + kk[:, None]).to(tl.int64) * V + vv[None, :], mask=sm, other=0.0).to(tl.float32)
-    else:
-        dS = tl.zeros([BK, BV], dtype=tl.float32)
+    dS = initial_state(dht_ptr, n, h, H, kk, vv, sm, HAS_DHT, K, V, BK, BV)
     c0 = tl.load(seq_chunk0 + n)
     c1 = tl.load(seq_chunk0 + n + 1)
     for i in range(0, c1 - c0):
@@ -85,7 +82,7 @@ def delta_state_bwd(q_ptr, k_ptr, w_ptr, gcum_ptr, do_ptr, dul_ptr, dht_ptr, chu
         dS = dS * tl.exp(G_last) + scale * mm(tl.trans(qg), rnd(do, q.dtype, UPCAST), IN_PREC, UPCAST)
         dS -= mm(tl.trans(w), rnd(dU, w.dtype, UPCAST), IN_PREC, UPCAST)
     if STORE_DH0:
-        tl.store(dh0_ptr + ((n * H + h) * K + kk[:, None]).to(tl.int64) * V + vv[None, :], dS, mask=sm)
+        tl.store(dh0_ptr + state_offsets(n, h, H, kk, vv, K, V), dS, mask=sm)
 
 
 @triton.jit
