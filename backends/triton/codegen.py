@@ -125,15 +125,20 @@ def scan_call(ir: ScanIR, outs: str, args: str, extra: str = "") -> list[str]:
             "else:", "    " + plain[0]]
 
 
+def combine_operands(ir: ScanIR) -> tuple[list[str], list[str], dict, list[str]]:
+    """The names a generated combine uses: parameters x_<field> (earlier) and y_<field> (later), the
+    symbol -> name map for rendering, and the results m_<field>."""
+    xs = [f"x_{f}" for f in ir.fields]
+    ys = [f"y_{f}" for f in ir.fields]
+    return xs, ys, dict(zip(ir.earlier, xs)) | dict(zip(ir.later, ys)), [f"m_{f}" for f in ir.fields]
+
+
 def _combine_rcp_function(ir: ScanIR) -> list[str]:
     """`combine_rcp`: `combine` with every reciprocal (its divisions and the projective rescale) by the
     hardware instruction; [] when the combine inverts nothing."""
     if not has_combine_rcp(ir):
         return []
-    xs = [f"x_{f}" for f in ir.fields]
-    ys = [f"y_{f}" for f in ir.fields]
-    names = dict(zip(ir.earlier, xs)) | dict(zip(ir.later, ys))
-    out = [f"m_{f}" for f in ir.fields]
+    xs, ys, names, out = combine_operands(ir)
     body = _assign_inverted(out, ir.combine, names, "_c", shape_like=xs[0], hw="True")
     if ir.is_projective:
         body += _assign(["scale"], [ir.scale], dict(zip(ir.scale_symbols, out)), "_s")
@@ -145,10 +150,7 @@ def _combine_rcp_function(ir: ScanIR) -> list[str]:
 
 
 def _combine_function(ir: ScanIR) -> list[str]:
-    xs = [f"x_{f}" for f in ir.fields]
-    ys = [f"y_{f}" for f in ir.fields]
-    names = dict(zip(ir.earlier, xs)) | dict(zip(ir.later, ys))
-    out = [f"m_{f}" for f in ir.fields]
+    xs, ys, names, out = combine_operands(ir)
     body = _assign(out, ir.combine, names, "_c", shape_like=xs[0])
     if ir.is_projective:
         body += _assign(["scale"], [ir.scale], dict(zip(ir.scale_symbols, out)), "_s")

@@ -29,7 +29,7 @@ from scanlang import expr as E
 from scanlang.autodiff import Adjoint
 from scanlang.ir import ScanIR
 
-from .codegen import _assign, _assign_inverted, _num, combine_call, scan_call
+from .codegen import _assign, _assign_inverted, _num, combine_call, combine_operands, scan_call
 
 RUN = 8            # steps per run (one thread's consecutive steps)
 RUN_TILE = 128     # tiles of at least this many steps take the run-based bodies
@@ -223,10 +223,7 @@ def raw_functions(ir: ScanIR) -> list[str]:
     projective monoid whose readout is scale invariant; nothing otherwise."""
     if not scale_invariant_readout(ir):
         return []
-    xs = [f"x_{f}" for f in ir.fields]
-    ys = [f"y_{f}" for f in ir.fields]
-    names = dict(zip(ir.earlier, xs)) | dict(zip(ir.later, ys))
-    out = [f"m_{f}" for f in ir.fields]
+    xs, ys, names, out = combine_operands(ir)
     raw = _assign(out, ir.combine, names, "_c", shape_like=xs[0]) + [f"return {', '.join(out)}"]
     norm = _assign(["scale"], [ir.scale], dict(zip(ir.scale_symbols, out)), "_s")
     norm += ["inv_scale = reciprocal(scale, HW)", f"return {', '.join(f'{o} * inv_scale' for o in out)}"]
