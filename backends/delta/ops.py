@@ -64,27 +64,22 @@ PREP_VALUE_BLOCK = 64    # value columns per step of u in delta_prep (one [C, C]
 # default) 255 registers, 196 B spilled, 176 KB shared, loop 1206, one block per SM; BV=32 / 4 warps / 1 stage
 # 202 registers, no spills, loop 687, but 512 programs need 4 blocks per SM (maxnreg=128: 244 B spilled). prep:
 # 168 registers (3 blocks per SM), maxnreg=128 fits 4 for 160 B of spills. All in bench.py's sweep.
-# state_bwd: LOCAL_DU forms the local dU = scale (Q K^T * D)^T dO inside the sequential pass; measured in session
-# 4 (BV=128, 8 warps) at 1.125 ms against 0.737 + 0.286 for session 2's pass with a separate dU_local kernel,
-# which is the default again (LOCAL_DU=False; offline, Triton 3.6: 232 registers, no spills, 131 KB shared; at
-# BV=64 / 4 warps / 1 stage, 255 registers, 80 B spilled and 66 KB shared, two blocks per SM would run all 256
-# sequential programs of B8 H16 in one wave: for the sweep).
-# bwd_dqk: BKS = key columns per program (clamped to the padded K). Run 8 (session 4) measured BKS=128 on 8 warps
-# (one program per chunk at K=128, dO U^T formed once; one block per SM) at 1.625 ms against 1.320 for 64 columns
-# on 4 warps (two blocks per SM) before dw moved into it: back to 64 / 4 warps, with the value loop's loads
-# pipelined (2 stages; offline, Triton 3.6: 255 registers, 320 B spilled, all in the epilogue, 48 KB shared; 1
-# stage 392 B). WY=True: one program per chunk also does bwd_wy's work (no dk, dTm, dG, dbeta shares through
-# memory, no second read of dU and Tm; 8 warps, one block per SM: 255 registers, ~600 B spilled, 8 B of it in
-# the value loop, 196 KB shared); for the sweep.
+# state_bwd: LOCAL_DU forms the local dU = scale (Q K^T * D)^T dO inside the sequential pass (no dU_local
+# kernel); bwd_dqk: BKS = key columns per program (clamped to the padded K); WY=True: one program per chunk also
+# does bwd_wy's work. Run 11 (session 5, same GPU and shape) swept the backward: fwd+bwd 4.579 ms with session 4's
+# backward configs (LOCAL_DU=False BV=64 8 warps 2 stages; BKS=64 BV=32 4 warps 2 stages; wy BV=64) -> 4.169 ms
+# with these. Offline (Triton 3.6, bf16, K=128): state_bwd 255 registers, 256 B spilled, 64 KB shared (two blocks
+# per SM: B8 H16's 256 sequential programs in one wave); bwd_dqk 255 registers, 80 B spilled, 120 KB shared;
+# bwd_wy 236 registers, no spills.
 CONFIG = _Configs({
     "prep": dict(num_warps=4, num_stages=2),
     "wu": dict(BV=64, num_warps=4, num_stages=2, PER_CHUNK=True),   # one program per chunk (see delta_wu)
     "state_fwd": dict(BV=64, num_warps=4, num_stages=2),
     "state_output": dict(BV=64, num_warps=4, num_stages=1),   # see above and below
     "dU_local": dict(BV=64, num_warps=4, num_stages=2),     # only for state_bwd without LOCAL_DU
-    "state_bwd": dict(LOCAL_DU=False, BV=64, num_warps=8, num_stages=2),   # see below
-    "bwd_dqk": dict(WY=False, BKS=64, BV=32, num_warps=4, num_stages=2),    # see below
-    "bwd_wy": dict(BV=64, num_warps=4, num_stages=1),
+    "state_bwd": dict(LOCAL_DU=True, BV=64, num_warps=4, num_stages=1),   # see below
+    "bwd_dqk": dict(WY=False, BKS=128, BV=32, num_warps=8, num_stages=2),    # see below
+    "bwd_wy": dict(BV=32, num_warps=4, num_stages=1),
     "recurrent": dict(BV=32, num_warps=4, num_stages=1),
 })
 # Configs above that need more shared memory than sm_90 gives a block (227 KB = 232448 B), and the change that
@@ -100,11 +95,12 @@ SHARED_MEMORY_FITS = {
     ("state_output", 4, 64): dict(BV=64, num_stages=1),
     ("state_output", 4, 128): dict(BV=64, num_stages=1),
     ("state_output", 4, 256): dict(BV=64, num_stages=1),
-    ("state_bwd", 2, 256): dict(BV=64),                  # BV=128: 295172 B with 2 stages (1 stage: 1.7 KB spills)
-    # fp32 keeps BV=64 (BV=128 fits at K=128, 196868 B, but its FMA dots spill 44 KB per thread)
-    ("state_bwd", 4, 64): dict(BV=64),
-    ("state_bwd", 4, 128): dict(BV=64),
-    ("state_bwd", 4, 256): dict(BV=64, num_stages=1),
+    # state_bwd where LOCAL_DU spills (offline, Triton 3.6): the pass with a separate dU_local kernel, on 8 warps.
+    # bf16 K=256: 576 B spilled against LOCAL_DU's 2084 B; fp32 (FMA dots): 22.7 KB against 57.6 KB at K=128
+    ("state_bwd", 2, 256): dict(LOCAL_DU=False, BV=64, num_warps=8, num_stages=2),
+    ("state_bwd", 4, 64): dict(LOCAL_DU=False, BV=64, num_warps=8, num_stages=2),
+    ("state_bwd", 4, 128): dict(LOCAL_DU=False, BV=64, num_warps=8, num_stages=2),
+    ("state_bwd", 4, 256): dict(LOCAL_DU=False, BV=64, num_warps=8, num_stages=1),
     # fp32 delta_wu: a block per program (per chunk its FMA products spill 19 KB per thread at K=64, against 1.2 KB)
     ("wu", 4, 64): dict(PER_CHUNK=False),
     ("wu", 4, 128): dict(PER_CHUNK=False),
