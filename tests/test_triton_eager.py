@@ -19,13 +19,13 @@ def passes(monkeypatch):
     seen = []
     real_fwd, real_bwd = ops._forward, ops._backward_pass
 
-    def fwd(*args, eager):
+    def fwd(*args, eager, **kwargs):
         seen.append(("fwd", eager))
-        return real_fwd(*args, eager=eager)
+        return real_fwd(*args, eager=eager, **kwargs)
 
-    def bwd(*args, eager):
+    def bwd(*args, eager, **kwargs):
         seen.append(("bwd", eager))
-        return real_bwd(*args, eager=eager)
+        return real_bwd(*args, eager=eager, **kwargs)
     monkeypatch.setattr(ops, "_forward", fwd)
     monkeypatch.setattr(ops, "_backward_pass", bwd)
 

@@ -94,9 +94,9 @@ def _finish(grad, shape, dtype):
 
 
 def _forward(key: str, inputs, initial, cu_seqlens, dim: int, reverse: bool, fp64: bool, checkpoint: bool,
-             eager: bool) -> list[torch.Tensor]:
+             eager: bool, ctx=None) -> list[torch.Tensor]:
     """scan_fwd's body: [*outputs, checkpoints, final]. `eager`: plain tensors outside any tracing
-    (the plan comes from the cache and kernels launch directly)."""
+    (the plan comes from the cache and kernels launch directly; `ctx`, if given, keeps it for the backward)."""
     prog = PROGRAMS[key]
     varlen, n_seq = _sequences(cu_seqlens)
     device = inputs[0].device
@@ -106,6 +106,8 @@ def _forward(key: str, inputs, initial, cu_seqlens, dim: int, reverse: bool, fp6
     if eager:
         plan = PLANS.get(("fwd", key, dim, reverse, fp64, checkpoint, device, n_seq, varlen, _signature(inputs),
                           _signature(initial), overrides()), build)
+        if ctx is not None:
+            ctx.plan = plan
     else:
         plan = build()
     acc = plan.acc
@@ -132,8 +134,9 @@ def _forward(key: str, inputs, initial, cu_seqlens, dim: int, reverse: bool, fp6
 
 
 def _backward_pass(key: str, inputs, initial, cu_seqlens, ckpt, grads, dfinal, dim: int, reverse: bool, fp64: bool,
-                   eager: bool) -> list[torch.Tensor]:
-    """scan_bwd's body: [*input grads, *initial grads]."""
+                   eager: bool, fwd_plan=None) -> list[torch.Tensor]:
+    """scan_bwd's body: [*input grads, *initial grads]. `fwd_plan` (eager): the forward's plan, whose table
+    of backward plans by the gradients' signature stands in for the plan cache (same inputs, initial, packing)."""
     prog = PROGRAMS[key]
     varlen, n_seq = _sequences(cu_seqlens)
     device = inputs[0].device
@@ -141,7 +144,10 @@ def _backward_pass(key: str, inputs, initial, cu_seqlens, ckpt, grads, dfinal, d
 
     def build():
         return BackwardPlan(prog, inputs, initial, grads, dfinal is not None, n_seq, varlen, dim, reverse, fp64)
-    if eager:
+    if fwd_plan is not None:
+        plan = fwd_plan.backward_plan((_signature(grads), dfinal is not None, ckpt.shape, overrides()),
+                                      lambda: PLANS.build(build))
+    elif eager:
         plan = PLANS.get(("bwd", key, dim, reverse, fp64, device, n_seq, varlen, _signature(inputs),
                           _signature(initial), _signature(grads), dfinal is not None, ckpt.shape, overrides()), build)
     else:
@@ -212,7 +218,7 @@ def _gradients(ctx, grads, eager: bool) -> list[torch.Tensor]:
         out_grads.append(g if g is not None else torch.zeros((), dtype=dtype, device=device).expand(shape))
     if eager:
         return _backward_pass(ctx.key, ins, initial, cu_seqlens, ckpt, out_grads, grads[-1], ctx.dim, ctx.reverse,
-                              ctx.fp64, eager=True)
+                              ctx.fp64, eager=True, fwd_plan=ctx.plan)
     return torch.ops.scanlang.scan_bwd(ctx.key, ins, initial, cu_seqlens, ckpt, out_grads, grads[-1], ctx.dim,
                                        ctx.reverse, ctx.fp64)
 
@@ -240,7 +246,7 @@ class _EagerScan(torch.autograd.Function):
     def forward(ctx, call, *tensors):
         key, cu_seqlens, dim, reverse, fp64, n_inputs = call
         ins, initial = list(tensors[:n_inputs]), list(tensors[n_inputs:])
-        output = _forward(key, ins, initial, cu_seqlens, dim, reverse, fp64, True, eager=True)
+        output = _forward(key, ins, initial, cu_seqlens, dim, reverse, fp64, True, eager=True, ctx=ctx)
         _save(ctx, key, ins, initial, cu_seqlens, dim, reverse, fp64, output)
         ctx.set_materialize_grads(False)
         return tuple(output)

@@ -224,10 +224,20 @@ class ForwardPlan(_Plan):
         self.common = {"REVERSE": reverse, "HAS_INIT": bool(initial), "VARLEN": varlen, "STATE": self.state,
                        "FP64": fp64}
         self._launch: dict = {}
+        self._backward: dict = {}   # backward plans of these inputs by gradient signature (eager calls)
 
     def checkpoint_shape(self, cfg: Config) -> tuple[int, int, int]:
         return (len(self.prog.ir.fields), _cdiv(self.layout.T, chunk_of(cfg, self.checkpoint)) + self.n_seq,
                 self.layout.L)
+
+    def backward_plan(self, key, build):
+        """The BackwardPlan of this forward's inputs for `key` (the gradients' signature...), built once."""
+        plan = self._backward.get(key)
+        if plan is None:
+            if len(self._backward) >= 64:     # gradient layouts that keep changing: stay bounded
+                self._backward.clear()
+            plan = self._backward[key] = build()
+        return plan
 
     def launch(self, cfg: Config):
         """(kernel, grid, constexpr/meta kwargs, checkpoint shape) under `cfg` (memoised)."""
@@ -299,9 +309,10 @@ class BackwardPlan(_Plan):
             meta.update({k: _lanes_mode(v, self.layout.sizes, cfg, self.state) for k, v in meta.items()
                          if k.startswith("DU")})
             grid = (_cdiv(self.layout.L, cfg.block_l), self.n_seq)
-            if cfg.schedule == "lanes":   # per-lane scratch for one chunk's replayed prefixes (none in registers)
-                in_registers = chunk == cfg.unroll
-                scratch = (1, 1, 1, 1) if in_registers else (len(self.prog.ir.fields), self.n_seq, chunk, self.layout.L)
+            if cfg.schedule == "lanes":   # per-lane scratch for one chunk's replayed prefixes (none in registers):
+                in_registers = chunk == cfg.unroll   # per program CHUNK + 1 rows of its free fields (codegen_seq._scratch)
+                free = len(self.prog.ir.fields) - len(self.prog.ir.constants)
+                scratch = (1,) if in_registers else (self.n_seq, grid[0], chunk + 1, free, cfg.block_l)
                 got = (self.prog.module.scan_backward_lanes, grid, dict(meta, UNROLL=cfg.unroll, **self.lanes_meta(cfg)),
                        scratch)
             else:
@@ -324,9 +335,13 @@ class PlanCache:
         if plan is None:
             if len(self.plans) >= self.limit:   # shapes that keep changing: start over, stay bounded
                 self.plans.clear()
-            plan = self.plans[key] = build()
-            self.built += 1
+            plan = self.plans[key] = self.build(build)
         return plan
+
+    def build(self, build):
+        """A plan built by `build()` and counted (also those kept elsewhere: a forward's backward plans)."""
+        self.built += 1
+        return build()
 
     def clear(self):
         self.plans.clear()

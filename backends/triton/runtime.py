@@ -135,6 +135,13 @@ class Config:
             raise ValueError(f"schedule: expected one of {SCHEDULES}, got {self.schedule!r}")
         if not 1 <= self.unroll <= MAX_UNROLL:
             raise ValueError(f"unroll: expected 1..{MAX_UNROLL}, got {self.unroll}")
+        object.__setattr__(self, "_hash", hash(dataclasses.astuple(self)))
+
+    def __hash__(self) -> int:   # configs key several dicts on every launch: hash the fields once
+        return self._hash
+
+    def __reduce__(self):        # rebuilt from the fields: a string's hash differs between processes
+        return type(self), dataclasses.astuple(self)
 
 
 # (time_contiguous, is_backward) -> Config forced by the benchmark or a test; empty in normal use.
