@@ -106,6 +106,11 @@ SHARED_MEMORY_FITS = {
     ("wu", 4, 128): dict(PER_CHUNK=False),
     ("wu", 4, 256): dict(PER_CHUNK=False),
 }
+# Config keys the host reads and the kernels never see (dropped from the launch configs): which backward buffers are
+# stored in the input dtype instead of fp32 (bf16/fp16 inputs; fp32 inputs keep fp32). LOWP_DU (state_bwd's entry): the
+# dU that state_bwd stores for bwd_dqk and bwd_wy (bwd_dqk rounds it so for its dot anyway); LOWP_DK (bwd_dqk's):
+# bwd_dqk's share of dk, which bwd_wy adds to its own part.
+HOST_KEYS = ("LOWP_DU", "LOWP_DK")
 EAGER_FAST_PATH = True   # False: every chunked call goes through the torch.library ops (tests compare the two)
 _RULES = {"beta": GIVEN, "kaczmarz": KACZMARZ}
 PROGRAMS: dict[str, tuple] = {}     # key -> (generated module, chunk size); keys name rule, hooks and C
@@ -207,6 +212,7 @@ class Plan:
     BKS: int            # key columns per program / loop step in the backward
     NK: int             # key blocks
     configs: dict
+    host: dict          # HOST_KEYS found in any kernel's config -> bool (absent: False)
 
 
 def plan(key: str, K: int, V: int, dtype: torch.dtype, device: torch.device) -> Plan:
@@ -227,7 +233,8 @@ def plan(key: str, K: int, V: int, dtype: torch.dtype, device: torch.device) -> 
         dqk["WY"] = bool(dqk.get("WY", False)) and meta["BK"] <= 128
         dqk["BKS"] = meta["BK"] if dqk["WY"] else min(dqk.get("BKS", BKS), meta["BK"])
         configs["state_bwd"] = {"LOCAL_DU": False, **configs["state_bwd"]}
-        found = PLANS[pk] = Plan(mod, C, meta, BKS, triton.cdiv(K, BKS), configs)
+        host = {key: bool(cfg.pop(key)) for cfg in configs.values() for key in HOST_KEYS if key in cfg}
+        found = PLANS[pk] = Plan(mod, C, meta, BKS, triton.cdiv(K, BKS), configs, host)
     return found
 
 
@@ -322,8 +329,9 @@ def _chunk_backward(p: Plan, q, k, v, a, hp, s, h0, chunk_tok, chunk_len, seq_ch
     NC, N, dev = chunk_tok.numel(), seq_chunk0.numel() - 1, k.device
     w, h, U = _states(p, k, v, hp, h0, chunk_tok, chunk_len, seq_chunk0, tm, gcum, beta, direct=direct)
     dh = _empty(NC, H, K, V, device=dev, dtype=k.dtype)
-    dU = _empty(TT, H, V, device=dev, dtype=torch.float32)
-    local_du = p.configs["state_bwd"]["LOCAL_DU"]     # else delta_dU_local stores the local part in dU first
+    dU = _empty(TT, H, V, device=dev, dtype=k.dtype if p.host.get("LOWP_DU") else torch.float32)
+    local_du = p.configs["state_bwd"]["LOCAL_DU"]     # else delta_dU_local stores the local part (fp32) first
+    dul = dU if local_du or dU.dtype == torch.float32 else _empty(TT, H, V, device=dev, dtype=torch.float32)
     # and dO rounded to the input dtype (every use rounds it so): state_bwd and bwd_dqk read half the bytes
     store_do = not local_du and k.dtype != do.dtype
     doq = _empty(TT, H, V, device=dev, dtype=k.dtype) if store_do else do
@@ -336,7 +344,7 @@ def _chunk_backward(p: Plan, q, k, v, a, hp, s, h0, chunk_tok, chunk_len, seq_ch
     NKQ = triton.cdiv(K, p.configs["bwd_dqk"]["BKS"])      # delta_bwd_dqk's key blocks, each storing shares
     wy = p.configs["bwd_dqk"]["WY"]                         # or one block doing delta_bwd_wy's work too
     if not wy:
-        dk_part = _empty(TT, H, K, device=dev, dtype=torch.float32)
+        dk_part = _empty(TT, H, K, device=dev, dtype=k.dtype if p.host.get("LOWP_DK") else torch.float32)
         dTm_part = _empty(NC, H, NKQ, p.C, p.C, device=dev, dtype=torch.float32)
         dG_part = _empty(NKQ, TT, H, device=dev, dtype=torch.float32)
         dbeta_part = _empty(NKQ, TT, H, device=dev, dtype=torch.float32)
@@ -346,10 +354,10 @@ def _chunk_backward(p: Plan, q, k, v, a, hp, s, h0, chunk_tok, chunk_len, seq_ch
     meta, cfgs, mod = p.meta, p.configs, p.mod
     if not local_du:
         _launch("dU_local", mod.delta_dU_local, lambda cfg: (NC * triton.cdiv(V, cfg["BV"]), H),
-                (q, k, gcum, do, dU, doq, chunk_tok, chunk_len, scale, H), dict(meta, STORE_DO=store_do), V, cfgs,
+                (q, k, gcum, do, dul, doq, chunk_tok, chunk_len, scale, H), dict(meta, STORE_DO=store_do), V, cfgs,
                 direct)
     _launch("state_bwd", mod.delta_state_bwd, lambda cfg: (N, H, triton.cdiv(V, cfg["BV"])),
-            (q, k, w, gcum, doq, dU, dht if dht is not None else dh, chunk_tok, chunk_len, seq_chunk0, dh, dU,
+            (q, k, w, gcum, doq, dul, dht if dht is not None else dh, chunk_tok, chunk_len, seq_chunk0, dh, dU,
              dh0 if h0 is not None else dh, scale, H),
             dict(meta, HAS_DHT=dht is not None, STORE_DH0=h0 is not None), V, cfgs, direct)
     hp_ = _ptr(hp, k)

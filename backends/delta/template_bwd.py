@@ -44,10 +44,14 @@ def delta_state_bwd(q_ptr, k_ptr, w_ptr, gcum_ptr, do_ptr, dul_ptr, dht_ptr, chu
                     dh_ptr, dU_ptr, dh0_ptr, scale,
                     H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
                     HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr, LOCAL_DU: tl.constexpr, PREC: tl.constexpr,
-                    IN_PREC: tl.constexpr, UPCAST: tl.constexpr):
+                    IN_PREC: tl.constexpr, UPCAST: tl.constexpr, SEQ_BOUNDS: tl.constexpr = False,
+                    DECAY_V: tl.constexpr = False):
     """Reverse over a sequence's chunks with dS [K, BV] (fp32) in registers: stores dS_end per chunk (dh) and
     dU = scale (Q K^T * D)^T dO + K~ dS_end (the local part formed here with LOCAL_DU, else loaded from dul,
-    where delta_dU_local stored it: the dU buffer itself); dS0 = e^G_last dS_end + scale (e^G Q)^T dO - w^T dU."""
+    where delta_dU_local stored it), stored in dU's dtype (fp32, or the input dtype: the host's LOWP_DU, the bits
+    every later dot of dU but bwd_wy's at PREC takes); dS0 = e^G_last dS_end + scale (e^G Q)^T dO - w^T dU.
+    SEQ_BOUNDS: chunk addresses from the sequence's bounds (no table loads in the loop). DECAY_V: K~ dS_end as
+    e^(G_last - G) (K dS_end) and (e^G Q)^T dO as Q^T (e^G dO), scaling [C, BV] tiles instead of [C, K] ones."""
     n = tl.program_id(0)
     h = tl.program_id(1)
     vv = tl.program_id(2) * BV + tl.arange(0, BV)
@@ -57,9 +61,20 @@ def delta_state_bwd(q_ptr, k_ptr, w_ptr, gcum_ptr, do_ptr, dul_ptr, dht_ptr, chu
     dS = initial_state(dht_ptr, n, h, H, kk, vv, sm, HAS_DHT, K, V, BK, BV)
     c0 = tl.load(seq_chunk0 + n)
     c1 = tl.load(seq_chunk0 + n + 1)
+    if SEQ_BOUNDS:   # chunks' first tokens and lengths from the sequence's bounds, as in the forward's state_pass
+        some = c1 > c0
+        first = tl.load(chunk_tok + c0, mask=some, other=0).to(tl.int64)
+        end = (tl.load(chunk_tok + c1 - 1, mask=some, other=0).to(tl.int64)
+               + tl.load(chunk_len + c1 - 1, mask=some, other=0))
     for i in range(0, c1 - c0):
         c = c1 - 1 - i
-        t0, nv, tok, ok = chunk_tokens(chunk_tok, chunk_len, c, rows)
+        if SEQ_BOUNDS:   # no address in the loop waits on a load
+            t0 = first + (c - c0) * C
+            nv = tl.minimum(end - t0, C).to(tl.int32)
+            ok = rows < nv
+            tok = t0 + rows
+        else:
+            t0, nv, tok, ok = chunk_tokens(chunk_tok, chunk_len, c, rows)
         tl.store(dh_ptr + ((c * H + h) * K + kk[:, None]).to(tl.int64) * V + vv[None, :],
                  rnd(dS, dh_ptr.dtype.element_ty, UPCAST), mask=sm)
         km = ok[:, None] & (kk[None, :] < K)
@@ -75,11 +90,19 @@ def delta_state_bwd(q_ptr, k_ptr, w_ptr, gcum_ptr, do_ptr, dul_ptr, dht_ptr, chu
         else:
             dU = tl.load(dul_ptr + (tok[:, None] * H + h) * V + vv[None, :], mask=vm, other=0.0)
         tail = tl.where(ok, tl.exp(G_last - G), 0.0)
-        kt = rnd(k.to(tl.float32) * tail[:, None], k.dtype, UPCAST)
-        dU += mm(kt, rnd(dS, k.dtype, UPCAST), IN_PREC, UPCAST)
-        tl.store(dU_ptr + (tok[:, None] * H + h) * V + vv[None, :], dU, mask=vm)
-        qg = rnd(q.to(tl.float32) * tl.where(ok, tl.exp(G), 0.0)[:, None], q.dtype, UPCAST)
-        dS = dS * tl.exp(G_last) + scale * mm(tl.trans(qg), rnd(do, q.dtype, UPCAST), IN_PREC, UPCAST)
+        if DECAY_V:     # the decays scale [C, BV] tiles (dU's rows, dO's rows); q and k enter the dots as loaded
+            dU += tail[:, None] * mm(k, rnd(dS, k.dtype, UPCAST), IN_PREC, UPCAST)
+        else:
+            kt = rnd(k.to(tl.float32) * tail[:, None], k.dtype, UPCAST)
+            dU += mm(kt, rnd(dS, k.dtype, UPCAST), IN_PREC, UPCAST)
+        tl.store(dU_ptr + (tok[:, None] * H + h) * V + vv[None, :], rnd(dU, dU_ptr.dtype.element_ty, UPCAST),
+                 mask=vm)
+        eG = tl.where(ok, tl.exp(G), 0.0)
+        if DECAY_V:
+            dS = dS * tl.exp(G_last) + scale * mm(tl.trans(q), rnd(do * eG[:, None], q.dtype, UPCAST), IN_PREC, UPCAST)
+        else:
+            qg = rnd(q.to(tl.float32) * eG[:, None], q.dtype, UPCAST)
+            dS = dS * tl.exp(G_last) + scale * mm(tl.trans(qg), rnd(do, q.dtype, UPCAST), IN_PREC, UPCAST)
         dS -= mm(tl.trans(w), rnd(dU, w.dtype, UPCAST), IN_PREC, UPCAST)
     if STORE_DH0:
         tl.store(dh0_ptr + state_offsets(n, h, H, kk, vv, K, V), dS, mask=sm)
@@ -91,12 +114,15 @@ def delta_bwd_dqk(q_ptr, k_ptr, v_ptr, a_ptr, hp_ptr, s_ptr, eps, gcum_ptr, beta
                   chunk_tok, chunk_len, scale, TTH,
                   H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
                   BKS: tl.constexpr, WY: tl.constexpr, PREC: tl.constexpr, IN_PREC: tl.constexpr,
-                  UPCAST: tl.constexpr):
+                  UPCAST: tl.constexpr, DG_SUMS: tl.constexpr = False, LOWP: tl.constexpr = False):
     """Per chunk and block of BKS key columns, through O = scale (e^G Q S0 + (Q K^T * D) U), S_end,
     U = u - w S0 and w = Tm X, X = diag(beta e^G) K: dq (final); this block's shares (fp32) of dk, of dTm
     = dw X^T, of dG and of dbeta. dw = -dU S0^T is used where it is formed (dX = Tm^T dw), never stored.
     With WY (one block of all K columns) the program also does delta_bwd_wy's work for its chunk, from the
-    same loads and without the shares' round trip: dv, dk, d step input, d decay input (final)."""
+    same loads and without the shares' round trip: dv, dk, d step input, d decay input (final).
+    DG_SUMS: the outputs' in-chunk part of dG as row sums of its dq and dk terms, q . (dM K) - k . (dM^T Q)
+    (= rowsum - colsum of dM * Q K^T, without forming Q K^T). LOWP: the dots of fp32 operands (dw, Tm, and
+    under WY dTm, E) take them rounded to the input dtype, as the input dtype's tensor cores need."""
     NKB: tl.constexpr = (K + BKS - 1) // BKS     # a chunk's key blocks run back to back: U, dU, dO from L2
     c = tl.program_id(0) // NKB
     h = tl.program_id(1)
@@ -133,7 +159,8 @@ def delta_bwd_dqk(q_ptr, k_ptr, v_ptr, a_ptr, hp_ptr, s_ptr, eps, gcum_ptr, beta
         dw -= mm(rnd(dU, S0.dtype, UPCAST), tl.trans(S0), IN_PREC, UPCAST)
         dlast += tl.sum(S0.to(tl.float32) * dSe.to(tl.float32), 1)
         if WY:
-            dbeta, dTm = u_grads(v_ptr, dv_ptr, Tm, dU, beta, dbeta, dTm, tok, vv, vm, h, H, V, PREC, UPCAST)
+            dbeta, dTm = u_grads(v_ptr, dv_ptr, Tm, dU, beta, dbeta, dTm, tok, vv, vm, h, H, V, LOWP, PREC, IN_PREC,
+                                 UPCAST)
     # the epilogue consumes the loop's tiles one by one: dOU, dq1, dks, dw
     G = tl.load(gcum_ptr + tok * H + h, mask=ok, other=0.0)
     G_last = tl.load(gcum_ptr + (t0 + nv - 1) * H + h)
@@ -143,23 +170,30 @@ def delta_bwd_dqk(q_ptr, k_ptr, v_ptr, a_ptr, hp_ptr, s_ptr, eps, gcum_ptr, beta
     kf = k.to(tl.float32)
     # outputs (every dG term below is a sum over key columns: each block adds its share)
     dM = dOU * tl.where(causal, tl.exp(tl.where(causal, G[:, None] - G[None, :], 0.0)), 0.0) * scale
-    PM = dM * mm(q, tl.trans(k), IN_PREC, UPCAST)
-    dG = tl.sum(PM, 1) - tl.sum(PM, 0)
     dMq = rnd(dM, q.dtype, UPCAST)
     dq1 = dq1 * (scale * eG)[:, None]
-    dG += tl.sum(dq1 * q.to(tl.float32), 1)
-    dq = dq1 + mm(dMq, k, IN_PREC, UPCAST)
+    if DG_SUMS:
+        dq = dq1 + mm(dMq, k, IN_PREC, UPCAST)
+        dG = tl.sum(dq * q.to(tl.float32), 1)
+    else:
+        PM = dM * mm(q, tl.trans(k), IN_PREC, UPCAST)
+        dG = tl.sum(PM, 1) - tl.sum(PM, 0)
+        dG += tl.sum(dq1 * q.to(tl.float32), 1)
+        dq = dq1 + mm(dMq, k, IN_PREC, UPCAST)
     tl.store(dq_ptr + (tok[:, None] * H + h) * K + kk[None, :], rnd(dq, dq_ptr.dtype.element_ty, UPCAST), mask=km)
     # w = Tm X on this block's columns: dTm += dw X^T, dX = Tm^T dw (fp32 operands: PREC)
     bG = beta * eG
-    if WY:
-        dTm += mm(dw, tl.trans(bG[:, None] * kf), PREC, UPCAST)
+    if LOWP:    # dw X^T = (dw K^T) diag(bG): the keys enter as loaded
+        dTm_blk = mm(rnd(dw, k.dtype, UPCAST), tl.trans(k), IN_PREC, UPCAST) * bG[None, :]
     else:
-        tl.store(dTm_ptr + (((c * H + h) * NKB + kb) * C + rows[:, None]).to(tl.int64) * C + rows[None, :],
-                 mm(dw, tl.trans(bG[:, None] * kf), PREC, UPCAST))
+        dTm_blk = mm(dw, tl.trans(bG[:, None] * kf), PREC, UPCAST)
+    if WY:
+        dTm += dTm_blk
+    else:
+        tl.store(dTm_ptr + (((c * H + h) * NKB + kb) * C + rows[:, None]).to(tl.int64) * C + rows[None, :], dTm_blk)
         Tm = tl.where(causal, tl.load(tm_ptr + ((c * H + h) * C + rows[:, None]).to(tl.int64) * C + rows[None, :]),
                       0.0)
-    dX = mm(tl.trans(Tm), dw, PREC, UPCAST)
+    dX = mm_lowp(tl.trans(Tm), dw, k.dtype, LOWP, PREC, IN_PREC, UPCAST)
     sx = tl.sum(dX * kf, 1)
     dG += bG * sx
     # chunk end state: S_end = e^G_last S0 + (K e^(G_last - G))^T U
@@ -167,45 +201,82 @@ def delta_bwd_dqk(q_ptr, k_ptr, v_ptr, a_ptr, hp_ptr, s_ptr, eps, gcum_ptr, beta
     cj = tl.sum(dk * kf, 1)
     dG -= cj
     dG += tl.where(rows == nv - 1, tl.sum(dlast, 0) * tl.exp(G_last) + tl.sum(cj, 0), 0.0)
-    dk += mm(tl.trans(dMq), q, IN_PREC, UPCAST)
+    if DG_SUMS:
+        dkM = mm(tl.trans(dMq), q, IN_PREC, UPCAST)
+        dG -= tl.sum(dkM * kf, 1)
+        dk += dkM
+    else:
+        dk += mm(tl.trans(dMq), q, IN_PREC, UPCAST)
     dk += bG[:, None] * dX
     if WY:
         dbeta += eG * sx
-        E = through_inverse(Tm, dTm, G, ok, rows, PREC, UPCAST)
+        E = through_inverse(Tm, dTm, G, ok, rows, k.dtype, LOWP, PREC, IN_PREC, UPCAST)
         KK = mm(k, tl.trans(k), IN_PREC, UPCAST)
         dbeta += tl.sum(E * KK, 1)
         PA = E * KK * beta[:, None]
         dG += tl.sum(PA, 1) - tl.sum(PA, 0)
         dn2 = hook_grads(dG, dbeta, tl.sum(kf * kf, 1), a_ptr, hp_ptr, s_ptr, eps, da_ptr, dhp_ptr, ds_ptr, tok, h,
                          H, TTH, ok)
-        dk += beta[:, None] * mm(E, kf, PREC, UPCAST) + mm(tl.trans(E), beta[:, None] * kf, PREC, UPCAST)
+        dk += through_keys(E, k, beta, LOWP, PREC, IN_PREC, UPCAST)
         dk += dn2[:, None] * kf
         tl.store(dk_ptr + (tok[:, None] * H + h) * K + kk[None, :], rnd(dk, dk_ptr.dtype.element_ty, UPCAST),
                  mask=km)
     else:
         tl.store(dbeta_ptr + kb * TTH + tok * H + h, eG * sx, mask=ok)
-        tl.store(dk_ptr + (tok[:, None] * H + h) * K + kk[None, :], dk, mask=km)
+        # the dk share: fp32, or the input dtype (the host's choice of buffer, LOWP_DK)
+        tl.store(dk_ptr + (tok[:, None] * H + h) * K + kk[None, :], rnd(dk, dk_ptr.dtype.element_ty, UPCAST),
+                 mask=km)
         tl.store(dG_ptr + kb * TTH + tok * H + h, dG, mask=ok)
 
 
 @triton.jit
-def u_grads(v_ptr, dv_ptr, Tm, dU, beta, dbeta, dTm, tok, vv, vm, h, H, V: tl.constexpr, PREC: tl.constexpr,
+def mm_lowp(a, b, dtype: tl.constexpr, LOWP: tl.constexpr, PREC: tl.constexpr, IN_PREC: tl.constexpr,
             UPCAST: tl.constexpr):
-    """Through u = Tm diag(beta) V on one block of value columns: stores dv; returns dbeta and dTm updated."""
-    v = tl.load(v_ptr + (tok[:, None] * H + h) * V + vv[None, :], mask=vm, other=0.0).to(tl.float32)
-    dY = mm(tl.trans(Tm), dU, PREC, UPCAST)
-    tl.store(dv_ptr + (tok[:, None] * H + h) * V + vv[None, :],
-             rnd(beta[:, None] * dY, dv_ptr.dtype.element_ty, UPCAST), mask=vm)
-    return dbeta + tl.sum(dY * v, 1), dTm + mm(dU, tl.trans(beta[:, None] * v), PREC, UPCAST)
+    """a @ b of fp32 operands: at PREC, or with LOWP both rounded to `dtype` (the input dtype: for fp32 inputs
+    the same product) and multiplied at IN_PREC."""
+    if LOWP:
+        return mm(rnd(a, dtype, UPCAST), rnd(b, dtype, UPCAST), IN_PREC, UPCAST)
+    else:
+        return mm(a, b, PREC, UPCAST)
 
 
 @triton.jit
-def through_inverse(Tm, dTm, G, ok, rows, PREC: tl.constexpr, UPCAST: tl.constexpr):
+def u_grads(v_ptr, dv_ptr, Tm, dU, beta, dbeta, dTm, tok, vv, vm, h, H, V: tl.constexpr, LOWP: tl.constexpr,
+            PREC: tl.constexpr, IN_PREC: tl.constexpr, UPCAST: tl.constexpr):
+    """Through u = Tm diag(beta) V on one block of value columns (dU as stored: fp32 or the input dtype):
+    stores dv; returns dbeta and dTm updated."""
+    v = tl.load(v_ptr + (tok[:, None] * H + h) * V + vv[None, :], mask=vm, other=0.0)
+    dY = mm_lowp(tl.trans(Tm), dU.to(tl.float32), v.dtype, LOWP, PREC, IN_PREC, UPCAST)
+    tl.store(dv_ptr + (tok[:, None] * H + h) * V + vv[None, :],
+             rnd(beta[:, None] * dY, dv_ptr.dtype.element_ty, UPCAST), mask=vm)
+    vf = v.to(tl.float32)
+    if LOWP:    # dU (diag(beta) V)^T = (dU V^T) diag(beta): the values enter as loaded
+        dTm += mm(rnd(dU, v.dtype, UPCAST), tl.trans(v), IN_PREC, UPCAST) * beta[None, :]
+    else:
+        dTm += mm(dU.to(tl.float32), tl.trans(beta[:, None] * vf), PREC, UPCAST)
+    return dbeta + tl.sum(dY * vf, 1), dTm
+
+
+@triton.jit
+def through_inverse(Tm, dTm, G, ok, rows, dtype: tl.constexpr, LOWP: tl.constexpr, PREC: tl.constexpr,
+                    IN_PREC: tl.constexpr, UPCAST: tl.constexpr):
     """Tm = (I + A)^-1, A = strictly_lower(diag(beta) K K^T * D): E = dA * D = -(Tm^T dTm Tm^T) * D, strictly
     lower (dA's part that reaches beta K K^T)."""
     strict = (rows[:, None] > rows[None, :]) & ok[:, None] & ok[None, :]
-    dA = -mm(tl.trans(Tm), mm(dTm, tl.trans(Tm), PREC, UPCAST), PREC, UPCAST)
+    inner = mm_lowp(dTm, tl.trans(Tm), dtype, LOWP, PREC, IN_PREC, UPCAST)
+    dA = -mm_lowp(tl.trans(Tm), inner, dtype, LOWP, PREC, IN_PREC, UPCAST)
     return tl.where(strict, dA * tl.exp(tl.where(strict, G[:, None] - G[None, :], 0.0)), 0.0)
+
+
+@triton.jit
+def through_keys(E, k, beta, LOWP: tl.constexpr, PREC: tl.constexpr, IN_PREC: tl.constexpr, UPCAST: tl.constexpr):
+    """dk's part through A = strictly_lower(diag(beta) K K^T * D), given E: diag(beta) E K + E^T diag(beta) K."""
+    if LOWP:    # E^T diag(beta) K: beta scales E's columns; the keys enter as loaded
+        return (beta[:, None] * mm(rnd(E, k.dtype, UPCAST), k, IN_PREC, UPCAST)
+                + mm(rnd(tl.trans(E) * beta[None, :], k.dtype, UPCAST), k, IN_PREC, UPCAST))
+    else:
+        kf = k.to(tl.float32)
+        return beta[:, None] * mm(E, kf, PREC, UPCAST) + mm(tl.trans(E), beta[:, None] * kf, PREC, UPCAST)
 
 
 @triton.jit
@@ -227,10 +298,11 @@ def delta_bwd_wy(k_ptr, v_ptr, a_ptr, hp_ptr, s_ptr, eps, gcum_ptr, beta_ptr, tm
                  dk_part_ptr, dG_part_ptr, dbeta_part_ptr, dk_ptr, dv_ptr, da_ptr, dhp_ptr, ds_ptr, chunk_tok,
                  chunk_len, TTH, H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                  C: tl.constexpr, BKS: tl.constexpr, NKQ: tl.constexpr, PREC: tl.constexpr, IN_PREC: tl.constexpr,
-                 UPCAST: tl.constexpr):
+                 UPCAST: tl.constexpr, LOWP: tl.constexpr = False):
     """Per chunk, through u = Tm diag(beta) V, Tm = (I + A)^-1 and the hooks: dv, dk (final), d decay input,
     d step input. The w = Tm diag(beta e^G) K terms arrive from delta_bwd_dqk as NKQ key-block shares of dTm,
-    dk, dG and dbeta; keys are visited in blocks of BKS columns after dA (K K^T, ||k||^2, then dk)."""
+    dk, dG and dbeta; keys are visited in blocks of BKS columns after dA (K K^T, ||k||^2, then dk). LOWP: the dots
+    of fp32 operands (Tm, dU, dTm, E) take them rounded to the input dtype."""
     c = tl.program_id(0)
     h = tl.program_id(1)
     rows = tl.arange(0, C)
@@ -252,8 +324,9 @@ def delta_bwd_wy(k_ptr, v_ptr, a_ptr, hp_ptr, s_ptr, eps, gcum_ptr, beta_ptr, tm
         vv = iv * BV + tl.arange(0, BV)
         vm = ok[:, None] & (vv[None, :] < V)
         dU = tl.load(dU_ptr + (tok[:, None] * H + h) * V + vv[None, :], mask=vm, other=0.0)
-        dbeta, dTm = u_grads(v_ptr, dv_ptr, Tm, dU, beta, dbeta, dTm, tok, vv, vm, h, H, V, PREC, UPCAST)
-    E = through_inverse(Tm, dTm, G, ok, rows, PREC, UPCAST)
+        dbeta, dTm = u_grads(v_ptr, dv_ptr, Tm, dU, beta, dbeta, dTm, tok, vv, vm, h, H, V, LOWP, PREC, IN_PREC,
+                             UPCAST)
+    E = through_inverse(Tm, dTm, G, ok, rows, k_ptr.dtype.element_ty, LOWP, PREC, IN_PREC, UPCAST)
     n2 = tl.zeros([C], dtype=tl.float32)
     KK = tl.zeros([C, C], dtype=tl.float32)
     for kb in range(0, tl.cdiv(K, BKS)):
@@ -268,10 +341,10 @@ def delta_bwd_wy(k_ptr, v_ptr, a_ptr, hp_ptr, s_ptr, eps, gcum_ptr, beta_ptr, tm
     for kb in range(0, tl.cdiv(K, BKS)):
         kk = kb * BKS + tl.arange(0, BKS)
         km = ok[:, None] & (kk[None, :] < K)
-        kf = tl.load(k_ptr + (tok[:, None] * H + h) * K + kk[None, :], mask=km, other=0.0).to(tl.float32)
-        dk = tl.load(dk_part_ptr + (tok[:, None] * H + h) * K + kk[None, :], mask=km, other=0.0)
-        dk += beta[:, None] * mm(E, kf, PREC, UPCAST) + mm(tl.trans(E), beta[:, None] * kf, PREC, UPCAST)
-        dk += dn2[:, None] * kf
+        k = tl.load(k_ptr + (tok[:, None] * H + h) * K + kk[None, :], mask=km, other=0.0)
+        dk = tl.load(dk_part_ptr + (tok[:, None] * H + h) * K + kk[None, :], mask=km, other=0.0).to(tl.float32)
+        dk += through_keys(E, k, beta, LOWP, PREC, IN_PREC, UPCAST)
+        dk += dn2[:, None] * k.to(tl.float32)
         tl.store(dk_ptr + (tok[:, None] * H + h) * K + kk[None, :], rnd(dk, dk_ptr.dtype.element_ty, UPCAST),
                  mask=km)
 
