@@ -175,6 +175,25 @@ def test_launches_per_call(monkeypatch):
                                          "delta_state_bwd", "delta_bwd_dqk", "delta_bwd_wy"]
 
 
+@pytest.mark.parametrize("through_op", [False, True])
+def test_saved_w_u_give_the_recomputed_bits_without_delta_wu(monkeypatch, through_op):
+    """SAVE_WU (wu's config): the backward reads the w, u that delta_prep stored in the forward instead of launching
+    delta_wu, which recomputes the same bits (eager path and torch.library op path)."""
+    from triton.runtime.interpreter import InterpretedFunction
+    monkeypatch.setattr(delta_ops, "EAGER_FAST_PATH", not through_op)
+    ins = inputs(1, 37, 2, 16, 16)
+    recomputed = forward_backward(ins)
+    launched = []
+    run = InterpretedFunction.run
+    monkeypatch.setattr(InterpretedFunction, "run", lambda self, *a, **k: launched.append(self.fn.__name__) or run(
+        self, *a, **k))
+    monkeypatch.setitem(delta_ops.CONFIG, "wu", dict(delta_ops.CONFIG["wu"], SAVE_WU=True))
+    saved = forward_backward(ins)
+    assert "delta_wu" not in launched and "delta_state_fwd" in launched
+    for a, b in zip(recomputed, saved):
+        assert torch.equal(a, b)
+
+
 def test_plans_respect_the_measured_shared_memory_limits():
     """The 128-column value blocks of state_output do not fit the 227 KB per block of sm_90 at K=256; state_bwd
     keeps a separate dU_local kernel where the fused one spills (fp32, and K=256), on one stage in fp32 at K=256

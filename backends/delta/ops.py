@@ -109,8 +109,10 @@ SHARED_MEMORY_FITS = {
 # Config keys the host reads and the kernels never see (dropped from the launch configs): which backward buffers are
 # stored in the input dtype instead of fp32 (bf16/fp16 inputs; fp32 inputs keep fp32). LOWP_DU (state_bwd's entry): the
 # dU that state_bwd stores for bwd_dqk and bwd_wy (bwd_dqk rounds it so for its dot anyway); LOWP_DK (bwd_dqk's):
-# bwd_dqk's share of dk, which bwd_wy adds to its own part.
-HOST_KEYS = ("LOWP_DU", "LOWP_DK")
+# bwd_dqk's share of dk, which bwd_wy adds to its own part. SAVE_WU (wu's entry): the forward keeps the w and u that
+# delta_prep stored (two more activations the size of k and v) and the backward reads them instead of launching
+# delta_wu.
+HOST_KEYS = ("LOWP_DU", "LOWP_DK", "SAVE_WU")
 EAGER_FAST_PATH = True   # False: every chunked call goes through the torch.library ops (tests compare the two)
 _RULES = {"beta": GIVEN, "kaczmarz": KACZMARZ}
 PROGRAMS: dict[str, tuple] = {}     # key -> (generated module, chunk size); keys name rule, hooks and C
@@ -273,32 +275,36 @@ def _fake(t: torch.Tensor) -> bool:
     return t.device.type == "meta" or (is_fake(t) and get_proxy_mode() is None)
 
 
-def _states(p: Plan, k, v, hp, h0, chunk_tok, chunk_len, seq_chunk0, tm, gcum, beta, direct=False):
-    """The backward's recomputation from the forward's (Tm, gcum, beta): w and u by delta_wu, then the chunk
-    start states h and innovations U by delta_state_fwd. Returns (w, h, U)."""
+def _states(p: Plan, k, v, hp, h0, chunk_tok, chunk_len, seq_chunk0, tm, gcum, beta, direct=False, w=None, u=None):
+    """The backward's recomputation from the forward's (Tm, gcum, beta): w and u by delta_wu (unless the forward's
+    are given: SAVE_WU), then the chunk start states h and innovations U by delta_state_fwd. Returns (w, h, U)."""
     TT, H, K = k.shape
     V = v.shape[-1]
     NC, N, dev = chunk_tok.numel(), seq_chunk0.numel() - 1, k.device
-    w = _empty(TT, H, K, device=dev, dtype=k.dtype)
-    u = _empty(TT, H, V, device=dev, dtype=k.dtype)
+    recompute = w is None or u is None
+    if recompute:
+        w = _empty(TT, H, K, device=dev, dtype=k.dtype)
+        u = _empty(TT, H, V, device=dev, dtype=k.dtype)
     h = _empty(NC, H, K, V, device=dev, dtype=k.dtype)
     U = _empty(TT, H, V, device=dev, dtype=k.dtype)
     if not direct and _fake(k):
         return w, h, U
     meta, cfgs = p.meta, p.configs
-    _launch("wu", p.mod.delta_wu,
-            lambda cfg: (NC * (1 if cfg.get("PER_CHUNK") else p.NK + triton.cdiv(V, cfg["BV"])), H),
-            (k, v, gcum, beta, tm, w, u, chunk_tok, chunk_len, H), dict(meta, BKS=p.BKS), V, cfgs, direct)
+    if recompute:
+        _launch("wu", p.mod.delta_wu,
+                lambda cfg: (NC * (1 if cfg.get("PER_CHUNK") else p.NK + triton.cdiv(V, cfg["BV"])), H),
+                (k, v, gcum, beta, tm, w, u, chunk_tok, chunk_len, H), dict(meta, BKS=p.BKS), V, cfgs, direct)
     _launch("state_fwd", p.mod.delta_state_fwd, lambda cfg: (N, H, triton.cdiv(V, cfg["BV"])),
             (k, w, u, gcum, h0 if h0 is not None else h, chunk_tok, chunk_len, seq_chunk0, h, U, h, H),
             dict(meta, HAS_H0=h0 is not None, STORE_FINAL=False), V, cfgs, direct)
     return w, h, U
 
 
-def _chunk_forward(p: Plan, q, k, v, a, hp, s, h0, chunk_tok, chunk_len, seq_chunk0, eps, scale, direct):
-    """[o, final state, Tm, gcum, beta]: the body of `delta_chunk_fwd`. prep (gcum, beta, Tm, w, u and the outputs'
-    in-chunk matrices Q K^T * Dec), then delta_state_output (the sequential pass over chunks, storing the outputs
-    and the final state)."""
+def _chunk_forward(p: Plan, q, k, v, a, hp, s, h0, chunk_tok, chunk_len, seq_chunk0, eps, scale, direct,
+                   keep_wu=False):
+    """[o, final state, Tm, gcum, beta] (and with `keep_wu` w, u): the body of `delta_chunk_fwd`. prep (gcum, beta,
+    Tm, w, u and the outputs' in-chunk matrices Q K^T * Dec), then delta_state_output (the sequential pass over
+    chunks, storing the outputs and the final state)."""
     TT, H, K = k.shape
     V = v.shape[-1]
     NC, N, dev, C = chunk_tok.numel(), seq_chunk0.numel() - 1, k.device, p.C
@@ -318,16 +324,17 @@ def _chunk_forward(p: Plan, q, k, v, a, hp, s, h0, chunk_tok, chunk_len, seq_chu
         _launch("state_output", p.mod.delta_state_output, lambda cfg: (N, H, triton.cdiv(V, cfg["BV"])),
                 (q, k, w, u, gcum, h0 if h0 is not None else ht, chunk_tok, chunk_len, seq_chunk0, ht, o, mq, scale, H),
                 dict(meta, HAS_H0=h0 is not None, STORE_FINAL=True), V, cfgs, direct)
-    return [o, ht, tm, gcum, beta]
+    return [o, ht, tm, gcum, beta, w, u] if keep_wu else [o, ht, tm, gcum, beta]
 
 
-def _chunk_backward(p: Plan, q, k, v, a, hp, s, h0, chunk_tok, chunk_len, seq_chunk0, tm, gcum, beta, do, dht,
-                    eps, scale, direct):
-    """[dq, dk, dv, da, ds, dh0, dhp]: the body of `delta_chunk_bwd`."""
+def _chunk_backward(p: Plan, q, k, v, a, hp, s, h0, chunk_tok, chunk_len, seq_chunk0, tm, gcum, beta, w_fwd, u_fwd,
+                    do, dht, eps, scale, direct):
+    """[dq, dk, dv, da, ds, dh0, dhp]: the body of `delta_chunk_bwd` (w_fwd, u_fwd: the forward's w, u, or None)."""
     TT, H, K = k.shape
     V = v.shape[-1]
     NC, N, dev = chunk_tok.numel(), seq_chunk0.numel() - 1, k.device
-    w, h, U = _states(p, k, v, hp, h0, chunk_tok, chunk_len, seq_chunk0, tm, gcum, beta, direct=direct)
+    w, h, U = _states(p, k, v, hp, h0, chunk_tok, chunk_len, seq_chunk0, tm, gcum, beta, direct=direct, w=w_fwd,
+                      u=u_fwd)
     dh = _empty(NC, H, K, V, device=dev, dtype=k.dtype)
     dU = _empty(TT, H, V, device=dev, dtype=k.dtype if p.host.get("LOWP_DU") else torch.float32)
     local_du = p.configs["state_bwd"]["LOCAL_DU"]     # else delta_dU_local stores the local part (fp32) first
@@ -378,39 +385,43 @@ def delta_chunk_fwd(key: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     s: torch.Tensor, h0: Optional[torch.Tensor], chunk_tok: torch.Tensor, chunk_len: torch.Tensor,
                     seq_chunk0: torch.Tensor, eps: float, scale: float) -> list[torch.Tensor]:
     """Packed [TT, H, *] inputs (hp: the decay hook's per-head parameters [P, H] fp32) ->
-    [o [TT, H, V] fp32, final state [N, H, K, V] fp32, and for the backward Tm, gcum, beta]."""
+    [o [TT, H, V] fp32, final state [N, H, K, V] fp32, and for the backward Tm, gcum, beta, w, u]."""
     p = plan(key, k.shape[-1], v.shape[-1], k.dtype, k.device)
-    return _chunk_forward(p, q, k, v, a, hp, s, h0, chunk_tok, chunk_len, seq_chunk0, eps, scale, direct=False)
+    return _chunk_forward(p, q, k, v, a, hp, s, h0, chunk_tok, chunk_len, seq_chunk0, eps, scale, direct=False,
+                          keep_wu=True)
 
 
 @triton_op("scanlang::delta_chunk_bwd", mutates_args=())
 def delta_chunk_bwd(key: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, hp: torch.Tensor,
                     s: torch.Tensor, h0: Optional[torch.Tensor], chunk_tok: torch.Tensor, chunk_len: torch.Tensor,
                     seq_chunk0: torch.Tensor, tm: torch.Tensor, gcum: torch.Tensor, beta: torch.Tensor,
-                    do: torch.Tensor, dht: Optional[torch.Tensor], eps: float, scale: float) -> list[torch.Tensor]:
-    """Recompute w, u from the forward's Tm and the chunk states, then [dq, dk, dv (input dtypes), da, ds (fp32),
-    dh0 (fp32; empty without h0), dhp [P, H] fp32]."""
+                    w: Optional[torch.Tensor], u: Optional[torch.Tensor], do: torch.Tensor, dht: Optional[torch.Tensor],
+                    eps: float, scale: float) -> list[torch.Tensor]:
+    """Recompute w, u from the forward's Tm (unless given) and the chunk states, then [dq, dk, dv (input dtypes),
+    da, ds (fp32), dh0 (fp32; empty without h0), dhp [P, H] fp32]."""
     p = plan(key, k.shape[-1], v.shape[-1], k.dtype, k.device)
-    return _chunk_backward(p, q, k, v, a, hp, s, h0, chunk_tok, chunk_len, seq_chunk0, tm, gcum, beta, do, dht,
-                           eps, scale, direct=False)
+    return _chunk_backward(p, q, k, v, a, hp, s, h0, chunk_tok, chunk_len, seq_chunk0, tm, gcum, beta, w, u, do,
+                           dht, eps, scale, direct=False)
 
 
 def _setup_context(ctx, inputs, output):
     key, q, k, v, a, hp, s, h0, chunk_tok, chunk_len, seq_chunk0, eps, scale = inputs
-    _, _, tm, gcum, beta = output
-    ctx.mark_non_differentiable(tm, gcum, beta)
-    ctx.set_materialize_grads(False)      # no zero-filled gradients for Tm, gcum, beta (nor an unused o or S)
-    ctx.save_for_backward(q, k, v, a, hp, s, h0, chunk_tok, chunk_len, seq_chunk0, tm, gcum, beta)
+    _, _, tm, gcum, beta, w, u = output
+    ctx.mark_non_differentiable(tm, gcum, beta, w, u)
+    ctx.set_materialize_grads(False)      # no zero-filled gradients for Tm, gcum, beta, w, u (nor an unused o or S)
+    if not plan(key, k.shape[-1], v.shape[-1], k.dtype, k.device).host.get("SAVE_WU"):
+        w = u = None                      # the backward recomputes them (delta_wu)
+    ctx.save_for_backward(q, k, v, a, hp, s, h0, chunk_tok, chunk_len, seq_chunk0, tm, gcum, beta, w, u)
     ctx.key, ctx.eps, ctx.scale = key, eps, scale
 
 
 def _input_grads(ctx, do, dht, backward):
     """Gradients of delta_chunk_fwd's inputs from those of (o, final state); `backward` is the op or the eager body."""
-    q, k, v, a, hp, s, h0, chunk_tok, chunk_len, seq_chunk0, tm, gcum, beta = ctx.saved_tensors
+    q, k, v, a, hp, s, h0, chunk_tok, chunk_len, seq_chunk0, tm, gcum, beta, w, u = ctx.saved_tensors
     do = torch.zeros(*q.shape[:2], v.shape[-1], device=q.device) if do is None else do.contiguous().float()
     dht = None if dht is None else dht.contiguous().float()
     dq, dk, dv, da, ds, dh0, dhp = backward(ctx.key, q, k, v, a, hp, s, h0, chunk_tok, chunk_len, seq_chunk0,
-                                            tm, gcum, beta, do, dht, ctx.eps, ctx.scale)
+                                            tm, gcum, beta, w, u, do, dht, ctx.eps, ctx.scale)
     return (None, dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), da.to(a.dtype), dhp.to(hp.dtype), ds.to(s.dtype),
             dh0.to(h0.dtype) if h0 is not None else None, None, None, None, None, None)
 
@@ -434,7 +445,8 @@ class _EagerChunk(torch.autograd.Function):
     @staticmethod
     def forward(ctx, key, q, k, v, a, hp, s, h0, chunk_tok, chunk_len, seq_chunk0, eps, scale):
         p = plan(key, k.shape[-1], v.shape[-1], k.dtype, k.device)
-        out = _chunk_forward(p, q, k, v, a, hp, s, h0, chunk_tok, chunk_len, seq_chunk0, eps, scale, direct=True)
+        out = _chunk_forward(p, q, k, v, a, hp, s, h0, chunk_tok, chunk_len, seq_chunk0, eps, scale, direct=True,
+                             keep_wu=True)
         _setup_context(ctx, (key, q, k, v, a, hp, s, h0, chunk_tok, chunk_len, seq_chunk0, eps, scale), out)
         return tuple(out)
 
