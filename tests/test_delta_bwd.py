@@ -50,7 +50,7 @@ def odd_case():
     # dU and the dk share stored in the input dtype (for fp32 inputs: the same products and buffers)
     (dict(LOCAL_DU=False, BV=16, num_warps=4, num_stages=2, SEQ_BOUNDS=True, DECAY_V=True, LOWP_DU=True),
      dict(BV=16, num_warps=4, num_stages=2),
-     dict(BKS=16, BV=16, num_warps=4, num_stages=1, DG_SUMS=True, LOWP=True, LOWP_DK=True),
+     dict(BKS=16, BV=16, num_warps=4, num_stages=1, DG_SUMS=True, LOWP=True, LOWP_DK=True, LOWP_DTM=True),
      dict(BV=16, num_warps=4, num_stages=1, LOWP=True)),
     (dict(LOCAL_DU=True, BV=32, num_warps=8, num_stages=2, SEQ_BOUNDS=True, DECAY_V=True),
      dict(BV=16, num_warps=4, num_stages=2),
@@ -90,7 +90,8 @@ def test_dqk_key_block_and_wy_from_config(monkeypatch):
 
 
 def test_host_keys_leave_the_launch_configs(monkeypatch):
-    """LOWP_DU and LOWP_DK choose buffers: the plan keeps them in `host`, never in a kernel's launch config."""
+    """LOWP_DU, LOWP_DK (and LOWP_DTM, SAVE_WU) choose buffers: the plan keeps them in `host`, never in a kernel's
+    launch config."""
     key = delta_ops.program_key(delta_ops._RULES["kaczmarz"], 16)
     monkeypatch.setitem(delta_ops.CONFIG, "state_bwd", dict(LOCAL_DU=True, BV=32, num_warps=4, num_stages=1,
                                                               LOWP_DU=True))
@@ -129,7 +130,7 @@ def test_bf16_local_dU_from_its_kernel_or_the_state_pass_same_bits(monkeypatch, 
 
 
 def test_bf16_variants_within_tolerance_of_float64(monkeypatch):
-    """bf16 inputs with every variant on (dU and the dk share in bf16, bf16 operands for the fp32 dots, dG by
+    """bf16 inputs with every variant on (dU and the dk and dTm shares in bf16, bf16 operands for the fp32 dots, dG by
     row sums, decays on the value side): gradients within the spec's bf16 tolerances of float64; SEQ_BOUNDS alone
     changes addresses only (same bits)."""
     q, k, v, g, eta, h0 = make_inputs(1, 40, 2, 40, 20, seed=3)
@@ -147,7 +148,7 @@ def test_bf16_variants_within_tolerance_of_float64(monkeypatch):
     bounds = run_with_grads(fn("triton"), inputs, torch.bfloat16)
     monkeypatch.setitem(delta_ops.CONFIG, "state_bwd", dict(state_bwd, SEQ_BOUNDS=True, DECAY_V=True, LOWP_DU=True))
     monkeypatch.setitem(delta_ops.CONFIG, "bwd_dqk", dict(BKS=16, BV=16, num_warps=4, num_stages=1, DG_SUMS=True,
-                                                            LOWP=True, LOWP_DK=True))
+                                                            LOWP=True, LOWP_DK=True, LOWP_DTM=True))
     monkeypatch.setitem(delta_ops.CONFIG, "bwd_wy", dict(BV=16, num_warps=4, num_stages=1, LOWP=True))
     monkeypatch.setattr(delta_ops, "KEY_BLOCK", 16)
     got = run_with_grads(fn("triton"), inputs, torch.bfloat16)

@@ -145,6 +145,7 @@ def fwd_bwd(fn, ins, do):
     torch.autograd.grad(o, ins[:5], do)
 
 
+DQK_ALL = dict(DG_SUMS=True, LOWP=True, LOWP_DK=True, LOWP_DTM=True)    # every bwd_dqk variant but WY
 SWEEP_OPTIONS = {
     # prep: maxnreg=128 fits 4 blocks per SM instead of 3 for 160 B of spills (offline, Triton 3.6, K=V=128 bf16)
     "prep": [dict(num_warps=w, num_stages=st) for w in (4, 8) for st in (1, 2)] + [
@@ -174,19 +175,16 @@ SWEEP_OPTIONS = {
     "dU_local": [dict(BV=bv, num_warps=w, num_stages=2) for bv in (64, 128) for w in (4, 8)] + [
         dict(BV=64, num_warps=4, num_stages=2, maxnreg=128)],     # 4 blocks per SM instead of 3, no spills
     # bwd_dqk (128 key columns, 32 value columns, 8 warps, 2 stages: 255, 68 B, SASS 3024, 48 HGMMA, 120 KB shared):
-    # DG_SUMS 254, 0 B, 2584, 40; + LOWP 255, 0 B, 2408, 28, 64 KB; + LOWP_DK 2288 (and bwd_wy reads half the dk share
-    # bytes). 64 key columns with every flag: on 8 warps 236 registers, no spills (1 stage: 192); on 4 warps (two
-    # blocks per SM) 164 B spilled.
+    # DG_SUMS 254, 0 B, 2584, 40; + LOWP 255, 0 B, 2408, 28, 64 KB; + LOWP_DK 2288; + LOWP_DTM 2296 (and bwd_wy reads
+    # half the bytes of the dk and dTm shares: its loop 342 -> 322 instructions with LOWP). 64 key columns with every
+    # flag: on 8 warps 236 registers, no spills (1 stage: 192); on 4 warps (two blocks per SM) 164 B spilled.
     # WY=True also does bwd_wy's work (then bwd_wy is not launched): 588 B spilled (1084 B with DG_SUMS, LOWP).
     "bwd_dqk": [dict(WY=False, BKS=bk, BV=bv, num_warps=8, num_stages=st, **flags) for bk, bv, st, flags in (
         (128, 32, 2, dict(DG_SUMS=True)),
         (128, 32, 2, dict(DG_SUMS=True, LOWP=True)),
         (128, 32, 2, dict(DG_SUMS=True, LOWP=True, LOWP_DK=True)),
-        (128, 32, 1, dict(DG_SUMS=True, LOWP=True, LOWP_DK=True)),
-        (128, 16, 2, dict(DG_SUMS=True, LOWP=True, LOWP_DK=True)),
-        (64, 32, 2, dict(DG_SUMS=True, LOWP=True, LOWP_DK=True)),
-        (64, 32, 1, dict(DG_SUMS=True, LOWP=True, LOWP_DK=True)))] + [
-        dict(WY=False, BKS=64, BV=32, num_warps=4, num_stages=2, DG_SUMS=True, LOWP=True, LOWP_DK=True)] + [
+        (128, 32, 2, DQK_ALL), (128, 32, 1, DQK_ALL), (128, 16, 2, DQK_ALL), (64, 32, 2, DQK_ALL),
+        (64, 32, 1, DQK_ALL))] + [dict(WY=False, BKS=64, BV=32, num_warps=4, num_stages=2, **DQK_ALL)] + [
         dict(WY=False, BKS=bk, BV=bv, num_warps=w, num_stages=st) for bk, bv, w, st in
         ((64, 32, 4, 2), (64, 32, 4, 1), (32, 32, 4, 1))] + [
         dict(WY=True, BV=32, num_warps=8, num_stages=1)],

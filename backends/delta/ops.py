@@ -106,13 +106,13 @@ SHARED_MEMORY_FITS = {
     ("wu", 4, 128): dict(PER_CHUNK=False),
     ("wu", 4, 256): dict(PER_CHUNK=False),
 }
-# Config keys the host reads and the kernels never see (dropped from the launch configs): which backward buffers are
-# stored in the input dtype instead of fp32 (bf16/fp16 inputs; fp32 inputs keep fp32). LOWP_DU (state_bwd's entry): the
-# dU that state_bwd stores for bwd_dqk and bwd_wy (bwd_dqk rounds it so for its dot anyway); LOWP_DK (bwd_dqk's):
-# bwd_dqk's share of dk, which bwd_wy adds to its own part. SAVE_WU (wu's entry): the forward keeps the w and u that
-# delta_prep stored (two more activations the size of k and v) and the backward reads them instead of launching
+# Config keys the host reads and the kernels never see (dropped from the launch configs). Backward buffers stored in
+# the input dtype instead of fp32 (bf16/fp16 inputs; fp32 inputs keep fp32): LOWP_DU (state_bwd's entry), the dU that
+# state_bwd stores for bwd_dqk and bwd_wy (bwd_dqk rounds it so for its dot anyway); LOWP_DK and LOWP_DTM (bwd_dqk's),
+# its shares of dk and of dTm, which bwd_wy adds to its own parts. SAVE_WU (wu's entry): the forward keeps the w and u
+# that delta_prep stored (two more activations the size of k and v) and the backward reads them instead of launching
 # delta_wu.
-HOST_KEYS = ("LOWP_DU", "LOWP_DK", "SAVE_WU")
+HOST_KEYS = ("LOWP_DU", "LOWP_DK", "LOWP_DTM", "SAVE_WU")
 EAGER_FAST_PATH = True   # False: every chunked call goes through the torch.library ops (tests compare the two)
 _RULES = {"beta": GIVEN, "kaczmarz": KACZMARZ}
 PROGRAMS: dict[str, tuple] = {}     # key -> (generated module, chunk size); keys name rule, hooks and C
@@ -352,7 +352,8 @@ def _chunk_backward(p: Plan, q, k, v, a, hp, s, h0, chunk_tok, chunk_len, seq_ch
     wy = p.configs["bwd_dqk"]["WY"]                         # or one block doing delta_bwd_wy's work too
     if not wy:
         dk_part = _empty(TT, H, K, device=dev, dtype=k.dtype if p.host.get("LOWP_DK") else torch.float32)
-        dTm_part = _empty(NC, H, NKQ, p.C, p.C, device=dev, dtype=torch.float32)
+        dTm_part = _empty(NC, H, NKQ, p.C, p.C, device=dev,
+                          dtype=k.dtype if p.host.get("LOWP_DTM") else torch.float32)
         dG_part = _empty(NKQ, TT, H, device=dev, dtype=torch.float32)
         dbeta_part = _empty(NKQ, TT, H, device=dev, dtype=torch.float32)
     dhp_tok = _empty(max(hp.shape[0], 1), TT, H, device=dev, dtype=torch.float32)

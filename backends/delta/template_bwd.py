@@ -190,7 +190,8 @@ def delta_bwd_dqk(q_ptr, k_ptr, v_ptr, a_ptr, hp_ptr, s_ptr, eps, gcum_ptr, beta
     if WY:
         dTm += dTm_blk
     else:
-        tl.store(dTm_ptr + (((c * H + h) * NKB + kb) * C + rows[:, None]).to(tl.int64) * C + rows[None, :], dTm_blk)
+        tl.store(dTm_ptr + (((c * H + h) * NKB + kb) * C + rows[:, None]).to(tl.int64) * C + rows[None, :],
+                 rnd(dTm_blk, dTm_ptr.dtype.element_ty, UPCAST))
         Tm = tl.where(causal, tl.load(tm_ptr + ((c * H + h) * C + rows[:, None]).to(tl.int64) * C + rows[None, :]),
                       0.0)
     dX = mm_lowp(tl.trans(Tm), dw, k.dtype, LOWP, PREC, IN_PREC, UPCAST)
@@ -223,7 +224,7 @@ def delta_bwd_dqk(q_ptr, k_ptr, v_ptr, a_ptr, hp_ptr, s_ptr, eps, gcum_ptr, beta
                  mask=km)
     else:
         tl.store(dbeta_ptr + kb * TTH + tok * H + h, eG * sx, mask=ok)
-        # the dk share: fp32, or the input dtype (the host's choice of buffer, LOWP_DK)
+        # the dk share (and the dTm share above): fp32, or the input dtype (the host's choice, LOWP_DK / LOWP_DTM)
         tl.store(dk_ptr + (tok[:, None] * H + h) * K + kk[None, :], rnd(dk, dk_ptr.dtype.element_ty, UPCAST),
                  mask=km)
         tl.store(dG_ptr + kb * TTH + tok * H + h, dG, mask=ok)
@@ -316,7 +317,8 @@ def delta_bwd_wy(k_ptr, v_ptr, a_ptr, hp_ptr, s_ptr, eps, gcum_ptr, beta_ptr, tm
     dbeta = tl.zeros([C], dtype=tl.float32)
     dG = tl.zeros([C], dtype=tl.float32)
     for kb in range(0, NKQ):
-        dTm += tl.load(dTm_part_ptr + (((c * H + h) * NKQ + kb) * C + rows[:, None]).to(tl.int64) * C + rows[None, :])
+        dTm += tl.load(dTm_part_ptr + (((c * H + h) * NKQ + kb) * C + rows[:, None]).to(tl.int64) * C
+                       + rows[None, :]).to(tl.float32)
         dG += tl.load(dG_part_ptr + kb * TTH + tok * H + h, mask=ok, other=0.0)
         dbeta += tl.load(dbeta_part_ptr + kb * TTH + tok * H + h, mask=ok, other=0.0)
     # u = Tm diag(beta) V
