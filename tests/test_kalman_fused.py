@@ -205,6 +205,8 @@ def test_key_gradients_summed_per_program_or_per_lane_agree(monkeypatch):
                               form="fused")
         for name, g, r in zip(NAMES, got, ref):
             assert_close(g.cpu(), r, "kalman_grad", torch.float32, name=f"d{name} (grouped={grouped})")
-        modes = {v for p in plan.PLANS.plans.values() for _, _, meta, _ in getattr(p, "_launch", {}).values()
+        plans = [*plan.PLANS.plans.values()]
+        plans += [b for p in plans for b in getattr(p, "_backward", {}).values()]   # kept by their forward plans
+        modes = {v for p in plans for _, _, meta, _ in getattr(p, "_launch", {}).values()
                  for k, v in meta.items() if k.startswith("DU")}
         assert (5 in modes) == grouped and (1 in modes) != grouped

@@ -27,8 +27,9 @@ SASS, Kalman forward inner loop: 44 -> 23 instructions per lane-step under 3.6).
   Lane masks vanish when every program is full (constexpr EVEN_L).
 - `scan_backward_lanes`: walks the chunks in reverse. Per chunk it replays the prefixes from the
   checkpoint: with CHUNK == UNROLL into registers (the chunk is one block; its loaded inputs and
-  elements are reused on the way back), otherwise into a per-lane scratch row (global memory,
-  CHUNK x fields per lane; a barrier separates writing and reading it). Then it steps the adjoint
+  elements are reused on the way back), otherwise into per-lane scratch rows (global memory:
+  the checkpoint and CHUNK prefixes of the carried fields, each program's block contiguous at
+  compile-time strides, `_scratch`; a barrier separates writing and reading them). Then it steps the adjoint
   backwards one step at a time (scanlang/autodiff.py):
 
       gbar_t = direct(p_t, dy_t + c_{t+1} [+ dL/dfinal at the last step]) + B_{t+1} gbar_{t+1}
@@ -424,8 +425,13 @@ def _picked(value: str) -> str:
     return f"tl.sum(tl.where(r_idx == warp_group, {value}, 0.0), 0, keep_dims=True)"
 
 
-def _scratch(f: int, row: str) -> str:
-    return f"scratch_ptr + (({f} * n_seq + seq) * CHUNK + {row}) * L + lane"
+def _scratch(ir: ScanIR, name: str, row: str) -> str:
+    """Pointers of free field `name` in scratch row `row` (0..CHUNK): the program's block of
+    (CHUNK + 1) x free fields x BLOCK_L values, rows at compile-time strides (plan.py allocates
+    [n_seq, programs, CHUNK + 1, free fields, BLOCK_L]). Row 0 is the chunk's checkpoint, row s + 1
+    the prefix after step s, so step s reads its previous prefix from row s (no select at s = 0)."""
+    free = _free(ir)
+    return f"scratch_lane + (({row}) * {len(free)} + {free.index(name)}) * BLOCK_L"
 
 
 def _adjoint_step(ir: ScanIR, adj: Adjoint, j: int, at: str, carried: list[str], masked: bool) -> list[str]:
@@ -524,8 +530,7 @@ def _step_inputs(ir: ScanIR, j: int) -> list[str]:
 
 
 def _replay_block(ir: ScanIR, masked: bool) -> list[str]:
-    """Replay UNROLL steps from s0 into the scratch rows."""
-    const = dict(ir.constants)
+    """Replay UNROLL steps from s0 into the scratch rows s0 + 1 ..."""
     block = _block_index("s0")
     for j in range(MAX_UNROLL):
         lines, lmask, smask, _ = _masks(j, "s0", masked)
@@ -535,8 +540,7 @@ def _replay_block(ir: ScanIR, masked: bool) -> list[str]:
         _, lmask, _, live = _masks(j, "s0", masked)
         part = _advance(ir, f"u{j}_" + "{}", f"e{j}_" + "{}", {})
         part += _keep([f"c_{f}" for f in _free(ir)], live)
-        part += [_store(_scratch(f, f's0 + {j}'), f"c_{name}", lmask) for f, name in enumerate(ir.fields)
-                 if name not in const]
+        part += [_store(_scratch(ir, name, f's0 + {j + 1}'), f"c_{name}", lmask) for name in _free(ir)]
         block += _guarded(j, part)
     return block
 
@@ -550,12 +554,8 @@ def _walk_block(ir: ScanIR, adj: Adjoint, masked: bool) -> list[str]:
         part = lines + [f"s{j} = n_steps - 1 - ss0 - {j}"]
         part += _load_lift(ir, str(j), f"(tt - {j} * step)", lmask, smask, masked)
         part += _grad_loads(ir, j, f"(tt - {j} * step)", lmask, smask)
-        for f, name in enumerate(ir.fields):   # the previous prefix: the checkpoint at the chunk's first step
-            if name in const:
-                part.append(f"q{j}_{name} = k_{name}")
-                continue
-            row = _load(_scratch(f, f'tl.maximum(s{j} - 1, 0)'), lmask, '0.0')
-            part.append(f"q{j}_{name} = tl.where(s{j} > 0, {row}, k_{name})")
+        for name in ir.fields:   # the previous prefix (row 0: the checkpoint)
+            part.append(f"q{j}_{name} = " + (f"k_{name}" if name in const else _load(_scratch(ir, name, f's{j}'), lmask, '0.0')))
         block += _guarded(j, part)
     carried = [f"{c}_{f}" for c in _carried_adjoint(adj) + ("nq",) for f in ir.fields]
     for j in range(MAX_UNROLL):
@@ -568,7 +568,8 @@ def _walk_block(ir: ScanIR, adj: Adjoint, masked: bool) -> list[str]:
 def _chunk_in_scratch(ir: ScanIR, adj: Adjoint) -> list[str]:
     """CHUNK > UNROLL: replay the chunk's prefixes into the per-lane scratch rows, then walk back in
     blocks of UNROLL steps reading each step's previous prefix from scratch."""
-    chunk = _split_blocks(_replay_block(ir, False), _replay_block(ir, True), "s0") + ["tl.debug_barrier()"]
+    chunk = [_store(_scratch(ir, name, "0"), f"k_{name}", "lane_ok") for name in _free(ir)]
+    chunk += _split_blocks(_replay_block(ir, False), _replay_block(ir, True), "s0") + ["tl.debug_barrier()"]
     chunk += [f"nq_{f} = c_{f}" for f in ir.fields]   # the prefix at the chunk's last step
     chunk += _split_blocks(_walk_block(ir, adj, False), _walk_block(ir, adj, True), "ss0")
     return chunk + ["tl.debug_barrier()"]
@@ -611,6 +612,8 @@ def render_backward_lanes(ir: ScanIR, adj: Adjoint) -> list[str]:
     consts = (["BLOCK_L", "R", "EVEN_L", "CHUNK", "UNROLL", "REVERSE", "HAS_INIT", "HAS_DFINAL", "VARLEN", "STATE",
                "FP64", "RCP_APPROX"] + [f"DU{i}" for i in range(len(ir.inputs))])
     body = _prologue()
+    body.append("scratch_lane = scratch_ptr + (seq * tl.num_programs(0) + pid).to(tl.int64) * "
+                f"((CHUNK + 1) * {len(_free(ir))} * BLOCK_L) + tl.arange(0, BLOCK_L // R)[None, :] * R + r_idx")
     for i in range(len(ir.inputs)):
         body += _offsets(f"u{i}") + _offsets(f"du{i}") + _offsets(f"du{i}", per_group=True)
         body.append(f"acc{i} = to_acc(tl.zeros({SHAPE}, tl.float32), FP64)")
