@@ -107,10 +107,7 @@ def _prologue() -> list[str]:
         "first = (slot % STATE) == 0",   # the slot that stores its group's sum
         "first_group = slot - pid.to(tl.int64) * BLOCK_L < STATE",   # the program's group that adds the groups' sum
         "first_in_warp = (slot - pid.to(tl.int64) * BLOCK_L) % (32 * R) < STATE",   # each warp's first group
-        # a slot's group within its warp; the first R groups' slots add the warp's sums of state
-        # index (slot % STATE) + warp_group, one register each (`_du_store_lanes`, mode 6)
-        "warp_group = ((slot - pid.to(tl.int64) * BLOCK_L) // STATE) % ((32 * R + STATE - 1) // STATE)",
-        "pick_ok = (warp_group < R) & (slot + warp_group < L)",
+        "slot_in_block = tl.arange(0, BLOCK_L // R)[None, :]",   # a warp's slots: 32 consecutive (warp_sum_scatter)
     ]
 
 
@@ -411,18 +408,49 @@ def _du_store_lanes(i: int, name: str, at: str, lane_mask: str, slot_mask: str, 
         "    " + _store(gptr, f"{_state_sum(value)}{cast}", f"{slot_mask} & first", per_slot=True, atomic=True),
         f"elif DU{i} == 5:",
         "    " + _store(ptr, f"{_groups_sum(value)}{cast}", f"{lane_mask} & first_group", atomic=True),
-        "elif STATE <= 32:",   # a warp holds at least R groups: one atomic per slot of its first R groups
-        "    " + _store(f"pdu{i} + {at} * TS_du{i} + warp_group * du{i}_s3",
-                        f"{_picked(_warp_groups_sum(value))}{cast}", f"{slot_mask} & pick_ok", per_slot=True,
-                        atomic=True),
+        "elif STATE <= 32:",   # a warp's groups summed and scattered over its slots (`WARP_SUM_SCATTER`)
+        f"    ws_sum, ws_reg, ws_own = warp_sum_scatter({value}, slot_in_block, R, STATE)",
+        f"    ws_ok = {slot_mask} & ws_own",
+        "    if not EVEN_L:",
+        "        ws_ok = ws_ok & (slot + ws_reg < L)",
+        f"    tl.atomic_add(tl.reshape(pdu{i} + {at} * TS_du{i} + ws_reg * du{i}_s3, (ws_sum.numel,)), "
+        f"tl.reshape(ws_sum{cast}, (ws_sum.numel,)), mask=tl.reshape(tl.broadcast_to(ws_ok, ws_sum.shape), "
+        "(ws_sum.numel,)), sem='relaxed')",
         "else:",
         "    " + _store(ptr, f"{_warp_groups_sum(value)}{cast}", f"{lane_mask} & first_in_warp", atomic=True),
     ]
 
 
-def _picked(value: str) -> str:
-    """Per slot [1, G], register warp_group of a lane tensor (exact: the other registers add zeros)."""
-    return f"tl.sum(tl.where(r_idx == warp_group, {value}, 0.0), 0, keep_dims=True)"
+WARP_SUM_SCATTER = '''@triton.jit
+def warp_sum_scatter(x, g, R: tl.constexpr, STATE: tl.constexpr):
+    """Per state index, the sum of lane tensor x [R, G] over the groups of each warp (slots g and
+    g ^ m for the lane bits m >= STATE // R), reduce-scattered: at each group bit, while two or more
+    registers remain, a slot keeps the half its bit selects and adds its partner's copy of that half
+    (a warp-local gather: one shuffle per kept register); then it adds its partner's sums. Returns
+    (sums [K, G], their state registers [K, G] (index r of the R lanes), owner [1, G]: the one slot
+    of each set holding equal sums), K = max(1, R >> group bits)."""
+    base = g * 0
+    own = g == g
+    for b in tl.static_range(5):
+        if (1 << b) >= STATE // R:
+            up = (g & (1 << b)) != 0
+            if x.shape[0] > 1:
+                lo, hi = tl.split(tl.permute(tl.reshape(x, [2, x.shape[0] // 2, x.shape[1]]), (1, 2, 0)))
+                base += tl.where(up, x.shape[0] // 2, 0)
+                x = tl.where(up, hi, lo) + warp_partner(tl.where(up, lo, hi), 1 << b)
+            else:
+                x = x + warp_partner(x, 1 << b)
+                own = own & ~up
+    return x, base + tl.arange(0, x.shape[0])[:, None], own
+
+
+@triton.jit
+def warp_partner(x, m: tl.constexpr):
+    """Lane tensor x [K, G] at slot g ^ m (m < 32): a gather along the warp's 32 lanes, so it stays
+    warp-local (shuffles) in the [K, G] layout (slot g on lane g % 32 of warp g // 32)."""
+    lanes = tl.reshape(x, [x.shape[0], x.shape[1] // 32, 32])
+    index = (tl.arange(0, 32)[None, None, :] ^ m) + tl.zeros(lanes.shape, tl.int32)
+    return tl.reshape(tl.gather(lanes, index, 2), x.shape)'''
 
 
 def _scratch(ir: ScanIR, name: str, row: str) -> str:
@@ -646,7 +674,7 @@ def render_backward_lanes(ir: ScanIR, adj: Adjoint) -> list[str]:
                                        " + ".join(f"{c}_{name}" for c in _carried_adjoint(adj)), "lane_ok"))
     sig = ", ".join(backward_args(ir) + ["scratch_ptr"] + [f"{c}: tl.constexpr" for c in consts]
                     + lanes_flags(ir, True))
-    return ["@triton.jit", f"def scan_backward_lanes({sig}):",
+    return [WARP_SUM_SCATTER, "", "", "@triton.jit", f"def scan_backward_lanes({sig}):",
             f'    """Backward of {ir.name}, lane-sequential: replay each chunk (in registers when CHUNK == UNROLL, '
             'else into scratch), step the adjoint back."""',
             *_indent(body, 4)]
