@@ -100,8 +100,13 @@ def test_host_keys_leave_the_launch_configs(monkeypatch):
     assert p.host == dict(LOWP_DU=True, LOWP_DK=True)
     assert not any(k in cfg for cfg in p.configs.values() for k in delta_ops.HOST_KEYS)
     assert "LOWP_DU" in delta_ops.CONFIG["state_bwd"]      # the plan copied, CONFIG kept its entry
+    monkeypatch.setitem(delta_ops.CONFIG, "bwd_wy", dict(BV=32, num_warps=4, num_stages=1, LOWP=True))
+    # fp16 (a narrow range): fp32 buffers and fp32 dots whatever the configs say
+    p = delta_ops.plan(key, 64, 32, torch.float16, torch.device("cpu"))
+    assert p.host == {} and p.configs["bwd_wy"]["LOWP"] is False and p.configs["bwd_dqk"]["LOWP"] is False
     monkeypatch.setitem(delta_ops.CONFIG, "state_bwd", dict(LOCAL_DU=True, BV=32, num_warps=4, num_stages=1))
-    assert delta_ops.plan(key, 64, 32, torch.bfloat16, torch.device("cpu")).host == dict(LOWP_DK=True)
+    p = delta_ops.plan(key, 64, 32, torch.bfloat16, torch.device("cpu"))
+    assert p.host == dict(LOWP_DK=True) and p.configs["bwd_wy"]["LOWP"] is True
 
 
 @pytest.mark.parametrize("lowp_du", [False, True])

@@ -107,11 +107,11 @@ SHARED_MEMORY_FITS = {
     ("wu", 4, 256): dict(PER_CHUNK=False),
 }
 # Config keys the host reads and the kernels never see (dropped from the launch configs). Backward buffers stored in
-# the input dtype instead of fp32 (bf16/fp16 inputs; fp32 inputs keep fp32): LOWP_DU (state_bwd's entry), the dU that
-# state_bwd stores for bwd_dqk and bwd_wy (bwd_dqk rounds it so for its dot anyway); LOWP_DK and LOWP_DTM (bwd_dqk's),
-# its shares of dk and of dTm, which bwd_wy adds to its own parts. SAVE_WU (wu's entry): the forward keeps the w and u
-# that delta_prep stored (two more activations the size of k and v) and the backward reads them instead of launching
-# delta_wu.
+# bf16 instead of fp32 for bf16 inputs (fp16 keeps fp32, see `plan`; fp32 is fp32 either way): LOWP_DU (state_bwd's
+# entry), the dU that state_bwd stores for bwd_dqk and bwd_wy (bwd_dqk rounds it so for its dot anyway); LOWP_DK and
+# LOWP_DTM (bwd_dqk's), its shares of dk and of dTm, which bwd_wy adds to its own parts. SAVE_WU (wu's entry): the
+# forward keeps the w and u that delta_prep stored (two more activations the size of k and v) and the backward reads
+# them instead of launching delta_wu.
 HOST_KEYS = ("LOWP_DU", "LOWP_DK", "LOWP_DTM", "SAVE_WU")
 EAGER_FAST_PATH = True   # False: every chunked call goes through the torch.library ops (tests compare the two)
 _RULES = {"beta": GIVEN, "kaczmarz": KACZMARZ}
@@ -236,6 +236,10 @@ def plan(key: str, K: int, V: int, dtype: torch.dtype, device: torch.device) -> 
         dqk["BKS"] = meta["BK"] if dqk["WY"] else min(dqk.get("BKS", BKS), meta["BK"])
         configs["state_bwd"] = {"LOCAL_DU": False, **configs["state_bwd"]}
         host = {key: bool(cfg.pop(key)) for cfg in configs.values() for key in HOST_KEYS if key in cfg}
+        if dtype == torch.float16:   # fp16's range is too narrow for gradients in it: its buffers and dots stay fp32
+            host = {key: on for key, on in host.items() if key == "SAVE_WU"}
+            for name in ("bwd_dqk", "bwd_wy"):
+                configs[name]["LOWP"] = False
         found = PLANS[pk] = Plan(mod, C, meta, BKS, triton.cdiv(K, BKS), configs, host)
     return found
 
