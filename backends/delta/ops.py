@@ -10,8 +10,8 @@ The chunked path is two `torch.library` ops with registered autograd, `scanlang:
 Forward: prep (gcum, beta, Tm, w, u) -> state_output (sequential over chunks: outputs, final state). The
 backward keeps Tm (and the in-chunk decay cumsum and beta) from the forward, recomputes w, u (delta_wu; or keeps
 the forward's with SAVE_WU, see HOST_KEYS) and the chunk start states h and innovations U (state_fwd), then
-state_bwd (reverse over chunks; dU) -> bwd_dqk (dq; shares of dk, dTm, dG, dbeta per key block) -> bwd_wy (dv, dk, d step input, d decay input and
-its parameters).
+state_bwd (reverse over chunks; dU) -> bwd_dqk (dq; shares of dk, dTm, dG, dbeta per key block) -> bwd_wy (dv,
+dk, d step input, d decay input and its parameters).
 Short inputs without gradients (every sequence <= RECURRENT_MAX_LEN tokens, e.g. decoding) take the
 token-loop kernel instead.
 
