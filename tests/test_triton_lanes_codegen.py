@@ -85,3 +85,20 @@ def test_warp_summed_key_gradients_with_wide_state(monkeypatch):
                           tuple(s.to(torch.float64) for s in state), seed=5)
     for name, g, r in zip(NAMES, got, ref):
         assert_close(g.cpu(), r, "kalman_grad", torch.float32, name=f"d{name}")
+
+
+def test_loop_stages_pipeline_the_block_loops(monkeypatch):
+    """codegen_seq.LOOP_STAGES: plain loops by default; with N > 1 stages the forward's, the replay's
+    and the walk's loops over full blocks become tl.range(..., num_stages=N), per pass, and the
+    module still renders (parsed) and imports."""
+    from scanlang.backends.triton import codegen
+    ir = _programs()[0][1]
+    adj = differentiate(ir)
+    default = codegen.render(ir, adj)
+    assert "tl.range(" not in default and "num_stages" not in default
+    monkeypatch.setitem(codegen_seq.LOOP_STAGES, "forward", 2)
+    monkeypatch.setitem(codegen_seq.LOOP_STAGES, "backward", 3)
+    source = codegen.render(ir, adj)
+    loops = re.findall(r"for (\w+) in tl\.range\(0, n_steps - \(UNROLL - 1\), UNROLL, num_stages=(\d)\):", source)
+    assert loops == [("s0", "2"), ("s0", "3"), ("ss0", "3")]
+    assert source != default and runtime.load(source).scan_backward_lanes is not None

@@ -321,9 +321,22 @@ def _groups_sum(value: str) -> str:
             f"keep_dims=True), {split}), {SHAPE})")
 
 
-def _split_blocks(full: list[str], masked: list[str], start: str) -> list[str]:
-    """The chunk's full blocks of UNROLL steps (loop variable `start`), then its partial last block."""
-    return [f"for {start} in range(0, n_steps - (UNROLL - 1), UNROLL):", *_indent(full, 4),
+# Software-pipelining depth of the lane kernels' loops over full blocks, per pass (1: a plain loop).
+# With N > 1 the loop is `tl.range(..., num_stages=N)`: Triton issues the loads of the next N - 1
+# blocks (cp.async into shared memory) while the current block's chain runs, for more instructions
+# and registers (offline, Triton 3.6, Kalman 256x2 chunk 16: backward 82.0 -> 94.8 SASS per
+# lane-step at 3 stages, 141 -> 162 registers, 20 KB shared). A generation-time choice: set it
+# before the first program is built (recipes/kalman/bench.py --lanes-stages); the generated source,
+# and so the cached module, differs.
+LOOP_STAGES = {"forward": 1, "backward": 1}
+
+
+def _split_blocks(full: list[str], masked: list[str], start: str, stages: int = 1) -> list[str]:
+    """The chunk's full blocks of UNROLL steps (loop variable `start`, software-pipelined `stages`
+    deep), then its partial last block."""
+    loop = (f"range(0, n_steps - (UNROLL - 1), UNROLL)" if stages == 1
+            else f"tl.range(0, n_steps - (UNROLL - 1), UNROLL, num_stages={stages})")
+    return [f"for {start} in {loop}:", *_indent(full, 4),
             f"{start} = n_steps - n_steps % UNROLL",
             f"if {start} < n_steps:", *_indent(masked, 4)]
 
@@ -372,7 +385,8 @@ def render_forward_lanes(ir: ScanIR) -> list[str]:
     chunk = ["if CKPT:"] + ["    " + _store(ckpt.format(f), f"c_{name}", "lane_ok")
                             for f, name in enumerate(ir.fields) if name in _free(ir)]
     chunk.append("n_steps = tl.minimum(CHUNK, seq_len - k * CHUNK)")
-    chunk += _split_blocks(_forward_block(ir, masked=False), _forward_block(ir, masked=True), "s0")
+    chunk += _split_blocks(_forward_block(ir, masked=False), _forward_block(ir, masked=True), "s0",
+                           LOOP_STAGES["forward"])
     body.append("for k in range(0, n_chunks):")
     body += _indent(chunk, 4)
     for f, name in enumerate(ir.fields):
@@ -597,9 +611,10 @@ def _chunk_in_scratch(ir: ScanIR, adj: Adjoint) -> list[str]:
     """CHUNK > UNROLL: replay the chunk's prefixes into the per-lane scratch rows, then walk back in
     blocks of UNROLL steps reading each step's previous prefix from scratch."""
     chunk = [_store(_scratch(ir, name, "0"), f"k_{name}", "lane_ok") for name in _free(ir)]
-    chunk += _split_blocks(_replay_block(ir, False), _replay_block(ir, True), "s0") + ["tl.debug_barrier()"]
+    stages = LOOP_STAGES["backward"]
+    chunk += _split_blocks(_replay_block(ir, False), _replay_block(ir, True), "s0", stages) + ["tl.debug_barrier()"]
     chunk += [f"nq_{f} = c_{f}" for f in ir.fields]   # the prefix at the chunk's last step
-    chunk += _split_blocks(_walk_block(ir, adj, False), _walk_block(ir, adj, True), "ss0")
+    chunk += _split_blocks(_walk_block(ir, adj, False), _walk_block(ir, adj, True), "ss0", stages)
     return chunk + ["tl.debug_barrier()"]
 
 

@@ -28,6 +28,8 @@ the schedule the timed shape uses, its outputs at the timed shape with the float
 is timed with `triton.testing.do_bench` (median, fresh random inputs, warm-up). "fused" and
 "fused-two" run the configs `runtime.choose_config` picks (at this shape: the lane-sequential
 schedule with the specialised (lam, eta) carry); the "*-lanes" rows force `--lanes-*` instead.
+`--lanes-stages FWD,BWD` software-pipelines the lane kernels' block loops in every row (one setting
+per process: it changes the generated source, codegen_seq.LOOP_STAGES).
 """
 from __future__ import annotations
 
@@ -174,13 +176,20 @@ def main(argv=None):
     parser.add_argument("--lanes-warps", type=int, default=4)
     parser.add_argument("--lanes-chunk", type=int, default=8)
     parser.add_argument("--lanes-unroll", type=int, default=8)
+    parser.add_argument("--lanes-stages", default="1,1",
+                        help="FWD,BWD: software-pipelining depth of the lane kernels' block loops, every row "
+                             "(codegen_seq.LOOP_STAGES; 1 = plain loops)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("the benchmark needs a CUDA GPU")
+    from scanlang.backends.triton import codegen_seq
+    fwd_stages, bwd_stages = (int(x) for x in args.lanes_stages.split(","))
+    codegen_seq.LOOP_STAGES.update(forward=fwd_stages, backward=bwd_stages)   # before any program is built
     device = "cuda"
     import triton
     env = dict(date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), gpu=torch.cuda.get_device_name(),
-               torch=torch.__version__, triton=triton.__version__, python=platform.python_version())
+               torch=torch.__version__, triton=triton.__version__, python=platform.python_version(),
+               lanes_stages=dict(codegen_seq.LOOP_STAGES))
     print(json.dumps(env))
     results = []
     for name, fn in implementations(args.authors).items():
