@@ -90,7 +90,7 @@ def test_dqk_key_block_and_wy_from_config(monkeypatch):
 
 
 def test_host_keys_leave_the_launch_configs(monkeypatch):
-    """LOWP_DU, LOWP_DK (and LOWP_DTM, SAVE_WU) choose buffers: the plan keeps them in `host`, never in a kernel's
+    """LOWP_DU, LOWP_DK (and LOWP_DTM) choose buffers: the plan keeps them in `host`, never in a kernel's
     launch config."""
     key = delta_ops.program_key(delta_ops._RULES["kaczmarz"], 16)
     monkeypatch.setitem(delta_ops.CONFIG, "state_bwd", dict(LOCAL_DU=True, BV=32, num_warps=4, num_stages=1,

@@ -159,7 +159,7 @@ class _AlwaysTooBig:
 
 def test_launches_per_call(monkeypatch):
     """Decode: one launch; chunked forward: prep, state_output; forward + backward (bf16, whose state_bwd forms the
-    local dU itself): seven."""
+    local dU itself, with the forward's w and u: SAVE_WU): six."""
     from triton.runtime.interpreter import InterpretedFunction
     from scanlang.backends.delta import host
     launched = []
@@ -171,23 +171,24 @@ def test_launches_per_call(monkeypatch):
         counts[name] = list(launched)
     assert counts["decode (T=1, recurrent)"] == ["delta_recurrent"]
     assert counts["chunked fwd"] == ["delta_prep", "delta_state_output"]
-    assert counts["chunked fwd+bwd"] == ["delta_prep", "delta_state_output", "delta_wu", "delta_state_fwd",
-                                         "delta_state_bwd", "delta_bwd_dqk", "delta_bwd_wy"]
+    assert counts["chunked fwd+bwd"] == ["delta_prep", "delta_state_output", "delta_state_fwd", "delta_state_bwd",
+                                         "delta_bwd_dqk", "delta_bwd_wy"]
 
 
 @pytest.mark.parametrize("through_op", [False, True])
 def test_saved_w_u_give_the_recomputed_bits_without_delta_wu(monkeypatch, through_op):
-    """SAVE_WU (wu's config): the backward reads the w, u that delta_prep stored in the forward instead of launching
-    delta_wu, which recomputes the same bits (eager path and torch.library op path)."""
+    """SAVE_WU: the backward reads the w, u that delta_prep stored in the forward instead of launching delta_wu,
+    which recomputes the same bits (eager path and torch.library op path)."""
     from triton.runtime.interpreter import InterpretedFunction
     monkeypatch.setattr(delta_ops, "EAGER_FAST_PATH", not through_op)
+    monkeypatch.setattr(delta_ops, "SAVE_WU", False)
     ins = inputs(1, 37, 2, 16, 16)
     recomputed = forward_backward(ins)
     launched = []
     run = InterpretedFunction.run
     monkeypatch.setattr(InterpretedFunction, "run", lambda self, *a, **k: launched.append(self.fn.__name__) or run(
         self, *a, **k))
-    monkeypatch.setitem(delta_ops.CONFIG, "wu", dict(delta_ops.CONFIG["wu"], SAVE_WU=True))
+    monkeypatch.setattr(delta_ops, "SAVE_WU", True)
     saved = forward_backward(ins)
     assert "delta_wu" not in launched and "delta_state_fwd" in launched
     for a, b in zip(recomputed, saved):

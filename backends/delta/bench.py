@@ -150,10 +150,7 @@ SWEEP_OPTIONS = {
     # prep: maxnreg=128 fits 4 blocks per SM instead of 3 for 160 B of spills (offline, Triton 3.6, K=V=128 bf16)
     "prep": [dict(num_warps=w, num_stages=st) for w in (4, 8) for st in (1, 2)] + [
         dict(num_warps=4, num_stages=2, maxnreg=128)],
-    # wu: SAVE_WU keeps the forward's w, u for the backward (no delta_wu launch; two more activations the size of
-    # k and v: the memory fla saves by recomputing them)
-    "wu": [dict(BV=64, num_warps=4, num_stages=2, PER_CHUNK=True, SAVE_WU=True)] + [
-        dict(BV=64, num_warps=4, num_stages=st, PER_CHUNK=True) for st in (2, 1)] + [
+    "wu": [dict(BV=64, num_warps=4, num_stages=st, PER_CHUNK=True) for st in (2, 1)] + [
         dict(BV=bv, num_warps=w, num_stages=2, PER_CHUNK=False) for bv in (64, 128) for w in (4, 8)],
     "state_fwd": [dict(BV=bv, num_warps=w, num_stages=st) for bv, w, st in
                   ((64, 4, 2), (64, 4, 1), (32, 4, 2), (64, 8, 2), (128, 8, 2))],

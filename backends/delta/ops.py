@@ -9,7 +9,7 @@ The chunked path is two `torch.library` ops with registered autograd, `scanlang:
 `scanlang::delta_chunk_bwd` (launches through `wrap_triton`, so torch.compile traces them).
 Forward: prep (gcum, beta, Tm, w, u) -> state_output (sequential over chunks: outputs, final state). The
 backward keeps Tm (and the in-chunk decay cumsum and beta) from the forward, recomputes w, u (delta_wu; or keeps
-the forward's with SAVE_WU, see HOST_KEYS) and the chunk start states h and innovations U (state_fwd), then
+the forward's: SAVE_WU) and the chunk start states h and innovations U (state_fwd), then
 state_bwd (reverse over chunks; dU) -> bwd_dqk (dq; shares of dk, dTm, dG, dbeta per key block) -> bwd_wy (dv,
 dk, d step input, d decay input and its parameters).
 Short inputs without gradients (every sequence <= RECURRENT_MAX_LEN tokens, e.g. decoding) take the
@@ -109,10 +109,12 @@ SHARED_MEMORY_FITS = {
 # Config keys the host reads and the kernels never see (dropped from the launch configs). Backward buffers stored in
 # bf16 instead of fp32 for bf16 inputs (fp16 keeps fp32, see `plan`; fp32 is fp32 either way): LOWP_DU (state_bwd's
 # entry), the dU that state_bwd stores for bwd_dqk and bwd_wy (bwd_dqk rounds it so for its dot anyway); LOWP_DK and
-# LOWP_DTM (bwd_dqk's), its shares of dk and of dTm, which bwd_wy adds to its own parts. SAVE_WU (wu's entry): the
-# forward keeps the w and u that delta_prep stored (two more activations the size of k and v) and the backward reads
-# them instead of launching delta_wu.
-HOST_KEYS = ("LOWP_DU", "LOWP_DK", "LOWP_DTM", "SAVE_WU")
+# LOWP_DTM (bwd_dqk's), its shares of dk and of dTm, which bwd_wy adds to its own parts.
+HOST_KEYS = ("LOWP_DU", "LOWP_DK", "LOWP_DTM")
+# The forward keeps the w and u that delta_prep stored, and the backward reads them instead of recomputing them with
+# delta_wu (0.271 ms of run 12's 3.487 ms at B8 T4096 H16 K=V=128 bf16, H200), for two more saved activations the
+# size of k and v (fla recomputes them to save that memory). False: recompute.
+SAVE_WU = True
 EAGER_FAST_PATH = True   # False: every chunked call goes through the torch.library ops (tests compare the two)
 _RULES = {"beta": GIVEN, "kaczmarz": KACZMARZ}
 PROGRAMS: dict[str, tuple] = {}     # key -> (generated module, chunk size); keys name rule, hooks and C
@@ -237,7 +239,7 @@ def plan(key: str, K: int, V: int, dtype: torch.dtype, device: torch.device) -> 
         configs["state_bwd"] = {"LOCAL_DU": False, **configs["state_bwd"]}
         host = {key: bool(cfg.pop(key)) for cfg in configs.values() for key in HOST_KEYS if key in cfg}
         if dtype == torch.float16:   # fp16's range is too narrow for gradients in it: its buffers and dots stay fp32
-            host = {key: on for key, on in host.items() if key == "SAVE_WU"}
+            host = {}
             for name in ("bwd_dqk", "bwd_wy"):
                 configs[name]["LOWP"] = False
         found = PLANS[pk] = Plan(mod, C, meta, BKS, triton.cdiv(K, BKS), configs, host)
@@ -414,7 +416,7 @@ def _setup_context(ctx, inputs, output):
     _, _, tm, gcum, beta, w, u = output
     ctx.mark_non_differentiable(tm, gcum, beta, w, u)
     ctx.set_materialize_grads(False)      # no zero-filled gradients for Tm, gcum, beta, w, u (nor an unused o or S)
-    if not plan(key, k.shape[-1], v.shape[-1], k.dtype, k.device).host.get("SAVE_WU"):
+    if not SAVE_WU:
         w = u = None                      # the backward recomputes them (delta_wu)
     ctx.save_for_backward(q, k, v, a, hp, s, h0, chunk_tok, chunk_len, seq_chunk0, tm, gcum, beta, w, u)
     ctx.key, ctx.eps, ctx.scale = key, eps, scale
