@@ -70,16 +70,20 @@ PREP_VALUE_BLOCK = 64    # value columns per step of u in delta_prep (one [C, C]
 # backward configs (LOCAL_DU=False BV=64 8 warps 2 stages; BKS=64 BV=32 4 warps 2 stages; wy BV=64) -> 4.169 ms
 # with these. Offline (Triton 3.6, bf16, K=128): state_bwd 255 registers, 256 B spilled, 64 KB shared (two blocks
 # per SM: B8 H16's 256 sequential programs in one wave); bwd_dqk 255 registers, 80 B spilled, 120 KB shared;
-# bwd_wy 236 registers, no spills.
+# bwd_wy 236 registers, no spills. Run 12 (same GPU and shape) swept the backward's variants (DECAY_V, LOWP_DU; DG_SUMS,
+# LOWP, LOWP_DK; LOWP; see the kernels and HOST_KEYS): fwd+bwd 4.165 -> 3.487 ms (fla 3.442 in the same run) with
+# these (bwd_wy's warps as BENCHMARKS.md reports the pick: 64 value columns, LOWP). Offline (Triton 3.6, bf16,
+# K=128): state_bwd 255 registers, 120 B spilled, loop 1932; bwd_dqk 255 registers, 164 B spilled, 32 KB shared (two
+# blocks per SM); bwd_wy 255 registers, no spills.
 CONFIG = _Configs({
     "prep": dict(num_warps=4, num_stages=2),
     "wu": dict(BV=64, num_warps=4, num_stages=2, PER_CHUNK=True),   # one program per chunk (see delta_wu)
     "state_fwd": dict(BV=64, num_warps=4, num_stages=2),
     "state_output": dict(BV=64, num_warps=4, num_stages=1),   # see above and below
     "dU_local": dict(BV=64, num_warps=4, num_stages=2),     # only for state_bwd without LOCAL_DU
-    "state_bwd": dict(LOCAL_DU=True, BV=64, num_warps=4, num_stages=1),   # see below
-    "bwd_dqk": dict(WY=False, BKS=128, BV=32, num_warps=8, num_stages=2),    # see below
-    "bwd_wy": dict(BV=32, num_warps=4, num_stages=1),
+    "state_bwd": dict(LOCAL_DU=True, BV=64, num_warps=4, num_stages=1, DECAY_V=True, LOWP_DU=True),   # see below
+    "bwd_dqk": dict(WY=False, BKS=64, BV=32, num_warps=4, num_stages=2, DG_SUMS=True, LOWP=True, LOWP_DK=True),
+    "bwd_wy": dict(BV=64, num_warps=4, num_stages=1, LOWP=True),
     "recurrent": dict(BV=32, num_warps=4, num_stages=1),
 })
 # Configs above that need more shared memory than sm_90 gives a block (227 KB = 232448 B), and the change that
@@ -96,11 +100,12 @@ SHARED_MEMORY_FITS = {
     ("state_output", 4, 128): dict(BV=64, num_stages=1),
     ("state_output", 4, 256): dict(BV=64, num_stages=1),
     # state_bwd where LOCAL_DU spills (offline, Triton 3.6): the pass with a separate dU_local kernel, on 8 warps.
-    # bf16 K=256: 576 B spilled against LOCAL_DU's 2084 B; fp32 (FMA dots): 22.7 KB against 57.6 KB at K=128
-    ("state_bwd", 2, 256): dict(LOCAL_DU=False, BV=64, num_warps=8, num_stages=2),
-    ("state_bwd", 4, 64): dict(LOCAL_DU=False, BV=64, num_warps=8, num_stages=2),
-    ("state_bwd", 4, 128): dict(LOCAL_DU=False, BV=64, num_warps=8, num_stages=2),
-    ("state_bwd", 4, 256): dict(LOCAL_DU=False, BV=64, num_warps=8, num_stages=1),
+    # bf16 K=256: 576 B spilled against LOCAL_DU's 2084 B; fp32 (FMA dots): 22.7 KB against 57.6 KB at K=128. Without
+    # DECAY_V, as measured then (bf16 K=256 with it: 270852 B of shared memory on 2 stages)
+    ("state_bwd", 2, 256): dict(LOCAL_DU=False, BV=64, num_warps=8, num_stages=2, DECAY_V=False),
+    ("state_bwd", 4, 64): dict(LOCAL_DU=False, BV=64, num_warps=8, num_stages=2, DECAY_V=False),
+    ("state_bwd", 4, 128): dict(LOCAL_DU=False, BV=64, num_warps=8, num_stages=2, DECAY_V=False),
+    ("state_bwd", 4, 256): dict(LOCAL_DU=False, BV=64, num_warps=8, num_stages=1, DECAY_V=False),
     # fp32 delta_wu: a block per program (per chunk its FMA products spill 19 KB per thread at K=64, against 1.2 KB)
     ("wu", 4, 64): dict(PER_CHUNK=False),
     ("wu", 4, 128): dict(PER_CHUNK=False),
