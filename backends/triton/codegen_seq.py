@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 
 import sympy
 
@@ -136,9 +137,19 @@ def _offsets(prefix: str, per_group: bool = False) -> list[str]:
             f"{prefix}_s3)", f"{prefix}_r = r_idx * {prefix}_s3"]
 
 
+def _time(buffer: str, at: str) -> str:
+    """` + <offset of memory index at>` in `buffer`'s elements. A block step's index `(tt ± j * step)`
+    is added as tt's offset plus a constant one, so every step of the block shares one address and
+    the constant becomes the access's immediate (offset arithmetic on (tt ± j) is not folded)."""
+    m = re.fullmatch(r"\(tt ([+-]) (\d+) \* step\)", at)
+    if m is None:
+        return f" + {at} * TS_{buffer}"
+    return f" + tt * TS_{buffer}" + ("" if m[2] == "0" else f" + ({m[1]}{m[2]} * step * TS_{buffer})")
+
+
 def _at(prefix: str, at: str, per_slot: bool = False) -> str:
     """Pointers of `prefix` at memory index `at`: per lane [R, G], or per slot [1, G]."""
-    base = f"p{prefix} + {at} * TS_{prefix}"
+    base = f"p{prefix}{_time(prefix, at)}"
     return base if per_slot else f"{base} + {prefix}_r"
 
 
@@ -406,7 +417,7 @@ def _du_store_lanes(i: int, name: str, at: str, lane_mask: str, slot_mask: str, 
     warp's first R groups (each adds its register warp_group: R x fewer atomic instructions, each
     predicated atomic being a branch in SASS) when STATE <= 32, else by the first group's R
     registers. Atomics are relaxed: gradients only accumulate."""
-    ptr, gptr = _at(f"du{i}", at), f"pdu{i}g + {at} * TS_du{i}"
+    ptr, gptr = _at(f"du{i}", at), f"pdu{i}g{_time(f'du{i}', at)}"
     value = f"tl.where({lane_mask}, du_{name}, 0.0)" if masked else f"du_{name}"
     cast = f".to(du{i}_ptr.dtype.element_ty)"
     return [
@@ -427,7 +438,7 @@ def _du_store_lanes(i: int, name: str, at: str, lane_mask: str, slot_mask: str, 
         f"    ws_ok = {slot_mask} & ws_own",
         "    if not EVEN_L:",
         "        ws_ok = ws_ok & (slot + ws_reg < L)",
-        f"    tl.atomic_add(tl.reshape(pdu{i} + {at} * TS_du{i} + ws_reg * du{i}_s3, (ws_sum.numel,)), "
+        f"    tl.atomic_add(tl.reshape(pdu{i}{_time(f'du{i}', at)} + ws_reg * du{i}_s3, (ws_sum.numel,)), "
         f"tl.reshape(ws_sum{cast}, (ws_sum.numel,)), mask=tl.reshape(tl.broadcast_to(ws_ok, ws_sum.shape), "
         "(ws_sum.numel,)), sem='relaxed')",
         "else:",
