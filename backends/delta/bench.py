@@ -160,36 +160,28 @@ SWEEP_OPTIONS = {
     "state_output": [dict(BV=bv, num_warps=w, num_stages=st) for bv, w, st in
                      ((64, 4, 1), (128, 8, 2), (128, 8, 1), (64, 8, 1), (64, 4, 2), (32, 4, 1))] + [
         dict(BV=32, num_warps=4, num_stages=1, maxnreg=128)],
-    # The backward's variants first (a sweep cut short by its budget has tried them). Offline, Triton 3.6, sm_90a,
-    # K=V=128 bf16 (registers, spill bytes, SASS instructions of the longest loop):
-    # state_bwd (LOCAL_DU, 64 value columns, 4 warps, 1 stage: 255, 236 B, loop 2468): DECAY_V 255, 176 B, 2037;
-    # + LOWP_DU 120 B, 1932; + SEQ_BOUNDS 144 B, 1942. LOWP_DU also halves dU's bytes in bwd_dqk and bwd_wy.
-    # Two blocks per SM (4 warps, <= 255 registers) run B8 H16's 256 sequential programs in one wave.
-    "state_bwd": [dict(LOCAL_DU=True, BV=64, num_warps=4, num_stages=1, **flags) for flags in (
-        dict(DECAY_V=True), dict(DECAY_V=True, LOWP_DU=True), dict(DECAY_V=True, LOWP_DU=True, SEQ_BOUNDS=True))] + [
-        dict(LOCAL_DU=False, BV=64, num_warps=4, num_stages=1, DECAY_V=True, SEQ_BOUNDS=True)] + [   # loop 1210, 20 B
-        dict(LOCAL_DU=False, BV=bv, num_warps=w, num_stages=st) for bv, w, st in ((64, 8, 2), (64, 4, 1))],
+    # The backward (ops.CONFIG's defaults: run 12's picks among these variants, fwd+bwd 3.487 ms). Offline, Triton 3.6,
+    # sm_90a, K=V=128 bf16 (registers, spill bytes, SASS instructions of the longest loop).
+    # state_bwd (LOCAL_DU, 64 value columns, 4 warps, 1 stage; DECAY_V, LOWP_DU: 255, 120 B, loop 1932; plain: 255,
+    # 236 B, 2468); SEQ_BOUNDS: 144 B, 1942; the separate dU_local pass with DECAY_V: 20 B, 1210. Two blocks per SM
+    # (4 warps, <= 255 registers) run B8 H16's 256 sequential programs in one wave.
+    "state_bwd": [dict(LOCAL_DU=True, BV=64, num_warps=4, num_stages=1, DECAY_V=True, LOWP_DU=True, SEQ_BOUNDS=True),
+                  dict(LOCAL_DU=False, BV=64, num_warps=4, num_stages=1, DECAY_V=True, SEQ_BOUNDS=True),
+                  dict(LOCAL_DU=True, BV=64, num_warps=4, num_stages=1, DECAY_V=True)],
     "dU_local": [dict(BV=bv, num_warps=w, num_stages=2) for bv in (64, 128) for w in (4, 8)] + [
         dict(BV=64, num_warps=4, num_stages=2, maxnreg=128)],     # 4 blocks per SM instead of 3, no spills
-    # bwd_dqk (128 key columns, 32 value columns, 8 warps, 2 stages: 255, 68 B, SASS 3024, 48 HGMMA, 120 KB shared):
-    # DG_SUMS 254, 0 B, 2584, 40; + LOWP 255, 0 B, 2408, 28, 64 KB; + LOWP_DK 2288; + LOWP_DTM 2296 (and bwd_wy reads
-    # half the bytes of the dk and dTm shares: its loop 342 -> 322 instructions with LOWP). 64 key columns with every
-    # flag: on 8 warps 236 registers, no spills (1 stage: 192); on 4 warps (two blocks per SM) 164 B spilled.
-    # WY=True also does bwd_wy's work (then bwd_wy is not launched): 588 B spilled (1084 B with DG_SUMS, LOWP).
-    "bwd_dqk": [dict(WY=False, BKS=bk, BV=bv, num_warps=8, num_stages=st, **flags) for bk, bv, st, flags in (
-        (128, 32, 2, dict(DG_SUMS=True)),
-        (128, 32, 2, dict(DG_SUMS=True, LOWP=True)),
-        (128, 32, 2, dict(DG_SUMS=True, LOWP=True, LOWP_DK=True)),
-        (128, 32, 2, DQK_ALL), (128, 32, 1, DQK_ALL), (128, 16, 2, DQK_ALL), (64, 32, 2, DQK_ALL),
-        (64, 32, 1, DQK_ALL))] + [dict(WY=False, BKS=64, BV=32, num_warps=4, num_stages=2, **DQK_ALL)] + [
-        dict(WY=False, BKS=bk, BV=bv, num_warps=w, num_stages=st) for bk, bv, w, st in
-        ((64, 32, 4, 2), (64, 32, 4, 1), (32, 32, 4, 1))] + [
-        dict(WY=True, BV=32, num_warps=8, num_stages=1)],
-    # bwd_wy (32 value columns, 4 warps, 1 stage: 234, 0 B, SASS 3336, 48 HGMMA, loop 597): LOWP 229, 0 B, 2992, 26,
-    # loop 342, 24 KB shared; on 8 warps 175 registers, loop 248; maxnreg=168 on 4 warps: 84 B spilled.
-    "bwd_wy": [dict(BV=bv, num_warps=w, num_stages=1, LOWP=True) for bv, w in ((32, 4), (32, 8), (64, 4), (64, 8))] + [
-        dict(BV=32, num_warps=4, num_stages=1, LOWP=True, maxnreg=168)] + [
-        dict(BV=bv, num_warps=w, num_stages=st) for bv, w, st in ((64, 4, 1), (32, 4, 2))],
+    # bwd_dqk (64 key columns, 32 value columns, 4 warps, 2 stages, DG_SUMS + LOWP + LOWP_DK: 255, 148 B, two blocks
+    # per SM); LOWP_DTM halves the dTm share's bytes (bwd_wy reads it too: its loop 342 -> 322 instructions), 180 B
+    # spilled. With every flag: 32 key columns 255, no spills; 64 on 8 warps 229, no spills, one block per SM.
+    "bwd_dqk": [dict(WY=False, BKS=bk, BV=bv, num_warps=w, num_stages=st, **flags) for bk, bv, w, st, flags in (
+        (64, 32, 4, 2, DQK_ALL), (64, 32, 4, 1, DQK_ALL), (64, 16, 4, 2, DQK_ALL), (32, 32, 4, 2, DQK_ALL),
+        (128, 32, 8, 2, DQK_ALL), (64, 32, 8, 2, DQK_ALL),
+        (64, 32, 4, 2, dict(DG_SUMS=True, LOWP=True)))],
+    # bwd_wy (64 value columns, 4 warps, 1 stage, LOWP: 248, no spills, loop 326); 32 value columns: 229, loop 322;
+    # on 8 warps: 218 (64 columns), 175 (32); maxnreg=168 on 4 warps: 84 B spilled, 3 blocks per SM.
+    "bwd_wy": [dict(BV=bv, num_warps=w, num_stages=1, LOWP=True) for bv, w in ((64, 8), (32, 4), (32, 8), (128, 8))] + [
+        dict(BV=32, num_warps=4, num_stages=1, LOWP=True, maxnreg=168),
+        dict(BV=64, num_warps=4, num_stages=2, LOWP=True)],
 }
 
 
