@@ -163,10 +163,10 @@ SWEEP_OPTIONS = {
     # The backward (ops.CONFIG's defaults: run 12's picks among these variants, fwd+bwd 3.487 ms). Offline, Triton 3.6,
     # sm_90a, K=V=128 bf16 (registers, spill bytes, SASS instructions of the longest loop).
     # state_bwd (LOCAL_DU, 64 value columns, 4 warps, 1 stage; DECAY_V, LOWP_DU: 255, 120 B, loop 1932; plain: 255,
-    # 236 B, 2468); SEQ_BOUNDS: 144 B, 1942; the separate dU_local pass with DECAY_V: 20 B, 1210. Two blocks per SM
+    # 236 B, 2468); SEQ_BOUNDS: 144 B, 1942; the separate dU_local pass (DECAY_V, LOWP_DU): 0 B, 1128. Two blocks per SM
     # (4 warps, <= 255 registers) run B8 H16's 256 sequential programs in one wave.
     "state_bwd": [dict(LOCAL_DU=True, BV=64, num_warps=4, num_stages=1, DECAY_V=True, LOWP_DU=True, SEQ_BOUNDS=True),
-                  dict(LOCAL_DU=False, BV=64, num_warps=4, num_stages=1, DECAY_V=True, SEQ_BOUNDS=True),
+                  dict(LOCAL_DU=False, BV=64, num_warps=4, num_stages=1, DECAY_V=True, LOWP_DU=True, SEQ_BOUNDS=True),
                   dict(LOCAL_DU=True, BV=64, num_warps=4, num_stages=1, DECAY_V=True)],
     "dU_local": [dict(BV=bv, num_warps=w, num_stages=2) for bv in (64, 128) for w in (4, 8)] + [
         dict(BV=64, num_warps=4, num_stages=2, maxnreg=128)],     # 4 blocks per SM instead of 3, no spills
