@@ -109,6 +109,8 @@ def main(argv=None):
     only = set(filter(None, args.only.split(",")))
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
     print(f"delta-rule kernels, K={args.K} V={args.V} {args.dtype}, sm_{args.arch}, Triton {triton.__version__}")
+    host = {key: cfg[key] for cfg in ops.CONFIG.values() for key in ops.HOST_KEYS if key in cfg}
+    print(f"  host keys (buffers, not launch options): {host}; SAVE_WU={ops.SAVE_WU}")
     for name, kernel, kargs, meta, cfg in capture_launches(args.K, args.V, dtype):
         if only and name not in only:
             continue
