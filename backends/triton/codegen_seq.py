@@ -335,8 +335,9 @@ def _groups_sum(value: str) -> str:
 # Software-pipelining depth of the lane kernels' loops over full blocks, per pass (1: a plain loop).
 # With N > 1 the loop is `tl.range(..., num_stages=N)`: Triton issues the loads of the next N - 1
 # blocks (cp.async into shared memory) while the current block's chain runs, for more instructions
-# and registers (offline, Triton 3.6, Kalman 256x2 chunk 16: backward 82.0 -> 94.8 SASS per
-# lane-step at 3 stages, 141 -> 162 registers, 20 KB shared). A generation-time choice: set it
+# and registers (offline, Triton 3.6, Kalman 256x2 chunk 16, SASS per lane-step: backward 77.0 ->
+# 85.4 / 89.6 at 2 / 3 stages, 146 -> 148 / 156 registers, 10 / 20 KB shared; forward 19.6 -> 22.4
+# / 23.3). A generation-time choice: set it
 # before the first program is built (recipes/kalman/bench.py --lanes-stages); the generated source,
 # and so the cached module, differs.
 LOOP_STAGES = {"forward": 1, "backward": 1}

@@ -34,6 +34,7 @@ per process: it changes the generated source, codegen_seq.LOOP_STAGES).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import platform
@@ -176,6 +177,8 @@ def main(argv=None):
     parser.add_argument("--lanes-warps", type=int, default=4)
     parser.add_argument("--lanes-chunk", type=int, default=8)
     parser.add_argument("--lanes-unroll", type=int, default=8)
+    parser.add_argument("--lanes-unroll-bwd", type=int, default=None,
+                        help="the backward's unroll in the *-lanes rows (default: --lanes-unroll)")
     parser.add_argument("--lanes-stages", default="1,1",
                         help="FWD,BWD: software-pipelining depth of the lane kernels' block loops, every row "
                              "(codegen_seq.LOOP_STAGES; 1 = plain loops)")
@@ -202,10 +205,13 @@ def main(argv=None):
         plan.SUM_GROUPS_BEFORE_ATOMICS = name == "fused-groupsum"
         plan.PLANS.plans.clear()
         if name.endswith("-lanes"):
+            unroll_bwd = args.lanes_unroll if args.lanes_unroll_bwd is None else args.lanes_unroll_bwd
             runtime.OVERRIDES.update(runtime.lanes_overrides(block_l=args.lanes_block, num_warps=args.lanes_warps,
                                                              chunk=args.lanes_chunk, unroll=args.lanes_unroll))
+            runtime.OVERRIDES.update({key: dataclasses.replace(cfg, unroll=unroll_bwd)
+                                      for key, cfg in runtime.OVERRIDES.items() if key[1]})   # (layout, backward)
             row["config"] = dict(block_l=args.lanes_block, warps=args.lanes_warps, chunk=args.lanes_chunk,
-                                 unroll=args.lanes_unroll)
+                                 unroll=args.lanes_unroll, unroll_bwd=unroll_bwd)
         try:
             row["check"] = check(fn, device)
             row["check"].update(check_full_forward(fn, device))
