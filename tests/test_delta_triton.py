@@ -337,8 +337,12 @@ def test_rendering_is_byte_identical_across_processes():
     assert other == hashlib.sha256(codegen.kernel_source(KACZMARZ_MAMBA2, 32).encode()).hexdigest()
 
 
-def test_launch_sequence_of_forward_and_backward():
-    """What `spills.py` compiles offline: every kernel of one forward + backward, in order."""
+@pytest.mark.parametrize("save_wu", [True, False])
+def test_launch_sequence_of_forward_and_backward(monkeypatch, save_wu):
+    """What `spills.py` compiles offline: every kernel of one forward + backward, in order (bf16: state_bwd forms
+    the local dU itself; with SAVE_WU the backward reads the forward's w, u instead of launching delta_wu)."""
     from scanlang.backends.delta import spills
+    monkeypatch.setattr(delta_ops, "SAVE_WU", save_wu)
     names = [name for name, *_ in spills.capture_launches(32, 16, torch.bfloat16, T=40)]
-    assert names == ["prep", "state_output", "wu", "state_fwd", "dU_local", "state_bwd", "bwd_dqk", "bwd_wy"]
+    assert names == ["prep", "state_output"] + ([] if save_wu else ["wu"]) + ["state_fwd", "state_bwd", "bwd_dqk",
+                                                                               "bwd_wy"]
