@@ -483,7 +483,10 @@ def _scratch(ir: ScanIR, name: str, row: str) -> str:
     """Pointers of free field `name` in scratch row `row` (0..CHUNK): the program's block of
     (CHUNK + 1) x free fields x BLOCK_L values, rows at compile-time strides (plan.py allocates
     [n_seq, programs, CHUNK + 1, free fields, BLOCK_L]). Row 0 is the chunk's checkpoint, row s + 1
-    the prefix after step s, so step s reads its previous prefix from row s (no select at s = 0)."""
+    the prefix after step s, so step s reads its previous prefix from row s (no select at s = 0).
+    Within a row the lanes lie in the order the 1-D accesses flatten [R, G] (register r of slot g at
+    r * G + g): each register's access by a warp is 128 contiguous bytes (in lane order, 32 bytes
+    of every 128 a thread's stride of R lanes apart, 4x the sectors per access)."""
     free = _free(ir)
     return f"scratch_lane + (({row}) * {len(free)} + {free.index(name)}) * BLOCK_L"
 
@@ -668,7 +671,7 @@ def render_backward_lanes(ir: ScanIR, adj: Adjoint) -> list[str]:
                "FP64", "RCP_APPROX"] + [f"DU{i}" for i in range(len(ir.inputs))])
     body = _prologue()
     body.append("scratch_lane = scratch_ptr + (seq * tl.num_programs(0) + pid).to(tl.int64) * "
-                f"((CHUNK + 1) * {len(_free(ir))} * BLOCK_L) + tl.arange(0, BLOCK_L // R)[None, :] * R + r_idx")
+                f"((CHUNK + 1) * {len(_free(ir))} * BLOCK_L) + r_idx * (BLOCK_L // R) + tl.arange(0, BLOCK_L // R)[None, :]")
     for i in range(len(ir.inputs)):
         body += _offsets(f"u{i}") + _offsets(f"du{i}") + _offsets(f"du{i}", per_group=True)
         body.append(f"acc{i} = to_acc(tl.zeros({SHAPE}, tl.float32), FP64)")
