@@ -7,7 +7,8 @@ R (constexpr, runtime.lanes_per_thread) divides STATE, so a group's STATE lanes 
 adjacent slots: its sum over the state is R - 1 adds in registers and log2(STATE // R) shuffles, and
 an input constant over the state (v, prec of the Kalman program: constexpr SLOT<i>) is loaded once
 per slot. Addresses: per slot a base pointer computed once, per lane a register offset r * stride
-(an immediate when the stride is 1), per step one scalar `index * time stride`.
+(an immediate when the stride is 1), per block of steps one scalar `index * time stride` with the
+block's steps at constant (immediate) offsets from it (`_time`).
 
 Memory. Every load, store and atomic goes through the lane (or slot) tensor reshaped to 1-D
 (`_load`, `_store`): a 1-D access has one order, so Triton's coalescing keeps the layout the [R, G]
@@ -108,7 +109,7 @@ def _prologue() -> list[str]:
         "first = (slot % STATE) == 0",   # the slot that stores its group's sum
         "first_group = slot - pid.to(tl.int64) * BLOCK_L < STATE",   # the program's group that adds the groups' sum
         "first_in_warp = (slot - pid.to(tl.int64) * BLOCK_L) % (32 * R) < STATE",   # each warp's first group
-        "slot_in_block = tl.arange(0, BLOCK_L // R)[None, :]",   # a warp's slots: 32 consecutive (warp_sum_scatter)
+        "slot_in_block = tl.arange(0, BLOCK_L // R)[None, :]",   # a warp's slots: 32 consecutive (_warp_sum_scatter)
     ]
 
 
@@ -414,10 +415,10 @@ def _du_store_lanes(i: int, name: str, at: str, lane_mask: str, slot_mask: str, 
     add, 2 summed over time, 3 summed over the STATE lanes then stored, 4 summed over the STATE
     lanes then atomically added (by the group's first slot), 5 summed over the program's groups lane
     by lane (inputs shared by the groups of a program) then atomically added by the first group, 6
-    the same over the groups of each warp (plan._lanes_mode), added by one atomic per slot of the
-    warp's first R groups (each adds its register warp_group: R x fewer atomic instructions, each
-    predicated atomic being a branch in SASS) when STATE <= 32, else by the first group's R
-    registers. Atomics are relaxed: gradients only accumulate."""
+    the same over the groups of each warp (plan._lanes_mode): when STATE <= 32 reduce-scattered
+    (`_warp_sum_scatter`), each sum added by one atomic of one slot (R x fewer atomic instructions
+    than one per lane, each predicated atomic being a branch in SASS), else added by the first
+    group's R registers. Atomics are relaxed: gradients only accumulate."""
     ptr, gptr = _at(f"du{i}", at), f"pdu{i}g{_time(f'du{i}', at)}"
     value = f"tl.where({lane_mask}, du_{name}, 0.0)" if masked else f"du_{name}"
     cast = f".to(du{i}_ptr.dtype.element_ty)"
@@ -434,8 +435,8 @@ def _du_store_lanes(i: int, name: str, at: str, lane_mask: str, slot_mask: str, 
         "    " + _store(gptr, f"{_state_sum(value)}{cast}", f"{slot_mask} & first", per_slot=True, atomic=True),
         f"elif DU{i} == 5:",
         "    " + _store(ptr, f"{_groups_sum(value)}{cast}", f"{lane_mask} & first_group", atomic=True),
-        "elif STATE <= 32:",   # a warp's groups summed and scattered over its slots (`WARP_SUM_SCATTER`)
-        f"    ws_sum, ws_reg, ws_own = warp_sum_scatter({value}, slot_in_block, R, STATE)",
+        "elif STATE <= 32:",   # a warp's groups summed and scattered over its slots
+        *_indent(_warp_sum_scatter(value), 4),
         f"    ws_ok = {slot_mask} & ws_own",
         "    if not EVEN_L:",
         "        ws_ok = ws_ok & (slot + ws_reg < L)",
@@ -447,36 +448,38 @@ def _du_store_lanes(i: int, name: str, at: str, lane_mask: str, slot_mask: str, 
     ]
 
 
-WARP_SUM_SCATTER = '''@triton.jit
-def warp_sum_scatter(x, g, R: tl.constexpr, STATE: tl.constexpr):
-    """Per state index, the sum of lane tensor x [R, G] over the groups of each warp (slots g and
-    g ^ m for the lane bits m >= STATE // R), reduce-scattered: at each group bit, while two or more
-    registers remain, a slot keeps the half its bit selects and adds its partner's copy of that half
-    (a warp-local gather: one shuffle per kept register); then it adds its partner's sums. Returns
-    (sums [K, G], their state registers [K, G] (index r of the R lanes), owner [1, G]: the one slot
-    of each set holding equal sums), K = max(1, R >> group bits)."""
-    base = g * 0
-    own = g == g
-    for b in tl.static_range(5):
-        if (1 << b) >= STATE // R:
-            up = (g & (1 << b)) != 0
-            if x.shape[0] > 1:
-                lo, hi = tl.split(tl.permute(tl.reshape(x, [2, x.shape[0] // 2, x.shape[1]]), (1, 2, 0)))
-                base += tl.where(up, x.shape[0] // 2, 0)
-                x = tl.where(up, hi, lo) + warp_partner(tl.where(up, lo, hi), 1 << b)
-            else:
-                x = x + warp_partner(x, 1 << b)
-                own = own & ~up
-    return x, base + tl.arange(0, x.shape[0])[:, None], own
+def _warp_sum_scatter(value: str) -> list[str]:
+    """ws_sum [K, G], ws_reg [K, G], ws_own [1, G]: per state index, the sum of lane tensor `value`
+    [R, G] over the groups of each warp (slots g and g ^ m for the lane bits m >= STATE // R),
+    reduce-scattered. At each group bit, while two or more registers remain, a slot keeps the half
+    its bit selects and adds its partner's copy of that half (one shuffle per kept register), then
+    adds its partner's sums. ws_reg: the sums' state registers (index r of the R lanes); ws_own: the
+    one slot of each set holding equal sums; K = max(1, R >> group bits)."""
+    return ["ws_sum = " + value,
+            "ws_base = slot_in_block * 0",
+            "ws_own = slot_in_block == slot_in_block",
+            "for ws_bit in tl.static_range(5):",
+            "    if (1 << ws_bit) >= STATE // R:",
+            "        ws_up = (slot_in_block & (1 << ws_bit)) != 0",
+            "        if ws_sum.shape[0] > 1:",
+            "            ws_lo, ws_hi = tl.split(tl.permute(tl.reshape(ws_sum, [2, ws_sum.shape[0] // 2, "
+            "ws_sum.shape[1]]), (1, 2, 0)))",
+            "            ws_base += tl.where(ws_up, ws_sum.shape[0] // 2, 0)",
+            "            ws_send = tl.where(ws_up, ws_lo, ws_hi)",
+            f"            ws_sum = tl.where(ws_up, ws_hi, ws_lo) + {_partner('ws_send', '1 << ws_bit')}",
+            "        else:",
+            f"            ws_sum = ws_sum + {_partner('ws_sum', '1 << ws_bit')}",
+            "            ws_own = ws_own & ~ws_up",
+            "ws_reg = ws_base + tl.arange(0, ws_sum.shape[0])[:, None]"]
 
 
-@triton.jit
-def warp_partner(x, m: tl.constexpr):
-    """Lane tensor x [K, G] at slot g ^ m (m < 32): a gather along the warp's 32 lanes, so it stays
-    warp-local (shuffles) in the [K, G] layout (slot g on lane g % 32 of warp g // 32)."""
-    lanes = tl.reshape(x, [x.shape[0], x.shape[1] // 32, 32])
-    index = (tl.arange(0, 32)[None, None, :] ^ m) + tl.zeros(lanes.shape, tl.int32)
-    return tl.reshape(tl.gather(lanes, index, 2), x.shape)'''
+def _partner(x: str, m: str) -> str:
+    """Lane tensor `x` [K, G] at slot g ^ m (m < 32): a gather along a [K, G // 32, 32] view, so it
+    stays warp-local (shuffles) in the [K, G] layout (slot g on lane g % 32 of warp g // 32); over
+    [K, G] Triton re-lays the gather out through shared memory."""
+    view = f"[{x}.shape[0], {x}.shape[1] // 32, 32]"
+    return (f"tl.reshape(tl.gather(tl.reshape({x}, {view}), (tl.arange(0, 32)[None, None, :] ^ ({m})) + "
+            f"tl.zeros({view}, tl.int32), 2), {x}.shape)")
 
 
 def _scratch(ir: ScanIR, name: str, row: str) -> str:
@@ -704,7 +707,7 @@ def render_backward_lanes(ir: ScanIR, adj: Adjoint) -> list[str]:
                                        " + ".join(f"{c}_{name}" for c in _carried_adjoint(adj)), "lane_ok"))
     sig = ", ".join(backward_args(ir) + ["scratch_ptr"] + [f"{c}: tl.constexpr" for c in consts]
                     + lanes_flags(ir, True))
-    return [WARP_SUM_SCATTER, "", "", "@triton.jit", f"def scan_backward_lanes({sig}):",
+    return ["@triton.jit", f"def scan_backward_lanes({sig}):",
             f'    """Backward of {ir.name}, lane-sequential: replay each chunk (in registers when CHUNK == UNROLL, '
             'else into scratch), step the adjoint back."""',
             *_indent(body, 4)]
