@@ -24,6 +24,7 @@ chunk tables of equal-length batches and the empty parameter tensor are cached p
 from __future__ import annotations
 
 import functools
+import inspect
 from dataclasses import dataclass
 from typing import Optional
 
@@ -258,10 +259,12 @@ def _launch(name: str, kernel, grid, args: tuple, meta: dict, V: int, configs: d
     until it fits and remembered in `configs` (or CONFIG) by the Triton backend's runtime.fit_launch.
     `direct` launches the kernel itself (eager); otherwise through wrap_triton, which torch.compile traces."""
     remembered = CONFIG if configs is None else configs
+    if not direct:   # wrap_triton's mutation analysis needs every parameter, the defaulted variant flags too
+        meta = {**_defaults(kernel), **meta}
     if configs is not None:          # the common case first, without fit_launch's bookkeeping
         cfg = configs[name]
         try:
-            (kernel if direct else wrap_triton(kernel))[grid(cfg)](*args, **meta, **cfg)
+            (kernel if direct else wrap_triton(kernel))[grid(cfg)](*args, **{**meta, **cfg})
             return
         except OutOfResources:
             if _smaller(cfg) is None:
@@ -270,8 +273,15 @@ def _launch(name: str, kernel, grid, args: tuple, meta: dict, V: int, configs: d
 
     def attempt(cfg):
         opts = _clamp(cfg, V)
-        (kernel if direct else wrap_triton(kernel))[grid(opts)](*args, **meta, **opts)
+        (kernel if direct else wrap_triton(kernel))[grid(opts)](*args, **{**meta, **opts})
     fit_launch(name, remembered[name], attempt, _smaller, remembered=remembered)
+
+
+@functools.lru_cache(maxsize=None)
+def _defaults(kernel) -> dict:
+    """The kernel's parameters that have a default (the backward's variant flags), by name."""
+    params = inspect.signature(getattr(kernel, "fn", kernel)).parameters
+    return {name: p.default for name, p in params.items() if p.default is not inspect.Parameter.empty}
 
 
 def _ptr(t: torch.Tensor, fallback: torch.Tensor) -> torch.Tensor:
