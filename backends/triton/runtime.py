@@ -189,16 +189,16 @@ def choose_config(T: int, L: int, time_contiguous: bool, state: int, backward: b
                           unroll=2)
         if state > 1:
             # a reducing program (Kalman): 256 lanes x 2 warps = 4 state lanes per thread slot,
-            # checkpoints every 16 steps. Offline SASS under Triton 3.6 (the H200's; sm_90a,
-            # resources.py, inner loops per lane-step): forward in blocks of 4 steps 19.6 at 80
-            # registers (22.9 in run 9; blocks of 8: 19.5 at 127); backward replaying each chunk
-            # through scratch in blocks of 2 steps 77.1 at 146 registers (103.5 at 156 in run 9):
-            # 6 programs per SM (<= 168 registers), so the bench's 768 programs run in one wave
-            # (blocks of 4: 1.16 waves at 194 registers; run 9's 201 ran 9.56 ms). One lane per thread (64 x 2 x 8 x 8)
-            # costs 53.5 (forward) and 122 (backward, registers replay) with 8x the key atomics.
-            # Measured (H200, session 4 run 9): fwd 1.634 ms, fwd+bwd 6.84 ms; blocks of 4 in the backward 9.56.
+            # checkpoints every 16 steps; the forward steps in blocks of 8, the backward replays each
+            # chunk through scratch in blocks of 2. Offline SASS under Triton 3.6 (the H200's; sm_90a,
+            # resources.py, inner loops per lane-step): forward 19.5 at 127 registers (blocks of 4:
+            # 19.6 at 80), backward 77.1 at 146 (103.5 at 156 in session 4): 6 programs per SM
+            # (<= 168 registers), so the bench's 768 programs run in one wave (backward blocks of 4:
+            # 1.16 waves at 194 registers; 201 ran 9.56 ms in session 4). Measured (H200, session 5
+            # run 14, B8 T4096 M1536 S16): fwd 1.142 ms, fwd+bwd 5.636 ms (forward blocks of 4:
+            # 1.469 / 6.051); software-pipelined loops (codegen_seq.LOOP_STAGES = 2) 3.59 / 11.29.
             return Config(block_t=16, block_l=max(state, 256), num_warps=2, chunk=16, schedule="lanes",
-                          unroll=2 if backward else 4)
+                          unroll=2 if backward else 8)
         # other programs, both passes: one lane per thread, 64 lanes x 2 warps, 8-step chunks = the unroll
         return Config(block_t=8, block_l=64, num_warps=2, chunk=8, schedule="lanes", unroll=8)
     if interpret:
