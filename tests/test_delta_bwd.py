@@ -109,19 +109,27 @@ def test_host_keys_leave_the_launch_configs(monkeypatch):
     assert p.host == dict(LOWP_DK=True) and p.configs["bwd_wy"]["LOWP"] is True
 
 
+def _bf16_inputs(seed):
+    """q, k, v rounded to bf16 (the state and gates stay fp32), B1 T40 H2 K=40 V=20."""
+    q, k, v, g, eta, h0 = make_inputs(1, 40, 2, 40, 20, seed=seed)
+    return [t.to(torch.bfloat16) for t in (q, k, v)] + [g, eta, h0]
+
+
+def _kaczmarz_fn(backend):
+    """kaczmarz_delta_rule on `backend` with 32-token chunks (the initial state in fp32, or float64 for the reference)."""
+    return lambda q, k, v, g, eta, h0: kaczmarz_delta_rule(
+        q, k, v, g, eta, initial_state=h0.float() if h0.dtype != torch.float64 else h0,
+        output_final_state=True, backend=backend, chunk_size=32)
+
+
 @pytest.mark.parametrize("lowp_du", [False, True])
 def test_bf16_local_dU_from_its_kernel_or_the_state_pass_same_bits(monkeypatch, lowp_du):
     """bf16 inputs: delta_dU_local (which also stores dO rounded to bf16 for the later kernels) or the local dU
     formed in the state pass (reading fp32 dO and rounding it there) give bit-identical gradients, within the
     spec's bf16 tolerances of float64 (on the bf16-rounded inputs); with dU stored in fp32 or in bf16
     (LOWP_DU: the local part then stays fp32 in its own buffer until the state pass adds to it)."""
-    q, k, v, g, eta, h0 = make_inputs(1, 40, 2, 40, 20, seed=11)
-    inputs = [t.to(torch.bfloat16) for t in (q, k, v)] + [g, eta, h0]
-
-    def fn(backend):
-        return lambda q, k, v, g, eta, h0: kaczmarz_delta_rule(
-            q, k, v, g, eta, initial_state=h0.float() if h0.dtype != torch.float64 else h0,
-            output_final_state=True, backend=backend, chunk_size=32)
+    inputs = _bf16_inputs(seed=11)
+    fn = _kaczmarz_fn
     ref = run_with_grads(fn("reference"), inputs, torch.float64)
     got = {}
     for local in (False, True):
@@ -138,13 +146,8 @@ def test_bf16_variants_within_tolerance_of_float64(monkeypatch):
     """bf16 inputs with every variant on (dU and the dk and dTm shares in bf16, bf16 operands for the fp32 dots, dG by
     row sums, decays on the value side): gradients within the spec's bf16 tolerances of float64; SEQ_BOUNDS alone
     changes addresses only (same bits)."""
-    q, k, v, g, eta, h0 = make_inputs(1, 40, 2, 40, 20, seed=3)
-    inputs = [t.to(torch.bfloat16) for t in (q, k, v)] + [g, eta, h0]
-
-    def fn(backend):
-        return lambda q, k, v, g, eta, h0: kaczmarz_delta_rule(
-            q, k, v, g, eta, initial_state=h0.float() if h0.dtype != torch.float64 else h0,
-            output_final_state=True, backend=backend, chunk_size=32)
+    inputs = _bf16_inputs(seed=3)
+    fn = _kaczmarz_fn
     ref = run_with_grads(fn("reference"), inputs, torch.float64)
     state_bwd = dict(LOCAL_DU=True, BV=16, num_warps=4, num_stages=1)
     monkeypatch.setitem(delta_ops.CONFIG, "state_bwd", state_bwd)
