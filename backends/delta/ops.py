@@ -279,8 +279,12 @@ def _launch(name: str, kernel, grid, args: tuple, meta: dict, V: int, configs: d
 
 @functools.lru_cache(maxsize=None)
 def _defaults(kernel) -> dict:
-    """The kernel's parameters that have a default (the backward's variant flags), by name."""
-    params = inspect.signature(getattr(kernel, "fn", kernel)).parameters
+    """The kernel's parameters that have a default (the backward's variant flags), by name (none for a stand-in
+    that is not a function)."""
+    fn = getattr(kernel, "fn", kernel)
+    if not callable(fn):
+        return {}
+    params = inspect.signature(fn).parameters
     return {name: p.default for name, p in params.items() if p.default is not inspect.Parameter.empty}
 
 
