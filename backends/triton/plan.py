@@ -316,8 +316,9 @@ class BackwardPlan(_Plan):
                 got = (self.prog.module.scan_backward_lanes, grid, dict(meta, UNROLL=cfg.unroll, **self.lanes_meta(cfg)),
                        scratch)
             else:
-                got = (self.prog.module.scan_backward, grid,
-                       dict(meta, BLOCK_T=cfg.block_t, STAGES=cfg.stages, **self.tile_meta(cfg)), None)
+                got = (self.prog.module.scan_backward, grid,   # FLIP_REV: see codegen.render_backward
+                       dict(meta, BLOCK_T=cfg.block_t, STAGES=cfg.stages, FLIP_REV=not self.time_contiguous,
+                            **self.tile_meta(cfg)), None)
             self._launch[cfg] = got
         return got
 
