@@ -35,7 +35,7 @@ def with_grads(fn, ins):
     return [o, S, *torch.autograd.grad((o * do).sum() + (S * dS).sum(), ts)]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
 @pytest.mark.parametrize("T, K", [(1000, 128), (77, 64), (300, 256)])
 def test_kaczmarz_on_gpu_against_float64(dtype, T, K):
     ins = inputs(2, T, 3, K, 96, dtype)
