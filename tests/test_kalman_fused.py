@@ -206,7 +206,7 @@ def test_key_gradients_summed_per_program_or_per_lane_agree(monkeypatch):
         for name, g, r in zip(NAMES, got, ref):
             assert_close(g.cpu(), r, "kalman_grad", torch.float32, name=f"d{name} (grouped={grouped})")
         plans = [*plan.PLANS.plans.values()]
-        plans += [b for p in plans for b in getattr(p, "_backward", {}).values()]   # kept by their forward plans
+        plans += [b for p in plans if hasattr(p, "backward_plans") for b in p.backward_plans.plans.values()]   # kept by their forward plans
         modes = {v for p in plans for _, _, meta, _ in getattr(p, "_launch", {}).values()
                  for k, v in meta.items() if k.startswith("DU")}
         assert (5 in modes) == grouped and (1 in modes) != grouped

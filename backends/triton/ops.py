@@ -135,8 +135,8 @@ def _forward(key: str, inputs, initial, cu_seqlens, dim: int, reverse: bool, fp6
 
 def _backward_pass(key: str, inputs, initial, cu_seqlens, ckpt, grads, dfinal, dim: int, reverse: bool, fp64: bool,
                    eager: bool, fwd_plan=None) -> list[torch.Tensor]:
-    """scan_bwd's body: [*input grads, *initial grads]. `fwd_plan` (eager): the forward's plan, whose table
-    of backward plans by the gradients' signature stands in for the plan cache (same inputs, initial, packing)."""
+    """scan_bwd's body: [*input grads, *initial grads]. `fwd_plan` (needed when eager): the forward's plan,
+    whose cache of backward plans by the gradients' signature serves these same inputs, initial and packing."""
     prog = PROGRAMS[key]
     varlen, n_seq = _sequences(cu_seqlens)
     device = inputs[0].device
@@ -144,12 +144,9 @@ def _backward_pass(key: str, inputs, initial, cu_seqlens, ckpt, grads, dfinal, d
 
     def build():
         return BackwardPlan(prog, inputs, initial, grads, dfinal is not None, n_seq, varlen, dim, reverse, fp64)
-    if fwd_plan is not None:
-        plan = fwd_plan.backward_plan((_signature(grads), dfinal is not None, ckpt.shape, overrides()),
-                                      lambda: PLANS.build(build))
-    elif eager:
-        plan = PLANS.get(("bwd", key, dim, reverse, fp64, device, n_seq, varlen, _signature(inputs),
-                          _signature(initial), _signature(grads), dfinal is not None, ckpt.shape, overrides()), build)
+    if eager:   # counted in PLANS.built like every plan
+        plan = fwd_plan.backward_plans.get((_signature(grads), dfinal is not None, ckpt.shape, overrides()),
+                                           lambda: PLANS.build(build))
     else:
         plan = build()
     acc, L = plan.acc, plan.layout.L

@@ -224,20 +224,11 @@ class ForwardPlan(_Plan):
         self.common = {"REVERSE": reverse, "HAS_INIT": bool(initial), "VARLEN": varlen, "STATE": self.state,
                        "FP64": fp64}
         self._launch: dict = {}
-        self._backward: dict = {}   # backward plans of these inputs by gradient signature (eager calls)
+        self.backward_plans = PlanCache(limit=64)   # backward plans of these inputs by gradient signature (eager)
 
     def checkpoint_shape(self, cfg: Config) -> tuple[int, int, int]:
         return (len(self.prog.ir.fields), _cdiv(self.layout.T, chunk_of(cfg, self.checkpoint)) + self.n_seq,
                 self.layout.L)
-
-    def backward_plan(self, key, build):
-        """The BackwardPlan of this forward's inputs for `key` (the gradients' signature...), built once."""
-        plan = self._backward.get(key)
-        if plan is None:
-            if len(self._backward) >= 64:     # gradient layouts that keep changing: stay bounded
-                self._backward.clear()
-            plan = self._backward[key] = build()
-        return plan
 
     def launch(self, cfg: Config):
         """(kernel, grid, constexpr/meta kwargs, checkpoint shape) under `cfg` (memoised)."""
