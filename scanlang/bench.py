@@ -165,8 +165,8 @@ def run_scans(table, B, D, T, anchors: bool, sweep: bool, log: dict, lanes: bool
                   (nf + 1 + 2 * nf + 1) * n * 4, best_b[1],
                   note=f"{best_b[2] or 'default config'}; GPU time alone (CUDA graph) {best_b[3]:.4f} ms")
         runtime.OVERRIDES.clear()
-        if bwd_sweep and layout == "time":
-            _bwd_sweep_rows(table, kind, mix, data, g, g_ref, n, log)
+        if bwd_sweep:
+            _bwd_sweep_rows(table, kind, layout, mix, data, g, g_ref, n, log)
         if lanes:
             _lanes_rows(table, kind, layout, mix, data, g, y_ref, g_ref, n, sweep, log)
         if kind == "affine":
@@ -179,44 +179,55 @@ def run_scans(table, B, D, T, anchors: bool, sweep: bool, log: dict, lanes: bool
         torch.cuda.empty_cache()
 
 
-def _bwd_sweep_rows(table, kind, mix, data, g, g_ref, n, log: dict):
-    """Time-contiguous tile shapes of the run-based kernels (codegen_runs.py; 256 steps per warp is
-    one 8-step run per thread), GPU time alone (CUDA graph): the forward alone per (tile, warps,
-    stages), checked against the default config's output (itself checked against float64); then
-    fwd+bwd per backward tile = checkpoint interval (the forward on the same tile), checked."""
+# (block_t, block_l, warps, stages): the forward tiles `--bwd-sweep` times alone, per layout. Time contiguous:
+# run-based tiles (codegen_runs.py; 256 steps per warp is one 8-step run per thread). Channels contiguous: the
+# default 32 x 32 tile and run-based tiles of 128 steps over 16-64 lanes.
+FWD_SWEEP = {"time": ((256, 1, 1, 1), (512, 1, 2, 1), (1024, 1, 4, 1), (512, 1, 1, 1), (1024, 1, 2, 1),
+                      (2048, 1, 4, 1), (256, 1, 1, 2), (512, 1, 2, 2)),
+             "channels": ((32, 32, 1, 4), (128, 16, 2, 1), (128, 32, 4, 1), (128, 16, 4, 1), (256, 32, 4, 1))}
+# (checkpoint interval = backward tile, block_l, warps): the fwd+bwd configs, forward and backward on that tile
+BWD_SWEEP = {"time": ((256, 1, 1), (512, 1, 2), (1024, 1, 4), (512, 1, 1), (1024, 1, 2)),
+             "channels": ((32, 32, 1), (64, 32, 2), (128, 16, 2), (128, 32, 4), (128, 16, 4), (128, 64, 4),
+                          (256, 32, 4), (256, 16, 4))}
+
+
+def _bwd_sweep_rows(table, kind, layout, mix, data, g, g_ref, n, log: dict):
+    """Tile shapes for `layout` (FWD_SWEEP, BWD_SWEEP), GPU time alone (CUDA graph): the forward alone per
+    tile, checked against the default config's output (itself checked against float64); then fwd+bwd per
+    backward tile = checkpoint interval (the forward on the same tile), checked against float64."""
     from scanlang.backends.triton import runtime
     from scanlang.backends.triton.runtime import Config
     nf = len(data)
+    key = layout == "time"
     runtime.OVERRIDES.clear()
     y_default = mix(**data)[0]
-    for bt, warps, stages in ((256, 1, 1), (512, 2, 1), (1024, 4, 1), (512, 1, 1), (1024, 2, 1), (2048, 4, 1),
-                              (256, 1, 2), (512, 2, 2)):
+    for bt, bl, warps, stages in FWD_SWEEP[layout]:
         runtime.OVERRIDES.clear()
-        runtime.OVERRIDES[(True, False)] = Config(block_t=bt, block_l=1, num_warps=warps, stages=stages)
-        note = f"forward tile {bt}, warps {warps}, stages {stages}"
+        runtime.OVERRIDES[(key, False)] = Config(block_t=bt, block_l=bl, num_warps=warps, stages=stages)
+        note = f"forward tile {bt} x {bl}, warps {warps}, stages {stages}"
         try:
             err = _ratio(mix(**data)[0], y_default)
             ms = _bench(lambda: mix(**data), graph=True)
-            table.add(f"scanlang {kind} fwd, GPU time (CUDA graph), err vs default", "time", ms, (nf + 1) * n * 4, err,
+            table.add(f"scanlang {kind} fwd, GPU time (CUDA graph), err vs default", layout, ms, (nf + 1) * n * 4, err,
                       note=note)
-            log.setdefault("fwd_sweep", []).append(dict(kind=kind, cfg=note, ms=ms, err=err))
+            log.setdefault("fwd_sweep", []).append(dict(kind=kind, layout=layout, cfg=note, ms=ms, err=err))
         except Exception as exc:  # reported, not fatal
             print(f"fwd sweep {note} failed: {type(exc).__name__}: {str(exc)[:300]}")
     leaves = {k: v.clone().requires_grad_() for k, v in data.items()}
 
     def fwd_bwd():
         return torch.autograd.grad(mix(**leaves)[0], tuple(leaves.values()), g)
-    for chunk, warps in ((256, 1), (512, 2), (1024, 4), (512, 1), (1024, 2)):
+    for chunk, bl, warps in BWD_SWEEP[layout]:
         runtime.OVERRIDES.clear()
-        runtime.OVERRIDES[(True, False)] = Config(block_t=chunk, block_l=1, num_warps=warps, chunk=chunk)
-        runtime.OVERRIDES[(True, True)] = Config(block_t=chunk, block_l=1, num_warps=warps, chunk=chunk)
-        note = f"forward and backward tile {chunk} (= checkpoint interval), warps {warps}"
+        cfg = Config(block_t=chunk, block_l=bl, num_warps=warps, chunk=chunk)
+        runtime.OVERRIDES[(key, False)] = runtime.OVERRIDES[(key, True)] = cfg
+        note = f"forward and backward tile {chunk} x {bl} (= checkpoint interval), warps {warps}"
         try:
             gerr = max(_ratio(a, b) for a, b in zip(fwd_bwd(), g_ref))
             ms = _bench(fwd_bwd, graph=True)
-            table.add(f"scanlang {kind} fwd+bwd, GPU time (CUDA graph)", "time", ms, (3 * nf + 2) * n * 4, gerr,
+            table.add(f"scanlang {kind} fwd+bwd, GPU time (CUDA graph)", layout, ms, (3 * nf + 2) * n * 4, gerr,
                       note=note)
-            log.setdefault("bwd_sweep", []).append(dict(kind=kind, cfg=note, ms=ms, err=gerr))
+            log.setdefault("bwd_sweep", []).append(dict(kind=kind, layout=layout, cfg=note, ms=ms, err=gerr))
         except Exception as exc:  # reported, not fatal
             print(f"bwd sweep {note} failed: {type(exc).__name__}: {str(exc)[:300]}")
     runtime.OVERRIDES.clear()
@@ -331,7 +342,7 @@ def main(argv=None) -> int:
     p.add_argument("--sweep", action="store_true", help="also time a few tile configs and keep the best")
     p.add_argument("--no-anchors", action="store_true")
     p.add_argument("--no-lanes", action="store_true", help="skip the [lanes] rows (the lane-sequential schedule)")
-    p.add_argument("--bwd-sweep", action="store_true", help="time-contiguous fwd+bwd under a few backward tiles")
+    p.add_argument("--bwd-sweep", action="store_true", help="fwd and fwd+bwd under a few tiles per layout (FWD_SWEEP, BWD_SWEEP)")
     p.add_argument("--only", default=None, help="comma-separated workloads, e.g. affine:time,mobius:channels")
     p.add_argument("--out", default=None, help="folder for bench.json and bench.md")
     args = p.parse_args(argv)
