@@ -7,6 +7,8 @@ import os
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports triton-using code
 
 import math  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -329,8 +331,6 @@ def test_layer_fused_gate_matches_reference_layer(mode):
 
 def test_rendering_is_byte_identical_across_processes():
     import hashlib
-    import subprocess
-    import sys
     code = ("import hashlib; from scanlang.backends.delta import codegen; from scanlang.delta import KACZMARZ_MAMBA2; "
             "print(hashlib.sha256(codegen.kernel_source(KACZMARZ_MAMBA2, 32).encode()).hexdigest())")
     other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
@@ -346,3 +346,17 @@ def test_launch_sequence_of_forward_and_backward(monkeypatch, save_wu):
     names = [name for name, *_ in spills.capture_launches(32, 16, torch.bfloat16, T=40)]
     assert names == ["prep", "state_output"] + ([] if save_wu else ["wu"]) + ["state_fwd", "state_bwd", "bwd_dqk",
                                                                                "bwd_wy"]
+
+
+def test_kernels_compile_with_fp64_scalars_as_torch_compile_passes_them():
+    """torch.compile's inductor types the Python-float arguments (eps, scale) fp64; every kernel converts them
+    at entry, so Triton's front end compiles each one (no GPU: source -> TTIR in a subprocess, since this
+    session interprets kernels). Without the conversion prep, state_bwd and recurrent fail to compile."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    code = ("from scanlang.backends.delta import spills\n"
+            "for name, err in spills.frontend_errors('fp64').items(): print(name, '|', err)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = dict(line.split(" | ", 1) for line in out.stdout.splitlines() if " | " in line)
+    assert {"prep", "state_output", "state_bwd", "bwd_dqk", "bwd_wy", "dU_local", "recurrent"} <= rows.keys(), rows
+    assert all(err == "None" for err in rows.values()), rows

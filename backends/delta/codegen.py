@@ -105,6 +105,7 @@ def render_prep(chunk_size: int) -> str:
     a("               BKS: tl.constexpr, PREC: tl.constexpr, IN_PREC: tl.constexpr, UPCAST: tl.constexpr):")
     a("    \"\"\"gcum, beta, Tm = (I + A)^-1, w, u and the output's in-chunk matrix (Q K^T * Dec, causal) for one chunk")
     a(f'    of {chunk_size} tokens ({nb} blocks of {BLOCK} rows)."""')
+    a("    eps = tl.cast(eps, tl.float32)   # torch.compile types a Python float as fp64")
     a("    c = tl.program_id(0)")
     a("    h = tl.program_id(1)")
     a("    rows = tl.arange(0, C)")

@@ -55,6 +55,52 @@ def capture_launches(K: int, V: int, dtype: torch.dtype, T: int = 200, H: int = 
     return launches
 
 
+def capture_decode(K: int, V: int, dtype: torch.dtype, H: int = 4):
+    """[(name, kernel, args, constexprs, config)] of one decode step (one token, no gradients: the recurrent kernel)."""
+    launches = []
+
+    def record(name, kernel, grid, args, meta, V_, configs=None, direct=False):
+        launches.append((name, kernel, args, dict(meta), dict(configs[name]) if configs is not None else ops._opts(name, V_)))
+
+    saved, ops._launch = ops._launch, record
+    try:
+        q, k, v = (torch.randn(1, 1, H, d).to(dtype) for d in (K, K, V))
+        ops.delta_rule(q, k, v, -torch.rand(1, 1, H), torch.rand(1, 1, H), KACZMARZ, scale=K ** -0.5, eps=1e-6)
+    finally:
+        ops._launch = saved
+    return launches
+
+
+def frontend_errors(float_type: str = "fp64") -> dict:
+    """{kernel name: None or the error} of Triton's front end (source -> TTIR, no ptxas) on every kernel a
+    forward and backward (bf16, and fp32 at K=256, whose backward keeps `dU_local`) and a decode step launch,
+    with the Python-float arguments (eps, scale) typed `float_type`. torch.compile's inductor types them fp64
+    (a plain launch, fp32), and an fp64 scalar widens whatever it touches: a dot's accumulator or a loop-carried
+    state then changes type and the kernel fails to compile (H200, session 6: the compiled-op GPU test)."""
+    from triton._C.libtriton import ir
+    from triton.compiler import make_backend
+    target = GPUTarget("cuda", 90, 32)
+    backend = make_backend(target)
+    launches = (capture_launches(32, 16, torch.bfloat16, T=40) + capture_launches(256, 16, torch.float32, T=40)
+                + capture_decode(32, 16, torch.bfloat16))
+    errors = {}
+    for name, kernel, args, meta, cfg in launches:
+        consts = {k: v for k, v in {**meta, **cfg}.items() if k in kernel.arg_names}
+        sig = signature(kernel, args, consts)
+        sig.update({n: float_type for n, a in zip(kernel.arg_names, args) if isinstance(a, float) and n not in consts})
+        options = backend.parse_options({k: v for k, v in cfg.items() if k in ("num_warps", "num_stages")})
+        context = ir.context()
+        ir.load_dialects(context)
+        backend.load_dialects(context)
+        try:
+            ASTSource(kernel, sig, consts).make_ir(target, options, backend.get_codegen_implementation(options),
+                                                   backend.get_module_map(), context)
+            errors.setdefault(name, None)
+        except Exception as exc:   # reported by name: the test shows every failing kernel at once
+            errors[name] = f"{type(exc).__name__}: {str(exc)[-400:]}"
+    return errors
+
+
 def alignment_attrs(kernel, args, consts) -> dict:
     """What Triton's launcher specialises on a GPU: 16-byte aligned pointers and integers divisible by 16
     (tt.divisibility 16). Without it every load and store compiles unvectorised, with a 64-bit address

@@ -297,6 +297,7 @@ def delta_state_output(q_ptr, k_ptr, w_ptr, u_ptr, gcum_ptr, h0_ptr, chunk_tok, 
                        mq_ptr, scale, H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                        C: tl.constexpr, HAS_H0: tl.constexpr, STORE_FINAL: tl.constexpr, PREC: tl.constexpr, IN_PREC: tl.constexpr,
                        UPCAST: tl.constexpr):
+    scale = tl.cast(scale, tl.float32)   # torch.compile types a Python float as fp64
     state_pass(q_ptr, k_ptr, w_ptr, u_ptr, gcum_ptr, h0_ptr, chunk_tok, chunk_len, seq_chunk0, o_ptr, o_ptr, ht_ptr,
                o_ptr, mq_ptr, scale, H, K, V, BK, BV, C, HAS_H0, STORE_FINAL, True, PREC, IN_PREC, UPCAST)
 
@@ -305,6 +306,8 @@ def delta_state_output(q_ptr, k_ptr, w_ptr, u_ptr, gcum_ptr, h0_ptr, chunk_tok, 
 def delta_recurrent(q_ptr, k_ptr, v_ptr, a_ptr, hp_ptr, s_ptr, eps, h0_ptr, o_ptr, ht_ptr, cu_ptr, scale,
                     H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                     HAS_H0: tl.constexpr, STORE_FINAL: tl.constexpr):
+    eps = tl.cast(eps, tl.float32)   # torch.compile types a Python float as fp64
+    scale = tl.cast(scale, tl.float32)   # torch.compile types a Python float as fp64
     n = tl.program_id(0)
     h = tl.program_id(1)
     vv = tl.program_id(2) * BV + tl.arange(0, BV)

@@ -11,6 +11,7 @@ def delta_dU_local(q_ptr, k_ptr, gcum_ptr, do_ptr, dul_ptr, doq_ptr, chunk_tok, 
     """dU from the outputs within each chunk, scale (Q K^T * D)^T dO (fp32), for delta_state_bwd without
     LOCAL_DU: per chunk and block of BV value columns, in parallel. With STORE_DO, also dO rounded to doq's
     dtype (the input dtype, to which every later use of dO rounds it: the same bits, half the reads)."""
+    scale = tl.cast(scale, tl.float32)   # torch.compile types a Python float as fp64
     NVB: tl.constexpr = (V + BV - 1) // BV     # a chunk's value blocks run back to back: q, k from L2
     c = tl.program_id(0) // NVB
     h = tl.program_id(1)
@@ -52,6 +53,7 @@ def delta_state_bwd(q_ptr, k_ptr, w_ptr, gcum_ptr, do_ptr, dul_ptr, dht_ptr, chu
     every later dot of dU but bwd_wy's at PREC takes); dS0 = e^G_last dS_end + scale (e^G Q)^T dO - w^T dU.
     SEQ_BOUNDS: chunk addresses from the sequence's bounds (no table loads in the loop). DECAY_V: K~ dS_end as
     e^(G_last - G) (K dS_end) and (e^G Q)^T dO as Q^T (e^G dO), scaling [C, BV] tiles instead of [C, K] ones."""
+    scale = tl.cast(scale, tl.float32)   # torch.compile types a Python float as fp64
     n = tl.program_id(0)
     h = tl.program_id(1)
     vv = tl.program_id(2) * BV + tl.arange(0, BV)
@@ -123,6 +125,8 @@ def delta_bwd_dqk(q_ptr, k_ptr, v_ptr, a_ptr, hp_ptr, s_ptr, eps, gcum_ptr, beta
     DG_SUMS: the outputs' in-chunk part of dG as row sums of its dq and dk terms, q . (dM K) - k . (dM^T Q)
     (= rowsum - colsum of dM * Q K^T, without forming Q K^T). LOWP: the dots of fp32 operands (dw, Tm, and
     under WY dTm, E) take them rounded to the input dtype, as the input dtype's tensor cores need."""
+    eps = tl.cast(eps, tl.float32)   # torch.compile types a Python float as fp64
+    scale = tl.cast(scale, tl.float32)   # torch.compile types a Python float as fp64
     NKB: tl.constexpr = (K + BKS - 1) // BKS     # a chunk's key blocks run back to back: U, dU, dO from L2
     c = tl.program_id(0) // NKB
     h = tl.program_id(1)
@@ -304,6 +308,7 @@ def delta_bwd_wy(k_ptr, v_ptr, a_ptr, hp_ptr, s_ptr, eps, gcum_ptr, beta_ptr, tm
     d step input. The w = Tm diag(beta e^G) K terms arrive from delta_bwd_dqk as NKQ key-block shares of dTm,
     dk, dG and dbeta; keys are visited in blocks of BKS columns after dA (K K^T, ||k||^2, then dk). LOWP: the dots
     of fp32 operands (Tm, dU, dTm, E) take them rounded to the input dtype."""
+    eps = tl.cast(eps, tl.float32)   # torch.compile types a Python float as fp64
     c = tl.program_id(0)
     h = tl.program_id(1)
     rows = tl.arange(0, C)
