@@ -181,14 +181,14 @@ def run_scans(table, B, D, T, anchors: bool, sweep: bool, log: dict, lanes: bool
 
 # (block_t, block_l, warps, stages): the forward tiles `--bwd-sweep` times alone, per layout. Time contiguous:
 # run-based tiles (codegen_runs.py; 256 steps per warp is one 8-step run per thread). Channels contiguous: the
-# default 32 x 32 tile and run-based tiles of 128 steps over 16-64 lanes.
+# 32 x 32 tile (inference default) and run-based tiles of 128-512 steps over 8-32 lanes (256 x 16: training default).
 FWD_SWEEP = {"time": ((256, 1, 1, 1), (512, 1, 2, 1), (1024, 1, 4, 1), (512, 1, 1, 1), (1024, 1, 2, 1),
                       (2048, 1, 4, 1), (256, 1, 1, 2), (512, 1, 2, 2)),
-             "channels": ((32, 32, 1, 4), (128, 16, 2, 1), (128, 32, 4, 1), (128, 16, 4, 1), (256, 32, 4, 1))}
+             "channels": ((32, 32, 1, 4), (256, 16, 4, 1), (128, 16, 4, 1), (256, 32, 4, 1))}
 # (checkpoint interval = backward tile, block_l, warps): the fwd+bwd configs, forward and backward on that tile
 BWD_SWEEP = {"time": ((256, 1, 1), (512, 1, 2), (1024, 1, 4), (512, 1, 1), (1024, 1, 2)),
-             "channels": ((32, 32, 1), (64, 32, 2), (128, 16, 2), (128, 32, 4), (128, 16, 4), (128, 64, 4),
-                          (256, 32, 4), (256, 16, 4))}
+             "channels": ((32, 32, 1), (256, 16, 4), (128, 16, 4), (256, 8, 4), (128, 8, 4), (256, 16, 8),
+                          (512, 16, 4), (256, 32, 4))}
 
 
 def _bwd_sweep_rows(table, kind, layout, mix, data, g, g_ref, n, log: dict):

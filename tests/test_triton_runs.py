@@ -50,8 +50,10 @@ def test_runs_forward_matches_sequential_loop(runs, monoid, length):
 
 
 @pytest.mark.parametrize("monoid", LIBRARY, ids=lambda m: m.name)
-@pytest.mark.parametrize("layout,reverse,chunk", [("time", False, 64), ("channels", True, 4), ("time", True, 128)])
+@pytest.mark.parametrize("layout,reverse,chunk", [("time", False, 64), ("channels", True, 4), ("time", True, 128),
+                                                  ("channels", False, 128)])
 def test_runs_gradients_with_initial(runs, monoid, layout, reverse, chunk):
+    """Channels with 128-step checkpoints: the run-based backward on strided time (the training default there)."""
     runs(chunk)
     T = 203 if chunk > 4 else 37   # 4-step checkpoints: the old backward's 4-step tiles are slow to interpret
     shape, dim = ((2, 3, T), 2) if layout == "time" else ((2, T, 3), 1)
@@ -233,3 +235,16 @@ def test_runs_scale_invariant_readout_by_the_hardware_reciprocal(runs, hardware_
     for f, g, r in zip("abcd", got, want):
         assert_close(g, r, "scan_grad", dtype=torch.float32, name=f"d{f}")
     assert hardware_reciprocal, "the hardware-reciprocal path did not run"
+
+
+def test_channels_training_takes_run_tiles_inference_the_short_tile(monkeypatch):
+    """Channels contiguous on a GPU: inference keeps the 32-step tile (fastest forward); a forward serving a
+    backward and the backward itself take run-based tiles (codegen_runs), checkpointing every tile."""
+    monkeypatch.setattr(runtime.settings, "triton_interpret", lambda: False)
+    T, L = 4096, 8 * 1536
+    inference = runtime.choose_config(T, L, False, 1)
+    forward = runtime.choose_config(T, L, False, 1, checkpoint=True)
+    backward = runtime.choose_config(T, L, False, 1, backward=True)
+    assert inference.block_t < TILE
+    assert forward == backward and forward.block_t >= TILE and plan.chunk_of(forward) == forward.block_t
+    assert runtime.choose_config(5, L, False, 1, checkpoint=True).block_t == 8   # short sequences: short tiles

@@ -121,6 +121,8 @@ def chunk_of(cfg: Config, checkpoint: bool = True) -> int:
 class _Plan:
     """Shared part of both passes: shape, layout (copying inputs when the lanes do not merge), configs."""
 
+    checkpoint = True   # a backward is served (a ForwardPlan sets its own: False for inference)
+
     def _lay_out(self, prog, inputs, shape, extra, dim, fp64, extra_copied):
         """Set layout, copy_shape and the forward's config for `inputs` broadcast to `shape`; `extra`
         are the other tensors' strides, `extra_copied(shape)` theirs when the inputs are copied."""
@@ -145,7 +147,8 @@ class _Plan:
         """(chosen config, fit key): the key names program, pass and shape bucket for runtime.fit_launch."""
         layout, contiguous = self.layout, self.time_contiguous
         chosen = runtime.choose_config(layout.T, layout.L, contiguous, self.state, backward,
-                                       sequential=prog.ir.sequential_only)
+                                       sequential=prog.ir.sequential_only,
+                                       checkpoint=self.checkpoint)
         key = (prog.key, backward, contiguous, max(layout.T - 1, 0).bit_length(), self.state, fp64, chosen)
         return chosen, key
 

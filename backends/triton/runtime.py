@@ -174,9 +174,10 @@ def prefers_lanes(L: int) -> bool:
 
 
 def choose_config(T: int, L: int, time_contiguous: bool, state: int, backward: bool = False,
-                  sequential: bool = False) -> Config:
+                  sequential: bool = False, checkpoint: bool = False) -> Config:
     """Tile shape per layout: long time tiles when time is contiguous, wide lane tiles otherwise; the
-    lane-sequential schedule for very many lanes or for a program that has only that one (`sequential`)."""
+    lane-sequential schedule for very many lanes or for a program that has only that one (`sequential`).
+    `checkpoint`: the forward serves a backward (its checkpoint interval is the backward's tile)."""
     def pow2(n):
         return 1 << max(0, (n - 1).bit_length())
     forced = OVERRIDES.get((time_contiguous, backward))
@@ -216,6 +217,13 @@ def choose_config(T: int, L: int, time_contiguous: bool, state: int, backward: b
         tile = chunk if backward else bt
         warps = max(1, min(4, tile * max(state, 1) // (32 * RUN)))
         return Config(block_t=bt, block_l=max(state, 1), num_warps=warps, chunk=chunk)
+    if backward or checkpoint:
+        # training: run-based tiles (codegen_runs.py) of 256 steps over 16 lanes on 4 warps, for the forward
+        # (checkpoints every tile) and the backward. Affine fwd+bwd (H200, session 6 run 17, GPU time):
+        # 0.505 ms (76% of copy) against 0.895 for the 32 x 32 tile below, whose backward scans time
+        # across threads (74 SASS per element against 48.5 here; offline, Triton 3.6)
+        bt = min(256, pow2(T))
+        return Config(block_t=bt, block_l=max(state, min(16, pow2(L))), num_warps=4, chunk=bt)
     # one lane per thread, 32 lanes on 1 warp, 32-step tiles with 4 stages of loads in flight: 89.1%
     # of copy for the affine forward (H200, session 3 run 4, best of 9) against 79% for 64-step tiles
     # with 2 stages; 97.5% after the mask-free full tiles and reciprocals (session 4 run 9)
