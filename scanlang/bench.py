@@ -185,10 +185,15 @@ def run_scans(table, B, D, T, anchors: bool, sweep: bool, log: dict, lanes: bool
 FWD_SWEEP = {"time": ((256, 1, 1, 1), (512, 1, 2, 1), (1024, 1, 4, 1), (512, 1, 1, 1), (1024, 1, 2, 1),
                       (2048, 1, 4, 1), (256, 1, 1, 2), (512, 1, 2, 2)),
              "channels": ((32, 32, 1, 4), (256, 16, 4, 1), (128, 16, 4, 1), (256, 32, 4, 1))}
-# (checkpoint interval = backward tile, block_l, warps): the fwd+bwd configs, forward and backward on that tile
-BWD_SWEEP = {"time": ((256, 1, 1), (512, 1, 2), (1024, 1, 4), (512, 1, 1), (1024, 1, 2)),
-             "channels": ((32, 32, 1), (256, 16, 4), (128, 16, 4), (256, 8, 4), (128, 8, 4), (256, 16, 8),
-                          (512, 16, 4), (256, 32, 4))}
+# fwd+bwd configs: (checkpoint interval = backward tile, block_l, warps, stages) of the backward, and the forward's
+# (block_t, block_l, warps, stages) or None for the backward's tile. Channels: the 32 x 32 forward checkpointing
+# every 256 steps (the training default) against run-based forwards on the backward's tile.
+BWD_SWEEP = {"time": ((256, 1, 1, 1, None), (512, 1, 2, 1, None), (1024, 1, 4, 1, None), (512, 1, 1, 1, None),
+                      (1024, 1, 2, 1, None)),
+             "channels": ((32, 32, 1, 4, None), (256, 16, 4, 1, None), (256, 16, 4, 1, (32, 32, 1, 4)),
+                          (128, 16, 4, 1, (32, 32, 1, 4)), (256, 16, 4, 2, (32, 32, 1, 4)),
+                          (128, 16, 4, 2, (32, 32, 1, 4)), (256, 8, 4, 1, (32, 32, 1, 4)),
+                          (256, 16, 2, 1, (32, 32, 1, 4)))}
 
 
 def _bwd_sweep_rows(table, kind, layout, mix, data, g, g_ref, n, log: dict):
@@ -217,11 +222,13 @@ def _bwd_sweep_rows(table, kind, layout, mix, data, g, g_ref, n, log: dict):
 
     def fwd_bwd():
         return torch.autograd.grad(mix(**leaves)[0], tuple(leaves.values()), g)
-    for chunk, bl, warps in BWD_SWEEP[layout]:
+    for chunk, bl, warps, stages, fwd in BWD_SWEEP[layout]:
         runtime.OVERRIDES.clear()
-        cfg = Config(block_t=chunk, block_l=bl, num_warps=warps, chunk=chunk)
-        runtime.OVERRIDES[(key, False)] = runtime.OVERRIDES[(key, True)] = cfg
-        note = f"forward and backward tile {chunk} x {bl} (= checkpoint interval), warps {warps}"
+        runtime.OVERRIDES[(key, True)] = Config(block_t=chunk, block_l=bl, num_warps=warps, stages=stages, chunk=chunk)
+        fbt, fbl, fwarps, fstages = fwd or (chunk, bl, warps, stages)
+        runtime.OVERRIDES[(key, False)] = Config(block_t=fbt, block_l=fbl, num_warps=fwarps, stages=fstages, chunk=chunk)
+        note = (f"backward tile {chunk} x {bl} (= checkpoint interval), warps {warps}, stages {stages}; forward "
+                + (f"tile {fbt} x {fbl}, warps {fwarps}, stages {fstages}" if fwd else "the same"))
         try:
             gerr = max(_ratio(a, b) for a, b in zip(fwd_bwd(), g_ref))
             ms = _bench(fwd_bwd, graph=True)

@@ -60,6 +60,31 @@ def test_runs_gradients_with_initial(runs, monoid, layout, reverse, chunk):
     check_with_initial(monoid, shape, dim, reverse)
 
 
+def _force_long_checkpoints(block_t: int, chunk: int, block_l: int = 2):
+    """A forward on `block_t`-step tiles checkpointing every `chunk` (a multiple) steps; the backward on chunks."""
+    runtime.OVERRIDES.clear()
+    for contiguous in (False, True):
+        runtime.OVERRIDES[(contiguous, False)] = runtime.Config(block_t=block_t, block_l=block_l, num_warps=1, chunk=chunk)
+        runtime.OVERRIDES[(contiguous, True)] = runtime.Config(block_t=chunk, block_l=block_l, num_warps=1, chunk=chunk)
+
+
+@pytest.mark.parametrize("monoid", [library.Affine, library.Mobius], ids=lambda m: m.name)
+@pytest.mark.parametrize("block_t,chunk,T,reverse", [(4, 16, 37, False), (32, TILE, 203, True), (TILE, 2 * TILE, 300, False)])
+def test_checkpoints_every_few_forward_tiles(runs, monoid, block_t, chunk, T, reverse):
+    """Checkpoint intervals longer than the forward's tile (the channels training default: 32-step forward
+    tiles, 256-step backward tiles): the short-tile, run-based and run-to-run pairings, channels layout."""
+    _force_long_checkpoints(block_t, chunk)
+    assert plan.chunk_of(runtime.OVERRIDES[(False, False)]) == chunk
+    check_with_initial(monoid, (2, T, 3), 1, reverse)
+
+
+def test_checkpoints_every_few_forward_tiles_packed(runs):
+    """cu_seqlens with 16-step checkpoints over 4-step forward tiles: each sequence's slots start at its own."""
+    import test_mixer
+    _force_long_checkpoints(4, 16)
+    test_mixer.test_packed_sequences_restart_at_every_start(False)
+
+
 def test_runs_take_the_run_bodies():
     """Both generated kernels switch to the run bodies at RUN_TILE steps (a constexpr branch)."""
     from scanlang.backends.triton.codegen import render
@@ -238,13 +263,14 @@ def test_runs_scale_invariant_readout_by_the_hardware_reciprocal(runs, hardware_
 
 
 def test_channels_training_takes_run_tiles_inference_the_short_tile(monkeypatch):
-    """Channels contiguous on a GPU: inference keeps the 32-step tile (fastest forward); a forward serving a
-    backward and the backward itself take run-based tiles (codegen_runs), checkpointing every tile."""
+    """Channels contiguous on a GPU: the forward keeps the 32-step tile (fastest), checkpointing every 256 steps
+    when it serves a backward, whose tile that is (run-based, codegen_runs)."""
     monkeypatch.setattr(runtime.settings, "triton_interpret", lambda: False)
     T, L = 4096, 8 * 1536
     inference = runtime.choose_config(T, L, False, 1)
     forward = runtime.choose_config(T, L, False, 1, checkpoint=True)
     backward = runtime.choose_config(T, L, False, 1, backward=True)
-    assert inference.block_t < TILE
-    assert forward == backward and forward.block_t >= TILE and plan.chunk_of(forward) == forward.block_t
-    assert runtime.choose_config(5, L, False, 1, checkpoint=True).block_t == 8   # short sequences: short tiles
+    assert inference.block_t < TILE and plan.chunk_of(inference, checkpoint=False) == inference.block_t
+    assert forward.block_t == inference.block_t and plan.chunk_of(forward) == backward.block_t >= TILE
+    short = runtime.choose_config(5, L, False, 1, checkpoint=True)   # short sequences: short tiles and chunks
+    assert plan.chunk_of(short) == runtime.choose_config(5, L, False, 1, backward=True).block_t == 8

@@ -394,11 +394,16 @@ def render_forward(ir: ScanIR) -> list[str]:
     # checkpoints every CHUNK steps (the backward's tile), only for a backward (CKPT; without one
     # CHUNK is BLOCK_T and nothing is stored): slot j holds the carry into chunk j. With CHUNK ==
     # BLOCK_T that is the carry at each tile start; with a shorter CHUNK the prefixes at chunk ends
-    # are stored from inside the tile (a masked store, one row in CHUNK active).
+    # are stored from inside the tile (a masked store, one row in CHUNK active); a longer CHUNK (a
+    # multiple of BLOCK_T) stores the carry at the start of every CHUNK // BLOCK_T-th tile.
     loop = _time_index()
     loop.append("if CKPT and CHUNK == BLOCK_T:")
     for f, name in enumerate(ir.fields):
         loop.append(f"    tl.store(ckpt_ptr + ({f} * n_slots + slot0 + k) * L + lane, c_{name}, mask=lane_ok)")
+    loop += ["if CKPT and CHUNK > BLOCK_T:", "    if k % (CHUNK // BLOCK_T) == 0:"]
+    for f, name in enumerate(ir.fields):
+        loop.append(f"        tl.store(ckpt_ptr + ({f} * n_slots + slot0 + k // (CHUNK // BLOCK_T)) * L + lane, c_{name}, "
+                    "mask=lane_ok)")
     loop += _load_lift(ir) + _replay(ir)
     loop += ["if CHUNK < BLOCK_T:",
              "    chunk = t // CHUNK + 1",

@@ -315,6 +315,10 @@ def forward_loop(ir: ScanIR) -> list[str]:
     for f, name in enumerate(ir.fields):
         loop.append(f"    tl.store(ckpt_ptr + ({f} * n_slots + slot0 + k) * L + lane[None, :] + run * 0, cr_{name}, "
                     "mask=(run == 0) & lane_ok[None, :])")
+    loop += ["if CKPT and CHUNK > BLOCK_T:   # every CHUNK // BLOCK_T-th tile", "    if k % (CHUNK // BLOCK_T) == 0:"]
+    for f, name in enumerate(ir.fields):
+        loop.append(f"        tl.store(ckpt_ptr + ({f} * n_slots + slot0 + k // (CHUNK // BLOCK_T)) * L + lane[None, :] + run * 0, "
+                    f"cr_{name}, mask=(run == 0) & lane_ok[None, :])")
     loop += _bases(ir, [f"u{i}" for i in range(len(ir.inputs))] + [f"o{j}" for j in range(len(ir.outputs))])
     raw = scale_invariant_readout(ir)
     loop += _load_lift_runs(ir)
@@ -397,10 +401,13 @@ def backward_loop(ir: ScanIR, adj: Adjoint) -> list[str]:
     loop += _bases(ir, [f"u{i}" for i in range(len(ir.inputs))] + [f"g{j}" for j in range(len(ir.outputs))]
                    + [f"du{i}" for i in range(len(ir.inputs))])
     loop += [f"cr_{f} = c_{f}[None, :] + tl.zeros([BLOCK_T // {RUN}, BLOCK_L], c_{f}.dtype)" for f in F]
-    loop += _load_lift_runs(ir) + _load_lift_after(ir) + _replay_runs(ir)
+    loop += _load_lift_runs(ir) + _load_lift_after(ir)
+    # the upstream gradients are loaded with the inputs, before the replay's exchanges through shared memory
+    # (barriers), so both loads' latencies overlap
     for jo, o in enumerate(ir.outputs):
         loop += _load_steps(f"g{jo}", f"g{{}}_{o}", "0.0")
         loop += [f"g{j}_{o} = to_acc(g{j}_{o}, FP64)" for j in range(RUN)]
+    loop += _replay_runs(ir)
     shape = f"p0_{F[0]}"
 
     def q(j, f):   # the previous prefix of step j

@@ -110,12 +110,16 @@ def chunk_of(cfg: Config, checkpoint: bool = True) -> int:
     """The forward's checkpoint interval under `cfg` (the backward recomputes it the same way).
 
     Tile schedule: without a backward to serve (`checkpoint=False`) the interval is the whole tile,
-    the cheapest forward; with one, the config's `chunk`, the backward's (shorter) tile. Lanes
-    schedule: `chunk` (or block_t) either way.
+    the cheapest forward; with one, the config's `chunk`, the backward's tile: shorter than the
+    forward's (checkpoints from inside its tiles) or a multiple of it (every chunk // block_t tiles).
+    Lanes schedule: `chunk` (or block_t) either way.
     """
     if cfg.schedule == "lanes":
         return cfg.chunk or cfg.block_t
-    return min(cfg.chunk or cfg.block_t, cfg.block_t) if checkpoint else cfg.block_t
+    if not checkpoint:
+        return cfg.block_t
+    chunk = cfg.chunk or cfg.block_t
+    return chunk if chunk <= cfg.block_t or chunk % cfg.block_t == 0 else cfg.block_t
 
 
 class _Plan:

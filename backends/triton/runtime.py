@@ -217,18 +217,21 @@ def choose_config(T: int, L: int, time_contiguous: bool, state: int, backward: b
         tile = chunk if backward else bt
         warps = max(1, min(4, tile * max(state, 1) // (32 * RUN)))
         return Config(block_t=bt, block_l=max(state, 1), num_warps=warps, chunk=chunk)
-    if backward or checkpoint:
-        # training: run-based tiles (codegen_runs.py) of 256 steps over 16 lanes on 4 warps, for the forward
-        # (checkpoints every tile) and the backward. Affine fwd+bwd (H200, session 6 run 17, GPU time):
-        # 0.505 ms (76% of copy) against 0.895 for the 32 x 32 tile below, whose backward scans time
-        # across threads (74 SASS per element against 48.5 here; offline, Triton 3.6)
-        bt = min(256, pow2(T))
-        return Config(block_t=bt, block_l=max(state, min(16, pow2(L))), num_warps=4, chunk=bt)
     # one lane per thread, 32 lanes on 1 warp, 32-step tiles with 4 stages of loads in flight: 89.1%
     # of copy for the affine forward (H200, session 3 run 4, best of 9) against 79% for 64-step tiles
     # with 2 stages; 97.5% after the mask-free full tiles and reciprocals (session 4 run 9)
     bl = max(state, min(32, pow2(L)))
-    return Config(block_t=32, block_l=bl, num_warps=1, stages=4)
+    forward = Config(block_t=32, block_l=bl, num_warps=1, stages=4)
+    if not (backward or checkpoint):
+        return forward
+    # training: the backward on run-based tiles (codegen_runs.py) of 256 steps over 16 lanes on 4 warps, the
+    # forward on its own tile checkpointing every 256 steps. Affine fwd+bwd (H200, session 6 run 17, GPU
+    # time): 0.505 ms (76% of copy) with both passes on the 256 x 16 tile, against 0.895 on 32 x 32 tiles,
+    # whose backward scans time across threads (74 SASS per element against 48.5; offline, Triton 3.6)
+    chunk = min(256, pow2(T))
+    if backward:
+        return Config(block_t=chunk, block_l=max(state, min(16, pow2(L))), num_warps=4, chunk=chunk)
+    return dataclasses.replace(forward, chunk=chunk)
 
 
 # ---- fitting configs to the device ------------------------------------------------------------
