@@ -224,13 +224,14 @@ def choose_config(T: int, L: int, time_contiguous: bool, state: int, backward: b
     forward = Config(block_t=32, block_l=bl, num_warps=1, stages=4)
     if not (backward or checkpoint):
         return forward
-    # training: the backward on run-based tiles (codegen_runs.py) of 256 steps over 16 lanes on 4 warps, the
-    # forward on its own tile checkpointing every 256 steps. Affine fwd+bwd (H200, session 6 run 17, GPU
-    # time): 0.505 ms (76% of copy) with both passes on the 256 x 16 tile, against 0.895 on 32 x 32 tiles,
-    # whose backward scans time across threads (74 SASS per element against 48.5; offline, Triton 3.6)
+    # training: the backward on run-based tiles (codegen_runs.py) of 256 steps over 16 lanes on 4 warps with
+    # 2 stages, the forward on its own tile checkpointing every 256 steps. Affine fwd+bwd, GPU time (H200,
+    # session 6 run 20): 0.4443 ms (86.1% of copy); 1 stage 0.4567; both passes on the 256 x 16 tile 0.4670;
+    # 32 x 32 tiles 0.8902, whose backward scans time across threads (74 SASS per element against 48.6 here;
+    # offline, Triton 3.6)
     chunk = min(256, pow2(T))
     if backward:
-        return Config(block_t=chunk, block_l=max(state, min(16, pow2(L))), num_warps=4, chunk=chunk)
+        return Config(block_t=chunk, block_l=max(state, min(16, pow2(L))), num_warps=4, stages=2, chunk=chunk)
     return dataclasses.replace(forward, chunk=chunk)
 
 
