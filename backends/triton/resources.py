@@ -1,7 +1,8 @@
 """Registers, spills, shared memory and SASS mix of the generated scan kernels, compiled offline (no GPU).
 
     python -m scanlang.backends.triton.resources [--workload kalman|affine|mobius] [--arch 90]
-                                                 [--lanes BLOCK_L,WARPS,CHUNK,UNROLL ...]
+                                                 [--layout time|channels] [--lanes BLOCK_L,WARPS,CHUNK,UNROLL ...]
+                                                 [--tile BLOCK_T,BLOCK_L,WARPS,STAGES ...]
 
 Runs one forward and backward of the workload on CPU tensors with Triton's launches captured instead
 of executed, compiles every captured kernel for the target as a launch with those arguments would
@@ -213,8 +214,9 @@ def report(launch: Launch, arch: int = 90) -> str:
             f"STL {ops['STL']}; {common}")
 
 
-def run_workload(workload: str):
-    """One forward and backward of `workload` on small CPU tensors (the launches are captured)."""
+def run_workload(workload: str, layout: str = "time"):
+    """One forward and backward of `workload` on small CPU tensors (the launches are captured); the scans'
+    `layout` is time contiguous ([1, 64, 4096]) or channels contiguous ([1, 4096, 256])."""
     if workload == "kalman":
         from scanlang.recipes.kalman import kalman_filter
         from scanlang.recipes.kalman.bench import make_inputs
@@ -223,9 +225,10 @@ def run_workload(workload: str):
         torch.autograd.grad((y, y_var), ins, (torch.randn_like(y), torch.randn_like(y_var)))   # dense, as in training
         return
     from scanlang.bench import _mixers   # the benchmark's mixers, time-contiguous [B, D, T], its T
-    mix = _mixers()[workload, "time"]
+    mix = _mixers()[workload, layout]
     names = ("a", "b") if workload == "affine" else ("a", "b", "c", "d")
-    data = {n: (torch.rand(1, 64, 4096) + 0.5).requires_grad_() for n in names}
+    shape = (1, 64, 4096) if layout == "time" else (1, 4096, 256)
+    data = {n: (torch.rand(shape) + 0.5).requires_grad_() for n in names}
     y = mix(**data)[0]
     torch.autograd.grad(y, tuple(data.values()), torch.randn_like(y))   # a dense upstream gradient, as in training
 
@@ -235,9 +238,14 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workload", choices=("kalman", "affine", "mobius"), default="kalman")
     parser.add_argument("--arch", type=int, default=90)
+    parser.add_argument("--layout", choices=("time", "channels"), default="time", help="the scans' layout")
     parser.add_argument("--lanes", nargs="*", default=None,
                         help="lane-sequential configs BLOCK_L,WARPS,CHUNK,UNROLL (default: the chosen config)")
+    parser.add_argument("--tile", nargs="*", default=None,
+                        help="tile configs BLOCK_T,BLOCK_L,WARPS,STAGES for both passes, checkpoints every BLOCK_T")
     args = parser.parse_args(argv)
+    if args.lanes and args.tile:
+        parser.error("--lanes and --tile: give one of them")
     if os.environ.get("TRITON_INTERPRET"):
         raise SystemExit("unset TRITON_INTERPRET: the kernels are compiled for the GPU, not interpreted")
     print(f"{args.workload}: sm_{args.arch}, Triton {triton.__version__}")
@@ -245,14 +253,19 @@ def main(argv=None):
     if args.workload == "kalman":
         runtime.LANES_MIN = 1   # the small capture shape runs the schedule the full-size layer uses
     try:
-        for spec in args.lanes or [None]:
+        for spec in args.lanes or args.tile or [None]:
             runtime.OVERRIDES.clear()
             runtime.FITTED.clear()
-            if spec is not None:
+            if spec is not None and args.lanes:
                 block_l, warps, chunk, unroll = (int(x) for x in spec.split(","))
                 runtime.OVERRIDES.update(runtime.lanes_overrides(block_l, warps, chunk, unroll))
+            elif spec is not None:
+                block_t, block_l, warps, stages = (int(x) for x in spec.split(","))
+                cfg = runtime.Config(block_t=block_t, block_l=block_l, num_warps=warps, stages=stages, chunk=block_t)
+                runtime.OVERRIDES.update({(contiguous, backward): cfg for contiguous in (False, True)
+                                          for backward in (False, True)})
             with captured() as launches:
-                run_workload(args.workload)
+                run_workload(args.workload, args.layout)
             print(f"config {spec or 'chosen by runtime.choose_config'}:")
             for launch in launches:
                 print("  " + report(launch, args.arch), flush=True)
