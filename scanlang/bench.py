@@ -181,7 +181,8 @@ def run_scans(table, B, D, T, anchors: bool, sweep: bool, log: dict, lanes: bool
 
 # (block_t, block_l, warps, stages): the forward tiles `--bwd-sweep` times alone, per layout. Time contiguous:
 # run-based tiles (codegen_runs.py; 256 steps per warp is one 8-step run per thread). Channels contiguous: the
-# 32 x 32 tile (inference default) and run-based tiles of 128-512 steps over 8-32 lanes (256 x 16: training default).
+# 32 x 32 tile (the default forward) and run-based tiles of 128-512 steps over 8-32 lanes (256 x 16: the training
+# backward's tile).
 FWD_SWEEP = {"time": ((256, 1, 1, 1), (512, 1, 2, 1), (1024, 1, 4, 1), (512, 1, 1, 1), (1024, 1, 2, 1),
                       (2048, 1, 4, 1), (256, 1, 1, 2), (512, 1, 2, 2)),
              "channels": ((32, 32, 1, 4), (256, 16, 4, 1), (128, 16, 4, 1), (256, 32, 4, 1))}

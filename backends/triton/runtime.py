@@ -227,7 +227,7 @@ def choose_config(T: int, L: int, time_contiguous: bool, state: int, backward: b
     # training: the backward on run-based tiles (codegen_runs.py) of 256 steps over 16 lanes on 4 warps with
     # 2 stages, the forward on its own tile checkpointing every 256 steps. Affine fwd+bwd, GPU time (H200,
     # session 6 run 20): 0.4443 ms (86.1% of copy); 1 stage 0.4567; both passes on the 256 x 16 tile 0.4670;
-    # 32 x 32 tiles 0.8902, whose backward scans time across threads (74 SASS per element against 48.6 here;
+    # 32 x 32 tiles 0.8902, whose backward scans time across threads (74 SASS per element against 49.5 here;
     # offline, Triton 3.6)
     chunk = min(256, pow2(T))
     if backward:
