@@ -63,7 +63,7 @@ def _sequences(cu_seqlens) -> tuple[bool, int]:
 
 
 def _signature(tensors) -> tuple:
-    """plan.signature: what a plan reads of `tensors` (shapes, strides, dtypes)."""
+    """What a plan reads of `tensors` (shapes, strides, dtypes): part of its key."""
     return tuple([(t.shape, t.stride(), t.dtype) for t in tensors]) if tensors else ()
 
 

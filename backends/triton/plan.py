@@ -349,11 +349,6 @@ class PlanCache:
 PLANS = PlanCache()
 
 
-def signature(tensors) -> tuple:
-    """What a plan reads of `tensors`: shapes, strides and dtypes."""
-    return tuple((t.shape, t.stride(), t.dtype) for t in tensors)
-
-
 def overrides() -> tuple:
     """The forced configs (runtime.OVERRIDES) as part of a plan key."""
     return tuple(runtime.OVERRIDES.items()) if runtime.OVERRIDES else ()
