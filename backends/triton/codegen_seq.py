@@ -55,7 +55,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import re
 
 import sympy
 
@@ -138,19 +137,18 @@ def _offsets(prefix: str, per_group: bool = False) -> list[str]:
             f"{prefix}_s3)", f"{prefix}_r = r_idx * {prefix}_s3"]
 
 
-def _time(buffer: str, at: str) -> str:
-    """` + <offset of memory index at>` in `buffer`'s elements. A block step's index `(tt ± j * step)`
-    is added as tt's offset plus a constant one, so every step of the block shares one address and
-    the constant becomes the access's immediate (offset arithmetic on (tt ± j) is not folded)."""
-    m = re.fullmatch(r"\(tt ([+-]) (\d+) \* step\)", at)
-    if m is None:
-        return f" + {at} * TS_{buffer}"
-    return f" + tt * TS_{buffer}" + ("" if m[2] == "0" else f" + ({m[1]}{m[2]} * step * TS_{buffer})")
+def _time(buffer: str, shift: int) -> str:
+    """` + <offset of memory index tt + shift * step>` in `buffer`'s elements: tt's offset plus a constant
+    one, so every step of a block shares one address and the constant becomes the access's immediate
+    (offset arithmetic on (tt + shift) is not folded)."""
+    if shift == 0:
+        return f" + tt * TS_{buffer}"
+    return f" + tt * TS_{buffer} + ({'+' if shift > 0 else '-'}{abs(shift)} * step * TS_{buffer})"
 
 
-def _at(prefix: str, at: str, per_slot: bool = False) -> str:
-    """Pointers of `prefix` at memory index `at`: per lane [R, G], or per slot [1, G]."""
-    base = f"p{prefix}{_time(prefix, at)}"
+def _at(prefix: str, shift: int, per_slot: bool = False) -> str:
+    """Pointers of `prefix` at memory index tt + shift * step: per lane [R, G], or per slot [1, G]."""
+    base = f"p{prefix}{_time(prefix, shift)}"
     return base if per_slot else f"{base} + {prefix}_r"
 
 
@@ -164,17 +162,17 @@ def _masks(j: int, first: str, masked: bool) -> tuple[list[str], str, str, str]:
             f"ok{j}", f"oks{j}", f"live{j}")
 
 
-def _load_lift(ir: ScanIR, tag: str, at: str, lane_mask: str, slot_mask: str, masked: bool,
+def _load_lift(ir: ScanIR, tag: str, shift: int, lane_mask: str, slot_mask: str, masked: bool,
                lift: bool = True) -> list[str]:
-    """Load the inputs at memory index `at` (once per slot for SLOT<i>, once per program for
+    """Load the inputs at memory index tt + shift * step (once per slot for SLOT<i>, once per program for
     TSTATIC<i>), lift them (when `lift`): u{tag}_<input>, e{tag}_<field>; masked lanes get the identity."""
     lines = []
     for i, n in enumerate(ir.inputs):
         lines += [f"if TSTATIC{i}:", f"    u{tag}_{n} = us{i}",
                   f"elif SLOT{i}:",
-                  f"    u{tag}_{n} = to_acc({_load(_at(f'u{i}', at, True), slot_mask, '1.0', True)}, FP64)",
+                  f"    u{tag}_{n} = to_acc({_load(_at(f'u{i}', shift, True), slot_mask, '1.0', True)}, FP64)",
                   "else:",
-                  f"    u{tag}_{n} = to_acc({_load(_at(f'u{i}', at), lane_mask, '1.0')}, FP64)"]
+                  f"    u{tag}_{n} = to_acc({_load(_at(f'u{i}', shift), lane_mask, '1.0')}, FP64)"]
     if not lift:
         return lines
     names = {s: f"u{tag}_{s.name[2:]}" for s in ir.input_symbols}
@@ -358,7 +356,7 @@ def _forward_block(ir: ScanIR, masked: bool) -> list[str]:
     block = _block_index("s0")
     for j in range(MAX_UNROLL):   # loads first: nothing below depends on the carry
         lines, lmask, smask, _ = _masks(j, "s0", masked)
-        block += _guarded(j, lines + _load_lift(ir, str(j), f"(tt + {j} * step)", lmask, smask, masked,
+        block += _guarded(j, lines + _load_lift(ir, str(j), j, lmask, smask, masked,
                                                 lift=_composed_step(ir) is None))
     names = ({s: f"c_{s.name[2:]}" for s in ir.prefix_symbols} | {s: s.name for s in ir.previous_symbols}
              | _symbols_named(ir.input_symbols, "u_{}"))
@@ -374,10 +372,10 @@ def _forward_block(ir: ScanIR, masked: bool) -> list[str]:
         for o in range(len(ir.outputs)):
             cast = f".to(o{o}_ptr.dtype.element_ty)"
             if ir.reduce_state:
-                part.append(_store(_at(f'o{o}', f'(tt + {j} * step)', True), f"{_state_sum(f'r{o}')}{cast}",
+                part.append(_store(_at(f'o{o}', j, True), f"{_state_sum(f'r{o}')}{cast}",
                                    f"{smask} & first", per_slot=True))
             else:
-                part.append(_store(_at(f'o{o}', f'(tt + {j} * step)'), f"r{o}{cast}", lmask))
+                part.append(_store(_at(f'o{o}', j), f"r{o}{cast}", lmask))
         block += _guarded(j, part)
     return block
 
@@ -410,8 +408,8 @@ def render_forward_lanes(ir: ScanIR) -> list[str]:
             *_indent(body, 4)]
 
 
-def _du_store_lanes(i: int, name: str, at: str, lane_mask: str, slot_mask: str, masked: bool) -> list[str]:
-    """Write du_<name> (memory index `at`) by DU{i} (the tile schedule's modes): 0 store, 1 atomic
+def _du_store_lanes(i: int, name: str, shift: int, lane_mask: str, slot_mask: str, masked: bool) -> list[str]:
+    """Write du_<name> (memory index tt + shift * step) by DU{i} (the tile schedule's modes): 0 store, 1 atomic
     add, 2 summed over time, 3 summed over the STATE lanes then stored, 4 summed over the STATE
     lanes then atomically added (by the group's first slot), 5 summed over the program's groups lane
     by lane (inputs shared by the groups of a program) then atomically added by the first group, 6
@@ -419,7 +417,7 @@ def _du_store_lanes(i: int, name: str, at: str, lane_mask: str, slot_mask: str, 
     (`_warp_sum_scatter`), each sum added by one atomic of one slot (R x fewer atomic instructions
     than one per lane, each predicated atomic being a branch in SASS), else added by the first
     group's R registers. Atomics are relaxed: gradients only accumulate."""
-    ptr, gptr = _at(f"du{i}", at), f"pdu{i}g{_time(f'du{i}', at)}"
+    ptr, gptr = _at(f"du{i}", shift), f"pdu{i}g{_time(f'du{i}', shift)}"
     value = f"tl.where({lane_mask}, du_{name}, 0.0)" if masked else f"du_{name}"
     cast = f".to(du{i}_ptr.dtype.element_ty)"
     return [
@@ -440,7 +438,7 @@ def _du_store_lanes(i: int, name: str, at: str, lane_mask: str, slot_mask: str, 
         f"    ws_ok = {slot_mask} & ws_own",
         "    if not EVEN_L:",
         "        ws_ok = ws_ok & (slot + ws_reg < L)",
-        f"    tl.atomic_add(tl.reshape(pdu{i}{_time(f'du{i}', at)} + ws_reg * du{i}_s3, (ws_sum.numel,)), "
+        f"    tl.atomic_add(tl.reshape(pdu{i}{_time(f'du{i}', shift)} + ws_reg * du{i}_s3, (ws_sum.numel,)), "
         f"tl.reshape(ws_sum{cast}, (ws_sum.numel,)), mask=tl.reshape(tl.broadcast_to(ws_ok, ws_sum.shape), "
         "(ws_sum.numel,)), sem='relaxed')",
         "else:",
@@ -494,10 +492,10 @@ def _scratch(ir: ScanIR, name: str, row: str) -> str:
     return f"scratch_lane + (({row}) * {len(free)} + {free.index(name)}) * BLOCK_L"
 
 
-def _adjoint_step(ir: ScanIR, adj: Adjoint, j: int, at: str, carried: list[str], masked: bool) -> list[str]:
+def _adjoint_step(ir: ScanIR, adj: Adjoint, j: int, shift: int, carried: list[str], masked: bool) -> list[str]:
     """One step of the adjoint walked backwards, block step j: from u_*, e_*, g_*, q_* (the previous
     prefix) and p_* (the prefix) set by the caller, and the carried cd_*, bd_*; stores the input
-    gradients at memory index `at` and hands c_t and B_t gbar_t down to step t - 1."""
+    gradients at memory index tt + shift * step and hands c_t and B_t gbar_t down to step t - 1."""
     _, lmask, smask, live = _masks(j, "", masked)
     n, nb = len(ir.fields), len(adj.b_entries)
     shape = f"p_{ir.fields[0]}"
@@ -520,7 +518,7 @@ def _adjoint_step(ir: ScanIR, adj: Adjoint, j: int, at: str, carried: list[str],
     part += _assign_rcp([f"du_{u}" for u in ir.inputs], _cheapest(adj.du),
                         here | {s: s.name for s in adj.dx_symbols + adj.gbar}, "_u", recips, shape_like=shape)
     for i, name in enumerate(ir.inputs):
-        part += _du_store_lanes(i, name, at, lmask, smask, masked)
+        part += _du_store_lanes(i, name, shift, lmask, smask, masked)
     # hand down to step t - 1: c_t, B_t gbar_t (B_t = J1(y_{t-1}, x_t)^T) and its prefix y_{t-1}
     if _hands_down_c(adj):
         part += _assign_rcp([f"cd_{f}_new" for f in ir.fields], _cheapest(adj.c), here, "_i", recips, shape_like=shape)
@@ -576,11 +574,11 @@ def _carried_adjoint(adj: Adjoint) -> tuple[str, ...]:
     return ("cd", "bd") if _hands_down_c(adj) else ("bd",)
 
 
-def _grad_loads(ir: ScanIR, j: int, at: str, lane_mask: str, slot_mask: str) -> list[str]:
+def _grad_loads(ir: ScanIR, j: int, shift: int, lane_mask: str, slot_mask: str) -> list[str]:
     """Upstream gradients of the outputs: per slot when summed over the state (stride 0 over it)."""
     per_slot = ir.reduce_state
     mask = slot_mask if per_slot else lane_mask
-    return [f"g{j}_{out} = to_acc({_load(_at(f'g{o}', at, per_slot), mask, '0.0', per_slot)}, FP64)"
+    return [f"g{j}_{out} = to_acc({_load(_at(f'g{o}', shift, per_slot), mask, '0.0', per_slot)}, FP64)"
             for o, out in enumerate(ir.outputs)]
 
 
@@ -594,7 +592,7 @@ def _replay_block(ir: ScanIR, masked: bool) -> list[str]:
     block = _block_index("s0")
     for j in range(MAX_UNROLL):
         lines, lmask, smask, _ = _masks(j, "s0", masked)
-        block += _guarded(j, lines + _load_lift(ir, str(j), f"(tt + {j} * step)", lmask, smask, masked,
+        block += _guarded(j, lines + _load_lift(ir, str(j), j, lmask, smask, masked,
                                                 lift=_composed_step(ir) is None))
     for j in range(MAX_UNROLL):
         _, lmask, _, live = _masks(j, "s0", masked)
@@ -612,15 +610,15 @@ def _walk_block(ir: ScanIR, adj: Adjoint, masked: bool) -> list[str]:
     for j in range(MAX_UNROLL):   # loads first (inputs, upstream gradients, previous prefixes), then the chain
         lines, lmask, smask, _ = _masks(j, "ss0", masked)
         part = lines + [f"s{j} = n_steps - 1 - ss0 - {j}"]
-        part += _load_lift(ir, str(j), f"(tt - {j} * step)", lmask, smask, masked)
-        part += _grad_loads(ir, j, f"(tt - {j} * step)", lmask, smask)
+        part += _load_lift(ir, str(j), -j, lmask, smask, masked)
+        part += _grad_loads(ir, j, -j, lmask, smask)
         for name in ir.fields:   # the previous prefix (row 0: the checkpoint)
             part.append(f"q{j}_{name} = " + (f"k_{name}" if name in const else _load(_scratch(ir, name, f's{j}'), lmask, '0.0')))
         block += _guarded(j, part)
     carried = [f"{c}_{f}" for c in _carried_adjoint(adj) + ("nq",) for f in ir.fields]
     for j in range(MAX_UNROLL):
         part = _step_inputs(ir, j) + [f"p_{f} = nq_{f}" for f in ir.fields]
-        part += _adjoint_step(ir, adj, j, f"(tt - {j} * step)", carried, masked)
+        part += _adjoint_step(ir, adj, j, -j, carried, masked)
         block += _guarded(j, part)
     return block
 
@@ -642,8 +640,8 @@ def _registers_block(ir: ScanIR, adj: Adjoint, masked: bool) -> list[str]:
     chunk = []
     for j in range(MAX_UNROLL):
         lines, lmask, smask, _ = _masks(j, "0", masked)
-        part = lines + _load_lift(ir, str(j), f"(tt + {j} * step)", lmask, smask, masked)
-        part += _grad_loads(ir, j, f"(tt + {j} * step)", lmask, smask)
+        part = lines + _load_lift(ir, str(j), j, lmask, smask, masked)
+        part += _grad_loads(ir, j, j, lmask, smask)
         chunk += _guarded(j, part)
     for j in range(MAX_UNROLL):
         _, _, _, live = _masks(j, "0", masked)
@@ -655,7 +653,7 @@ def _registers_block(ir: ScanIR, adj: Adjoint, masked: bool) -> list[str]:
     for j in reversed(range(MAX_UNROLL)):
         prev = [f"q{j}_{f} = " + (f"k_{f}" if f in const or j == 0 else f"r{j - 1}_{f}") for f in ir.fields]
         part = prev + _step_inputs(ir, j) + [f"p_{f} = " + (f"k_{f}" if f in const else f"r{j}_{f}") for f in ir.fields]
-        part += _adjoint_step(ir, adj, j, f"(tt + {j} * step)", carried, masked)
+        part += _adjoint_step(ir, adj, j, j, carried, masked)
         chunk += _guarded(j, part)
     return chunk
 
