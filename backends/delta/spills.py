@@ -14,6 +14,7 @@ configs that do not fit sm_90's 227 KB of shared memory per block were found; ti
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import re
 import subprocess
@@ -32,12 +33,13 @@ from . import ops
 _MIX = ("BAR", "SHFL", "LDL", "STL", "LDS", "STS", "LDG", "STG", "HGMMA", "HMMA", "FFMA")   # SASS opcodes shown
 
 
-def capture_launches(K: int, V: int, dtype: torch.dtype, T: int = 200, H: int = 16, C: int = 64):
-    """[(name, kernel, args, constexprs, config)] of one forward and backward, nothing executed."""
+@contextlib.contextmanager
+def _recording():
+    """Within the block, the op's kernel launches are recorded as (name, kernel, args, constexprs, config)
+    instead of run (captured on CPU tensors, compiled for a GPU: no interpreter emulation of bf16)."""
     launches = []
 
     def record(name, kernel, grid, args, meta, V_, configs=None, direct=False):
-        # captured on CPU tensors, compiled for a GPU: no interpreter emulation of bf16
         cfg = dict(configs[name]) if configs is not None else ops._opts(name, V_)
         defaults = {p.name: p.default for p in getattr(kernel, "params", ())   # constexprs left at their defaults
                     if p.is_constexpr and p.has_default and p.name not in meta and p.name not in cfg}
@@ -45,29 +47,27 @@ def capture_launches(K: int, V: int, dtype: torch.dtype, T: int = 200, H: int = 
 
     saved, ops._launch = ops._launch, record
     try:
+        yield launches
+    finally:
+        ops._launch = saved
+
+
+def capture_launches(K: int, V: int, dtype: torch.dtype, T: int = 200, H: int = 16, C: int = 64):
+    """[(name, kernel, args, constexprs, config)] of one forward and backward, nothing executed."""
+    with _recording() as launches:
         q, k = torch.randn(1, T, H, K).to(dtype), torch.randn(1, T, H, K).to(dtype)
         v = torch.randn(1, T, H, V).to(dtype)
         ins = [t.requires_grad_() for t in (q, k, v, -torch.rand(1, T, H), torch.rand(1, T, H))]
         o, _ = ops.delta_rule(*ins, KACZMARZ, scale=K ** -0.5, chunk_size=C, eps=1e-6)
         torch.autograd.grad(o.sum(), ins)
-    finally:
-        ops._launch = saved
     return launches
 
 
 def capture_decode(K: int, V: int, dtype: torch.dtype, H: int = 4):
-    """[(name, kernel, args, constexprs, config)] of one decode step (one token, no gradients: the recurrent kernel)."""
-    launches = []
-
-    def record(name, kernel, grid, args, meta, V_, configs=None, direct=False):
-        launches.append((name, kernel, args, dict(meta), dict(configs[name]) if configs is not None else ops._opts(name, V_)))
-
-    saved, ops._launch = ops._launch, record
-    try:
+    """The same for one decode step (one token, no gradients: the recurrent kernel)."""
+    with _recording() as launches:
         q, k, v = (torch.randn(1, 1, H, d).to(dtype) for d in (K, K, V))
         ops.delta_rule(q, k, v, -torch.rand(1, 1, H), torch.rand(1, 1, H), KACZMARZ, scale=K ** -0.5, eps=1e-6)
-    finally:
-        ops._launch = saved
     return launches
 
 

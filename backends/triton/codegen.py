@@ -350,6 +350,19 @@ def _initial_carry(ir: ScanIR, shape: str = "[BLOCK_L]") -> list[str]:
     return lines
 
 
+def tile_start_checkpoints(ir: ScanIR, carry: str, lanes: str, mask: str) -> list[str]:
+    """Store the carry {carry}_<field> into tile k (offsets `lanes`, masked by `mask`) as a checkpoint: into
+    slot k when CHUNK == BLOCK_T, into slot k // (CHUNK // BLOCK_T) at every CHUNK // BLOCK_T-th tile when
+    CHUNK is a longer multiple of BLOCK_T (a shorter CHUNK stores from inside the tile instead)."""
+    lines = ["if CKPT and CHUNK == BLOCK_T:"]
+    lines += [f"    tl.store(ckpt_ptr + ({f} * n_slots + slot0 + k) * L + {lanes}, {carry}_{name}, mask={mask})"
+              for f, name in enumerate(ir.fields)]
+    lines += ["if CKPT and CHUNK > BLOCK_T:", "    if k % (CHUNK // BLOCK_T) == 0:"]
+    lines += [f"        tl.store(ckpt_ptr + ({f} * n_slots + slot0 + k // (CHUNK // BLOCK_T)) * L + {lanes}, "
+              f"{carry}_{name}, mask={mask})" for f, name in enumerate(ir.fields)]
+    return lines
+
+
 def forward_args(ir: ScanIR) -> list[str]:
     """The forward kernels' runtime arguments (both schedules take the same ones)."""
     args = []
@@ -396,14 +409,7 @@ def render_forward(ir: ScanIR) -> list[str]:
     # BLOCK_T that is the carry at each tile start; with a shorter CHUNK the prefixes at chunk ends
     # are stored from inside the tile (a masked store, one row in CHUNK active); a longer CHUNK (a
     # multiple of BLOCK_T) stores the carry at the start of every CHUNK // BLOCK_T-th tile.
-    loop = _time_index()
-    loop.append("if CKPT and CHUNK == BLOCK_T:")
-    for f, name in enumerate(ir.fields):
-        loop.append(f"    tl.store(ckpt_ptr + ({f} * n_slots + slot0 + k) * L + lane, c_{name}, mask=lane_ok)")
-    loop += ["if CKPT and CHUNK > BLOCK_T:", "    if k % (CHUNK // BLOCK_T) == 0:"]
-    for f, name in enumerate(ir.fields):
-        loop.append(f"        tl.store(ckpt_ptr + ({f} * n_slots + slot0 + k // (CHUNK // BLOCK_T)) * L + lane, c_{name}, "
-                    "mask=lane_ok)")
+    loop = _time_index() + tile_start_checkpoints(ir, "c", "lane", "lane_ok")
     loop += _load_lift(ir) + _replay(ir)
     loop += ["if CHUNK < BLOCK_T:",
              "    chunk = t // CHUNK + 1",

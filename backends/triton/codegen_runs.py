@@ -29,7 +29,7 @@ from scanlang import expr as E
 from scanlang.autodiff import Adjoint
 from scanlang.ir import ScanIR
 
-from .codegen import _assign, _assign_inverted, _num, combine_call, combine_operands, scan_call
+from .codegen import _assign, _assign_inverted, _num, combine_call, combine_operands, scan_call, tile_start_checkpoints
 
 RUN = 8            # steps per run (one thread's consecutive steps)
 RUN_TILE = 128     # tiles of at least this many steps take the run-based bodies
@@ -311,14 +311,7 @@ def sum_fields_function(ir: ScanIR) -> list[str]:
 def forward_loop(ir: ScanIR) -> list[str]:
     """The tile loop of `scan_forward` on runs (module docstring); same checkpoints and outputs."""
     loop = _run_index() + _step_masks()
-    loop.append("if CKPT and CHUNK == BLOCK_T:")
-    for f, name in enumerate(ir.fields):
-        loop.append(f"    tl.store(ckpt_ptr + ({f} * n_slots + slot0 + k) * L + lane[None, :] + run * 0, cr_{name}, "
-                    "mask=(run == 0) & lane_ok[None, :])")
-    loop += ["if CKPT and CHUNK > BLOCK_T:   # every CHUNK // BLOCK_T-th tile", "    if k % (CHUNK // BLOCK_T) == 0:"]
-    for f, name in enumerate(ir.fields):
-        loop.append(f"        tl.store(ckpt_ptr + ({f} * n_slots + slot0 + k // (CHUNK // BLOCK_T)) * L + lane[None, :] + run * 0, "
-                    f"cr_{name}, mask=(run == 0) & lane_ok[None, :])")
+    loop += tile_start_checkpoints(ir, "cr", "lane[None, :] + run * 0", "(run == 0) & lane_ok[None, :]")
     loop += _bases(ir, [f"u{i}" for i in range(len(ir.inputs))] + [f"o{j}" for j in range(len(ir.outputs))])
     raw = scale_invariant_readout(ir)
     loop += _load_lift_runs(ir)
