@@ -200,7 +200,7 @@ BWD_SWEEP = {"time": ((256, 1, 1, 1, None), (512, 1, 2, 1, None), (1024, 1, 4, 1
 def _bwd_sweep_rows(table, kind, layout, mix, data, g, g_ref, n, log: dict):
     """Tile shapes for `layout` (FWD_SWEEP, BWD_SWEEP), GPU time alone (CUDA graph): the forward alone per
     tile, checked against the default config's output (itself checked against float64); then fwd+bwd per
-    backward tile = checkpoint interval (the forward on the same tile), checked against float64."""
+    backward tile = checkpoint interval (the forward on that tile or its own), checked against float64."""
     from scanlang.backends.triton import runtime
     from scanlang.backends.triton.runtime import Config
     nf = len(data)
