@@ -106,6 +106,7 @@ def cmd_train(args) -> int:
     options = {name: getattr(args, name) for name in TASK_OPTIONS if getattr(args, name) is not None}
     config = train.TrainConfig(
         task=args.task, mixer=args.mixer, layers=args.layers, d_model=args.d_model, heads=args.heads,
+        mixer_options={} if args.d_state is None else {"d_state": args.d_state},
         seq_len=args.seq_len, task_options=options, steps=args.steps, batch=args.batch, lr=args.lr,
         seed=args.seed, device=args.device, eval_lengths=tuple(args.eval_lengths), eval_size=args.eval_size,
         threads=args.threads, out=args.out, overwrite=args.overwrite, progress=not args.no_progress)
@@ -144,6 +145,7 @@ def _add_train_parser(sub):
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--d-model", type=int, default=64)
     p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--d-state", type=int, default=None, help="state size of kalman and mamba (their default: 16)")
     p.add_argument("--seq-len", type=int, default=None, help="training length (the generator's length argument)")
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--batch", type=int, default=32)

@@ -21,6 +21,7 @@ and output classes a model needs, and `length_option(task)` names the argument t
 from __future__ import annotations
 
 import functools
+import inspect
 import itertools
 import numbers
 
@@ -220,9 +221,21 @@ def vocab_size(task: str, **options) -> int:
     return int(options.get("vocab_size", default))
 
 
+def task_options(task: str) -> tuple[str, ...]:
+    """The options of `task`'s generator besides n, the length and the seed (e.g. ("group",))."""
+    _check_task(task)
+    skip = {"n", "seed", _LENGTH_OPTION[task]}
+    return tuple(p for p in inspect.signature(TASKS[task]).parameters if p not in skip)
+
+
 def generate(task: str, n: int, length: int, seed: int, **options):
     """Call the generator of `task` with its length argument set to `length`."""
-    _check_task(task)
+    allowed = task_options(task)
+    unknown = [k for k in options if k not in allowed]
+    if unknown:
+        raise ValueError(f"options: {task} takes {allowed}, not {unknown}")
+    if task == "state_tracking" and "group" not in options:
+        raise ValueError(f"group: state_tracking needs a group, one of {GROUPS}")
     return TASKS[task](n=n, seed=seed, **{_LENGTH_OPTION[task]: length}, **options)
 
 

@@ -55,6 +55,7 @@ class TrainConfig:
     layers: int = 2
     d_model: int = 64
     heads: int = 4
+    mixer_options: dict = dataclasses.field(default_factory=dict)   # e.g. {"d_state": 8}
     seq_len: int | None = None           # the task's length argument; None: DEFAULT_LENGTH
     task_options: dict = dataclasses.field(default_factory=dict)
     steps: int = 300
@@ -140,7 +141,7 @@ def prepare(config: TrainConfig) -> Prepared:
                  for i, n in enumerate(config.eval_lengths)}
     torch.manual_seed(config.seed)
     model = SequenceModel(tasks.vocab_size(config.task, **opts), config.d_model, config.layers, config.mixer,
-                          config.heads)
+                          config.heads, config.mixer_options)
     return Prepared(config, model.to(device), train_data, test_data, eval_data, device, out)
 
 

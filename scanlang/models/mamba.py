@@ -59,7 +59,8 @@ class MambaMixer(nn.Module):
     """Mamba block with a declared selective scan, [B, T, d_model] -> [B, T, d_model].
 
     `scan`: an `sl.mixer` with inputs (x "b t d", dt "b t d", B "b t s", C "b t s", A "d s") and
-    output y; default `selective_scan()`. `backend`: "triton" (generated kernels), "reference"
+    output y (or a `ReferenceMixer` of one, which always runs on the reference backend); default
+    `selective_scan()`. `backend`: "triton" (generated kernels), "reference"
     (PyTorch), or None: triton on CUDA, reference elsewhere. `d_state` must be a power of two
     (the mixer sums over it)."""
 
@@ -74,9 +75,10 @@ class MambaMixer(nn.Module):
             raise ValueError(f"d_state: the scan sums over the state axis, which must be a power of two; got {d_state}")
         if backend not in (None, "triton", "reference"):
             raise ValueError(f"backend: expected None, 'triton' or 'reference', got {backend!r}")
-        if scan is not None and (not isinstance(scan, Mixer) or tuple(scan.input_axes) != SCAN_INPUTS
-                                 or "y" not in scan.outputs):
-            raise TypeError(f"scan: expected an sl.mixer with inputs {SCAN_INPUTS} and an output 'y', got {scan!r}")
+        if scan is not None and (not isinstance(scan, (Mixer, ReferenceMixer))
+                                 or tuple(scan.input_axes) != SCAN_INPUTS or "y" not in scan.outputs):
+            raise TypeError(f"scan: expected an sl.mixer (or ReferenceMixer) with inputs {SCAN_INPUTS} and an "
+                            f"output 'y', got {scan!r}")
         self.d_model, self.d_state, self.d_conv = d_model, d_state, d_conv
         self.d_inner = inner = int(expand * d_model)
         self.dt_rank = dt_rank or math.ceil(d_model / 16)
@@ -104,7 +106,7 @@ class MambaMixer(nn.Module):
         dt = F.softplus(self.dt_proj(dt_low).float())
         inputs = dict(x=u.float(), dt=dt, B=B.float(), C=C.float(), A=-torch.exp(self.A_log.float()))
         backend = self.backend or ("triton" if x.is_cuda else "reference")
-        if backend == "triton":
+        if backend == "triton" and not isinstance(self.scan, ReferenceMixer):
             y = (self.scan or selective_scan())(**inputs).y
         else:
             y = run_reference(self.scan or selective_scan_reference(), **inputs).y

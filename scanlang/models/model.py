@@ -4,8 +4,9 @@
     N x [ x = x + mixer(RMSNorm(x)) ;  x = x + SwiGLU(RMSNorm(x)) ]
     logits = head(RMSNorm(x))
 
-Mixers by name (`MIXERS`; add one with `register_mixer(name, factory)`, factory(d_model, num_heads)
--> an nn.Module mapping [B, T, d_model] -> [B, T, d_model]):
+Mixers by name (`MIXERS`; add one with `register_mixer(name, factory)`, factory(d_model, num_heads,
+**mixer_options) -> an nn.Module mapping [B, T, d_model] -> [B, T, d_model]; `mixer_options` are
+passed through, e.g. `d_state` for kalman and mamba):
 
 - "kalman": `KalmanLinearAttention` (scanlang.recipes.kalman)
 - "kaczmarz": `KaczmarzLinearAttention` (scanlang.recipes.kaczmarz)
@@ -81,19 +82,19 @@ class CausalSelfAttention(nn.Module):
         return self.out(y.transpose(1, 2).reshape(B, T, D))
 
 
-def _kalman(d_model: int, num_heads: int) -> nn.Module:
+def _kalman(d_model: int, num_heads: int, **options) -> nn.Module:
     from scanlang.recipes.kalman import KalmanLinearAttention
-    return KalmanLinearAttention(d_model)
+    return KalmanLinearAttention(d_model, **options)
 
 
 def _delta(mode: str):
-    def factory(d_model: int, num_heads: int) -> nn.Module:
+    def factory(d_model: int, num_heads: int, **options) -> nn.Module:
         from scanlang.recipes.kaczmarz import KaczmarzLinearAttention
-        return KaczmarzLinearAttention(d_model, num_heads, mode=mode)
+        return KaczmarzLinearAttention(d_model, num_heads, mode=mode, **options)
     return factory
 
 
-def _gla(d_model: int, num_heads: int) -> nn.Module:
+def _gla(d_model: int, num_heads: int, **options) -> nn.Module:
     raise ValueError("mixer: 'gla' (gated linear attention) is not in this build: it arrives with the "
                      "matrix-state family (scanlang.recipes.linear); register a layer with "
                      "scanlang.models.register_mixer('gla', factory) to use your own")
@@ -104,8 +105,8 @@ MIXERS: dict[str, Callable[[int, int], nn.Module]] = {
     "kaczmarz": _delta("kaczmarz"),
     "gdn": _delta("gdn"),
     "gla": _gla,
-    "mamba": lambda d_model, num_heads: MambaMixer(d_model),
-    "attention": lambda d_model, num_heads: CausalSelfAttention(d_model, num_heads),
+    "mamba": lambda d_model, num_heads, **options: MambaMixer(d_model, **options),
+    "attention": lambda d_model, num_heads, **options: CausalSelfAttention(d_model, num_heads, **options),
 }
 
 
@@ -118,12 +119,16 @@ def register_mixer(name: str, factory: Callable[[int, int], nn.Module]) -> None:
     MIXERS[name] = factory
 
 
-def build_mixer(mixer, d_model: int, num_heads: int = 4) -> nn.Module:
-    """One mixer layer from a name, an nn.Module (copied), a factory f(d_model), or an sl.mixer."""
+def build_mixer(mixer, d_model: int, num_heads: int = 4, **options) -> nn.Module:
+    """One mixer layer from a name (built with `options`), an nn.Module (copied), a factory
+    f(d_model), or an sl.mixer."""
     if isinstance(mixer, str):
         if mixer not in MIXERS:
             raise ValueError(f"mixer: expected one of {tuple(MIXERS)}, got {mixer!r}")
-        return MIXERS[mixer](d_model, num_heads)
+        try:
+            return MIXERS[mixer](d_model, num_heads, **options)
+        except TypeError as exc:
+            raise ValueError(f"mixer_options: {sorted(options)} do not fit mixer {mixer!r}: {exc}") from None
     if isinstance(mixer, nn.Module):
         return copy.deepcopy(mixer)
     if isinstance(mixer, Mixer):
@@ -150,7 +155,8 @@ class Block(nn.Module):
 class SequenceModel(nn.Module):
     """Token ids [B, T] -> logits [B, T, vocab_size] (see the module docstring)."""
 
-    def __init__(self, vocab_size: int, d_model: int = 64, num_layers: int = 2, mixer="kalman", num_heads: int = 4):
+    def __init__(self, vocab_size: int, d_model: int = 64, num_layers: int = 2, mixer="kalman", num_heads: int = 4,
+                 mixer_options: dict | None = None):
         super().__init__()
         for name, value in (("vocab_size", vocab_size), ("d_model", d_model), ("num_layers", num_layers),
                             ("num_heads", num_heads)):
@@ -158,7 +164,7 @@ class SequenceModel(nn.Module):
                 raise ValueError(f"{name}: expected a positive int, got {value!r}")
         self.vocab_size, self.d_model, self.num_layers = vocab_size, d_model, num_layers
         self.embed = nn.Embedding(vocab_size, d_model)
-        self.blocks = nn.ModuleList(Block(build_mixer(mixer, d_model, num_heads), d_model) for _ in range(num_layers))
+        self.blocks = nn.ModuleList(Block(build_mixer(mixer, d_model, num_heads, **(mixer_options or {})), d_model) for _ in range(num_layers))
         self.norm = nn.RMSNorm(d_model)
         self.head = nn.Linear(d_model, vocab_size, bias=False)
 
