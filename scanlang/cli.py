@@ -81,7 +81,7 @@ def cmd_show(args) -> int:
 
 def cmd_demo(args) -> int:
     from .demo import run
-    return run(device=args.device, length=args.length)
+    return run(device=args.device, length=args.length, train=not args.no_train)
 
 
 def cmd_bench(args) -> int:
@@ -180,6 +180,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("demo", help="the tour: declare, prove, refute, scan, check, time")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
     p.add_argument("--length", type=int, default=None, help="sequence length of the demo scan")
+    p.add_argument("--no-train", action="store_true", help="skip the closing training run")
     p.set_defaults(func=cmd_demo)
     p = sub.add_parser("bench", help="GPU benchmark of the generated scans against the anchors")
     p.add_argument("rest", nargs=argparse.REMAINDER)
