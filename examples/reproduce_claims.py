@@ -25,7 +25,14 @@ import time
 from pathlib import Path
 
 from scanlang.report import report
-from scanlang.train import TrainConfig, train
+from scanlang.train import TrainConfig, fit, prepare, require_extra
+
+try:
+    require_extra()
+    HAVE_EXTRA = True
+except ImportError as exc:   # still runs: no progress bar, no plots, metrics.json and report.md only
+    print(f"note: {exc}", file=sys.stderr)
+    HAVE_EXTRA = False
 
 
 def experiments(scale: str) -> dict[str, list[tuple[str, TrainConfig]]]:
@@ -33,7 +40,7 @@ def experiments(scale: str) -> dict[str, list[tuple[str, TrainConfig]]]:
     gpu, smoke = scale == "gpu", scale == "smoke"
     device = "cuda" if gpu else "cpu"
     threads = None if gpu else 1
-    common = dict(device=device, threads=threads, progress=not smoke, seed=0)
+    common = dict(device=device, threads=threads, progress=HAVE_EXTRA and not smoke, seed=0)
     out: dict[str, list] = {}
     # on the CPU, kalman and mamba get a state of 4 (2 for the smoke run) instead of 16: their CPU
     # reference scans cost time in proportion to it
@@ -119,7 +126,7 @@ def main(argv=None) -> int:
                 print(f"skipping {name}/{run_name}: past --max-minutes", flush=True)
                 continue
             config.out, config.overwrite = str(root / name / run_name), True
-            metrics = train(config)
+            metrics = fit(prepare(config))
             by_length = ", ".join(f"@{n} {a:.3f}" for n, a in metrics["accuracy_by_length"].items())
             print(f"{name}/{run_name}: {by_length}  ({metrics['train_time_s']:.0f} s)", flush=True)
             done.append(config.out)

@@ -117,8 +117,12 @@ def report(dirs, out=".") -> tuple[Path, Path]:
     out.mkdir(parents=True, exist_ok=True)
     md, png = out / "report.md", out / "report.png"
     tmp = out / ".report.png.tmp"
-    axis = plot_comparison(runs, tmp)
-    os.replace(tmp, png)
-    md.write_text(f"# {len(runs)} runs, accuracy against {axis}\n\n" + markdown_table(runs)
-                  + f"\n![accuracy against {axis}]({png.name})\n")
+    axis = "depth" if len({r["layers"] for r in runs}) > 1 else "length"
+    try:
+        plot_comparison(runs, tmp)
+        os.replace(tmp, png)
+        image = f"\n![accuracy against {axis}]({png.name})\n"
+    except ImportError as exc:   # the table still helps without matplotlib
+        image = f"\n(no plot: {exc})\n"
+    md.write_text(f"# {len(runs)} runs, accuracy against {axis}\n\n" + markdown_table(runs) + image)
     return md, png

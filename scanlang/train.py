@@ -25,6 +25,7 @@ import os
 import platform
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -200,9 +201,31 @@ def device_name(device: torch.device) -> str:
     return f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
 
 
+class _NoBar:
+    """Stands in for tqdm when the progress bar is off (and tqdm perhaps not installed)."""
+
+    def __init__(self, iterable, **_):
+        self.iterable = iterable
+
+    def __iter__(self):
+        return iter(self.iterable)
+
+    def set_postfix(self, **_):
+        pass
+
+    def close(self):
+        pass
+
+
 def fit(prep: Prepared) -> dict:
-    """Train the prepared model; returns the metrics (and writes them when an output folder is set)."""
-    from tqdm.auto import tqdm
+    """Train the prepared model; returns the metrics (and writes them when an output folder is set).
+
+    With `progress=False` neither tqdm nor (if it is missing) matplotlib is needed: then only
+    metrics.json is written, and a warning says why curves.png is not."""
+    if prep.config.progress:
+        from tqdm.auto import tqdm
+    else:
+        tqdm = _NoBar
     cfg, model, device = prep.config, prep.model, prep.device
     deterministic = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(device.type == "cpu" or deterministic)
@@ -284,8 +307,11 @@ def write_outputs(out: Path, metrics: dict) -> None:
     tmp = out / ".metrics.json.tmp"
     tmp.write_text(json.dumps(metrics, indent=1) + "\n")
     png = out / ".curves.png.tmp"
-    plot_curves(metrics, png)
-    os.replace(png, out / "curves.png")
+    try:
+        plot_curves(metrics, png)
+        os.replace(png, out / "curves.png")
+    except ImportError as exc:
+        warnings.warn(f"curves.png not written: {exc}; `{INSTALL_HINT}`", stacklevel=2)
     os.replace(tmp, out / "metrics.json")
 
 

@@ -9,11 +9,14 @@ expressions the mixer traced are printed as torch code, the scan is `sl.scan(...
 
 summed over the last axis when the mixer reduces it.
 
+`ReferenceMixer` takes `sl.mixer`'s arguments and generates no kernels; `run_reference(m, ...)`
+also runs a real `sl.mixer` `m` this way.
+
 >>> import torch, scanlang as sl
->>> ema = sl.mixer(sl.Affine, axes="b t d", inputs={"x": "b t d", "decay": "d"},
-...                lift=lambda u: (u.decay, (1 - u.decay) * u.x), readout=lambda p, u, q: p.b,
-...                outputs=("h",))
->>> run_reference(ema, x=torch.ones(1, 3, 1), decay=torch.tensor([0.5])).h.flatten().tolist()
+>>> ema = ReferenceMixer(sl.Affine, axes="b t d", inputs={"x": "b t d", "decay": "d"},
+...                      lift=lambda u: (u.decay, (1 - u.decay) * u.x), readout=lambda p, u, q: p.b,
+...                      outputs=("h",))
+>>> ema(x=torch.ones(1, 3, 1), decay=torch.tensor([0.5])).h.flatten().tolist()
 [0.5, 0.75, 0.875]
 """
 from __future__ import annotations
