@@ -2,6 +2,7 @@
 the declared Mamba scan matches a float64 loop on the reference backend and the generated kernels
 (Triton's interpreter) match the reference; bad mixer names and options are clear errors."""
 import math
+import os
 
 import pytest
 import torch
@@ -14,6 +15,10 @@ from scanlang.models.mamba import DECLARATION, selective_scan_reference
 from scanlang.testing import assert_close
 
 NAMES = ["kalman", "kaczmarz", "gdn", "mamba", "attention"]
+# Interpreting every generated kernel of a model takes minutes of a 2-core CPU (about 17 minutes for
+# the four GPU-path tests on a loaded machine), past this file's CI budget: opt in.
+INTERPRETED = pytest.mark.skipif(os.environ.get("SCANLANG_SLOW_TESTS") != "1",
+                                 reason="interprets every generated kernel (minutes on CPU); SCANLANG_SLOW_TESTS=1 runs it")
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -73,7 +78,8 @@ def test_declared_selective_scan_on_the_reference_backend_matches_a_float64_loop
                                     tuple(inputs.values()))
 
 
-@pytest.mark.slow   # building and interpreting the generated kernels takes minutes on a 2-core CPU
+@pytest.mark.slow
+@INTERPRETED
 def test_generated_kernels_match_the_reference_backend():
     """The same declaration through sl.mixer (generated Triton, interpreter on CPU) and the reference."""
     from scanlang.models.mamba import selective_scan
@@ -136,7 +142,8 @@ def test_gradients_are_finite_over_longer_sequences():
     assert math.isfinite(norm) and norm > 0
 
 
-@pytest.mark.slow   # builds every generated kernel of the three scanlang mixers and interprets them
+@pytest.mark.slow
+@INTERPRETED
 @pytest.mark.parametrize("name", ["kalman", "gdn", "kaczmarz", "mamba"])
 def test_the_gpu_path_generated_kernels_under_bf16_autocast(name):
     """What `scanlang train --device cuda` runs (the generated kernels, bf16 autocast), here through
