@@ -1,9 +1,11 @@
-"""The `scanlang` command: verify, show, demo, bench.
+"""The `scanlang` command: verify, show, demo, bench, train, report.
 
     scanlang verify MODULE:NAME   exit 0 and print the proof; exit 1 and the counterexample
     scanlang show MODULE:NAME     the traced expressions and the generated Triton kernels
     scanlang demo                 the tour on a built-in default (CPU or GPU)
     scanlang bench                the GPU benchmark of the generated scans (see BENCHMARKS.md)
+    scanlang train TASK --mixer M a small model on a synthetic task: metrics.json and curves.png
+    scanlang report DIR...        a markdown table and a plot comparing training runs
 
 MODULE is an importable module (`scanlang.library`) or a path to a .py file (`examples/my.py`).
 """
@@ -79,7 +81,7 @@ def cmd_show(args) -> int:
 
 def cmd_demo(args) -> int:
     from .demo import run
-    return run(device=args.device, length=args.length)
+    return run(device=args.device, length=args.length, train=not args.no_train)
 
 
 def cmd_bench(args) -> int:
@@ -88,6 +90,82 @@ def cmd_bench(args) -> int:
     except ImportError as exc:
         raise CliError(f"the benchmark is not available: {exc}") from None
     return bench_main(args.rest) or 0
+
+
+def _train_extra():
+    try:
+        from . import train
+        train.require_extra()
+    except ImportError as exc:
+        raise CliError(str(exc)) from None
+    return train
+
+
+def cmd_train(args) -> int:
+    train = _train_extra()
+    options = {name: getattr(args, name) for name in TASK_OPTIONS if getattr(args, name) is not None}
+    config = train.TrainConfig(
+        task=args.task, mixer=args.mixer, layers=args.layers, d_model=args.d_model, heads=args.heads,
+        mixer_options={} if args.d_state is None else {"d_state": args.d_state},
+        seq_len=args.seq_len, task_options=options, steps=args.steps, batch=args.batch, lr=args.lr,
+        seed=args.seed, device=args.device, eval_lengths=tuple(args.eval_lengths), eval_size=args.eval_size,
+        threads=args.threads, out=args.out, overwrite=args.overwrite, progress=not args.no_progress)
+    try:   # everything a config can get wrong is found here, before any training
+        prepared = train.prepare(config)
+    except (ValueError, TypeError) as exc:
+        raise CliError(str(exc)) from None
+    metrics = train.fit(prepared)
+    lengths = ", ".join(f"{n}: {a:.3f}" for n, a in metrics["accuracy_by_length"].items())
+    print(f"{metrics['task']} {metrics['mixer']} x{metrics['layers']}: test accuracy {metrics['test_accuracy']:.4f} "
+          f"(by length {lengths}), train loss {metrics['train_loss']:.4f}, {metrics['wall_time_s']:.1f} s"
+          + (f"; wrote {args.out}/metrics.json and curves.png" if args.out else ""))
+    return 0
+
+
+def cmd_report(args) -> int:
+    _train_extra()
+    from .report import report
+    try:
+        md, png = report(args.dirs, args.out)
+    except ValueError as exc:
+        raise CliError(str(exc)) from None
+    print(md.read_text())
+    print(f"wrote {md} and {png}")
+    return 0
+
+
+# task options: flags named like the generators' arguments (scanlang.tasks)
+TASK_OPTIONS = {"group": str, "num_kv_pairs": int, "vocab_size": int, "num_tokens_to_copy": int}
+
+
+def _add_train_parser(sub):
+    p = sub.add_parser("train", help="train a small model on a synthetic task (needs scanlang[train])")
+    p.add_argument("task", help="mqar, state_tracking or selective_copy")
+    p.add_argument("--mixer", required=True, help="kalman, kaczmarz, gdn, mamba, attention (gla: not yet)")
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--d-model", type=int, default=64)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--d-state", type=int, default=None, help="state size of kalman and mamba (their default: 16)")
+    p.add_argument("--seq-len", type=int, default=None, help="training length (the generator's length argument)")
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cpu", help="cpu or cuda")
+    p.add_argument("--out", default=None, help="folder for metrics.json and curves.png")
+    p.add_argument("--overwrite", action="store_true", help="write into an --out folder that holds files")
+    p.add_argument("--eval-lengths", type=int, nargs="*", default=[], help="also evaluate at these lengths")
+    p.add_argument("--eval-size", type=int, default=512, help="held-out sequences per length")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    for name, kind in TASK_OPTIONS.items():
+        p.add_argument("--" + name.replace("_", "-"), dest=name, type=kind, default=None,
+                       help=f"task option {name} (see scanlang.tasks)")
+    p.set_defaults(func=cmd_train)
+    p = sub.add_parser("report", help="compare training runs: a markdown table and a plot")
+    p.add_argument("dirs", nargs="+", metavar="DIR")
+    p.add_argument("--out", default=".", help="folder for report.md and report.png (default: here)")
+    p.set_defaults(func=cmd_report)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -102,10 +180,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("demo", help="the tour: declare, prove, refute, scan, check, time")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
     p.add_argument("--length", type=int, default=None, help="sequence length of the demo scan")
+    p.add_argument("--no-train", action="store_true", help="skip the closing training run")
     p.set_defaults(func=cmd_demo)
     p = sub.add_parser("bench", help="GPU benchmark of the generated scans against the anchors")
     p.add_argument("rest", nargs=argparse.REMAINDER)
     p.set_defaults(func=cmd_bench)
+    _add_train_parser(sub)
     return parser
 
 
