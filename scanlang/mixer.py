@@ -75,6 +75,7 @@ class Mixer:
         from .ir import lower
         if not isinstance(monoid, Monoid):
             raise TypeError(f"monoid: expected a scanlang Monoid, got {type(monoid).__name__}")
+        monoid.ensure_verified()   # here, so that a Mixer built directly is proved too
         self.monoid = monoid
         self.axes = _axes(axes, "axes")
         if "t" not in self.axes:
