@@ -26,7 +26,6 @@ A zero key writes nothing whatever its step (beta k = 0); kernels therefore set 
 from __future__ import annotations
 
 import hashlib
-import weakref
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -38,7 +37,7 @@ from .monoid import trace_body
 STEP_INPUTS = ("s", "n2", "eps")
 # (name, key) -> the rule: torch.compile passes these strings (constants to Dynamo) to the trace-time
 # kernel build (backends/delta/ops.py `program_key`), which finds the object here
-DECLARED: "weakref.WeakValueDictionary[tuple[str, str], DeltaRule]" = weakref.WeakValueDictionary()
+DECLARED: "dict[tuple[str, str], DeltaRule]" = {}   # a declaration lives as long as its compiled kernels
 DECAY_INPUTS = ("a",)
 
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 import hashlib
 import math
 import warnings
-import weakref
 from typing import Callable, Sequence
 
 import sympy
@@ -27,7 +26,7 @@ from .errors import UnprovedWarning, UnsupportedOperationError
 
 # (key, name) -> the declaration: torch.compile passes these two strings (constants to Dynamo) to the
 # trace-time proof check in scan.py, which finds the object here
-DECLARED: "weakref.WeakValueDictionary[tuple[str, str], Monoid]" = weakref.WeakValueDictionary()
+DECLARED: "dict[tuple[str, str], Monoid]" = {}   # a declaration lives as long as its compiled kernels
 _WARNED: set[str] = set()   # keys of monoids already warned about (UnprovedWarning)
 
 
@@ -89,8 +88,11 @@ def _check_identity(identity, fields) -> tuple[float, ...]:
 
 
 def trace_body(fn: Callable, names: Sequence[str], operands: Sequence[Sequence[sympy.Symbol]], what: str,
-               n_results: int | None):
-    """Run `fn` on Traced operands and return its results as sympy expressions."""
+               n_results: int | None, result_names: Sequence[str] | None = None):
+    """Run `fn` on Traced operands and return its results as sympy expressions.
+
+    `result_names` name the results in an error about their number (default: `names`, the fields
+    of a combine, which returns one value per field)."""
     args = [Fields(names, [E.Traced(s) for s in syms]) for syms in operands]
     try:
         out = fn(*args)
@@ -105,7 +107,8 @@ def trace_body(fn: Callable, names: Sequence[str], operands: Sequence[Sequence[s
         out = (out,)
     if not isinstance(out, (tuple, list)) or len(out) != n_results:
         got = len(out) if isinstance(out, (tuple, list)) else type(out).__name__
-        raise ValueError(f"{what} must return a tuple of {n_results} values (one per field {tuple(names)}); got {got}")
+        expected = tuple(names if result_names is None else result_names)
+        raise ValueError(f"{what} must return a tuple of {n_results} values (one per field {expected}); got {got}")
     return tuple(o.expr if isinstance(o, E.Traced) else E.constant(o) for o in out)
 
 

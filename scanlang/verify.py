@@ -195,14 +195,20 @@ def _alarm(seconds: float | None):
         yield False
         return
 
+    armed = [True]
+
     def on_alarm(signum, frame):
-        raise A.ProofTimeout()
+        if armed[0]:
+            raise A.ProofTimeout()
 
     previous = signal.signal(signal.SIGALRM, on_alarm)
-    signal.setitimer(signal.ITIMER_REAL, max(seconds, 1e-4))
+    # the alarm repeats: a ProofTimeout raised where Python ignores exceptions (a weakref or GC
+    # callback that sympy's work triggered) is lost, and the next one still ends the step
+    signal.setitimer(signal.ITIMER_REAL, max(seconds, 1e-4), 0.05)
     try:
         yield True
     finally:
+        armed[0] = False
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
 
