@@ -463,9 +463,31 @@ def _confirm(point, evaluate, exact, up_to_scale: bool):
         exact_left, exact_right = exact(point)
         if _exact_differ(exact_left, exact_right, up_to_scale) is not True:
             return None
+        numeric = _exact_values(exact_left), _exact_values(exact_right)
     except (ZeroDivisionError, TypeError, ValueError):
         return None
+    if None in numeric:
+        return None
+    # the gap must be real, not rounding: the exact sides differ by more than _DIFFER too, and the
+    # float64 sides (what is reported) are within a tenth of that gap of the exact ones
+    gap = _relative([np.array([v]) for v in numeric[0]], [np.array([v]) for v in numeric[1]], up_to_scale)[0]
+    if not gap > _DIFFER:
+        return None
+    for f64, ex in zip((left, right), numeric):
+        if not _relative(f64, [np.array([v]) for v in ex], up_to_scale)[0] <= gap / 10:
+            return None
     return tuple(float(v[0]) for v in left), tuple(float(v[0]) for v in right)
+
+
+def _exact_values(values) -> tuple | None:
+    """The exact numbers as float64 (60 digits first, so rounding happens once); None if one is not finite."""
+    out = []
+    for v in values:
+        f = sympy.N(sympy.sympify(v), 60)
+        if not f.is_real or not f.is_finite:
+            return None
+        out.append(float(f))
+    return tuple(out)
 
 
 def _seed(m, law: str) -> int:
@@ -528,11 +550,14 @@ def _law(m, law: str, seconds, sides, up_to_scale: bool, n_operands: int, symbol
     if out is not None and out[0].equal is True:
         how = out[0].how + ("; compared up to scale: all cross-products L_i R_j - L_j R_i vanish" if up_to_scale else "")
         return LawResult(law, "symbolic", how, time.perf_counter() - start)
-    if out is not None and out[0].equal is False:
-        leftovers = out[1]
-        exprs = [e for _, e in leftovers] + [e for side in sides() for e in side]
-        witness = _witness(m, n_operands, symbols, evaluate, exact, compare_up_to_scale, exprs, _seed(m, law))
-        fail(witness, leftovers, out[0].how)
+    decided_false = out is not None and out[0].equal is False
+    leftovers = out[1] if out is not None and out[1] else \
+        [(f"{label} (not simplified: {why or 'sympy undecided'})", e) for label, e in _raw_leftovers(m, *sides(), up_to_scale)]
+    # decided false, or undecided: look where the expressions differ (kinks, constants, magnitudes)
+    exprs = [e for _, e in leftovers] + [e for side in sides() for e in side]
+    witness = _witness(m, n_operands, symbols, evaluate, exact, compare_up_to_scale, exprs, _seed(m, law))
+    if decided_false or witness.counterexample is not None:
+        fail(witness, leftovers, out[0].how if decided_false else None)
     if search.samples == 0:
         raise ValueError(f"verify: monoid '{m.name}': the {law} law could neither be proved by sympy "
                          f"({why or 'undecided'}) nor tested: every random sample evaluated to inf/nan")
