@@ -102,11 +102,12 @@ def candidates(exprs: Sequence[sympy.Expr], symbols: Sequence[sympy.Symbol], rng
         with np.errstate(all="ignore"):
             at = np.broadcast_to(np.asarray(root(*base), dtype=np.float64), (_KINK_BASES,))
         steps = []
-        for d in (1.0, np.maximum(1.0, np.abs(at) / 2), big):
-            for sign in (-1.0, 1.0):
-                point = base.copy()
-                point[i] = at + sign * d
-                steps.append(point)
+        with np.errstate(all="ignore"):
+            for d in (1.0, np.maximum(1.0, np.abs(at) / 2), big):
+                for sign in (-1.0, 1.0):
+                    point = base.copy()
+                    point[i] = at + sign * d
+                    steps.append(point)
         batch = np.concatenate(steps, axis=1)
         batches.append(batch[:, np.isfinite(batch).all(axis=0)])
     return batches
