@@ -57,22 +57,14 @@ def test_fresh_monoid_first_called_compiled_runs_on_the_reference_backend():
     assert_close(got, scan_sequential(affine, (a, b), dim=1)[1], "scan", torch.float64)
 
 
-def test_two_fresh_monoids_through_one_compiled_function_on_triton():
+def test_two_monoids_through_one_compiled_function_on_triton():
     """A recompile (a second monoid) used to fail converting the declaration's parts to constants."""
-    @sl.monoid(fields=("s",), identity=(0,), name="sum_compiled")
-    def add(x, y):
-        return (x.s + y.s,)
-
-    @sl.monoid(fields=("m",), identity=(float("-inf"),), name="max_compiled")
-    def running_max(x, y):
-        return (sl.maximum(x.m, y.m),)
-
     def run(m, v):
         return sl.scan(m, (v,), dim=1, backend="triton")[0]
 
     compiled = _compiled(run)
     v = torch.randn(1, 5, 2)
-    for m in (add, running_max):
+    for m in (sl.Add, sl.Max):
         assert_close(compiled(m, v), scan_sequential(m, (v,), dim=1)[0], "scan", torch.float32)
 
 
