@@ -6,42 +6,44 @@
 The proof is symbolic (sympy, see scanlang/analysis.py for the methods) and holds over the reals
 wherever the expressions are defined; identity entries of +-inf are read in the extended reals
 (sympy's oo, with every field a finite real). Each law gets a time budget (`seconds=`, default
-settings.proof_seconds(); enforced with SIGALRM in the main thread; elsewhere the deadline is checked
-between steps and the open-ended sympy.simplify step is skipped). A cheap seeded random search for a
-counterexample over several value ranges runs before sympy; when sympy cannot decide within the
-budget, that search's evidence is reported as "numeric, not a proof". An identity must also evaluate
-to finite values in float64 (inf * x / (inf + x) is nan there, whatever its limit).
+settings.proof_seconds(); enforced with a repeating SIGALRM in the main thread, and elsewhere by
+running sympy in a forked child process that is killed past the budget). A cheap seeded random
+search for a counterexample over several value ranges runs before sympy. A law sympy decides false
+is refused even when that search found nothing: a counterexample is then searched where the
+expressions differ (scanlang/witness.py: the kinks of max/min terms, the constants' magnitudes,
+large values), and without one the error still carries the leftover. When sympy cannot decide
+within the budget, the same search runs, and failing it the random check's evidence is reported as
+"numeric, not a proof". An identity must also evaluate to finite values in float64
+(inf * x / (inf + x) is nan there, whatever its limit).
 
-Projective monoids (declared with `scale=`): when scale is homogeneous of degree 1 and the combine is
-homogeneous in each operand, renormalising (dividing by scale) maps a law that holds up to a nonzero
-factor to an exact law, so the laws are proved up to scale (all cross-products L_i R_j - L_j R_i
-vanish). Otherwise the renormalised combine itself is checked, exactly.
+Projective monoids (declared with `scale=`): the scale must be nonzero (and finite) at the identity
+and not identically zero. When scale is homogeneous of degree 1 and the combine is homogeneous in
+each operand, renormalising (dividing by scale) maps a law that holds up to a nonzero factor to an
+exact law, so the laws are proved up to scale (all cross-products L_i R_j - L_j R_i vanish).
+Otherwise the renormalised combine itself is checked, exactly, and so are the identity laws after
+renormalising: renorm(combine(e, x)) == renorm(x).
 
 A failed law raises `NotAssociativeError` or `IdentityError` carrying a counterexample that was
 checked by exact (rational or 60-digit) evaluation and in float64; the message shows the leftover
 expression, the counterexample and the values of both sides.
 
 Results are cached by the monoid's content hash: in memory and as small JSON files under
-settings.cache_dir()/proofs (only symbolic results; an unwritable directory is ignored).
+settings.cache_dir()/proofs (only symbolic results; see scanlang/cache.py for what is trusted there).
+A record is bound to the full hash of the expressions and re-checked by the random search when
+first used in a process.
 """
 from __future__ import annotations
 
 import json
 import math
-import os
-import pickle
-import select
-import signal
-import threading
 import time
-import warnings
-from contextlib import contextmanager
 from dataclasses import dataclass, replace
 
 import numpy as np
 import sympy
 
 from . import analysis as A
+from . import budget as B
 from . import cache, settings
 from . import witness as W
 from .errors import IdentityError, NotAssociativeError
@@ -178,118 +180,6 @@ def _projective_note(m, h: A.Homogeneity | None) -> str:
     why = "scale is not homogeneous of degree 1" if not h.scale_degree_one else \
         "the combine is not homogeneous in each operand"
     return f"{why} (scale(m) = {m.scale_expr}); the renormalised combine was checked directly"
-
-
-# ---- time budget ----------------------------------------------------------------------------------
-
-def _alarm_usable(seconds: float | None) -> bool:
-    return (seconds is not None and hasattr(signal, "setitimer")
-            and threading.current_thread() is threading.main_thread()
-            and signal.getitimer(signal.ITIMER_REAL)[0] == 0)
-
-
-@contextmanager
-def _alarm(seconds: float | None):
-    """SIGALRM after `seconds` raising ProofTimeout, in the main thread when no other timer runs."""
-    if not _alarm_usable(seconds):
-        yield False
-        return
-
-    armed = [True]
-
-    def on_alarm(signum, frame):
-        if armed[0]:
-            raise A.ProofTimeout()
-
-    previous = signal.signal(signal.SIGALRM, on_alarm)
-    # the alarm repeats: a ProofTimeout raised where Python ignores exceptions (a weakref or GC
-    # callback that sympy's work triggered) is lost, and the next one still ends the step
-    signal.setitimer(signal.ITIMER_REAL, max(seconds, 1e-4), 0.05)
-    try:
-        yield True
-    finally:
-        armed[0] = False
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
-
-
-def _symbolic(fn, seconds: float | None):
-    """Run fn(deadline) within the budget: (result, None) or (None, why it stopped).
-
-    In the main thread a SIGALRM interrupts a long sympy step. Elsewhere (a thread, or a timer already
-    running) signals cannot be used, so the work runs in a forked child process, where the forking
-    thread is the main thread and the alarm works; the parent waits at most the budget plus a second
-    and kills the child past it. Without fork the deadline is checked between steps only."""
-    if seconds is not None and not _alarm_usable(seconds):
-        forked = _in_child(fn, seconds)
-        if forked is not None:
-            return forked
-    return _symbolic_here(fn, seconds)
-
-
-def _symbolic_here(fn, seconds: float | None):
-    try:
-        deadline = A.Deadline(seconds)
-        with _alarm(seconds) as armed:
-            deadline.interruptible = armed or seconds is None
-            return fn(deadline), None
-    except A.ProofTimeout:
-        return None, _timeout(seconds)
-    except (RecursionError, sympy.SympifyError, sympy.PolynomialError, TypeError, ValueError) as exc:
-        return None, f"sympy failed ({type(exc).__name__}: {exc})"
-
-
-def _timeout(seconds) -> str:
-    return f"sympy did not decide within the {seconds:g} s budget"
-
-
-_CHILD_GRACE = 1.0   # seconds the parent waits past the budget (fork, pickling) before killing
-
-
-def _in_child(fn, seconds: float):
-    """_symbolic_here(fn, seconds) in a forked child, its result pickled back; None when fork fails."""
-    if not hasattr(os, "fork") or not hasattr(signal, "setitimer"):
-        return None
-    read_end, write_end = os.pipe()
-    try:
-        with warnings.catch_warnings():   # the child only runs sympy and exits: no lock it needs is held
-            warnings.simplefilter("ignore", DeprecationWarning)
-            pid = os.fork()
-    except OSError:
-        os.close(read_end)
-        os.close(write_end)
-        return None
-    if pid == 0:   # the child: answer through the pipe and leave without running any cleanup
-        try:
-            os.close(read_end)
-            try:
-                payload = pickle.dumps(_symbolic_here(fn, seconds))
-            except BaseException as exc:   # noqa: BLE001 - whatever happened must reach the parent
-                payload = pickle.dumps((None, f"sympy failed ({type(exc).__name__}: {exc})"))
-            view = memoryview(payload)
-            while view:
-                view = view[os.write(write_end, view):]
-        finally:
-            os._exit(0)
-    os.close(write_end)
-    chunks, end = [], time.monotonic() + seconds + _CHILD_GRACE
-    try:
-        while True:
-            left = end - time.monotonic()
-            if left <= 0 or not select.select([read_end], [], [], left)[0]:
-                os.kill(pid, signal.SIGKILL)
-                return None, _timeout(seconds)
-            chunk = os.read(read_end, 1 << 16)
-            if not chunk:
-                break
-            chunks.append(chunk)
-    finally:
-        os.close(read_end)
-        os.waitpid(pid, 0)
-    try:
-        return pickle.loads(b"".join(chunks))
-    except Exception:   # noqa: BLE001 - a child that died mid-answer
-        return None, "sympy failed (the proof process ended without an answer)"
 
 
 # ---- float64 and exact evaluation ----------------------------------------------------------------
@@ -537,7 +427,7 @@ def _law(m, law: str, seconds, sides, up_to_scale: bool, n_operands: int, symbol
     search = _search(m, n_operands, evaluate, exact, compare_up_to_scale, _seed(m, law))
     if search.counterexample is not None:
         short = _LEFTOVER_SECONDS if seconds is None else min(seconds, _LEFTOVER_SECONDS)
-        out, why = _symbolic(attempt, short)
+        out, why = B.symbolic(attempt, short)
         if out is not None and out[1]:
             leftovers = out[1]
         else:
@@ -546,7 +436,7 @@ def _law(m, law: str, seconds, sides, up_to_scale: bool, n_operands: int, symbol
         fail(search, leftovers, None)
     if cached is not None:
         return cached
-    out, why = _symbolic(attempt, seconds)
+    out, why = B.symbolic(attempt, seconds)
     if out is not None and out[0].equal is True:
         how = out[0].how + ("; compared up to scale: all cross-products L_i R_j - L_j R_i vanish" if up_to_scale else "")
         return LawResult(law, "symbolic", how, time.perf_counter() - start)
@@ -695,7 +585,7 @@ def commutativity(m, seconds=None) -> bool | None:
     """combine(x, y) == combine(y, x)? True/False when decided (symbolically, or False by a numeric
     witness confirmed exactly), None otherwise. Projective monoids: of the renormalised combine."""
     seconds = _budget(seconds)
-    decided, _ = _symbolic(lambda dl: A.commutative(m, dl), seconds)
+    decided, _ = B.symbolic(lambda dl: A.commutative(m, dl), seconds)
     if decided is not None:
         return decided
     f64 = _Float64(m)
@@ -795,7 +685,7 @@ def _check_scale(m, seconds):
             f"{value} with scale(m) = {s}; renormalising the identity (and every scan padded with it) would "
             f"divide by it. Declare a scale that is nonzero at the identity (e.g. the trace of a matrix)",
             counterexample=m.identity)
-    decided, _ = _symbolic(lambda dl: A.decide_equal(s, sympy.S.Zero, dl, use_simplify=False), seconds)
+    decided, _ = B.symbolic(lambda dl: A.decide_equal(s, sympy.S.Zero, dl, use_simplify=False), seconds)
     if decided is not None and decided.equal is True:
         raise ValueError(f"scale of monoid '{m.name}': scale(m) = {s} is identically zero ({decided.how}); "
                          f"renormalising would divide every element by zero")
@@ -819,7 +709,7 @@ def verify(monoid, seconds: float | None = None) -> Proof:
     homogeneity = None
     if m.is_projective:
         _check_scale(m, seconds)
-        homogeneity, _ = _symbolic(lambda dl: A.projective_mode(m, dl), seconds)
+        homogeneity, _ = B.symbolic(lambda dl: A.projective_mode(m, dl), seconds)
     up_to_scale = homogeneity is not None and homogeneity.up_to_scale
     identity_up_to_scale = up_to_scale
 
