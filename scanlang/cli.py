@@ -1,7 +1,8 @@
 """The `scanlang` command: verify, show, demo, bench.
 
     scanlang verify MODULE:NAME   exit 0 and print the proof; exit 1 and the counterexample
-    scanlang show MODULE:NAME     the traced expressions and the generated Triton kernels
+    scanlang show MODULE:NAME     the traced expressions and the generated Triton kernels (a monoid
+                                  whose laws fail is refused: exit 1 and the counterexample)
     scanlang demo                 the tour on a built-in default (CPU or GPU)
     scanlang bench                the GPU benchmark of the generated scans (see BENCHMARKS.md)
 
