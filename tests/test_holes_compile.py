@@ -10,6 +10,8 @@ import scanlang as sl
 from scanlang.backends.reference import scan_sequential
 from scanlang.testing import assert_close
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
 
 def _compiled(fn):
     torch._dynamo.reset()
@@ -31,7 +33,7 @@ def test_non_associative_monoid_first_scanned_compiled_is_refused(backend):
         return sl.scan(m, (s,), dim=1, backend=backend).s
 
     with pytest.raises(sl.NotAssociativeError) as info:
-        _compiled(f)(torch.randn(1, 5))
+        _compiled(f)(torch.randn(1, 5, device=DEVICE))
     x, y, z = info.value.counterexample
     assert (x[0] - y[0]) - z[0] != x[0] - (y[0] - z[0])
 
@@ -63,7 +65,7 @@ def test_two_monoids_through_one_compiled_function_on_triton():
         return sl.scan(m, (v,), dim=1, backend="triton")[0]
 
     compiled = _compiled(run)
-    v = torch.randn(1, 5, 2)
+    v = torch.randn(1, 5, 2, device=DEVICE)
     for m in (sl.Add, sl.Max):
         assert_close(compiled(m, v), scan_sequential(m, (v,), dim=1)[0], "scan", torch.float32)
 
@@ -79,7 +81,7 @@ def test_mixer_built_directly_is_proved():
 def test_kaczmarz_layer_compiles_fullgraph_on_the_generated_kernels():
     """The delta-rule program key and chunk table used cached_property, whose lock Dynamo cannot enter."""
     from scanlang.recipes.kaczmarz import KaczmarzLinearAttention
-    layer = KaczmarzLinearAttention(32, 2, backend="triton", chunk_size=16)
-    x = torch.randn(1, 5, 32)
+    layer = KaczmarzLinearAttention(32, 2, backend="triton", chunk_size=16).to(DEVICE)
+    x = torch.randn(1, 5, 32, device=DEVICE)
     got = _compiled(layer)(x)
     assert_close(got, layer(x), "delta_ieee", torch.float32)
