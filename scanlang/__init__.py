@@ -11,7 +11,7 @@
 """
 from __future__ import annotations
 
-from .errors import IdentityError, NotAssociativeError, UnsupportedOperationError
+from .errors import IdentityError, NotAssociativeError, UnprovedWarning, UnsupportedOperationError
 from .expr import abs, exp, log, maximum, minimum, sqrt  # noqa: A004 - DSL names
 from .library import (LIBRARY, Add, Affine, ComplexMul, LogAffine, LogSumExp, Matrix2, Max, MaxPlus, MinPlus,
                       Mobius, OnlineSoftmax, Welford)
@@ -28,5 +28,5 @@ __all__ = [
     "exp", "log", "sqrt", "abs", "maximum", "minimum",
     "LIBRARY", "Affine", "Mobius", "Matrix2", "MaxPlus", "MinPlus", "ComplexMul", "LogAffine", "LogSumExp",
     "OnlineSoftmax", "Welford", "Add", "Max",
-    "NotAssociativeError", "IdentityError", "UnsupportedOperationError",
+    "NotAssociativeError", "IdentityError", "UnsupportedOperationError", "UnprovedWarning",
 ]

@@ -260,18 +260,26 @@ def _same_max_of_affine(left: frozenset, right: frozenset, deadline: Deadline) -
     a <= max(B) everywhere iff some convex combination of B has a's linear part and a constant at
     least a's (LP duality), so equality is two such membership tests per atom.
     """
+    def form(nf):
+        if len(nf) == 1 and len(next(iter(nf))) == 1:
+            return "atom"   # one affine term: a Max of one and a Min of one alike
+        if all(len(s) == 1 for s in nf):
+            return "max"
+        return "min" if len(nf) == 1 else None
+
+    forms = {form(left), form(right)}
+    if None in forms or {"max", "min"} <= forms:
+        return None
+    as_min = "min" in forms
+
     def atoms(nf):
         # sorted: frozenset order follows str hashes, which change per process (PYTHONHASHSEED),
         # and sympy's simplex can cycle on some orders of these degenerate LPs
-        if all(len(s) == 1 for s in nf):
-            return sorted((next(iter(s)) for s in nf), key=sympy.default_sort_key)
-        if len(nf) == 1:  # a single Min: compare the Max of the negated atoms
+        if as_min:  # a single Min: compare the Max of the negated atoms
             return sorted((-a for a in next(iter(nf))), key=sympy.default_sort_key)
-        return None
+        return sorted((next(iter(s)) for s in nf), key=sympy.default_sort_key)
 
     a_atoms, b_atoms = atoms(left), atoms(right)
-    if a_atoms is None or b_atoms is None or (len(left) == 1) != (len(right) == 1):
-        return None
     syms = sorted(set().union(*(a.free_symbols for a in a_atoms + b_atoms)), key=sympy.default_sort_key)
     try:
         a_aff = [_affine(a, syms) for a in a_atoms]
@@ -281,8 +289,9 @@ def _same_max_of_affine(left: frozenset, right: frozenset, deadline: Deadline) -
     for one, others in ((a_aff, b_aff), (b_aff, a_aff)):
         for atom in one:
             deadline.check()
-            if not _below_max(atom, others):
-                return False
+            below = _below_max(atom, others)
+            if below is not True:
+                return below
     return True
 
 
@@ -297,17 +306,32 @@ def _affine(e, syms) -> tuple[list, sympy.Expr]:
     return coeffs, const
 
 
-def _below_max(atom, others) -> bool:
-    """a(v) <= max_i b_i(v) for all v: exact LP over the simplex of weights."""
-    from sympy.solvers.simplex import InfeasibleLPError, linprog
+def _below_max(atom, others) -> bool | None:
+    """a(v) <= max_i b_i(v) for all v: exact LP over the simplex of weights.
+
+    The best weights are checked against every constraint exactly: sympy 1.14's matrix `linprog`
+    returns infeasible points for some of these small degenerate LPs (w <= 0 and w >= 1 gave w = 1,
+    "proving" max(x, -1e6) == x), so the LP is stated with relations (`lpmin`) and a point that
+    does not satisfy them leaves the question undecided (None)."""
+    from sympy.solvers.simplex import InfeasibleLPError, UnboundedLPError, lpmin
     coeffs, const = atom
-    n = len(others)
-    eq = sympy.Matrix([[b[0][k] for b in others] for k in range(len(coeffs))] + [[1] * n])
-    rhs = sympy.Matrix(list(coeffs) + [1])
-    try:  # the equalities as two inequalities (sympy 1.14's linprog mishandles A_eq alone)
-        best, _ = linprog(sympy.Matrix([-b[1] for b in others]), eq.col_join(-eq), rhs.col_join(-rhs))
+    weights = sympy.symbols(f"w_lp0:{len(others)}", real=True)
+    constraints = [sympy.Eq(sum(w * b[0][k] for w, b in zip(weights, others)), coeffs[k]) for k in range(len(coeffs))]
+    constraints.append(sympy.Eq(sum(weights), 1))
+    constraints += [w >= 0 for w in weights]
+    if any(c is sympy.false for c in constraints):
+        return False   # a linear part no weighting of the others has
+    constraints = [c for c in constraints if c is not sympy.true]
+    objective = -sum(w * b[1] for w, b in zip(weights, others))
+    try:
+        best, point = lpmin(objective, constraints)
     except InfeasibleLPError:
         return False
+    except UnboundedLPError:
+        return None
+    values = {w: point.get(w, sympy.S.Zero) for w in weights}
+    if any(c.xreplace(values) is not sympy.true for c in constraints):
+        return None
     return bool(-best >= const)
 
 

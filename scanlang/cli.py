@@ -1,7 +1,8 @@
 """The `scanlang` command: verify, show, demo, bench, train, report.
 
     scanlang verify MODULE:NAME   exit 0 and print the proof; exit 1 and the counterexample
-    scanlang show MODULE:NAME     the traced expressions and the generated Triton kernels
+    scanlang show MODULE:NAME     the traced expressions and the generated Triton kernels (a monoid
+                                  whose laws fail is refused: exit 1 and the counterexample)
     scanlang demo                 the tour on a built-in default (CPU or GPU)
     scanlang bench                the GPU benchmark of the generated scans (see BENCHMARKS.md)
     scanlang train TASK --mixer M a small model on a synthetic task: metrics.json and curves.png
@@ -42,7 +43,16 @@ def load_monoid(target: str) -> Monoid:
         try:
             module = importlib.import_module(module_name)
         except ImportError as exc:
-            raise CliError(f"cannot import module {module_name!r}: {exc}") from None
+            # `scanlang` runs as a console script, whose sys.path lacks the current directory that
+            # `python -m` would have: a module next to the user (mymod.py, pkg/mod.py) is found there
+            local = Path.cwd() / (module_name.replace(".", "/") + ".py")
+            if not (isinstance(exc, ModuleNotFoundError) and local.is_file() and str(Path.cwd()) not in sys.path):
+                raise CliError(f"cannot import module {module_name!r}: {exc}") from None
+            sys.path.insert(0, str(Path.cwd()))
+            try:
+                module = importlib.import_module(module_name)
+            except ImportError as exc2:
+                raise CliError(f"cannot import module {module_name!r}: {exc2}") from None
     obj = getattr(module, name, None)
     if not isinstance(obj, Monoid):
         kind = "nothing" if obj is None else type(obj).__name__
@@ -50,16 +60,24 @@ def load_monoid(target: str) -> Monoid:
     return obj
 
 
-def cmd_verify(args) -> int:
-    monoid = load_monoid(args.target)
+def _verified(monoid):
+    """The proof, or None after printing why the monoid is refused (the caller exits 1)."""
     try:
-        proof = monoid.verify()
+        return monoid.verify()
     except NotAssociativeError as exc:
         print(f"{monoid.name}: NOT associative\n{exc}")
         print(f"counterexample (x, y, z) = {exc.counterexample}")
-        return 1
     except IdentityError as exc:
         print(f"{monoid.name}: identity law fails\n{exc}")
+    except ValueError as exc:   # a degenerate declaration (e.g. a projective scale that is identically zero)
+        print(f"{monoid.name}: refused\n{exc}")
+    return None
+
+
+def cmd_verify(args) -> int:
+    monoid = load_monoid(args.target)
+    proof = _verified(monoid)
+    if proof is None:
         return 1
     print(proof)
     return 0
@@ -67,6 +85,8 @@ def cmd_verify(args) -> int:
 
 def cmd_show(args) -> int:
     monoid = load_monoid(args.target)
+    if _verified(monoid) is None:   # kernels are generated only for a monoid whose laws hold
+        return 1
     print(monoid.describe())
     try:
         from .backends import triton as triton_backend

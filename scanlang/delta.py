@@ -25,7 +25,6 @@ A zero key writes nothing whatever its step (beta k = 0); kernels therefore set 
 """
 from __future__ import annotations
 
-import functools
 import hashlib
 from dataclasses import dataclass, field
 from typing import Callable
@@ -36,6 +35,9 @@ from . import expr as E
 from .monoid import trace_body
 
 STEP_INPUTS = ("s", "n2", "eps")
+# (name, key) -> the rule: torch.compile passes these strings (constants to Dynamo) to the trace-time
+# kernel build (backends/delta/ops.py `program_key`), which finds the object here
+DECLARED: "dict[tuple[str, str], DeltaRule]" = {}   # a declaration lives as long as its compiled kernels
 DECAY_INPUTS = ("a",)
 
 
@@ -88,16 +90,16 @@ class DeltaRule:
         self.step = trace_hook(step, f"step hook of delta rule '{name}'", STEP_INPUTS, ("s", "n2"))
         inputs = DECAY_INPUTS + head_params
         self.decay = trace_hook(decay or (lambda t: t.a), f"decay hook of delta rule '{name}'", inputs, inputs)
+        # a plain attribute (not a cached_property, whose lock torch.compile cannot enter): the
+        # content hash of the declaration (name and both traced hooks); it names the generated kernels
+        text = repr((self.name, sympy.srepr(self.step.expr), sympy.srepr(self.decay.expr), self.head_params))
+        self.key = hashlib.sha256(text.encode()).hexdigest()[:16]
+        if DECLARED.get((self.name, self.key)) is None:
+            DECLARED[(self.name, self.key)] = self
 
     @property
     def uses_key_norm(self) -> bool:
         return E.symbol("n2") in self.step.expr.free_symbols
-
-    @functools.cached_property
-    def key(self) -> str:
-        """Content hash of the declaration (name and both traced hooks); names its generated kernels."""
-        text = repr((self.name, sympy.srepr(self.step.expr), sympy.srepr(self.decay.expr), self.head_params))
-        return hashlib.sha256(text.encode()).hexdigest()[:16]
 
     def __repr__(self):
         return f"<delta rule {self.name}: beta = {self.step.expr}, g = {self.decay.expr}>"

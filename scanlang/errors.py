@@ -26,3 +26,7 @@ class IdentityError(ValueError):
 
 class UnsupportedOperationError(TypeError):
     """A combine, lift or readout body used an operation the DSL cannot trace or generate."""
+
+
+class UnprovedWarning(UserWarning):
+    """A monoid whose laws were only checked numerically (sympy did not decide) is being scanned."""

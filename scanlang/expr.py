@@ -87,10 +87,19 @@ class Traced:
     __rmod__ = _refuse("%")
     __matmul__ = _refuse("@")
     __rmatmul__ = _refuse("@")
-    __lt__ = _refuse("<")
-    __le__ = _refuse("<=")
-    __gt__ = _refuse(">")
-    __ge__ = _refuse(">=")
+    def _compare(name):  # noqa: N805 - builds methods below
+        def method(self, *args, **kwargs):
+            raise UnsupportedOperationError(
+                f"comparison '{name}' is not supported in a traced body: the builtin max() and min() (and "
+                f"`if` on values) compare; use sl.maximum(a, b) / sl.minimum(a, b) instead (supported: {SUPPORTED})")
+        method.__name__ = name
+        return method
+
+    __lt__ = _compare("<")
+    __le__ = _compare("<=")
+    __gt__ = _compare(">")
+    __ge__ = _compare(">=")
+    del _compare
     __bool__ = _refuse("bool() (data-dependent control flow such as `if`, `and`, `or`; use sl.maximum/sl.minimum)")
     __float__ = _refuse("float() (math.* functions need concrete numbers; use sl.exp, sl.log, ...)")
     __int__ = _refuse("int()")
@@ -203,6 +212,17 @@ TORCH = Dialect("torch", exp="exp({})", log="log({})", sqrt="sqrt({})", abs="abs
 TRITON = Dialect("triton", exp="tl.exp({})", log="tl.log({})", sqrt="tl.sqrt({})",
                  abs="tl.abs({})", maximum="tl.maximum({}, {})", minimum="tl.minimum({}, {})",
                  inf="float('inf')")
+
+
+def docstring_text(text: str) -> str:
+    r"""`text` (a user's monoid name) made safe inside a generated triple-quoted docstring or comment:
+    backslashes, quotes, newlines and other control characters are escaped, so no name can end the
+    docstring or the line early.
+
+    >>> print(docstring_text('say "hi"\nbye'))
+    say \"hi\"\nbye
+    """
+    return repr(str(text))[1:-1].replace('"', '\\"')
 
 
 def print_expr(expr: sympy.Expr, names: dict, dialect: Dialect) -> str:

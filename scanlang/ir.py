@@ -120,7 +120,8 @@ def lower(monoid: Monoid, inputs: Sequence[str] | None = None, lift: Callable | 
             raise ValueError(f"lift: needed because inputs {in_names} are not the monoid's fields {fields}")
         lift_exprs = u
     else:
-        lift_exprs = trace_body(lift, in_names, (u,), "lift", len(fields))
+        lift_exprs = trace_body(lift, in_names, (u,), f"lift (inputs {tuple(in_names)} -> the fields of monoid "
+                                f"'{monoid.name}')", len(fields), result_names=fields)
     if readout is None:
         if outputs is not None and tuple(out_names) != fields:
             raise ValueError(f"readout: needed because outputs {out_names} are not the monoid's fields {fields}")

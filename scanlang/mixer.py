@@ -75,6 +75,7 @@ class Mixer:
         from .ir import lower
         if not isinstance(monoid, Monoid):
             raise TypeError(f"monoid: expected a scanlang Monoid, got {type(monoid).__name__}")
+        monoid.ensure_verified()   # here, so that a Mixer built directly is proved too
         self.monoid = monoid
         self.axes = _axes(axes, "axes")
         if "t" not in self.axes:
@@ -219,6 +220,10 @@ def _call(self: Mixer, initial, output_final_state: bool, reverse: bool, cu_seql
     triton_ops = _triton_ops()
     if tensors.keys() != self.input_axes.keys():
         names = list(self.input_axes)
+        positional = [v for v in (initial, output_final_state, reverse, cu_seqlens) if isinstance(v, torch.Tensor)]
+        if positional and len(tensors) < len(names):
+            raise TypeError(f"inputs are keyword-only: call the mixer as mix({', '.join(f'{n}=...' for n in names)}); "
+                            f"got {len(positional)} tensor(s) as positional arguments")
         unknown = [n for n in tensors if n not in self.input_axes]
         missing = [n for n in names if n not in tensors]
         raise ValueError(f"inputs: expected exactly {names}; unknown {unknown}, missing {missing}")

@@ -16,12 +16,18 @@ from __future__ import annotations
 
 import hashlib
 import math
+import warnings
 from typing import Callable, Sequence
 
 import sympy
 
 from . import expr as E
-from .errors import UnsupportedOperationError
+from .errors import UnprovedWarning, UnsupportedOperationError
+
+# (key, name) -> the declaration: torch.compile passes these two strings (constants to Dynamo) to the
+# trace-time proof check in scan.py, which finds the object here
+DECLARED: "dict[tuple[str, str], Monoid]" = {}   # a declaration lives as long as its compiled kernels
+_WARNED: set[str] = set()   # keys of monoids already warned about (UnprovedWarning)
 
 
 class Fields:
@@ -82,8 +88,11 @@ def _check_identity(identity, fields) -> tuple[float, ...]:
 
 
 def trace_body(fn: Callable, names: Sequence[str], operands: Sequence[Sequence[sympy.Symbol]], what: str,
-               n_results: int | None):
-    """Run `fn` on Traced operands and return its results as sympy expressions."""
+               n_results: int | None, result_names: Sequence[str] | None = None):
+    """Run `fn` on Traced operands and return its results as sympy expressions.
+
+    `result_names` name the results in an error about their number (default: `names`, the fields
+    of a combine, which returns one value per field)."""
     args = [Fields(names, [E.Traced(s) for s in syms]) for syms in operands]
     try:
         out = fn(*args)
@@ -98,7 +107,8 @@ def trace_body(fn: Callable, names: Sequence[str], operands: Sequence[Sequence[s
         out = (out,)
     if not isinstance(out, (tuple, list)) or len(out) != n_results:
         got = len(out) if isinstance(out, (tuple, list)) else type(out).__name__
-        raise ValueError(f"{what} must return a tuple of {n_results} values (one per field {tuple(names)}); got {got}")
+        expected = tuple(names if result_names is None else result_names)
+        raise ValueError(f"{what} must return a tuple of {n_results} values (one per field {expected}); got {got}")
     return tuple(o.expr if isinstance(o, E.Traced) else E.constant(o) for o in out)
 
 
@@ -110,6 +120,8 @@ class Monoid:
             raise TypeError(f"combine must be a function of two elements, got {type(combine).__name__}")
         if scale is not None and not callable(scale):
             raise TypeError(f"scale must be a function of one element (or None), got {type(scale).__name__}")
+        if name is not None and not isinstance(name, str):
+            raise TypeError(f"name must be a string (or None), got {type(name).__name__}")
         self.name = name or getattr(combine, "__name__", "monoid")
         self.fields = _check_fields(fields)
         self.identity = _check_identity(identity, self.fields)
@@ -126,6 +138,13 @@ class Monoid:
         self._torch_combine = None
         self._torch_scale = None
         self._proof = None
+        # plain attributes, not properties that hash on access: torch.compile reads them as constants
+        text = repr((self.fields, [sympy.srepr(e) for e in self.exprs], self.identity,
+                     sympy.srepr(self.scale_expr) if self.scale_expr is not None else None))
+        self.digest = hashlib.sha256(text.encode()).hexdigest()
+        self.key = self.digest[:16]
+        if DECLARED.get((self.key, self.name)) is None:
+            DECLARED[(self.key, self.name)] = self
 
     # ---- identity of the declaration ------------------------------------------------------------
     @property
@@ -135,13 +154,6 @@ class Monoid:
     @property
     def identity_exprs(self) -> tuple[sympy.Expr, ...]:
         return tuple(E.constant(v) for v in self.identity)
-
-    @property
-    def key(self) -> str:
-        """Content hash of the traced declaration (fields, expressions, identity, scale)."""
-        text = repr((self.fields, [sympy.srepr(e) for e in self.exprs], self.identity,
-                     sympy.srepr(self.scale_expr) if self.scale_expr is not None else None))
-        return hashlib.sha256(text.encode()).hexdigest()[:16]
 
     def __repr__(self):
         kind = "projective monoid" if self.is_projective else "monoid"
@@ -172,6 +184,12 @@ class Monoid:
         self._torch_combine = namespace["combine"]
         self._torch_scale = namespace.get("scale")
         self.torch_source = src
+
+    def prepare(self):
+        """Build the torch evaluation of the traced expressions now (it is otherwise built on first
+        use), so that a torch.compile trace of `combine` sees plain torch code and no sympy."""
+        if self._torch_combine is None:
+            self._compile_torch()
 
     def combine(self, x: Sequence, y: Sequence, renormalise: bool = True) -> tuple:
         """combine(x, y) on tuples of tensors (broadcasting), from the traced expressions.
@@ -213,9 +231,18 @@ class Monoid:
 
     def ensure_verified(self):
         """Verify once per object (proofs are also cached on disk); scans call this before running,
-        so a non-associative combine is refused with its counterexample, never scanned silently."""
+        so a non-associative combine is refused with its counterexample, never scanned silently.
+        A law established only numerically is scanned with a one-time `UnprovedWarning`."""
         if self._proof is None:
-            self.verify()
+            proof = self.verify()
+            if not proof.symbolic and self.key not in _WARNED:
+                _WARNED.add(self.key)
+                numeric = ", ".join(law.law for law in proof.laws if not law.symbolic)
+                warnings.warn(
+                    f"monoid '{self.name}': {numeric} checked numerically only, not proved (sympy did not "
+                    f"decide); scanning it anyway. To get a proof, give sympy more time "
+                    f"(SCANLANG_PROOF_SECONDS, or {self.name}.verify(seconds=...)) or write the combine in a form "
+                    f"it can decide (see `scanlang verify MODULE:{self.name}`)", UnprovedWarning, stacklevel=3)
         return self._proof
 
 

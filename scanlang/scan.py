@@ -23,7 +23,7 @@ from collections.abc import Mapping, Sequence  # isinstance checks: cheaper than
 import torch
 
 from . import settings
-from .monoid import Monoid
+from .monoid import DECLARED, Monoid
 
 BACKENDS = ("reference", "triton")
 _RESULT_TYPES: dict = {}
@@ -91,6 +91,46 @@ def _choose_backend(backend, device: torch.device) -> str:
     return backend
 
 
+@torch.compiler.assume_constant_result
+def proved(key: str, name: str) -> str:
+    """Verify (once) the declaration `(monoid.key, monoid.name)` and prepare its torch combine.
+
+    torch.compile runs this at trace time, outside the graph, and keeps only the returned string: a
+    monoid first scanned inside a compiled function is proved (or refused with its counterexample)
+    exactly as in an eager call, and sympy never enters the trace. It takes two strings (constants to
+    Dynamo) and finds the object in `scanlang.monoid.DECLARED`.
+    """
+    m = DECLARED[(key, name)]
+    try:
+        proof = m.ensure_verified()
+    except (ValueError, TypeError) as err:
+        raise _passed_through_compile(err) from None
+    m.prepare()
+    return proof.method
+
+
+_TRACED_ERRORS: dict = {}
+
+
+def _passed_through_compile(err: Exception) -> Exception:
+    """`err` as an instance of a subclass of its own class and of Dynamo's UserError, which
+    torch.compile re-raises unchanged (any other exception raised at trace time reaches the caller
+    wrapped in InternalTorchDynamoError): `except sl.NotAssociativeError` works around a compiled
+    call, with the counterexample attached. `err` itself where this torch has no such class."""
+    try:   # torch._dynamo is loaded by torch.compile before this runs; nothing to import otherwise
+        from torch._dynamo import exc as dynamo_exc
+        cls = _TRACED_ERRORS.get(type(err))
+        if cls is None:
+            cls = _TRACED_ERRORS[type(err)] = type(type(err).__name__, (type(err), dynamo_exc.UserError),
+                                                   {"__module__": type(err).__module__})
+        out = cls.__new__(cls, str(err))
+        dynamo_exc.UserError.__init__(out, dynamo_exc.UserErrorType.INVALID_INPUT, str(err))
+        out.__dict__.update(err.__dict__)
+        return out
+    except Exception:   # noqa: BLE001 - a torch without this mechanism: the error as it is
+        return err
+
+
 def scan(monoid: Monoid, elems, dim: int, reverse: bool = False, initial=None, backend: str | None = None):
     """Inclusive scan of `elems` along `dim` with `monoid`; returns a namedtuple of prefixes by field.
 
@@ -111,7 +151,9 @@ def scan(monoid: Monoid, elems, dim: int, reverse: bool = False, initial=None, b
     """
     if not isinstance(monoid, Monoid):
         raise TypeError(f"monoid: expected a scanlang Monoid (declare one with @sl.monoid), got {type(monoid).__name__}")
-    if not torch.compiler.is_compiling():   # proved while tracing eagerly; sympy stays out of graphs
+    if torch.compiler.is_compiling():
+        proved(monoid.key, monoid.name)   # at trace time, outside the graph
+    else:
         monoid.ensure_verified()
     values = _as_field_tuple(monoid, elems, "elems")
     tensors = _check_values(monoid, values, "elems")

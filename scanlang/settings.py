@@ -7,6 +7,7 @@ TRITON_INTERPRET     "1" lets backend="triton" run on CPU tensors through Triton
 """
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 
@@ -25,7 +26,16 @@ def cache_dir() -> Path:
 
 
 def proof_seconds() -> float:
-    return float(os.environ.get("SCANLANG_PROOF_SECONDS", "20"))
+    """SCANLANG_PROOF_SECONDS as a number of seconds (default 20; "inf" for no limit)."""
+    raw = os.environ.get("SCANLANG_PROOF_SECONDS", "20")
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = math.nan
+    if math.isnan(seconds) or seconds < 0:
+        raise ValueError(f"SCANLANG_PROOF_SECONDS: expected a nonnegative number of seconds (e.g. 20, or inf "
+                         f"for no limit), got {raw!r}")
+    return seconds
 
 
 def triton_interpret() -> bool:

@@ -6,44 +6,49 @@
 The proof is symbolic (sympy, see scanlang/analysis.py for the methods) and holds over the reals
 wherever the expressions are defined; identity entries of +-inf are read in the extended reals
 (sympy's oo, with every field a finite real). Each law gets a time budget (`seconds=`, default
-settings.proof_seconds(); enforced with SIGALRM in the main thread; elsewhere the deadline is checked
-between steps and the open-ended sympy.simplify step is skipped). A cheap seeded random search for a
-counterexample over several value ranges runs before sympy; when sympy cannot decide within the
-budget, that search's evidence is reported as "numeric, not a proof". An identity must also evaluate
-to finite values in float64 (inf * x / (inf + x) is nan there, whatever its limit).
+settings.proof_seconds(); enforced with a repeating SIGALRM in the main thread, and elsewhere by
+running sympy in a forked child process that is killed past the budget). A cheap seeded random
+search for a counterexample over several value ranges runs before sympy. A law sympy decides false
+is refused even when that search found nothing: a counterexample is then searched where the
+expressions differ (scanlang/witness.py: the kinks of max/min terms, the constants' magnitudes,
+large values), and without one the error still carries the leftover. When sympy cannot decide
+within the budget, the same search runs, and failing it the random check's evidence is reported as
+"numeric, not a proof". An identity must also evaluate to finite values in float64
+(inf * x / (inf + x) is nan there, whatever its limit).
 
-Projective monoids (declared with `scale=`): when scale is homogeneous of degree 1 and the combine is
-homogeneous in each operand, renormalising (dividing by scale) maps a law that holds up to a nonzero
-factor to an exact law, so the laws are proved up to scale (all cross-products L_i R_j - L_j R_i
-vanish). Otherwise the renormalised combine itself is checked, exactly.
+Projective monoids (declared with `scale=`): the scale must be nonzero (and finite) at the identity
+and not identically zero. When scale is homogeneous of degree 1 and the combine is homogeneous in
+each operand, renormalising (dividing by scale) maps a law that holds up to a nonzero factor to an
+exact law, so the laws are proved up to scale (all cross-products L_i R_j - L_j R_i vanish).
+Otherwise the renormalised combine itself is checked, exactly, and so are the identity laws after
+renormalising: renorm(combine(e, x)) == renorm(x).
 
 A failed law raises `NotAssociativeError` or `IdentityError` carrying a counterexample that was
 checked by exact (rational or 60-digit) evaluation and in float64; the message shows the leftover
 expression, the counterexample and the values of both sides.
 
 Results are cached by the monoid's content hash: in memory and as small JSON files under
-settings.cache_dir()/proofs (only symbolic results; an unwritable directory is ignored).
+settings.cache_dir()/proofs (only symbolic results; see scanlang/cache.py for what is trusted there).
+A record is bound to the full hash of the expressions and re-checked by the random search when
+first used in a process.
 """
 from __future__ import annotations
 
 import json
 import math
-import os
-import signal
-import tempfile
-import threading
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass, replace
 
 import numpy as np
 import sympy
 
 from . import analysis as A
-from . import settings
+from . import budget as B
+from . import cache, settings
+from . import witness as W
 from .errors import IdentityError, NotAssociativeError
 
-_CACHE_VERSION = 1
+_CACHE_VERSION = 2
 _SAMPLES = 400          # random samples per value range
 _CANDIDATES = 6         # flagged samples re-checked exactly per range
 _FLAG = 1e-9            # relative float64 difference that makes a sample suspect
@@ -177,43 +182,6 @@ def _projective_note(m, h: A.Homogeneity | None) -> str:
     return f"{why} (scale(m) = {m.scale_expr}); the renormalised combine was checked directly"
 
 
-# ---- time budget ----------------------------------------------------------------------------------
-
-@contextmanager
-def _alarm(seconds: float | None):
-    """SIGALRM after `seconds` raising ProofTimeout, in the main thread when no other timer runs."""
-    usable = (seconds is not None and hasattr(signal, "setitimer")
-              and threading.current_thread() is threading.main_thread()
-              and signal.getitimer(signal.ITIMER_REAL)[0] == 0)
-    if not usable:
-        yield False
-        return
-
-    def on_alarm(signum, frame):
-        raise A.ProofTimeout()
-
-    previous = signal.signal(signal.SIGALRM, on_alarm)
-    signal.setitimer(signal.ITIMER_REAL, max(seconds, 1e-4))
-    try:
-        yield True
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
-
-
-def _symbolic(fn, seconds: float | None):
-    """Run fn(deadline) within the budget: (result, None) or (None, why it stopped)."""
-    try:
-        deadline = A.Deadline(seconds)
-        with _alarm(seconds) as armed:
-            deadline.interruptible = armed or seconds is None
-            return fn(deadline), None
-    except A.ProofTimeout:
-        return None, f"sympy did not decide within the {seconds:g} s budget"
-    except (RecursionError, sympy.SympifyError, sympy.PolynomialError, TypeError, ValueError) as exc:
-        return None, f"sympy failed ({type(exc).__name__}: {exc})"
-
-
 # ---- float64 and exact evaluation ----------------------------------------------------------------
 
 class _Float64:
@@ -319,32 +287,58 @@ def _search(m, n_operands: int, evaluate, exact, up_to_scale: bool, seed: int) -
     for r, (_, sampler) in enumerate(RANGES):
         rng = np.random.default_rng(seed * 7919 + r)
         point = [tuple(sampler(rng, _SAMPLES) for _ in range(k)) for _ in range(n_operands)]
-        left, right = evaluate(*point)
-        rel = _relative(left, right, up_to_scale)
-        valid = np.isfinite(rel)
-        result.samples += int(valid.sum())
-        flagged = np.flatnonzero(valid & (rel > _FLAG))
-        if r == 0:  # small integers: the smallest counterexample first
-            size = sum(np.abs(f) for e in point for f in e)
-            flagged = flagged[np.argsort(size[flagged], kind="stable")]
-        else:
-            flagged = flagged[np.argsort(-rel[flagged], kind="stable")]
-        for i in flagged[:_CANDIDATES]:
-            candidate = tuple(tuple(float(f[i]) for f in e) for e in point)
-            found = _confirm(candidate, evaluate, exact, up_to_scale)
-            if found is None:
-                continue
-            for q in (1.0, 0.5, 0.25, 0.125):  # prefer a simpler, exactly representable point
-                trial = _rounded(candidate, q)
-                if trial == candidate:
-                    break
-                simpler = _confirm(trial, evaluate, exact, up_to_scale)
-                if simpler is not None:
-                    return _Search(trial, *simpler, samples=result.samples)
-            return _Search(candidate, *found, samples=result.samples)
-        unflagged = valid & (rel <= _FLAG)
-        if unflagged.any():
-            result.worst = max(result.worst, float(rel[unflagged].max()))
+        found = _first_counterexample(point, evaluate, exact, up_to_scale, result, smallest_first=r == 0)
+        if found is not None:
+            return found
+    return result
+
+
+def _first_counterexample(point, evaluate, exact, up_to_scale: bool, result: _Search, smallest_first: bool,
+                          limit: int = _CANDIDATES) -> _Search | None:
+    """The first confirmed counterexample among the samples `point` (per operand, per field, arrays),
+    the most suspect first (the smallest, with `smallest_first`); None, updating `result`'s evidence."""
+    left, right = evaluate(*point)
+    rel = _relative(left, right, up_to_scale)
+    valid = np.isfinite(rel)
+    result.samples += int(valid.sum())
+    flagged = np.flatnonzero(valid & (rel > _FLAG))
+    if smallest_first:  # small integers: the smallest counterexample first
+        size = sum(np.abs(f) for e in point for f in e)
+        flagged = flagged[np.argsort(size[flagged], kind="stable")]
+    else:
+        flagged = flagged[np.argsort(-rel[flagged], kind="stable")]
+    for i in flagged[:limit]:
+        candidate = tuple(tuple(float(f[i]) for f in e) for e in point)
+        found = _confirm(candidate, evaluate, exact, up_to_scale)
+        if found is None:
+            continue
+        for q in (1.0, 0.5, 0.25, 0.125):  # prefer a simpler, exactly representable point
+            trial = _rounded(candidate, q)
+            if trial == candidate:
+                break
+            simpler = _confirm(trial, evaluate, exact, up_to_scale)
+            if simpler is not None:
+                return _Search(trial, *simpler, samples=result.samples)
+        return _Search(candidate, *found, samples=result.samples)
+    unflagged = valid & (rel <= _FLAG)
+    if unflagged.any():
+        result.worst = max(result.worst, float(rel[unflagged].max()))
+    return None
+
+
+def _witness(m, n_operands: int, symbols, evaluate, exact, up_to_scale: bool, exprs, seed: int) -> _Search:
+    """A counterexample for a law sympy decided false, searched where its expressions differ
+    (scanlang/witness.py proposes the points; each is confirmed as in the random check)."""
+    k = len(m.fields)
+    result = _Search(None)
+    for batch in W.candidates(exprs, symbols, np.random.default_rng(seed)):
+        if batch.shape[1] == 0:
+            continue
+        point = [tuple(batch[o * k + f] for f in range(k)) for o in range(n_operands)]
+        found = _first_counterexample(point, evaluate, exact, up_to_scale, result, smallest_first=False,
+                                      limit=4 * _CANDIDATES)
+        if found is not None:
+            return found
     return result
 
 
@@ -359,9 +353,31 @@ def _confirm(point, evaluate, exact, up_to_scale: bool):
         exact_left, exact_right = exact(point)
         if _exact_differ(exact_left, exact_right, up_to_scale) is not True:
             return None
+        numeric = _exact_values(exact_left), _exact_values(exact_right)
     except (ZeroDivisionError, TypeError, ValueError):
         return None
+    if None in numeric:
+        return None
+    # the gap must be real, not rounding: the exact sides differ by more than _DIFFER too, and the
+    # float64 sides (what is reported) are within a tenth of that gap of the exact ones
+    gap = _relative([np.array([v]) for v in numeric[0]], [np.array([v]) for v in numeric[1]], up_to_scale)[0]
+    if not gap > _DIFFER:
+        return None
+    for f64, ex in zip((left, right), numeric):
+        if not _relative(f64, [np.array([v]) for v in ex], up_to_scale)[0] <= gap / 10:
+            return None
     return tuple(float(v[0]) for v in left), tuple(float(v[0]) for v in right)
+
+
+def _exact_values(values) -> tuple | None:
+    """The exact numbers as float64 (60 digits first, so rounding happens once); None if one is not finite."""
+    out = []
+    for v in values:
+        f = sympy.N(sympy.sympify(v), 60)
+        if not f.is_real or not f.is_finite:
+            return None
+        out.append(float(f))
+    return tuple(out)
 
 
 def _seed(m, law: str) -> int:
@@ -390,13 +406,17 @@ def _raw_leftovers(m, left, right, up_to_scale: bool):
     return [(f, lo - ro) for f, lo, ro in zip(m.fields, left, right) if lo != ro]
 
 
-def _law(m, law: str, seconds, sides, up_to_scale: bool, n_operands: int, evaluate, exact,
-         compare_up_to_scale: bool, fail) -> LawResult:
+def _law(m, law: str, seconds, sides, up_to_scale: bool, n_operands: int, symbols, evaluate, exact,
+         compare_up_to_scale: bool, fail, cached: LawResult | None = None) -> LawResult:
     """Establish one law `left == right` (or proportional, `up_to_scale`) for `sides()`.
 
     A cheap random search for a counterexample runs first: a confirmed one calls
-    `fail(search, leftovers)` with the leftover simplified within a short budget. Otherwise sympy gets
-    `seconds`; when it cannot decide, the random check's evidence is reported as numeric.
+    `fail(search, leftovers, None)` with the leftover simplified within a short budget. A `cached`
+    symbolic result is trusted only after that search (a forged or stale proof record of a false law
+    is caught here). Otherwise sympy gets `seconds`: a proof is returned; a law it decides false calls
+    `fail(witness, leftovers, how)` with a counterexample searched where the expressions differ (or
+    none, when no point shows the difference in float64); when it cannot decide, the random check's
+    evidence is reported as numeric.
     """
     start = time.perf_counter()
 
@@ -407,17 +427,27 @@ def _law(m, law: str, seconds, sides, up_to_scale: bool, n_operands: int, evalua
     search = _search(m, n_operands, evaluate, exact, compare_up_to_scale, _seed(m, law))
     if search.counterexample is not None:
         short = _LEFTOVER_SECONDS if seconds is None else min(seconds, _LEFTOVER_SECONDS)
-        out, why = _symbolic(attempt, short)
+        out, why = B.symbolic(attempt, short)
         if out is not None and out[1]:
             leftovers = out[1]
         else:
             leftovers = _raw_leftovers(m, *sides(), up_to_scale)
             leftovers = [(f"{label} (not simplified: {why or 'sympy undecided'})", e) for label, e in leftovers]
-        fail(search, leftovers)
-    out, why = _symbolic(attempt, seconds)
+        fail(search, leftovers, None)
+    if cached is not None:
+        return cached
+    out, why = B.symbolic(attempt, seconds)
     if out is not None and out[0].equal is True:
         how = out[0].how + ("; compared up to scale: all cross-products L_i R_j - L_j R_i vanish" if up_to_scale else "")
         return LawResult(law, "symbolic", how, time.perf_counter() - start)
+    decided_false = out is not None and out[0].equal is False
+    leftovers = out[1] if out is not None and out[1] else \
+        [(f"{label} (not simplified: {why or 'sympy undecided'})", e) for label, e in _raw_leftovers(m, *sides(), up_to_scale)]
+    # decided false, or undecided: look where the expressions differ (kinks, constants, magnitudes)
+    exprs = [e for _, e in leftovers] + [e for side in sides() for e in side]
+    witness = _witness(m, n_operands, symbols, evaluate, exact, compare_up_to_scale, exprs, _seed(m, law))
+    if decided_false or witness.counterexample is not None:
+        fail(witness, leftovers, out[0].how if decided_false else None)
     if search.samples == 0:
         raise ValueError(f"verify: monoid '{m.name}': the {law} law could neither be proved by sympy "
                          f"({why or 'undecided'}) nor tested: every random sample evaluated to inf/nan")
@@ -430,25 +460,41 @@ def _law(m, law: str, seconds, sides, up_to_scale: bool, n_operands: int, evalua
     return LawResult(law, "numeric", how, time.perf_counter() - start)
 
 
-def _associativity(m, seconds, up_to_scale: bool) -> LawResult:
+def _decided(how: str | None, what: str) -> str:
+    """The line a refutation adds about how sympy decided it (empty for a counterexample found first)."""
+    if how is None:
+        return ""
+    return f"  sympy decided that {what} is not zero ({how})\n"
+
+
+def _no_witness(what: str) -> str:
+    return (f"  no point was found where float64 shows the difference (searched the kinks of max/min terms, "
+            f"the constants' magnitudes and up to 1e15), so no numeric counterexample is given; the law is "
+            f"false over the reals: {what} above is not identically zero")
+
+
+def _associativity(m, seconds, up_to_scale: bool, cached: LawResult | None = None) -> LawResult:
     """(x (+) y) (+) z == x (+) (y (+) z); counterexamples always on the renormalised combine."""
-    def fail(search, leftovers):
-        x, y, z = search.counterexample
+    def fail(search, leftovers, decided):
         what = "(x (+) y) (+) z - x (+) (y (+) z)" if not up_to_scale else \
             "the cross-products of (x (+) y) (+) z and x (+) (y (+) z) (the law up to scale)"
         renorm = " (renormalised by scale, as the scan evaluates it)" if m.is_projective else ""
         if m.is_projective and not up_to_scale:
             renorm += f"; {_why_not_projective(m)}"
         msg = (f"combine of monoid '{m.name}' is not associative{renorm}: {what} leaves\n"
-               f"{_fmt_leftovers(leftovers)}\n"
-               f"  counterexample (fields {m.fields}): x = {_fmt_point(x)}, y = {_fmt_point(y)}, z = {_fmt_point(z)}\n"
-               f"    (x (+) y) (+) z = {_fmt_point(search.left)}\n"
-               f"    x (+) (y (+) z) = {_fmt_point(search.right)}")
+               f"{_fmt_leftovers(leftovers)}\n" + _decided(decided, "this leftover"))
+        if search.counterexample is None:
+            raise NotAssociativeError(msg + _no_witness("the leftover"))
+        x, y, z = search.counterexample
+        msg += (f"  counterexample (fields {m.fields}): x = {_fmt_point(x)}, y = {_fmt_point(y)}, z = {_fmt_point(z)}\n"
+                f"    (x (+) y) (+) z = {_fmt_point(search.left)}\n"
+                f"    x (+) (y (+) z) = {_fmt_point(search.right)}")
         raise NotAssociativeError(msg, counterexample=search.counterexample, left=search.left, right=search.right)
 
     f64 = _Float64(m)
-    return _law(m, ASSOCIATIVITY, seconds, lambda: A.law_sides(m, up_to_scale), up_to_scale, 3,
-                f64.groupings, lambda p: _exact_groupings(m, *p), False, fail)
+    symbols = m.x_symbols + m.y_symbols + A.z_symbols(m)
+    return _law(m, ASSOCIATIVITY, seconds, lambda: A.law_sides(m, up_to_scale), up_to_scale, 3, symbols,
+                f64.groupings, lambda p: _exact_groupings(m, *p), False, fail, cached)
 
 
 def _why_not_projective(m) -> str:
@@ -461,38 +507,60 @@ def _why_not_projective(m) -> str:
     return "the combine is not homogeneous in each operand, so renormalising does not preserve the law"
 
 
-def _identity(m, side: str, seconds) -> LawResult:
-    """combine(e, x) == x (left) or combine(x, e) == x (right); up to scale for projective monoids."""
+def _identity(m, side: str, seconds, up_to_scale: bool | None = None, cached: LawResult | None = None) -> LawResult:
+    """combine(e, x) == x (left) or combine(x, e) == x (right).
+
+    Projective monoids: up to scale when renormalising is known to keep the law (`up_to_scale`,
+    default: whenever the monoid is projective); otherwise exactly after renormalising both sides,
+    renorm(combine(e, x)) == renorm(x), which is what a scan padded with e computes.
+    """
     projective = m.is_projective
+    up_to_scale = projective if up_to_scale is None else up_to_scale
+    renorm = projective and not up_to_scale
     e = m.identity_exprs
     law = LEFT_IDENTITY if side == "left" else RIGHT_IDENTITY
     expr = "combine(e, x)" if side == "left" else "combine(x, e)"
+    if renorm:
+        expr = f"renorm({expr})"
 
     def sides(x=m.x_symbols):
-        out = A.combine_exprs(m, e, x) if side == "left" else A.combine_exprs(m, x, e)
+        out = A.combine_exprs(m, e, x, renorm) if side == "left" else A.combine_exprs(m, x, e, renorm)
+        if renorm:
+            s = m.scale_expr.xreplace(dict(zip(m.m_symbols, x)))
+            return out, tuple(v / s for v in x)
         return out, tuple(x)
 
     f64 = _Float64(m)
     ident = tuple(np.float64(v) for v in m.identity)
 
     def evaluate(x):
-        got = f64.combine(ident, x, renormalise=False) if side == "left" else f64.combine(x, ident, renormalise=False)
-        return got, [np.broadcast_to(v, np.shape(got[0])) for v in x]
+        got = f64.combine(ident, x, renorm) if side == "left" else f64.combine(x, ident, renorm)
+        want = [np.broadcast_to(v, np.shape(got[0])) for v in x]
+        if renorm:
+            with np.errstate(all="ignore"):
+                s = np.broadcast_to(np.asarray(f64.scale(*want), dtype=np.float64), np.shape(got[0]))
+                want = [v / s for v in want]
+        return got, want
 
-    def fail(search, leftovers):
-        (x,) = search.counterexample
-        scale = " (up to scale)" if projective else ""
+    def fail(search, leftovers, decided):
+        scale = " (up to scale)" if up_to_scale else (" (after renormalising by scale)" if renorm else "")
         msg = (f"identity {_fmt_point(m.identity)} of monoid '{m.name}' is not a {side} identity{scale}: "
-               f"{expr} - x leaves\n{_fmt_leftovers(leftovers)}\n"
-               f"  counterexample (fields {m.fields}): x = {_fmt_point(x)}\n"
-               f"    {expr} = {_fmt_point(search.left)}\n    x = {_fmt_point(search.right)}")
-        err = IdentityError(msg, counterexample=x)
+               f"{expr} - {'renorm(x)' if renorm else 'x'} leaves\n{_fmt_leftovers(leftovers)}\n"
+               + _decided(decided, "this leftover"))
+        if search.counterexample is None:
+            err = IdentityError(msg + _no_witness("the leftover"))
+        else:
+            (x,) = search.counterexample
+            msg += (f"  counterexample (fields {m.fields}): x = {_fmt_point(x)}\n"
+                    f"    {expr} = {_fmt_point(search.left)}\n    {'renorm(x)' if renorm else 'x'} = "
+                    f"{_fmt_point(search.right)}")
+            err = IdentityError(msg, counterexample=x)
         err.side = side
         raise err
 
     _identity_is_finite(m, side, expr, evaluate)
-    return _law(m, law, seconds, sides, projective, 1, evaluate,
-                lambda p: sides(tuple(_exact(v) for v in p[0])), projective, fail)
+    return _law(m, law, seconds, sides, up_to_scale, 1, m.x_symbols, evaluate,
+                lambda p: sides(tuple(_exact(v) for v in p[0])), up_to_scale, fail, cached)
 
 
 def _identity_is_finite(m, side: str, expr: str, evaluate):
@@ -517,7 +585,7 @@ def commutativity(m, seconds=None) -> bool | None:
     """combine(x, y) == combine(y, x)? True/False when decided (symbolically, or False by a numeric
     witness confirmed exactly), None otherwise. Projective monoids: of the renormalised combine."""
     seconds = _budget(seconds)
-    decided, _ = _symbolic(lambda dl: A.commutative(m, dl), seconds)
+    decided, _ = B.symbolic(lambda dl: A.commutative(m, dl), seconds)
     if decided is not None:
         return decided
     f64 = _Float64(m)
@@ -528,8 +596,12 @@ def commutativity(m, seconds=None) -> bool | None:
 
 
 # ---- cache ----------------------------------------------------------------------------------------
+# A record on disk is untrusted input: it is bound to the full hash of the expressions it speaks for
+# (another declaration's record, or a stale one, is ignored), and the cheap facts are re-checked when
+# it is first used in a process: the law's random counterexample search runs as if nothing were
+# cached (so a forged record cannot mark `x - y` proved), and a cached "commutative" is tested too.
 
-_MEMORY: dict[str, dict] = {}  # key -> {"laws": {law: LawResult}, "commutative": bool}
+_MEMORY: dict[str, dict] = {}  # key -> {"laws": {law: LawResult}, "commutative": bool, "checked": bool}
 
 
 def clear_memory_cache():
@@ -538,30 +610,33 @@ def clear_memory_cache():
 
 
 def _cache_file(key: str):
-    return settings.cache_dir() / "proofs" / f"{key}-v{_CACHE_VERSION}.json"
+    return cache.directory("proofs") / f"{key}-v{_CACHE_VERSION}.json"
 
 
-def _load(key: str) -> dict:
-    """What is known about `key`: symbolic law results and a decided commutativity (memory, then disk)."""
-    if key in _MEMORY:
-        return _MEMORY[key]
-    entry = {"laws": {}, "commutative": None}
+def _load(m) -> dict:
+    """What is known about monoid `m`: symbolic law results and a decided commutativity (memory, then disk)."""
+    if m.key in _MEMORY:
+        return _MEMORY[m.key]
+    entry = {"laws": {}, "commutative": None, "checked": False}
     try:
-        data = json.loads(_cache_file(key).read_text())
-        for law, r in data["laws"].items():
-            if r["method"] == "symbolic":
-                entry["laws"][law] = LawResult(law, "symbolic", str(r["how"]), float(r["seconds"]), cached=True)
-        if isinstance(data.get("commutative"), bool):
-            entry["commutative"] = data["commutative"]
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        pass  # no file, or an unreadable one: derive again
-    _MEMORY[key] = entry
+        raw = cache.read_bytes(_cache_file(m.key))
+        data = json.loads(raw.decode()) if raw is not None else {}
+        if data and data.get("digest") == m.digest and data.get("version") == _CACHE_VERSION:
+            for law, r in data["laws"].items():
+                if law in (ASSOCIATIVITY, LEFT_IDENTITY, RIGHT_IDENTITY) and r["method"] == "symbolic":
+                    entry["laws"][law] = LawResult(law, "symbolic", str(r["how"]), float(r["seconds"]), cached=True)
+            if isinstance(data.get("commutative"), bool):
+                entry["commutative"] = data["commutative"]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, cache.CacheUnusable):
+        pass  # no file, or an unreadable one: derive again (and rewrite it)
+    _MEMORY[m.key] = entry
     return entry
 
 
 def _store(m, results, commutative: bool | None):
     """Remember the symbolic results (and a decided commutativity); write them atomically to disk."""
-    entry = _load(m.key)
+    entry = _load(m)
+    entry["checked"] = True
     new = [r for r in results if r.symbolic and not r.cached]
     fresh_commutative = commutative is not None and entry["commutative"] is None
     if not new and not fresh_commutative:
@@ -570,22 +645,22 @@ def _store(m, results, commutative: bool | None):
         entry["laws"][r.law] = replace(r, cached=True)
     if commutative is not None:
         entry["commutative"] = commutative
-    path = _cache_file(m.key)
-    data = {"monoid": m.name, "version": _CACHE_VERSION, "commutative": entry["commutative"],
+    data = {"monoid": m.name, "version": _CACHE_VERSION, "digest": m.digest, "commutative": entry["commutative"],
             "laws": {law: {"method": r.method, "how": r.how, "seconds": r.seconds}
                      for law, r in entry["laws"].items()}}
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".proof-", suffix=".json")
-        try:
-            with os.fdopen(fd, "w") as fh:
-                json.dump(data, fh, indent=1, sort_keys=True)
-            os.replace(tmp, path)
-        except BaseException:
-            os.unlink(tmp)
-            raise
-    except OSError:
+        cache.write_atomic(_cache_file(m.key), json.dumps(data, indent=1, sort_keys=True).encode())
+    except (OSError, cache.CacheUnusable):
         pass  # a read-only cache directory only costs re-proving next time
+
+
+def _commutativity_holds_numerically(m) -> bool:
+    """No numeric witness against a cached "commutative: true" (the check of a record read from disk)."""
+    f64 = _Float64(m)
+    swap = lambda x, y: (f64.combine(x, y), f64.combine(y, x))  # noqa: E731
+    exact = lambda p: (A.combine_exprs(m, [_exact(v) for v in p[0]], [_exact(v) for v in p[1]], True),  # noqa: E731
+                       A.combine_exprs(m, [_exact(v) for v in p[1]], [_exact(v) for v in p[0]], True))
+    return _search(m, 2, swap, exact, False, _seed(m, "commutative")).counterexample is None
 
 
 # ---- the stage ------------------------------------------------------------------------------------
@@ -597,25 +672,57 @@ def _budget(seconds):
     return None if math.isinf(seconds) else seconds
 
 
+def _check_scale(m, seconds):
+    """A projective scale must be usable as a divisor: nonzero (and finite) at the identity, and not
+    identically zero; otherwise every prefix would be divided by zero."""
+    s = m.scale_expr
+    at_identity = s.xreplace(dict(zip(m.m_symbols, m.identity_exprs)))
+    nonzero = _exact_nonzero(at_identity)
+    if nonzero is not True:
+        value = "0" if nonzero is False else f"{at_identity} (not a finite real number)"
+        raise IdentityError(
+            f"scale of monoid '{m.name}' is zero or undefined at the identity {_fmt_point(m.identity)}: scale(e) = "
+            f"{value} with scale(m) = {s}; renormalising the identity (and every scan padded with it) would "
+            f"divide by it. Declare a scale that is nonzero at the identity (e.g. the trace of a matrix)",
+            counterexample=m.identity)
+    decided, _ = B.symbolic(lambda dl: A.decide_equal(s, sympy.S.Zero, dl, use_simplify=False), seconds)
+    if decided is not None and decided.equal is True:
+        raise ValueError(f"scale of monoid '{m.name}': scale(m) = {s} is identically zero ({decided.how}); "
+                         f"renormalising would divide every element by zero")
+
+
 def verify(monoid, seconds: float | None = None) -> Proof:
     """Prove (or refute) associativity and both identity laws of `monoid`; see the module docstring.
 
     `seconds` bounds each law's symbolic attempt (default settings.proof_seconds()). Raises
-    NotAssociativeError / IdentityError with a counterexample when a law fails.
+    NotAssociativeError / IdentityError with a counterexample when a law fails (also when sympy
+    decides a law false and the random search found no point: the counterexample is then searched
+    where the expressions differ; see scanlang/witness.py), and IdentityError or ValueError naming
+    `scale` for a projective scale that is zero at the identity or identically zero.
     """
     start = time.perf_counter()
     seconds = _budget(seconds)
     m = monoid
-    known = _load(m.key)
+    known = _load(m)
+    trusted = known["checked"]
     cached = dict(known["laws"])
     homogeneity = None
     if m.is_projective:
-        homogeneity, _ = _symbolic(lambda dl: A.projective_mode(m, dl), seconds)
+        _check_scale(m, seconds)
+        homogeneity, _ = B.symbolic(lambda dl: A.projective_mode(m, dl), seconds)
     up_to_scale = homogeneity is not None and homogeneity.up_to_scale
-    assoc = cached.get(ASSOCIATIVITY) or _associativity(m, seconds, up_to_scale)
-    left = cached.get(LEFT_IDENTITY) or _identity(m, "left", seconds)
-    right = cached.get(RIGHT_IDENTITY) or _identity(m, "right", seconds)
+    identity_up_to_scale = up_to_scale
+
+    def law(name, prove):
+        found = cached.get(name)
+        return found if found is not None and trusted else prove(found)
+
+    assoc = law(ASSOCIATIVITY, lambda c: _associativity(m, seconds, up_to_scale, c))
+    left = law(LEFT_IDENTITY, lambda c: _identity(m, "left", seconds, identity_up_to_scale, c))
+    right = law(RIGHT_IDENTITY, lambda c: _identity(m, "right", seconds, identity_up_to_scale, c))
     commutative = known["commutative"]
+    if commutative is True and not trusted and not _commutativity_holds_numerically(m):
+        commutative = known["commutative"] = None
     if commutative is None:
         commutative = commutativity(m, seconds)
     _store(m, [assoc, left, right], commutative)

@@ -33,7 +33,7 @@ import triton
 from torch.library import triton_op, wrap_triton
 from triton.runtime.errors import OutOfResources
 
-from scanlang.delta import GIVEN, KACZMARZ, DeltaRule
+from scanlang.delta import DECLARED, GIVEN, KACZMARZ, DeltaRule
 
 from ..triton.runtime import fit_launch
 from . import codegen
@@ -155,16 +155,30 @@ class ChunkTable:
     def _int(self, values) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int32, device=self.device)
 
-    @functools.cached_property
+    # lazily built, by hand rather than with functools.cached_property: its lock (Python < 3.12)
+    # is a context manager torch.compile cannot enter
+    @property
     def seq_tok(self) -> torch.Tensor:
         """[N + 1] first token of each sequence, then the total."""
+        found = self.__dict__.get("_seq_tok")
+        if found is None:
+            found = self._seq_tok = self._make_seq_tok()
+        return found
+
+    @property
+    def chunks(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(chunk_tok [NC], chunk_len [NC], seq_chunk0 [N + 1]) as int32 device tensors."""
+        found = self.__dict__.get("_chunks")
+        if found is None:
+            found = self._chunks = self._make_chunks()
+        return found
+
+    def _make_seq_tok(self) -> torch.Tensor:
         if self.cu is None:
             return torch.arange(self.B + 1, device=self.device, dtype=torch.int32) * self.T
         return self._int(self.cu)
 
-    @functools.cached_property
-    def chunks(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(chunk_tok [NC], chunk_len [NC], seq_chunk0 [N + 1]) as int32 device tensors."""
+    def _make_chunks(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         B, T, C = self.B, self.T, self.C
         if self.cu is None:
             nt = triton.cdiv(T, C)
@@ -504,10 +518,19 @@ def recurrent_forward(p: Plan, q, k, v, a, hp, s, h0, eps, scale, table: ChunkTa
 
 
 def program_key(rule: DeltaRule, chunk_size: int) -> str:
-    """Load (once) the generated module for `rule` at `chunk_size` and return its key in PROGRAMS."""
-    key = f"{rule.name}_{rule.key}_c{chunk_size}"
+    """Load (once) the generated module for `rule` at `chunk_size` and return its key in PROGRAMS.
+
+    Under torch.compile the build runs at trace time, outside the graph (`_built`)."""
+    return _built(rule.name, rule.key, chunk_size)
+
+
+@torch.compiler.assume_constant_result
+def _built(name: str, rule_key: str, chunk_size: int) -> str:
+    """program_key's work on constants (strings and an int, as Dynamo needs them); the rule is found
+    in `scanlang.delta.DECLARED`."""
+    key = f"{name}_{rule_key}_c{chunk_size}"
     if key not in PROGRAMS:
-        PROGRAMS[key] = (codegen.load(rule, chunk_size), chunk_size)
+        PROGRAMS[key] = (codegen.load(DECLARED[(name, rule_key)], chunk_size), chunk_size)
     return key
 
 

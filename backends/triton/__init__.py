@@ -40,22 +40,21 @@ def program_for(monoid):
     return pipeline.build(pipeline.lower(monoid))
 
 
-_DECLARED: dict = {}
+_KEYS: dict = {}   # (monoid key, name) -> the key of its plain-scan program in PROGRAMS
 
 
 @torch.compiler.assume_constant_result
-def program_key(combine_fn, fields, identity, scale_fn, name) -> str:
-    """Build (once) and name the plain-scan program of a declaration.
+def program_key(key: str, name: str) -> str:
+    """Build (once) and name the plain-scan program of the declaration `(monoid.key, monoid.name)`.
 
-    torch.compile runs this at trace time and keeps only the string. It takes the declaration's
-    parts (functions, strings, numbers: constants to Dynamo) rather than the Monoid object, which
-    some torch versions cannot treat as a constant.
+    torch.compile runs this at trace time and keeps only the string. It takes two strings (constants
+    to Dynamo in every torch version, also when a recompile turns numbers dynamic) rather than the
+    Monoid object or its parts; the object is found in `scanlang.monoid.DECLARED`.
     """
-    from scanlang.monoid import Monoid
-    decl = (combine_fn, fields, identity, scale_fn, name)
-    if decl not in _DECLARED:
-        _DECLARED[decl] = program_for(Monoid(combine_fn, fields, identity, scale=scale_fn, name=name)).key
-    return _DECLARED[decl]
+    from scanlang.monoid import DECLARED
+    if (key, name) not in _KEYS:
+        _KEYS[(key, name)] = program_for(DECLARED[(key, name)]).key
+    return _KEYS[(key, name)]
 
 
 def scan(monoid, elems, dim: int, reverse: bool, initial, out_dtype) -> tuple[torch.Tensor, ...]:
@@ -78,7 +77,7 @@ def scan(monoid, elems, dim: int, reverse: bool, initial, out_dtype) -> tuple[to
     if not 0 <= dim < ndim:
         raise ValueError(f"dim: expected 0 <= dim < {ndim}, got {dim}")
     init = list(initial) if initial is not None else None
-    prog = PROGRAMS[program_key(monoid.combine_fn, monoid.fields, monoid.identity, monoid.scale_fn, monoid.name)]
+    prog = PROGRAMS[program_key(monoid.key, monoid.name)]
     outs, _ = launch(prog, elems, init, dim, reverse, out_dtype == torch.float64)
     return tuple(outs)
 

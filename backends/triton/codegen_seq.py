@@ -404,7 +404,7 @@ def render_forward_lanes(ir: ScanIR) -> list[str]:
         body.append(_store(f"final_ptr + ({f} * n_seq + seq) * L + lane", f"c_{name}", "lane_ok"))
     sig = ", ".join(forward_args(ir) + [f"{c}: tl.constexpr" for c in consts] + lanes_flags(ir, False))
     return ["@triton.jit", f"def scan_forward_lanes({sig}):",
-            f'    """Forward fused scan of {ir.name}, lane-sequential: one combine per step and lane, in registers."""',
+            f'    """Forward fused scan of {E.docstring_text(ir.name)}, lane-sequential: one combine per step and lane, in registers."""',
             *_indent(body, 4)]
 
 
@@ -706,6 +706,6 @@ def render_backward_lanes(ir: ScanIR, adj: Adjoint) -> list[str]:
     sig = ", ".join(backward_args(ir) + ["scratch_ptr"] + [f"{c}: tl.constexpr" for c in consts]
                     + lanes_flags(ir, True))
     return ["@triton.jit", f"def scan_backward_lanes({sig}):",
-            f'    """Backward of {ir.name}, lane-sequential: replay each chunk (in registers when CHUNK == UNROLL, '
+            f'    """Backward of {E.docstring_text(ir.name)}, lane-sequential: replay each chunk (in registers when CHUNK == UNROLL, '
             'else into scratch), step the adjoint back."""',
             *_indent(body, 4)]

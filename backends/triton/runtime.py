@@ -11,17 +11,17 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import importlib.machinery
 import importlib.util
-import os
+import linecache
 import sys
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from triton.runtime.errors import OutOfResources
 
-from scanlang import settings
+from scanlang import cache, settings
 
 from .codegen import LANE_DIMS
 
@@ -45,24 +45,52 @@ def cache_key(source: str) -> str:
 _MODULES: dict[str, object] = {}
 
 
+class _VerifiedSourceLoader(importlib.machinery.SourceFileLoader):
+    """Executes the source text it was given, compiled here: never a `__pycache__` file (which
+    could be stale or forged next to a correct `.py`), and writes none."""
+
+    def __init__(self, fullname: str, path: str, source: str):
+        super().__init__(fullname, path)
+        self.verified_source = source
+
+    def get_source(self, fullname):
+        return self.verified_source
+
+    def get_code(self, fullname):
+        return compile(self.verified_source, self.path, "exec", dont_inherit=True)
+
+    def set_data(self, path, data, *, _mode=0o666):   # no bytecode is written
+        pass
+
+
 def load(source: str):
-    """Write `source` (once) to `<cache_dir>/triton/<key>.py` atomically and import it from that file."""
+    """Write `source` (once) to `<cache_dir>/triton/scanlang_<key>.py` and import it from that file.
+
+    The file is what Triton reads kernel source from (inspect.getsource), so it is kept as a real file
+    whose bytes equal `source`: a missing, different, truncated or undecodable file (or a link) is
+    rewritten atomically. The module executes `source` itself, compiled in memory (no bytecode read
+    or written), and linecache holds the same text, so what runs and what Triton compiles is the
+    verified source even if the file changes afterwards.
+    """
     key = cache_key(source)
     if key in _MODULES:
         return _MODULES[key]
-    folder = Path(settings.cache_dir()) / "triton"
-    folder.mkdir(parents=True, exist_ok=True)
+    folder = cache.directory("triton")
     path = folder / f"scanlang_{key}.py"
-    if not path.exists() or path.read_text() != source:
-        fd, tmp = tempfile.mkstemp(dir=folder, suffix=".tmp")
-        with os.fdopen(fd, "w") as fh:
-            fh.write(source)
-        os.replace(tmp, path)
+    data = source.encode()
+    if cache.read_bytes(path) != data:
+        cache.write_atomic(path, data)
     name = f"scanlang_generated_{key}"
-    spec = importlib.util.spec_from_file_location(name, path)
+    loader = _VerifiedSourceLoader(name, str(path), source)
+    spec = importlib.util.spec_from_file_location(name, path, loader=loader)
     module = importlib.util.module_from_spec(spec)
+    linecache.cache[str(path)] = (len(source), None, source.splitlines(True), str(path))
     sys.modules[name] = module
-    spec.loader.exec_module(module)
+    try:
+        loader.exec_module(module)
+    except BaseException:
+        sys.modules.pop(name, None)
+        raise
     _MODULES[key] = module
     return module
 
