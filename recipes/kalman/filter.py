@@ -141,8 +141,11 @@ class _KalmanScan(torch.autograd.Function):
         return lam, eta
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx, g_lam, g_eta):
+        # Plain differentiable ops and sl.scans: under create_graph=True autograd records them, and a
+        # second derivative goes through them and, for lam and eta, back through this Function, so
+        # it is exact wherever the scans are differentiable (the generated ones once: third
+        # derivatives on the Triton backend are refused by its scans).
         lam, eta, a, a2, p, lam0, eta0 = ctx.saved_tensors
         grads = filter_adjoint(lam, eta, a, a2, p, lam0, eta0, g_lam, g_eta, ctx.backend)
         return (*grads, None, None)
