@@ -272,13 +272,13 @@ def _check_values(prec, a_bar, p_bar, initial_state):
     def positive(x):
         return bool(((x > 0) & torch.isfinite(x)).all())
     if not positive(prec):
-        raise ValueError("prec: observation precisions must be finite and > 0 (not NaN or inf)")
+        raise ValueError("prec: observation precisions must be > 0 and finite (not NaN or inf)")
     if not bool(((a_bar > 0) & (a_bar <= 1)).all()):
         raise ValueError("a_bar: the discrete decay must lie in (0, 1]")
     if not positive(p_bar):
-        raise ValueError("p_bar: the discrete process noise must be finite and > 0")
+        raise ValueError("p_bar: the discrete process noise must be > 0 and finite")
     if initial_state is not None:
         if not positive(initial_state[0]):
-            raise ValueError("initial_state lam: precisions must be finite and > 0")
+            raise ValueError("initial_state lam: precisions must be > 0 and finite")
         if not bool(torch.isfinite(initial_state[1]).all()):
             raise ValueError("initial_state eta: information means must be finite")
