@@ -41,8 +41,9 @@ class _Refuse(torch.autograd.Function):
 
 
 def message(op: str) -> str:
-    return (f"{op}: second derivatives are not implemented (its backward runs generated kernels and is "
-            "differentiable once, so a second differentiation would otherwise be silently zero); use "
+    return (f"{op}: cannot differentiate twice; second derivatives are not implemented (its backward runs "
+            "generated kernels and is differentiable once, so a second differentiation would otherwise be "
+            "silently zero); use "
             "backend='reference' for double backward, torch.autograd.grad(..., create_graph=True) or "
             "torch.autograd.functional.hvp")
 
