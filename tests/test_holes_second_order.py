@@ -160,7 +160,7 @@ def test_kalman_filter_second_derivatives():
 @pytest.mark.slow
 def test_kalman_filter_second_derivatives_on_generated_kernels():
     ins = _kalman_inputs()
-    w, dv = torch.randn_like(ins["v"]), torch.randn_like(ins["v"])
+    w, dv, dprec = torch.randn_like(ins["v"]), torch.randn_like(ins["v"]), torch.randn_like(ins["prec"])
 
     def loss_of(fn, **kw):
         def loss(v, prec):
