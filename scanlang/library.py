@@ -10,6 +10,10 @@ from .expr import exp, log, maximum, minimum
 from .monoid import monoid
 
 INF = float("inf")
+# A finite floor for the stabilising maxima of the log-space monoids: with -inf operands (their own
+# identity, or a masked token) exp(x - max) would be exp(-inf - (-inf)) = NaN; against a finite floor
+# it is exp(-inf) = 0, the right value. Far below any score that matters and finite in float32.
+LOG_FLOOR = -1e38
 
 
 @monoid(fields=("a", "b"), identity=(1, 0), name="Affine")
@@ -84,9 +88,10 @@ def LogAffine(x, y):
     around m = max(y.la + x.lb, y.lb).
     Law: the image of Affine under log; identity (0, -inf) is h -> h.
     Recurrence: log h_t = log(a_t h_{t-1} + b_t) from h_0 = 0, without overflow (log-space scans of
-    gated RNNs such as minGRU).
+    gated RNNs such as minGRU). lb = -inf (b = 0) is exact: the stabiliser m is floored at LOG_FLOOR,
+    which changes nothing above it and keeps exp(-inf - m) = 0 (never -inf - (-inf)).
     """
-    m = maximum(y.la + x.lb, y.lb)
+    m = maximum(maximum(y.la + x.lb, y.lb), LOG_FLOOR)
     return x.la + y.la, m + log(exp(y.la + x.lb - m) + exp(y.lb - m))
 
 
@@ -95,9 +100,11 @@ def LogSumExp(x, y):
     """Log-sum-exp, evaluated stably: max(x, y) + log(exp(x - max) + exp(y - max)).
 
     Law: the image of Add under log; identity -inf. Recurrence: l_t = log(exp(l_{t-1}) + exp(v_t)),
-    the running logsumexp of v_1..v_t.
+    the running logsumexp of v_1..v_t. -inf inputs (masked tokens) are exact: the stabiliser is
+    floored at LOG_FLOOR (= -1e38; a sum of values all below it underflows to -inf), so two -inf give
+    exp(-inf) = 0 terms, never exp(-inf - (-inf)) = NaN.
     """
-    m = maximum(x.l, y.l)
+    m = maximum(maximum(x.l, y.l), LOG_FLOOR)
     return m + log(exp(x.l - m) + exp(y.l - m))
 
 
@@ -105,14 +112,18 @@ def LogSumExp(x, y):
 def OnlineSoftmax(x, y):
     """Online softmax normaliser pairs (m, s) meaning s * exp(m): the running max m and sum s of exp(v - m).
 
-    Combine: m = max(x.m, y.m), s = x.s exp(x.m - m) + y.s exp(y.m - m).
-    Law: both sides represent x.s e^{x.m} + y.s e^{y.m} + z.s e^{z.m} with m the overall max;
-    identity (-inf, 0) is the empty sum. Lifting v_t to (v_t, 1), the scan gives m_t = max_{i<=t} v_i
-    and s_t = sum_{i<=t} exp(v_i - m_t), so log-sum-exp = m_t + log(s_t).
-    Note: combining two identities evaluates exp(-inf - (-inf)) = nan in floating point.
+    Combine, with f(m) = max(m, LOG_FLOOR): m = max(x.m, y.m),
+    s = x.s exp(f(x.m) - f(m)) + y.s exp(f(y.m) - f(m)).
+    Law: (m, s) stands for (max, s e^{f(m)}), a pair of the monoids (max, -inf) and (+, 0); both
+    groupings give (max, x.s e^{f(x.m)} + y.s e^{f(y.m)} + z.s e^{f(z.m)}). Identity (-inf, 0) is the
+    empty sum. Lifting v_t to (v_t, 1), the scan gives m_t = max_{i<=t} v_i and
+    s_t = sum_{i<=t} exp(v_i - m_t) (for scores above LOG_FLOOR = -1e38), so log-sum-exp is
+    m_t + log(s_t). -inf scores (masked tokens, the identity) are exact: f keeps exp's argument away
+    from -inf - (-inf) = NaN, so combine(e, e) = e and leading masked tokens give (-inf, their count).
     """
     m = maximum(x.m, y.m)
-    return m, x.s * exp(x.m - m) + y.s * exp(y.m - m)
+    floor = maximum(m, LOG_FLOOR)
+    return m, x.s * exp(maximum(x.m, LOG_FLOOR) - floor) + y.s * exp(maximum(y.m, LOG_FLOOR) - floor)
 
 
 @monoid(fields=("n", "mean", "m2"), identity=(0, 0, 0), name="Welford")

@@ -55,6 +55,7 @@ from typing import Callable, Mapping, Sequence
 import torch
 
 from . import settings
+from ._checks import check_cu_seqlens
 from .monoid import Monoid
 
 
@@ -193,12 +194,8 @@ class Mixer:
 
 
 def _check_cu_seqlens(cu_seqlens, total: int, device) -> int:
-    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
-        raise ValueError("cu_seqlens: expected a 1-d integer tensor [N + 1] of sequence starts ending with the total length")
-    if cu_seqlens.dtype not in (torch.int32, torch.int64):
-        raise TypeError(f"cu_seqlens: expected int32 or int64, got {cu_seqlens.dtype}")
-    if cu_seqlens.device != device:
-        raise ValueError(f"cu_seqlens: on {cu_seqlens.device}, but the inputs are on {device}")
+    """The number of sequences, after `check_cu_seqlens` (the kernels take the offsets as memory bounds)."""
+    check_cu_seqlens(cu_seqlens, total, device)
     return cu_seqlens.numel() - 1
 
 

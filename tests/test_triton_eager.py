@@ -235,7 +235,7 @@ def test_cached_calls_follow_every_change_of_shape_stride_and_dtype():
 
 
 def test_create_graph_backward_refuses_a_second_differentiation():
-    """With create_graph=True the eager backward goes through once_differentiable: gradients come
+    """With create_graph=True the eager backward refuses a second order (scanlang.second_order): gradients come
     back, and differentiating them again raises instead of returning wrong (zero) second derivatives."""
     a, b = (e.requires_grad_() for e in elems_for(sl.Affine, (2, 5, 3)))
     w = torch.randn(2, 5, 3, dtype=torch.float64, device=DEVICE, requires_grad=True)

@@ -87,6 +87,11 @@ def render_hooks(rule: DeltaRule) -> str:
     return "\n".join(out).rstrip() + "\n"
 
 
+# exp(-200) underflows to 0 in float32 (below about -103.9), and 200 per reset keeps the cumsum's rounding
+# (|G| * 2^-24) near 1e-5 relative in the decays
+LOG_DECAY_FLOOR = -200.0
+
+
 def render_prep(chunk_size: int) -> str:
     """The prep kernel for C = chunk_size.
 
@@ -114,7 +119,9 @@ def render_prep(chunk_size: int) -> str:
     a("    km = ok[:, None] & (kk[None, :] < K)")
     a("    k = tl.load(k_ptr + (tok[:, None] * H + h) * K + kk[None, :], mask=km, other=0.0)")
     a("    a = tl.load(a_ptr + tok * H + h, mask=ok, other=0.0).to(tl.float32)")
-    a("    G = tl.cumsum(tl.where(ok, decay_hook(a, hp_ptr, h, H), 0.0), 0)")
+    # log-decays floored at LOG_DECAY_FLOOR: exp of it is 0 in float32 (a reset stays exact) and G stays finite,
+    # so G_i - G_j is never -inf - (-inf) for g = -inf (a hard reset)
+    a(f"    G = tl.cumsum(tl.where(ok, tl.maximum(decay_hook(a, hp_ptr, h, H), {LOG_DECAY_FLOOR}), 0.0), 0)")
     a("    s = tl.load(s_ptr + tok * H + h, mask=ok, other=0.0).to(tl.float32)")
     a("    tl.store(gcum_ptr + tok * H + h, G, mask=ok)")
     a("    # A_ij = beta_i (k_i . k_j) Dec_ij, strictly lower; Dec_ij = exp(G_i - G_j) for j <= i")

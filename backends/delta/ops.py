@@ -34,6 +34,7 @@ from torch.library import triton_op, wrap_triton
 from triton.runtime.errors import OutOfResources
 
 from scanlang.delta import DECLARED, GIVEN, KACZMARZ, DeltaRule
+from scanlang.second_order import refuse_second_order
 
 from ..triton.runtime import fit_launch
 from . import codegen
@@ -456,7 +457,13 @@ def _setup_context(ctx, inputs, output):
 
 
 def _input_grads(ctx, do, dht, backward):
-    """Gradients of delta_chunk_fwd's inputs from those of (o, final state); `backward` is the op or the eager body."""
+    """Gradients of delta_chunk_fwd's inputs from those of (o, final state); `backward` is the op or the eager body.
+    Under create_graph=True they are refused a second differentiation (the kernels' gradients have no history)."""
+    if torch.is_grad_enabled():
+        with torch.no_grad():
+            grads = _input_grads(ctx, do, dht, backward)
+        return refuse_second_order("delta_rule / kaczmarz_delta_rule (backend='triton')", grads,
+                                   [*ctx.saved_tensors, do, dht])
     q, k, v, a, hp, s, h0, chunk_tok, chunk_len, seq_chunk0, tm, gcum, beta, w, u = ctx.saved_tensors
     do = torch.zeros(*q.shape[:2], v.shape[-1], device=q.device) if do is None else do.contiguous().float()
     dht = None if dht is None else dht.contiguous().float()

@@ -25,9 +25,10 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
-from torch.autograd.function import once_differentiable
 from torch.library import triton_op, wrap_triton
 from triton.runtime.errors import OutOfResources
+
+from scanlang.second_order import refuse_second_order
 
 from . import launcher, runtime
 from .plan import PLANS, BackwardPlan, ForwardPlan, chunk_of, overrides
@@ -225,8 +226,16 @@ def _setup_context(ctx, inputs, output):
     _save(ctx, key, ins, initial, cu_seqlens, dim, reverse, fp64, output)
 
 
+_OP = "sl.scan / sl.mixer (backend='triton')"
+
+
 def _backward(ctx, grads):
-    res = _gradients(ctx, grads, eager=False)
+    if torch.is_grad_enabled():   # create_graph=True: the kernels' gradients are not differentiable
+        with torch.no_grad():
+            res = _gradients(ctx, grads, eager=False)
+        res = refuse_second_order(_OP, res, [*ctx.saved_tensors, *grads])
+    else:
+        res = _gradients(ctx, grads, eager=False)
     return None, list(res[:ctx.n_inputs]), list(res[ctx.n_inputs:]), None, None, None, None, None
 
 
@@ -251,14 +260,9 @@ class _EagerScan(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         if torch.is_grad_enabled():   # create_graph=True: the kernels' gradients are not differentiable
-            return _EagerScan._backward_once(ctx, *grads)
-        return (None, *_gradients(ctx, grads, eager=True))
-
-    @staticmethod
-    @once_differentiable
-    def _backward_once(ctx, *grads):
-        """`backward` marked once-differentiable (a second differentiation raises); the wrapper's own
-        work (a no_grad block, checks) only matters when grad mode is on, so plain backwards skip it."""
+            with torch.no_grad():
+                res = _gradients(ctx, grads, eager=True)
+            return (None, *refuse_second_order(_OP, res, [*ctx.saved_tensors, *grads]))
         return (None, *_gradients(ctx, grads, eager=True))
 
 

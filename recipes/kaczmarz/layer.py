@@ -100,17 +100,37 @@ class KaczmarzLinearAttention(nn.Module):
         new_window = full[:, full.shape[1] - (self.conv_size - 1):]
         return F.silu(y.transpose(1, 2)), new_window
 
+    def empty_state(self, batch: int, x: torch.Tensor) -> KaczmarzState:
+        """The state before any token: zero conv windows (in x's dtype) and a zero fp32 matrix state."""
+        def window(dim):
+            return x.new_zeros(batch, self.conv_size - 1, dim)
+        S = torch.zeros(batch, self.num_heads, self.head_k_dim, self.head_v_dim, device=x.device,
+                        dtype=torch.promote_types(x.dtype, torch.float32))
+        return KaczmarzState(window(self.key_dim), window(self.key_dim), window(self.value_dim), S)
+
     def forward(self, x: torch.Tensor, state: KaczmarzState | None = None, return_state: bool = False):
         if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[-1] != self.hidden_size:
             got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
             raise ValueError(f"x must have shape [B, T, {self.hidden_size}], got {got}")
         B, T, _ = x.shape
         H, K, V = self.num_heads, self.head_k_dim, self.head_v_dim
+        if type(state) is tuple and len(state) == 4:   # a plain (conv_q, conv_k, conv_v, recurrent)
+            state = KaczmarzState(*state)
         if state is not None and not isinstance(state, KaczmarzState):
             raise TypeError(f"state must be the KaczmarzState a previous call returned, got {type(state).__name__}")
         if state is not None and state.recurrent.shape != (B, H, K, V):
             raise ValueError(f"state.recurrent must have shape [B, H, K, V] = {[B, H, K, V]}, "
                              f"got {list(state.recurrent.shape)}")
+        if state is not None:   # fp32 (float64 for float64 inputs), as this layer returns it
+            want = torch.promote_types(x.dtype, torch.float32)
+            if state.recurrent.dtype not in (torch.float32, want):
+                raise TypeError(f"state.recurrent: dtype {state.recurrent.dtype}, but this layer keeps its state in "
+                                f"{want}; pass the state it returned (or convert the state with .to({want}))")
+        if T == 0:   # nothing to mix: the convolutions need conv_size inputs
+            y = x.new_zeros(B, 0, self.hidden_size)
+            if not return_state:
+                return y
+            return y, state if state is not None else self.empty_state(B, x)
         windows = (None, None, None) if state is None else (state.conv_q, state.conv_k, state.conv_v)
         q, wq = self._conv(self.q_proj(x), self.q_conv, windows[0])
         k, wk = self._conv(self.k_proj(x), self.k_conv, windows[1])

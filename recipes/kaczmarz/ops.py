@@ -23,6 +23,8 @@ import numbers
 
 import torch
 
+from scanlang._checks import check_cu_seqlens
+
 from .chunk_reference import chunk_delta_rule_reference, chunk_delta_rule_reference_varlen
 from .naive import kaczmarz_beta
 
@@ -71,14 +73,12 @@ def validate(q, k, v, g, step, step_name, scale, initial_state, cu_seqlens, back
 
     n_seq, offsets = B, None
     if cu_seqlens is not None:
-        if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.dtype not in (torch.int32, torch.int64):
-            raise ValueError("cu_seqlens must be a 1-D int32/int64 tensor [N + 1] of sequence offsets")
         if B != 1:
             raise ValueError(f"cu_seqlens packs sequences along T and needs B == 1, got B = {B}")
-        cu = cu_seqlens.tolist()
-        if len(cu) < 2 or cu[0] != 0 or cu[-1] != T or any(b < a for a, b in zip(cu, cu[1:])):
-            raise ValueError(f"cu_seqlens must increase from 0 to T = {T} (length N + 1 >= 2), got {cu}")
-        n_seq, offsets = len(cu) - 1, tuple(int(x) for x in cu)
+        offsets = check_cu_seqlens(cu_seqlens, T, device)
+        if offsets is None:   # torch.compile: the kernels' chunk table still needs the offsets on the host
+            offsets = tuple(int(x) for x in cu_seqlens.tolist())
+        n_seq = cu_seqlens.numel() - 1
 
     inputs = (q, k, v, g, step)
     compute = torch.float64 if any(t.dtype == torch.float64 for t in inputs) else torch.float32
@@ -107,6 +107,16 @@ def validate(q, k, v, g, step, step_name, scale, initial_state, cu_seqlens, back
     return backend, compute, offsets
 
 
+def check_log_decay(g: torch.Tensor) -> None:
+    """g must be a log-decay, g <= 0 (-inf: a hard reset); g > 0 grows the state exponentially, and
+    NaN is no decay at all. Checked on CPU tensors only: on a GPU the check would cost a host
+    synchronisation per call (outside the domain the kernels give inf or NaN, not an error)."""
+    if g.device.type == "cpu" and not torch.compiler.is_compiling() and not bool((g <= 0).all()):
+        bad = g[~(g <= 0)]
+        raise ValueError(f"g: log-decays must be <= 0 (-inf is a hard reset); got {bad.numel()} values outside, "
+                         f"e.g. {float(bad[0])}")
+
+
 def _reference(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, compute, chunk_size):
     q, k, v, g, beta = (t.to(compute) for t in (q, k, v, g, beta))
     h0 = None if initial_state is None else initial_state.to(compute)
@@ -121,12 +131,15 @@ def delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_st
                cu_seqlens=None, backend=None, chunk_size=64):
     """Gated delta rule with a given step size beta [B,T,H]. Returns (o [B,T,H,V] fp32, S or None).
 
-    q, k: [B,T,H,K]; v: [B,T,H,V]; g (log-decay, usually <= 0): [B,T,H]; initial_state [N,H,K,V]
-    fp32 (N = B, or the number of packed sequences with cu_seqlens [N+1] and B == 1). `scale`
-    defaults to K**-0.5. q and k are used as given (normalise them yourself for GDN).
+    q, k: [B,T,H,K]; v: [B,T,H,V]; g (log-decay, <= 0; -inf resets the state): [B,T,H];
+    initial_state [N,H,K,V] fp32 (N = B, or the number of packed sequences with cu_seqlens [N+1]
+    and B == 1). `scale` defaults to K**-0.5. q and k are used as given (normalise them yourself
+    for GDN). g > 0 or NaN raises a ValueError for CPU tensors (`check_log_decay`). A NaN or inf
+    in token t reaches token t and later ones only, as in the token loop.
     """
     backend, compute, offsets = validate(q, k, v, g, beta, "beta", scale, initial_state, cu_seqlens, backend,
                                          chunk_size)
+    check_log_decay(g)
     scale = k.shape[-1] ** -0.5 if scale is None else float(scale)
     if backend == "reference":
         return _reference(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, compute, chunk_size)
@@ -145,6 +158,7 @@ def kaczmarz_delta_rule(q, k, v, g, eta, eps=1e-6, scale=None, initial_state=Non
     """
     backend, compute, offsets = validate(q, k, v, g, eta, "eta", scale, initial_state, cu_seqlens, backend,
                                          chunk_size)
+    check_log_decay(g)
     if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not eps >= 0:
         raise ValueError(f"eps must be a real number >= 0, got {eps!r}")
     scale = k.shape[-1] ** -0.5 if scale is None else float(scale)

@@ -42,15 +42,18 @@ def kalman_filter(v, prec, k, q, a_bar, p_bar, initial_state=None, output_final_
     """Run the information-form Kalman filter over time and read it out.
 
     Args:
-        v, prec: [B,T,M] observed values and their precisions (> 0).
+        v, prec: [B,T,M] observed values and their precisions (finite, > 0; huge ones such as 1e30
+            are fine: the precision scan renormalises its leaves).
         k, q: [B,T,S] keys and queries shared by all M channels, or [B,T,H,S] with the channels
             split into H contiguous groups of M/H (head h serves channels h*M/H .. (h+1)*M/H - 1).
         a_bar: [M,S] discrete decay in (0, 1]; p_bar: [M,S] discrete process noise (> 0).
         initial_state: (lam, eta), each [B,M,S] float32/float64; default lam = 1, eta = 0.
         output_final_state: also return (lam_T, eta_T).
         backend: as in `sl.scan` ("reference", "triton", or None for triton on CUDA).
-        validate: check values (prec > 0, p_bar > 0, 0 < a_bar <= 1, lam0 > 0); None checks CPU
-            tensors only (a check on GPU tensors costs a synchronisation), True always, False never.
+        validate: check values (prec and p_bar finite and > 0, 0 < a_bar <= 1, lam0 finite and > 0,
+            eta0 finite); None checks CPU tensors only (a check on GPU tensors costs a
+            synchronisation), True always, False never. Unchecked values outside that domain (an
+            infinite or negative precision) give NaN, not an error.
         form: how to scan. "fused": the 3x3 monoid as one `sl.mixer` (one generated forward and one
             backward kernel; needs backend "triton" and S a power of two); "fused_two": a Möbius
             mixer then an affine mixer (same needs); "two_scans": Möbius then
@@ -141,8 +144,11 @@ class _KalmanScan(torch.autograd.Function):
         return lam, eta
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx, g_lam, g_eta):
+        # Plain differentiable ops and sl.scans: under create_graph=True autograd records them, and a
+        # second derivative goes through them and, for lam and eta, back through this Function, so
+        # it is exact wherever the scans are differentiable (the generated ones once: third
+        # derivatives on the Triton backend are refused by its scans).
         lam, eta, a, a2, p, lam0, eta0 = ctx.saved_tensors
         grads = filter_adjoint(lam, eta, a, a2, p, lam0, eta0, g_lam, g_eta, ctx.backend)
         return (*grads, None, None)
@@ -261,11 +267,18 @@ def _check_shapes(v, prec, k, q, a_bar, p_bar, initial_state):
 
 
 def _check_values(prec, a_bar, p_bar, initial_state):
-    if not bool((prec > 0).all()):
-        raise ValueError("prec: observation precisions must be > 0 (and not NaN)")
+    """The documented domain. +inf is refused with the rest: an infinite precision or noise makes the
+    recursion inf / inf (NaN), never a limit the filter could take."""
+    def positive(x):
+        return bool(((x > 0) & torch.isfinite(x)).all())
+    if not positive(prec):
+        raise ValueError("prec: observation precisions must be > 0 and finite (not NaN or inf)")
     if not bool(((a_bar > 0) & (a_bar <= 1)).all()):
         raise ValueError("a_bar: the discrete decay must lie in (0, 1]")
-    if not bool((p_bar > 0).all()):
-        raise ValueError("p_bar: the discrete process noise must be > 0")
-    if initial_state is not None and not bool((initial_state[0] > 0).all()):
-        raise ValueError("initial_state lam: precisions must be > 0")
+    if not positive(p_bar):
+        raise ValueError("p_bar: the discrete process noise must be > 0 and finite")
+    if initial_state is not None:
+        if not positive(initial_state[0]):
+            raise ValueError("initial_state lam: precisions must be > 0 and finite")
+        if not bool(torch.isfinite(initial_state[1]).all()):
+            raise ValueError("initial_state eta: information means must be finite")

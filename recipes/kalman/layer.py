@@ -128,7 +128,10 @@ class KalmanLinearAttention(nn.Module):
         if state is None:
             state = self.initial_state(batch, x.device, x.dtype)
         else:
-            self._check_state(state, batch, x)
+            state = self._check_state(state, batch, x)
+        if x.shape[1] == 0:   # nothing to filter: the conv below needs d_conv inputs
+            out = x.new_zeros(batch, 0, self.d_model)
+            return (out, state) if return_state else out
         z, gate = self.in_proj(x).chunk(2, dim=-1)
         window = torch.cat([state.conv.to(z.dtype), z.transpose(1, 2)], dim=2)   # [B, M, K-1+T]
         z = F.silu(F.conv1d(window, self.conv.weight, self.conv.bias, groups=self.d_inner)).transpose(1, 2)
@@ -143,7 +146,8 @@ class KalmanLinearAttention(nn.Module):
         new_window = window[:, :, window.shape[2] - (self.d_conv - 1):]
         return out, KalmanLayerState(new_window, *filtered)
 
-    def _check_state(self, state, batch: int, x: torch.Tensor):
+    def _check_state(self, state, batch: int, x: torch.Tensor) -> KalmanLayerState:
+        """`state` (a KalmanLayerState, or a plain (conv, lam, eta) tuple) checked, as a KalmanLayerState."""
         if not isinstance(state, tuple) or len(state) != 3:
             raise ValueError("state: expected a KalmanLayerState (conv, lam, eta) returned by this layer")
         conv, lam, eta = state
@@ -156,3 +160,9 @@ class KalmanLinearAttention(nn.Module):
                 raise ValueError(f"{name}: expected shape {shape} for batch {batch}, got {got}")
             if t.device != x.device:
                 raise ValueError(f"{name}: on {t.device}, but x is on {x.device}")
+        want = _wide(self.a_log).dtype
+        for name, t in (("state.lam", lam), ("state.eta", eta)):
+            if t.dtype != want:
+                raise TypeError(f"{name}: dtype {t.dtype}, but this layer keeps its state in {want}; pass the "
+                                f"state it returned (or convert the state with .to({want}))")
+        return KalmanLayerState(conv, lam, eta)

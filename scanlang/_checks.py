@@ -1,0 +1,40 @@
+"""Input checks shared by the front ends (mixers, the delta-rule ops): one rule, one message.
+
+`check_cu_seqlens` validates packed variable-length offsets before any kernel sees them: a kernel
+trusts them as memory bounds, so offsets that end before T leave outputs unwritten, offsets past T
+read and write out of bounds, and decreasing ones give negative lengths.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def check_cu_seqlens(cu_seqlens, total: int, device=None, arg: str = "cu_seqlens") -> tuple[int, ...] | None:
+    """Check `cu_seqlens` ([N + 1] int32/int64 offsets: 0 = cu[0] <= cu[1] <= ... <= cu[N] = total)
+    and return the offsets as Python ints.
+
+    `device`: where the other inputs are (None: not checked). Reading the values costs one device to
+    host copy (a synchronisation on a GPU); while torch.compile traces, only the type, shape and
+    device are checked and None is returned.
+
+    >>> check_cu_seqlens(torch.tensor([0, 2, 5]), total=5)
+    (0, 2, 5)
+    """
+    if not isinstance(cu_seqlens, torch.Tensor):
+        raise TypeError(f"{arg}: expected a 1-d int32/int64 tensor [N + 1] of sequence offsets, "
+                        f"got {type(cu_seqlens).__name__}")
+    if cu_seqlens.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"{arg}: expected int32 or int64 offsets, got {cu_seqlens.dtype}")
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+        raise ValueError(f"{arg}: expected a 1-d tensor [N + 1] (N >= 1 sequences) of offsets, got shape "
+                         f"{tuple(cu_seqlens.shape)}")
+    if device is not None and cu_seqlens.device != torch.device(device):
+        raise ValueError(f"{arg}: on {cu_seqlens.device}, but the inputs are on {device}")
+    if torch.compiler.is_compiling():
+        return None
+    cu = [int(c) for c in cu_seqlens.tolist()]
+    if cu[0] != 0 or cu[-1] != total or any(b < a for a, b in zip(cu, cu[1:])):
+        shown = cu if len(cu) <= 12 else cu[:6] + ["..."] + cu[-5:]
+        raise ValueError(f"{arg}: offsets must not decrease, from 0 to the packed length T = {total} "
+                         f"(length N + 1 >= 2); got {shown}")
+    return tuple(cu)
