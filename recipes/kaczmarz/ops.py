@@ -23,7 +23,10 @@ import numbers
 
 import torch
 
+from scanlang import context_parallel
+
 from .chunk_reference import chunk_delta_rule_reference, chunk_delta_rule_reference_varlen
+from .context_parallel import delta_rule_sharded
 from .naive import kaczmarz_beta
 
 MAX_HEAD_DIM = 256
@@ -118,13 +121,20 @@ def _reference(q, k, v, g, beta, scale, initial_state, output_final_state, cu_se
 
 
 def delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
-               cu_seqlens=None, backend=None, chunk_size=64):
+               cu_seqlens=None, backend=None, chunk_size=64, cp_group=None):
     """Gated delta rule with a given step size beta [B,T,H]. Returns (o [B,T,H,V] fp32, S or None).
 
     q, k: [B,T,H,K]; v: [B,T,H,V]; g (log-decay, usually <= 0): [B,T,H]; initial_state [N,H,K,V]
     fp32 (N = B, or the number of packed sequences with cu_seqlens [N+1] and B == 1). `scale`
     defaults to K**-0.5. q and k are used as given (normalise them yourself for GDN).
+    `cp_group`: context parallelism over T (a ProcessGroup or 1-D DeviceMesh; every rank passes its
+    shard, the same `initial_state` and the GLOBAL `cu_seqlens`; the final state is the global one on
+    every rank; see `recipes/kaczmarz/context_parallel.py`).
     """
+    group = context_parallel.resolve_group(cp_group)
+    if group is not None:
+        return delta_rule_sharded(delta_rule, validate, MAX_HEAD_DIM, q, k, v, g, beta, "beta", scale, initial_state, output_final_state,
+                                  cu_seqlens, backend, chunk_size, group)
     backend, compute, offsets = validate(q, k, v, g, beta, "beta", scale, initial_state, cu_seqlens, backend,
                                          chunk_size)
     scale = k.shape[-1] ** -0.5 if scale is None else float(scale)
@@ -137,12 +147,18 @@ def delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_st
 
 
 def kaczmarz_delta_rule(q, k, v, g, eta, eps=1e-6, scale=None, initial_state=None, output_final_state=False,
-                        cu_seqlens=None, backend=None, chunk_size=64):
+                        cu_seqlens=None, backend=None, chunk_size=64, cp_group=None):
     """Delta rule with the Kaczmarz step beta = eta / (||k||^2 + eps), eta [B,T,H] in [0, 1].
 
     Keys are used raw (not normalised). A zero key or eta = 0 writes nothing. The squared norm is
-    taken in fp32 (float64 for float64 inputs). Same shapes and returns as `delta_rule`.
+    taken in fp32 (float64 for float64 inputs). Same shapes, returns and `cp_group` as `delta_rule`.
     """
+    group = context_parallel.resolve_group(cp_group)
+    if group is not None:
+        def run(q, k, v, g, eta, **kwargs):
+            return kaczmarz_delta_rule(q, k, v, g, eta, eps=eps, **kwargs)
+        return delta_rule_sharded(run, validate, MAX_HEAD_DIM, q, k, v, g, eta, "eta", scale, initial_state, output_final_state,
+                                  cu_seqlens, backend, chunk_size, group, eps=eps)
     backend, compute, offsets = validate(q, k, v, g, eta, "eta", scale, initial_state, cu_seqlens, backend,
                                          chunk_size)
     if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not eps >= 0:
