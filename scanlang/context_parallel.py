@@ -325,3 +325,47 @@ def monoid_fold(monoid, plan: ShardPlan, like: torch.Tensor) -> Callable:
         return torch.stack(monoid.combine(tuple(x[i] for i in range(n)), tuple(y[i] for i in range(n))))
 
     return lambda gathered: fold_carries(plan, gathered, combine, identity)
+
+
+def halo(group, plan: ShardPlan, x: torch.Tensor, width: int, needs_grad: bool, initial: torch.Tensor | None = None):
+    """A causal convolution's halo under context parallelism: x [B, T_rank, D] -> (the `width` inputs
+    before this shard, the global last `width` inputs), each [B, width, D].
+
+    Where the global sequence has fewer than `width` earlier inputs, the older ones come from `initial`
+    [B, width, D] (a carried conv window; zeros when None). Exchanged like a summary: each rank sends
+    its last `width` inputs (zero-padded on the left), so a shard shorter than the halo works too."""
+    B, T, D = x.shape
+    pad = lambda t: torch.cat([t.new_zeros(B, width - t.shape[1], D), t], 1)   # noqa: E731
+    tail = pad(x[:, max(0, T - width):])
+
+    def build(gathered):
+        windows, real = [], gathered.new_zeros(B, 0, D)
+        for r in range(plan.world):
+            windows.append(pad(real[:, max(0, real.shape[1] - width):]))
+            n = min(width, plan.lengths[r])
+            real = torch.cat([real, gathered[r][:, width - n:]], 1)
+        windows.append(pad(real[:, max(0, real.shape[1] - width):]))
+        return windows
+
+    before, last = exchange(group, tail, build, needs_grad)
+    if initial is None:
+        return before, last
+    older = lambda available: torch.cat([initial[:, available:], x.new_zeros(B, available, D)], 1)  # noqa: E731
+    return (before + older(min(width, plan.offset)).to(before.dtype),
+            last + older(min(width, plan.total)).to(last.dtype))
+
+
+def validated(group, check: Callable):
+    """`check()`'s result; if it raises a ValueError/TypeError, the same error is raised on every rank
+    (the failing rank joins `agree` with it, where the others are waiting)."""
+    try:
+        return check()
+    except (TypeError, ValueError) as exc:
+        agree(group, 0, {}, exc)
+        raise
+
+
+def layer_plan(group, x: torch.Tensor, same: dict) -> ShardPlan:
+    """The plan of a layer call on x [B, T_rank, D] (one `agree` of x and the layer's `same`)."""
+    same = {"x": (str(x.dtype), x.device.type, (x.shape[0],) + tuple(x.shape[2:]), x.requires_grad), **same}
+    return make_plan(agree(group, x.shape[1], same), dist.get_rank(group))

@@ -148,3 +148,21 @@ def delta_rule_sharded(run, validate, max_head_dim, q, k, v, g, step, step_name,
         for n in plan.empty_sequences():
             mine = mine.index_put((torch.tensor([n], device=dev),), start_of(n).unsqueeze(0))
     return o, cp.all_reduce_sum(group, cp.keep_in_graph(mine, carry))
+
+
+def conv_halos(group, layer, x, projected, windows, state):
+    """`KaczmarzLinearAttention` under context parallelism: the q, k, v convolutions' windows before
+    this shard and the global last ones (for `return_state`), from ONE halo exchange of the three
+    projections side by side (conv_size - 1 tokens each); `state`'s windows fill in before token 0."""
+    same = {"state": None if state is None else tuple(cp.describe(t) for t in state),
+            "layer": (layer.hidden_size, layer.num_heads, layer.mode, layer.conv_size, layer.backend)}
+    plan = cp.layer_plan(group, x, same)
+    width = layer.conv_size - 1
+    sizes = [p.shape[-1] for p in projected]
+    joint = torch.cat(projected, -1)
+    if width == 0:
+        empty = joint.new_zeros(joint.shape[0], 0, joint.shape[-1]).split(sizes, -1)
+        return empty, empty
+    initial = None if state is None else torch.cat([w.to(joint.dtype) for w in windows], -1)
+    before, last = cp.halo(group, plan, joint, width, cp.needs_grad(joint, initial), initial)
+    return before.split(sizes, -1), last.split(sizes, -1)

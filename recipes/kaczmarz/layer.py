@@ -21,8 +21,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from scanlang import context_parallel
 from scanlang.delta import GIVEN_MAMBA2, KACZMARZ_MAMBA2
 
+from .context_parallel import conv_halos
 from .ops import delta_rule, kaczmarz_delta_rule, validate
 
 MODES = ("kaczmarz", "gdn")
@@ -100,21 +102,38 @@ class KaczmarzLinearAttention(nn.Module):
         new_window = full[:, full.shape[1] - (self.conv_size - 1):]
         return F.silu(y.transpose(1, 2)), new_window
 
-    def forward(self, x: torch.Tensor, state: KaczmarzState | None = None, return_state: bool = False):
+    def _check(self, x, state):
         if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[-1] != self.hidden_size:
             got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
             raise ValueError(f"x must have shape [B, T, {self.hidden_size}], got {got}")
-        B, T, _ = x.shape
-        H, K, V = self.num_heads, self.head_k_dim, self.head_v_dim
+        B, H, K, V = x.shape[0], self.num_heads, self.head_k_dim, self.head_v_dim
         if state is not None and not isinstance(state, KaczmarzState):
             raise TypeError(f"state must be the KaczmarzState a previous call returned, got {type(state).__name__}")
         if state is not None and state.recurrent.shape != (B, H, K, V):
             raise ValueError(f"state.recurrent must have shape [B, H, K, V] = {[B, H, K, V]}, "
                              f"got {list(state.recurrent.shape)}")
+
+    def forward(self, x: torch.Tensor, state: KaczmarzState | None = None, return_state: bool = False,
+                cp_group=None):
+        """x [B, T, D] -> y (or (y, state) with `return_state`). `cp_group`: context parallelism over T
+        (every rank passes its shard and the same `state`; the conv halo and the matrix state are
+        exchanged; the returned state is the global one on every rank)."""
+        group = context_parallel.resolve_group(cp_group)
+        if group is None:
+            self._check(x, state)
+        else:
+            context_parallel.validated(group, lambda: self._check(x, state))
+        B, T, _ = x.shape
+        H, K, V = self.num_heads, self.head_k_dim, self.head_v_dim
         windows = (None, None, None) if state is None else (state.conv_q, state.conv_k, state.conv_v)
-        q, wq = self._conv(self.q_proj(x), self.q_conv, windows[0])
-        k, wk = self._conv(self.k_proj(x), self.k_conv, windows[1])
-        v, wv = self._conv(self.v_proj(x), self.v_conv, windows[2])
+        projected = (self.q_proj(x), self.k_proj(x), self.v_proj(x))
+        if group is not None:
+            windows, last_windows = conv_halos(group, self, x, projected, windows, state)
+        q, wq = self._conv(projected[0], self.q_conv, windows[0])
+        k, wk = self._conv(projected[1], self.k_conv, windows[1])
+        v, wv = self._conv(projected[2], self.v_conv, windows[2])
+        if group is not None:
+            wq, wk, wv = last_windows
         ct = torch.promote_types(x.dtype, torch.float32)   # gates, norms and the scan in fp32 or wider
         # q, k, v enter the scan in the activations' dtype (half inputs use the tensor cores; the scan
         # accumulates in fp32 regardless); normalisation happens in ct first
@@ -127,7 +146,7 @@ class KaczmarzLinearAttention(nn.Module):
         eta = torch.sigmoid(self.b_proj(x).to(ct))
         h0 = None if state is None else state.recurrent
         backend = self.backend or ("triton" if x.is_cuda and ct == torch.float32 else "reference")
-        if backend == "triton":
+        if backend == "triton" and group is None:
             # the Mamba2 gate runs inside the generated kernels as the rule's decay hook
             validate(q, k, v, a, eta, "eta", None, h0, None, backend, self.chunk_size)
             from scanlang.backends.delta import ops as delta_ops
@@ -138,7 +157,7 @@ class KaczmarzLinearAttention(nn.Module):
         else:
             g = -torch.exp(self.A_log.to(ct)) * F.softplus(a + self.dt_bias.to(ct))
             kwargs = dict(initial_state=h0, output_final_state=return_state, backend=backend,
-                          chunk_size=self.chunk_size)
+                          chunk_size=self.chunk_size, cp_group=group)
             if self.mode == "kaczmarz":
                 o, S = kaczmarz_delta_rule(q, k, v, g, eta, eps=self.eps, **kwargs)
             else:
