@@ -119,15 +119,16 @@ def mixer_sharded(mix, group, initial, output_final_state: bool, reverse: bool, 
             final = torch.stack(monoid.combine(tuple(init[i] for i in range(n_fields)),
                                                tuple(total[i] for i in range(n_fields))))
         else:
-            mine = torch.zeros_like(init)
+            mine = torch.zeros_like(init).movedim(1, 0)            # [N, F, *lanes]: sequences first
             ends = plan.sequence_ends_here()
             if ends:
                 pieces, seqs = zip(*ends)
-                mine = mine.index_put((slice(None), torch.tensor(seqs, device=device)),
-                                      torch.stack(out.final)[:, list(pieces)])
+                mine = mine.index_put((torch.tensor(seqs, device=device),),
+                                      torch.stack(out.final)[:, list(pieces)].movedim(1, 0))
             if plan.rank == 0 and plan.empty_sequences():   # nothing scanned: the final is the initial
                 empty = torch.tensor(plan.empty_sequences(), device=device)
-                mine = mine.index_put((slice(None), empty), init[:, empty])
+                mine = mine.index_put((empty,), init[:, empty].movedim(1, 0))
+            mine = mine.movedim(0, 1)
             final = cp.all_reduce_sum(group, cp.keep_in_graph(mine, carry))
         final = tuple(final[i] for i in range(n_fields))
     return mix.result(*outputs, final)
