@@ -285,6 +285,14 @@ def needs_grad(*tensors) -> bool:
     return torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
 
 
+def tie(summary: torch.Tensor, *inputs) -> torch.Tensor:
+    """An empty shard's (constant) summary made to depend on the shard's (empty) inputs, adding zero,
+    so asking autograd for this rank's input gradients also runs the exchange's backward, which
+    the other ranks wait on."""
+    tied = [t.sum() for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad]
+    return summary + (sum(tied) * 0).to(summary.dtype) if tied and torch.is_grad_enabled() else summary
+
+
 def keep_in_graph(t: torch.Tensor, carry: torch.Tensor) -> torch.Tensor:
     """`t` made to depend on `carry` (adding zero), so a rank whose result does not otherwise use the
     exchange (an empty shard, no sequence ending here) still joins the backward's collectives."""

@@ -36,6 +36,7 @@ def scan_sharded(group, monoid, elems, dim: int, reverse: bool, initial, out_dty
     else:
         local = tuple(torch.empty(shape, dtype=out_dtype, device=device) for _ in monoid.fields)
         summary = torch.stack([torch.full(lane_shape, v, dtype=out_dtype, device=device) for v in monoid.identity])
+        summary = cp.tie(summary, *elems)
     grad = cp.needs_grad(*elems, *(initial or ()))
     carry, _ = cp.exchange(group, summary, cp.monoid_fold(monoid, plan, summary), grad)
     prefix = tuple(carry[i] for i in range(len(monoid.fields)))
@@ -94,6 +95,7 @@ def mixer_sharded(mix, group, initial, output_final_state: bool, reverse: bool, 
         summary = torch.stack([f if cu is None else f[plan.exit] for f in first])
     else:
         summary = torch.stack([torch.full(lane_shape, v, dtype=dtype, device=device) for v in monoid.identity])
+        summary = cp.tie(summary, *values)
     grad = cp.needs_grad(*values, *(initial.values() if isinstance(initial, dict) else (initial or ())))
     carry, total = cp.exchange(group, summary, cp.monoid_fold(monoid, plan, summary), grad)
 

@@ -33,6 +33,8 @@ SPLITS = {   # shard lengths per world size for T = 9: unequal, one empty, some 
     2: (4, 5), 3: (2, 0, 7), 4: (1, 2, 0, 6)}
 TINY = {2: (1, 2), 3: (1, 0, 1), 4: (0, 1, 0, 1)}   # T smaller than the world size
 GROUP_TIMEOUT_S = 150
+WORLD = 4            # one spawned group; world sizes 2 and 3 run on subgroups of its LAST ranks
+_GROUP = None        # the process group of the world size being tested (set in each rank)
 
 
 # ---- harness (runs inside each rank) ------------------------------------------------------------
@@ -60,7 +62,7 @@ def _compare(name, run, sharded: dict, replicated: dict, lengths, out_kinds, ran
 
     local = {k: _shard(v.detach(), lengths, rank).clone().requires_grad_(True) for k, v in sharded.items()}
     local.update({k: v.detach().clone().requires_grad_(v.is_floating_point()) for k, v in replicated.items()})
-    louts = run(**local, cp_group=dist.group.WORLD)
+    louts = run(**local, cp_group=_GROUP)
     lloss = 0
     for o, kind, w in zip(louts, out_kinds, weights):
         lloss = lloss + ((o * _shard(w, lengths, rank, kind)).sum() if kind is not None else (o * w[rank]).sum())
@@ -78,7 +80,7 @@ def _compare(name, run, sharded: dict, replicated: dict, lengths, out_kinds, ran
             continue
         lg = lgrads[k] if lgrads[k] is not None else torch.zeros_like(v)
         lg = lg.detach().clone()
-        dist.all_reduce(lg)
+        dist.all_reduce(lg, group=_GROUP)
         g = grads[k] if grads[k] is not None else torch.zeros_like(v)
         result[f"{name}: grad {k} (sum over ranks)"] = ratio(lg, g)
     return {k: (r, what) for k, r in result.items()}
@@ -194,7 +196,7 @@ def _bad_input_cases(lengths, rank, world):
     from scanlang.recipes.kaczmarz import delta_rule
     T = sum(lengths)
     n = lengths[rank]
-    group = dist.group.WORLD
+    group = _GROUP
     a, b = torch.rand(1, n, 3, dtype=F64), torch.randn(1, n, 3, dtype=F64)
     cases = {
         "not a group": lambda: sl.scan(sl.Affine, (a, b), dim=1, cp_group="world"),
@@ -226,31 +228,47 @@ CASE_GROUPS = {"scan": _scan_cases, "delta": _delta_cases, "kalman": _kalman_cas
 
 
 def _worker(rank, world, port, out_dir, with_interpreter, timeout_s):
+    """One rank of the spawned group: every world size's cases (sizes below `world` on the subgroup
+    of the last ranks, so group ranks differ from global ranks), results to out_dir/rank<r>.json."""
+    global _GROUP
     os.environ.setdefault("TRITON_INTERPRET", "1")
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=timeout_s))
-    report = {"ratios": {}, "errors": {}, "bad": {}, "seconds": {}}
+    reports = {}
     try:
-        groups = CASE_GROUPS if not with_interpreter else {"interpreter": _interpreter_cases}
-        for lengths in ((SPLITS[world], TINY[world]) if not with_interpreter else (SPLITS[world],)):
-            for group_name, cases in groups.items():
-                t0 = time.perf_counter()
-                torch.manual_seed(0)
-                try:
-                    for k, v in cases(lengths, rank, world).items():
-                        report["ratios"][f"{lengths} {k}"] = v
-                except Exception:   # recorded; the parent fails the test with the traceback
-                    report["errors"][f"{lengths} {group_name}"] = traceback.format_exc()
-                report["seconds"][f"{lengths} {group_name}"] = time.perf_counter() - t0
-        if not with_interpreter:
-            report["bad"] = _bad_input_cases(SPLITS[world], rank, world)
-            if world == 4:
-                report["bad"].update(_mesh_cases(rank, world))
+        sizes = (world,) if with_interpreter else tuple(sorted(SPLITS))
+        for size in sizes:
+            members = list(range(world - size, world))
+            _GROUP = dist.new_group(ranks=members) if size < world else dist.group.WORLD   # every rank calls
+            if rank in members:
+                reports[size] = _run_cases(dist.get_rank(_GROUP), size, with_interpreter)
+            dist.barrier()
     finally:
         with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-            json.dump(report, f)
+            json.dump(reports, f)
         dist.destroy_process_group()
+
+
+def _run_cases(rank, world, with_interpreter):
+    report = {"ratios": {}, "errors": {}, "bad": {}, "seconds": {}}
+    groups = CASE_GROUPS if not with_interpreter else {"interpreter": _interpreter_cases}
+    splits = (SPLITS[world],) if with_interpreter or world == 2 else (SPLITS[world], TINY[world])
+    for lengths in splits:
+        for group_name, cases in groups.items():
+            t0 = time.perf_counter()
+            torch.manual_seed(0)
+            try:
+                for k, v in cases(lengths, rank, world).items():
+                    report["ratios"][f"{lengths} {k}"] = v
+            except Exception:   # recorded; the parent fails the test with the traceback
+                report["errors"][f"{lengths} {group_name}"] = traceback.format_exc()
+            report["seconds"][f"{lengths} {group_name}"] = time.perf_counter() - t0
+    if not with_interpreter:
+        report["bad"] = _bad_input_cases(SPLITS[world], rank, world)
+        if world == WORLD:
+            report["bad"].update(_mesh_cases(rank, world))
+    return report
 
 
 def _interpreter_cases(lengths, rank, world):
@@ -302,7 +320,7 @@ def _mesh_cases(rank, world):
     a, b = torch.rand(1, 2, 3, dtype=F64), torch.randn(1, 2, 3, dtype=F64)
     mesh = init_device_mesh("cpu", (world,))
     got = sl.scan(sl.Affine, (a, b), dim=1, cp_group=mesh).b
-    want = sl.scan(sl.Affine, (a, b), dim=1, cp_group=dist.group.WORLD).b
+    want = sl.scan(sl.Affine, (a, b), dim=1, cp_group=_GROUP).b
     result["1-D mesh"] = ("equal" if torch.equal(got, want) else "differs", "")
     mesh2 = init_device_mesh("cpu", (2, world // 2))
     try:
@@ -319,7 +337,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _run_group(world, with_interpreter, timeout_s=GROUP_TIMEOUT_S) -> list[dict]:
+def _run_group(world, with_interpreter, timeout_s=GROUP_TIMEOUT_S) -> dict[int, list[dict]]:
+    """Spawn `world` ranks on a free local port; {world size: [report per group rank]}."""
     out_dir = tempfile.mkdtemp(prefix=f"scanlang-cp{world}-")
     ctx = mp.start_processes(_worker, args=(world, _free_port(), out_dir, with_interpreter, timeout_s), nprocs=world,
                              join=False, start_method="spawn")
@@ -333,11 +352,12 @@ def _run_group(world, with_interpreter, timeout_s=GROUP_TIMEOUT_S) -> list[dict]
             if p.is_alive():
                 p.terminate()
             p.join(10)
-    reports = []
+    by_size: dict[int, list] = {}
     for r in range(world):
         with open(os.path.join(out_dir, f"rank{r}.json")) as f:
-            reports.append(json.load(f))
-    return reports
+            for size, report in json.load(f).items():
+                by_size.setdefault(int(size), []).append(report)
+    return by_size
 
 
 BAD_EXPECTED = {   # case -> (error type, a word the message must contain)
@@ -368,12 +388,18 @@ def _check_reports(reports):
     return checked
 
 
-@pytest.mark.parametrize("world", [2, 3, 4])
-def test_context_parallel_matches_one_process(world):
+@pytest.fixture(scope="module")
+def cp_reports():
+    return _run_group(WORLD, with_interpreter=False)
+
+
+@pytest.mark.parametrize("world", sorted(SPLITS))
+def test_context_parallel_matches_one_process(cp_reports, world):
     """Reference backend, float64: every op and both layers, forward and every gradient, bad inputs."""
-    reports = _run_group(world, with_interpreter=False)
+    reports = cp_reports[world]
+    assert len(reports) == world
     assert _check_reports(reports) > 100 * world
-    assert len(reports[0]["bad"]) == len(BAD_EXPECTED) - (2 if world != 4 else 0)
+    assert len(reports[0]["bad"]) == len(BAD_EXPECTED) - (2 if world != WORLD else 0)
 
 
 @pytest.mark.slow
@@ -382,7 +408,7 @@ def test_context_parallel_triton_interpreter():
 
     Slow: each process loads the generated modules into the interpreter (the Kalman summary scan
     generates the 7-field KalmanJoint module), minutes on a 2-core machine."""
-    reports = _run_group(2, with_interpreter=True, timeout_s=900)
+    reports = _run_group(2, with_interpreter=True, timeout_s=900)[2]
     assert _check_reports(reports) >= 2 * 20
 
 

@@ -105,6 +105,7 @@ def delta_rule_sharded(run, validate, max_head_dim, q, k, v, g, step, step_name,
     else:
         summary = torch.cat([eye.expand(lanes, H, K, K), torch.zeros(lanes, H, K, V, dtype=state_dtype, device=dev)],
                             -1)
+        summary = cp.tie(summary, q, k, v, g, step)
     grad = cp.needs_grad(q, k, v, g, step, initial_state)
     carry, total = cp.exchange(group, summary, _affine_fold(plan, summary), grad)
 

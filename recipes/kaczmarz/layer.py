@@ -98,8 +98,10 @@ class KaczmarzLinearAttention(nn.Module):
         if window is None:
             window = x.new_zeros(B, self.conv_size - 1, D)
         full = torch.cat([window.to(x.dtype), x], dim=1)                      # [B, W-1+T, D]
-        y = F.conv1d(full.transpose(1, 2), weight.to(x.dtype).unsqueeze(1), groups=D)
         new_window = full[:, full.shape[1] - (self.conv_size - 1):]
+        if T == 0:   # no tokens (an empty context-parallel shard): nothing to convolve
+            return context_parallel.keep_in_graph(x, window), new_window
+        y = F.conv1d(full.transpose(1, 2), weight.to(x.dtype).unsqueeze(1), groups=D)
         return F.silu(y.transpose(1, 2)), new_window
 
     def _check(self, x, state):

@@ -61,13 +61,16 @@ def kalman_filter_sharded(run, check_shapes, check_values, v, prec, k, q, a_bar,
         summary = torch.stack([f[:, -1] for f in prefix])
     else:
         summary = torch.stack([torch.full(lanes, x, dtype=dtype, device=v.device) for x in K.KalmanJoint.identity])
+        summary = cp.tie(summary, v, prec, k, q)
     grad = cp.needs_grad(v, prec, k, q, a_bar, p_bar, *(initial_state or ()))
     carry, total = cp.exchange(group, summary, cp.monoid_fold(K.KalmanJoint, plan, summary), grad)
     lam_in, eta_in = K.apply_joint(tuple(carry), lam0, eta0)
-    y, y_var, _ = run(v, prec, k, q, a_bar, p_bar, initial_state=(lam_in, eta_in), output_final_state=False,
-                      backend=backend, validate=False, form=form)
-    if not length:
-        y, y_var = cp.keep_in_graph(y, carry), cp.keep_in_graph(y_var, carry)
+    if length:
+        y, y_var, _ = run(v, prec, k, q, a_bar, p_bar, initial_state=(lam_in, eta_in), output_final_state=False,
+                          backend=backend, validate=False, form=form)
+    else:   # nothing to filter (kalman_filter's own backward does not take T = 0)
+        y = cp.keep_in_graph(torch.zeros(batch, 0, channels, dtype=dtype, device=v.device), carry)
+        y_var = y.clone()
     state = K.apply_joint(tuple(total), lam0, eta0) if output_final_state else None
     return y, y_var, state
 

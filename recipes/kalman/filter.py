@@ -134,8 +134,10 @@ def choose_form(backend: str, state_size: int, needs_grad: bool, lanes: int = 0)
     with a gradient: the sl.scan path with the spec's adjoint (the fused mixer's generated tile
     backward took 2.0 s). The reference backend: two scans.
     """
+    if backend != "triton":   # the reference backend never needs Triton imported
+        return DEFAULT_FORM
     from scanlang.backends.triton.runtime import prefers_lanes
-    if backend == "triton" and fused.supports(state_size) and (prefers_lanes(lanes) or not needs_grad):
+    if fused.supports(state_size) and (prefers_lanes(lanes) or not needs_grad):
         return "fused"
     return DEFAULT_FORM
 

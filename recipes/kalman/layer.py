@@ -148,7 +148,10 @@ class KalmanLinearAttention(nn.Module):
         if group is not None:
             conv_window, last_window = conv_halo(group, self, x, z, conv_window, state)
         window = torch.cat([conv_window, z.transpose(1, 2)], dim=2)   # [B, M, K-1+T]
-        z = F.silu(F.conv1d(window, self.conv.weight, self.conv.bias, groups=self.d_inner)).transpose(1, 2)
+        if z.shape[1]:
+            z = F.silu(F.conv1d(window, self.conv.weight, self.conv.bias, groups=self.d_inner)).transpose(1, 2)
+        else:   # no tokens (an empty context-parallel shard): nothing to convolve
+            z = context_parallel.keep_in_graph(z, conv_window)
         v, prec, k, q = self.sensors(z)
         a_bar, p_bar = self.dynamics()
         y, _, filtered = kalman_filter(v, prec, k, q, a_bar, p_bar, initial_state=(state.lam, state.eta),
