@@ -186,8 +186,9 @@ def bench_op(op, args, device, rank, groups) -> tuple[list, list]:
             fwd, both = times.tolist()
             if w == 1:
                 base = {"fwd": fwd, "both": both}
-            rows.append((op, w, T, fwd, both, fwd / base["fwd"], both / base["both"], traffic.summary,
-                         traffic.sent, traffic.meta))
+            if base:   # rank 0, the only rank in every group, prints the table
+                rows.append((op, w, T, fwd, both, fwd / base["fwd"], both / base["both"], traffic.summary,
+                             traffic.sent, traffic.meta))
         dist.barrier()
     return rows, failures
 
@@ -241,8 +242,8 @@ def main(argv=None) -> int:
         else:
             print(f"device {device.type} ({torch.cuda.get_device_name() if cuda else 'CPU, gloo'}), fp32, "
                   f"batch {args.batch}, median of {args.reps}; all outputs and gradients match world size 1")
-            print("| op | world | T | fwd ms/rank | fwd+bwd ms/rank | fwd vs 1 | fwd+bwd vs 1 | summary B/rank | "
-                  "sent B/rank | metadata B/rank |")
+            print("| op | world | T | fwd ms/rank | fwd+bwd ms/rank | fwd vs 1 | fwd+bwd vs 1 | gathered B/rank (fwd+bwd) | "
+                  "sent B/rank | metadata sent B/rank |")
             print("|---|---|---|---|---|---|---|---|---|---|")
             for r in all_rows:
                 print("| {} | {} | {} | {:.2f} | {:.2f} | {:.2f}x | {:.2f}x | {} | {} | {} |".format(*r))
