@@ -169,10 +169,11 @@ class ShardPlan:
 
 
 def make_plan(lengths: Sequence[int], rank: int, reverse: bool = False, cu: Sequence[int] | None = None) -> ShardPlan:
+    """The plan of `rank` from every rank's shard length and the global `cu_seqlens` (None: one
+    sequence per lane). Pure Python: every rank computes the same plan from the same gathered data."""
     lengths = tuple(int(n) for n in lengths)
     world = len(lengths)
     offsets = [sum(lengths[:r]) for r in range(world)]
-    total = sum(lengths)
     if cu is None:
         cu_t = None
         bounds = [0, lengths[rank]] if lengths[rank] else [0]
