@@ -38,3 +38,13 @@ def check_cu_seqlens(cu_seqlens, total: int, device=None, arg: str = "cu_seqlens
         raise ValueError(f"{arg}: offsets must not decrease, from 0 to the packed length T = {total} "
                          f"(length N + 1 >= 2); got {shown}")
     return tuple(cu)
+
+
+def check_log_decay(g: torch.Tensor) -> None:
+    """g must be a log-decay, g <= 0 (-inf: a hard reset); g > 0 grows the state exponentially, and
+    NaN is no decay at all. Checked on CPU tensors only: on a GPU the check would cost a host
+    synchronisation per call (outside the domain the kernels give inf or NaN, not an error)."""
+    if g.device.type == "cpu" and not torch.compiler.is_compiling() and not bool((g <= 0).all()):
+        bad = g[~(g <= 0)]
+        raise ValueError(f"g: log-decays must be <= 0 (-inf is a hard reset); got {bad.numel()} values outside, "
+                         f"e.g. {float(bad[0])}")

@@ -7,7 +7,8 @@ API (v1)
                    lift=lambda u: (u.a, u.v * u.k),                   # inputs -> one value per field
                    readout=lambda p, u, q: (p.b * u.k,),              # prefix_t, inputs_t, prefix_{t-1}
                    outputs=("y",), reduce="s")                        # optional sum over the last axis
-    out = mix(v=v, k=k, a=a, initial=None, output_final_state=False, reverse=False, cu_seqlens=None)
+    out = mix(v=v, k=k, a=a, initial=None, output_final_state=False, reverse=False, cu_seqlens=None,
+              cp_group=None)                                  # context parallelism: a process group
     out.y                 # [B, T, M]: sum_s readout(...) ; out.final: per field, [B, M, S] or None
 
 Packed variable-length sequences: `cu_seqlens` ([N + 1] int tensor of starts along "t", with the
@@ -54,8 +55,9 @@ from typing import Callable, Mapping, Sequence
 
 import torch
 
-from . import settings
+from . import context_parallel, settings
 from ._checks import check_cu_seqlens
+from .context_parallel_ops import mixer_sharded
 from .monoid import Monoid
 
 
@@ -188,8 +190,16 @@ class Mixer:
         return init, constants
 
     def __call__(self, initial=None, output_final_state: bool = False, reverse: bool = False, cu_seqlens=None,
-                 **tensors):
-        """Run the fused scan on named input tensors; returns a namedtuple (outputs..., final)."""
+                 cp_group=None, **tensors):
+        """Run the fused scan on named input tensors; returns a namedtuple (outputs..., final).
+
+        `cp_group` (a torch.distributed ProcessGroup or 1-D DeviceMesh): the "t" axis is split over
+        its ranks in order, each passing its shard (and, with `cu_seqlens`, the GLOBAL offsets);
+        outputs are this rank's shard, `final` the global one on every rank (two passes over the
+        shard: one for its summary, one from the true carry; `scanlang.context_parallel_ops`)."""
+        group = context_parallel.resolve_group(cp_group)
+        if group is not None:
+            return mixer_sharded(self, group, initial, output_final_state, reverse, cu_seqlens, tensors)
         return _call(self, initial, output_final_state, reverse, cu_seqlens, tensors)
 
 

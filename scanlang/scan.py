@@ -22,7 +22,8 @@ from collections.abc import Mapping, Sequence  # isinstance checks: cheaper than
 
 import torch
 
-from . import settings
+from . import context_parallel, settings
+from .context_parallel_ops import scan_sharded
 from .monoid import DECLARED, Monoid
 
 BACKENDS = ("reference", "triton")
@@ -131,7 +132,8 @@ def _passed_through_compile(err: Exception) -> Exception:
         return err
 
 
-def scan(monoid: Monoid, elems, dim: int, reverse: bool = False, initial=None, backend: str | None = None):
+def scan(monoid: Monoid, elems, dim: int, reverse: bool = False, initial=None, backend: str | None = None,
+         cp_group=None):
     """Inclusive scan of `elems` along `dim` with `monoid`; returns a namedtuple of prefixes by field.
 
     Args:
@@ -143,12 +145,41 @@ def scan(monoid: Monoid, elems, dim: int, reverse: bool = False, initial=None, b
         initial: an element applied before step 0, broadcastable to the shape without `dim`.
         backend: "reference" (PyTorch), "triton" (generated kernels), or None: triton on CUDA,
             reference elsewhere.
+        cp_group: context parallelism (`scanlang.context_parallel`): a torch.distributed ProcessGroup
+            or 1-D DeviceMesh over which `dim` is split into contiguous shards in rank order; each
+            rank passes its shard (lengths may differ, one may be 0) and gets that shard of the
+            global scan; `initial` (the same on every rank) applies at global step 0. None: one
+            process, no collective.
 
     >>> import torch, scanlang as sl
     >>> a = torch.tensor([[0.5, 0.5, 0.5]]); b = torch.tensor([[1.0, 1.0, 1.0]])
     >>> sl.scan(sl.Affine, (a, b), dim=1).b            # h_t = 0.5 h_{t-1} + 1, h_{-1} = 0
     tensor([[1.0000, 1.5000, 1.7500]])
     """
+    group = context_parallel.resolve_group(cp_group)
+    if group is not None:
+        try:
+            elems_b, dim, init_b, out_dtype, backend = _prepare(monoid, elems, dim, reverse, initial, backend)
+        except (TypeError, ValueError) as exc:
+            context_parallel.agree(group, 0, {}, exc)   # raises this error on every rank
+            raise
+        return scan_sharded(group, monoid, elems_b, dim, reverse, init_b, out_dtype, _backend_scan(backend),
+                            result_type(monoid))
+    elems_b, dim, init_b, out_dtype, backend = _prepare(monoid, elems, dim, reverse, initial, backend)
+    out = _backend_scan(backend)(monoid, elems_b, dim, reverse, init_b, out_dtype)
+    return result_type(monoid)(*out)
+
+
+def _backend_scan(backend: str):
+    if backend == "reference":
+        from .backends import reference as impl
+    else:
+        from .backends import triton as impl
+    return impl.scan
+
+
+def _prepare(monoid: Monoid, elems, dim, reverse, initial, backend):
+    """Validate and broadcast; return (elems, dim >= 0, initial or None, out dtype, backend name)."""
     if not isinstance(monoid, Monoid):
         raise TypeError(f"monoid: expected a scanlang Monoid (declare one with @sl.monoid), got {type(monoid).__name__}")
     if torch.compiler.is_compiling():
@@ -198,13 +229,7 @@ def scan(monoid: Monoid, elems, dim: int, reverse: bool = False, initial=None, b
         if any(t.dtype == torch.float64 for t in init_tensors):
             out_dtype = torch.float64
         init_b = _broadcast(init_values, init_shape, device, out_dtype)
-
-    if backend == "reference":
-        from .backends import reference as impl
-    else:
-        from .backends import triton as impl
-    out = impl.scan(monoid, elems_b, dim, reverse, init_b, out_dtype)
-    return result_type(monoid)(*out)
+    return elems_b, dim, init_b, out_dtype, backend
 
 
 def _broadcast_shape(shapes) -> torch.Size:

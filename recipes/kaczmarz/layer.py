@@ -21,8 +21,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from scanlang import context_parallel
 from scanlang.delta import GIVEN_MAMBA2, KACZMARZ_MAMBA2
 
+from .context_parallel import conv_halos
 from .ops import delta_rule, kaczmarz_delta_rule, validate
 
 MODES = ("kaczmarz", "gdn")
@@ -96,8 +98,10 @@ class KaczmarzLinearAttention(nn.Module):
         if window is None:
             window = x.new_zeros(B, self.conv_size - 1, D)
         full = torch.cat([window.to(x.dtype), x], dim=1)                      # [B, W-1+T, D]
-        y = F.conv1d(full.transpose(1, 2), weight.to(x.dtype).unsqueeze(1), groups=D)
         new_window = full[:, full.shape[1] - (self.conv_size - 1):]
+        if T == 0:   # no tokens (an empty context-parallel shard): nothing to convolve
+            return context_parallel.keep_in_graph(x, window), new_window
+        y = F.conv1d(full.transpose(1, 2), weight.to(x.dtype).unsqueeze(1), groups=D)
         return F.silu(y.transpose(1, 2)), new_window
 
     def empty_state(self, batch: int, x: torch.Tensor) -> KaczmarzState:
@@ -108,14 +112,11 @@ class KaczmarzLinearAttention(nn.Module):
                         dtype=torch.promote_types(x.dtype, torch.float32))
         return KaczmarzState(window(self.key_dim), window(self.key_dim), window(self.value_dim), S)
 
-    def forward(self, x: torch.Tensor, state: KaczmarzState | None = None, return_state: bool = False):
+    def _check(self, x, state):
         if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[-1] != self.hidden_size:
             got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
             raise ValueError(f"x must have shape [B, T, {self.hidden_size}], got {got}")
-        B, T, _ = x.shape
-        H, K, V = self.num_heads, self.head_k_dim, self.head_v_dim
-        if type(state) is tuple and len(state) == 4:   # a plain (conv_q, conv_k, conv_v, recurrent)
-            state = KaczmarzState(*state)
+        B, H, K, V = x.shape[0], self.num_heads, self.head_k_dim, self.head_v_dim
         if state is not None and not isinstance(state, KaczmarzState):
             raise TypeError(f"state must be the KaczmarzState a previous call returned, got {type(state).__name__}")
         if state is not None and state.recurrent.shape != (B, H, K, V):
@@ -126,15 +127,35 @@ class KaczmarzLinearAttention(nn.Module):
             if state.recurrent.dtype not in (torch.float32, want):
                 raise TypeError(f"state.recurrent: dtype {state.recurrent.dtype}, but this layer keeps its state in "
                                 f"{want}; pass the state it returned (or convert the state with .to({want}))")
-        if T == 0:   # nothing to mix: the convolutions need conv_size inputs
+
+    def forward(self, x: torch.Tensor, state: KaczmarzState | None = None, return_state: bool = False,
+                cp_group=None):
+        """x [B, T, D] -> y (or (y, state) with `return_state`). `cp_group`: context parallelism over T
+        (every rank passes its shard and the same `state`; the conv halo and the matrix state are
+        exchanged; the returned state is the global one on every rank)."""
+        if type(state) is tuple and len(state) == 4:   # a plain (conv_q, conv_k, conv_v, recurrent)
+            state = KaczmarzState(*state)
+        group = context_parallel.resolve_group(cp_group)
+        if group is None:
+            self._check(x, state)
+        else:
+            context_parallel.validated(group, lambda: self._check(x, state))
+        B, T, _ = x.shape
+        H, K, V = self.num_heads, self.head_k_dim, self.head_v_dim
+        if T == 0 and group is None:   # nothing to mix (an empty CP shard still takes part in the exchange)
             y = x.new_zeros(B, 0, self.hidden_size)
             if not return_state:
                 return y
             return y, state if state is not None else self.empty_state(B, x)
         windows = (None, None, None) if state is None else (state.conv_q, state.conv_k, state.conv_v)
-        q, wq = self._conv(self.q_proj(x), self.q_conv, windows[0])
-        k, wk = self._conv(self.k_proj(x), self.k_conv, windows[1])
-        v, wv = self._conv(self.v_proj(x), self.v_conv, windows[2])
+        projected = (self.q_proj(x), self.k_proj(x), self.v_proj(x))
+        if group is not None:
+            windows, last_windows = conv_halos(group, self, x, projected, windows, state)
+        q, wq = self._conv(projected[0], self.q_conv, windows[0])
+        k, wk = self._conv(projected[1], self.k_conv, windows[1])
+        v, wv = self._conv(projected[2], self.v_conv, windows[2])
+        if group is not None:
+            wq, wk, wv = last_windows
         ct = torch.promote_types(x.dtype, torch.float32)   # gates, norms and the scan in fp32 or wider
         # q, k, v enter the scan in the activations' dtype (half inputs use the tensor cores; the scan
         # accumulates in fp32 regardless); normalisation happens in ct first
@@ -147,7 +168,7 @@ class KaczmarzLinearAttention(nn.Module):
         eta = torch.sigmoid(self.b_proj(x).to(ct))
         h0 = None if state is None else state.recurrent
         backend = self.backend or ("triton" if x.is_cuda and ct == torch.float32 else "reference")
-        if backend == "triton":
+        if backend == "triton" and group is None:
             # the Mamba2 gate runs inside the generated kernels as the rule's decay hook
             validate(q, k, v, a, eta, "eta", None, h0, None, backend, self.chunk_size)
             from scanlang.backends.delta import ops as delta_ops
@@ -158,7 +179,7 @@ class KaczmarzLinearAttention(nn.Module):
         else:
             g = -torch.exp(self.A_log.to(ct)) * F.softplus(a + self.dt_bias.to(ct))
             kwargs = dict(initial_state=h0, output_final_state=return_state, backend=backend,
-                          chunk_size=self.chunk_size)
+                          chunk_size=self.chunk_size, cp_group=group)
             if self.mode == "kaczmarz":
                 o, S = kaczmarz_delta_rule(q, k, v, g, eta, eps=self.eps, **kwargs)
             else:

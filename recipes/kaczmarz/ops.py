@@ -23,9 +23,11 @@ import numbers
 
 import torch
 
-from scanlang._checks import check_cu_seqlens
+from scanlang import context_parallel
+from scanlang._checks import check_cu_seqlens, check_log_decay
 
 from .chunk_reference import chunk_delta_rule_reference, chunk_delta_rule_reference_varlen
+from .context_parallel import delta_rule_sharded
 from .naive import kaczmarz_beta
 
 MAX_HEAD_DIM = 256
@@ -107,16 +109,6 @@ def validate(q, k, v, g, step, step_name, scale, initial_state, cu_seqlens, back
     return backend, compute, offsets
 
 
-def check_log_decay(g: torch.Tensor) -> None:
-    """g must be a log-decay, g <= 0 (-inf: a hard reset); g > 0 grows the state exponentially, and
-    NaN is no decay at all. Checked on CPU tensors only: on a GPU the check would cost a host
-    synchronisation per call (outside the domain the kernels give inf or NaN, not an error)."""
-    if g.device.type == "cpu" and not torch.compiler.is_compiling() and not bool((g <= 0).all()):
-        bad = g[~(g <= 0)]
-        raise ValueError(f"g: log-decays must be <= 0 (-inf is a hard reset); got {bad.numel()} values outside, "
-                         f"e.g. {float(bad[0])}")
-
-
 def _reference(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, compute, chunk_size):
     q, k, v, g, beta = (t.to(compute) for t in (q, k, v, g, beta))
     h0 = None if initial_state is None else initial_state.to(compute)
@@ -128,7 +120,7 @@ def _reference(q, k, v, g, beta, scale, initial_state, output_final_state, cu_se
 
 
 def delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
-               cu_seqlens=None, backend=None, chunk_size=64):
+               cu_seqlens=None, backend=None, chunk_size=64, cp_group=None):
     """Gated delta rule with a given step size beta [B,T,H]. Returns (o [B,T,H,V] fp32, S or None).
 
     q, k: [B,T,H,K]; v: [B,T,H,V]; g (log-decay, <= 0; -inf resets the state): [B,T,H];
@@ -136,7 +128,14 @@ def delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_st
     and B == 1). `scale` defaults to K**-0.5. q and k are used as given (normalise them yourself
     for GDN). g > 0 or NaN raises a ValueError for CPU tensors (`check_log_decay`). A NaN or inf
     in token t reaches token t and later ones only, as in the token loop.
+    `cp_group`: context parallelism over T (a ProcessGroup or 1-D DeviceMesh; every rank passes its
+    shard, the same `initial_state` and the GLOBAL `cu_seqlens`; the final state is the global one on
+    every rank; see `recipes/kaczmarz/context_parallel.py`).
     """
+    group = context_parallel.resolve_group(cp_group)
+    if group is not None:
+        return delta_rule_sharded(delta_rule, validate, MAX_HEAD_DIM, q, k, v, g, beta, "beta", scale, initial_state, output_final_state,
+                                  cu_seqlens, backend, chunk_size, group)
     backend, compute, offsets = validate(q, k, v, g, beta, "beta", scale, initial_state, cu_seqlens, backend,
                                          chunk_size)
     check_log_decay(g)
@@ -150,12 +149,18 @@ def delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_st
 
 
 def kaczmarz_delta_rule(q, k, v, g, eta, eps=1e-6, scale=None, initial_state=None, output_final_state=False,
-                        cu_seqlens=None, backend=None, chunk_size=64):
+                        cu_seqlens=None, backend=None, chunk_size=64, cp_group=None):
     """Delta rule with the Kaczmarz step beta = eta / (||k||^2 + eps), eta [B,T,H] in [0, 1].
 
     Keys are used raw (not normalised). A zero key or eta = 0 writes nothing. The squared norm is
-    taken in fp32 (float64 for float64 inputs). Same shapes and returns as `delta_rule`.
+    taken in fp32 (float64 for float64 inputs). Same shapes, returns and `cp_group` as `delta_rule`.
     """
+    group = context_parallel.resolve_group(cp_group)
+    if group is not None:
+        def run(q, k, v, g, eta, **kwargs):
+            return kaczmarz_delta_rule(q, k, v, g, eta, eps=eps, **kwargs)
+        return delta_rule_sharded(run, validate, MAX_HEAD_DIM, q, k, v, g, eta, "eta", scale, initial_state, output_final_state,
+                                  cu_seqlens, backend, chunk_size, group, eps=eps)
     backend, compute, offsets = validate(q, k, v, g, eta, "eta", scale, initial_state, cu_seqlens, backend,
                                          chunk_size)
     check_log_decay(g)

@@ -26,9 +26,11 @@ from __future__ import annotations
 import torch
 
 import scanlang as sl
+from scanlang import context_parallel
 
 from . import fused
 from . import monoids as K
+from .context_parallel import kalman_filter_sharded
 from .reference import expand_heads
 
 SCAN_FORMS = ("two_scans", "joint")
@@ -38,7 +40,7 @@ DEFAULT_FORM = "two_scans"
 
 
 def kalman_filter(v, prec, k, q, a_bar, p_bar, initial_state=None, output_final_state=False,
-                  backend=None, validate=None, form=None):
+                  backend=None, validate=None, form=None, cp_group=None):
     """Run the information-form Kalman filter over time and read it out.
 
     Args:
@@ -60,6 +62,10 @@ def kalman_filter(v, prec, k, q, a_bar, p_bar, initial_state=None, output_final_
             affine `sl.scan`s with the spec's exact adjoint; "joint": one `sl.scan` of the 3x3 monoid
             with that adjoint. None: `choose_form` (measured: "fused" for generated kernels
             without gradients, else "two_scans").
+        cp_group: context parallelism over T (a ProcessGroup or 1-D DeviceMesh): each rank passes
+            its shard and the same `initial_state`; the state is exchanged as the 3x3 summary and
+            each shard re-run from the true state (`recipes/kalman/context_parallel.py`); the final
+            state is the global one on every rank.
 
     Returns:
         (y, y_var, state): y and y_var [B,T,M] in float32 (float64 when an input is float64);
@@ -74,6 +80,10 @@ def kalman_filter(v, prec, k, q, a_bar, p_bar, initial_state=None, output_final_
     >>> y.shape, lam.shape
     (torch.Size([1, 5, 3]), torch.Size([1, 3, 2]))
     """
+    group = context_parallel.resolve_group(cp_group)
+    if group is not None:
+        return kalman_filter_sharded(kalman_filter, _check_shapes, _check_values, v, prec, k, q, a_bar, p_bar,
+                                     initial_state, output_final_state, backend, validate, form, group)
     batch, length, channels, state_size = _check_shapes(v, prec, k, q, a_bar, p_bar, initial_state)
     if form is not None and form not in FORMS:
         raise ValueError(f"form: expected one of {FORMS} or None, got {form!r}")
@@ -127,8 +137,10 @@ def choose_form(backend: str, state_size: int, needs_grad: bool, lanes: int = 0)
     with a gradient: the sl.scan path with the spec's adjoint (the fused mixer's generated tile
     backward took 2.0 s). The reference backend: two scans.
     """
+    if backend != "triton":   # the reference backend never needs Triton imported
+        return DEFAULT_FORM
     from scanlang.backends.triton.runtime import prefers_lanes
-    if backend == "triton" and fused.supports(state_size) and (prefers_lanes(lanes) or not needs_grad):
+    if fused.supports(state_size) and (prefers_lanes(lanes) or not needs_grad):
         return "fused"
     return DEFAULT_FORM
 

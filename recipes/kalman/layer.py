@@ -25,6 +25,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from scanlang import context_parallel
+
+from .context_parallel import conv_halo
 from .filter import kalman_filter
 
 SENSORS = ("plain", "mamba")
@@ -119,31 +122,51 @@ class KalmanLinearAttention(nn.Module):
         lam = torch.ones(batch, M, S, device=device, dtype=_wide(self.a_log).dtype)
         return KalmanLayerState(conv, lam, torch.zeros_like(lam))
 
-    def forward(self, x: torch.Tensor, state: KalmanLayerState | None = None, return_state: bool = False):
-        """x [B,T,d_model] -> y [B,T,d_model], or (y, state) with `return_state=True`."""
+    def _check(self, x, state):
         if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[-1] != self.d_model:
             got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
             raise ValueError(f"x: expected shape [B,T,d_model] with d_model = {self.d_model}, got {got}")
+        if state is not None:
+            self._check_state(state, x.shape[0], x)
+
+    def forward(self, x: torch.Tensor, state: KalmanLayerState | None = None, return_state: bool = False,
+                cp_group=None):
+        """x [B,T,d_model] -> y [B,T,d_model], or (y, state) with `return_state=True`.
+
+        `cp_group`: context parallelism over T (every rank passes its shard and the same `state`; the
+        conv halo and the filter state are exchanged; the returned state is the global one)."""
+        group = context_parallel.resolve_group(cp_group)
+        if group is None:
+            self._check(x, state)
+        else:
+            context_parallel.validated(group, lambda: self._check(x, state))
         batch = x.shape[0]
         if state is None:
             state = self.initial_state(batch, x.device, x.dtype)
         else:
-            state = self._check_state(state, batch, x)
-        if x.shape[1] == 0:   # nothing to filter: the conv below needs d_conv inputs
+            state = self._check_state(state, batch, x)   # a plain (conv, lam, eta) tuple as the named state
+        if x.shape[1] == 0 and group is None:   # nothing to filter (an empty CP shard still exchanges)
             out = x.new_zeros(batch, 0, self.d_model)
             return (out, state) if return_state else out
         z, gate = self.in_proj(x).chunk(2, dim=-1)
-        window = torch.cat([state.conv.to(z.dtype), z.transpose(1, 2)], dim=2)   # [B, M, K-1+T]
-        z = F.silu(F.conv1d(window, self.conv.weight, self.conv.bias, groups=self.d_inner)).transpose(1, 2)
+        conv_window = state.conv.to(z.dtype)
+        if group is not None:
+            conv_window, last_window = conv_halo(group, self, x, z, conv_window, state)
+        window = torch.cat([conv_window, z.transpose(1, 2)], dim=2)   # [B, M, K-1+T]
+        if z.shape[1]:
+            z = F.silu(F.conv1d(window, self.conv.weight, self.conv.bias, groups=self.d_inner)).transpose(1, 2)
+        else:   # no tokens (an empty context-parallel shard): nothing to convolve
+            z = context_parallel.keep_in_graph(z, conv_window)
         v, prec, k, q = self.sensors(z)
         a_bar, p_bar = self.dynamics()
         y, _, filtered = kalman_filter(v, prec, k, q, a_bar, p_bar, initial_state=(state.lam, state.eta),
-                                       output_final_state=return_state, backend=self.backend, validate=False)
+                                       output_final_state=return_state, backend=self.backend, validate=False,
+                                       cp_group=group)
         y = (y + _wide(self.D) * _wide(z)) * F.silu(_wide(gate))
         out = self.out_proj(y.to(x.dtype))
         if not return_state:
             return out
-        new_window = window[:, :, window.shape[2] - (self.d_conv - 1):]
+        new_window = window[:, :, window.shape[2] - (self.d_conv - 1):] if group is None else last_window
         return out, KalmanLayerState(new_window, *filtered)
 
     def _check_state(self, state, batch: int, x: torch.Tensor) -> KalmanLayerState:

@@ -1,0 +1,1 @@
+"""Tools built on the library (benchmarks); the library imports none of them."""
