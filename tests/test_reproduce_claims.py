@@ -55,3 +55,17 @@ def test_gpu_path_check_compares_against_float64():
         cells = [c.strip() for c in row.strip("|").split("|")]
         assert cells[0] == name and cells[-1] == "yes", row
         assert float(cells[1]) < 1e-5 and 0 < float(cells[4].split()[0]) < 0.1, row
+
+
+def test_gpu_path_check_records_a_failing_mixer_and_goes_on(monkeypatch):
+    script = _script()
+
+    def broken(name, *args):
+        if name == "gdn":
+            raise RuntimeError("kernel launch failed")
+        return f"| {name} | ok |"
+
+    monkeypatch.setattr(script, "_check_mixer", broken)
+    rows = script.check_gpu_path("cpu", d_model=16, length=11, backend="reference")
+    assert rows[3].startswith("| gdn | **error**: RuntimeError: kernel launch failed") and rows[3].endswith("**NO** |")
+    assert rows[2] == "| kalman | ok |" and rows[4] == "| kaczmarz | ok |"
