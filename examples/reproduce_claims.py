@@ -228,8 +228,9 @@ def main(argv=None) -> int:
         plan = {k: v for k, v in plan.items() if k in wanted}
     start, summary = time.perf_counter(), []
     if args.scale == "gpu" and not args.skip_check:
+        rows = check_gpu_path()
         summary.append("## gpu path check (generated kernels against the float64 reference backend)\n\n"
-                       + "\n".join(check_gpu_path()) + "\n")
+                       + "\n".join(rows) + f"\n\n({time.perf_counter() - start:.0f} s, kernel compiles included)\n")
     for name, runs in plan.items():
         done = []
         for run_name, config in runs:
