@@ -4,7 +4,7 @@ import torch
 
 import scanlang as sl
 from scanlang.backends import reference
-from scanlang.testing import ratio, tolerance
+from scanlang.testing import assert_close
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none found)")]
@@ -19,11 +19,11 @@ def test_affine_two_to_the_twenty_steps_forward_and_backward(layout):
     g = torch.randn(shape, device="cuda", dtype=torch.float64)
     out = sl.scan(sl.Affine, (a.float(), b.float()), dim=dim, backend="triton")
     ref = reference.scan(sl.Affine, (a, b), dim, False, None, torch.float64)
-    assert ratio(out.b, ref[1]) <= tolerance("scan", torch.float32)
+    assert_close(out.b, ref[1], "scan", torch.float32, name="h")
     got = torch.autograd.grad((out.b * g.float()).sum(), (a, b))
     want = torch.autograd.grad((ref[1] * g).sum(), (a, b))
     for x, y in zip(got, want):
-        assert ratio(x, y) <= tolerance("scan_grad", torch.float32)
+        assert_close(x, y, "scan_grad", torch.float32, name="gradient")
 
 
 def test_mobius_long_sequence_stays_finite_and_exact():
@@ -33,8 +33,7 @@ def test_mobius_long_sequence_stays_finite_and_exact():
     ref = reference.scan(sl.Mobius, elems, 1, False, None, torch.float64)
     for o, r in zip(out, ref):
         assert torch.isfinite(o).all()
-        assert ratio(o, r) <= tolerance("scan", torch.float32)
-
+        assert_close(o, r, "scan", torch.float32)
 
 
 def _misaligned_copy(x: torch.Tensor) -> torch.Tensor:
@@ -67,9 +66,9 @@ def test_relaunched_kernels_match_the_reference_at_every_alignment(monkeypatch):
         a.requires_grad_(), b.requires_grad_()
         out = sl.scan(sl.Affine, (a, b), dim=1, backend="triton").b
         got = torch.autograd.grad((out * g.float()).sum(), (a, b))
-        assert ratio(out, ref) <= tolerance("scan", torch.float32)
+        assert_close(out, ref, "scan", torch.float32, name="h")
         for x, y in zip(got, want):
-            assert ratio(x, y) <= tolerance("scan_grad", torch.float32)
+            assert_close(x, y, "scan_grad", torch.float32, name="gradient")
         if aligned:   # the direct relaunch is bitwise the JIT launch
             first = first or (out.detach().clone(), [x.clone() for x in got])
             assert torch.equal(out, first[0]) and all(torch.equal(x, y) for x, y in zip(got, first[1]))
