@@ -203,16 +203,35 @@ def _record(what: str, dtype: torch.dtype, kind: str, tol: float, r: float, e: f
         row["element"] = e
 
 
+def _compare(out, ref, what: str, dtype, device):
+    """(kind, tolerance, RMS ratio, element error, flat index of the worst element)."""
+    kind = execution_kind(device) if device is not None else execution_kind(out, ref)
+    tol = tolerance(what, dtype, "cuda" if kind == "gpu" else None)
+    r = ratio(out, ref)
+    e, where = element_error(out, ref)
+    return kind, tol, r, e, where
+
+
+def check(out: torch.Tensor, ref: torch.Tensor, what: str, dtype: torch.dtype | None = None,
+          device=None) -> tuple[bool, float]:
+    """(whether `assert_close` would pass, the RMS ratio): the benchmarks' check, which reports
+    instead of raising and records nothing.
+
+    >>> import torch
+    >>> check(torch.tensor([1.0, 2.0]), torch.tensor([1.0, 2.0 + 1e-3], dtype=torch.float64), "scan")[0]
+    False
+    """
+    kind, tol, r, e, _ = _compare(out, ref, what, dtype or out.dtype, device)
+    return bool(r <= tol and e <= ELEMENT_FACTOR * tol), r
+
+
 def assert_close(out: torch.Tensor, ref: torch.Tensor, what: str, dtype: torch.dtype | None = None, name: str = "output",
                  device=None):
     """Fail unless ratio(out, ref) is within the table's tolerance for (what, dtype) and every element's
     error relative to max(|ref|, RMS(ref)) within ELEMENT_FACTOR times it. The row is the GPU one when
     `device` (default: out's and ref's devices) is CUDA. Non-finite values must match exactly."""
     dtype = dtype or out.dtype
-    kind = execution_kind(device) if device is not None else execution_kind(out, ref)
-    tol = tolerance(what, dtype, "cuda" if kind == "gpu" else None)
-    r = ratio(out, ref)
-    e, where = element_error(out, ref)
+    kind, tol, r, e, where = _compare(out, ref, what, dtype, device)
     _record(what, dtype, kind, tol, r, e, name)
     row = f"({what}, {dtype}, {kind}) row {tol:.1e}"
     if not r <= tol:
