@@ -36,6 +36,30 @@ def test_mobius_long_sequence_stays_finite_and_exact():
         assert_close(o, r, "scan", torch.float32)
 
 
+@pytest.mark.parametrize("layout", ["time_contiguous", "channels_contiguous"])
+def test_welford_float32_long_sequence_against_float64_moments(layout):
+    """Welford in float32 on the GPU (its combine divides: the RCP_APPROX path), 2^16 steps of data with
+    mean 3, against running moments computed here in float64 from cumulative sums; gradients of a
+    weighted sum of (mean, m2) with respect to the data against autograd of the same float64 formulas."""
+    from scanlang import library
+    T = 1 << 16
+    shape, dim = ((4, 3, T), 2) if layout == "time_contiguous" else ((4, T, 3), 1)
+    v64 = (torch.randn(shape, device="cuda", dtype=torch.float64) + 3).requires_grad_()
+    v = v64.detach().float().requires_grad_()
+    out = sl.scan(library.Welford, (torch.ones_like(v), v, torch.zeros_like(v)), dim=dim, backend="triton")
+    t = torch.arange(1, T + 1, device="cuda", dtype=torch.float64)
+    t = t if dim == 2 else t[:, None]
+    mean = v64.cumsum(dim) / t
+    m2 = (v64 * v64).cumsum(dim) - t * mean * mean   # float64: cancellation leaves ~1e-15 relative
+    assert_close(out.n, t.expand(shape), "scan", torch.float32, name="n")
+    assert_close(out.mean, mean, "scan", torch.float32, name="mean")
+    assert_close(out.m2, m2, "scan", torch.float32, name="m2")
+    w1, w2 = (torch.randn(shape, device="cuda", dtype=torch.float64) for _ in range(2))
+    got, = torch.autograd.grad((out.mean * w1.float()).sum() + (out.m2 * w2.float() / T).sum(), v)
+    want, = torch.autograd.grad((mean * w1).sum() + (m2 * w2 / T).sum(), v64)
+    assert_close(got, want, "scan_grad", torch.float32, name="dv")
+
+
 def _misaligned_copy(x: torch.Tensor) -> torch.Tensor:
     """`x` copied to storage starting 4 bytes past a 16-byte boundary."""
     out = torch.empty(x.numel() + 1, device=x.device, dtype=x.dtype)[1:].view(x.shape).copy_(x)
