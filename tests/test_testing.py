@@ -1,0 +1,102 @@
+"""scanlang.testing can fail: exact non-finite comparison, the element-wise bound, CPU rows that catch a
+planted 1e-4 error, GPU rows only on CUDA, poisoned kernel buffers that show an unwritten element, and
+the margin check that keeps each CPU row within 100x of what its tests measure."""
+from __future__ import annotations
+
+import copy
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import scanlang as sl
+from scanlang import settings, testing
+from scanlang.backends.reference import scan_sequential
+from scanlang.testing import assert_close, element_error, ratio, tolerance
+
+INF, NAN = float("inf"), float("nan")
+
+
+@pytest.fixture
+def unrecorded():
+    """Planted errors below must not count as what the suite measures."""
+    saved = copy.deepcopy(testing.OBSERVED)
+    yield
+    testing.OBSERVED.clear()
+    testing.OBSERVED.update(saved)
+
+
+def test_non_finite_positions_compare_exactly():
+    assert ratio(torch.tensor([1.0, INF]), torch.tensor([1.0, -INF])) == INF
+    assert ratio(torch.tensor([1.0, INF]), torch.tensor([1.0, INF])) == 0.0
+    assert ratio(torch.tensor([1.0, NAN]), torch.tensor([1.0, NAN])) == 0.0
+    assert ratio(torch.tensor([1.0, NAN]), torch.tensor([1.0, INF])) == INF
+    assert ratio(torch.tensor([1.0, 2.0]), torch.tensor([1.0, NAN])) == INF      # a finite value where NaN is due
+    assert ratio(torch.tensor([1.0, NAN]), torch.tensor([1.0, 2.0])) == INF
+    assert element_error(torch.tensor([1.0, 2.0, -INF]), torch.tensor([1.0, 2.0, INF])) == (INF, 2)
+
+
+def test_one_wrong_element_in_576000_fails(unrecorded):
+    ref = torch.randn(8, 1000, 72, dtype=torch.float64)
+    out = ref.float()
+    assert_close(out, ref, "delta_out", torch.float32)
+    out[3, 500, 7] = 1.001 * ref[3, 500, 7] + 1e-3          # one element off by 1e-3
+    assert ratio(out, ref) < tolerance("delta_out", torch.float32)   # the RMS alone passes it
+    with pytest.raises(AssertionError, match=r"element \(3, 500, 7\)"):
+        assert_close(out, ref, "delta_out", torch.float32)
+
+
+@pytest.mark.parametrize("what", sorted({w for w, d in testing.TOLERANCES if d == torch.float32}))
+def test_every_float32_cpu_row_catches_a_planted_1e4_error(unrecorded, what):
+    ref = torch.randn(4096, dtype=torch.float64)
+    sign = torch.randint(0, 2, ref.shape, dtype=torch.float64) * 2 - 1
+    with pytest.raises(AssertionError, match="exceeds"):
+        assert_close((ref * (1 + 1e-4 * sign)).float(), ref, what, torch.float32)
+
+
+def test_gpu_rows_only_on_cuda():
+    key = ("delta_out", torch.float32)
+    assert tolerance(*key) == testing.TOLERANCES[key] < testing.GPU_TOLERANCES[key] == tolerance(*key, device="cuda")
+    assert testing.execution_kind(torch.zeros(1), "cpu", None) == "cpu"
+    assert testing.execution_kind(torch.device("cuda")) == "gpu"
+    assert tolerance("delta_tm", torch.float32, device="cuda") == testing.TOLERANCES[("delta_tm", torch.float32)]
+
+
+def test_margin_check_flags_a_loose_row_and_skips_unmeasured_ones():
+    observed = {("scan", "float32", "cpu"): dict(tolerance=1e-4, ratio=1e-7, element=0, checks=1, where="x"),
+                ("scan", "float64", "cpu"): dict(tolerance=1e-12, ratio=0.0, element=0, checks=1, where="y"),
+                ("scan", "float32", "gpu"): dict(tolerance=1e-5, ratio=1e-9, element=0, checks=1, where="z"),
+                ("kalman_out", "float32", "cpu"): dict(tolerance=1e-5, ratio=5e-7, element=0, checks=1, where="w")}
+    loose = testing.margins(observed)
+    assert len(loose) == 1 and loose[0].startswith("(scan, float32) tolerance 1.0e-04 is 1000x")
+
+
+def test_an_unwritten_kernel_element_fails_the_comparison(monkeypatch):
+    """Poisoned buffers (the session's default, tests/conftest.py): a forward launch that leaves one element
+    of its output as it found it, planted around the real launch, gives NaN there, and the check fails."""
+    from scanlang.backends.triton import launcher, ops
+    assert settings.POISON_OUTPUTS
+    made, real_empty, real_launch = [], ops._empty, launcher.launch
+    monkeypatch.setattr(ops, "_empty", lambda *a: made.append(real_empty(*a)) or made[-1])
+
+    def skips_one(plan, cfg, kernel, grid, args, meta):
+        out = made[0].view(-1)          # the first output buffer (field a), allocated before this launch
+        before = out[5].clone()
+        result = real_launch(plan, cfg, kernel, grid, args, meta)
+        if kernel.__name__.startswith("scan_forward"):
+            out[5] = before             # element 5 not written
+        return result
+    a = torch.rand(2, 9, 3, dtype=torch.float64) * 0.5 + 0.5
+    b = torch.randn(2, 9, 3, dtype=torch.float64)
+    ref = scan_sequential(sl.Affine, (a, b), dim=1)
+    assert_close(sl.scan(sl.Affine, (a.float(), b.float()), dim=1, backend="triton").a, ref[0], "scan")
+    made.clear()
+    monkeypatch.setattr(launcher, "launch", skips_one)
+    with testing.poisoned_outputs():
+        out = sl.scan(sl.Affine, (a.float(), b.float()), dim=1, backend="triton")
+    assert torch.isnan(out.a).sum() == 1
+    with pytest.raises(AssertionError, match="inf"):
+        assert_close(out.a, ref[0], "scan")
