@@ -24,8 +24,11 @@ NAMES = ("dq", "dk", "dv", "dg", "deta", "dh0")
 
 
 def kind(name: str) -> str:
-    """The table row a compared tensor belongs to: outputs and states, or gradients."""
-    return "delta_out" if name in ("o", "S") else "delta_grad"
+    """The table row a compared tensor belongs to: outputs and states, per-token gradients, or the gradients
+    of per-head decay parameters (sums over every token and state entry, with cancellation)."""
+    if name in ("o", "S"):
+        return "delta_out"
+    return "delta_param_grad" if name in ("dA_log", "ddt_bias") else "delta_grad"
 
 
 def make_inputs(B, T, H, K, V, seed=0, zero_keys=True):
