@@ -107,12 +107,13 @@ def test_an_unwritten_kernel_element_fails_the_comparison(monkeypatch):
         assert_close(out.a, ref[0], "scan")
 
 
-# A representative subset (reference backend, seconds): the tests that measure the worst error of the CPU
-# rows they use. The whole suite's report: SCANLANG_TOLERANCE_REPORT=out.json pytest (fails the same way).
+# A representative subset (reference backend, seconds): for each CPU row it uses, a test measuring close to
+# the worst error the whole suite measures for it (rows whose worst comes from slow kernel tests, e.g.
+# scan_grad float64, are left to the whole suite's report: SCANLANG_TOLERANCE_REPORT=out.json pytest,
+# which fails the same way).
 SUBSET = ["tests/test_scan.py::test_float32_and_half_inputs_compute_in_float32",
           "tests/test_scan.py::test_library_monoids_match_sequential_oracle",
-          "tests/test_scan.py::test_affine_gate_gradient_matches_loop_autograd",
-          "tests/test_kalman.py::test_gradients_over_a_long_sequence_in_float32",
+          "tests/test_kalman.py::test_float32_gradient_tolerance_is_met",
           "tests/test_kalman.py::test_long_sequence_stays_finite_and_accurate",
           "tests/test_kalman.py::test_matches_covariance_filter_float64",
           "tests/test_kalman_layer.py::test_every_parameter_gets_a_finite_gradient_matching_the_spec_block",
@@ -126,7 +127,8 @@ def test_cpu_rows_within_100x_of_what_their_tests_measure(tmp_path):
     report = tmp_path / "tolerances.json"
     env = dict(os.environ, SCANLANG_TOLERANCE_REPORT=str(report))
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *SUBSET], cwd=root, env=env,
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *SUBSET,
+                          "-k", "not (LogAffine or LogSumExp or joint)"], cwd=root, env=env,
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
     observed = testing.read_report(report)
