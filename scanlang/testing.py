@@ -68,8 +68,8 @@ TOLERANCES = {
     # fp32 inputs, every dot ieee (interpreter): outputs, gradients against float64
     ("delta_ieee", torch.float32): 1e-5,   # 5.9e-7 test_delta_bwd (varlen, dA_log): 17x
     # Kalman filter (spec/kalman.md): fp32 scan arithmetic
-    ("kalman_out", torch.float32): 1e-5,   # 4.5e-7 test_kalman_layer (generated kernels): 22x
-    ("kalman_grad", torch.float32): 1e-5,  # 8.1e-7 test_kalman (long sequence, dlam0): 12x
+    ("kalman_out", torch.float32): 1e-5,   # 4.5e-7 test_kalman_layer (generated kernels), 3.2e-7 fused: 22x
+    ("kalman_grad", torch.float32): 2e-5,  # 2.0e-6 test_kalman_fused (time-major inputs, dlam0): 10x
     ("kalman_out", torch.bfloat16): 0.02,  # 5.2e-3 test_kalman_layer (bf16 layer: bf16 projections, output): 4x
     ("kalman_out", torch.float64): 5e-14,  # 1.2e-15 test_kalman (covariance filter): 40x
     ("kalman_grad", torch.float64): 1e-13,  # 3.0e-15 test_kalman_layer (dp_log): 33x

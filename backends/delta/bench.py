@@ -42,7 +42,6 @@ import triton.testing
 from scanlang.backends.delta import ops as delta_ops
 from scanlang.recipes.kaczmarz import delta_rule, kaczmarz_delta_rule
 from scanlang.testing import check as check_close
-from scanlang.testing import ratio
 
 LOG: list[str] = []
 SHAPE = (8, 4096, 16, 128, 128)     # B, T, H, K, V of the timed runs and the sweep
