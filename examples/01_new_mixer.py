@@ -44,15 +44,16 @@ def main():
     dev = "cuda" if cuda else "cpu"
     v, k, q = torch.randn(B, T, D, device=dev), torch.randn(B, T, S, device=dev), torch.randn(B, T, S, device=dev)
     log_a = (-torch.rand(D, S, device=dev) * 0.1).requires_grad_()
-    v.requires_grad_()
+    for x in (v, k, q):
+        x.requires_grad_()
 
     y = decayed_attention(v=v, k=k, q=q, log_a=log_a).y
     ref = loop(*(x.double() for x in (v, k, q, log_a)))
     assert_close(y, ref, "scan", dtype=torch.float32)
     g = torch.randn_like(y)
-    got = torch.autograd.grad(y, (v, log_a), g)
-    want = torch.autograd.grad(ref, (v, log_a), g.double())
-    for name, a, b in zip(("dv", "dlog_a"), got, want):
+    got = torch.autograd.grad(y, (v, k, q, log_a), g)
+    want = torch.autograd.grad(ref, (v, k, q, log_a), g.double())
+    for name, a, b in zip(("dv", "dk", "dq", "dlog_a"), got, want):
         assert_close(a, b, "scan_grad", dtype=torch.float32, name=name)
     print(f"fused mixer matches the float64 loop (B={B} T={T} D={D} S={S}): outputs and gradients")
 

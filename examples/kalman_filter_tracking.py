@@ -18,8 +18,10 @@ torch.manual_seed(0)
 device = "cuda" if torch.cuda.is_available() else "cpu"
 F64 = torch.float64
 
-print(PRECISION.verify())
-print(KalmanJoint.verify())
+for monoid in (PRECISION, KalmanJoint):
+    proof = monoid.verify()
+    print(proof)
+    assert proof.symbolic, f"{monoid.name}: {proof.method}, not a symbolic proof"
 
 # ---- 1. filtering -------------------------------------------------------------------------------
 B, T, M, S = 64, 400, 1, 1

@@ -4,6 +4,8 @@ SCANLANG_DEBUG       "1" prints generated kernel source when it is rendered.
 SCANLANG_CACHE_DIR   where generated kernels and proofs are cached (default ~/.cache/scanlang).
 SCANLANG_PROOF_SECONDS  sympy's time budget per law (associativity, each identity side; default 20).
 TRITON_INTERPRET     "1" lets backend="triton" run on CPU tensors through Triton's interpreter.
+SCANLANG_POISON_OUTPUTS  "1" (tests) fills the generic scan kernels' buffers with NaN before a launch
+                     (POISON_OUTPUTS below; scanlang.testing.poisoned_outputs() toggles it).
 """
 from __future__ import annotations
 
@@ -40,3 +42,9 @@ def proof_seconds() -> float:
 
 def triton_interpret() -> bool:
     return _flag("TRITON_INTERPRET")
+
+
+# Test-only: the generic scan kernels' output, final-state, checkpoint and gradient buffers start as NaN
+# (backends/triton/ops.py), so an element a kernel leaves unwritten fails the comparison. A plain module
+# attribute, read once per allocation, not an environment lookup: the eager path counts microseconds.
+POISON_OUTPUTS = _flag("SCANLANG_POISON_OUTPUTS")

@@ -1,5 +1,6 @@
 """The GPU benchmark's steps, run on CPU (Triton's interpreter, a tiny shape, a fake clock): the headline table
-comes out of the timing step by itself, and the sweep stops at its time budget."""
+comes out of the timing step by itself, the sweep stops at its time budget, and a wrong kernel (a dropped
+output element, a wrong gradient under one swept config) fails the run instead of being timed or kept."""
 from __future__ import annotations
 
 import os
@@ -11,6 +12,7 @@ import torch  # noqa: E402
 
 from scanlang.backends.delta import bench  # noqa: E402
 from scanlang.backends.delta import ops as delta_ops  # noqa: E402
+from scanlang.testing import tolerance  # noqa: E402
 
 
 @pytest.fixture
@@ -32,8 +34,9 @@ def test_timing_step_prints_the_headline_table_with_checked_outputs(tiny_bench):
     assert "| ours GDN-step |" in log and "| ours Kaczmarz |" in log
     assert "decode ours (recurrent kernel): whole call 1000.0 us, kernels only 500.0 us" in log
     assert len(timed) == 5                                   # 2 x (fwd, fwd+bwd) + decode
-    assert results["timing"]["ours GDN-step"]["o_ratio_vs_f64"] < 5e-3
-    assert results["decode"]["ours (recurrent kernel)"]["S_ratio"] < 5e-3
+    assert results["timing"]["ours GDN-step"]["o_ratio_vs_f64"] <= tolerance("delta_out", torch.bfloat16)
+    assert results["decode"]["ours (recurrent kernel)"]["S_ratio"] <= tolerance("delta_out", torch.bfloat16)
+    assert "failures" not in results and results["ours GDN-step (checked slice)"]["dv_ok"]
 
 
 def test_sweep_stops_at_its_budget(tiny_bench, monkeypatch):
@@ -55,3 +58,50 @@ def test_sweep_of_named_kernels_only(tiny_bench, monkeypatch):
     log = "\n".join(bench.LOG)
     assert len(timed) == 2                                    # its start config and the one other
     assert "bwd_wy: best" in log and "prep: best" not in log
+
+
+class _ScaleGrad(torch.autograd.Function):
+    """Identity forward; the gradient scaled by 1.01 (a planted backward bug)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * 1.01
+
+
+def test_a_dropped_output_element_fails_the_run_and_is_not_timed(tiny_bench, monkeypatch, tmp_path):
+    real = bench.ours_fn
+
+    def dropped(*args):   # one output element left unwritten (zero)
+        o, S = real(*args)
+        mask = torch.ones_like(o)
+        mask[0, 3, 0, 5] = 0
+        return o * mask, S
+    monkeypatch.setattr(bench, "ours_fn", dropped)
+    rc = bench.main(["--device", "cpu", "--skip-correctness", "--no-breakdown", "--out", str(tmp_path)])
+    log = "\n".join(bench.LOG)
+    assert rc == 1 and "ours GDN-step                FAILED its check against float64: not timed" in log
+    assert "| ours GDN-step |" not in log and "| ours Kaczmarz |" in log      # the other contender still timed
+
+
+def test_sweep_never_keeps_a_config_that_fails_its_check(tiny_bench, monkeypatch):
+    """The planted config is the fastest and its gradients are wrong: reported FAILED, not kept."""
+    results, timed = tiny_bench
+    planted = dict(BV=16, num_warps=4, num_stages=2)
+    monkeypatch.setitem(delta_ops.CONFIG, "bwd_wy", dict(BV=16, num_warps=4, num_stages=1))
+    monkeypatch.setitem(bench.SWEEP_OPTIONS, "bwd_wy", [planted])
+    real = bench.ours_fn
+
+    def wrong_under_planted(*args):
+        o, S = real(*args)
+        return (_ScaleGrad.apply(o) if delta_ops.CONFIG["bwd_wy"] == planted else o), S
+    monkeypatch.setattr(bench, "ours_fn", wrong_under_planted)
+    monkeypatch.setattr(bench, "bench_ms", lambda fn: timed.append(fn()) or (0.1 if delta_ops.CONFIG["bwd_wy"] == planted
+                                                                          else 1.0))
+    bench.sweep(torch.device("cpu"), results, budget_s=1e9, only={"bwd_wy"})
+    log = "\n".join(bench.LOG)
+    assert delta_ops.CONFIG["bwd_wy"] != planted and len(timed) == 1             # only the start config timed
+    assert f"bwd_wy {planted}: FAILED its check" in log and results["failures"] == [f"sweep bwd_wy {planted}"]

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from scanlang.recipes.kaczmarz import KaczmarzLinearAttention, delta_rule, kaczmarz_delta_rule
-from scanlang.testing import assert_close
+from scanlang.testing import assert_close, ratio
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 NAMES = ("o", "S", "dq", "dk", "dv", "dg", "deta", "dh0")
@@ -46,6 +46,43 @@ def test_kaczmarz_on_gpu_against_float64(dtype, T, K):
         backend="reference"), ins)
     for name, kind, a, b in zip(NAMES, KINDS, got, ref):
         assert_close(a, b, kind, dtype, name)
+    # the reference backend itself, at these sizes, against a loop written here (sampled rows)
+    for b, h in SAMPLED_ROWS:
+        loop = row_loop_with_grads(ins, b, h, seed=1)
+        for name, kind, x, want in zip(NAMES, KINDS, got, loop):
+            part = x[b, h] if name in ("S", "dh0") else x[b, :, h]
+            assert_close(part, want, kind, dtype, f"{name} row ({b}, {h}) vs the loop")
+        for name, x, want in zip(NAMES, ref, loop):   # o, S float64; gradients rounded to their leaf's dtype
+            part = x[b, h] if name in ("S", "dh0") else x[b, :, h]
+            bound = 1e-10 if part.dtype == torch.float64 else torch.finfo(part.dtype).eps
+            assert ratio(part, want) < bound, (name, b, h, ratio(part, want))
+
+
+SAMPLED_ROWS = ((0, 0), (1, 2))   # (batch, head): the first and the last of inputs(2, T, 3, ...)
+
+
+def row_loop_with_grads(ins, b, h, seed):
+    """o, S and every gradient for one (batch, head) row by the token loop (spec/kaczmarz.md), float64,
+    written out here: S' = exp(g) S; S = S' + beta k (v - S'^T k)^T, beta = eta / (|k|^2 + 1e-6);
+    o = K^-1/2 S^T q. The cotangents are with_grads' for that row (same generator, same draws), so the
+    gradients are those of the row's share of the loss."""
+    q, k, v, g, eta = (t.detach()[b, :, h].double().requires_grad_() for t in ins[:5])
+    h0 = ins[5].detach()[b, h].double().requires_grad_()
+    T, K = k.shape
+    V = v.shape[-1]
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    B, H = ins[0].shape[0], ins[0].shape[2]
+    do = torch.randn((B, T, H, V), device="cuda", generator=gen, dtype=torch.float64)[b, :, h]
+    dS = torch.randn((B, H, K, V), device="cuda", generator=gen, dtype=torch.float64)[b, h]
+    S, outs = h0, []
+    for t in range(T):
+        S = torch.exp(g[t]) * S
+        beta = eta[t] / ((k[t] * k[t]).sum() + 1e-6)
+        S = S + beta * torch.outer(k[t], v[t] - S.T @ k[t])
+        outs.append(K ** -0.5 * (S.T @ q[t]))
+    o = torch.stack(outs)
+    grads = torch.autograd.grad((o * do).sum() + (S * dS).sum(), (q, k, v, g, eta, h0))
+    return [o.detach(), S.detach(), *grads]
 
 
 def test_varlen_and_decode_on_gpu():

@@ -124,6 +124,16 @@ def test_gradcheck_float64_reference():
     assert torch.autograd.gradcheck(fn2, (q, k, v, g, eta, h0))
 
 
+def test_gradcheck_float64_reference_across_chunk_boundaries():
+    """The chunked reference's backward where the state crosses a chunk boundary: T = 21 over chunks of 16
+    (a full chunk and a partial one), with an initial state (the one-chunk gradcheck above cannot see a
+    wrong carry of the state's gradient between chunks)."""
+    q, k, v, g, eta, h0 = (t.double().requires_grad_() for t in make_inputs(1, 21, 1, 2, 2, zero_keys=False))
+    fn = lambda q, k, v, g, eta, h0: kaczmarz_delta_rule(  # noqa: E731
+        q, k, v, g, eta, initial_state=h0, output_final_state=True, backend="reference", chunk_size=16)
+    assert torch.autograd.gradcheck(fn, (q, k, v, g, eta, h0))
+
+
 def test_fp32_gradients_against_float64():
     inputs = make_inputs(2, 70, 2, 16, 8)
     grads = {}

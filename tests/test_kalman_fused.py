@@ -45,7 +45,7 @@ def test_fused_matches_covariance_filter(form, length, heads, schedule):
     assert y.shape == y_var.shape == (2, length, 4) and lam.shape == eta.shape == (2, 4, 2)
     ref_y, ref_var, (ref_lam, ref_eta) = covariance_filter(**ins, initial_state=state)
     for name, out, ref in (("y", y, ref_y), ("y_var", y_var, ref_var), ("lam", lam, ref_lam), ("eta", eta, ref_eta)):
-        assert_close(out.cpu(), ref, "kalman_out", torch.float32, name=name)
+        assert_close(out, ref, "kalman_out", torch.float32, name=name)
 
 
 @pytest.mark.parametrize("form", FUSED_FORMS)
@@ -54,8 +54,8 @@ def test_fused_in_float64(form):
     y, y_var, _ = kalman_filter(**on(ins), backend="triton", form=form)
     assert y.dtype == F64
     ref_y, ref_var, _ = covariance_filter(**ins)
-    assert_close(y.cpu(), ref_y, "kalman_out", F64, name="y")
-    assert_close(y_var.cpu(), ref_var, "kalman_out", F64, name="y_var")
+    assert_close(y, ref_y, "kalman_out", F64, name="y")
+    assert_close(y_var, ref_var, "kalman_out", F64, name="y_var")
 
 
 @pytest.mark.parametrize("form", FUSED_FORMS)
@@ -70,7 +70,7 @@ def test_fused_gradients_match_float64_autograd_of_the_loop(form, heads, schedul
                           tuple(s.to(F64) for s in state), seed=6)
     for name, g, r in zip(NAMES, got, ref):
         assert g.dtype == torch.float32, name
-        assert_close(g.cpu(), r, "kalman_grad", torch.float32, name=f"d{name}")
+        assert_close(g, r, "kalman_grad", torch.float32, name=f"d{name}")
 
 
 @pytest.mark.parametrize("form", FUSED_FORMS)
@@ -86,10 +86,10 @@ def test_fused_state_carry_and_zero_keys(form, schedule):
     y2, v2, end = kalman_filter(**second, initial_state=mid, output_final_state=True, backend="triton", form=form)
     assert torch.isfinite(y).all() and torch.isfinite(y_var).all()
     ref_y, ref_var, (ref_lam, ref_eta) = kalman_filter_loop(**ins)
-    assert_close(torch.cat([y1, y2], 1).cpu(), ref_y, "kalman_out", torch.float32, name="y")
-    assert_close(torch.cat([v1, v2], 1).cpu(), ref_var, "kalman_out", torch.float32, name="y_var")
-    assert_close(end[0].cpu(), ref_lam, "kalman_out", torch.float32, name="lam")
-    assert_close(end[1].cpu(), ref_eta, "kalman_out", torch.float32, name="eta")
+    assert_close(torch.cat([y1, y2], 1), ref_y, "kalman_out", torch.float32, name="y")
+    assert_close(torch.cat([v1, v2], 1), ref_var, "kalman_out", torch.float32, name="y_var")
+    assert_close(end[0], ref_lam, "kalman_out", torch.float32, name="lam")
+    assert_close(end[1], ref_eta, "kalman_out", torch.float32, name="eta")
 
 
 def test_dispatch_and_errors():
@@ -101,7 +101,7 @@ def test_dispatch_and_errors():
     # S = 3 on the triton backend falls back to the sl.scan kernels
     y, y_var, _ = kalman_filter(**on(ins), backend="triton")
     ref_y, ref_var, _ = covariance_filter(**ins)
-    assert_close(y.cpu(), ref_y, "kalman_out", torch.float32, name="y")
+    assert_close(y, ref_y, "kalman_out", torch.float32, name="y")
 
 
 def test_default_form_follows_the_measurements():
@@ -130,7 +130,7 @@ def test_fused_long_sequence_gradients_on_gpu(form):
                           tuple(s.to(F64).to(DEVICE) for s in state), seed=7)
     for name, g, r in zip(NAMES, got, ref):
         assert torch.isfinite(g).all(), name
-        assert_close(g.cpu(), r.cpu(), "kalman_grad", torch.float32, name=f"d{name}")
+        assert_close(g, r, "kalman_grad", torch.float32, name=f"d{name}")
 
 
 @pytest.mark.parametrize("form", FUSED_FORMS)
@@ -139,8 +139,8 @@ def test_fused_bfloat16_inputs_scan_in_float32(form):
     y, y_var, (lam, eta) = kalman_filter(**on(ins), output_final_state=True, backend="triton", form=form)
     assert y.dtype == y_var.dtype == lam.dtype == eta.dtype == torch.float32
     ref_y, ref_var, _ = covariance_filter(**ins)          # the same rounded inputs, in float64
-    assert_close(y.cpu(), ref_y, "kalman_out", torch.float32, name="y")
-    assert_close(y_var.cpu(), ref_var, "kalman_out", torch.float32, name="y_var")
+    assert_close(y, ref_y, "kalman_out", torch.float32, name="y")
+    assert_close(y_var, ref_var, "kalman_out", torch.float32, name="y_var")
 
 
 def test_time_major_inputs_give_the_same_filter():
@@ -157,7 +157,7 @@ def test_time_major_inputs_give_the_same_filter():
     ref = _loss_and_grads(kalman_filter_loop, {n: x.to(F64) for n, x in ins.items()},
                           tuple(s.to(F64) for s in state), seed=8)
     for name, g, r in zip(NAMES, got, ref):
-        assert_close(g.cpu(), r, "kalman_grad", torch.float32, name=f"d{name}")
+        assert_close(g, r, "kalman_grad", torch.float32, name=f"d{name}")
 
 
 @pytest.mark.parametrize("form", FUSED_FORMS)
@@ -204,7 +204,7 @@ def test_key_gradients_summed_per_program_or_per_lane_agree(monkeypatch):
         got = _loss_and_grads(kalman_filter, *on(ins, state), seed=9, output_final_state=True, backend="triton",
                               form="fused")
         for name, g, r in zip(NAMES, got, ref):
-            assert_close(g.cpu(), r, "kalman_grad", torch.float32, name=f"d{name} (grouped={grouped})")
+            assert_close(g, r, "kalman_grad", torch.float32, name=f"d{name} (grouped={grouped})")
         plans = [*plan.PLANS.plans.values()]
         plans += [b for p in plans if hasattr(p, "backward_plans") for b in p.backward_plans.plans.values()]   # kept by their forward plans
         modes = {v for p in plans for _, _, meta, _ in getattr(p, "_launch", {}).values()

@@ -157,6 +157,52 @@ def test_lanes_projective_readout_float32(lanes):
 # partial program and scratch chunks; R = 2 with chunks of 6 steps in blocks of 4 (a partial block
 # in every chunk). T = 11: a partial last chunk everywhere.
 SEVERAL = [(64, 1, 4, 4), (256, 1, 4, 2), (64, 1, 6, 4)]
+# The key/query gradients' DU mode each case must launch (plan._lanes_mode, worked by hand): the
+# program sum (5) needs BLOCK_L to divide the 16 x 4 inner lanes; the warp sum (6) needs 32 slots of
+# R lanes to divide them too (R = 2 at 64 lanes on one warp; R = 4 at 256: 128 does not divide 64).
+EXPECTED_MODE = {("program", 64): 5, ("warp", 64): 6, ("none", 64): 1,
+                 ("program", 256): 1, ("warp", 256): 1, ("none", 256): 1}
+
+
+def _launched_backward_modes(monkeypatch) -> list:
+    """Spy on the launches: the DU* modes of every scan_backward_lanes launch, appended as they run."""
+    from scanlang.backends.triton import launcher
+    real_wrap, real_launch, modes = ops.wrap_triton, launcher.launch, []
+
+    def record(kernel, meta):
+        if kernel.__name__ == "scan_backward_lanes":
+            modes.append({k: v for k, v in meta.items() if k.startswith("DU")})
+
+    class SpyWrap:   # wrap_triton(kernel)[grid](*args, **meta), under tracing
+        def __init__(self, kernel):
+            self.kernel, self.wrapped = kernel, real_wrap(kernel)
+
+        def __getitem__(self, grid):
+            return lambda *args, **meta: record(self.kernel, meta) or self.wrapped[grid](*args, **meta)
+
+    def spy_launch(plan, cfg, kernel, grid, args, meta):
+        record(kernel, meta)
+        return real_launch(plan, cfg, kernel, grid, args, meta)
+    monkeypatch.setattr(ops, "wrap_triton", SpyWrap)
+    monkeypatch.setattr(launcher, "launch", spy_launch)
+    return modes
+
+
+def _force_group_sums(monkeypatch, group_sums: str):
+    """Set the summing flags and drop every cached plan: a plan (and the backward plans it keeps)
+    memoises its launch meta, DU modes included, under a key that does not name these flags."""
+    from scanlang.backends.triton import plan
+    monkeypatch.setattr(plan, "SUM_GROUPS_BEFORE_ATOMICS", group_sums == "program")
+    monkeypatch.setattr(plan, "SUM_WARP_GROUPS_BEFORE_ATOMICS", group_sums == "warp")
+    plan.PLANS.clear()
+
+
+def _assert_launched(modes, group_sums, block_l):
+    want = EXPECTED_MODE[group_sums, block_l]
+    assert modes, "no scan_backward_lanes launch"
+    launched = {v for m in modes for v in m.values()}
+    assert want in launched, (group_sums, block_l, modes)
+    assert not ({5, 6} - {want}) & launched, (group_sums, block_l, modes)
 
 
 @pytest.mark.parametrize("block_l,warps,chunk,unroll", SEVERAL)
@@ -165,15 +211,15 @@ def test_lanes_several_per_thread_kalman(monkeypatch, block_l, warps, chunk, unr
     """Several lanes per thread slot (the layout the Kalman benchmark runs): outputs, final state and
     every gradient against float64 autograd of the loop; key gradients summed over the program's
     groups (plan mode 5), over each warp's groups (mode 6, where a warp's lanes share the batch
-    index) or per lane (mode 1) before the atomic add."""
+    index) or per lane (mode 1) before the atomic add. Each case checks that it launched its mode."""
     from scanlang.backends.triton import plan
     from scanlang.recipes.kalman import kalman_filter
     from scanlang.recipes.kalman.reference import kalman_filter_loop
     from test_kalman import NAMES, _loss_and_grads, make_inputs, make_state
     cfg = runtime.Config(block_t=chunk, block_l=block_l, num_warps=warps, chunk=chunk, schedule="lanes", unroll=unroll)
     assert runtime.lanes_per_thread(cfg, 4) == min(4, block_l // (32 * warps)) > 1
-    monkeypatch.setattr(plan, "SUM_GROUPS_BEFORE_ATOMICS", group_sums == "program")
-    monkeypatch.setattr(plan, "SUM_WARP_GROUPS_BEFORE_ATOMICS", group_sums == "warp")
+    _force_group_sums(monkeypatch, group_sums)
+    modes = _launched_backward_modes(monkeypatch)
     for key in [(c, b) for c in (False, True) for b in (False, True)]:
         monkeypatch.setitem(runtime.OVERRIDES, key, cfg)
     ins = make_inputs(2, 11, 16, 4)
@@ -182,16 +228,38 @@ def test_lanes_several_per_thread_kalman(monkeypatch, block_l, warps, chunk, unr
     dev_state = tuple(s.to(DEVICE) for s in state)
     got = _loss_and_grads(kalman_filter, dev, dev_state, seed=3, output_final_state=True, backend="triton",
                           form="fused")
+    _assert_launched(modes, group_sums, block_l)
     ref = _loss_and_grads(kalman_filter_loop, {n: x.to(torch.float64) for n, x in ins.items()},
                           tuple(s.to(torch.float64) for s in state), seed=3)
     for name, g, r in zip(NAMES, got, ref):
-        assert_close(g.cpu(), r, "kalman_grad", torch.float32, name=f"d{name}")
+        assert_close(g, r, "kalman_grad", torch.float32, name=f"d{name}")
     y, y_var, (lam, eta) = kalman_filter(**dev, initial_state=dev_state, output_final_state=True,
                                          backend="triton", form="fused")
     ref_y, ref_var, (ref_lam, ref_eta) = kalman_filter_loop(**{n: x.to(torch.float64) for n, x in ins.items()},
                                                             initial_state=tuple(s.to(torch.float64) for s in state))
     for name, out, want in (("y", y, ref_y), ("y_var", y_var, ref_var), ("lam", lam, ref_lam), ("eta", eta, ref_eta)):
-        assert_close(out.cpu(), want, "kalman_out", torch.float32, name=name)
+        assert_close(out, want, "kalman_out", torch.float32, name=name)
+    plan.PLANS.clear()   # the next test must not inherit plans built under these flags
+
+
+def test_each_group_sum_case_launches_its_mode_in_sequence(monkeypatch):
+    """The guard for the test above in suite order: the three flag settings one after another in one
+    process (plans cached in between, as the suite leaves them) each launch their own DU mode."""
+    from scanlang.recipes.kalman import kalman_filter
+    from test_kalman import make_inputs, make_state
+    cfg = runtime.Config(block_t=4, block_l=64, num_warps=1, chunk=4, schedule="lanes", unroll=4)
+    for key in [(c, b) for c in (False, True) for b in (False, True)]:
+        monkeypatch.setitem(runtime.OVERRIDES, key, cfg)
+    ins = {n: x.to(DEVICE).requires_grad_() for n, x in make_inputs(1, 5, 16, 4).items()}
+    state = tuple(s.to(DEVICE) for s in make_state(1, 16, 4))
+    for group_sums in ("program", "warp", "none", "program"):
+        _force_group_sums(monkeypatch, group_sums)
+        modes = _launched_backward_modes(monkeypatch)
+        y, y_var, _ = kalman_filter(**ins, initial_state=state, backend="triton", form="fused")
+        (y.sum() + y_var.sum()).backward()
+        _assert_launched(modes, group_sums, 64)
+    from scanlang.backends.triton import plan
+    plan.PLANS.clear()
 
 
 # ---- fitting configs to the device ------------------------------------------------------------

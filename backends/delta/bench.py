@@ -17,6 +17,13 @@ In this order, so that a run cut short by a time limit still has the headline ta
 4. With --sweep: a per-kernel search over value block / warps / stages within SECONDS (default 300; every
    config compiles, so it is bounded: kernels not reached keep their configs), then ours timed again.
 Everything printed is also written to DIR/delta_bench.log and DIR/delta_bench.json after every step.
+
+Checks gate what is reported: before ours is timed, its outputs and every gradient on a slice of the timed
+inputs (one batch row, two heads, the timed T, K, V: the same kernels and launch configs) are compared
+with the float64 reference under scanlang.testing's rows (RMS and element-wise, the GPU rows on CUDA); a
+contender that fails is not timed. Every sweep config is checked the same way before it is timed, and one
+that fails is reported FAILED and never kept. Any failed check of ours, or a step that raised, makes the
+run exit 1 (fla, the anchor, is checked and marked FAIL but does not change the exit status).
 """
 from __future__ import annotations
 
@@ -34,7 +41,7 @@ import triton.testing
 
 from scanlang.backends.delta import ops as delta_ops
 from scanlang.recipes.kaczmarz import delta_rule, kaczmarz_delta_rule
-from scanlang.testing import ratio, tolerance
+from scanlang.testing import check as check_close
 
 LOG: list[str] = []
 SHAPE = (8, 4096, 16, 128, 128)     # B, T, H, K, V of the timed runs and the sweep
@@ -74,6 +81,11 @@ def reference_fn(q, k, v, g, beta, h0):
                       backend="reference")
 
 
+def kaczmarz_reference_fn(q, k, v, g, eta, h0):
+    return kaczmarz_delta_rule(*(t.double() for t in (q, k, v, g, eta)), initial_state=h0.double(),
+                               output_final_state=True, backend="reference")
+
+
 def ours_fn(q, k, v, g, beta, h0):
     return delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True, backend="triton")
 
@@ -88,15 +100,26 @@ KINDS = ("delta_out", "delta_out", "delta_grad", "delta_grad", "delta_grad", "de
          "delta_grad")
 
 
-def check(label, got, ref, dtype, results):
+def check(label, got, ref, dtype, results) -> bool:
+    """o, S and every gradient of `got` against `ref` under scanlang.testing's rows for `dtype` on got's
+    device; the verdict is said, kept in results[label], and (ours only) added to results["failures"]."""
     row = {}
-    for name, kind, a, b in zip(NAMES, KINDS, got, ref):
-        r = ratio(a, b)
-        row[name] = r
-        row[name + "_ok"] = r <= tolerance(kind, dtype)
+    for name, kind, a, b in zip(NAMES, KINDS, got, ref, strict=True):
+        row[name + "_ok"], row[name] = check_close(a, b, kind, dtype)
     results[label] = row
-    verdict = "PASS" if all(v for n, v in row.items() if n.endswith("_ok")) else "FAIL"
-    say(f"  {label:28s} {verdict} " + " ".join(f"{n}={row[n]:.2e}" for n in NAMES))
+    passed = all(v for n, v in row.items() if n.endswith("_ok"))
+    say(f"  {label:28s} {'PASS' if passed else 'FAIL'} " + " ".join(f"{n}={row[n]:.2e}" for n in NAMES))
+    if not passed and not label.startswith("fla"):
+        results.setdefault("failures", []).append(label)
+    return passed
+
+
+def check_slice(label, fn, ins, results) -> bool:
+    """`check` of fn on a slice of the timed inputs `ins` (batch row 0, the first two heads; same T, K, V, so
+    the same kernels and launch configs) against the float64 reference: outputs and every gradient."""
+    part = [t.detach()[:1, :, :2].contiguous() for t in ins[:5]] + [ins[5].detach()[:1, :2].contiguous()]
+    ref = grads_of(reference_fn if "Kaczmarz" not in label else kaczmarz_reference_fn, part)
+    return check(label + " (checked slice)", grads_of(fn, part), ref, part[0].dtype, results)
 
 
 def correctness(device, results, have_fla):
@@ -126,12 +149,19 @@ def correctness(device, results, have_fla):
 
 
 def bench_ms(fn):
+    if not torch.cuda.is_available():   # the interpreter (tests): one call's wall-clock time
+        fn()
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e3
     return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
 
 
 def graph_ms(fn):
     """GPU time of `fn` replayed as a CUDA graph: the kernels without the host's work; None if it cannot be
     captured. (Called once first, so caches are filled outside the capture.)"""
+    if not torch.cuda.is_available():
+        return None
     try:
         fn()
         return triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median")
@@ -196,6 +226,9 @@ def sweep(device, results, budget_s: float, only=()) -> bool:
     do = torch.randn(B, T, H, V, device=device)
     f = lambda: ours_fn(*ins)  # noqa: E731
     fb = lambda: fwd_bwd(ours_fn, ins, do)  # noqa: E731
+    # every config is checked before it is timed: outputs and gradients on the check inputs (the sweep's K, V)
+    check_ins = gdn_inputs(1, min(T, 333), min(H, 2), K, V, torch.bfloat16, device, seed=6)
+    check_ref = grads_of(reference_fn, check_ins)
     changed = False
     options = {name: cfgs for name, cfgs in SWEEP_OPTIONS.items() if not only or name in only}
     names = list(options)
@@ -208,6 +241,9 @@ def sweep(device, results, budget_s: float, only=()) -> bool:
                 break
             delta_ops.CONFIG[name] = cfg
             try:
+                if not check(f"sweep {name} {cfg}", grads_of(ours_fn, check_ins), check_ref, torch.bfloat16, results):
+                    say(f"  {name} {cfg}: FAILED its check against float64: not timed, not kept")
+                    continue
                 t = bench_ms(timer)
             except Exception as exc:  # a config that does not compile (registers, shared memory) is skipped
                 say(f"  {name} {cfg}: failed ({type(exc).__name__}: {str(exc)[:80]})")
@@ -267,6 +303,9 @@ def timings(device, results, have_fla, label_suffix="", only_ours=False):
     timing = results.setdefault("timing" + label_suffix.replace(" ", "_"), {})
     outputs = {}
     for label, fn, args in contenders:
+        if not check_slice(label, fn, args, results) and not label.startswith("fla"):
+            say(f"  {label:28s} FAILED its check against float64: not timed")
+            continue
         with torch.no_grad():
             outputs[label] = fn(*args)[0]
             fwd = bench_ms(lambda: fn(*args))
@@ -296,12 +335,19 @@ def timings(device, results, have_fla, label_suffix="", only_ours=False):
         # checks after the clock: outputs of the timed shape against float64
         o_ref = reference_fn(*[t.detach() for t in ins])[0]
         for label, fn, args in contenders:
-            if args is ins:
-                timing[label]["o_ratio_vs_f64"] = ratio(outputs[label], o_ref)
+            if args is ins and label in outputs:
+                ok, timing[label]["o_ratio_vs_f64"] = check_close(outputs[label], o_ref, "delta_out", torch.bfloat16)
+                timing[label]["o_ok"] = ok
+                if not ok and not label.startswith("fla"):
+                    results.setdefault("failures", []).append(f"{label} (timed shape, o)")
         del o_ref
         o_ref, S_ref = reference_fn(q, k, v, g, beta, h0)
         for label, (o, S) in dec_out.items():
-            decode[label].update(o_ratio=ratio(o, o_ref), S_ratio=ratio(S, S_ref))
+            ok_o, o_ratio = check_close(o, o_ref, "delta_out", torch.bfloat16)
+            ok_s, S_ratio = check_close(S, S_ref, "delta_out", torch.bfloat16)   # bf16 inputs
+            decode[label].update(o_ratio=o_ratio, S_ratio=S_ratio, ok=ok_o and ok_s)
+            if not (ok_o and ok_s) and not label.startswith("fla"):
+                results.setdefault("failures", []).append(f"decode {label}")
     say(f"## headline{label_suffix}: B{B} T{T} H{H} K=V={K} bf16, {results['gpu']}, torch {results['torch']}, "
         f"triton {results['triton']}")
     say("  | | fwd (ms) | fwd+bwd (ms) | o ratio vs float64 |")
@@ -309,11 +355,12 @@ def timings(device, results, have_fla, label_suffix="", only_ours=False):
     for label, row in timing.items():
         r = row.get("o_ratio_vs_f64")
         shown = "- (other inputs; see the correctness section)" if r is None else f"{r:.1e}"
+        shown += "" if row.get("o_ok", True) else " **FAIL**"
         say(f"  | {label} | {row['fwd_ms']:.3f} | {row['fwd_bwd_ms']:.3f} | {shown} |")
     for label, row in decode.items():
         graph = "" if row["graph_us"] is None else f", kernels only {row['graph_us']:.1f} us"
         say(f"  decode {label}: whole call {row['us']:.1f} us{graph} (o ratio {row.get('o_ratio', float('nan')):.1e}, "
-            f"S ratio {row.get('S_ratio', float('nan')):.1e})")
+            f"S ratio {row.get('S_ratio', float('nan')):.1e}){'' if row.get('ok', True) else ' FAIL'}")
     results["config"] = {name: dict(cfg) for name, cfg in delta_ops.CONFIG.items()}
 
 
@@ -336,13 +383,16 @@ def main(argv=None):
     parser.add_argument("--no-breakdown", action="store_true")
     parser.add_argument("--sweep-only", default="", metavar="NAMES",
                         help="comma-separated kernels to sweep, e.g. state_bwd,dU_local,bwd_dqk,bwd_wy (default: all)")
+    parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
+                        help="cpu: Triton's interpreter (TRITON_INTERPRET=1), wall-clock times (tests, tiny SHAPE)")
     args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
+    if args.device == "cuda" and not torch.cuda.is_available():
         print("no CUDA device: this benchmark needs a GPU", file=sys.stderr)
         return 2
-    device = torch.device("cuda")
+    device = torch.device(args.device)
     results = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                   gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__)
+                   gpu=torch.cuda.get_device_name() if device.type == "cuda" else "cpu (Triton interpreter)",
+                   torch=torch.__version__, triton=triton.__version__)
     try:
         import fla
         import fla.ops.common.chunk_o as fla_chunk_o
@@ -371,10 +421,14 @@ def main(argv=None):
             import traceback
             say(f"!! {name} failed: {type(exc).__name__}: {exc}")
             say(traceback.format_exc()[-3000:])
+            results.setdefault("failures", []).append(f"step {name} raised {type(exc).__name__}")
         with open(os.path.join(args.out, "delta_bench.json"), "w") as f:
             json.dump(results, f, indent=1, default=str)
         with open(os.path.join(args.out, "delta_bench.log"), "w") as f:
             f.write("\n".join(LOG) + "\n")
+    if results.get("failures"):
+        say(f"FAILED: {results['failures']}")
+        return 1
     return 0
 
 

@@ -28,6 +28,7 @@ import torch
 from torch.library import triton_op, wrap_triton
 from triton.runtime.errors import OutOfResources
 
+from scanlang import settings
 from scanlang.second_order import refuse_second_order
 
 from . import launcher, runtime
@@ -47,6 +48,13 @@ class Program:
 
 
 PROGRAMS: dict[str, Program] = {}
+
+
+def _empty(shape, dtype, device) -> torch.Tensor:
+    """torch.empty, or NaN-filled while settings.POISON_OUTPUTS is on (tests: an unwritten element shows)."""
+    if settings.POISON_OUTPUTS:
+        return torch.full(shape, float("nan"), dtype=dtype, device=device)
+    return torch.empty(shape, dtype=dtype, device=device)
 
 
 def _fake(t: torch.Tensor) -> bool:
@@ -112,18 +120,18 @@ def _forward(key: str, inputs, initial, cu_seqlens, dim: int, reverse: bool, fp6
     else:
         plan = build()
     acc = plan.acc
-    outs = [torch.empty(plan.out_shape, dtype=acc, device=device) for _ in range(plan.n_out)]
-    final = torch.empty(plan.final_shape, dtype=acc, device=device)
+    outs = [_empty(plan.out_shape, acc, device) for _ in range(plan.n_out)]
+    final = _empty(plan.final_shape, acc, device)
     if plan.copy_shape is not None:
         inputs = [t.expand(plan.copy_shape).contiguous() for t in inputs]
     if not plan.launches or (not eager and _fake(inputs[0])):
-        ckpt = torch.empty(plan.checkpoint_shape(fitted(plan.fwd_fit_key, plan.fwd_chosen)), dtype=acc, device=device)
+        ckpt = _empty(plan.checkpoint_shape(fitted(plan.fwd_fit_key, plan.fwd_chosen)), acc, device)
         return outs + [ckpt, final]
     args = _fill(plan, [*inputs, *outs, *(initial or [inputs[0]] * len(prog.ir.fields))])
 
     def attempt(cfg):
         kernel, grid, meta, ckpt_shape = plan.launch(cfg)
-        ckpt = torch.empty(ckpt_shape, dtype=acc, device=device)
+        ckpt = _empty(ckpt_shape, acc, device)
         full = [*args, ckpt, final, cu_seqlens if varlen else ckpt, *plan.tail, ckpt_shape[1]]
         if eager:
             launcher.launch(plan, cfg, kernel, grid, full, meta)
@@ -153,9 +161,9 @@ def _backward_pass(key: str, inputs, initial, cu_seqlens, ckpt, grads, dfinal, d
     acc, L = plan.acc, plan.layout.L
     if plan.copy_shape is not None:
         inputs = [t.expand(plan.copy_shape).contiguous() for t in inputs]
-    dus = [torch.zeros(s, dtype=acc, device=device) if zeroed else torch.empty(s, dtype=acc, device=device)
+    dus = [torch.zeros(s, dtype=acc, device=device) if zeroed else _empty(s, acc, device)
            for s, zeroed in zip(plan.du_shapes, plan.du_zeroed)]
-    dinit = [torch.empty((n_seq, L), dtype=acc, device=device) for _ in range(n)] if initial else []
+    dinit = [_empty((n_seq, L), acc, device) for _ in range(n)] if initial else []
     if plan.launches and (eager or not _fake(inputs[0])):
         chunk = chunk_of(fitted(plan.fwd_fit_key, plan.fwd_chosen))   # the forward's checkpoint interval
         cfg, fit_key = plan.config(chunk)
@@ -166,7 +174,7 @@ def _backward_pass(key: str, inputs, initial, cu_seqlens, ckpt, grads, dfinal, d
 
         def attempt(cfg):
             kernel, grid, meta, scratch = plan.launch(cfg)
-            extra = [] if scratch is None else [torch.empty(scratch, dtype=acc, device=device)]
+            extra = [] if scratch is None else [_empty(scratch, acc, device)]
             if eager:
                 launcher.launch(plan, cfg, kernel, grid, args + extra, meta)
             else:

@@ -30,6 +30,12 @@ is timed with `triton.testing.do_bench` (median, fresh random inputs, warm-up). 
 schedule with the specialised (lam, eta) carry); the "*-lanes" rows force `--lanes-*` instead.
 `--lanes-stages FWD,BWD` software-pipelines the lane kernels' block loops in every row (one setting
 per process: it changes the generated source, codegen_seq.LOOP_STAGES).
+
+The checks gate the timing: each output and gradient is compared with scanlang.testing's rows
+("kalman_out", "kalman_grad"; RMS and element-wise, the GPU rows on CUDA). An implementation that
+fails is reported as FAILED and not timed, and the run exits 1 (the authors' code, an anchor, is
+marked FAILED but does not change the exit status). `--device cpu` runs the same steps in Triton's
+interpreter (TRITON_INTERPRET=1) with a wall-clock timer: the CPU tests use it at tiny shapes.
 """
 from __future__ import annotations
 
@@ -44,12 +50,15 @@ from pathlib import Path
 
 import torch
 
+from scanlang.testing import check as check_close
+
 from .filter import kalman_filter
 from .reference import kalman_filter_loop
 
 SHAPE = dict(B=8, T=4096, M=1536, S=16)
 CHECK_SHAPE = dict(B=2, T=512, M=64, S=16)
 NAMES = ("v", "prec", "k", "q", "a_bar", "p_bar")
+ANCHORS = ("authors-triton",)   # checked and marked, not counted in the exit status
 
 
 def make_inputs(B, T, M, S, device, dtype=torch.float32, seed=0):
@@ -101,9 +110,19 @@ def implementations(authors: str | None):
     return impls
 
 
-def ratio(out, ref):
-    out, ref = out.detach().double(), ref.detach().double()
-    return float((out - ref).norm() / ref.norm().clamp_min(1e-300))
+def _compared(out, ref, what: str, failed: list, name: str) -> float:
+    """The RMS ratio of `out` against `ref`; `name` appended to `failed` unless within the
+    (what, float32) row of scanlang.testing on out's device (RMS and element-wise)."""
+    ok, r = check_close(out, ref, what, torch.float32)
+    if not ok:
+        failed.append(name)
+    return r
+
+
+def worst(values) -> float:
+    """The largest of `values`, NaN if any is NaN (max() would drop it)."""
+    values = list(values)
+    return float("nan") if any(math.isnan(v) for v in values) else max(values, default=0.0)
 
 
 def check(fn, device, weights_seed=1):
@@ -127,7 +146,10 @@ def check_full_forward(fn, device):
         if device not in _FULL_REFERENCE:   # computed once per run
             _FULL_REFERENCE[device] = kalman_filter_loop(*(x.double() for x in ins))[:2]
         y64, v64 = _FULL_REFERENCE[device]
-    return {"y_full": ratio(y, y64), "y_var_full": ratio(y_var, v64)}
+    failed = []
+    out = {"y_full": _compared(y, y64, "kalman_out", failed, "y_full"),
+           "y_var_full": _compared(y_var, v64, "kalman_out", failed, "y_var_full")}
+    return dict(out, failed=failed)
 
 
 _FULL_REFERENCE: dict = {}
@@ -143,17 +165,28 @@ def _check(fn, device, weights_seed):
     leaves64 = [x.detach().double().requires_grad_() for x in ins]
     y64, v64, _ = kalman_filter_loop(*leaves64)
     ref_grads = torch.autograd.grad((y64 * wy.double()).sum() + (v64 * wv.double()).sum(), leaves64)
-    out = {"y": ratio(y, y64), "y_var": ratio(y_var, v64)}
-    out.update({f"d{n}": ratio(a, b) for n, a, b in zip(NAMES, grads, ref_grads)})
-    return out
+    failed = []
+    out = {"y": _compared(y, y64, "kalman_out", failed, "y"), "y_var": _compared(y_var, v64, "kalman_out", failed, "y_var")}
+    out.update({f"d{n}": _compared(a, b, "kalman_grad", failed, f"d{n}") for n, a, b in zip(NAMES, grads, ref_grads)})
+    return dict(out, failed=failed)
+
+
+def _do_bench(fn, device, **kw) -> float:
+    """triton.testing.do_bench's median on CUDA; one call's wall-clock time elsewhere (the interpreter)."""
+    if device != "cuda":
+        fn()
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e3
+    import triton.testing as tt
+    return tt.do_bench(fn, return_mode="median", **kw)
 
 
 def timing(fn, device, quick: bool):
-    import triton.testing as tt
-    shape = dict(SHAPE, T=512) if quick else SHAPE
+    shape = dict(SHAPE, T=min(512, SHAPE["T"])) if quick else SHAPE
     ins = make_inputs(**shape, device=device, seed=2)
     with torch.no_grad():
-        fwd = tt.do_bench(lambda: fn(*ins), warmup=25, rep=100, return_mode="median")
+        fwd = _do_bench(lambda: fn(*ins), device, warmup=25, rep=100)
     leaves = [x.clone().requires_grad_() for x in ins]
     gy = torch.randn(shape["B"], shape["T"], shape["M"], device=device)
 
@@ -162,7 +195,7 @@ def timing(fn, device, quick: bool):
         torch.autograd.backward((y, y_var), (gy, gy))
         for x in leaves:
             x.grad = None
-    both = tt.do_bench(step, warmup=10, rep=100, return_mode="median")
+    both = _do_bench(step, device, warmup=10, rep=100)
     return fwd, both, shape
 
 
@@ -182,15 +215,19 @@ def main(argv=None):
     parser.add_argument("--lanes-stages", default="1,1",
                         help="FWD,BWD: software-pipelining depth of the lane kernels' block loops, every row "
                              "(codegen_seq.LOOP_STAGES; 1 = plain loops)")
+    parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
+                        help="cpu: Triton's interpreter (TRITON_INTERPRET=1), wall-clock times (tests, tiny shapes)")
     args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        raise SystemExit("the benchmark needs a CUDA GPU")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("the benchmark needs a CUDA GPU", file=sys.stderr)
+        return 2
     from scanlang.backends.triton import codegen_seq
     fwd_stages, bwd_stages = (int(x) for x in args.lanes_stages.split(","))
     codegen_seq.LOOP_STAGES.update(forward=fwd_stages, backward=bwd_stages)   # before any program is built
-    device = "cuda"
+    device = args.device
     import triton
-    env = dict(date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), gpu=torch.cuda.get_device_name(),
+    env = dict(date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+               gpu=torch.cuda.get_device_name() if device == "cuda" else "cpu (Triton interpreter)",
                torch=torch.__version__, triton=triton.__version__, python=platform.python_version(),
                lanes_stages=dict(codegen_seq.LOOP_STAGES))
     print(json.dumps(env))
@@ -212,14 +249,20 @@ def main(argv=None):
                                       for key, cfg in runtime.OVERRIDES.items() if key[1]})   # (layout, backward)
             row["config"] = dict(block_l=args.lanes_block, warps=args.lanes_warps, chunk=args.lanes_chunk,
                                  unroll=args.lanes_unroll, unroll_bwd=unroll_bwd)
-        try:
+        try:   # checked first; timed only when every output and gradient passed
             row["check"] = check(fn, device)
-            row["check"].update(check_full_forward(fn, device))
-            row["fwd_ms"], row["fwd_bwd_ms"], shape = timing(fn, device, args.quick)
-            row["shape"] = shape
+            full = check_full_forward(fn, device)
+            row["check"]["failed"] += full.pop("failed")
+            row["check"].update(full)
+            if row["check"]["failed"]:
+                row["failed"] = row["check"]["failed"]
+            else:
+                row["fwd_ms"], row["fwd_bwd_ms"], shape = timing(fn, device, args.quick)
+                row["shape"] = shape
         except Exception as exc:  # noqa: BLE001 - one failing implementation must not hide the rest
             row["error"] = f"{type(exc).__name__}: {exc}"[:500]
-        torch.cuda.empty_cache()
+        if device == "cuda":
+            torch.cuda.empty_cache()
         results.append(row)
         print(json.dumps(row), flush=True)
     print("\n| implementation | fwd ms | fwd+bwd ms | worst output ratio | worst gradient ratio |")
@@ -229,14 +272,22 @@ def main(argv=None):
             print(f"| {row['name']} | error: {row['error'][:80]} | | | |")
             continue
         c = row["check"]
-        worst_out = max(c["y"], c["y_var"], c.get("y_full", 0.0), c.get("y_var_full", 0.0))
-        worst_grad = max(v for k_, v in c.items() if k_.startswith("d"))
+        worst_out = worst([c["y"], c["y_var"], c.get("y_full", 0.0), c.get("y_var_full", 0.0)])
+        worst_grad = worst(v for k_, v in c.items() if k_.startswith("d"))
+        if "failed" in row:
+            print(f"| {row['name']} | FAILED: {', '.join(row['failed'])} | not timed | {worst_out:.1e} | {worst_grad:.1e} |")
+            continue
         print(f"| {row['name']} | {row['fwd_ms']:.3f} | {row['fwd_bwd_ms']:.3f} | {worst_out:.1e} | {worst_grad:.1e} |")
+    counted = [row for row in results if row["name"] not in ANCHORS and ("failed" in row or "error" in row)]
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         tag = (args.only or "all").replace(",", "_")
         Path(args.out, f"kalman_bench_{tag}.json").write_text(json.dumps(dict(env=env, results=results), indent=1))
+    if counted:
+        print(f"FAILED (checks or errors): {', '.join(row['name'] for row in counted)}")
+        return 1
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
