@@ -104,9 +104,9 @@ def _no_launches_without_cuda():
 
 
 def _report(args):
-    from scanlang.bench import _mixers
+    from scanlang.bench import _mixer
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    mix = _mixers()["affine", "time"]
+    mix = _mixer("affine", "time")
     a = (torch.rand(1, 64, 256, device=device) * 0.5 + 0.5).requires_grad_()
     b = torch.randn(1, 64, 256, device=device).requires_grad_()
     g = torch.randn(1, 64, 256, device=device)

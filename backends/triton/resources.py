@@ -224,8 +224,8 @@ def run_workload(workload: str, layout: str = "time"):
         y, y_var, _ = kalman_filter(*ins, backend="triton", form="fused", validate=False)
         torch.autograd.grad((y, y_var), ins, (torch.randn_like(y), torch.randn_like(y_var)))   # dense, as in training
         return
-    from scanlang.bench import _mixers   # the benchmark's mixers, time-contiguous [B, D, T], its T
-    mix = _mixers()[workload, layout]
+    from scanlang.bench import _mixer   # the benchmark's mixers, time-contiguous [B, D, T], its T
+    mix = _mixer(workload, layout)
     names = ("a", "b") if workload == "affine" else ("a", "b", "c", "d")
     shape = (1, 64, 4096) if layout == "time" else (1, 4096, 256)
     data = {n: (torch.rand(shape) + 0.5).requires_grad_() for n in names}
