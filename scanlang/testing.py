@@ -46,7 +46,7 @@ TOLERANCES = {
     ("scan", torch.float32): 2e-6,        # 1.1e-7 test_triton_scan (broadcast parameter): 18x
     ("scan", torch.bfloat16): 1e-6,       # 4.9e-8 test_scan (bf16 inputs, fp32 compute: input rounding shared): 20x
     ("scan", torch.float16): 1e-6,        # 5.3e-8 test_scan: 19x
-    ("scan_grad", torch.float64): 2e-14,  # 1.3e-15 test_triton_scan (Welford gradients): 15x
+    ("scan_grad", torch.float64): 2e-13,  # 2.2e-14 test_triton_runs (ComplexMul channels gradients with initial): 9x
     ("scan_grad", torch.float32): 1e-5,   # 4.0e-7 test_triton_eager (time-major strides): 25x
     # delta rule / Kaczmarz (spec/kaczmarz.md): outputs and states; dq dk dv dh0; dbeta dg
     ("delta_out", torch.float32): 1e-5,        # 3.9e-7 test_delta_triton (layer), 3.4e-7 reference: 26x
