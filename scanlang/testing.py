@@ -303,3 +303,21 @@ def poisoned_outputs(on: bool = True):
         yield
     finally:
         settings.POISON_OUTPUTS = saved
+
+
+class _ScaleGrad(torch.autograd.Function):
+    """Identity forward; the gradient scaled by 1.01 (a planted backward bug)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * 1.01
+
+
+def planted_gradient_error(x: torch.Tensor) -> torch.Tensor:
+    """`x` unchanged, but every gradient through it 1% too large: the planted backward bug with which
+    the benchmark tests prove that a wrong gradient makes a benchmark fail."""
+    return _ScaleGrad.apply(x)

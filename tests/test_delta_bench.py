@@ -12,7 +12,7 @@ import torch  # noqa: E402
 
 from scanlang.backends.delta import bench  # noqa: E402
 from scanlang.backends.delta import ops as delta_ops  # noqa: E402
-from scanlang.testing import tolerance  # noqa: E402
+from scanlang.testing import planted_gradient_error, tolerance  # noqa: E402
 
 
 @pytest.fixture
@@ -60,17 +60,6 @@ def test_sweep_of_named_kernels_only(tiny_bench, monkeypatch):
     assert "bwd_wy: best" in log and "prep: best" not in log
 
 
-class _ScaleGrad(torch.autograd.Function):
-    """Identity forward; the gradient scaled by 1.01 (a planted backward bug)."""
-
-    @staticmethod
-    def forward(ctx, x):
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, g):
-        return g * 1.01
-
 
 def test_a_dropped_output_element_fails_the_run_and_is_not_timed(tiny_bench, monkeypatch, tmp_path):
     real = bench.ours_fn
@@ -97,7 +86,7 @@ def test_sweep_never_keeps_a_config_that_fails_its_check(tiny_bench, monkeypatch
 
     def wrong_under_planted(*args):
         o, S = real(*args)
-        return (_ScaleGrad.apply(o) if delta_ops.CONFIG["bwd_wy"] == planted else o), S
+        return (planted_gradient_error(o) if delta_ops.CONFIG["bwd_wy"] == planted else o), S
     monkeypatch.setattr(bench, "ours_fn", wrong_under_planted)
     monkeypatch.setattr(bench, "bench_ms", lambda fn: timed.append(fn()) or (0.1 if delta_ops.CONFIG["bwd_wy"] == planted
                                                                           else 1.0))

@@ -13,18 +13,10 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from scanlang.recipes.kalman import bench  # noqa: E402
+from scanlang.testing import planted_gradient_error  # noqa: E402
 
 ARGS = ["--device", "cpu", "--only", "scan-joint", "--quick"]
 
-
-class _ScaleGrad(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, g):
-        return g * 1.01
 
 
 @pytest.fixture
@@ -39,7 +31,7 @@ def tiny(monkeypatch):
         if plant.get("y"):
             y = y * (1 + 1e-4)
         if plant.get("grad"):
-            y_var = _ScaleGrad.apply(y_var)
+            y_var = planted_gradient_error(y_var)
         return y, y_var, state
     monkeypatch.setattr(bench, "kalman_filter", planted)
     return plant
