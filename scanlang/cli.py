@@ -106,7 +106,7 @@ def cmd_demo(args) -> int:
 
 def cmd_bench(args) -> int:
     try:
-        from .bench import main as bench_main
+        from .tools.bench_scan import main as bench_main
     except ImportError as exc:
         raise CliError(f"the benchmark is not available: {exc}") from None
     return bench_main(args.rest) or 0

@@ -11,7 +11,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports triton
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from scanlang import bench  # noqa: E402
+from scanlang.tools import bench_scan as bench  # noqa: E402
 from scanlang.backends.triton import runtime  # noqa: E402
 from scanlang.testing import planted_gradient_error  # noqa: E402
 

@@ -10,7 +10,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports triton
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from scanlang.backends.delta import bench  # noqa: E402
+from scanlang.tools import bench_delta as bench  # noqa: E402
 from scanlang.backends.delta import ops as delta_ops  # noqa: E402
 from scanlang.testing import planted_gradient_error, tolerance  # noqa: E402
 

@@ -161,11 +161,11 @@ def test_launches_per_call(monkeypatch):
     """Decode: one launch; chunked forward: prep, state_output; forward + backward (bf16, whose state_bwd forms the
     local dU itself, with the forward's w and u: SAVE_WU): six."""
     from triton.runtime.interpreter import InterpretedFunction
-    from scanlang.backends.delta import host
+    from scanlang.tools import host_profile
     launched = []
     monkeypatch.setattr(InterpretedFunction, "run", lambda self, *a, **k: launched.append(self.fn.__name__))
     counts = {}
-    for name, call in host.calls().items():
+    for name, call in host_profile.delta_calls().items():
         launched.clear()
         call()
         counts[name] = list(launched)
@@ -173,6 +173,23 @@ def test_launches_per_call(monkeypatch):
     assert counts["chunked fwd"] == ["delta_prep", "delta_state_output"]
     assert counts["chunked fwd+bwd"] == ["delta_prep", "delta_state_output", "delta_state_fwd", "delta_state_bwd",
                                          "delta_bwd_dqk", "delta_bwd_wy"]
+
+
+@pytest.mark.parametrize("op_path", [False, True])
+def test_host_profile_reports_the_three_delta_calls_and_restores_the_op_path(capsys, op_path):
+    """`python -m scanlang.tools.host_profile --workload delta`: a positive time for each of its three calls, and
+    the interpreter and EAGER_FAST_PATH as they were afterwards."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    from scanlang.tools import host_profile
+    run, fast = InterpretedFunction.run, delta_ops.EAGER_FAST_PATH
+    argv = ["--workload", "delta", "--calls", "2", "--repeat", "1"] + (["--op-path"] if op_path else [])
+    assert host_profile.main(argv) == 0
+    assert InterpretedFunction.run is run and delta_ops.EAGER_FAST_PATH == fast
+    out = capsys.readouterr().out
+    assert ("torch.library op path" in out) == op_path
+    lines = {name: ln for ln in out.splitlines() for name in host_profile.delta_calls() if ln.strip().startswith(name)}
+    assert len(lines) == 3 and all(float(ln.split()[-2]) > 0 for ln in lines.values()), out
 
 
 @pytest.mark.parametrize("through_op", [False, True])

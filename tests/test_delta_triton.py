@@ -347,11 +347,12 @@ def test_rendering_is_byte_identical_across_processes():
 
 @pytest.mark.parametrize("save_wu", [True, False])
 def test_launch_sequence_of_forward_and_backward(monkeypatch, save_wu):
-    """What `spills.py` compiles offline: every kernel of one forward + backward, in order (bf16: state_bwd forms
-    the local dU itself; with SAVE_WU the backward reads the forward's w, u instead of launching delta_wu)."""
-    from scanlang.backends.delta import spills
+    """What `python -m scanlang.tools.offline_compile --workload delta` compiles: every kernel of one forward +
+    backward, in order (bf16: state_bwd forms the local dU itself; with SAVE_WU the backward reads the forward's
+    w, u instead of launching delta_wu)."""
+    from scanlang.tools import offline_compile
     monkeypatch.setattr(delta_ops, "SAVE_WU", save_wu)
-    names = [name for name, *_ in spills.capture_launches(32, 16, torch.bfloat16, T=40)]
+    names = [name for name, *_ in offline_compile.capture_launches(32, 16, torch.bfloat16, T=40)]
     assert names == ["prep", "state_output"] + ([] if save_wu else ["wu"]) + ["state_fwd", "state_bwd", "bwd_dqk",
                                                                                "bwd_wy"]
 
@@ -361,8 +362,8 @@ def test_kernels_compile_with_fp64_scalars_as_torch_compile_passes_them():
     at entry, so Triton's front end compiles each one (no GPU: source -> TTIR in a subprocess, since this
     session interprets kernels). Without the conversion prep, state_bwd and recurrent fail to compile."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    code = ("from scanlang.backends.delta import spills\n"
-            "for name, err in spills.frontend_errors('fp64').items(): print(name, '|', err)")
+    code = ("from scanlang.tools import offline_compile\n"
+            "for name, err in offline_compile.frontend_errors('fp64').items(): print(name, '|', err)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     rows = dict(line.split(" | ", 1) for line in out.stdout.splitlines() if " | " in line)

@@ -12,7 +12,7 @@ import math  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from scanlang.recipes.kalman import bench  # noqa: E402
+from scanlang.tools import bench_kalman as bench  # noqa: E402
 from scanlang.testing import planted_gradient_error  # noqa: E402
 
 ARGS = ["--device", "cpu", "--only", "scan-joint", "--quick"]

@@ -122,9 +122,9 @@ def test_direct_launches_pass_launch_hooks_only_when_some_are_set(monkeypatch):
 def test_host_time_tool_reports_both_calls_and_restores_the_interpreter(capsys):
     from triton.runtime.interpreter import InterpretedFunction
 
-    from scanlang.backends.triton import host
+    from scanlang.tools import host_profile
     run = InterpretedFunction.run
-    host.main(["--calls", "2", "--repeat", "2"])
+    host_profile.main(["--calls", "2", "--repeat", "2"])
     assert InterpretedFunction.run is run and not hasattr(InterpretedFunction, "params")
     lines = [ln for ln in capsys.readouterr().out.splitlines() if "affine mixer" in ln]
     assert len(lines) == 2 and all(float(ln.split()[-2]) > 0 for ln in lines)

@@ -1,4 +1,4 @@
-"""The offline resource report (`python -m scanlang.backends.triton.resources`): compiles the captured
+"""The offline resource report (`python -m scanlang.tools.offline_compile`): compiles the captured
 kernels for sm_90 with Triton's bundled ptxas/nvdisasm, no GPU. Runs in a subprocess because the
 test session interprets kernels (TRITON_INTERPRET=1), and the report needs them compiled."""
 import os
@@ -10,7 +10,7 @@ import sys
 def _report(*args: str) -> dict:
     """Kernel name -> its report line from the resource tool run with `args` (compiled, not interpreted)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    out = subprocess.run([sys.executable, "-m", "scanlang.backends.triton.resources", *args], capture_output=True,
+    out = subprocess.run([sys.executable, "-m", "scanlang.tools.offline_compile", *args], capture_output=True,
                          text=True, env=env, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     return {m.group(1): m.group(0) for m in re.finditer(r"(scan_\w+)\s+(\d+) registers.*", out.stdout)}

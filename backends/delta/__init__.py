@@ -5,7 +5,9 @@
     codegen.py    renders a `scanlang.delta.DeltaRule` into it, writes it to the cache dir, imports it
     ops.py        launches: torch.library ops `scanlang::delta_chunk_fwd/bwd` with autograd (and an eager path
                   without the dispatcher), per-shape plans, decode path
-    bench.py      GPU benchmark and parity check against flash-linear-attention
-    spills.py     offline registers / spills / shared memory per kernel (ptxas, no GPU)
-    host.py       host (CPU) time per call with the launches no-op'd (Triton's interpreter, no GPU)
+
+Its tools live in scanlang/tools (the library never imports them): bench_delta.py (GPU benchmark and
+parity check against flash-linear-attention), offline_compile.py --workload delta (registers, spills,
+shared memory and SASS per kernel, compiled offline with ptxas, no GPU), host_profile.py --workload
+delta (host time per call).
 """

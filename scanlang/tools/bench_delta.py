@@ -1,7 +1,7 @@
 """GPU benchmark of the generated delta-rule kernels against flash-linear-attention (fla), with checks.
 
-    python -m scanlang.backends.delta.bench [--out DIR] [--skip-correctness] [--no-breakdown]
-                                            [--sweep [SECONDS]]
+    python -m scanlang.tools.bench_delta [--out DIR] [--skip-correctness] [--no-breakdown]
+                                      [--sweep [SECONDS]]
 
 In this order, so that a run cut short by a time limit still has the headline table:
 1. Timing at B8 T4096 H16 K=V=128 bf16 (GDN-style inputs), median of triton.testing.do_bench: fwd and

@@ -1,6 +1,6 @@
 """H200 benchmark of the Kalman filter scan: every implementation checked against float64, then timed.
 
-    python -m scanlang.recipes.kalman.bench [--out DIR] [--authors PATH] [--quick] [--only fused,scan-joint]
+    python -m scanlang.tools.bench_kalman [--out DIR] [--authors PATH] [--quick] [--only fused,scan-joint]
 
 Implementations: "fused" (the 3x3 monoid as one sl.mixer), "fused-two" (a Möbius mixer then an
 affine mixer), "scan-joint" / "scan-two" (generated
@@ -52,8 +52,8 @@ import torch
 
 from scanlang.testing import check as check_close
 
-from .filter import kalman_filter
-from .reference import kalman_filter_loop
+from scanlang.recipes.kalman.filter import kalman_filter
+from scanlang.recipes.kalman.reference import kalman_filter_loop
 
 SHAPE = dict(B=8, T=4096, M=1536, S=16)
 CHECK_SHAPE = dict(B=2, T=512, M=64, S=16)
@@ -76,7 +76,7 @@ def make_inputs(B, T, M, S, device, dtype=torch.float32, seed=0):
 
 
 def _fused_time_major(v, prec, k, q, a_bar, p_bar):
-    from .fused import fused_filter
+    from scanlang.recipes.kalman.fused import fused_filter
     lam0 = torch.ones(v.shape[0], v.shape[2], k.shape[-1], device=v.device)
     return fused_filter(v, prec, k, q, a_bar, p_bar, lam0, torch.zeros_like(lam0), False, time_major=True)[:2]
 

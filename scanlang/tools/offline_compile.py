@@ -1,18 +1,27 @@
-"""Registers, spills, shared memory and SASS mix of the generated scan kernels, compiled offline (no GPU).
+"""Registers, spills, shared memory and SASS mix of the generated kernels, compiled offline (no GPU).
 
-    python -m scanlang.backends.triton.resources [--workload kalman|affine|mobius] [--arch 90]
-                                                 [--layout time|channels] [--lanes BLOCK_L,WARPS,CHUNK,UNROLL ...]
-                                                 [--tile BLOCK_T,BLOCK_L,WARPS,STAGES ...]
+    python -m scanlang.tools.offline_compile [--workload kalman|affine|mobius] [--arch 90]
+                                             [--layout time|channels] [--lanes BLOCK_L,WARPS,CHUNK,UNROLL ...]
+                                             [--tile BLOCK_T,BLOCK_L,WARPS,STAGES ...]
+    python -m scanlang.tools.offline_compile --workload delta [--K 128] [--V 128] [--dtype bf16] [--arch 90]
+                                             [--only prep,wu]
 
-Runs one forward and backward of the workload on CPU tensors with Triton's launches captured instead
-of executed, compiles every captured kernel for the target as a launch with those arguments would
-(Triton's binder specialises them), and reports ptxas -v (registers, spill bytes), Triton's shared
-memory, the static SASS instruction mix from nvdisasm (total, barriers, shuffles, local-memory
-traffic, the commonest opcodes) and the longest loop per element or lane-step. This is how launch
-configs are compared when no GPU is at hand; only timings need one (`scanlang bench`,
-`python -m scanlang.recipes.kalman.bench`). The code is the installed Triton's: the H200 runs
-Triton 3.6, whose layouts can differ from a newer version's, so install that version to see the
-GPU's code. Needs TRITON_INTERPRET unset and Triton's bundled ptxas and nvdisasm.
+Runs one forward and backward of the workload on CPU tensors with the launches captured instead of
+executed, compiles every captured kernel for the target as a launch with those arguments would, and
+reports ptxas -v (registers, spill bytes), Triton's shared memory, the static SASS instruction mix from
+nvdisasm and the longest loop. This is how launch configs are compared when no GPU is at hand; only
+timings need one (scanlang.tools.bench_scan, bench_kalman, bench_delta). The code is the installed
+Triton's, whose layouts can differ from another version's, so install the GPU machine's Triton version
+to see its code (BENCHMARKS.md names it). Needs TRITON_INTERPRET unset and Triton's bundled ptxas and
+nvdisasm.
+
+Scan workloads (kalman, affine, mobius): Triton's own binder specialises the captured arguments; the
+report adds the barriers, shuffles, local-memory traffic, the commonest opcodes, and the longest loop
+per element or lane-step. The delta workload: the delta-rule op's launches (`ops._launch`) with their
+real argument types, the alignment specialisation a GPU launch gives them, and the launch config the
+plan gives them (`ops.CONFIG` adjusted by `ops.SHARED_MEMORY_FITS`); this is how the configs that do
+not fit sm_90's 227 KB of shared memory per block were found. fp32 delta inputs compile slowly
+(minutes per kernel at K=256: their dots run on FMA units and spill tens of KB per thread).
 """
 from __future__ import annotations
 
@@ -30,6 +39,9 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.runtime.jit import JITFunction
+
+from scanlang.backends.delta import ops as delta_ops
+from scanlang.delta import KACZMARZ
 
 _TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.float64: "fp64",
           torch.int32: "i32", torch.int64: "i64"}
@@ -100,7 +112,7 @@ def compile_like_launch(launch: Launch, arch: int = 90):
     """The kernel compiled for `arch` as a launch with these arguments compiles it on a GPU: Triton's
     own binder specialises the arguments (integers equal to 1 become constants, multiples of 16 and
     16-byte aligned pointers get divisibility hints), so registers, layouts and SASS are the GPU's,
-    for the installed Triton version (the H200 runs 3.6: install that version to see its code)."""
+    for the installed Triton version (install the GPU machine's version to see its code)."""
     from triton.compiler import make_backend
     from triton.runtime.jit import create_function_from_signature
     kernel = launch.kernel
@@ -132,6 +144,8 @@ def ptxas_summary(compiled, arch: int = 90) -> dict:
     spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", text)
     if regs is None:
         raise RuntimeError(f"ptxas failed: {text.strip()[-300:]}")
+    if text.count("Used ") != 1:
+        raise RuntimeError(f"ptxas reported {text.count('Used ')} functions: {text.strip()[-300:]}")
     return dict(registers=int(regs.group(1)), spill_stores=int(spill.group(1)) if spill else None,
                 spill_loads=int(spill.group(2)) if spill else None, shared=compiled.metadata.shared)
 
@@ -219,12 +233,12 @@ def run_workload(workload: str, layout: str = "time"):
     `layout` is time contiguous ([1, 64, 4096]) or channels contiguous ([1, 4096, 256])."""
     if workload == "kalman":
         from scanlang.recipes.kalman import kalman_filter
-        from scanlang.recipes.kalman.bench import make_inputs
+        from scanlang.tools.bench_kalman import make_inputs
         ins = [x.requires_grad_() for x in make_inputs(2, 40, 8, 16, "cpu")]
         y, y_var, _ = kalman_filter(*ins, backend="triton", form="fused", validate=False)
         torch.autograd.grad((y, y_var), ins, (torch.randn_like(y), torch.randn_like(y_var)))   # dense, as in training
         return
-    from scanlang.bench import _mixer   # the benchmark's mixers, time-contiguous [B, D, T], its T
+    from scanlang.tools.bench_scan import _mixer   # the benchmark's mixers, time-contiguous [B, D, T], its T
     mix = _mixer(workload, layout)
     names = ("a", "b") if workload == "affine" else ("a", "b", "c", "d")
     shape = (1, 64, 4096) if layout == "time" else (1, 4096, 256)
@@ -233,21 +247,150 @@ def run_workload(workload: str, layout: str = "time"):
     torch.autograd.grad(y, tuple(data.values()), torch.randn_like(y))   # a dense upstream gradient, as in training
 
 
+# the delta-rule kernels (--workload delta)
+
+_MIX = ("BAR", "SHFL", "LDL", "STL", "LDS", "STS", "LDG", "STG", "HGMMA", "HMMA", "FFMA")   # SASS opcodes shown
+
+
+@contextlib.contextmanager
+def _recording():
+    """Within the block, the op's kernel launches are recorded as (name, kernel, args, constexprs, config)
+    instead of run (captured on CPU tensors, compiled for a GPU: no interpreter emulation of bf16)."""
+    launches = []
+
+    def record(name, kernel, grid, args, meta, V_, configs=None, direct=False):
+        cfg = dict(configs[name]) if configs is not None else delta_ops._opts(name, V_)
+        defaults = {p.name: p.default for p in getattr(kernel, "params", ())   # constexprs left at their defaults
+                    if p.is_constexpr and p.has_default and p.name not in meta and p.name not in cfg}
+        launches.append((name, kernel, args, dict(meta, **defaults, UPCAST=False), cfg))
+
+    saved, delta_ops._launch = delta_ops._launch, record
+    try:
+        yield launches
+    finally:
+        delta_ops._launch = saved
+
+
+def capture_launches(K: int, V: int, dtype: torch.dtype, T: int = 200, H: int = 16, C: int = 64):
+    """[(name, kernel, args, constexprs, config)] of one forward and backward, nothing executed."""
+    with _recording() as launches:
+        q, k = torch.randn(1, T, H, K).to(dtype), torch.randn(1, T, H, K).to(dtype)
+        v = torch.randn(1, T, H, V).to(dtype)
+        ins = [t.requires_grad_() for t in (q, k, v, -torch.rand(1, T, H), torch.rand(1, T, H))]
+        o, _ = delta_ops.delta_rule(*ins, KACZMARZ, scale=K ** -0.5, chunk_size=C, eps=1e-6)
+        torch.autograd.grad(o.sum(), ins)
+    return launches
+
+
+def capture_decode(K: int, V: int, dtype: torch.dtype, H: int = 4):
+    """The same for one decode step (one token, no gradients: the recurrent kernel)."""
+    with _recording() as launches:
+        q, k, v = (torch.randn(1, 1, H, d).to(dtype) for d in (K, K, V))
+        delta_ops.delta_rule(q, k, v, -torch.rand(1, 1, H), torch.rand(1, 1, H), KACZMARZ, scale=K ** -0.5, eps=1e-6)
+    return launches
+
+
+def frontend_errors(float_type: str = "fp64") -> dict:
+    """{kernel name: None or the error} of Triton's front end (source -> TTIR, no ptxas) on every kernel a
+    forward and backward (bf16, and fp32 at K=256, whose backward keeps `dU_local`) and a decode step launch,
+    with the Python-float arguments (eps, scale) typed `float_type`. torch.compile's inductor types them fp64
+    (a plain launch, fp32), and an fp64 scalar widens whatever it touches: a dot's accumulator or a loop-carried
+    state then changes type and the kernel fails to compile (the compiled-op GPU test found this)."""
+    from triton._C.libtriton import ir
+    from triton.compiler import make_backend
+    target = GPUTarget("cuda", 90, 32)
+    backend = make_backend(target)
+    launches = (capture_launches(32, 16, torch.bfloat16, T=40) + capture_launches(256, 16, torch.float32, T=40)
+                + capture_decode(32, 16, torch.bfloat16))
+    errors = {}
+    for name, kernel, args, meta, cfg in launches:
+        consts = {k: v for k, v in {**meta, **cfg}.items() if k in kernel.arg_names}
+        sig = signature(kernel, args, consts)
+        sig.update({n: float_type for n, a in zip(kernel.arg_names, args) if isinstance(a, float) and n not in consts})
+        options = backend.parse_options({k: v for k, v in cfg.items() if k in ("num_warps", "num_stages")})
+        context = ir.context()
+        ir.load_dialects(context)
+        backend.load_dialects(context)
+        try:
+            ASTSource(kernel, sig, consts).make_ir(target, options, backend.get_codegen_implementation(options),
+                                                   backend.get_module_map(), context)
+            errors.setdefault(name, None)
+        except Exception as exc:   # reported by name: the test shows every failing kernel at once
+            errors[name] = f"{type(exc).__name__}: {str(exc)[-400:]}"
+    return errors
+
+
+def alignment_attrs(kernel, args, consts) -> dict:
+    """What Triton's launcher specialises on a GPU: 16-byte aligned pointers and integers divisible by 16
+    (tt.divisibility 16). Without it every load and store compiles unvectorised, with a 64-bit address
+    per element, and the register counts are those of a kernel that never runs."""
+    attrs = {}
+    for i, (name, arg) in enumerate(zip(kernel.arg_names, args)):
+        if name in consts or isinstance(arg, bool):
+            continue
+        if (isinstance(arg, torch.Tensor) and arg.data_ptr() % 16 == 0) or (isinstance(arg, int) and arg % 16 == 0):
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    return attrs
+
+
+def delta_report(kernel, args, constexprs, config, arch: int = 90) -> str:
+    """ptxas -v summary (registers, spill bytes), Triton's shared memory, the static SASS mix and the longest
+    loop's instruction count (the sequential kernels' per-chunk step) for one compiled delta-rule kernel. A
+    config's `maxnreg` caps the registers (ptxas spills the rest)."""
+    consts = {k: v for k, v in {**constexprs, **config}.items() if k in kernel.arg_names}
+    src = ASTSource(fn=kernel, signature=signature(kernel, args, consts), constexprs=consts,
+                    attrs=alignment_attrs(kernel, args, consts))
+    options = {k: v for k, v in config.items() if k in ("num_warps", "num_stages", "maxnreg")}
+    compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
+    try:
+        res = ptxas_summary(compiled, arch)
+    except RuntimeError as exc:   # reported in the kernel's row: the other kernels' rows still come
+        return str(exc)
+    ops = sass_mix(compiled)
+    mix = " ".join(f"{op} {ops[op]}" for op in _MIX)
+    return (f"{res['registers']:>3d} registers, spills {res['spill_stores']} B stored / "
+            f"{res['spill_loads']} B loaded, shared {res['shared']} B; "
+            f"SASS {sum(ops.values())}: {mix}; longest loop {longest_loop(compiled)}")
+
+
 def main(argv=None):
-    from . import runtime
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--workload", choices=("kalman", "affine", "mobius"), default="kalman")
+    parser.add_argument("--workload", choices=("kalman", "affine", "mobius", "delta"), default="kalman")
     parser.add_argument("--arch", type=int, default=90)
     parser.add_argument("--layout", choices=("time", "channels"), default="time", help="the scans' layout")
     parser.add_argument("--lanes", nargs="*", default=None,
                         help="lane-sequential configs BLOCK_L,WARPS,CHUNK,UNROLL (default: the chosen config)")
     parser.add_argument("--tile", nargs="*", default=None,
                         help="tile configs BLOCK_T,BLOCK_L,WARPS,STAGES for both passes, checkpoints every BLOCK_T")
+    parser.add_argument("--K", type=int, default=128, help="delta: key size")
+    parser.add_argument("--V", type=int, default=128, help="delta: value size")
+    parser.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16", help="delta: input dtype")
+    parser.add_argument("--only", default="", help="delta: comma-separated kernel names (default: all)")
     args = parser.parse_args(argv)
     if args.lanes and args.tile:
         parser.error("--lanes and --tile: give one of them")
     if os.environ.get("TRITON_INTERPRET"):
         raise SystemExit("unset TRITON_INTERPRET: the kernels are compiled for the GPU, not interpreted")
+    if args.workload == "delta":
+        _delta_main(args)
+    else:
+        _scan_main(args)
+
+
+def _delta_main(args):
+    only = set(filter(None, args.only.split(",")))
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
+    print(f"delta-rule kernels, K={args.K} V={args.V} {args.dtype}, sm_{args.arch}, Triton {triton.__version__}")
+    host = {key: cfg[key] for cfg in delta_ops.CONFIG.values() for key in delta_ops.HOST_KEYS if key in cfg}
+    print(f"  host keys (buffers, not launch options): {host}; SAVE_WU={delta_ops.SAVE_WU}")
+    for name, kernel, kargs, meta, cfg in capture_launches(args.K, args.V, dtype):
+        if only and name not in only:
+            continue
+        print(f"  {name:10s} {str(cfg):52s} {delta_report(kernel, kargs, meta, cfg, args.arch)}", flush=True)
+
+
+def _scan_main(args):
+    from scanlang.backends.triton import runtime
     print(f"{args.workload}: sm_{args.arch}, Triton {triton.__version__}")
     saved = runtime.LANES_MIN
     if args.workload == "kalman":

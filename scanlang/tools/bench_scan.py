@@ -1,6 +1,7 @@
 """`scanlang bench`: the generated scans against the anchors on one GPU, every row checked.
 
     scanlang bench [--B 8 --D 1536 --T 4096] [--sweep] [--out DIR] [--no-anchors]
+    python -m scanlang.tools.bench_scan ...     (the same)
 
 Rows: affine scan (h only, and sl.scan returning both fields) and Möbius scan (4 fields in, one
 value lam = (a + b)/(c + d) out, i.e. the prefix applied to lam0 = 1), forward and forward+backward,
