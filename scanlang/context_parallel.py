@@ -1,5 +1,5 @@
 """Context parallelism: a sequence split into contiguous shards over the ranks of a `torch.distributed`
-group, derived from the monoid (DESIGN.md, Contract v2, `cp_group=`).
+group, derived from the monoid (`cp_group=`; docs/context_parallel.md).
 
 Rank r holds global positions [o_r, o_r + T_r) (o_r = T_0 + ... + T_{r-1}; any T_r may be 0). For
 an associative combine (+) the global inclusive prefix at a position t of shard r is

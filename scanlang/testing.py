@@ -1,7 +1,7 @@
 """The one tolerance table, and the comparison helpers every test and benchmark uses.
 
 Errors are ratios RMS(out - ref) / RMS(ref) against a float64 reference (the metric
-flash-linear-attention uses; spec/kaczmarz.md gives its values), and, next to the ratio, an
+flash-linear-attention uses; docs/spec/kaczmarz.md gives its values), and, next to the ratio, an
 element-wise bound: max |out - ref| / max(|ref|, RMS(ref)) over every element, so that one garbage
 element among a million cannot hide in the RMS.
 
@@ -48,7 +48,7 @@ TOLERANCES = {
     ("scan", torch.float16): 1e-6,        # 5.3e-8 test_scan: 19x
     ("scan_grad", torch.float64): 2e-13,  # 2.2e-14 test_triton_runs (ComplexMul channels gradients with initial): 9x
     ("scan_grad", torch.float32): 1e-5,   # 4.0e-7 test_triton_eager (time-major strides): 25x
-    # delta rule / Kaczmarz (spec/kaczmarz.md): outputs and states; dq dk dv dh0; dbeta dg
+    # delta rule / Kaczmarz (docs/spec/kaczmarz.md): outputs and states; dq dk dv dh0; dbeta dg
     ("delta_out", torch.float32): 1e-5,        # 3.9e-7 test_delta_triton (layer), 3.4e-7 reference: 26x
     ("delta_grad", torch.float32): 1e-5,       # 3.3e-7 test_kaczmarz_reference (dk): 30x
     ("delta_gate_grad", torch.float32): 1e-5,  # 5.5e-7 test_delta_triton (input dtypes, dg): 18x
@@ -67,7 +67,7 @@ TOLERANCES = {
     ("delta_tm", torch.float32): 1e-5,     # 2.5e-7 test_delta_fwd (bf16 WY factors, Tm): 40x
     # fp32 inputs, every dot ieee (interpreter): outputs, gradients against float64
     ("delta_ieee", torch.float32): 1e-5,   # 5.9e-7 test_delta_bwd (varlen, dA_log): 17x
-    # Kalman filter (spec/kalman.md): fp32 scan arithmetic
+    # Kalman filter (docs/spec/kalman.md): fp32 scan arithmetic
     ("kalman_out", torch.float32): 1e-5,   # 4.5e-7 test_kalman_layer (generated kernels), 3.2e-7 fused: 22x
     ("kalman_grad", torch.float32): 2e-5,  # 2.0e-6 test_kalman_fused (time-major inputs, dlam0): 10x
     ("kalman_out", torch.bfloat16): 0.02,  # 5.2e-3 test_kalman_layer (bf16 layer: bf16 projections, output): 4x

@@ -6,7 +6,7 @@ shorter than the conv halo, sequences crossing ranks) and the test compares, per
 and the gradients of its shard with the single-process run, and the sum over ranks of the gradients
 of inputs every rank passes (initial states, parameters) with the single-process gradient. The
 single-process ops are themselves checked against float64 loops in their own test files; here the
-contract is "the same result as one process" (DESIGN.md, Contract v2), so the tolerances are the
+contract is "the same result as one process" (docs/context_parallel.md), so the tolerances are the
 float64 rows of `scanlang.testing` (float32 rows for the Triton interpreter cases).
 """
 from __future__ import annotations

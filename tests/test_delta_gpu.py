@@ -62,7 +62,7 @@ SAMPLED_ROWS = ((0, 0), (1, 2))   # (batch, head): the first and the last of inp
 
 
 def row_loop_with_grads(ins, b, h, seed):
-    """o, S and every gradient for one (batch, head) row by the token loop (spec/kaczmarz.md), float64,
+    """o, S and every gradient for one (batch, head) row by the token loop (docs/spec/kaczmarz.md), float64,
     written out here: S' = exp(g) S; S = S' + beta k (v - S'^T k)^T, beta = eta / (|k|^2 + 1e-6);
     o = K^-1/2 S^T q. The cotangents are with_grads' for that row (same generator, same draws), so the
     gradients are those of the row's share of the loss."""

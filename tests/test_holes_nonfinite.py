@@ -152,7 +152,7 @@ def test_kalman_filter_with_huge_precisions(backend, form):
 
 
 def delta_loop(q, k, v, g, beta):
-    """The token loop of spec/kaczmarz.md in float64 (NaN and inf propagate as IEEE arithmetic does)."""
+    """The token loop of docs/spec/kaczmarz.md in float64 (NaN and inf propagate as IEEE arithmetic does)."""
     q, k, v, g, beta = (t.to(F64) for t in (q, k, v, g, beta))
     B, T, H, K = k.shape
     o = torch.zeros(B, T, H, v.shape[-1], dtype=F64)

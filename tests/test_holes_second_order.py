@@ -125,7 +125,7 @@ def _kalman_inputs():
 
 
 def kalman_loop(v, prec, k, q, a_bar, p_bar):
-    """The information-form recursion of spec/kalman.md, float64, one token at a time (no floors hit)."""
+    """The information-form recursion of docs/spec/kalman.md, float64, one token at a time (no floors hit)."""
     lam = torch.ones(v.shape[0], v.shape[2], k.shape[2], dtype=F64)
     eta = torch.zeros_like(lam)
     ys = []

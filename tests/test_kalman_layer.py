@@ -14,7 +14,7 @@ F64 = torch.float64
 
 
 def spec_block(layer, x):
-    """The block of spec/kalman.md spelled out with plain torch ops and the float64 filter loop."""
+    """The block of docs/spec/kalman.md spelled out with plain torch ops and the float64 filter loop."""
     M, S, K = layer.d_inner, layer.d_state, layer.d_conv
     z, gate = (x @ layer.in_proj.weight.T).chunk(2, dim=-1)
     padded = F.pad(z, (0, 0, K - 1, 0))                               # causal: K-1 zeros in front

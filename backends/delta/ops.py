@@ -56,27 +56,13 @@ RECURRENT_MAX_LEN = 16
 KEY_BLOCK = 64           # key columns per program / loop step in the backward kernels (and per step of w in prep)
 PREP_VALUE_BLOCK = 64    # value columns per step of u in delta_prep (one [C, C] x [C, 64] product at a time)
 # Per kernel: BV = value columns per program (or per loop step in delta_bwd_*), and Triton launch options.
-# Measured 2026-11-30 on the H200 (torch 2.11, Triton 3.6), B8 T4096 H16 K=V=128 bf16, by
-# `python -m scanlang.backends.delta.bench --sweep` (greedy, one kernel at a time, the others at their best so
-# far): fwd 1.621 ms, fwd+bwd 6.091 ms with these (the previous defaults, chosen by ptxas spill counts: 1.662 /
-# 8.61). "recurrent" was not swept. Changed since, unmeasured: output fused into the forward's state pass
-# (state_output), whose Q K^T * Dec now comes from prep. Offline (Triton 3.6, sm_90a, K=V=128 bf16; loop = SASS
-# instructions per chunk step): BV=64 / 4 warps / 1 stage 255 registers, 68 B spilled, 64 KB shared, loop 891: two
-# blocks per SM run B8 H16's 256 sequential programs in one wave; BV=128 / 8 warps / 2 stages (the previous
-# default) 255 registers, 196 B spilled, 176 KB shared, loop 1206, one block per SM; BV=32 / 4 warps / 1 stage
-# 202 registers, no spills, loop 687, but 512 programs need 4 blocks per SM (maxnreg=128: 244 B spilled). prep:
-# 168 registers (3 blocks per SM), maxnreg=128 fits 4 for 160 B of spills. All in bench.py's sweep.
 # state_bwd: LOCAL_DU forms the local dU = scale (Q K^T * D)^T dO inside the sequential pass (no dU_local
 # kernel); bwd_dqk: BKS = key columns per program (clamped to the padded K); WY=True: one program per chunk also
-# does bwd_wy's work. Run 11 (session 5, same GPU and shape) swept the backward: fwd+bwd 4.579 ms with session 4's
-# backward configs (LOCAL_DU=False BV=64 8 warps 2 stages; BKS=64 BV=32 4 warps 2 stages; wy BV=64) -> 4.169 ms
-# with these. Offline (Triton 3.6, bf16, K=128): state_bwd 255 registers, 256 B spilled, 64 KB shared (two blocks
-# per SM: B8 H16's 256 sequential programs in one wave); bwd_dqk 255 registers, 80 B spilled, 120 KB shared;
-# bwd_wy 236 registers, no spills. Run 12 (same GPU and shape) swept the backward's variants (DECAY_V, LOWP_DU; DG_SUMS,
-# LOWP, LOWP_DK; LOWP; see the kernels and HOST_KEYS): fwd+bwd 4.165 -> 3.487 ms (fla 3.442 in the same run) with
-# these (bwd_wy's warps as BENCHMARKS.md reports the pick: 64 value columns, LOWP). Offline (Triton 3.6, bf16,
-# K=128): state_bwd 255 registers, 120 B spilled, loop 1932; bwd_dqk 255 registers, 164 B spilled, 32 KB shared (two
-# blocks per SM); bwd_wy 255 registers, no spills.
+# does bwd_wy's work. The values are the picks of `python -m scanlang.tools.bench_delta --sweep` (greedy, one
+# kernel at a time) at B8 T4096 H16 K=V=128 bf16 on sm_90: 64 value columns keep two blocks per SM, so B8 H16's
+# 256 sequential programs run in one wave, where wider blocks spill or fit one block per SM ("recurrent" was not
+# swept). The sweeps, timings and offline register/spill counts: BENCHMARKS_HISTORY.md, "Notes moved from code
+# comments", delta ops.CONFIG.
 CONFIG = _Configs({
     "prep": dict(num_warps=4, num_stages=2),
     "wu": dict(BV=64, num_warps=4, num_stages=2, PER_CHUNK=True),   # one program per chunk (see delta_wu)
@@ -89,12 +75,10 @@ CONFIG = _Configs({
     "recurrent": dict(BV=32, num_warps=4, num_stages=1),
 })
 # Configs above that need more shared memory than sm_90 gives a block (227 KB = 232448 B), and the change that
-# fits, per (kernel, input element bytes, padded K). From `python -m scanlang.backends.delta.spills` (ptxas for
-# sm_90a, Triton 3.9 offline, 2026-11-30) at the GPU tests' shapes (K = 64, 128, 256; V = 96; fp32/bf16/fp16):
-# every other kernel and shape fits. fp32, K=256: state_bwd (BV=64, 8 warps) 2 stages 278788 B -> 1 stage
-# 65536 B (BV=32 with 2 stages: 270596 B, still too much). 2-byte inputs at K=256: state_output (BV=128, 8 warps)
-# 262916 B -> BV=64 213764 B. What this table misses (another Triton version, another shape) `_launch` shrinks at
-# run time, per plan.
+# fits, per (kernel, input element bytes, padded K), found by `python -m scanlang.tools.offline_compile --workload
+# delta` (ptxas for sm_90a) at the GPU tests' shapes (K = 64, 128, 256; V = 96; fp32/bf16/fp16); every other kernel
+# and shape fits (the byte counts: BENCHMARKS_HISTORY.md, "Notes moved from code comments"). What this table misses
+# (another Triton version, another shape) `_launch` shrinks at run time, per plan.
 SHARED_MEMORY_FITS = {
     ("state_output", 2, 256): dict(BV=64),
     # fp32: 64 value columns, one stage (its dots run on FMA units; shared memory is not what limits it)
@@ -119,8 +103,8 @@ SHARED_MEMORY_FITS = {
 # LOWP_DTM (bwd_dqk's), its shares of dk and of dTm, which bwd_wy adds to its own parts.
 HOST_KEYS = ("LOWP_DU", "LOWP_DK", "LOWP_DTM")
 # The forward keeps the w and u that delta_prep stored, and the backward reads them instead of recomputing them with
-# delta_wu (0.271 ms of run 12's 3.487 ms at B8 T4096 H16 K=V=128 bf16, H200), for two more saved activations the
-# size of k and v (fla recomputes them to save that memory). False: recompute.
+# delta_wu (a measured share of the backward: BENCHMARKS_HISTORY.md, "Notes moved from code comments"), for two more
+# saved activations the size of k and v (fla recomputes them to save that memory). False: recompute.
 SAVE_WU = True
 EAGER_FAST_PATH = True   # False: every chunked call goes through the torch.library ops (tests compare the two)
 _RULES = {"beta": GIVEN, "kaczmarz": KACZMARZ}

@@ -1,4 +1,4 @@
-"""Triton source template of the chunkwise gated delta rule (spec/kaczmarz.md, "Chunkwise algorithm").
+"""Triton source template of the chunkwise gated delta rule (docs/spec/kaczmarz.md, "Chunkwise algorithm").
 
 `SOURCE` is the text of a kernel module with two slots, filled by `backends/delta/codegen.py`:
 

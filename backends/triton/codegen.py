@@ -156,7 +156,7 @@ def _combine_function(ir: ScanIR) -> list[str]:
         body += _assign(["scale"], [ir.scale], dict(zip(ir.scale_symbols, out)), "_s")
         # any positive multiple of the product is the same projective element: float32 rescales by
         # Triton's non-IEEE division (tl.fdiv: div.full.f32, 2 ulp, a MUFU.RCP and a few FMAs) instead of
-        # the IEEE one; `approx=True` (div.approx) is not in Triton 3.6, the version on our H200
+        # the IEEE one; `approx=True` (div.approx) is not in Triton 3.6
         body += ["if scale.dtype == tl.float32:",
                  "    inv_scale = tl.fdiv(1.0, scale)",
                  "else:",

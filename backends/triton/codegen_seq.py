@@ -1,4 +1,4 @@
-"""The lane-sequential schedule (DESIGN.md "Schedules" (a)): lanes in registers, time stepped one at a time.
+"""The lane-sequential schedule (README, "Two schedules"): lanes in registers, time stepped one at a time.
 
 Lane layout. A program owns BLOCK_L lanes held as [R, BLOCK_L // R] tensors: column g is a thread
 slot holding the R consecutive lanes slot..slot + R - 1 (slot = pid * BLOCK_L + g * R) in registers
@@ -334,10 +334,9 @@ def _groups_sum(value: str) -> str:
 # Software-pipelining depth of the lane kernels' loops over full blocks, per pass (1: a plain loop).
 # With N > 1 the loop is `tl.range(..., num_stages=N)`: Triton issues the loads of the next N - 1
 # blocks (cp.async into shared memory) while the current block's chain runs, for more instructions
-# and registers (offline, Triton 3.6, Kalman 256x2 chunk 16, SASS per lane-step: backward 77.0 ->
-# 85.4 / 89.6 at 2 / 3 stages, 146 -> 148 / 156 registers, 10 / 20 KB shared; forward 19.6 -> 22.4
-# / 23.3). A generation-time choice: set it
-# before the first program is built (recipes/kalman/bench.py --lanes-stages); the generated source,
+# and registers (the offline counts and the slower timings: BENCHMARKS_HISTORY.md, "Notes moved from
+# code comments"). A generation-time choice: set it
+# before the first program is built (scanlang/tools/bench_kalman.py --lanes-stages); the generated source,
 # and so the cached module, differs.
 LOOP_STAGES = {"forward": 1, "backward": 1}
 

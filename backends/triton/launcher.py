@@ -2,10 +2,9 @@
 
 `kernel[grid](*args, **meta)` re-derives on every call what Triton specialises a kernel on: each
 argument's type, each integer's size class (== 1, divisible by 16, 32/64-bit) and each tensor's
-alignment (data pointer divisible by 16), then hashes them to find the compiled kernel. On the
-H200's host that cost about 90 µs per launch of our ~40-argument kernels: a mixer's fwd+bwd took
-609 µs of host time before this module and 435 µs after (session 3, `python -m
-scanlang.backends.triton.host`).
+alignment (data pointer divisible by 16), then hashes them to find the compiled kernel. For our
+~40-argument kernels that binding is a large share of a mixer call's host time (`python -m
+scanlang.tools.host_profile`; the figures: BENCHMARKS_HISTORY.md, "Notes moved from code comments").
 
 Within one launch plan (`plan.ForwardPlan` / `plan.BackwardPlan`) every integer argument and every
 dtype is fixed by the plan's key (shapes, strides, dtypes, config), and the constexprs by `meta`. The

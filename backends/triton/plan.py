@@ -51,8 +51,8 @@ def _time_contiguous(sizes, strides, dim) -> bool:
 ATOMIC_MODES = (1, 2, 4, 5, 6)   # gradient buffers these modes add into start zeroed
 # Mode 5 (see `_du_mode`): a program sums the gradients of an input its state groups share before
 # adding atomically (the Kalman keys: 4x fewer atomics on 64-lane programs, for a cross-warp sum
-# with barriers). Off: per-lane relaxed atomics measured faster (H200, session 3 run 4: Kalman
-# fwd+bwd 19.2 ms against 24.0 ms with the group sums); benchmarks flip it to compare.
+# with barriers). Off: per-lane relaxed atomics measured faster for the Kalman backward
+# (BENCHMARKS_HISTORY.md, "Notes moved from code comments"); benchmarks flip it to compare.
 SUM_GROUPS_BEFORE_ATOMICS = False
 # Mode 6 (see `_lanes_mode`): the lane-sequential kernels sum such gradients over the groups of each
 # warp (shuffles, no barrier) before the atomic add: Kalman keys on 256-lane programs (4 lanes per

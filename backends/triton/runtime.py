@@ -183,9 +183,9 @@ def lanes_overrides(block_l: int = 64, num_warps: int = 2, chunk: int = 64, unro
     return {(time_contiguous, backward): cfg for time_contiguous in (False, True) for backward in (False, True)}
 
 
-# Lanes at which the lane-sequential schedule wins (H200, 2026-11-30, BENCHMARKS.md): the Kalman
-# program at 196,608 lanes ran 6.7x faster on it than on tiles; the affine and Möbius scans at
-# 12,288 lanes ran 2-5x slower on it (too few lanes to hide each step's latency).
+# Lanes at which the lane-sequential schedule wins: the Kalman program (196,608 lanes) runs faster on
+# it than on tiles, the affine and Möbius scans at 12,288 lanes slower (too few lanes to hide each
+# step's latency); BENCHMARKS_HISTORY.md, "Notes moved from code comments", runtime.LANES_MIN.
 LANES_MIN = 1 << 17
 
 
@@ -219,13 +219,9 @@ def choose_config(T: int, L: int, time_contiguous: bool, state: int, backward: b
         if state > 1:
             # a reducing program (Kalman): 256 lanes x 2 warps = 4 state lanes per thread slot,
             # checkpoints every 16 steps; the forward steps in blocks of 8, the backward replays each
-            # chunk through scratch in blocks of 2. Offline SASS under Triton 3.6 (the H200's; sm_90a,
-            # resources.py, inner loops per lane-step): forward 19.5 at 127 registers (blocks of 4:
-            # 19.6 at 80), backward 77.1 at 146 (103.5 at 156 in session 4): 6 programs per SM
-            # (<= 168 registers), so the bench's 768 programs run in one wave (backward blocks of 4:
-            # 1.16 waves at 194 registers; 201 ran 9.56 ms in session 4). Measured (H200, session 5
-            # run 14, B8 T4096 M1536 S16): fwd 1.142 ms, fwd+bwd 5.636 ms (forward blocks of 4:
-            # 1.469 / 6.051); software-pipelined loops (codegen_seq.LOOP_STAGES = 2) 3.59 / 11.29.
+            # chunk through scratch in blocks of 2: few enough registers for 6 programs per SM (one
+            # wave at the benchmark's shape), and the fastest pair measured; larger backward blocks
+            # spill into a second wave (BENCHMARKS_HISTORY.md, "Notes moved from code comments").
             return Config(block_t=16, block_l=max(state, 256), num_warps=2, chunk=16, schedule="lanes",
                           unroll=2 if backward else 8)
         # other programs, both passes: one lane per thread, 64 lanes x 2 warps, 8-step chunks = the unroll
@@ -234,29 +230,26 @@ def choose_config(T: int, L: int, time_contiguous: bool, state: int, backward: b
         return Config(block_t=min(8, pow2(T)), block_l=max(state, min(4, pow2(L))), num_warps=1, chunk=4)
     if time_contiguous:
         # Tiles of RUN_TILE steps or more scan runs of RUN steps per thread (codegen_runs.py), one run
-        # per thread: 512-step tiles on 2 warps, checkpoints every tile (the backward's tile). Measured
-        # (H200, session 4 run 9): affine fwd 0.1459 ms (99.1% of copy), fwd+bwd 0.4019, Möbius fwd 0.2419
-        # (99.7%); offline SASS per element under Triton 3.6 (resources.py): Möbius forward 48.8 (no-grad)
-        # and backward 170.5, affine 13.1 and 37.4. 1024 x 2 measured 0.146 ms for the affine forward in
-        # session 3 (run 6) against 0.149 for 512 x 2 then; not re-measured since the reciprocal changes.
+        # per thread: 512-step tiles on 2 warps, checkpoints every tile (the backward's tile). The
+        # forward runs at copy bandwidth with them (BENCHMARKS.md; the earlier tile measurements in
+        # BENCHMARKS_HISTORY.md, "Notes moved from code comments").
         from .codegen_runs import RUN
         bt = min(512, pow2(T))
         chunk = bt
         tile = chunk if backward else bt
         warps = max(1, min(4, tile * max(state, 1) // (32 * RUN)))
         return Config(block_t=bt, block_l=max(state, 1), num_warps=warps, chunk=chunk)
-    # one lane per thread, 32 lanes on 1 warp, 32-step tiles with 4 stages of loads in flight: 89.1%
-    # of copy for the affine forward (H200, session 3 run 4, best of 9) against 79% for 64-step tiles
-    # with 2 stages; 97.5% after the mask-free full tiles and reciprocals (session 4 run 9)
+    # one lane per thread, 32 lanes on 1 warp, 32-step tiles with 4 stages of loads in flight: the
+    # fastest channels-contiguous forward of the tiles swept (BENCHMARKS_HISTORY.md, "Notes moved from
+    # code comments")
     bl = max(state, min(32, pow2(L)))
     forward = Config(block_t=32, block_l=bl, num_warps=1, stages=4)
     if not (backward or checkpoint):
         return forward
     # training: the backward on run-based tiles (codegen_runs.py) of 256 steps over 16 lanes on 4 warps with
-    # 2 stages, the forward on its own tile checkpointing every 256 steps. Affine fwd+bwd, GPU time (H200,
-    # session 6 run 20): 0.4443 ms (86.1% of copy); 1 stage 0.4567; both passes on the 256 x 16 tile 0.4670;
-    # 32 x 32 tiles 0.8902, whose backward scans time across threads (74 SASS per element against 49.5 here;
-    # offline, Triton 3.6)
+    # 2 stages, the forward on its own tile checkpointing every 256 steps: a 32 x 32 backward scans time across
+    # threads (more instructions per element), and this pair measured fastest (BENCHMARKS_HISTORY.md, "Notes
+    # moved from code comments")
     chunk = min(256, pow2(T))
     if backward:
         return Config(block_t=chunk, block_l=max(state, min(16, pow2(L))), num_warps=4, stages=2, chunk=chunk)

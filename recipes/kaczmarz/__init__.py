@@ -1,4 +1,4 @@
-"""Kaczmarz Linear Attention and the gated delta-rule chunk family (spec/kaczmarz.md).
+"""Kaczmarz Linear Attention and the gated delta-rule chunk family (docs/spec/kaczmarz.md).
 
 `delta_rule` / `kaczmarz_delta_rule` are the functional ops; `KaczmarzLinearAttention` is the layer.
 """

@@ -1,6 +1,6 @@
 """The chunkwise gated delta rule in plain PyTorch: the `backend="reference"` path.
 
-Same math as the Triton kernels (spec/kaczmarz.md, "Chunkwise algorithm"), written with torch ops so
+Same math as the Triton kernels (docs/spec/kaczmarz.md, "Chunkwise algorithm"), written with torch ops so
 that autograd differentiates it and it runs in float64. For one chunk of C tokens with start state S0:
 
     G = cumsum(g);  gamma_i = exp(G_i);  Dec_ij = exp(G_i - G_j) for i >= j, else 0

@@ -1,4 +1,4 @@
-"""`KaczmarzLinearAttention`: the paper's token mixer (spec/kaczmarz.md, "Layer").
+"""`KaczmarzLinearAttention`: the paper's token mixer (docs/spec/kaczmarz.md, "Layer").
 
     q, k, v = SiLU(causal_depthwise_conv4(W x)) for W in (W_q, W_k, W_v)
     q = q / ||q||                            (per head; k stays raw for Kaczmarz, normalised for GDN)

@@ -1,4 +1,4 @@
-"""The float64 token-loop oracle of the gated delta rule (spec/kaczmarz.md), one token at a time.
+"""The float64 token-loop oracle of the gated delta rule (docs/spec/kaczmarz.md), one token at a time.
 
 Per sequence and head, with column vectors and a [K, V] state:
 

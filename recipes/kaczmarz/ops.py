@@ -1,4 +1,4 @@
-"""The functional ops `delta_rule` and `kaczmarz_delta_rule` (public API contract, spec/kaczmarz.md).
+"""The functional ops `delta_rule` and `kaczmarz_delta_rule` (public API contract, docs/spec/kaczmarz.md).
 
 Both compute, per sequence and head, with a [K, V] fp32 state (decay first, read after write):
 

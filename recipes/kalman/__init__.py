@@ -1,4 +1,4 @@
-"""Kalman linear attention (spec/kalman.md) written on top of scanlang.
+"""Kalman linear attention (docs/spec/kalman.md) written on top of scanlang.
 
     from scanlang.recipes.kalman import kalman_filter, KalmanLinearAttention
     y, y_var, state = kalman_filter(v, prec, k, q, a_bar, p_bar, output_final_state=True)

@@ -1,7 +1,7 @@
 """`kalman_filter` with `cp_group=`: the 3x3 `KalmanJoint` element is the summary.
 
 Per entry (b, m, s) a shard maps the state entering it, (lam, eta), through the product of its 3x3
-leaves (spec/kalman.md, `monoids.KalmanJoint`: a Möbius map on lam and an affine map on eta whose
+leaves (docs/spec/kalman.md, `monoids.KalmanJoint`: a Möbius map on lam and an affine map on eta whose
 gate depends on lam), so a rank's summary is that product: 7 numbers per entry, renormalised by the
 trace of its 2x2 block. The readout (eta / lam read by q, q^2 / lam) and the gates are nonlinear in
 lam, so there is no closed-form correction of the outputs: each rank

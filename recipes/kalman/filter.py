@@ -1,6 +1,6 @@
 """`kalman_filter`: Kalman linear attention's scan, built from scanlang scans, with an exact backward.
 
-Per entry (b, m, s), t = 1..T (spec/kalman.md), with `a = a_bar[m, s]`, `p = p_bar[m, s]`:
+Per entry (b, m, s), t = 1..T (docs/spec/kalman.md), with `a = a_bar[m, s]`, `p = p_bar[m, s]`:
 
     den_t = a^2 + p lam_{t-1}
     lam_t = lam_{t-1} / den_t + prec_t k_t^2                    precision
@@ -129,13 +129,14 @@ def kalman_filter(v, prec, k, q, a_bar, p_bar, initial_state=None, output_final_
 
 
 def choose_form(backend: str, state_size: int, needs_grad: bool, lanes: int = 0) -> str:
-    """The default `form`, from the H200 measurements in BENCHMARKS.md (B8 T4096 M1536 S16).
+    """The default `form`, from the GPU measurements at B8 T4096 M1536 S16 (BENCHMARKS_HISTORY.md,
+    "Kalman linear attention").
 
     Generated kernels with enough lanes (B M S) for the lane-sequential schedule: the fused 3x3
-    mixer, forward and backward (fwd 11.3 ms, fwd+bwd 65 ms on that schedule, against 77 / 220 ms
-    for the sl.scan path). Fewer lanes (tile schedule), no gradient: the fused mixer (fwd 25 ms);
-    with a gradient: the sl.scan path with the spec's adjoint (the fused mixer's generated tile
-    backward took 2.0 s). The reference backend: two scans.
+    mixer, forward and backward (several times faster than the sl.scan path on that schedule).
+    Fewer lanes (tile schedule), no gradient: the fused mixer; with a gradient: the sl.scan path
+    with the spec's adjoint (the fused mixer's generated tile backward is about ten times slower).
+    The reference backend: two scans.
     """
     if backend != "triton":   # the reference backend never needs Triton imported
         return DEFAULT_FORM
@@ -182,7 +183,7 @@ def filter_states(phi, r, a, a2, p, lam0, eta0, backend=None, form=DEFAULT_FORM)
 
 
 def filter_adjoint(lam, eta, a, a2, p, lam0, eta0, g_lam, g_eta, backend=None):
-    """Gradients (phi, r, a, a^2, p, lam0, eta0) from the upstream (g_lam, g_eta), per spec/kalman.md.
+    """Gradients (phi, r, a, a^2, p, lam0, eta0) from the upstream (g_lam, g_eta), per docs/spec/kalman.md.
 
     With den_{t+1} = a^2 + p lam_t and f_{t+1} = a / den_{t+1} (both 0 past the end):
 

@@ -1,6 +1,6 @@
 """The fused paths: the Kalman scan as generated `sl.mixer` kernels (lift, scan and readout in one kernel).
 
-Two monoid forms (spec/kalman.md), both measured by recipes/kalman/bench.py:
+Two monoid forms (docs/spec/kalman.md), both measured by recipes/kalman/bench.py:
 - "fused": the merged 3x3 monoid as ONE mixer (one forward and one backward kernel; the elements
   and prefixes never leave registers);
 - "fused_two": the Möbius mixer (its readout forms the information gate from the previous prefix,
@@ -11,7 +11,7 @@ Two monoid forms (spec/kalman.md), both measured by recipes/kalman/bench.py:
 Axes `b t h g s` (heads h, channels per head g, M = h g; without heads h = 1):
 
     x_t = lift(v, prec, k, a_bar, p_bar) = [[1 + p phi, a^2 phi, 0], [p, a^2, 0], [r p, r a^2, a]]
-          with phi = prec k^2, r = prec v k                          (spec/kalman.md's 3x3 leaf)
+          with phi = prec k^2, r = prec v k                          (docs/spec/kalman.md's 3x3 leaf)
     y_t = y_{t-1} (+) x_t,  y_{-1} = [[0, lam0, 0], [0, 1, 0], [0, eta0, 0]]   (a constant map)
     y   = sum_s q eta_t / lam_t,  y_var = sum_s q^2 / lam_t
 

@@ -1,4 +1,4 @@
-"""`KalmanLinearAttention`: the paper's block (spec/kalman.md) around `kalman_filter`.
+"""`KalmanLinearAttention`: the paper's block (docs/spec/kalman.md) around `kalman_filter`.
 
     x [B,T,D] -> in_proj (D -> 2M) -> (z, gate)
     z -> depthwise causal conv1d (kernel d_conv, bias) -> SiLU

@@ -1,6 +1,6 @@
 """The Kalman filter's recursions declared as scanlang monoids, and the lifts that build their leaves.
 
-Per entry (b, m, s) with `a = a_bar[m, s]`, `p = p_bar[m, s]` (spec/kalman.md):
+Per entry (b, m, s) with `a = a_bar[m, s]`, `p = p_bar[m, s]` (docs/spec/kalman.md):
 
     phi_t = prec_t k_t^2,   r_t = prec_t v_t k_t
     den_t = a^2 + p lam_{t-1}
@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import scanlang as sl
 
-# Floors from spec/kalman.md. `phi` is never floored: zero keys are legal.
+# Floors from docs/spec/kalman.md. `phi` is never floored: zero keys are legal.
 A2_FLOOR = 1e-12
 P_FLOOR = 1e-12
 DEN_FLOOR = 1e-12

@@ -7,7 +7,7 @@ affine mixer), "scan-joint" / "scan-two" (generated
 sl.scan kernels, PyTorch glue, the spec's adjoint), "authors-triton" (with --authors: the authors'
 public code, measured side by side; never copied into this repository).
 
-Workload (spec/kalman.md, DESIGN.md): fp32, B=8, T=4096, M=1536, S=16 -> B*M*S = 196,608 independent
+Workload (docs/spec/kalman.md; BENCHMARKS.md's targets): fp32, B=8, T=4096, M=1536, S=16 -> B*M*S = 196,608 independent
 scalar lanes of length 4096, i.e. N = B*T*M*S = 8.05e8 (b, t, m, s) entries.
 
 Floor, counted before measuring:
