@@ -37,6 +37,20 @@ def _positive_int(value, name: str, minimum: int = 1) -> int:
     return int(value)
 
 
+def _token_task_sizes(n, seq_len, vocab_size, min_vocab: int, count, count_name: str, factor: int,
+                      needs: str) -> tuple[int, int, int, int]:
+    """(n, seq_len, vocab_size, count) of a token task, each checked, with `seq_len >= factor * count`
+    (what `needs` that room)."""
+    n = _positive_int(n, "n")
+    count = _positive_int(count, count_name)
+    seq_len = _positive_int(seq_len, "seq_len")
+    vocab_size = _positive_int(vocab_size, "vocab_size", min_vocab)
+    if seq_len < factor * count:
+        raise ValueError(f"seq_len: {seq_len} is too short for {count_name} = {count}: {needs} "
+                         f"need seq_len >= {factor} * {count_name} = {factor * count}")
+    return n, seq_len, vocab_size, count
+
+
 def _generator(seed) -> torch.Generator:
     if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
         raise ValueError(f"seed: expected an int, got {seed!r}")
@@ -76,13 +90,8 @@ def mqar(n: int, seq_len: int, num_kv_pairs: int, vocab_size: int = 8192, seed: 
     >>> int((y[0] != IGNORE).sum())      # one scored position per key
     2
     """
-    n = _positive_int(n, "n")
-    num_kv_pairs = _positive_int(num_kv_pairs, "num_kv_pairs")
-    seq_len = _positive_int(seq_len, "seq_len")
-    vocab_size = _positive_int(vocab_size, "vocab_size", 4)
-    if seq_len < 3 * num_kv_pairs:
-        raise ValueError(f"seq_len: {seq_len} is too short for num_kv_pairs = {num_kv_pairs}: the keys, values and "
-                         f"one query per key need seq_len >= 3 * num_kv_pairs = {3 * num_kv_pairs}")
+    n, seq_len, vocab_size, num_kv_pairs = _token_task_sizes(n, seq_len, vocab_size, 4, num_kv_pairs, "num_kv_pairs",
+                                                             3, "the keys, values and one query per key")
     half = vocab_size // 2
     if num_kv_pairs > half - 1:
         raise ValueError(f"vocab_size: {vocab_size} leaves {half - 1} distinct keys (1 .. vocab_size//2 - 1), fewer "
@@ -180,13 +189,8 @@ def selective_copy(n: int, seq_len: int, num_tokens_to_copy: int, vocab_size: in
     >>> bool((x[0, :7][x[0, :7] != NOISE] == y[0, 7:]).all())
     True
     """
-    n = _positive_int(n, "n")
-    k = _positive_int(num_tokens_to_copy, "num_tokens_to_copy")
-    seq_len = _positive_int(seq_len, "seq_len")
-    vocab_size = _positive_int(vocab_size, "vocab_size", 3)
-    if seq_len < 2 * k:
-        raise ValueError(f"seq_len: {seq_len} is too short for num_tokens_to_copy = {k}: the tokens among noise "
-                         f"and their copy need seq_len >= 2 * num_tokens_to_copy = {2 * k}")
+    n, seq_len, vocab_size, k = _token_task_sizes(n, seq_len, vocab_size, 3, num_tokens_to_copy, "num_tokens_to_copy",
+                                                  2, "the tokens among noise and their copy")
     gen = _generator(seed)
     content = torch.randint(COPY_CUE + 1, vocab_size, (n, k), generator=gen)
     region = seq_len - k

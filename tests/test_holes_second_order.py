@@ -6,6 +6,8 @@ The generated kernels' backward passes are differentiable once: every second-ord
 them (grad of grad, `torch.autograd.functional.hvp`, `backward(create_graph=True)` then grad) raises
 a SecondOrderError naming the op and pointing at backend="reference" -- never None or zeros.
 """
+import functools
+
 import pytest
 import torch
 
@@ -138,17 +140,21 @@ def kalman_loop(v, prec, k, q, a_bar, p_bar):
     return torch.stack(ys, 1)
 
 
+def _weighted_square_loss(ins: dict, w, fn, **kw):
+    """(v, prec) -> sum(w * y^2) of the Kalman filter `fn` (the loop or kalman_filter with `kw`), the other inputs
+    from `ins`."""
+    def loss(v, prec):
+        y = fn(v=v, prec=prec, **{n: x for n, x in ins.items() if n not in ("v", "prec")}, **kw)
+        y = y[0] if isinstance(y, tuple) else y
+        return (w * y * y).sum()
+    return loss
+
+
 def test_kalman_filter_second_derivatives():
     ins = _kalman_inputs()
     w = torch.randn_like(ins["v"])
     dv, dprec = torch.randn_like(ins["v"]), torch.randn_like(ins["prec"])
-
-    def loss_of(fn, **kw):
-        def loss(v, prec):
-            y = fn(v=v, prec=prec, **{n: x for n, x in ins.items() if n not in ("v", "prec")}, **kw)
-            y = y[0] if isinstance(y, tuple) else y
-            return (w * y * y).sum()
-        return loss
+    loss_of = functools.partial(_weighted_square_loss, ins, w)
     _, want = torch.autograd.functional.hvp(loss_of(kalman_loop), (ins["v"], ins["prec"]), (dv, dprec))
     # the issue's instance: 0 here before, on the reference backend
     _, got = torch.autograd.functional.hvp(loss_of(kalman_filter, backend="reference"), (ins["v"], ins["prec"]),
@@ -161,13 +167,7 @@ def test_kalman_filter_second_derivatives():
 def test_kalman_filter_second_derivatives_on_generated_kernels():
     ins = _kalman_inputs()
     w, dv, dprec = torch.randn_like(ins["v"]), torch.randn_like(ins["v"]), torch.randn_like(ins["prec"])
-
-    def loss_of(fn, **kw):
-        def loss(v, prec):
-            y = fn(v=v, prec=prec, **{n: x for n, x in ins.items() if n not in ("v", "prec")}, **kw)
-            y = y[0] if isinstance(y, tuple) else y
-            return (w * y * y).sum()
-        return loss
+    loss_of = functools.partial(_weighted_square_loss, ins, w)
     # the exact adjoint is itself a pair of scans, so grad of grad is exact ...
     v = ins["v"].clone().requires_grad_()
     g_ref, = torch.autograd.grad(loss_of(kalman_loop)(v, ins["prec"]), v, create_graph=True)
