@@ -217,4 +217,4 @@ def print_profile(fn, calls: int, top: int = 15) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
