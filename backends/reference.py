@@ -6,8 +6,8 @@ Two executors of the same law, `out_t = x_0 (+) ... (+) x_t`:
 - `scan_sequential`: a plain loop over time that calls the user's own combine body on tensors (not
   the sympy trace), in float64. Tests use it as the independent oracle.
 
-The blocked schedule (reduce, scan the totals, rescan): cut time into N chunks of C = `CHUNK`
-steps (the last T mod C steps are a tail);
+The blocked schedule (reduce, scan the totals, rescan): cut time into N chunks of C steps (`layout`:
+C about sqrt(T), at least `CHUNK`; the last T mod N steps are a tail);
 1. the chunks' totals, all chunks side by side: C - 1 combines, each over every chunk at once;
 2. the carries, one chunk after the other: carry_n = carry_{n-1} (+) total_n (N combines of one
    time step's size);
@@ -20,17 +20,35 @@ Why not a log-depth tree over the whole sequence: its later operands are product
 elements, which overflow where the loop's never do (Affine with a = 2: 2^150 is inf in float32, and
 b = inf * 0 is NaN where the answer is 0). Here the later operand of every combine that makes an
 output is one element, as in the loop; only the carries combine chunk totals, products of C
-consecutive elements (Affine overflows there only for |a| > 2^(128 / C) = 16 in float32).
+consecutive elements (Affine overflows there only for |a| > 2^(128 / C): 16 in float32 at C = 32).
 """
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 import torch
 
 from scanlang.monoid import Monoid
 
-CHUNK = 32   # steps per chunk: 2 C + T / C combines is least at C = sqrt(T / 2), 32 at T = 2048
+CHUNK = 32      # the least steps per chunk; chunks grow to about sqrt(T) on long sequences
+SERIAL = 32768  # torch runs an elementwise op over fewer elements than this in the calling thread
+
+
+def layout(length: int, step_numel: int) -> tuple[int, int]:
+    """(chunks N, steps per chunk C) of the blocked schedule for `length` steps of `step_numel` elements.
+
+    C is at least `CHUNK` and about sqrt(length), so that 2 C + N sequential combines stay few. N is
+    also capped so that one combine over all chunks (N * step_numel elements) stays below `SERIAL`:
+    above it torch splits every op over its thread pool, and a pool whose threads must wait for a busy
+    machine's other processes makes each of the ~2 C ops wait with it, where the loop over time
+    (ops of one step) never does. Lengths past N * C (fewer than N steps) are the tail.
+    """
+    if length < 1:
+        return 0, 0
+    shortest = max(CHUNK, math.isqrt(length))
+    n_chunks = max(1, min(length // shortest, (SERIAL - 1) // max(step_numel, 1)))
+    return n_chunks, length // n_chunks
 
 
 def scan(monoid: Monoid, elems: Sequence[torch.Tensor], dim: int, reverse: bool,
@@ -44,60 +62,64 @@ def scan(monoid: Monoid, elems: Sequence[torch.Tensor], dim: int, reverse: bool,
         return tuple(x.contiguous() for x in xs)
     if monoid.is_projective:
         xs = monoid.renormalise(xs)
+    combine = monoid.combine
     carry = None
     if initial is not None:   # shaped like one time step: the broadcast shape without `dim`
         carry = tuple(i.to(out_dtype).unsqueeze(dim) for i in torch.broadcast_tensors(*initial))
-    chunk = min(CHUNK, length)
-    n_chunks = length // chunk
+    n_chunks, chunk = layout(length, xs[0].numel() // length)
     main = n_chunks * chunk
     # without autograd the steps are copied into the outputs as they come; with it they are stacked
     record = torch.is_grad_enabled() and any(t.requires_grad for t in (*xs, *(carry or ())))
     outs = None if record else tuple(torch.empty(xs[0].shape, dtype=out_dtype, device=xs[0].device) for _ in xs)
     pieces = []
-    if n_chunks:
-        blocks = tuple(x.narrow(dim, 0, main).unflatten(dim, (n_chunks, chunk)) for x in xs)  # [.., N, C, ..]
 
-        def step(i):   # element i of every chunk: [.., N, ..]
-            return tuple(b.select(dim + 1, i) for b in blocks)
-        total = step(0)
-        for i in range(1, chunk):
-            total = monoid.combine(total, step(i))
-        starts = []   # the prefix before each chunk, [.., 1, ..] (None: nothing before chunk 0)
-        for n in range(n_chunks):
-            starts.append(carry)
-            total_n = tuple(v.narrow(dim, n, 1) for v in total)
-            carry = total_n if carry is None else monoid.combine(carry, total_n)
-        first = step(0)
-        if starts[0] is not None:
-            before = tuple(torch.cat([s[f] for s in starts], dim) for f in range(len(xs)))
-            prefix = monoid.combine(before, first)
-        elif n_chunks > 1:
-            before = tuple(torch.cat([s[f] for s in starts[1:]], dim) for f in range(len(xs)))
-            later = monoid.combine(before, tuple(v.narrow(dim, 1, n_chunks - 1) for v in first))
-            prefix = tuple(torch.cat([v.narrow(dim, 0, 1), w.expand_as(v.narrow(dim, 1, n_chunks - 1))], dim)
-                           for v, w in zip(first, later))
-        else:
-            prefix = first
-        shape = first[0].shape
-        if record:
-            steps = [prefix]
-            for i in range(1, chunk):
-                prefix = monoid.combine(prefix, step(i))
-                steps.append(prefix)
-            # stacked along a new leading dim, then moved: torch.stack along an inner dim is several times slower
-            pieces.append(tuple(torch.stack([p[f].expand(shape) for p in steps]).movedim(0, dim + 1)
-                                .flatten(dim, dim + 1) for f in range(len(xs))))
-        else:
-            views = tuple(o.narrow(dim, 0, main).unflatten(dim, (n_chunks, chunk)) for o in outs)
-            for i in range(chunk):
-                if i:
-                    prefix = monoid.combine(prefix, step(i))
-                for view, p in zip(views, prefix):
-                    view.select(dim + 1, i).copy_(p)
+    def steps(n):   # [(element i of each of the first n chunks, [.., n, ..]) for i < C]: views, one unbind
+        return list(zip(*(x.narrow(dim, 0, n * chunk).unflatten(dim, (n, chunk)).unbind(dim + 1) for x in xs)))
+    total = None
+    if n_chunks > 1:   # the totals of all chunks but the last (whose total no carry needs)
+        rows = steps(n_chunks - 1)
+        total = rows[0]
+        for row in rows[1:]:
+            total = combine(total, row)
+    starts = [carry]   # the prefix before each chunk, [.., 1, ..] (None: nothing before chunk 0)
+    for n in range(n_chunks - 1):
+        total_n = tuple(v.narrow(dim, n, 1) for v in total)
+        carry = total_n if carry is None else combine(carry, total_n)
+        starts.append(carry)
+    rows = steps(n_chunks)
+    first = rows[0]
+    if starts[0] is not None:
+        before = tuple(torch.cat([s[f] for s in starts], dim) for f in range(len(xs)))
+        prefix = combine(before, first)
+    elif n_chunks > 1:
+        before = tuple(torch.cat([s[f] for s in starts[1:]], dim) for f in range(len(xs)))
+        later = combine(before, tuple(v.narrow(dim, 1, n_chunks - 1) for v in first))
+        prefix = tuple(torch.cat([v.narrow(dim, 0, 1), w.expand_as(v.narrow(dim, 1, n_chunks - 1))], dim)
+                       for v, w in zip(first, later))
+    else:
+        prefix = first
+    shape = first[0].shape
+    if record:
+        prefixes = [prefix]
+        for row in rows[1:]:
+            prefix = combine(prefix, row)
+            prefixes.append(prefix)
+        # stacked along a new leading dim, then moved: torch.stack along an inner dim is several times slower
+        pieces.append(tuple(torch.stack([p[f].expand(shape) for p in prefixes]).movedim(0, dim + 1)
+                            .flatten(dim, dim + 1) for f in range(len(xs))))
+    else:
+        views = list(zip(*(o.narrow(dim, 0, main).unflatten(dim, (n_chunks, chunk)).unbind(dim + 1)
+                           for o in outs)))
+        for i, (row, view) in enumerate(zip(rows, views)):
+            if i:
+                prefix = combine(prefix, row)
+            for v, p in zip(view, prefix):
+                v.copy_(p)
+    carry = tuple(p.narrow(dim, p.shape[dim] - 1, 1) for p in prefix)   # the prefix at the last chunk's end
     tail = []
     for t in range(main, length):   # fewer than `chunk` steps, each from the previous prefix
         x_t = tuple(x.narrow(dim, t, 1) for x in xs)
-        carry = x_t if carry is None else monoid.combine(carry, x_t)
+        carry = x_t if carry is None else combine(carry, x_t)
         if record:
             tail.append(tuple(c.expand_as(x) for c, x in zip(carry, x_t)))
         else:

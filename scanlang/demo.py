@@ -1,11 +1,17 @@
 """`scanlang demo`: declare a monoid, prove it, refute a broken variant, scan, check, time, and
 train a small model whose mixer is declared in scanlang.
 
-Runs on CPU in about a minute; on a GPU it also runs the generated Triton kernels.
+Runs on CPU in about a minute: the scan on the reference backend, timed against a loop over time,
+and the generated Triton kernels (forward and backward) in Triton's interpreter at a small size; on
+a GPU the generated kernels run natively at the full size.
 """
 from __future__ import annotations
 
 import inspect
+import math
+import os
+import subprocess
+import sys
 import time
 
 import torch
@@ -75,8 +81,14 @@ def run(device: str | None = None, length: int | None = None, train: bool = True
         ms = _timed(lambda: sl.scan(gated_rnn, (a, b), dim=1, backend=backend), device)
         gbytes = 4 * a.numel() * 4 / 1e9           # read a, b; write out.a, out.b (fp32)
         print(f"   {backend:9s}  max rel. error {err:.1e}   {ms:8.2f} ms   {gbytes / ms * 1e3:7.1f} GB/s")
-    loop_ms = _timed(lambda: _python_loop(a, b), device, repeat=1)
+        if backend == "reference":
+            ref_ms = ms
+    loop_ms = _timed(lambda: _python_loop(a, b), device)
     print(f"   python loop over time (torch ops): {loop_ms:8.2f} ms")
+    print(f"   reference scan vs the loop: {loop_ms / ref_ms:.1f}x faster (best of 3, {torch.get_num_threads()} torch "
+          f"threads; `scanlang bench` times the generated kernels on a GPU)")
+    if device == "cpu":
+        worst = max(worst, _interpreted_kernels())
 
     print("\n5. Gradients flow through the scan:")
     a_req = a[:1, :64].clone().double().requires_grad_()
@@ -120,6 +132,58 @@ def _train_demo() -> int:
     print(f"   held-out accuracy {accuracy:.3f} (chance {chance:.3f}) after {config.steps} steps, "
           f"{metrics['train_time_s']:.0f} s")
     return 0 if accuracy >= DEMO_MIN_ACCURACY else 1
+
+
+def _interpreted_kernels() -> float:
+    """4b. Without a GPU: the generated Triton kernels, forward and backward, in Triton's interpreter
+    at a small size, against the reference; returns the worst relative error (inf if they failed).
+
+    Triton picks interpreter or GPU mode when it is imported (importing torch's compiler imports it,
+    and scanlang does), so the kernels run in a fresh process with TRITON_INTERPRET=1 unless this one
+    already has it."""
+    shape = (1, 37, 4)
+    print(f"\n4b. No GPU: the generated Triton kernels (forward and backward) run in Triton's interpreter "
+          f"on {list(shape)}, against the reference:")
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return _kernels_against_reference(shape)
+    code = f"from scanlang.demo import _kernels_against_reference as k; print('WORST', k({shape!r}))"
+    try:
+        proc = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, TRITON_INTERPRET="1"),
+                              capture_output=True, text=True, timeout=600)
+    except subprocess.TimeoutExpired:
+        print("   FAILED: the interpreter run took over 600 s")
+        return math.inf
+    lines = proc.stdout.splitlines()
+    print("\n".join(line for line in lines if not line.startswith("WORST ")))
+    worst = [float(line.split()[1]) for line in lines if line.startswith("WORST ")]
+    if proc.returncode != 0 or not worst:
+        print(f"   FAILED (exit {proc.returncode}):\n{proc.stderr[-2000:]}")
+        return math.inf
+    return worst[0]
+
+
+def _kernels_against_reference(shape) -> float:
+    """The generated kernels' outputs and gradients against the reference's, printed; the worst error."""
+    try:
+        import triton  # noqa: F401
+    except ImportError as exc:
+        print(f"   skipped: {exc}")
+        return 0.0
+    gen = torch.Generator().manual_seed(1)
+    a = (torch.rand(*shape, generator=gen) * 0.2 + 0.8).requires_grad_()
+    b = torch.randn(*shape, generator=gen, requires_grad=True)
+    weight = torch.randn(*shape, generator=gen)
+    results = {}
+    for backend in ("triton", "reference"):
+        start = time.perf_counter()
+        out = sl.scan(gated_rnn, (a, b), dim=1, backend=backend)
+        grads = torch.autograd.grad((out.b * weight).sum(), (a, b))
+        results[backend] = (out.a.detach(), out.b.detach(), *grads), time.perf_counter() - start
+    (kernel, seconds), (ref, _) = results["triton"], results["reference"]
+    errs = [float((k - r).abs().max() / r.abs().max()) for k, r in zip(kernel, ref)]
+    print(f"   forward max rel. error {max(errs[:2]):.1e}, gradients (generated backward) {max(errs[2:]):.1e}; "
+          f"generating and interpreting took {seconds:.1f} s")
+    return max(errs)
 
 
 def _python_loop(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

@@ -133,7 +133,14 @@ class Traced:
         return f"Traced({self.expr})"
 
 
-def _unary(name: str, sym_fn, torch_name: str, math_fn):
+def _example(name: str, args: str, result: str) -> str:
+    """A doctest for `sl.<name>` on numbers and on a tensor (help() shows it; pytest runs it)."""
+    tensors = ", ".join(f"torch.tensor([{a.strip()}])" for a in args.split(","))
+    return (f"\n\n>>> import torch, scanlang as sl\n>>> sl.{name}({args}), sl.{name}({tensors}).tolist()\n"
+            f"({result}, [{result}])\n")
+
+
+def _unary(name: str, sym_fn, torch_name: str, math_fn, law: str, example: tuple[str, str]):
     def fn(x):
         if isinstance(x, Traced):
             return Traced(sym_fn(x.expr))
@@ -145,11 +152,12 @@ def _unary(name: str, sym_fn, torch_name: str, math_fn):
         raise UnsupportedOperationError(f"sl.{name} takes a traced value, a tensor or a number, not {type(x).__name__}")
     fn.__name__ = name
     fn.__qualname__ = name
-    fn.__doc__ = f"Elementwise {name}: traced symbolically in a body, torch.{torch_name} on tensors."
+    fn.__doc__ = (f"Elementwise {name}: traced symbolically in a body, torch.{torch_name} on tensors.\n\n"
+                  f"Law: {law}" + _example(name, *example))
     return fn
 
 
-def _binary(name: str, sym_fn, torch_name: str, py_fn):
+def _binary(name: str, sym_fn, torch_name: str, py_fn, law: str, example: tuple[str, str]):
     def fn(x, y):
         if isinstance(x, Traced) or isinstance(y, Traced):
             return Traced(sym_fn(Traced._of(x), Traced._of(y)))
@@ -163,7 +171,8 @@ def _binary(name: str, sym_fn, torch_name: str, py_fn):
         raise UnsupportedOperationError(f"sl.{name} takes traced values, tensors or numbers")
     fn.__name__ = name
     fn.__qualname__ = name
-    fn.__doc__ = f"Elementwise {name} of two values: sympy {sym_fn.__name__} when traced, torch.{torch_name} on tensors."
+    fn.__doc__ = (f"Elementwise {name} of two values: sympy {sym_fn.__name__} when traced, torch.{torch_name} on "
+                  f"tensors.\n\nLaw: {law}" + _example(name, *example))
     return fn
 
 
@@ -171,12 +180,16 @@ def _safe_log(x):
     return math.log(x) if x > 0 else (-math.inf if x == 0 else math.nan)
 
 
-exp = _unary("exp", sympy.exp, "exp", math.exp)
-log = _unary("log", sympy.log, "log", _safe_log)
-sqrt = _unary("sqrt", sympy.sqrt, "sqrt", math.sqrt)
-abs = _unary("abs", sympy.Abs, "abs", lambda v: v if v >= 0 else -v)  # noqa: A001 - public DSL name
-maximum = _binary("maximum", sympy.Max, "maximum", max)
-minimum = _binary("minimum", sympy.Min, "minimum", min)
+exp = _unary("exp", sympy.exp, "exp", math.exp, "exp(x + y) == exp(x) * exp(y), exp(0) == 1.", ("0.0", "1.0"))
+log = _unary("log", sympy.log, "log", _safe_log, "log(x * y) == log(x) + log(y) for x, y > 0; log(0) == -inf.",
+             ("1.0", "0.0"))
+sqrt = _unary("sqrt", sympy.sqrt, "sqrt", math.sqrt, "sqrt(x) ** 2 == x and sqrt(x) >= 0 for x >= 0.", ("4.0", "2.0"))
+abs = _unary("abs", sympy.Abs, "abs", lambda v: v if v >= 0 else -v,  # noqa: A001 - public DSL name
+             "abs(x) == maximum(x, -x).", ("-2.0", "2.0"))
+maximum = _binary("maximum", sympy.Max, "maximum", max, "maximum(maximum(x, y), z) == maximum(x, maximum(y, z)), "
+                  "maximum(x, -inf) == x (the Max monoid).", ("1.0, 2.0", "2.0"))
+minimum = _binary("minimum", sympy.Min, "minimum", min, "minimum(minimum(x, y), z) == minimum(x, minimum(y, z)), "
+                  "minimum(x, inf) == x.", ("1.0, 2.0", "1.0"))
 
 
 # --------------------------------------------------------------------------------------------------

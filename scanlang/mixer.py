@@ -39,13 +39,7 @@ Semantics, per lane (every index of `axes` but "t"):
 - Any device the Triton backend accepts (CUDA, or CPU with TRITON_INTERPRET=1). Outputs are float32
   (float64 if any input is float64); bf16/fp16 inputs are computed in float32.
 
->>> import torch, scanlang as sl
->>> ema = sl.mixer(sl.Affine, axes="b t d", inputs={"x": "b t d", "decay": "d"},
-...                lift=lambda u: (u.decay, (1 - u.decay) * u.x), readout=lambda p, u, q: p.b,
-...                outputs=("h",))
->>> out = ema(x=torch.ones(1, 3, 1), decay=torch.tensor([0.5]))
->>> out.h.flatten().tolist()
-[0.5, 0.75, 0.875]
+Example: see `help(sl.mixer)`.
 """
 from __future__ import annotations
 
@@ -273,9 +267,22 @@ def _triton_backend_check(values):
 
 def mixer(monoid: Monoid, axes: str, inputs: Mapping[str, str], lift: Callable, readout: Callable,
           outputs: Sequence[str], reduce: str | None = None) -> Mixer:
-    """Declare a fused lift -> scan -> readout (see the module docstring for the API and semantics).
+    """Declare a fused lift -> scan -> readout (the module docstring has the whole API).
 
-    The monoid is verified first: a non-associative combine raises `sl.NotAssociativeError`."""
+    Law, per lane (every index of `axes` but "t"), with (+) the monoid's combine:
+        x_t = lift(u_t);  y_t = y_{t-1} (+) x_t, y_{-1} = initial or the identity;
+        out_t = readout(y_t, u_t, y_{t-1}), summed over the `reduce` axis when given.
+    The monoid is verified first: a non-associative combine raises `sl.NotAssociativeError`. The
+    mixer runs the generated Triton kernels (on CPU: in Triton's interpreter, TRITON_INTERPRET=1).
+
+    >>> import torch, scanlang as sl
+    >>> ema = sl.mixer(sl.Affine, axes="b t d", inputs={"x": "b t d", "decay": "d"},
+    ...                lift=lambda u: (u.decay, (1 - u.decay) * u.x), readout=lambda p, u, q: p.b,
+    ...                outputs=("h",))
+    >>> out = ema(x=torch.ones(1, 3, 1), decay=torch.tensor([0.5]))   # h_t = 0.5 h_{t-1} + 0.5 x_t
+    >>> out.h.flatten().tolist()
+    [0.5, 0.75, 0.875]
+    """
     if not isinstance(monoid, Monoid):
         raise TypeError(f"monoid: expected a scanlang Monoid (declare one with @sl.monoid), got {type(monoid).__name__}")
     monoid.ensure_verified()

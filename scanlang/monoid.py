@@ -15,6 +15,7 @@ homogeneous of degree 1 and every combine result is divided by it, which keeps t
 from __future__ import annotations
 
 import hashlib
+import inspect
 import math
 import warnings
 from typing import Callable, Sequence
@@ -31,7 +32,15 @@ _WARNED: set[str] = set()   # keys of monoids already warned about (UnprovedWarn
 
 
 class Fields:
-    """An element seen by a body: fields by attribute (`x.a`), by name (`x["a"]`) or position (`x[0]`)."""
+    """An element seen by a body: fields by attribute (`x.a`), by name (`x["a"]`) or position (`x[0]`).
+
+    Law: x.<name> == x["<name>"] == x[i] for the i-th declared field; elements are read-only.
+
+    >>> import scanlang as sl
+    >>> x = sl.Fields(("a", "b"), (2.0, 3.0))
+    >>> x.a, x["b"], x[0], len(x)
+    (2.0, 3.0, 2.0, 2)
+    """
 
     __slots__ = ("_names", "_values")
 
@@ -113,7 +122,21 @@ def trace_body(fn: Callable, names: Sequence[str], operands: Sequence[Sequence[s
 
 
 class Monoid:
-    """A declared monoid. Build it with `@sl.monoid(...)`; see the module docstring for the law."""
+    """A declared monoid: fields, an associative combine of an earlier element x and a later one y,
+    and its identity e. Build it with `@sl.monoid(...)`; `help()` of a declared monoid shows its own
+    combine's docstring and traced expressions.
+
+    Law: combine(combine(x, y), z) == combine(x, combine(y, z)) and combine(e, x) == x == combine(x, e).
+
+    >>> import scanlang as sl
+    >>> sl.Affine.fields, sl.Affine.identity
+    (('a', 'b'), (1.0, 0.0))
+    >>> print(sl.Affine.describe())
+    <monoid Affine fields=('a', 'b') identity=(1.0, 0.0)>
+    combine(x, y) with x the earlier operand:
+      a = x_a*y_a
+      b = x_b*y_a + y_b
+    """
 
     def __init__(self, combine: Callable, fields, identity, scale: Callable | None = None, name: str | None = None):
         if not callable(combine):
@@ -145,6 +168,16 @@ class Monoid:
         self.key = self.digest[:16]
         if DECLARED.get((self.key, self.name)) is None:
             DECLARED[(self.key, self.name)] = self
+        self.__doc__ = self._help_text()   # what help(monoid) and pydoc show for this declaration
+
+    def _help_text(self) -> str:
+        """This declaration's own docstring: the combine's docstring (its law and examples), then the
+        law every monoid satisfies and the traced expressions."""
+        own = inspect.getdoc(self.combine_fn) or f"The monoid '{self.name}' (its combine has no docstring)."
+        law = ("Law: combine(combine(x, y), z) == combine(x, combine(y, z)); "
+               f"identity e = {self.identity}: combine(e, x) == x == combine(x, e).")
+        traced = "\n".join(self.describe().splitlines()[1:])   # its first line is repr(self), which help() shows
+        return f"{own}\n\n{law}\n\n{traced}\n\nSee help(scanlang.Monoid) for the methods."
 
     # ---- identity of the declaration ------------------------------------------------------------
     @property
@@ -247,7 +280,11 @@ class Monoid:
 
 
 def monoid(fields, identity, scale: Callable | None = None, name: str | None = None):
-    """Decorator: declare a monoid from its combine body.
+    """Decorator: declare a monoid from its combine body `fn(x, y)` (x the earlier element, y the later).
+
+    Law: the combine must be associative, combine(combine(x, y), z) == combine(x, combine(y, z)),
+    with `identity` e two-sided, combine(e, x) == x == combine(x, e); `verify()` proves both. With
+    `scale`, elements are equal up to a nonzero factor and every combine is divided by scale(result).
 
     >>> import scanlang as sl
     >>> @sl.monoid(fields=("a", "b"), identity=(1, 0))

@@ -136,6 +136,10 @@ def scan(monoid: Monoid, elems, dim: int, reverse: bool = False, initial=None, b
          cp_group=None):
     """Inclusive scan of `elems` along `dim` with `monoid`; returns a namedtuple of prefixes by field.
 
+    Law: out_t = initial (+) x_0 (+) x_1 (+) ... (+) x_t, and with reverse=True
+    out_t = initial (+) x_{T-1} (+) ... (+) x_t; (+) is `monoid.combine` (earlier operand first), x_t
+    the element at step t along `dim`, and no `initial` means none is applied.
+
     Args:
         monoid: a declared `Monoid` (e.g. `sl.Affine`).
         elems: tensors (or numbers) broadcastable to one common shape, as a tuple in field order or a

@@ -94,6 +94,13 @@ class Proof:
     (sympy Matrices, d result_i / d operand_j) describe the combine the scan evaluates (divided by
     scale for projective monoids). `identity_pads_safely` says whether combine(e, e) == e in float64:
     when False (OnlineSoftmax: exp(-inf - (-inf)) is nan) a kernel must not pad with the identity.
+
+    Law: `symbolic` is True only when associativity and both identity laws are proved by sympy.
+
+    >>> import scanlang as sl
+    >>> proof = sl.Affine.verify()
+    >>> proof.symbolic, proof.commutative, proof.identity_pads_safely
+    (True, False, True)
     """
 
     monoid: object
@@ -699,6 +706,18 @@ def verify(monoid, seconds: float | None = None) -> Proof:
     decides a law false and the random search found no point: the counterexample is then searched
     where the expressions differ; see scanlang/witness.py), and IdentityError or ValueError naming
     `scale` for a projective scale that is zero at the identity or identically zero.
+
+    Law: proves combine(combine(x, y), z) == combine(x, combine(y, z)) and
+    combine(e, x) == x == combine(x, e) for the declared identity e (sympy; random points when sympy
+    does not decide in time, which `Proof.symbolic` reports).
+
+    >>> import scanlang as sl
+    >>> proof = sl.verify(sl.Add)
+    >>> proof.symbolic, proof.commutative
+    (True, True)
+    >>> print(proof)                      # doctest: +ELLIPSIS
+    Add: associative with identity (0) -- symbolic proof over the reals
+    ...
     """
     start = time.perf_counter()
     seconds = _budget(seconds)

@@ -221,3 +221,45 @@ def test_front_end_broadcast_rule_is_torchs():
         except RuntimeError:
             got = "error"
         assert got == want, (a, b)
+
+
+# Lengths around the blocked schedule's chunk boundaries: for these step sizes `layout` gives C = 32
+# (narrow steps: N = T // 32, a tail of T mod N) or C = 66 with N = 3 (wide steps, where N is capped so
+# that one combine over all chunks stays below reference.SERIAL elements).
+LAYOUT_CASES = [((3, 2), T) for T in (1, 2, 31, 32, 33, 63, 64, 65, 97, 1025)] + [((2, 4096), 200)]
+
+
+@pytest.mark.parametrize("step, T", LAYOUT_CASES, ids=[f"{s[0]}x{s[1]}-T{T}" for s, T in LAYOUT_CASES])
+@pytest.mark.parametrize("reverse", [False, True])
+@pytest.mark.parametrize("with_initial", [False, True])
+def test_blocked_schedule_equals_the_float64_loop_at_chunk_boundaries(step, T, reverse, with_initial):
+    from scanlang.backends import reference
+    n_chunks, chunk = reference.layout(T, step[0] * step[1])
+    assert n_chunks * chunk <= T < n_chunks * (chunk + 1) and (chunk >= reference.CHUNK or n_chunks == 1)
+    assert n_chunks == 1 or n_chunks * step[0] * step[1] < reference.SERIAL
+    a = (0.5 + 0.6 * torch.rand(step[0], T, step[1], dtype=torch.float64)).requires_grad_()
+    b = torch.randn(step[0], T, step[1], dtype=torch.float64, requires_grad=True)
+    h0 = torch.randn(step[0], step[1], dtype=torch.float64, requires_grad=True) if with_initial else None
+    initial = (1.0, h0) if with_initial else None
+    out = sl.scan(sl.Affine, (a, b), dim=1, reverse=reverse, initial=initial, backend="reference").b
+    assert_close(out, affine_loop(a, b, 1, reverse=reverse, h0=h0), "scan")
+    with torch.no_grad():   # the path that writes steps in place agrees with the recorded (autograd) one
+        assert torch.equal(sl.scan(sl.Affine, (a, b), dim=1, reverse=reverse, initial=initial,
+                                   backend="reference").b, out.detach())
+    w = torch.randn_like(out)
+    inputs = (a, b) + ((h0,) if with_initial else ())
+    got = torch.autograd.grad((out * w).sum(), inputs, materialize_grads=True)   # T = 1: out.b is b, a unused
+    want = torch.autograd.grad((affine_loop(a, b, 1, reverse=reverse, h0=h0) * w).sum(), inputs)
+    for g, r in zip(got, want):
+        assert_close(g, r, "scan_grad")
+
+
+@pytest.mark.parametrize("T", [65, 97, 200])
+def test_blocked_schedule_projective_equals_the_oracle(T):
+    """Mobius (renormalised after every combine) over several chunks and a tail, float32 and float64."""
+    elems = [positive(2, T, 3, dtype=torch.float64) for _ in range(4)]
+    want = scan_sequential(sl.Mobius, elems, dim=1)
+    for dtype in (torch.float64, torch.float32):
+        got = sl.scan(sl.Mobius, [e.to(dtype) for e in elems], dim=1, backend="reference")
+        for g, r in zip(got, want):
+            assert_close(g, r.to(dtype), "scan")

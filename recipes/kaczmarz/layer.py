@@ -31,7 +31,16 @@ MODES = ("kaczmarz", "gdn")
 
 
 class KaczmarzState(NamedTuple):
-    """What a layer carries between calls: three conv windows [B, conv_size-1, dim] and S [B,H,K,V] fp32."""
+    """What a layer carries between calls: three conv windows [B, conv_size-1, dim] and S [B,H,K,V] fp32.
+
+    Law: layer(x[:, :t]) then layer(x[:, t:], state=...) equals layer(x), split anywhere.
+
+    >>> import torch
+    >>> from scanlang.recipes.kaczmarz import KaczmarzLinearAttention
+    >>> _, st = KaczmarzLinearAttention(hidden_size=32, num_heads=2)(torch.randn(1, 3, 32), return_state=True)
+    >>> st._fields
+    ('conv_q', 'conv_k', 'conv_v', 'recurrent')
+    """
 
     conv_q: torch.Tensor
     conv_k: torch.Tensor
@@ -47,6 +56,9 @@ def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 
 class KaczmarzLinearAttention(nn.Module):
     """Kaczmarz Linear Attention mixer, [B, T, D] -> [B, T, D]; `mode="gdn"` gives the Gated DeltaNet baseline.
+
+    Law: per head, the delta rule S_t = exp(g_t) (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T,
+    o_t = scale S_t^T q_t (`kaczmarz_delta_rule`), so pieces with the returned state equal one run.
 
     >>> import torch
     >>> layer = KaczmarzLinearAttention(hidden_size=32, num_heads=2)

@@ -123,6 +123,9 @@ def delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_st
                cu_seqlens=None, backend=None, chunk_size=64, cp_group=None):
     """Gated delta rule with a given step size beta [B,T,H]. Returns (o [B,T,H,V] fp32, S or None).
 
+    Law, per batch row and head (spec/kaczmarz.md), S the [K, V] state:
+        S_t = exp(g_t) (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T,   o_t = scale S_t^T q_t.
+
     q, k: [B,T,H,K]; v: [B,T,H,V]; g (log-decay, <= 0; -inf resets the state): [B,T,H];
     initial_state [N,H,K,V] fp32 (N = B, or the number of packed sequences with cu_seqlens [N+1]
     and B == 1). `scale` defaults to K**-0.5. q and k are used as given (normalise them yourself
@@ -131,6 +134,15 @@ def delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_st
     `cp_group`: context parallelism over T (a ProcessGroup or 1-D DeviceMesh; every rank passes its
     shard, the same `initial_state` and the GLOBAL `cu_seqlens`; the final state is the global one on
     every rank; see `recipes/kaczmarz/context_parallel.py`).
+
+    >>> import torch
+    >>> from scanlang.recipes.kaczmarz import delta_rule
+    >>> k = torch.tensor([1.0, 0.0]).expand(1, 2, 1, 2)        # the same unit key twice
+    >>> v = torch.tensor([[[[3.0]]], [[[5.0]]]]).reshape(1, 2, 1, 1)
+    >>> g, beta = torch.zeros(1, 2, 1), torch.ones(1, 2, 1)   # no decay, full step: overwrite
+    >>> o, S = delta_rule(k, k, v, g, beta, scale=1.0, output_final_state=True, backend="reference")
+    >>> o.flatten().tolist(), S.flatten().tolist()
+    ([3.0, 5.0], [5.0, 0.0])
     """
     group = context_parallel.resolve_group(cp_group)
     if group is not None:
@@ -154,6 +166,16 @@ def kaczmarz_delta_rule(q, k, v, g, eta, eps=1e-6, scale=None, initial_state=Non
 
     Keys are used raw (not normalised). A zero key or eta = 0 writes nothing. The squared norm is
     taken in fp32 (float64 for float64 inputs). Same shapes, returns and `cp_group` as `delta_rule`.
+
+    Law: `delta_rule` with beta_t = eta_t / (||k_t||^2 + eps): eta = 1 projects S onto k_t^T S = v_t.
+
+    >>> import torch
+    >>> from scanlang.recipes.kaczmarz import kaczmarz_delta_rule
+    >>> k = torch.tensor([[[[2.0, 0.0]]]])                    # a raw key of norm 2
+    >>> v, g, eta = torch.tensor([[[[3.0]]]]), torch.zeros(1, 1, 1), torch.ones(1, 1, 1)
+    >>> o, _ = kaczmarz_delta_rule(k, k, v, g, eta, eps=0.0, scale=1.0, backend="reference")
+    >>> o.flatten().tolist()                                   # read with q = k: k^T S = v
+    [3.0]
     """
     group = context_parallel.resolve_group(cp_group)
     if group is not None:

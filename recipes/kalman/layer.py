@@ -40,7 +40,16 @@ def _wide(t: torch.Tensor) -> torch.Tensor:
 
 
 class KalmanLayerState(NamedTuple):
-    """Everything a call needs from the previous one."""
+    """Everything a call needs from the previous one.
+
+    Law: layer(x[:, :t]) then layer(x[:, t:], state=...) equals layer(x), split anywhere.
+
+    >>> import torch
+    >>> from scanlang.recipes.kalman import KalmanLinearAttention
+    >>> _, st = KalmanLinearAttention(d_model=8, d_state=4)(torch.randn(1, 3, 8), return_state=True)
+    >>> st._fields, tuple(st.lam.shape)
+    (('conv', 'lam', 'eta'), (1, 16, 4))
+    """
 
     conv: torch.Tensor   # [B, M, d_conv - 1]: the last inputs of the causal conv
     lam: torch.Tensor    # [B, M, S] precision, float32 (float64 in a float64 layer)
@@ -49,6 +58,9 @@ class KalmanLayerState(NamedTuple):
 
 class KalmanLinearAttention(nn.Module):
     """Kalman linear attention block. `layer(x)` maps [B,T,d_model] -> [B,T,d_model].
+
+    Law: a Mamba-style block whose sequence mixer is `kalman_filter` (its recursion), so running it
+    in pieces with the returned state equals one run over the whole sequence.
 
     >>> import torch
     >>> layer = KalmanLinearAttention(d_model=8, d_state=4)

@@ -41,6 +41,14 @@ def KalmanJoint(x, y):
     """3x3 block-lower-triangular matrices [[a, b, 0], [c, d, 0], [e, f, g]]; combine = Y @ X.
 
     The upper-left 2x2 block is the precision Möbius map; the last row carries the information mean.
+    Law: the matrix product is associative and the trace a + d of the upper-left block is homogeneous
+    of degree 1, so the trace-normalised product keeps the law up to scale; identity: the unit matrix.
+
+    >>> import torch, scanlang as sl
+    >>> from scanlang.recipes.kalman import KalmanJoint
+    >>> eye = [torch.full((2,), v) for v in (1.0, 0.0, 0.0, 1.0, 0.0, 0.0, 1.0)]
+    >>> [f.tolist() for f in sl.scan(KalmanJoint, eye, dim=0)][:4]        # the identity, scanned
+    [[0.5, 0.5], [0.0, 0.0], [0.0, 0.0], [0.5, 0.5]]
     """
     return (y.a * x.a + y.b * x.c,
             y.a * x.b + y.b * x.d,
