@@ -211,7 +211,7 @@ class _Gate(sympy.Function):
 
 
 def _softplus_tail(a, call):
-    return f"{call('log', f'1.0 + ' + call('exp', '-' + call('abs', a)))}"
+    return call("log", "1.0 + " + call("exp", "-" + call("abs", a)))
 
 
 class Sigmoid(_Gate):

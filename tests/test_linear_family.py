@@ -24,6 +24,12 @@ KACZMARZ_KDA = sl.matrix_state(
     inputs={"a": "token_key", "b": "token"}, constants={"eps": 1e-6},
     beta=lambda t: sl.sigmoid(t.b) / (t.n2 + t.eps), log_decay=lambda t: sl.logsigmoid(t.a))
 KACZMARZ_KDA_OP = L.op(KACZMARZ_KDA)
+# per-head parameters in a hook: Mamba2's gate g = -exp(A_log) softplus(a + dt_bias), a gated beta
+MAMBA2_GDN = sl.matrix_state(
+    "mamba2_gdn", decay="per_head", correction="delta",
+    inputs={"a": "token", "A_log": "head", "dt_bias": "head", "b": "token"},
+    beta=lambda t: sl.sigmoid(t.b), log_decay=lambda t: -sl.exp(t.A_log) * sl.softplus(t.a + t.dt_bias))
+MAMBA2_GDN_OP = L.op(MAMBA2_GDN)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -96,6 +102,11 @@ MEMBERS = {
     "kaczmarz_kda (new)": ((("a", "key", "raw"), ("b", "tok", "raw")), 1,
                            lambda q, k, v, a, b, **kw: KACZMARZ_KDA_OP(q, k, v, a, b, **kw),
                            lambda k, x: (F.logsigmoid(x["a"].to(D64)), kaczmarz_step(k, torch.sigmoid(x["b"].to(D64)), 1e-6))),
+    "mamba2_gdn (declared)": ((("a", "tok", "raw"), ("A_log", "head", "raw"), ("dt_bias", "head", "raw"),
+                               ("b", "tok", "raw")), 1,
+                              lambda q, k, v, a, A_log, dt_bias, b, **kw: MAMBA2_GDN_OP(q, k, v, a, A_log, dt_bias, b, **kw),
+                              lambda k, x: (-torch.exp(x["A_log"].to(D64)) * F.softplus(x["a"].to(D64) + x["dt_bias"].to(D64)),
+                                            torch.sigmoid(x["b"].to(D64)).expand(k.shape[:3]))),
 }
 OLD_OPS = ("delta_rule", "deltanet", "kaczmarz_delta_rule")   # recipes/kaczmarz's own reference: chunk 16/32/64
 
@@ -106,7 +117,7 @@ def make(name, B, T, H, K, V, dtype=D64, seed=0, N=None):
     rand = lambda *s: torch.randn(*s, generator=gen, dtype=D64).to(dtype)  # noqa: E731
     x = {"q": rand(B, T, H, K), "k": rand(B, T * n, H, K) / math.sqrt(K), "v": rand(B, T * n, H, V)}
     for arg, rows, domain in specs:
-        shape = {"tok": (B, T, H), "sub": (B, T * n, H), "key": (B, T, H, K)}[rows]
+        shape = {"tok": (B, T, H), "sub": (B, T * n, H), "key": (B, T, H, K), "head": (H,)}[rows]
         x[arg] = (_logdecay(shape, gen, dtype) if domain == "decay" else
                   torch.rand(shape, generator=gen, dtype=D64).to(dtype) if domain == "unit" else rand(*shape))
     x["h0"] = torch.randn(N or B, H, K, V, generator=gen, dtype=D64).to(torch.float32 if dtype != D64 else D64)
@@ -179,7 +190,7 @@ def test_declarations_are_proved_and_expose_their_structure():
     assert sympy.simplify(KACZMARZ_KDA.beta.grads["n2"] + E.Sigmoid(b) / (n2 + eps) ** 2) == 0
     assert sympy.simplify(KACZMARZ_KDA.beta.grads["b"] - E.Sigmoid(b) * E.Sigmoid(-b) / (n2 + eps)) == 0
     assert L.gated_delta_product_declaration(2).rows == {"g": "token", "beta": "sub"}
-    assert KACZMARZ_KDA.key != KACZMARZ.key and L.kda.declaration is L.DECLARATIONS["kda"]
+    assert KACZMARZ_KDA.key != KACZMARZ.key and L.kda.declaration.key == L.DECLARATIONS["kda"].key
 
 
 def test_the_proof_catches_a_wrong_token_element(monkeypatch):
@@ -278,8 +289,8 @@ def test_decode_token_by_token_equals_the_full_pass(name):
     _, n, _, _ = MEMBERS[name]
     S, outs = x["h0"], []
     for t in range(6):
-        step = {kk: (val[:, t * n:(t + 1) * n] if kk in ("k", "v") or _rows(name, kk) == "sub" else val[:, t:t + 1])
-                for kk, val in x.items() if kk != "h0"}
+        step = {kk: (val[:, t * n:(t + 1) * n] if kk in ("k", "v") or _rows(name, kk) == "sub" else
+                     val if _rows(name, kk) == "head" else val[:, t:t + 1]) for kk, val in x.items() if kk != "h0"}
         o, S = run(name, {**step, "h0": S})
         outs.append(o)
     torch.testing.assert_close(torch.cat(outs, 1), o_full, rtol=1e-12, atol=1e-12)
@@ -337,7 +348,7 @@ def test_a_nan_in_one_token_never_reaches_earlier_tokens(name):
 
 def test_delta_rule_and_kaczmarz_are_the_recipes_kaczmarz_functions():
     assert L.delta_rule is kaczmarz.delta_rule and L.kaczmarz_delta_rule is kaczmarz.kaczmarz_delta_rule
-    assert L.delta_rule.declaration is DELTA_RULE and L.kaczmarz_delta_rule.declaration is KACZMARZ
+    assert L.delta_rule.declaration.key == DELTA_RULE.key and L.kaczmarz_delta_rule.declaration.key == KACZMARZ.key
 
 
 @pytest.mark.parametrize("name", ["linear_attention", "simple_gla", "gla", "kda", "gated_delta_product",
