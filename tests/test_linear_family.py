@@ -393,3 +393,13 @@ def test_bad_inputs_are_refused_naming_the_argument():
         KACZMARZ_KDA_OP(y["q"], y["k"], y["v"], y["g"])
     with pytest.raises(TypeError, match="scale must be"):
         L.linear_attention(y["q"], y["k"], y["v"], scale="big")
+
+
+def test_delta_rule_without_decay_on_the_generated_kernels():
+    """g=None (DeltaNet) reaches today's Triton delta-rule kernels as g = 0 (interpreter on CPU)."""
+    x = make("deltanet", B=1, T=5, H=1, K=16, V=16, dtype=torch.float32, seed=8)
+    o, S = L.delta_rule(x["q"], x["k"], x["v"], None, x["beta"], initial_state=x["h0"], output_final_state=True,
+                        backend="triton", chunk_size=16)
+    o_ref, S_ref = oracle("deltanet", x)
+    assert_close(o, o_ref, "delta_out", torch.float32, name="o")
+    assert_close(S, S_ref, "delta_out", torch.float32, name="S")
