@@ -12,7 +12,8 @@
 from __future__ import annotations
 
 from .errors import IdentityError, NotAssociativeError, UnprovedWarning, UnsupportedOperationError
-from .expr import abs, exp, log, maximum, minimum, sqrt  # noqa: A004 - DSL names
+from .expr import abs, exp, log, logsigmoid, maximum, minimum, sigmoid, softplus, sqrt  # noqa: A004 - DSL names
+from .linear import LinearFamily, MatrixState, matrix_state
 from .library import (LIBRARY, Add, Affine, ComplexMul, LogAffine, LogSumExp, Matrix2, Max, MaxPlus, MinPlus,
                       Mobius, OnlineSoftmax, Welford)
 from .monoid import Fields, Monoid, monoid
@@ -25,7 +26,8 @@ from .mixer import mixer  # noqa: E402  (the function shadows the submodule's na
 
 __all__ = [
     "monoid", "Monoid", "Fields", "scan", "mixer", "verify", "Proof",
-    "exp", "log", "sqrt", "abs", "maximum", "minimum",
+    "exp", "log", "sqrt", "abs", "maximum", "minimum", "sigmoid", "softplus", "logsigmoid",
+    "matrix_state", "MatrixState", "LinearFamily",
     "LIBRARY", "Affine", "Mobius", "Matrix2", "MaxPlus", "MinPlus", "ComplexMul", "LogAffine", "LogSumExp",
     "OnlineSoftmax", "Welford", "Add", "Max",
     "NotAssociativeError", "IdentityError", "UnsupportedOperationError", "UnprovedWarning",

@@ -129,11 +129,10 @@ def _matrix(prefix: str, rows: int, cols: int) -> sympy.Matrix:
     return sympy.Matrix(rows, cols, lambda i, j: E.symbol(f"{prefix}_{i}{j}"))
 
 
-def verify_delta_monoid(K: int = 2, V: int = 2) -> str:
+def prove_affine_matrix_monoid(K: int = 2, V: int = 2) -> None:
     """Prove, over the reals with symbolic K x K and K x V matrices, that the (P, R) combine is
-    associative with identity (I, 0), and that a token element applied to S is the spec's update
-    (decay first, residual read from the decayed state, then the write). Returns a short report;
-    raises AssertionError with the leftover expression if a law fails."""
+    associative with identity (I, 0) (every matrix-state member shares this monoid; see
+    scanlang/linear.py). Raises AssertionError with the leftover expression if a law fails."""
     x, y, z = [(_matrix(f"P{n}", K, K), _matrix(f"R{n}", K, V)) for n in "xyz"]
     left = combine(combine(x, y), z)
     right = combine(x, combine(y, z))
@@ -145,6 +144,14 @@ def verify_delta_monoid(K: int = 2, V: int = 2) -> str:
     for side, got in (("left", combine(e, x)), ("right", combine(x, e))):
         if any((g - w).applyfunc(sympy.expand) != sympy.zeros(*w.shape) for g, w in zip(got, x)):
             raise AssertionError(f"(I, 0) is not a {side} identity")
+
+
+def verify_delta_monoid(K: int = 2, V: int = 2) -> str:
+    """Prove, over the reals with symbolic K x K and K x V matrices, that the (P, R) combine is
+    associative with identity (I, 0), and that a token element applied to S is the spec's update
+    (decay first, residual read from the decayed state, then the write). Returns a short report;
+    raises AssertionError with the leftover expression if a law fails."""
+    prove_affine_matrix_monoid(K, V)
     k, v, S = _matrix("k", K, 1), _matrix("v", V, 1), _matrix("S", K, V)
     g, beta = E.symbol("g"), E.symbol("beta")
     P, R = token_element(k, v, g, beta)

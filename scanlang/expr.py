@@ -20,7 +20,8 @@ import sympy
 
 from .errors import UnsupportedOperationError
 
-SUPPORTED = "+ - * /, unary minus, numeric constants and sl.exp, sl.log, sl.sqrt, sl.abs, sl.maximum, sl.minimum"
+SUPPORTED = ("+ - * /, unary minus, numeric constants and sl.exp, sl.log, sl.sqrt, sl.abs, sl.maximum, sl.minimum, "
+             "sl.sigmoid, sl.softplus, sl.logsigmoid")
 
 
 def symbol(name: str) -> sympy.Symbol:
@@ -193,6 +194,159 @@ minimum = _binary("minimum", sympy.Min, "minimum", min, "minimum(minimum(x, y), 
 
 
 # --------------------------------------------------------------------------------------------------
+# Gates: sigmoid, softplus, logsigmoid. Each is a sympy function of its own (not its exp/log formula):
+# its derivative is stated exactly (softplus' = sigmoid, logsigmoid' = sigmoid(-x),
+# sigmoid' = sigmoid(x) sigmoid(-x)), so derivatives stay products of gates, which never overflow,
+# where differentiating 1 / (1 + e^-x) would give e^-x / (1 + e^-x)^2 = inf / inf at x = -100.
+# Printed (and evaluated on numbers) in the overflow-safe forms below, built from exp, abs, min, max:
+#   sigmoid(x)    = e^min(x, 0) / (1 + e^-|x|)
+#   softplus(x)   = max(x, 0) + log(1 + e^-|x|)
+#   logsigmoid(x) = min(x, 0) - log(1 + e^-|x|)
+
+class _Gate(sympy.Function):
+    """A one-argument gate; subclasses give `fdiff` and the safe form over (exp, log, abs, min, max)."""
+
+    nargs = 1
+
+    def _eval_is_real(self):
+        return self.args[0].is_real
+
+    def _eval_is_finite(self):
+        return self.args[0].is_finite
+
+    def _eval_evalf(self, prec):
+        return self.safe_form(self.args[0])._eval_evalf(prec)
+
+    def _numpycode(self, printer):  # lambdify(modules="numpy") in the verifier's numeric checks
+        a = printer._print(self.args[0])
+        np = {f: printer._module_format(f"numpy.{f}") for f in ("exp", "log", "abs", "minimum", "maximum")}
+        return self.safe_source(a, lambda f, *xs: f"{np[f]}({', '.join(xs)})")
+
+
+def _softplus_tail(a, call):
+    return call("log", "1.0 + " + call("exp", "-" + call("abs", a)))
+
+
+class Sigmoid(_Gate):
+    @classmethod
+    def eval(cls, x):
+        if x.is_zero:
+            return sympy.Rational(1, 2)
+        if x is sympy.oo:
+            return sympy.Integer(1)
+        if x is -sympy.oo:
+            return sympy.Integer(0)
+
+    def fdiff(self, argindex=1):
+        x = self.args[0]
+        return Sigmoid(x) * Sigmoid(-x)
+
+    @staticmethod
+    def safe_form(x):
+        return sympy.exp(sympy.Min(x, 0)) / (1 + sympy.exp(-sympy.Abs(x)))
+
+    @staticmethod
+    def safe_source(a, call):
+        return f"({call('exp', call('minimum', a, '0.0'))} / (1.0 + {call('exp', '-' + call('abs', a))}))"
+
+    def _eval_rewrite_as_exp(self, x, **kwargs):
+        return 1 / (1 + sympy.exp(-x))
+
+
+class Softplus(_Gate):
+    @classmethod
+    def eval(cls, x):
+        if x is sympy.oo:
+            return sympy.oo
+        if x is -sympy.oo:
+            return sympy.Integer(0)
+
+    def fdiff(self, argindex=1):
+        return Sigmoid(self.args[0])
+
+    @staticmethod
+    def safe_form(x):
+        return sympy.Max(x, 0) + sympy.log(1 + sympy.exp(-sympy.Abs(x)))
+
+    @staticmethod
+    def safe_source(a, call):
+        return f"({call('maximum', a, '0.0')} + {_softplus_tail(a, call)})"
+
+    def _eval_rewrite_as_exp(self, x, **kwargs):
+        return sympy.log(1 + sympy.exp(x))
+
+
+class LogSigmoid(_Gate):
+    @classmethod
+    def eval(cls, x):
+        if x is sympy.oo:
+            return sympy.Integer(0)
+        if x is -sympy.oo:
+            return -sympy.oo
+
+    def fdiff(self, argindex=1):
+        return Sigmoid(-self.args[0])
+
+    @staticmethod
+    def safe_form(x):
+        return sympy.Min(x, 0) - sympy.log(1 + sympy.exp(-sympy.Abs(x)))
+
+    @staticmethod
+    def safe_source(a, call):
+        return f"({call('minimum', a, '0.0')} - {_softplus_tail(a, call)})"
+
+    def _eval_rewrite_as_exp(self, x, **kwargs):
+        return -sympy.log(1 + sympy.exp(-x))
+
+
+def _py_call(f, *xs):
+    return f"{f}({', '.join(xs)})"
+
+
+def _gate(name: str, cls, torch_fn, doc: str):
+    py = eval(compile("lambda x: " + cls.safe_source("x", _py_call), f"<sl.{name}>", "eval"),  # noqa: S307
+              {"exp": math.exp, "log": math.log, "abs": lambda v: v if v >= 0 else -v, "minimum": min, "maximum": max})
+
+    def fn(x):
+        if isinstance(x, Traced):
+            return Traced(cls(x.expr))
+        if isinstance(x, (int, float)) and not isinstance(x, bool):
+            return py(x)
+        import torch
+        if isinstance(x, torch.Tensor):
+            return torch_fn(x)
+        raise UnsupportedOperationError(f"sl.{name} takes a traced value, a tensor or a number, not {type(x).__name__}")
+    fn.__name__ = name
+    fn.__qualname__ = name
+    fn.__doc__ = doc
+    return fn
+
+
+def _torch_sigmoid(x):
+    import torch
+    return torch.sigmoid(x)
+
+
+def _torch_softplus(x):
+    import torch.nn.functional as F
+    return F.softplus(x)
+
+
+def _torch_logsigmoid(x):
+    import torch.nn.functional as F
+    return F.logsigmoid(x)
+
+
+sigmoid = _gate("sigmoid", Sigmoid, _torch_sigmoid,
+                "1 / (1 + e^-x), elementwise; derivative sigmoid(x) sigmoid(-x). Safe at any finite x.")
+softplus = _gate("softplus", Softplus, _torch_softplus,
+                 "log(1 + e^x), elementwise; derivative sigmoid(x). Safe at any finite x.")
+logsigmoid = _gate("logsigmoid", LogSigmoid, _torch_logsigmoid,
+                   "log sigmoid(x) = -softplus(-x), elementwise (<= 0: a log-decay); derivative sigmoid(-x).")
+GATES = (Sigmoid, Softplus, LogSigmoid)
+
+
+# --------------------------------------------------------------------------------------------------
 # Printing expressions as source code.
 
 @dataclass(frozen=True)
@@ -294,6 +448,10 @@ def print_expr(expr: sympy.Expr, names: dict, dialect: Dialect) -> str:
         return dialect.log.format(p(expr.args[0]))
     if isinstance(expr, sympy.Abs):
         return dialect.abs.format(p(expr.args[0]))
+    if isinstance(expr, _Gate):
+        fields = {"exp": dialect.exp, "log": dialect.log, "abs": dialect.abs,
+                  "minimum": dialect.minimum, "maximum": dialect.maximum}
+        return expr.safe_source(p(expr.args[0]), lambda f, *xs: fields[f].format(*xs))
     if isinstance(expr, (sympy.Max, sympy.Min)):
         fmt = dialect.maximum if isinstance(expr, sympy.Max) else dialect.minimum
         args = sorted(expr.args, key=sympy.default_sort_key)

@@ -123,10 +123,10 @@ def delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_st
                cu_seqlens=None, backend=None, chunk_size=64, cp_group=None):
     """Gated delta rule with a given step size beta [B,T,H]. Returns (o [B,T,H,V] fp32, S or None).
 
-    Law, per batch row and head (spec/kaczmarz.md), S the [K, V] state:
+    Law, per batch row and head (docs/spec/kaczmarz.md), S the [K, V] state:
         S_t = exp(g_t) (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T,   o_t = scale S_t^T q_t.
 
-    q, k: [B,T,H,K]; v: [B,T,H,V]; g (log-decay, <= 0; -inf resets the state): [B,T,H];
+    q, k: [B,T,H,K]; v: [B,T,H,V]; g (log-decay, <= 0; -inf resets the state): [B,T,H] or None (no decay);
     initial_state [N,H,K,V] fp32 (N = B, or the number of packed sequences with cu_seqlens [N+1]
     and B == 1). `scale` defaults to K**-0.5. q and k are used as given (normalise them yourself
     for GDN). g > 0 or NaN raises a ValueError for CPU tensors (`check_log_decay`). A NaN or inf
@@ -144,6 +144,8 @@ def delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_st
     >>> o.flatten().tolist(), S.flatten().tolist()
     ([3.0, 5.0], [5.0, 0.0])
     """
+    if g is None and isinstance(beta, torch.Tensor):   # DeltaNet: no decay (Contract v2)
+        g = torch.zeros_like(beta)
     group = context_parallel.resolve_group(cp_group)
     if group is not None:
         return delta_rule_sharded(delta_rule, validate, MAX_HEAD_DIM, q, k, v, g, beta, "beta", scale, initial_state, output_final_state,

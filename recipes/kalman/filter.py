@@ -43,7 +43,7 @@ def kalman_filter(v, prec, k, q, a_bar, p_bar, initial_state=None, output_final_
                   backend=None, validate=None, form=None, cp_group=None):
     """Run the information-form Kalman filter over time and read it out.
 
-    Law, per entry (b, m, s) with a = a_bar[m, s], p = p_bar[m, s] (spec/kalman.md):
+    Law, per entry (b, m, s) with a = a_bar[m, s], p = p_bar[m, s] (docs/spec/kalman.md):
         lam_t = lam_{t-1} / (a^2 + p lam_{t-1}) + prec_t k_t^2,
         eta_t = a / (a^2 + p lam_{t-1}) * eta_{t-1} + prec_t v_t k_t,
         y_t = sum_s q_t eta_t / lam_t,  y_var_t = sum_s q_t^2 / lam_t.

@@ -1,0 +1,13 @@
+"""The matrix-state family (docs/spec/linear.md): linear attention, gated and delta-rule variants, each
+declared with `scanlang.matrix_state` and run by `op(declaration)`.
+
+`delta_rule` and `kaczmarz_delta_rule` are scanlang.recipes.kaczmarz's ops (the same functions,
+generated Triton kernels by default); the other members run on the chunked PyTorch reference
+until the family's kernel generator exists (backend="triton" says so).
+"""
+from .family import MemberOp, op
+from .members import (DECLARATIONS, delta_rule, gated_delta_product, gated_delta_product_declaration, gla, kda,
+                      kaczmarz_delta_rule, linear_attention, simple_gla)
+
+__all__ = ["linear_attention", "simple_gla", "gla", "delta_rule", "kda", "gated_delta_product",
+           "kaczmarz_delta_rule", "op", "MemberOp", "DECLARATIONS", "gated_delta_product_declaration"]

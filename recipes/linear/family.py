@@ -1,0 +1,239 @@
+"""Running a declared matrix-state member (scanlang.linear): validation, hooks, backends.
+
+`op(declaration)` returns the member's functional op
+
+    o, S = op(q, k, v, *inputs, scale=None, initial_state=None, output_final_state=False,
+              cu_seqlens=None, backend=None, chunk_size=32, **constants)
+
+with the declared inputs positional after v, in declaration order (fla's order for the shipped
+members). The hooks run as the traced sympy expressions, rendered for torch; their backward is
+the sympy derivative (`Hook.grads`), so the reference also checks the derivatives a generated
+kernel would use. backend: None / "auto" / "reference" run the chunked PyTorch reference
+(recipes/linear/chunked.py); "triton" needs generated kernels, which are not built for the family
+yet (a ValueError says so).
+"""
+from __future__ import annotations
+
+import math
+import numbers
+
+import sympy
+import torch
+
+from scanlang import expr as E
+from scanlang._checks import check_cu_seqlens, check_log_decay
+from scanlang.linear import KEY_NORM, MatrixState
+
+from .chunked import matrix_state_reference
+
+FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_STEPS = {sympy.Heaviside: lambda u: torch.where(u > 0, 1.0, torch.where(u < 0, 0.0, 0.5)).to(u.dtype),
+          sympy.sign: torch.sign}   # derivatives of max / abs; Heaviside(0) = 1/2 as in sympy and torch
+
+
+class _TorchHook:
+    """A traced hook as torch code: forward from `Hook.expr`, backward from `Hook.grads`."""
+
+    def __init__(self, hook, fields: tuple[str, ...]):
+        self.fields = fields
+        self.value = self._compile([hook.expr])
+        self.grads = self._compile([hook.grads[f] for f in fields])
+
+    def _compile(self, exprs):
+        steps = sorted({a for e in exprs for kind in _STEPS for a in sympy.sympify(e).atoms(kind)},
+                       key=sympy.default_sort_key)
+        subs = {a: E.symbol(f"_step{i}") for i, a in enumerate(steps)}
+        names = {E.symbol(f): f"x[{i}]" for i, f in enumerate(self.fields)}
+        src = "def f(x):\n"
+        for a, s in subs.items():
+            lines, (u,) = E.render([a.args[0]], names, E.TORCH, temp_prefix=f"_u{s.name}")
+            src += "".join(f"    {ln}\n" for ln in lines) + f"    {s.name} = steps[{type(a).__name__!r}]({u})\n"
+            names[s] = s.name
+        lines, outs = E.render([sympy.sympify(e).xreplace(subs) for e in exprs], dict(names), E.TORCH)
+        src += "".join(f"    {ln}\n" for ln in lines) + f"    return ({', '.join(outs)},)\n"
+        ns = {"math": math, "steps": {k.__name__: fn for k, fn in _STEPS.items()},
+              **{n: getattr(E, n) for n in ("exp", "log", "sqrt", "abs", "maximum", "minimum")}}
+        exec(compile(src, "<scanlang matrix-state hook>", "exec"), ns)  # noqa: S102
+        return ns["f"]
+
+    def __call__(self, values: dict, like: torch.Tensor):
+        args = [values[f] for f in self.fields]
+        if not any(isinstance(a, torch.Tensor) for a in args):   # a hook of constants only
+            return torch.full_like(like, float(self.value(args)[0]))
+        return _HookFunction.apply(self, *args)
+
+
+class _HookFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hook, *values):
+        ctx.hook = hook
+        ctx.save_for_backward(*[v for v in values if isinstance(v, torch.Tensor)])
+        ctx.tensor = [isinstance(v, torch.Tensor) for v in values]
+        ctx.values = [None if isinstance(v, torch.Tensor) else v for v in values]
+        shape = torch.broadcast_shapes(*[v.shape for v in values if isinstance(v, torch.Tensor)])
+        ref = next(v for v in values if isinstance(v, torch.Tensor))
+        return (hook.value(values)[0] + ref.new_zeros(shape))
+
+    @staticmethod
+    def backward(ctx, grad):
+        saved = iter(ctx.saved_tensors)
+        values = [next(saved) if t else c for t, c in zip(ctx.tensor, ctx.values)]
+        partials = ctx.hook.grads(values)
+        out = [None]
+        for v, d in zip(values, partials):
+            if not isinstance(v, torch.Tensor):
+                out.append(None)
+                continue
+            full = grad * d
+            while full.dim() > v.dim():
+                full = full.sum(0)
+            for axis, size in enumerate(v.shape):
+                if size == 1 and full.shape[axis] != 1:
+                    full = full.sum(axis, keepdim=True)
+            out.append(full)
+        return tuple(out)
+
+
+def _tensor(name, t, shape, what):
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor of shape {what}, got {type(t).__name__}")
+    if t.dtype not in FLOATS:
+        raise ValueError(f"{name} must be float16, bfloat16, float32 or float64, got {t.dtype}")
+    if list(t.shape) != list(shape):
+        raise ValueError(f"{name} must have shape {what} = {list(shape)}, got {list(t.shape)}")
+
+
+class MemberOp:
+    """The functional op of one declaration (module docstring). `declaration` is the MatrixState."""
+
+    def __init__(self, declaration: MatrixState, name: str | None = None, triton=None):
+        if not isinstance(declaration, MatrixState):
+            raise TypeError(f"op() takes a declaration from sl.matrix_state, got {type(declaration).__name__}")
+        self.declaration = declaration
+        self.__name__ = name or declaration.name
+        self.triton = triton
+        d = declaration
+        self._beta = None if d.beta is None else _TorchHook(d.beta, d.used(d.beta))
+        self._decay = None if d.log_decay is None else _TorchHook(d.log_decay, d.used(d.log_decay))
+
+    def __repr__(self):
+        return f"<matrix-state op {self.__name__}: {self.declaration!r}>"
+
+    def __call__(self, q, k, v, *args, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
+                 backend=None, chunk_size=32, **kwargs):
+        d = self.declaration
+        names = tuple(d.inputs)
+        if len(args) > len(names):
+            raise TypeError(f"{self.__name__}() takes inputs {names} after q, k, v; got {len(args)} extra arguments")
+        inputs = dict(zip(names, args))
+        constants = dict(d.constants)
+        for key, value in kwargs.items():
+            if key in inputs:
+                raise TypeError(f"{self.__name__}() got input {key!r} twice")
+            if key in names:
+                inputs[key] = value
+            elif key in constants:
+                if isinstance(value, bool) or not isinstance(value, numbers.Real):
+                    raise TypeError(f"{key} must be a real number, got {value!r}")
+                constants[key] = float(value)
+            else:
+                raise TypeError(f"{self.__name__}() got an unexpected argument {key!r} (inputs {names}, "
+                                f"constants {tuple(constants)})")
+        missing = [n for n in names if n not in inputs]
+        if missing:
+            raise TypeError(f"{self.__name__}() is missing inputs {missing}")
+        if backend not in (None, "auto", "reference", "triton"):
+            raise ValueError(f"backend must be None, 'auto', 'reference' or 'triton', got {backend!r}")
+        if backend == "triton":
+            if self.triton is None:
+                raise ValueError(f"backend='triton': generated kernels for the matrix-state member "
+                                 f"{self.__name__!r} are not built yet; use backend='reference' (or None)")
+            return self.triton(q, k, v, *[inputs[n] for n in names], scale=scale, initial_state=initial_state,
+                               output_final_state=output_final_state, cu_seqlens=cu_seqlens, **kwargs)
+        offsets, compute = self._validate(q, k, v, inputs, scale, initial_state, cu_seqlens, chunk_size)
+        q, k, v = (t.to(compute) for t in (q, k, v))
+        values = {n: t.to(compute) for n, t in inputs.items()}
+        values.update(constants)
+        beta = g = None
+        if self._beta is not None:
+            if d.uses_key_norm:
+                n2 = (k * k).sum(-1)
+                values[KEY_NORM] = torch.where(n2 > 0, n2, torch.ones_like(n2))
+            beta = self._beta(values, like=k[..., 0])
+            if d.uses_key_norm:   # a zero key writes nothing whatever beta is: keep 0/0 out
+                beta = torch.where(n2 > 0, beta, torch.zeros_like(beta))
+            beta = beta.expand(k.shape[:3])
+        if self._decay is not None:
+            wide = d.decay == "per_key"   # per-token and per-head inputs broadcast over the key axis
+            g = self._decay({f: x[..., None] if wide and d.inputs.get(f) in ("token", "head") else x
+                             for f, x in values.items()}, like=q if wide else q[..., 0])
+            want = q.shape[:3] + ((q.shape[3],) if d.decay == "per_key" else ())
+            g = g.expand(want)
+            try:
+                check_log_decay(g)
+            except ValueError as exc:
+                raise ValueError(f"{self.__name__}: the log-decay (log_decay = {d.log_decay.expr}) must be "
+                                 f"<= 0: {exc}") from None
+        scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+        h0 = None if initial_state is None else initial_state.to(compute)
+        o, S = matrix_state_reference(q, k, v, g, beta, steps=d.steps, scale=scale, initial_state=h0,
+                                      chunk_size=chunk_size, cu_seqlens=offsets)
+        return o, (S if output_final_state else None)
+
+    def _validate(self, q, k, v, inputs, scale, initial_state, cu_seqlens, chunk_size):
+        d, n = self.declaration, self.declaration.steps
+        if not isinstance(q, torch.Tensor) or q.dim() != 4:
+            raise ValueError(f"q must be a tensor of shape [B, T, H, K], got "
+                             f"{tuple(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__}")
+        B, T, H, K = q.shape
+        _tensor("q", q, q.shape, "[B, T, H, K]")
+        rows = "T*n" if n > 1 else "T"
+        if n > 1 and isinstance(k, torch.Tensor) and k.dim() == 4 and k.shape[1] % n:
+            raise ValueError(f"k: its length {k.shape[1]} is not a multiple of num_householder = {n} "
+                             f"(k carries n rows per token)")
+        _tensor("k", k, (B, T * n, H, K), f"[B, {rows}, H, K] (B, T, H, K of q)")
+        if not isinstance(v, torch.Tensor) or v.dim() != 4:
+            raise ValueError(f"v must be a tensor of shape [B, {rows}, H, V]")
+        _tensor("v", v, (B, T * n, H, v.shape[3]), f"[B, {rows}, H, V]")
+        for name, kind in d.inputs.items():
+            L = T * n if d.rows.get(name) == "sub" else T
+            shape, what = {"token": ((B, L, H), f"[B, {'T*n' if L != T else 'T'}, H]"),
+                           "token_key": ((B, L, H, K), "[B, T, H, K]"), "head": ((H,), "[H]")}[kind]
+            _tensor(name, inputs[name], shape, what)
+        device = q.device
+        for name, t in (("k", k), ("v", v), *inputs.items()):
+            if t.device != device:
+                raise ValueError(f"{name} is on {t.device} but q is on {device}; all inputs must share a device")
+        if scale is not None and (isinstance(scale, bool) or not isinstance(scale, numbers.Real)):
+            raise TypeError(f"scale must be a real number or None (default K**-0.5), got {scale!r}")
+        if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+            raise ValueError(f"chunk_size must be an int >= 1, got {chunk_size!r}")
+        offsets, N = None, B
+        if cu_seqlens is not None:
+            if B != 1:
+                raise ValueError(f"cu_seqlens packs sequences along T and needs B == 1, got B = {B}")
+            offsets = check_cu_seqlens(cu_seqlens, T, device)
+            if offsets is None:
+                offsets = tuple(int(x) for x in cu_seqlens.tolist())
+            N = len(offsets) - 1
+        tensors = (q, k, v, *inputs.values())
+        compute = torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
+        if initial_state is not None:
+            if not isinstance(initial_state, torch.Tensor):
+                raise TypeError(f"initial_state must be a tensor [N, H, K, V] or None, got "
+                                f"{type(initial_state).__name__}")
+            want = [N, H, K, v.shape[3]]
+            if list(initial_state.shape) != want:
+                raise ValueError(f"initial_state must have shape [N, H, K, V] = {want}, got "
+                                 f"{list(initial_state.shape)}")
+            if initial_state.dtype not in (torch.float32, compute):
+                raise ValueError(f"initial_state must be float32 (float64 allowed with float64 inputs), got "
+                                 f"{initial_state.dtype}")
+            if initial_state.device != device:
+                raise ValueError(f"initial_state is on {initial_state.device} but q is on {device}")
+        return offsets, compute
+
+
+def op(declaration: MatrixState, name: str | None = None) -> MemberOp:
+    """The functional op of a declared member (module docstring), on the reference backend."""
+    return MemberOp(declaration, name)
