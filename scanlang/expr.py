@@ -337,12 +337,31 @@ def _torch_logsigmoid(x):
     return F.logsigmoid(x)
 
 
-sigmoid = _gate("sigmoid", Sigmoid, _torch_sigmoid,
-                "1 / (1 + e^-x), elementwise; derivative sigmoid(x) sigmoid(-x). Safe at any finite x.")
-softplus = _gate("softplus", Softplus, _torch_softplus,
-                 "log(1 + e^x), elementwise; derivative sigmoid(x). Safe at any finite x.")
-logsigmoid = _gate("logsigmoid", LogSigmoid, _torch_logsigmoid,
-                   "log sigmoid(x) = -softplus(-x), elementwise (<= 0: a log-decay); derivative sigmoid(-x).")
+sigmoid = _gate("sigmoid", Sigmoid, _torch_sigmoid, """Law: sigmoid(x) = 1 / (1 + e^-x), elementwise; d/dx = sigmoid(x) sigmoid(-x).
+
+Safe at any finite x (printed in an overflow-free form). Works on traced values (inside a monoid or
+a hook), tensors and numbers:
+
+>>> import scanlang as sl
+>>> sl.sigmoid(0.0), round(sl.sigmoid(100.0), 6), sl.sigmoid(-1000.0)
+(0.5, 1.0, 0.0)
+""")
+softplus = _gate("softplus", Softplus, _torch_softplus, """Law: softplus(x) = log(1 + e^x), elementwise; d/dx = sigmoid(x).
+
+Safe at any finite x (max(x, 0) + log(1 + e^-|x|)):
+
+>>> import scanlang as sl
+>>> round(sl.softplus(0.0), 6), sl.softplus(1000.0)
+(0.693147, 1000.0)
+""")
+logsigmoid = _gate("logsigmoid", LogSigmoid, _torch_logsigmoid, """Law: logsigmoid(x) = log sigmoid(x) = -softplus(-x) <= 0, elementwise; d/dx = sigmoid(-x).
+
+A log-decay that is never positive (a gate for the matrix-state family):
+
+>>> import scanlang as sl
+>>> round(sl.logsigmoid(0.0), 6), sl.logsigmoid(-1000.0)
+(-0.693147, -1000.0)
+""")
 GATES = (Sigmoid, Softplus, LogSigmoid)
 
 

@@ -134,9 +134,18 @@ def prove_structure(decay: str, correction: str, steps: int = 1, K: int = 2, V: 
 class MatrixState:
     """A declared member of the matrix-state family (module docstring). Build it with `matrix_state`.
 
+    Law: S_t = P_t S_{t-1} + R_t (the affine element (P_t, R_t) of the declared decay and correction,
+    module docstring), o_t = scale S_t^T q_t; elements compose as (P_b P_a, P_b R_a + R_b), identity (I, 0).
+
     inputs: name -> kind, "token" [B,T,H], "token_key" [B,T,H,K] or "head" [H] (a per-head
     parameter); constants: name -> default float (a call may override it). With n Householder
     steps the inputs that `beta` reads carry T*n rows like k and v, those of `log_decay` T rows.
+
+    >>> import scanlang as sl
+    >>> delta = sl.MatrixState("my_delta", correction="delta", inputs={"beta": "token"},
+    ...                        beta=lambda t: t.beta)
+    >>> delta.correction, sorted(delta.inputs)
+    ('delta', ['beta'])
     """
 
     def __init__(self, name: str, *, decay: str = "none", correction: str = "plain", steps: int = 1,
@@ -269,7 +278,17 @@ def matrix_state(name: str, *, decay: str = "none", correction: str = "plain", s
                  constants=None, beta: Callable | None = None, log_decay: Callable | None = None) -> MatrixState:
     """Declare a matrix-state member (module docstring): structure, inputs, constants and hooks;
     proves the structure and traces and differentiates the hooks. Run it with
-    `scanlang.recipes.linear.op(declaration)`."""
+    `scanlang.recipes.linear.op(declaration)`.
+
+    Law: S_t = P_t S_{t-1} + R_t, o_t = scale S_t^T q_t, with (P_t, R_t) from the structure (module
+    docstring); the (P, R) monoid is proved symbolically for the structure.
+
+    >>> import scanlang as sl
+    >>> gla = sl.matrix_state("my_gla", decay="per_key", inputs={"g": "token_key"},
+    ...                       log_decay=lambda t: t.g)
+    >>> gla.decay, gla.correction, gla.steps
+    ('per_key', 'plain', 1)
+    """
     return MatrixState(name, decay=decay, correction=correction, steps=steps, inputs=inputs,
                        constants=constants, beta=beta, log_decay=log_decay)
 

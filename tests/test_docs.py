@@ -14,9 +14,11 @@ import pytest
 import scanlang as sl
 import scanlang.recipes.kaczmarz as kaczmarz
 import scanlang.recipes.kalman as kalman
+import scanlang.recipes.linear as linear
 
 PUBLIC = ([(f"scanlang.{n}", getattr(sl, n)) for n in sl.__all__]
-          + [(f"{m.__name__}.{n}", getattr(m, n)) for m in (kalman, kaczmarz) for n in m.__all__])
+          + [(f"{m.__name__}.{n}", getattr(m, n)) for m in (kalman, kaczmarz) for n in m.__all__]
+          + [(f"{linear.__name__}.{n}", getattr(linear, n)) for n in linear.__all__ if callable(getattr(linear, n))])
 LAW = re.compile(r"\bLaw\b[^\n]*:")
 
 

@@ -104,7 +104,15 @@ def _tensor(name, t, shape, what):
 
 
 class MemberOp:
-    """The functional op of one declaration (module docstring). `declaration` is the MatrixState."""
+    """The functional op of one declaration (module docstring). `declaration` is the MatrixState.
+
+    Law: S_t = P_t S_{t-1} + R_t, o_t = scale S_t^T q_t (the declaration's structure); see `op`.
+
+    >>> import scanlang as sl
+    >>> from scanlang.recipes.linear import MemberOp
+    >>> MemberOp(sl.matrix_state("plain_write")).__name__
+    'plain_write'
+    """
 
     def __init__(self, declaration: MatrixState, name: str | None = None, triton=None):
         if not isinstance(declaration, MatrixState):
@@ -235,5 +243,17 @@ class MemberOp:
 
 
 def op(declaration: MatrixState, name: str | None = None) -> MemberOp:
-    """The functional op of a declared member (module docstring), on the reference backend."""
+    """The functional op of a declared member (module docstring), on the reference backend.
+
+    Law: the declaration's S_t = P_t S_{t-1} + R_t, o_t = scale S_t^T q_t; the op takes q, k, v, then
+    the declared inputs in order (keyword or positional), then fla's keywords.
+
+    >>> import torch, scanlang as sl
+    >>> from scanlang.recipes.linear import op
+    >>> plain = op(sl.matrix_state("plain_write"))
+    >>> q = k = torch.tensor([1.0, 0.0]).expand(1, 2, 1, 2)
+    >>> o, _ = plain(q, k, torch.tensor([3.0, 5.0]).reshape(1, 2, 1, 1), scale=1.0)
+    >>> o.flatten().tolist()
+    [3.0, 8.0]
+    """
     return MemberOp(declaration, name)

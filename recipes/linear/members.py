@@ -40,7 +40,15 @@ _PRODUCTS: dict = {}
 
 
 def gated_delta_product_declaration(num_householder: int, gated: bool = True):
-    """The DeltaProduct member with n = num_householder Householder steps per token (declared once per n)."""
+    """The DeltaProduct member with n = num_householder Householder steps per token (declared once per n).
+
+    Law: P_t = H_t,n ... H_t,1 exp(g_t), H_t,j = I - beta_t,j k_t,j k_t,j^T (see gated_delta_product).
+
+    >>> from scanlang.recipes.linear import gated_delta_product_declaration
+    >>> d = gated_delta_product_declaration(3)
+    >>> d.correction, d.steps, d.decay
+    ('householder', 3, 'per_head')
+    """
     if isinstance(num_householder, bool) or not isinstance(num_householder, int) or num_householder < 1:
         raise ValueError(f"num_householder must be an int >= 1, got {num_householder!r}")
     key = (num_householder, gated)
@@ -58,7 +66,16 @@ _OPS = {d.name: op(d) for d in (LINEAR_ATTENTION, SIMPLE_GLA, GLA, DELTANET, DEL
 
 def linear_attention(q, k, v, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
                      backend=None, chunk_size=32):
-    """Linear attention, S_t = S_{t-1} + k_t v_t^T, o_t = scale S_t^T q_t (fla's chunk_linear_attn)."""
+    """Law: S_t = S_{t-1} + k_t v_t^T, o_t = scale S_t^T q_t (linear attention; fla's chunk_linear_attn).
+
+    >>> import torch
+    >>> from scanlang.recipes.linear import linear_attention
+    >>> q = k = torch.tensor([1.0, 0.0]).expand(1, 2, 1, 2)   # [B,T,H,K]: one unit key, twice
+    >>> v = torch.tensor([3.0, 5.0]).reshape(1, 2, 1, 1)
+    >>> o, S = linear_attention(q, k, v, scale=1.0, output_final_state=True)
+    >>> o.flatten().tolist()
+    [3.0, 8.0]
+    """
     return _OPS["linear_attention"](q, k, v, scale=scale, initial_state=initial_state,
                                     output_final_state=output_final_state, cu_seqlens=cu_seqlens,
                                     backend=backend, chunk_size=chunk_size)
@@ -66,7 +83,17 @@ def linear_attention(q, k, v, scale=None, initial_state=None, output_final_state
 
 def simple_gla(q, k, v, g, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
                backend=None, chunk_size=32):
-    """Per-head gated linear attention, S_t = exp(g_t) S_{t-1} + k_t v_t^T; g [B,T,H] (chunk_simple_gla)."""
+    """Law: S_t = exp(g_t) S_{t-1} + k_t v_t^T, o_t = scale S_t^T q_t; g [B,T,H] (per-head gated linear
+    attention; chunk_simple_gla).
+
+    >>> import torch
+    >>> from scanlang.recipes.linear import simple_gla
+    >>> q = k = torch.tensor([1.0, 0.0]).expand(1, 2, 1, 2)   # [B,T,H,K]: one unit key, twice
+    >>> v = torch.tensor([3.0, 5.0]).reshape(1, 2, 1, 1)
+    >>> o, S = simple_gla(q, k, v, torch.full((1, 2, 1), -0.6931471805599453), scale=1.0, output_final_state=True)
+    >>> o.flatten().tolist()
+    [3.0, 6.5]
+    """
     return _OPS["simple_gla"](q, k, v, g, scale=scale, initial_state=initial_state,
                               output_final_state=output_final_state, cu_seqlens=cu_seqlens,
                               backend=backend, chunk_size=chunk_size)
@@ -74,7 +101,17 @@ def simple_gla(q, k, v, g, scale=None, initial_state=None, output_final_state=Fa
 
 def gla(q, k, v, g, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
         backend=None, chunk_size=32):
-    """Gated linear attention, S_t = diag(exp(g_t)) S_{t-1} + k_t v_t^T; g [B,T,H,K] (chunk_gla)."""
+    """Law: S_t = diag(exp(g_t)) S_{t-1} + k_t v_t^T, o_t = scale S_t^T q_t; g [B,T,H,K] (gated linear
+    attention; chunk_gla).
+
+    >>> import torch
+    >>> from scanlang.recipes.linear import gla
+    >>> q = k = torch.tensor([1.0, 0.0]).expand(1, 2, 1, 2)   # [B,T,H,K]: one unit key, twice
+    >>> v = torch.tensor([3.0, 5.0]).reshape(1, 2, 1, 1)
+    >>> o, S = gla(q, k, v, torch.full((1, 2, 1, 2), -0.6931471805599453), scale=1.0, output_final_state=True)
+    >>> o.flatten().tolist()
+    [3.0, 6.5]
+    """
     return _OPS["gla"](q, k, v, g, scale=scale, initial_state=initial_state,
                        output_final_state=output_final_state, cu_seqlens=cu_seqlens,
                        backend=backend, chunk_size=chunk_size)
@@ -82,8 +119,17 @@ def gla(q, k, v, g, scale=None, initial_state=None, output_final_state=False, cu
 
 def kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
         backend=None, chunk_size=32):
-    """Kimi delta attention: S_t = (I - beta_t k_t k_t^T) diag(exp(g_t)) S_{t-1} + beta_t k_t v_t^T;
-    g [B,T,H,K], beta [B,T,H] (chunk_kda; q and k used as given)."""
+    """Law: S_t = (I - beta_t k_t k_t^T) diag(exp(g_t)) S_{t-1} + beta_t k_t v_t^T, o_t = scale S_t^T q_t;
+    g [B,T,H,K], beta [B,T,H] (Kimi delta attention; chunk_kda; q and k used as given).
+
+    >>> import torch
+    >>> from scanlang.recipes.linear import kda
+    >>> q = k = torch.tensor([1.0, 0.0]).expand(1, 2, 1, 2)   # [B,T,H,K]: one unit key, twice
+    >>> v = torch.tensor([3.0, 5.0]).reshape(1, 2, 1, 1)
+    >>> o, S = kda(q, k, v, torch.zeros(1, 2, 1, 2), torch.ones(1, 2, 1), scale=1.0, output_final_state=True)
+    >>> o.flatten().tolist()
+    [3.0, 5.0]
+    """
     return _OPS["kda"](q, k, v, g, beta, scale=scale, initial_state=initial_state,
                        output_final_state=output_final_state, cu_seqlens=cu_seqlens,
                        backend=backend, chunk_size=chunk_size)
@@ -93,7 +139,20 @@ def gated_delta_product(q, k, v, g, beta, num_householder, scale=None, initial_s
                         output_final_state=False, cu_seqlens=None, backend=None, chunk_size=32):
     """DeltaProduct: per token, decay exp(g_t) once, then n delta writes (k, v, beta rows t*n ..
     t*n+n-1), then the readout. q, g [.., T, ..]; k, v, beta [.., T*n, ..]; g may be None (no
-    decay); cu_seqlens counts tokens of q (chunk_gated_delta_product)."""
+    decay); cu_seqlens counts tokens of q (chunk_gated_delta_product).
+
+    Law: S_t = H_t,n ... H_t,1 exp(g_t) S_{t-1} + sum_j (H_t,n ... H_t,j+1) beta_t,j k_t,j v_t,j^T with
+    H_t,j = I - beta_t,j k_t,j k_t,j^T; o_t = scale S_t^T q_t.
+
+    >>> import torch
+    >>> from scanlang.recipes.linear import gated_delta_product
+    >>> q = torch.tensor([1.0, 0.0]).reshape(1, 1, 1, 2)                 # one token ...
+    >>> k = torch.tensor([[1.0, 0.0], [0.0, 1.0]]).reshape(1, 2, 1, 2)   # ... two writes
+    >>> v = torch.tensor([3.0, 5.0]).reshape(1, 2, 1, 1)
+    >>> o, S = gated_delta_product(q, k, v, None, torch.ones(1, 2, 1), 2, scale=1.0, output_final_state=True)
+    >>> o.flatten().tolist(), S.flatten().tolist()
+    ([3.0], [3.0, 5.0])
+    """
     decl = gated_delta_product_declaration(num_householder, gated=g is not None)
     run = op(decl, "gated_delta_product")
     args = (g, beta) if g is not None else (beta,)
