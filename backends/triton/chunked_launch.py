@@ -9,9 +9,11 @@ settings.POISON_OUTPUTS, so an aggregate a kernel forgot to write shows in the t
 from __future__ import annotations
 
 import collections
+import types
 
 from torch.library import wrap_triton
 
+from . import launcher
 from .kernel import chunked
 from .runtime import Config, load
 
@@ -42,10 +44,17 @@ def carry_tile(n_chunks: int, cfg: Config) -> int:
     return min(1 << max(0, (n_chunks - 1).bit_length()), cfg.block_t)
 
 
-def _run(kernel, grid, args, meta, eager: bool) -> None:
-    LAUNCHED[kernel.fn.__name__] += 1
+def _run(plan, cfg: Config, kernel, grid, args, meta, eager: bool) -> None:
+    """Launch one kernel: eager calls relaunch the compiled kernel without Triton's per-call binding
+    (launcher.py, which keeps it per (holder, config): one holder per kernel of the plan)."""
+    name = kernel.fn.__name__
+    LAUNCHED[name] += 1
     if eager:
-        kernel[grid](*args, **meta)
+        holders = plan.__dict__.setdefault("_chunked_kernels", {})
+        holder = holders.get(name)
+        if holder is None:
+            holder = holders[name] = types.SimpleNamespace()
+        launcher.launch(holder, cfg, kernel, grid, args, meta)
     else:
         wrap_triton(kernel)[grid](*args, **meta)
 
@@ -67,9 +76,9 @@ def forward(plan, cfg: Config, args, final, eager: bool, empty):
     full = [*args, ckpt, final, ckpt, *plan.tail, ckpt.shape[1], agg]
     meta = _meta(plan, cfg, n_chunks, ("REVERSE", "HAS_INIT", "FP64"))
     mod, lanes = module(prog), _cdiv(layout.L, cfg.block_l)
-    _run(mod.chunk_reduce, (n_chunks, lanes), full, meta, eager)
-    _run(mod.chunk_carry, (lanes,), full, meta, eager)
-    _run(mod.chunk_rescan, (n_chunks, lanes), full, meta, eager)
+    _run(plan, cfg, mod.chunk_reduce, (n_chunks, lanes), full, meta, eager)
+    _run(plan, cfg, mod.chunk_carry, (lanes,), full, meta, eager)
+    _run(plan, cfg, mod.chunk_rescan, (n_chunks, lanes), full, meta, eager)
     return ckpt
 
 
@@ -88,6 +97,6 @@ def backward(plan, cfg: Config, args, eager: bool, empty) -> None:
     full = [*args, agg, gc]
     meta = dict(_meta(plan, cfg, n_chunks, ("REVERSE", "HAS_INIT", "HAS_DFINAL", "FP64")), **du)
     mod, lanes = module(prog), _cdiv(layout.L, cfg.block_l)
-    _run(mod.chunk_bwd_reduce, (n_chunks, lanes), full, meta, eager)
-    _run(mod.chunk_bwd_carry, (lanes,), full, meta, eager)
-    _run(mod.chunk_bwd_rescan, (n_chunks, lanes), full, meta, eager)
+    _run(plan, cfg, mod.chunk_bwd_reduce, (n_chunks, lanes), full, meta, eager)
+    _run(plan, cfg, mod.chunk_bwd_carry, (lanes,), full, meta, eager)
+    _run(plan, cfg, mod.chunk_bwd_rescan, (n_chunks, lanes), full, meta, eager)
