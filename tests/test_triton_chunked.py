@@ -71,8 +71,8 @@ def nonzero(*shape, positive=False):
 
 def case(kind, shape, dim):
     """(monoid, elements, initial) in float64: Affine with mixed signs (|a| < 1), Möbius with positive
-    entries, and Affine with a broadcast parameter: a static decay per channel (shape [C] viewed in
-    the scan's shape, time stride 0) next to a full input."""
+    entries, Affine with a broadcast parameter: a static decay per channel (shape [C] viewed in the
+    scan's shape, time stride 0) next to a full input, and Affine with a gate shared by the lanes."""
     lane_shape = shape[:dim] + shape[dim + 1:]
     if kind == "Mobius":
         return sl.Mobius, tuple(nonzero(*shape, positive=True) for _ in range(4)), tuple(
@@ -80,6 +80,10 @@ def case(kind, shape, dim):
     initial = (nonzero(*lane_shape) * 0.9, nonzero(*lane_shape))
     if kind == "Affine":
         return sl.Affine, (nonzero(*shape) * 0.9, nonzero(*shape)), initial
+    if kind == "shared":   # a gate shared by every lane, varying in time: its gradient is added atomically
+        view = [1] * len(shape)
+        view[dim] = shape[dim]
+        return sl.Affine, (nonzero(*view) * 0.9, nonzero(*shape)), initial
     view = [1] * len(shape)
     channel = 1 if dim == 2 else len(shape) - 1       # [1, C, T] or [B, T, C]
     view[channel] = shape[channel]
@@ -132,7 +136,7 @@ def test_float64_time_contiguous(chunked, T, kind, reverse, with_initial):
 
 
 @pytest.mark.parametrize("chunked", [4], indirect=True)
-@pytest.mark.parametrize("kind", ["Affine", "Mobius", "broadcast"])
+@pytest.mark.parametrize("kind", ["Affine", "Mobius", "broadcast", "shared"])
 @pytest.mark.parametrize("reverse,with_initial", [(True, False), (False, True)], ids=["reverse", "initial"])
 def test_float64_reverse_or_initial(chunked, kind, reverse, with_initial):
     check(kind, (1, 3, 37), 2, reverse, with_initial)
@@ -185,3 +189,6 @@ def test_plan_picks_chunked_for_a_plain_scan_not_for_packed_sequences():
     packed = plan.ForwardPlan(prog, [x, x], [], 1, True, 2, False, False, True)
     assert packed.fwd_chosen.schedule != "chunked"
     assert p.checkpoint_shape(p.fwd_chosen) == (2, (1 << 14) // p.fwd_chosen.block_t + 1, 16)
+    from scanlang import pipeline   # a mixer (lift and readout) keeps the other schedules
+    mixer = pipeline.lower(sl.Affine, inputs=("g", "x"), lift=lambda u: (u.g, 2 * u.x))
+    assert chunked_launch.chunked.supports(pipeline.lower(sl.Affine)) and not chunked_launch.chunked.supports(mixer)

@@ -25,8 +25,9 @@ Time runs backwards in memory when REVERSE is set (index T-1-t). The arguments a
 kernels (codegen.forward_args / backward_args) plus the aggregate buffers, so checkpoints mean the
 same in every schedule: the carry into each chunk of BLOCK_T steps.
 
-Supported: programs whose readout does not use the previous prefix and does not sum over state lanes,
-one sequence (no cu_seqlens), T >= 1 (`supports`); other programs run on the other schedules.
+Supported: plain scans (`supports`; the kernels take any lift and a readout that neither uses the
+previous prefix nor sums over state lanes), one sequence (no cu_seqlens), T >= 1; other programs
+run on the other schedules.
 """
 from __future__ import annotations
 
@@ -45,8 +46,10 @@ KERNELS = ("chunk_reduce", "chunk_carry", "chunk_rescan", "chunk_bwd_reduce", "c
 
 
 def supports(ir: ScanIR) -> bool:
-    """Whether `ir` can run on this schedule (see the module docstring)."""
-    return not (ir.sequential_only or ir.reduce_state or ir.uses_previous)
+    """Whether `ir` runs on this schedule: a plain scan (`sl.scan`). The kernels are written for any
+    lift and readout that do not use the previous prefix or sum over state lanes, but only plain
+    scans are tested on them so far, so mixers keep the other schedules."""
+    return ir.is_plain and not (ir.sequential_only or ir.reduce_state or ir.uses_previous)
 
 
 def _a(target: str, value: str) -> K.Assign:
