@@ -192,3 +192,21 @@ def test_plan_picks_chunked_for_a_plain_scan_not_for_packed_sequences():
     from scanlang import pipeline   # a mixer (lift and readout) keeps the other schedules
     mixer = pipeline.lower(sl.Affine, inputs=("g", "x"), lift=lambda u: (u.g, 2 * u.x))
     assert chunked_launch.chunked.supports(pipeline.lower(sl.Affine)) and not chunked_launch.chunked.supports(mixer)
+
+
+@pytest.mark.parametrize("chunked", [8], indirect=True)
+def test_compile_fullgraph_runs_the_chunked_kernels_through_the_registered_ops(chunked):
+    """torch.compile(fullgraph=True) traces the registered ops, which launch the chunked kernels
+    through wrap_triton: same outputs and gradients as the loop."""
+    monoid, elems, _ = case("Affine", (1, 3, 21), 2)
+    a, b = (e.requires_grad_() for e in elems)
+    before = dict(chunked_launch.LAUNCHED)
+    compiled = torch.compile(lambda a, b: sl.scan(sl.Affine, (a, b), dim=2, backend="triton").b, fullgraph=True,
+                             backend="inductor" if DEVICE == "cuda" else "eager")
+    out = compiled(a, b)
+    ref = loop("Affine", (a, b), 2)[1]
+    assert_close(out, ref, "scan", name="compiled Affine.b")
+    g = torch.randn_like(ref)
+    for got, want in zip(torch.autograd.grad(out, (a, b), g), torch.autograd.grad(ref, (a, b), g)):
+        assert_close(got, want, "scan_grad", name="compiled Affine grad")
+    assert all(chunked_launch.LAUNCHED[k] > before.get(k, 0) for k in chunked_launch.chunked.KERNELS)
