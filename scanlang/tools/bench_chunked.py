@@ -16,6 +16,7 @@ da, db (5n). accelerated-scan returns only the b prefix (forward 3n, forward+bac
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 
 import torch
@@ -34,7 +35,7 @@ def _parse_shape(text: str) -> tuple[int, int, int]:
     except ValueError:
         shape = ()
     if len(shape) != 3 or min(shape) < 1:
-        raise SystemExit(f"--shape: expected B,D,T (three positive integers), got {text!r}")
+        raise ValueError(f"--shape: expected B,D,T (three positive integers), got {text!r}")
     return shape
 
 
@@ -47,15 +48,18 @@ def main(argv=None) -> int:
     parser.add_argument("--shape", default=f"1,16,{1 << 20}", help="B,D,T (default 1,16,1048576)")
     parser.add_argument("--chunk", type=int, default=0, help="steps per chunk (default: choose_config's)")
     args = parser.parse_args(argv)
-    B, D, T = _parse_shape(args.shape)
+    try:
+        B, D, T = _parse_shape(args.shape)
+    except ValueError as exc:
+        parser.error(str(exc))
+    if args.chunk:
+        if args.chunk < 1 or args.chunk & (args.chunk - 1):
+            parser.error(f"--chunk: expected a power of two, got {args.chunk}")
+        forced = runtime.Config(block_t=args.chunk, block_l=1, num_warps=4, schedule="chunked")
+        runtime.OVERRIDES.update({(True, False): forced, (True, True): dataclasses.replace(forced, num_warps=8)})
     if not torch.cuda.is_available():
         print("bench_chunked: needs a CUDA GPU", file=sys.stderr)
         return 2
-    if args.chunk:
-        if args.chunk & (args.chunk - 1):
-            raise SystemExit(f"--chunk: expected a power of two, got {args.chunk}")
-        forced = runtime.Config(block_t=args.chunk, block_l=1, num_warps=4, schedule="chunked")
-        runtime.OVERRIDES.update({(True, False): forced, (True, True): runtime.dataclasses.replace(forced, num_warps=8)})
     torch.manual_seed(0)
     a = (torch.rand(B, D, T, device="cuda") * 0.1 + 0.9)
     b = torch.randn(B, D, T, device="cuda")
