@@ -126,8 +126,12 @@ def render(module: ir.Module) -> str:
     for line in text.split("\n"):
         m = _COMMENT_LINE.match(line)
         line = f"{m.group(1)}# {ast.literal_eval(m.group(2))}" if m else line
-        top = line.startswith(("# ", "@")) and not (lines and lines[-1].startswith(("# ", "@")))
-        lines += ["", "", line] if top and lines else [line]   # two blank lines before each function
+        starts = line.startswith(("# ", "@", "def "))   # a top-level function or the comments above it
+        while starts and lines and lines[-1] == "":
+            lines.pop()                                  # unparse's own blank lines, replaced below
+        if starts and lines and not lines[-1].startswith(("# ", "@")):
+            lines += ["", ""]                            # two blank lines before each function
+        lines.append(line)
     source = "\n".join(lines) + "\n"
     ast.parse(source)
     return source
