@@ -2,7 +2,9 @@
 
     scanlang verify MODULE:NAME   exit 0 and print the proof; exit 1 and the counterexample
     scanlang show MODULE:NAME     the traced expressions and the generated Triton kernels (a monoid
-                                  whose laws fail is refused: exit 1 and the counterexample)
+                                  whose laws fail is refused: exit 1 and the counterexample);
+                                  --shape B,T,D [--layout time|channels]: the configs chosen for that
+                                  shape and the kernels they run
     scanlang demo                 the tour on a built-in default (CPU or GPU)
     scanlang bench                the GPU benchmark of the generated scans (see BENCHMARKS.md)
     scanlang train TASK --mixer M a small model on a synthetic task: metrics.json and curves.png
@@ -84,13 +86,17 @@ def cmd_verify(args) -> int:
 
 
 def cmd_show(args) -> int:
+    if args.shape is None and args.layout != "time":
+        raise CliError(f"--layout: {args.layout!r} needs --shape B,T,D (the layout of that shape's tensors)")
     monoid = load_monoid(args.target)
     if _verified(monoid) is None:   # kernels are generated only for a monoid whose laws hold
         return 1
     print(monoid.describe())
     try:
         from .backends import triton as triton_backend
-        source = triton_backend.show(monoid)
+        source = triton_backend.show(monoid, args.shape, args.layout) if args.shape else triton_backend.show(monoid)
+    except ValueError as exc:   # --shape / --layout, named in the message
+        raise CliError(str(exc)) from None
     except ImportError as exc:
         print(f"\n# generated Triton kernels unavailable here: {exc}")
         return 0
@@ -196,6 +202,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_verify)
     p = sub.add_parser("show", help="print a monoid's traced expressions and generated kernels")
     p.add_argument("target", metavar="MODULE:NAME")
+    p.add_argument("--shape", default=None, metavar="B,T,D", help="print the kernels the configs chosen for this shape run")
+    p.add_argument("--layout", default="time", help="time (T contiguous, the default) or channels (D contiguous)")
     p.set_defaults(func=cmd_show)
     p = sub.add_parser("demo", help="the tour: declare, prove, refute, scan, check, time")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")

@@ -11,7 +11,7 @@ import pytest
 
 from tests.replay.sources import RECORD, digest, programs, sources
 
-FAST = ("scan_Affine", "scan_Mobius", "kalman_joint_mixer", "delta_kaczmarz_c64")
+FAST = ("scan_Affine", "scan_Mobius", "chunked_Affine", "kalman_joint_mixer", "delta_kaczmarz_c64")
 
 
 @pytest.fixture(scope="module")

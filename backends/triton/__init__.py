@@ -82,6 +82,10 @@ def scan(monoid, elems, dim: int, reverse: bool, initial, out_dtype) -> tuple[to
     return tuple(outs)
 
 
-def show(monoid) -> str:
-    """The generated Triton module (forward and backward kernels) of `monoid`'s plain scan."""
-    return program_for(monoid).source
+def show(monoid, shape=None, layout: str = "time") -> str:
+    """The generated Triton module (forward and backward kernels) of `monoid`'s plain scan; with a
+    `shape` (B, T, D) the configs chosen for it and the kernels they run (`show_shape.py`)."""
+    if shape is None:
+        return program_for(monoid).source
+    from .show_shape import show as show_for_shape
+    return show_for_shape(program_for(monoid), shape, layout)

@@ -31,7 +31,7 @@ from triton.runtime.errors import OutOfResources
 from scanlang import settings
 from scanlang.second_order import refuse_second_order
 
-from . import launcher, runtime
+from . import chunked_launch, launcher, runtime
 from .plan import PLANS, BackwardPlan, ForwardPlan, chunk_of, overrides
 from .runtime import fit_launch, fitted
 
@@ -130,6 +130,8 @@ def _forward(key: str, inputs, initial, cu_seqlens, dim: int, reverse: bool, fp6
     args = _fill(plan, [*inputs, *outs, *(initial or [inputs[0]] * len(prog.ir.fields))])
 
     def attempt(cfg):
+        if cfg.schedule == "chunked":   # three kernels (kernel/chunked.py)
+            return chunked_launch.forward(plan, cfg, args, final, eager, _empty)
         kernel, grid, meta, ckpt_shape = plan.launch(cfg)
         ckpt = _empty(ckpt_shape, acc, device)
         full = [*args, ckpt, final, cu_seqlens if varlen else ckpt, *plan.tail, ckpt_shape[1]]
@@ -173,6 +175,8 @@ def _backward_pass(key: str, inputs, initial, cu_seqlens, ckpt, grads, dfinal, d
                  ckpt.shape[1]]
 
         def attempt(cfg):
+            if cfg.schedule == "chunked":   # three kernels (kernel/chunked.py)
+                return chunked_launch.backward(plan, cfg, args, eager, _empty)
             kernel, grid, meta, scratch = plan.launch(cfg)
             extra = [] if scratch is None else [_empty(scratch, acc, device)]
             if eager:

@@ -19,6 +19,7 @@ import torch
 from scanlang import settings
 
 from . import runtime
+from .kernel import chunked
 from .runtime import Config, broadcast_strides, lane_layout
 
 
@@ -116,6 +117,8 @@ def chunk_of(cfg: Config, checkpoint: bool = True) -> int:
     """
     if cfg.schedule == "lanes":
         return cfg.chunk or cfg.block_t
+    if cfg.schedule == "chunked":   # one chunk of block_t steps per program (kernel/chunked.py)
+        return cfg.block_t
     if not checkpoint:
         return cfg.block_t
     chunk = cfg.chunk or cfg.block_t
@@ -152,7 +155,8 @@ class _Plan:
         layout, contiguous = self.layout, self.time_contiguous
         chosen = runtime.choose_config(layout.T, layout.L, contiguous, self.state, backward,
                                        sequential=prog.ir.sequential_only,
-                                       checkpoint=self.checkpoint)
+                                       checkpoint=self.checkpoint,
+                                       chunkable=not self.varlen and chunked.supports(prog.ir))
         key = (prog.key, backward, contiguous, max(layout.T - 1, 0).bit_length(), self.state, fp64, chosen)
         return chosen, key
 

@@ -140,7 +140,7 @@ def lane_layout(shape, dim: int, strides: list[list[int]], keep_last: bool = Fal
     return Layout(T=shape[dim], L=L, sizes=tuple(m[0] for m in merged), strides=per_tensor)
 
 
-SCHEDULES = ("tile", "lanes")
+SCHEDULES = ("tile", "lanes", "chunked")
 
 
 @dataclass(frozen=True)
@@ -201,17 +201,43 @@ def prefers_lanes(L: int) -> bool:
     return L >= LANES_MIN
 
 
+def prefers_chunked(T: int, L: int) -> bool:
+    """True when `choose_config` picks the chunk-parallel schedule (kernel/chunked.py) for a program
+    that has it. The tile schedule runs one program per lane block that walks all of T, so few lanes
+    leave most of the GPU idle (16 lanes: 16 programs for the H200's 132 SMs) however long T is;
+    cutting time into chunks gives lanes x T / chunk programs for one extra read of the inputs."""
+    return L < 512 and T >= 8192
+
+
+def chunked_config(T: int, L: int, time_contiguous: bool, backward: bool, interpret: bool) -> Config:
+    """The chunk-parallel launch: one chunk of block_t steps per program (both passes: the backward's
+    chunk is the forward's checkpoint interval), a single lane when time is contiguous (the tile's
+    rows are consecutive addresses), 16 lanes otherwise (one row of a tile: 64 contiguous bytes)."""
+    pow2 = 1 << max(0, (T - 1).bit_length())
+    if interpret:
+        return Config(block_t=min(8, pow2), block_l=min(4, 1 << max(0, (L - 1).bit_length())), num_warps=1,
+                      schedule="chunked")
+    if time_contiguous:
+        return Config(block_t=min(2048, pow2), block_l=1, num_warps=8 if backward else 4, schedule="chunked")
+    return Config(block_t=min(256, pow2), block_l=16, num_warps=8 if backward else 4, schedule="chunked")
+
+
 def choose_config(T: int, L: int, time_contiguous: bool, state: int, backward: bool = False,
-                  sequential: bool = False, checkpoint: bool = False) -> Config:
+                  sequential: bool = False, checkpoint: bool = False, chunkable: bool = False) -> Config:
     """Tile shape per layout: long time tiles when time is contiguous, wide lane tiles otherwise; the
-    lane-sequential schedule for very many lanes or for a program that has only that one (`sequential`).
+    lane-sequential schedule for very many lanes or for a program that has only that one (`sequential`);
+    the chunk-parallel one for few lanes and long T where the program has it (`chunkable`).
     `checkpoint`: the forward serves a backward (its checkpoint interval is the backward's tile)."""
     def pow2(n):
         return 1 << max(0, (n - 1).bit_length())
     forced = OVERRIDES.get((time_contiguous, backward))
+    if forced is not None and forced.schedule == "chunked" and not (chunkable and T > 0):
+        forced = None   # a program or call (cu_seqlens) the chunk-parallel kernels do not serve
     if forced is not None and (forced.schedule == "lanes" or not sequential):
         return dataclasses.replace(forced, block_t=min(forced.block_t, pow2(T)), block_l=max(state, forced.block_l))
     interpret = settings.triton_interpret() and not torch.cuda.is_available()
+    if chunkable and not sequential and prefers_chunked(T, L):
+        return chunked_config(T, L, time_contiguous, backward, interpret)
     if sequential or prefers_lanes(L):
         if interpret:
             return Config(block_t=4, block_l=max(state, min(4, pow2(L))), num_warps=1, chunk=4, schedule="lanes",

@@ -19,9 +19,10 @@ RECORD = pathlib.Path(__file__).with_name("record.json")
 
 
 def programs() -> dict:
-    """name -> a function returning its source: the library monoids' plain scans, the three Kalman
-    programs, every delta rule at every chunk size."""
-    from scanlang import pipeline
+    """name -> a function returning its source: the library monoids' plain scans, the chunk-parallel
+    module of sl.Affine, the three Kalman programs, every delta rule at every chunk size."""
+    from scanlang import library, pipeline
+    from scanlang.backends.triton.kernel import chunked
     from scanlang.library import LIBRARY
     from scanlang.delta import RULES
     from scanlang.backends.delta.codegen import kernel_source
@@ -35,6 +36,8 @@ def programs() -> dict:
     out = {}
     for m in LIBRARY:
         out[f"scan_{m.name}"] = lambda m=m: scan(m)
+    ir = pipeline.lower(library.Affine)
+    out["chunked_Affine"] = lambda: chunked.render(ir, pipeline.differentiate(ir))
     for name in ("precision_mixer", "information_mixer", "joint_mixer"):
         out[f"kalman_{name}"] = lambda name=name: getattr(fused, name)().program.source
     for rule_name, rule in sorted(RULES.items()):

@@ -1,0 +1,102 @@
+"""Launching the chunk-parallel schedule (kernel/chunked.py): three kernels per pass.
+
+The chunked kernels live in their own generated module (one per program, rendered and loaded the
+first time a config picks the schedule), so the tile and lane modules stay as they are. Each pass
+takes the same leading arguments as the tile kernels (the plan's `head` filled by `ops`) plus its
+aggregate buffers, allocated here by the allocator `ops` passes in (NaN-filled under
+settings.POISON_OUTPUTS, so an aggregate a kernel forgot to write shows in the tests).
+"""
+from __future__ import annotations
+
+import collections
+import types
+
+from torch.library import wrap_triton
+
+from . import launcher
+from .kernel import chunked
+from .runtime import Config, load
+
+_MODULES: dict[str, object] = {}
+# kernel name -> launches since import: how a test sees that the chunked kernels really ran
+LAUNCHED: collections.Counter = collections.Counter()
+
+
+def _cdiv(a: int, b: int) -> int:
+    return (a + b - 1) // b
+
+
+def source(prog) -> str:
+    """The chunk-parallel module's source for `prog` (a Program of ops.PROGRAMS)."""
+    return chunked.render(prog.ir, prog.adjoint)
+
+
+def module(prog):
+    """The loaded chunk-parallel module of `prog` (rendered and imported once)."""
+    mod = _MODULES.get(prog.key)
+    if mod is None:
+        mod = _MODULES[prog.key] = load(source(prog))
+    return mod
+
+
+def carry_tile(n_chunks: int, cfg: Config) -> int:
+    """Chunks per tile of the carry kernels: all of them up to one time tile's size (a power of two)."""
+    return min(1 << max(0, (n_chunks - 1).bit_length()), cfg.block_t)
+
+
+def _run(plan, cfg: Config, kernel, grid, args, meta, eager: bool) -> None:
+    """Launch one kernel: eager calls relaunch the compiled kernel without Triton's per-call binding
+    (launcher.py, which keeps it per (holder, config): one holder per kernel of the plan)."""
+    name = kernel.fn.__name__
+    LAUNCHED[name] += 1
+    if eager:
+        holders = plan.__dict__.setdefault("_chunked_kernels", {})
+        holder = holders.get(name)
+        if holder is None:
+            holder = holders[name] = types.SimpleNamespace()
+        launcher.launch(holder, cfg, kernel, grid, args, meta)
+    else:
+        wrap_triton(kernel)[grid](*args, **meta)
+
+
+def _meta(plan, cfg: Config, n_chunks: int, names) -> dict:
+    return dict({k: plan.common[k] for k in names}, BLOCK_T=cfg.block_t, BLOCK_L=cfg.block_l,
+                BLOCK_C=carry_tile(n_chunks, cfg), num_warps=cfg.num_warps)
+
+
+def forward(plan, cfg: Config, args, final, eager: bool, empty):
+    """Run the forward (reduce, carry, rescan) for a `plan.ForwardPlan`; returns the checkpoints.
+
+    `args`: the plan's leading arguments (inputs, outputs, initial elements); `final` the final
+    prefix buffer; `empty(shape, dtype, device)` the allocator."""
+    prog, layout = plan.prog, plan.layout
+    n_chunks = _cdiv(layout.T, cfg.block_t)
+    ckpt = empty(plan.checkpoint_shape(cfg), plan.acc, final.device)
+    agg = empty((len(prog.ir.fields), n_chunks, layout.L), plan.acc, final.device)
+    full = [*args, ckpt, final, ckpt, *plan.tail, ckpt.shape[1], agg]
+    meta = _meta(plan, cfg, n_chunks, ("REVERSE", "HAS_INIT", "FP64"))
+    mod, lanes = module(prog), _cdiv(layout.L, cfg.block_l)
+    _run(plan, cfg, mod.chunk_reduce, (n_chunks, lanes), full, meta, eager)
+    _run(plan, cfg, mod.chunk_carry, (lanes,), full, meta, eager)
+    _run(plan, cfg, mod.chunk_rescan, (n_chunks, lanes), full, meta, eager)
+    return ckpt
+
+
+def backward(plan, cfg: Config, args, eager: bool, empty) -> None:
+    """Run the backward (reduce, carry, rescan of the adjoint) for a `plan.BackwardPlan` whose
+    forward checkpointed every cfg.block_t steps; `args` as `ops` built them for the tile kernel."""
+    prog, layout = plan.prog, plan.layout
+    du = {k: v for k, v in plan.common.items() if k.startswith("DU")}
+    if any(m not in (0, 1, 2) for m in du.values()):
+        raise ValueError(f"plan: gradient modes {du} need the state-lane kernels, not the chunk-parallel ones")
+    n, nb = len(prog.ir.fields), len(prog.adjoint.b_entries)
+    n_chunks = _cdiv(layout.T, cfg.block_t)
+    device = args[0].device
+    agg = empty((nb + n, n_chunks, layout.L), plan.acc, device)
+    gc = empty((n, n_chunks + 1, layout.L), plan.acc, device)
+    full = [*args, agg, gc]
+    meta = dict(_meta(plan, cfg, n_chunks, ("REVERSE", "HAS_INIT", "HAS_DFINAL", "FP64")), **du)
+    mod, lanes = module(prog), _cdiv(layout.L, cfg.block_l)
+    _run(plan, cfg, mod.chunk_bwd_reduce, (n_chunks, lanes), full, meta, eager)
+    _run(plan, cfg, mod.chunk_bwd_carry, (lanes,), full, meta, eager)
+    _run(plan, cfg, mod.chunk_bwd_rescan, (n_chunks, lanes), full, meta, eager)

@@ -1,0 +1,329 @@
+"""The chunk-parallel schedule: for few lanes and a long time axis (prefill at batch 1).
+
+The tile schedule gives every lane block one program that walks all of T, so a scan over 16 lanes
+keeps 16 programs busy. Here time is cut into chunks of BLOCK_T steps and each (chunk, lane block)
+is its own program; three kernels per pass, each a `tl.associative_scan` over one [BLOCK_T, BLOCK_L]
+tile (time down the rows):
+
+forward, y_t = y_{t-1} (+) x_t with y_{-1} = initial or the identity e:
+    chunk_reduce   A_c = x_{cB} (+) ... (+) x_{cB+B-1}                 reads the inputs; writes A_c
+    chunk_carry    P_0 = y_{-1}, P_{c+1} = P_c (+) A_c                  one program per lane block;
+                   P_c (the carry into chunk c) is stored as the backward's checkpoint c, and
+                   P_{n} as the final prefix
+    chunk_rescan   y_t = P_c (+) x_{cB} (+) ... (+) x_t, out_t = readout(y_t, u_t)   reads inputs,
+                   writes outputs once
+backward, the same three phases on the adjoint's reverse affine scan gbar_t = v_t + A_t gbar_{t+1}
+(A_t = J1(y_t, x_{t+1})^T, v_t = the direct gradient of y_t; scanlang/autodiff.py):
+    chunk_bwd_reduce  replays y over the chunk from checkpoint c, forms (A_t, v_t) and reduces them
+                      to (M_c, V_c) with gbar_{cB} = V_c + M_c gbar_{(c+1)B}
+    chunk_bwd_carry   G_c = V_c + M_c G_{c+1}, G_n = 0, in reverse over the chunks (all n + 1 stored)
+    chunk_bwd_rescan  replays y (and the previous prefixes q), rescans the adjoint from G_{c+1},
+                      then dx = J2(q, x)^T gbar, the input gradients (stored, atomically added where
+                      an input is broadcast over lanes, summed over the chunk where it is constant in
+                      time) and, in chunk 0, dL/dinitial = c_0 + J1(y_{-1}, x_0)^T gbar_0.
+Time runs backwards in memory when REVERSE is set (index T-1-t). The arguments are those of the tile
+kernels (codegen.forward_args / backward_args) plus the aggregate buffers, so checkpoints mean the
+same in every schedule: the carry into each chunk of BLOCK_T steps.
+
+Supported: plain scans (`supports`; the kernels take any lift and a readout that neither uses the
+previous prefix nor sums over state lanes), one sequence (no cu_seqlens), T >= 1; other programs
+run on the other schedules.
+"""
+from __future__ import annotations
+
+import sympy
+
+from scanlang import expr as E
+from scanlang.autodiff import Adjoint
+from scanlang.ir import ScanIR
+
+from ..codegen import backward_args, forward_args
+from . import common
+from . import ir as K
+from .printer import render as print_module
+
+KERNELS = ("chunk_reduce", "chunk_carry", "chunk_rescan", "chunk_bwd_reduce", "chunk_bwd_carry", "chunk_bwd_rescan")
+
+
+def supports(ir: ScanIR) -> bool:
+    """Whether `ir` runs on this schedule: a plain scan (`sl.scan`). The kernels are written for any
+    lift and readout that do not use the previous prefix or sum over state lanes, but only plain
+    scans are tested on them so far, so mixers keep the other schedules."""
+    return ir.is_plain and not (ir.sequential_only or ir.reduce_state or ir.uses_previous)
+
+
+def _a(target: str, value: str) -> K.Assign:
+    return K.assign(target, value)
+
+
+def _fields(ir, fmt: str) -> str:
+    return ", ".join(fmt.format(f) for f in ir.fields)
+
+
+def _lanes(axis: int) -> tuple:
+    """Lane block `pid` of program axis `axis`: lane indices and lane_ok."""
+    return (_a("pid", f"tl.program_id({axis})"),
+            _a("lane", "pid.to(tl.int64) * BLOCK_L + tl.arange(0, BLOCK_L)"),
+            _a("lane_ok", "lane < L"))
+
+
+def _offsets(name: str, lanes: str = "lane") -> str:
+    return f"lane_offsets({lanes}, D1, D2, D3, {name}_s0, {name}_s1, {name}_s2, {name}_s3)"
+
+
+def _prologue(tensors) -> tuple:
+    """Program (chunk, lane block): rows of the tile, t (scan step), ok, tt (memory index), step, and
+    the lane offsets of `tensors`."""
+    body = [_a("chunk", "tl.program_id(0)"), *_lanes(1), _a("n_chunks", "tl.cdiv(T, BLOCK_T)"),
+            _a("rows", "tl.arange(0, BLOCK_T)[:, None]"), _a("t", "chunk.to(tl.int64) * BLOCK_T + rows"),
+            _a("ok", "(t < T) & lane_ok[None, :]"),
+            K.If(K.expr("REVERSE"), (_a("tt", "T - 1 - t"), _a("step", "-1")), (_a("tt", "t"), _a("step", "1")))]
+    body += [_a(f"{n}_off", f"{_offsets(n)}[None, :]") for n in tensors]
+    return tuple(body)
+
+
+def _load_lift(ir: ScanIR, tag: str = "", shift: int = 0, mask: str = "ok") -> tuple:
+    """Inputs `shift` steps later in scan order as u{tag}_<input>, lifted (l{tag}_<field>) and padded with
+    the identity where `mask` is false (e{tag}_<field>)."""
+    at = "tt" if shift == 0 else f"(tt + {shift} * step)"
+    body = [K.Load(f"u{tag}_{n}", K.expr(f"u{i}_ptr + u{i}_off + {at} * u{i}_st"), K.expr(mask), K.expr("1.0"))
+            for i, n in enumerate(ir.inputs)]
+    names = {s: f"u{tag}_{n}" for s, n in zip(ir.input_symbols, ir.inputs)}
+    body += common.assign([f"l{tag}_{f}" for f in ir.fields], ir.lift, names, f"_l{tag}",
+                          shape_like=f"u{tag}_{ir.inputs[0]}")
+    body += [_a(f"e{tag}_{f}", f"tl.where({mask}, l{tag}_{f}, {common.number(i)})") for f, i in zip(ir.fields, ir.identity)]
+    return tuple(body)
+
+
+def _scan_from(ir: ScanIR, elems: str, out: str, carry: str, reverse_note: str = "") -> tuple:
+    """{out}_<field> = carry (+) the inclusive scan of {elems}_<field> down the rows."""
+    scanned = tuple(f"s{out}_{f}" for f in ir.fields)
+    args = _fields(ir, elems + "_{}")
+    value = (f"tl.associative_scan(({args}), 0, combine)" if len(ir.fields) > 1
+             else f"tl.associative_scan({args}, 0, combine)")
+    return (K.Comment(f"the prefixes of the tile from {carry}: the combine, in scan order{reverse_note}"),
+            K.Assign(scanned, K.expr(value)),
+            K.Assign(tuple(f"{out}_{f}" for f in ir.fields),
+                     K.expr(f"combine({_fields(ir, carry + '_{}[None, :]')}, {', '.join(scanned)})")))
+
+
+def _row(src: str, row: str, rows: str = "rows") -> str:
+    """One row of a tile as a lane vector (a masked sum: exact, whatever the other rows hold)."""
+    return f"tl.sum(tl.where({rows} == {row}, {src}, 0.0), 0)"
+
+
+def _carry_from(ir: ScanIR, ptr: str, slot: str, mask: str = "lane_ok") -> tuple:
+    """c_<field>: the checkpoint (carry into a chunk) at `slot`."""
+    return tuple(K.Load(f"c_{f}", K.expr(f"{ptr} + ({k} * n_slots + {slot}) * L + lane"), K.expr(mask),
+                        K.expr(common.number(i))) for k, (f, i) in enumerate(zip(ir.fields, ir.identity)))
+
+
+def _initial(ir: ScanIR) -> tuple:
+    """c_<field>: the initial element of each lane, else the identity."""
+    loads = tuple(K.Load(f"c_{f}", K.expr(f"init{k}_ptr + {_offsets(f'init{k}')}"), K.expr("lane_ok"),
+                         K.expr(common.number(i))) for k, (f, i) in enumerate(zip(ir.fields, ir.identity)))
+    idents = tuple(_a(f"c_{f}", f"to_acc(tl.full([BLOCK_L], {common.number(i)}, tl.float64), FP64)")
+                   for f, i in zip(ir.fields, ir.identity))
+    return (K.If(K.expr("HAS_INIT"), loads, idents),)
+
+
+def _params(args, consts) -> tuple:
+    return tuple(K.Param(a) for a in args) + tuple(K.Param(c, constexpr=True) for c in consts)
+
+
+FWD_CONSTS = ("BLOCK_T", "BLOCK_L", "BLOCK_C", "REVERSE", "HAS_INIT", "FP64")
+
+
+def _forward_kernels(ir: ScanIR, origin) -> list[K.Kernel]:
+    params = _params(forward_args(ir) + ["agg_ptr"], FWD_CONSTS)
+    ins = [f"u{i}" for i in range(len(ir.inputs))]
+    name = E.docstring_text(ir.name)
+    reduce = _prologue(ins) + _load_lift(ir) + (
+        K.Comment("the chunk's aggregate: the inclusive scan's last valid row"),
+        K.Assign(tuple(f"s_{f}" for f in ir.fields),
+                 K.expr(f"tl.associative_scan(({_fields(ir, 'e_{}')}), 0, combine)" if len(ir.fields) > 1
+                        else f"tl.associative_scan(e_{ir.fields[0]}, 0, combine)")),
+        _a("last", "tl.minimum(T - 1 - chunk * BLOCK_T, BLOCK_T - 1)"),
+    ) + tuple(K.Store(K.expr(f"agg_ptr + ({k} * n_chunks + chunk) * L + lane"), K.expr(_row(f"s_{f}", "last")),
+                      K.expr("lane_ok")) for k, f in enumerate(ir.fields))
+    carry_loop = (_a("j", "k * BLOCK_C + crow"), _a("okc", "(j < n_chunks) & lane_ok[None, :]"))
+    carry_loop += tuple(K.Load(f"a_{f}", K.expr(f"agg_ptr + ({k} * n_chunks + j) * L + lane[None, :]"), K.expr("okc"),
+                               K.expr(common.number(i))) for k, (f, i) in enumerate(zip(ir.fields, ir.identity)))
+    carry_loop += _scan_from(ir, "a", "p", "c")
+    carry_loop += tuple(K.Store(K.expr(f"ckpt_ptr + ({k} * n_slots + j + 1) * L + lane[None, :]"), K.expr(f"p_{f}"),
+                                K.expr("okc")) for k, f in enumerate(ir.fields))
+    carry_loop += (_a("last", "tl.minimum(n_chunks - 1 - k * BLOCK_C, BLOCK_C - 1)"),)
+    carry_loop += tuple(_a(f"c_{f}", _row(f"p_{f}", "last", "crow")) for f in ir.fields)
+    carry = (*_lanes(0), _a("n_chunks", "tl.cdiv(T, BLOCK_T)"), _a("crow", "tl.arange(0, BLOCK_C)[:, None]"),
+             *_initial(ir),
+             K.Comment("checkpoint c = the carry into chunk c (slot 0: the initial element itself)"),
+             *(K.Store(K.expr(f"ckpt_ptr + {k} * n_slots * L + lane"), K.expr(f"c_{f}"), K.expr("lane_ok"))
+               for k, f in enumerate(ir.fields)),
+             K.For("k", K.expr("0"), K.expr("tl.cdiv(n_chunks, BLOCK_C)"), carry_loop),
+             *(K.Store(K.expr(f"final_ptr + {k} * n_seq * L + lane"), K.expr(f"c_{f}"), K.expr("lane_ok"))
+               for k, f in enumerate(ir.fields)))
+    outs = [f"o{j}" for j in range(len(ir.outputs))]
+    names = {s: f"p_{f}" for s, f in zip(ir.prefix_symbols, ir.fields)} | {
+        s: f"u_{n}" for s, n in zip(ir.input_symbols, ir.inputs)}
+    rescan = (_prologue(ins + outs) + _carry_from(ir, "ckpt_ptr", "chunk") + _load_lift(ir) + _scan_from(ir, "e", "p", "c")
+              + common.assign([f"r{j}" for j in range(len(outs))], ir.readout, names, "_r", shape_like=f"p_{ir.fields[0]}")
+              + tuple(K.Store(K.expr(f"o{j}_ptr + o{j}_off + tt * o{j}_st"),
+                              K.expr(f"r{j}.to(o{j}_ptr.dtype.element_ty)"), K.expr("ok")) for j in range(len(outs))))
+    return [K.Kernel("chunk_reduce", params, reduce, origin=origin,
+                     doc=f"Forward of {name}, phase 1 of 3: each chunk of BLOCK_T steps reduced to its aggregate."),
+            K.Kernel("chunk_carry", params, carry, origin=origin,
+                     doc=f"Forward of {name}, phase 2 of 3: the carry into every chunk (a scan of the aggregates)."),
+            K.Kernel("chunk_rescan", params, rescan, origin=origin,
+                     doc=f"Forward of {name}, phase 3 of 3: each chunk scanned from its carry, read out, stored.")]
+
+
+def _adjoint_elements(ir: ScanIR, adj: Adjoint) -> tuple:
+    """Per tile, from the replayed prefixes p_*: the next step's element en_*, the upstream gradients,
+    and the adjoint scan's elements (a_k = A_t's entries, v_* = the direct gradient of y_t)."""
+    n_out, nb = len(ir.outputs), len(adj.b_entries)
+    shape = f"p_{ir.fields[0]}"
+    body = [_a("ok_next", "(t + 1 < T) & lane_ok[None, :]"), *_load_lift(ir, tag="n", shift=1, mask="ok_next")]
+    body += [K.Load(f"g_{o}", K.expr(f"g{j}_ptr + g{j}_off + tt * g{j}_st"), K.expr("ok"), K.expr("0.0"))
+             for j, o in enumerate(ir.outputs)][:n_out]
+    here = ({s: f"p_{f}" for s, f in zip(ir.prefix_symbols, ir.fields)}
+            | {s: f"u_{n}" for s, n in zip(ir.input_symbols, ir.inputs)} | {g: g.name for g in adj.g})
+    body += common.assign([f"dy_{f}" for f in ir.fields], adj.dy, here, "_d", shape_like=shape)
+    a_names = ({s: f"p_{f}" for s, f in zip(ir.previous_symbols, ir.fields)}
+               | {s: f"en_{f}" for s, f in zip(ir.later, ir.fields)})
+    body.append(K.Comment("A_t = J1(y_t, x_{t+1})^T; the last step has no successor (its padding may not be finite)"))
+    body += common.assign([f"a{k}" for k in range(nb)], adj.b_entries, a_names, "_a", shape_like=shape)
+    body += [_a(f"a{k}", f"tl.where(ok_next, a{k}, 0.0)") for k in range(nb)]
+    body.append(_a("is_last", "t == T - 1"))
+    body += [_a(f"d_{f}", f"dy_{f} + tl.where(is_last, dfin_{f}[None, :], 0.0)") for f in ir.fields]
+    v_names = {s: f"p_{f}" for s, f in zip(ir.prefix_symbols, ir.fields)} | {s: s.name for s in adj.d}
+    body += common.assign([f"v_{f}" for f in ir.fields], adj.direct, v_names, "_v", shape_like=shape)
+    body += [_a(f"v_{f}", f"tl.where(ok, v_{f}, 0.0)") for f in ir.fields]
+    scanned = ", ".join([f"a{k}" for k in range(nb)] + [f"v_{f}" for f in ir.fields])
+    targets = tuple([f"ra{k}" for k in range(nb)] + [f"rv{i}" for i in range(len(ir.fields))])
+    body.append(K.Comment("the reverse affine scan of the adjoint over the tile"))
+    body.append(K.Assign(targets, K.expr(f"tl.associative_scan(({scanned}), 0, adjoint_combine, reverse=True)")))
+    return tuple(body)
+
+
+def _dfinal(ir: ScanIR) -> tuple:
+    loads = tuple(K.Load(f"dfin_{f}", K.expr(f"dfinal_ptr + {k} * n_seq * L + lane"), K.expr("lane_ok"),
+                         K.expr("0.0")) for k, f in enumerate(ir.fields))
+    zeros = tuple(_a(f"dfin_{f}", "to_acc(tl.zeros([BLOCK_L], tl.float32), FP64)") for f in ir.fields)
+    return (K.If(K.expr("HAS_DFINAL"), loads, zeros),)
+
+
+def _apply_carry(ir: ScanIR, adj: Adjoint, out: str, carry: str) -> tuple:
+    """{out}_<field> = rv + R carry: the reverse scan's results continued from the gradient `carry`
+    entering from the later steps (R the scanned transition, in the adjoint's sparse form)."""
+    n, nb = len(ir.fields), len(adj.b_entries)
+    ra, rv = [f"ra{k}" for k in range(nb)], [f"rv{i}" for i in range(n)]
+    rmat = adj.matrix([E.symbol(r) for r in ra])
+    gc = [E.symbol(f"{carry}_{f}") for f in ir.fields]
+    exprs = [E.symbol(rv[i]) + sum((rmat[i][j] * gc[j] for j in range(n)), sympy.Integer(0)) for i in range(n)]
+    names = {E.symbol(r): r for r in ra + rv} | {s: f"{s.name}[None, :]" for s in gc}
+    return common.assign([f"{out}_{f}" for f in ir.fields], exprs, names, f"_{out}")
+
+
+def _du_store(i: int, name: str) -> K.If:
+    """du_<name> by the constexpr mode DU<i> (plan._du_mode): 0 stored, 1 atomically added (broadcast
+    over lanes), 2 summed over the chunk then added once per lane (constant in time)."""
+    ptr = K.expr(f"du{i}_ptr + du{i}_off + tt * du{i}_st")
+    value = K.expr(f"du_{name}.to(du{i}_ptr.dtype.element_ty)")
+    summed = K.expr(f"tl.sum(tl.where(ok, du_{name}, 0.0), 0).to(du{i}_ptr.dtype.element_ty)")
+    return K.If(K.expr(f"DU{i} == 0"), (K.Store(ptr, value, K.expr("ok")),),
+                (K.If(K.expr(f"DU{i} == 1"), (K.AtomicAdd(ptr, value, K.expr("ok")),),
+                      (K.AtomicAdd(K.expr(f"du{i}_ptr + {_offsets(f'du{i}')}"), summed, K.expr("lane_ok")),)),))
+
+
+def _backward_kernels(ir: ScanIR, adj: Adjoint, origin) -> list[K.Kernel]:
+    n, nb = len(ir.fields), len(adj.b_entries)
+    consts = ("BLOCK_T", "BLOCK_L", "BLOCK_C", "REVERSE", "HAS_INIT", "HAS_DFINAL", "FP64") + tuple(
+        f"DU{i}" for i in range(len(ir.inputs)))
+    params = _params(backward_args(ir) + ["agg_ptr", "gc_ptr"], consts)
+    ins = [f"u{i}" for i in range(len(ir.inputs))]
+    grads = [f"g{j}" for j in range(len(ir.outputs))]
+    name = E.docstring_text(ir.name)
+    replay = _carry_from(ir, "ckpt_ptr", "chunk") + _load_lift(ir) + _scan_from(ir, "e", "p", "c")
+    reduce = (_prologue(ins + grads) + _dfinal(ir) + replay + _adjoint_elements(ir, adj)
+              + (K.Comment("(M_c, V_c): the chunk's adjoint aggregate, row 0 of the reverse scan"),)
+              + tuple(K.Store(K.expr(f"agg_ptr + ({k} * n_chunks + chunk) * L + lane"), K.expr(_row(r, "0")),
+                              K.expr("lane_ok"))
+                      for k, r in enumerate([f"ra{k}" for k in range(nb)] + [f"rv{i}" for i in range(n)])))
+    loop = (_a("k", "n_ctiles - 1 - kk"), _a("j", "k * BLOCK_C + crow"), _a("okc", "(j < n_chunks) & lane_ok[None, :]"))
+    loop += tuple(K.Load(f"a{k}", K.expr(f"agg_ptr + ({k} * n_chunks + j) * L + lane[None, :]"), K.expr("okc"),
+                         K.expr("0.0")) for k in range(nb))
+    loop += tuple(K.Load(f"v_{f}", K.expr(f"agg_ptr + ({nb + i} * n_chunks + j) * L + lane[None, :]"), K.expr("okc"),
+                         K.expr("0.0")) for i, f in enumerate(ir.fields))
+    scanned = ", ".join([f"a{k}" for k in range(nb)] + [f"v_{f}" for f in ir.fields])
+    targets = tuple([f"ra{k}" for k in range(nb)] + [f"rv{i}" for i in range(n)])
+    loop += (K.Assign(targets, K.expr(f"tl.associative_scan(({scanned}), 0, adjoint_combine, reverse=True)")),)
+    loop += _apply_carry(ir, adj, "G", "gc")
+    loop += tuple(K.Store(K.expr(f"gc_ptr + ({i} * (n_chunks + 1) + j) * L + lane[None, :]"), K.expr(f"G_{f}"), K.expr("okc"))
+                  for i, f in enumerate(ir.fields))
+    loop += tuple(_a(f"gc_{f}", _row(f"G_{f}", "0", "crow")) for f in ir.fields)
+    carry = (*_lanes(0), _a("n_chunks", "tl.cdiv(T, BLOCK_T)"), _a("crow", "tl.arange(0, BLOCK_C)[:, None]"),
+             _a("n_ctiles", "tl.cdiv(n_chunks, BLOCK_C)"),
+             *(_a(f"gc_{f}", "to_acc(tl.zeros([BLOCK_L], tl.float32), FP64)") for f in ir.fields),
+             K.Comment("G_c = gbar at the start of chunk c, from the last chunk back; G_n = 0"),
+             *(K.Store(K.expr(f"gc_ptr + ({i} * (n_chunks + 1) + n_chunks) * L + lane"), K.expr(f"gc_{f}"),
+                       K.expr("lane_ok")) for i, f in enumerate(ir.fields)),
+             K.For("kk", K.expr("0"), K.expr("n_ctiles"), loop))
+    shape = f"p_{ir.fields[0]}"
+    rescan = list(_prologue(ins + grads + [f"du{i}" for i in range(len(ir.inputs))]) + _dfinal(ir) + replay)
+    rescan.append(_a("ok_prev", "ok & (rows > 0)"))
+    rescan += _load_lift(ir, tag="v", shift=-1, mask="ok_prev") + _scan_from(ir, "ev", "qs", "c")
+    rescan.append(K.Comment("q_t = y_{t-1}; row 0: the carry itself (a raw initial element is not renormalised)"))
+    rescan += [_a(f"q_{f}", f"tl.where(rows == 0, c_{f}[None, :], qs_{f})") for f in ir.fields]
+    rescan += _adjoint_elements(ir, adj)
+    rescan += [K.Load(f"gin_{f}", K.expr(f"gc_ptr + ({i} * (n_chunks + 1) + chunk + 1) * L + lane"),
+                      K.expr("lane_ok"), K.expr("0.0")) for i, f in enumerate(ir.fields)]
+    rescan += _apply_carry(ir, adj, "gbar", "gin")
+    names_x = ({s: f"q_{f}" for s, f in zip(ir.previous_symbols, ir.fields)} | {s: s.name for s in adj.gbar}
+               | {s: f"e_{f}" for s, f in zip(ir.later, ir.fields)})
+    rescan += common.assign([f"dx_{f}" for f in ir.fields], adj.dx, names_x, "_x", shape_like=shape)
+    names_u = ({s: f"p_{f}" for s, f in zip(ir.prefix_symbols, ir.fields)}
+               | {s: f"q_{f}" for s, f in zip(ir.previous_symbols, ir.fields)}
+               | {s: f"u_{m}" for s, m in zip(ir.input_symbols, ir.inputs)} | {g: g.name for g in adj.g}
+               | {s: s.name for s in adj.dx_symbols})
+    rescan += common.assign([f"du_{m}" for m in ir.inputs], adj.du, names_u, "_u", shape_like=shape)
+    rescan += [_du_store(i, m) for i, m in enumerate(ir.inputs)]
+    here = names_u
+    bmat = adj.matrix([E.symbol(f"b{k}") for k in range(nb)])
+    gb = [E.symbol(f"gbar_{f}") for f in ir.fields]
+    w_exprs = [E.symbol(f"cq_{ir.fields[i]}") + sum((bmat[i][j] * gb[j] for j in range(n)), sympy.Integer(0))
+               for i in range(n)]
+    names_w = ({E.symbol(f"cq_{f}"): f"cq_{f}" for f in ir.fields} | {s: s.name for s in gb}
+               | {E.symbol(f"b{k}"): f"b{k}" for k in range(nb)})
+    b_names = ({s: f"q_{f}" for s, f in zip(ir.previous_symbols, ir.fields)}
+               | {s: f"e_{f}" for s, f in zip(ir.later, ir.fields)})
+    init = (K.Comment("dL/d(initial) = c_0 + J1(y_{-1}, x_0)^T gbar_0, from row 0 of chunk 0"),
+            *common.assign([f"cq_{f}" for f in ir.fields], adj.c, here, "_i", shape_like=shape),
+            *common.assign([f"b{k}" for k in range(nb)], adj.b_entries, b_names, "_b", shape_like=shape),
+            *common.assign([f"w_{f}" for f in ir.fields], w_exprs, names_w, "_w", shape_like=shape),
+            *(K.Store(K.expr(f"dinit{k}_ptr + lane"), K.expr(_row(f"w_{f}", "0")), K.expr("lane_ok"))
+              for k, f in enumerate(ir.fields)))
+    rescan.append(K.If(K.expr("HAS_INIT"), (K.If(K.expr("chunk == 0"), init),)))
+    return [K.Kernel("chunk_bwd_reduce", params, reduce, origin=origin,
+                     doc=f"Backward of {name}, phase 1 of 3: each chunk's adjoint reduced to (M_c, V_c)."),
+            K.Kernel("chunk_bwd_carry", params, carry, origin=origin,
+                     doc=f"Backward of {name}, phase 2 of 3: G_c = V_c + M_c G_(c+1), the gradient entering each chunk."),
+            K.Kernel("chunk_bwd_rescan", params, tuple(rescan), origin=origin,
+                     doc=f"Backward of {name}, phase 3 of 3: the adjoint rescanned from G_(c+1); input gradients.")]
+
+
+def module(ir: ScanIR, adj: Adjoint) -> K.Module:
+    """The chunk-parallel kernels of `ir` (forward and backward) as one IR module."""
+    if not supports(ir):
+        raise ValueError(f"ir: program {E.docstring_text(ir.name)} cannot run chunk-parallel (a readout of the "
+                         "previous prefix, a sum over state lanes, or a specialised carry)")
+    origin = common.origins(ir)
+    kernels = [common.combine_kernel(ir, origin), common.adjoint_combine_kernel(ir, adj), common.to_acc_kernel(),
+               common.lane_offsets_kernel(), *_forward_kernels(ir, origin), *_backward_kernels(ir, adj, origin)]
+    doc = (f"Generated by scanlang from monoid {E.docstring_text(ir.name)} (program {ir.key}): the chunk-parallel "
+           "schedule (backends/triton/kernel/chunked.py). Do not edit.")
+    return K.Module(doc, tuple(kernels))
+
+
+def render(ir: ScanIR, adj: Adjoint) -> str:
+    """The chunk-parallel module's source (deterministic)."""
+    return print_module(module(ir, adj))

@@ -1,0 +1,112 @@
+"""Pieces every schedule rendered on the kernel IR shares: the user's declaration as `Origin`s,
+expressions through the one sympy -> Triton printer, the combine functions and the small helpers.
+
+Expressions are printed by `scanlang.expr.render` (common subexpressions hoisted) by way of the
+tile generator's `_assign` (which also turns the Heaviside/sign atoms of derivatives into
+`tl.where`): there is one expression printer, and this module only wraps its lines as statements.
+"""
+from __future__ import annotations
+
+import inspect
+
+import sympy
+
+from scanlang import expr as E
+from scanlang.autodiff import Adjoint
+from scanlang.ir import ScanIR
+
+from ..codegen import _assign, _num
+from . import ir as K
+
+
+def number(value: float) -> str:
+    """A constant as Triton source (the expression printer's spelling: 1.0, float('inf'), ...)."""
+    return _num(value)
+
+
+def assign(targets, exprs, names: dict, prefix: str, shape_like: str | None = None) -> tuple[K.Assign, ...]:
+    """`targets[i] = exprs[i]` as statements, printed by the one expression printer (shared
+    subexpressions named `prefix<k>` first); constants become full tiles shaped like `shape_like`."""
+    return K.assign_lines(_assign(list(targets), list(exprs), names, prefix, shape_like))
+
+
+def _where(fn, what: str) -> K.Origin | None:
+    """`what` declared at fn's file:line, or None when Python cannot tell (a builtin, a C function)."""
+    try:
+        path = inspect.getsourcefile(fn)
+        line = fn.__code__.co_firstlineno
+    except (TypeError, AttributeError):
+        return None
+    return None if path is None else K.Origin(what, path, line)
+
+
+def origins(ir: ScanIR) -> tuple[K.Origin, ...]:
+    """Where the monoid behind `ir` was declared: its combine and (projective) scale functions.
+
+    The IR holds expressions, not functions; the declaration is found among the declared monoids
+    (`scanlang.monoid.DECLARED`) by name and traced combine. None found (an IR built by hand): ()."""
+    from scanlang.monoid import DECLARED
+    for m in DECLARED.values():
+        if m.name == ir.name and tuple(m.exprs) == tuple(ir.combine):
+            found = [_where(m.combine_fn, f"combine of {E.docstring_text(m.name)}")]
+            if m.scale_fn is not None:
+                found.append(_where(m.scale_fn, f"scale of {E.docstring_text(m.name)}"))
+            return tuple(o for o in found if o is not None)
+    return ()
+
+
+def combine_kernel(ir: ScanIR, origin: tuple[K.Origin, ...]) -> K.Kernel:
+    """`combine(x.., y..)`: the monoid's combine on one value per field (x the earlier operand),
+    renormalised by the scale for projective monoids (any positive multiple is the same element;
+    float32 rescales by Triton's non-IEEE division tl.fdiv, as the tile kernels do)."""
+    xs = [f"x_{f}" for f in ir.fields]
+    ys = [f"y_{f}" for f in ir.fields]
+    out = [f"m_{f}" for f in ir.fields]
+    names = dict(zip(ir.earlier, xs)) | dict(zip(ir.later, ys))
+    body = list(assign(out, ir.combine, names, "_c", shape_like=xs[0]))
+    if ir.is_projective:
+        body += assign(["scale"], [ir.scale], dict(zip(ir.scale_symbols, out)), "_s")
+        body.append(K.If(K.expr("scale.dtype == tl.float32"), (K.assign("inv_scale", "tl.fdiv(1.0, scale)"),),
+                         (K.assign("inv_scale", "1.0 / scale"),)))
+        body.append(K.Return(tuple(K.expr(f"{o} * inv_scale") for o in out)))
+    else:
+        body.append(K.Return(tuple(K.expr(o) for o in out)))
+    return K.Kernel("combine", tuple(K.Param(p) for p in xs + ys), tuple(body),
+                    doc="combine(x, y) with x the earlier operand, one value per field.", origin=origin)
+
+
+def adjoint_combine_kernel(ir: ScanIR, adj: Adjoint) -> K.Kernel:
+    """`adjoint_combine`: the reverse affine scan's combine over (B, e) pairs, w -> B w + e, with x
+    applied first (the later time step): (yB xB, yB xe + ye). B keeps the adjoint's sparsity."""
+    n, nb = len(ir.fields), len(adj.b_entries)
+    xb = [E.symbol(f"xb{k}") for k in range(nb)]
+    yb = [E.symbol(f"yb{k}") for k in range(nb)]
+    xe = [E.symbol(f"xe{i}") for i in range(n)]
+    ye = [E.symbol(f"ye{i}") for i in range(n)]
+    mx, my = adj.matrix(xb), adj.matrix(yb)
+    prod = [[sum((my[i][k] * mx[k][j] for k in range(n)), sympy.Integer(0)) for j in range(n)] for i in range(n)]
+    b_out = [prod[0][0]] if adj.scalar else [prod[i][j] for i, j in adj.pattern]
+    e_out = [sum((my[i][k] * xe[k] for k in range(n)), sympy.Integer(0)) + ye[i] for i in range(n)]
+    outs = [f"b{k}" for k in range(nb)] + [f"e{i}" for i in range(n)]
+    body = assign(outs, b_out + e_out, {s: s.name for s in xb + yb + xe + ye}, "_a", shape_like="xe0")
+    params = tuple(K.Param(s.name) for s in xb + xe + yb + ye)
+    return K.Kernel("adjoint_combine", params, body + (K.Return(tuple(K.expr(o) for o in outs)),),
+                    doc="(B, e) pairs of w -> B w + e, x applied first (the later time step).")
+
+
+def to_acc_kernel() -> K.Kernel:
+    """`to_acc(x, FP64)`: the accumulation dtype, float64 when FP64, else float32."""
+    return K.Kernel("to_acc", (K.Param("x"), K.Param("FP64", constexpr=True)),
+                    (K.If(K.expr("FP64"), (K.Return((K.expr("x.to(tl.float64)"),)),),
+                          (K.Return((K.expr("x.to(tl.float32)"),)),)),),
+                    doc="The accumulation dtype: float64 when FP64, else float32.")
+
+
+def lane_offsets_kernel() -> K.Kernel:
+    """`lane_offsets`: the memory offset of flattened lane indices over four lane dims, last fastest."""
+    body = (K.assign("i3", "lane % D3"), K.assign("rest", "lane // D3"), K.assign("i2", "rest % D2"),
+            K.assign("rest", "rest // D2"), K.assign("i1", "rest % D1"), K.assign("i0", "rest // D1"),
+            K.Return((K.expr("i0 * s0 + i1 * s1 + i2 * s2 + i3 * s3"),)))
+    params = tuple(K.Param(p) for p in ("lane", "D1", "D2", "D3", "s0", "s1", "s2", "s3"))
+    return K.Kernel("lane_offsets", params, body,
+                    doc="Memory offset of flattened lane indices over lane dims (D0, D1, D2, D3), last fastest.")

@@ -1,0 +1,137 @@
+"""The one printer: a kernel `Module` (kernel/ir.py) -> Triton source text.
+
+It builds a Python `ast.Module` (every `Expr` parsed with `ast.parse(..., mode="eval")`, so a bad
+expression fails here, naming the kernel) and unparses it once with `ast.unparse`: indentation,
+parentheses and quoting are the standard library's, the text is deterministic, and what is printed
+parses by construction. Comments (`ir.Comment`, the kernels' `Origin`s) are not part of Python's
+AST: they travel as placeholder calls `__comment__('text')` that the single unparsed text turns
+back into `# text` lines.
+"""
+from __future__ import annotations
+
+import ast
+import re
+
+from . import ir
+
+_COMMENT = "__comment__"
+_COMMENT_LINE = re.compile(rf"^(\s*){_COMMENT}\((.*)\)$")
+
+
+def _expr(e: ir.Expr, where: str) -> ast.expr:
+    try:
+        return ast.parse(e.text.strip(), mode="eval").body
+    except SyntaxError as exc:
+        raise ValueError(f"{where}: {e.text!r} is not a Python expression ({exc.msg})") from None
+
+
+def _name(text: str, ctx=ast.Load) -> ast.expr:
+    return ast.Name(id=text, ctx=ctx())
+
+
+def _call(func: str, args, keywords=()) -> ast.Call:
+    return ast.Call(func=ast.parse(func, mode="eval").body, args=list(args),
+                    keywords=[ast.keyword(arg=k, value=v) for k, v in keywords])
+
+
+def _comment(text: str) -> ast.stmt:
+    if "\n" in text:
+        raise ValueError(f"comment: one line expected, got {text!r}")
+    return ast.Expr(_call(_COMMENT, [ast.Constant(text)]))
+
+
+def _block(stmts, where: str) -> list[ast.stmt]:
+    out = [s for stmt in stmts for s in _stmt(stmt, where)]
+    if not any(not _is_comment(s) for s in out):
+        out.append(ast.Pass())
+    return out
+
+
+def _is_comment(node: ast.stmt) -> bool:
+    return (isinstance(node, ast.Expr) and isinstance(node.value, ast.Call)
+            and isinstance(node.value.func, ast.Name) and node.value.func.id == _COMMENT)
+
+
+def _stmt(s, where: str) -> list[ast.stmt]:
+    x = lambda e: _expr(e, where)  # noqa: E731
+    if isinstance(s, ir.Comment):
+        return [_comment(s.text)]
+    if isinstance(s, ir.Assign):
+        if len(s.targets) == 1:
+            target = _name(s.targets[0], ast.Store)
+        else:
+            target = ast.Tuple(elts=[_name(t, ast.Store) for t in s.targets], ctx=ast.Store())
+        return [ast.Assign(targets=[target], value=x(s.value), lineno=0)]
+    if isinstance(s, ir.Load):
+        kw = ([("mask", x(s.mask))] if s.mask is not None else []) + (
+            [("other", x(s.other))] if s.other is not None else [])
+        value = _call("tl.load", [x(s.pointer)], kw)
+        if s.to_acc:
+            value = _call("to_acc", [value, _name("FP64")])
+        return [ast.Assign(targets=[_name(s.target, ast.Store)], value=value, lineno=0)]
+    if isinstance(s, (ir.Store, ir.AtomicAdd)):
+        kw = [("mask", x(s.mask))] if s.mask is not None else []
+        if isinstance(s, ir.AtomicAdd):
+            kw.append(("sem", ast.Constant("relaxed")))
+        fn = "tl.store" if isinstance(s, ir.Store) else "tl.atomic_add"
+        return [ast.Expr(_call(fn, [x(s.pointer), x(s.value)], kw))]
+    if isinstance(s, ir.If):
+        return [ast.If(test=x(s.cond), body=_block(s.body, where),
+                       orelse=_block(s.orelse, where) if s.orelse else [])]
+    if isinstance(s, ir.For):
+        bounds = [x(s.start), x(s.stop)] + ([x(s.step)] if s.step is not None else [])
+        it = _call("tl.static_range" if s.static else "tl.range", bounds)
+        return [ast.For(target=_name(s.var, ast.Store), iter=it, body=_block(s.body, where), orelse=[], lineno=0)]
+    if isinstance(s, ir.Return):
+        values = [x(v) for v in s.values]
+        value = values[0] if len(values) == 1 else ast.Tuple(elts=values, ctx=ast.Load())
+        return [ast.Return(value=value)]
+    raise TypeError(f"{where}: {type(s).__name__} is not a statement of kernel/ir.py")
+
+
+def _function(k: ir.Kernel) -> list[ast.stmt]:
+    where = f"kernel {k.name}"
+    seen_default = False
+    args, defaults = [], []
+    for p in k.params:
+        ann = ast.parse("tl.constexpr", mode="eval").body if p.constexpr else None
+        args.append(ast.arg(arg=p.name, annotation=ann))
+        if p.default is not None:
+            seen_default = True
+            defaults.append(_expr(p.default, where))
+        elif seen_default:
+            raise ValueError(f"{where}: parameter {p.name} without a default follows one with a default")
+    names = [p.name for p in k.params]
+    if len(set(names)) != len(names):
+        raise ValueError(f"{where}: parameter names repeat: {names}")
+    body = ([ast.Expr(ast.Constant(k.doc))] if k.doc else []) + _block(k.body, where)
+    fn = ast.FunctionDef(name=k.name, args=ast.arguments(posonlyargs=[], args=args, vararg=None, kwonlyargs=[],
+                                                          kw_defaults=[], kwarg=None, defaults=defaults),
+                         body=body, decorator_list=[ast.parse("triton.jit", mode="eval").body], returns=None,
+                         type_params=[], lineno=0)
+    return [_comment(f"from {o}") for o in k.origin] + [fn]
+
+
+def render(module: ir.Module) -> str:
+    """The source text of `module`: docstring, imports, one `@triton.jit` function per kernel."""
+    names = [k.name for k in module.kernels]
+    if len(set(names)) != len(names):
+        raise ValueError(f"module: kernel names repeat: {names}")
+    tree = ast.Module(body=[ast.Expr(ast.Constant(module.doc)), ast.Import([ast.alias("triton")]),
+                            ast.Import([ast.alias("triton.language", "tl")])], type_ignores=[])
+    for k in module.kernels:
+        tree.body += _function(k)
+    text = ast.unparse(ast.fix_missing_locations(tree))
+    lines = []
+    for line in text.split("\n"):
+        m = _COMMENT_LINE.match(line)
+        line = f"{m.group(1)}# {ast.literal_eval(m.group(2))}" if m else line
+        starts = line.startswith(("# ", "@", "def "))   # a top-level function or the comments above it
+        while starts and lines and lines[-1] == "":
+            lines.pop()                                  # unparse's own blank lines, replaced below
+        if starts and lines and not lines[-1].startswith(("# ", "@")):
+            lines += ["", ""]                            # two blank lines before each function
+        lines.append(line)
+    source = "\n".join(lines) + "\n"
+    ast.parse(source)
+    return source

@@ -1,0 +1,131 @@
+"""GPU benchmark of the chunk-parallel schedule: the affine scan with few lanes and a long T.
+
+    python -m scanlang.tools.bench_chunked [--shape 1,16,1048576] [--chunk 2048]
+
+Times `sl.scan(sl.Affine, (a, b), dim=2)` at fp32 [B, D, T] (T contiguous; the default is the
+prefill-at-batch-1 row of DESIGN.md's targets) forward and forward+backward against a copy of the
+same bytes (torch clone of the tensors each pass must read and write once) and accelerated-scan's
+Triton kernel when it is importable. Before timing, outputs and gradients are checked against the
+float64 reference backend (scanlang.testing's fp32 GPU rows); a mismatch, or a pick other than the
+chunk-parallel kernels, exits 1. Prints a table of ms, GB/s and % of copy bandwidth.
+
+Bytes counted (n = B * D * T elements, 4 bytes each): forward reads a, b and writes both prefixes
+(4n); forward+backward adds the backward's reads of a, b and the gradient of out.b and its writes of
+da, db (5n). accelerated-scan returns only the b prefix (forward 3n, forward+backward 3n + 5n).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+
+import torch
+
+
+def _bench(fn) -> float:
+    import triton.testing as tt
+    fn()
+    torch.cuda.synchronize()
+    return tt.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def _parse_shape(text: str) -> tuple[int, int, int]:
+    try:
+        shape = tuple(int(v) for v in text.split(","))
+    except ValueError:
+        shape = ()
+    if len(shape) != 3 or min(shape) < 1:
+        raise ValueError(f"--shape: expected B,D,T (three positive integers), got {text!r}")
+    return shape
+
+
+def main(argv=None) -> int:
+    import scanlang as sl
+    from scanlang.backends.triton import chunked_launch, runtime
+    from scanlang.testing import check
+
+    parser = argparse.ArgumentParser(prog="python -m scanlang.tools.bench_chunked", description=__doc__.split("\n")[0])
+    parser.add_argument("--shape", default=f"1,16,{1 << 20}", help="B,D,T (default 1,16,1048576)")
+    parser.add_argument("--chunk", type=int, default=0, help="steps per chunk (default: choose_config's)")
+    args = parser.parse_args(argv)
+    try:
+        B, D, T = _parse_shape(args.shape)
+    except ValueError as exc:
+        parser.error(str(exc))
+    if args.chunk:
+        if args.chunk < 1 or args.chunk & (args.chunk - 1):
+            parser.error(f"--chunk: expected a power of two, got {args.chunk}")
+        forced = runtime.Config(block_t=args.chunk, block_l=1, num_warps=4, schedule="chunked")
+        runtime.OVERRIDES.update({(True, False): forced, (True, True): dataclasses.replace(forced, num_warps=8)})
+    if not torch.cuda.is_available():
+        print("bench_chunked: needs a CUDA GPU", file=sys.stderr)
+        return 2
+    torch.manual_seed(0)
+    a = (torch.rand(B, D, T, device="cuda") * 0.1 + 0.9)
+    b = torch.randn(B, D, T, device="cuda")
+    g = torch.randn(B, D, T, device="cuda")
+    n = a.numel()
+
+    # correctness first: float64 reference (blocked torch scan) and its autograd
+    a64, b64 = a.double().requires_grad_(), b.double().requires_grad_()
+    ref = sl.scan(sl.Affine, (a64, b64), dim=2, backend="reference")
+    ref_grads = torch.autograd.grad(ref.b, (a64, b64), g.double())
+    ref = [r.detach() for r in ref]
+    before = dict(chunked_launch.LAUNCHED)
+    al, bl = a.clone().requires_grad_(), b.clone().requires_grad_()
+    out = sl.scan(sl.Affine, (al, bl), dim=2, backend="triton")
+    grads = torch.autograd.grad(out.b, (al, bl), g)
+    ran = {k: v - before.get(k, 0) for k, v in chunked_launch.LAUNCHED.items() if v - before.get(k, 0)}
+    failures = []
+    if set(ran) != set(chunked_launch.chunked.KERNELS):
+        failures.append(f"the chunk-parallel kernels did not all run (ran: {ran})")
+    for what, got, want, name in [("scan", out.a, ref[0], "out.a"), ("scan", out.b, ref[1], "out.b"),
+                                  ("scan_grad", grads[0], ref_grads[0], "da"), ("scan_grad", grads[1], ref_grads[1], "db")]:
+        ok, r = check(got, want, what, dtype=torch.float32)
+        print(f"check {name}: RMS ratio {r:.2e} {'ok' if ok else 'MISMATCH'}")
+        if not ok:
+            failures.append(f"{name} differs from the float64 reference (ratio {r:.2e})")
+    del a64, b64, ref, ref_grads, out, grads
+    if failures:
+        for f in failures:
+            print(f"FAIL: {f}", file=sys.stderr)
+        return 1
+
+    rows = []
+
+    def add(name, ms, nbytes, copy_gbs=None):
+        gbs = nbytes / ms / 1e6
+        rows.append((name, ms, gbs, None if copy_gbs is None else 100 * gbs / copy_gbs))
+        return gbs
+
+    copy_gbs = add("copy (clone a, b)", _bench(lambda: (a.clone(), b.clone())), 4 * n * 4)
+    rows[-1] = rows[-1][:3] + (100.0,)
+    add("scanlang chunked fwd", _bench(lambda: sl.scan(sl.Affine, (a, b), dim=2, backend="triton")), 4 * n * 4,
+        copy_gbs)
+
+    def fwd_bwd():
+        o = sl.scan(sl.Affine, (al, bl), dim=2, backend="triton")
+        return torch.autograd.grad(o.b, (al, bl), g)
+    add("scanlang chunked fwd+bwd", _bench(fwd_bwd), 9 * n * 4, copy_gbs)
+    try:
+        from accelerated_scan.triton import scan as accelerated
+    except ImportError as exc:
+        print(f"accelerated-scan unavailable: {exc}")
+    else:
+        ac, bc = a.contiguous(), b.contiguous()
+        add("accelerated-scan.triton fwd", _bench(lambda: accelerated(ac, bc)), 3 * n * 4, copy_gbs)
+        aa, ba = ac.clone().requires_grad_(), bc.clone().requires_grad_()
+        add("accelerated-scan.triton fwd+bwd",
+            _bench(lambda: torch.autograd.grad(accelerated(aa, ba), (aa, ba), g)), 8 * n * 4, copy_gbs)
+    import triton
+    print(f"\naffine scan fp32 [{B}, {D}, {T}], T contiguous; {torch.cuda.get_device_name()}, torch "
+          f"{torch.__version__}, Triton {triton.__version__}; median of triton.testing.do_bench")
+    print(f"| {'what':<34} | {'ms':>9} | {'GB/s':>8} | {'% of copy':>9} |")
+    print(f"|{'-' * 36}|{'-' * 11}|{'-' * 10}|{'-' * 11}|")
+    for name, ms, gbs, pct in rows:
+        print(f"| {name:<34} | {ms:9.4f} | {gbs:8.1f} | {pct:8.1f}% |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

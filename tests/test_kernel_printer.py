@@ -1,0 +1,60 @@
+"""The kernel IR (backends/triton/kernel/ir.py) and its one printer (printer.py): Python's ast,
+unparsed once; comments and origins as `#` lines; bad input refused naming the kernel."""
+import ast
+import inspect
+
+import pytest
+
+import scanlang as sl
+from scanlang import pipeline
+from scanlang.backends.triton.kernel import chunked, common
+from scanlang.backends.triton.kernel import ir as K
+from scanlang.backends.triton.kernel.printer import render
+
+
+def kernel(body, params=(K.Param("x_ptr"), K.Param("N", constexpr=True)), origin=()):
+    return K.Module("doc of the module", (K.Kernel("k", params, tuple(body), doc="doc of k", origin=origin),))
+
+
+def test_statements_print_as_triton_source():
+    body = [K.Comment("why this load"),
+            K.Load("x", K.expr("x_ptr + tl.arange(0, N)"), K.expr("tl.arange(0, N) < 3"), K.expr("0.0")),
+            K.Assign(("a", "b"), K.expr("(x * 2, x + 1)")),
+            K.If(K.expr("N > 4"), (K.Store(K.expr("x_ptr"), K.expr("a")),), (K.Comment("only a comment"),)),
+            K.For("i", K.expr("0"), K.expr("N"), (K.AtomicAdd(K.expr("x_ptr + i"), K.expr("b")),)),
+            K.Return((K.expr("a"), K.expr("b")))]
+    origin = (K.Origin("combine of Affine", "lib.py", 19),)
+    src = render(kernel(body, origin=origin))
+    assert src == render(kernel(body, origin=origin))   # deterministic
+    lines = src.splitlines()
+    assert lines[0] == '"""doc of the module"""' and "import triton.language as tl" in lines
+    assert "# from combine of Affine: lib.py:19" in lines
+    assert "def k(x_ptr, N: tl.constexpr):" in src
+    assert "    # why this load" in lines
+    assert "    x = to_acc(tl.load(x_ptr + tl.arange(0, N), mask=tl.arange(0, N) < 3, other=0.0), FP64)" in lines
+    assert "        tl.atomic_add(x_ptr + i, b, mask=None, sem='relaxed')" not in lines   # no mask: none printed
+    assert "        tl.atomic_add(x_ptr + i, b, sem='relaxed')" in lines
+    assert "    for i in tl.range(0, N):" in lines
+    assert "        # only a comment" in lines and "        pass" in lines   # a block of comments gets a pass
+    ast.parse(src)
+
+
+def test_bad_input_is_refused_naming_the_kernel():
+    with pytest.raises(ValueError, match=r"kernel k: 'x \+' is not a Python expression"):
+        render(kernel([K.Assign(("y",), K.expr("x +"))]))
+    with pytest.raises(ValueError, match="follows one with a default"):
+        render(kernel([], params=(K.Param("A", True, K.expr("1")), K.Param("B"))))
+    with pytest.raises(TypeError, match="value"):
+        K.expr(object())
+    with pytest.raises(ValueError, match="lines"):
+        K.assign_lines(["not an assignment"])
+
+
+def test_chunked_module_points_at_the_declaration_and_is_deterministic():
+    for m in (sl.Affine, sl.Mobius):
+        ir = pipeline.lower(m)
+        src = chunked.render(ir, pipeline.differentiate(ir))
+        fn = m.combine_fn
+        assert f"# from combine of {m.name}: {inspect.getsourcefile(fn)}:{fn.__code__.co_firstlineno}" in src
+        assert all(f"def {name}(" in src for name in chunked.KERNELS)
+    assert common.origins(pipeline.lower(sl.Mobius))[1].what == "scale of Mobius"

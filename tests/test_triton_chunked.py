@@ -1,0 +1,212 @@
+"""The chunk-parallel schedule (backends/triton/kernel/chunked.py) against float64 loops written here.
+
+The schedule is forced through runtime.OVERRIDES with small chunks (interpreter on CPU, GPU
+otherwise): chunks of 8 steps at T = 1, 7 (chunk - 1), 9 (chunk + 1); chunks of 4 at T = 37 (ten
+chunks, so the carry kernels walk three tiles of 4 aggregates with a partial one); chunks of 64 at
+T = 5000 (79 chunks, the last partial; one lane). Lanes: [1, 3, T] with time contiguous (the few-lanes shape
+the schedule is for) and [2, T, 3] with channels contiguous. Every output field, and the gradients
+of every element and initial field under random output weights, are checked; the kernel launch
+counter shows the chunked kernels (and only they) ran.
+"""
+import pytest
+import torch
+
+import scanlang as sl
+from scanlang.backends import triton as tb
+from scanlang.backends.triton import chunked_launch, plan, runtime
+from scanlang.testing import assert_close
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+# ---- the float64 loops: y_t = y_{t-1} (+) x_t, y_{-1} = initial (raw) or the identity -------------
+
+def affine_step(h, x):
+    """(a, b) after (a', b'): the map h -> a h + b applied after the carry."""
+    return (x[0] * h[0], x[0] * h[1] + x[1])
+
+
+def mobius_step(h, x):
+    """2x2 matrices [[a, b], [c, d]], the later one on the left, renormalised by a + d."""
+    a = x[0] * h[0] + x[1] * h[2]
+    b = x[0] * h[1] + x[1] * h[3]
+    c = x[2] * h[0] + x[3] * h[2]
+    d = x[2] * h[1] + x[3] * h[3]
+    s = a + d
+    return (a / s, b / s, c / s, d / s)
+
+
+STEPS = {"Affine": affine_step, "Mobius": mobius_step}
+IDENTITY = {"Affine": (1.0, 0.0), "Mobius": (1.0, 0.0, 0.0, 1.0)}
+
+
+def loop(name, elems, dim, reverse=False, initial=None):
+    """The inclusive scan along `dim` one step at a time (differentiable: torch autograd gives the
+    reference gradients)."""
+    shape = torch.broadcast_shapes(*(e.shape for e in elems))
+    xs = [e.expand(shape).movedim(dim, 0) for e in elems]
+    T = shape[dim]
+    lane_shape = xs[0].shape[1:]
+    if initial is None:
+        h = tuple(torch.full(lane_shape, v, dtype=torch.float64, device=xs[0].device) for v in IDENTITY[name])
+    else:
+        h = tuple(i.to(torch.float64).expand(lane_shape) for i in initial)
+    out = [[None] * T for _ in elems]
+    for k in range(T):
+        t = T - 1 - k if reverse else k
+        h = STEPS[name](h, [x[t].to(torch.float64) for x in xs])
+        for f in range(len(elems)):
+            out[f][t] = h[f]
+    return [torch.stack(o, 0).movedim(0, dim) for o in out]
+
+
+# ---- inputs ----------------------------------------------------------------------------------------
+
+def nonzero(*shape, positive=False):
+    x = torch.rand(*shape, dtype=torch.float64) + 0.5
+    if not positive:
+        x = x * torch.where(torch.rand(*shape) < 0.3, -1.0, 1.0).double()
+    return x.to(DEVICE)
+
+
+def case(kind, shape, dim):
+    """(monoid, elements, initial) in float64: Affine with mixed signs (|a| < 1), Möbius with positive
+    entries, Affine with a broadcast parameter: a static decay per channel (shape [C] viewed in the
+    scan's shape, time stride 0) next to a full input, and Affine with a gate shared by the lanes."""
+    lane_shape = shape[:dim] + shape[dim + 1:]
+    if kind == "Mobius":
+        return sl.Mobius, tuple(nonzero(*shape, positive=True) for _ in range(4)), tuple(
+            nonzero(*lane_shape, positive=True) for _ in range(4))
+    initial = (nonzero(*lane_shape) * 0.9, nonzero(*lane_shape))
+    if kind == "Affine":
+        return sl.Affine, (nonzero(*shape) * 0.9, nonzero(*shape)), initial
+    if kind == "shared":   # a gate shared by every lane, varying in time: its gradient is added atomically
+        view = [1] * len(shape)
+        view[dim] = shape[dim]
+        return sl.Affine, (nonzero(*view) * 0.9, nonzero(*shape)), initial
+    view = [1] * len(shape)
+    channel = 1 if dim == 2 else len(shape) - 1       # [1, C, T] or [B, T, C]
+    view[channel] = shape[channel]
+    decay = (torch.rand(shape[channel], dtype=torch.float64) * 0.8 + 0.1).to(DEVICE).reshape(view)
+    return sl.Affine, (decay, nonzero(*shape)), initial
+
+
+@pytest.fixture
+def chunked(request):
+    """Force the chunk-parallel schedule with chunks of `request.param` steps, both passes, both layouts."""
+    cfg = runtime.Config(block_t=request.param, block_l=4, num_warps=1, schedule="chunked")
+    runtime.OVERRIDES.clear()
+    runtime.OVERRIDES.update({(c, b): cfg for c in (False, True) for b in (False, True)})
+    plan.PLANS.clear()
+    yield cfg
+    runtime.OVERRIDES.clear()
+    plan.PLANS.clear()
+
+
+def check(kind, shape, dim, reverse, with_initial, dtype=torch.float64):
+    """Outputs and every gradient (elements and initial) against the loop; the chunked kernels ran."""
+    monoid, elems, initial = case(kind, shape, dim)
+    elems = tuple(e.to(dtype).requires_grad_() for e in elems)
+    initial = tuple(i.to(dtype).requires_grad_() for i in initial) if with_initial else None
+    before = dict(chunked_launch.LAUNCHED)
+    out = sl.scan(monoid, elems, dim=dim, reverse=reverse, initial=initial, backend="triton")
+    ref = loop(monoid.name, elems, dim, reverse, initial)
+    for f, o, r in zip(monoid.fields, out, ref):
+        assert o.shape == r.shape
+        assert_close(o, r, "scan", dtype=dtype, name=f"{kind}.{f}")
+    weights = [torch.randn(r.shape, dtype=torch.float64, device=DEVICE) for r in ref]
+    leaves = elems + (initial or ())
+    got = torch.autograd.grad(sum((o * w).sum() for o, w in zip(out, weights)), leaves)
+    want = torch.autograd.grad(sum((r * w).sum() for r, w in zip(ref, weights)), leaves)
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert g.shape == leaves[i].shape
+        assert_close(g, w, "scan_grad", dtype=dtype, name=f"{kind} grad {i}")
+    ran = {k: v - before.get(k, 0) for k, v in chunked_launch.LAUNCHED.items()}
+    assert all(ran.get(k, 0) == 1 for k in chunked_launch.chunked.KERNELS), ran
+
+
+SHORT = [(8, 1), (8, 7), (8, 9), (4, 37)]
+
+
+@pytest.mark.parametrize("chunked,T", SHORT, indirect=["chunked"], ids=lambda v: str(v))
+@pytest.mark.parametrize("kind", ["Affine", "Mobius", "broadcast"])
+@pytest.mark.parametrize("reverse,with_initial", [(False, False), (True, True)], ids=["forward", "reverse-initial"])
+def test_float64_time_contiguous(chunked, T, kind, reverse, with_initial):
+    check(kind, (1, 3, T), 2, reverse, with_initial)
+
+
+@pytest.mark.parametrize("chunked", [4], indirect=True)
+@pytest.mark.parametrize("kind", ["Affine", "Mobius", "broadcast", "shared"])
+@pytest.mark.parametrize("reverse,with_initial", [(True, False), (False, True)], ids=["reverse", "initial"])
+def test_float64_reverse_or_initial(chunked, kind, reverse, with_initial):
+    check(kind, (1, 3, 37), 2, reverse, with_initial)
+
+
+@pytest.mark.parametrize("chunked", [4], indirect=True)
+@pytest.mark.parametrize("kind", ["Affine", "Mobius", "broadcast"])
+def test_float32_reverse_with_initial(chunked, kind):
+    check(kind, (1, 3, 37), 2, True, True, dtype=torch.float32)
+
+
+@pytest.mark.parametrize("chunked", [4], indirect=True)
+@pytest.mark.parametrize("kind", ["Affine", "broadcast"])
+def test_channels_contiguous(chunked, kind):
+    check(kind, (2, 37, 3), 1, False, True)
+
+
+# T = 5000 costs minutes in the interpreter (its scans step through every row): Affine in the default
+# tier, Möbius (a 12-value adjoint scan) in the slow one
+@pytest.mark.parametrize("chunked", [64], indirect=True)
+@pytest.mark.parametrize("kind,dtype", [("Affine", torch.float32),
+                                        pytest.param("Mobius", torch.float64, marks=pytest.mark.slow)])
+def test_long_sequence(chunked, kind, dtype):
+    check(kind, (1, 1, 5000), 2, True, True, dtype=dtype)
+
+
+# ---- the pick ----------------------------------------------------------------------------------------
+
+def test_choose_config_picks_chunked_for_few_lanes_and_long_time(monkeypatch):
+    """[1, 16, 2^20] with time contiguous: the chunk-parallel schedule on the GPU branch (2048-step
+    chunks, one lane per program), not for many lanes, short sequences or programs without it."""
+    monkeypatch.setattr(runtime.settings, "triton_interpret", lambda: False)
+    runtime.OVERRIDES.clear()
+    for backward in (False, True):
+        cfg = runtime.choose_config(1 << 20, 16, True, 1, backward=backward, checkpoint=True, chunkable=True)
+        assert cfg.schedule == "chunked" and cfg.block_t == 2048 and cfg.block_l == 1
+    assert runtime.choose_config(1 << 20, 16, False, 1, chunkable=True).schedule == "chunked"
+    assert runtime.choose_config(1 << 20, 16, True, 1, chunkable=False).schedule == "tile"
+    assert runtime.choose_config(4096, 16, True, 1, chunkable=True).schedule == "tile"           # short T
+    assert runtime.choose_config(1536 * 8 * 4, 12288, True, 1, chunkable=True).schedule == "tile"  # many lanes
+    assert plan.chunk_of(runtime.chunked_config(1 << 20, 16, True, False, interpret=False)) == 2048
+
+
+def test_plan_picks_chunked_for_a_plain_scan_not_for_packed_sequences():
+    """The plan asks for the chunk-parallel schedule where the program and call allow it."""
+    prog = tb.program_for(sl.Affine)
+    x = torch.empty(1, 16, 1 << 14, device="meta")
+    p = plan.ForwardPlan(prog, [x, x], [], 1, False, 2, False, False, True)
+    assert p.fwd_chosen.schedule == "chunked"
+    packed = plan.ForwardPlan(prog, [x, x], [], 1, True, 2, False, False, True)
+    assert packed.fwd_chosen.schedule != "chunked"
+    assert p.checkpoint_shape(p.fwd_chosen) == (2, (1 << 14) // p.fwd_chosen.block_t + 1, 16)
+    from scanlang import pipeline   # a mixer (lift and readout) keeps the other schedules
+    mixer = pipeline.lower(sl.Affine, inputs=("g", "x"), lift=lambda u: (u.g, 2 * u.x))
+    assert chunked_launch.chunked.supports(pipeline.lower(sl.Affine)) and not chunked_launch.chunked.supports(mixer)
+
+
+@pytest.mark.parametrize("chunked", [8], indirect=True)
+def test_compile_fullgraph_runs_the_chunked_kernels_through_the_registered_ops(chunked):
+    """torch.compile(fullgraph=True) traces the registered ops, which launch the chunked kernels
+    through wrap_triton: same outputs and gradients as the loop."""
+    monoid, elems, _ = case("Affine", (1, 3, 21), 2)
+    a, b = (e.requires_grad_() for e in elems)
+    before = dict(chunked_launch.LAUNCHED)
+    compiled = torch.compile(lambda a, b: sl.scan(sl.Affine, (a, b), dim=2, backend="triton").b, fullgraph=True,
+                             backend="inductor" if DEVICE == "cuda" else "eager")
+    out = compiled(a, b)
+    ref = loop("Affine", (a, b), 2)[1]
+    assert_close(out, ref, "scan", name="compiled Affine.b")
+    g = torch.randn_like(ref)
+    for got, want in zip(torch.autograd.grad(out, (a, b), g), torch.autograd.grad(ref, (a, b), g)):
+        assert_close(got, want, "scan_grad", name="compiled Affine grad")
+    assert all(chunked_launch.LAUNCHED[k] > before.get(k, 0) for k in chunked_launch.chunked.KERNELS)
