@@ -18,6 +18,7 @@ import importlib.util
 import sys
 from pathlib import Path
 
+from . import pipeline
 from .errors import IdentityError, NotAssociativeError
 from .monoid import Monoid
 
@@ -89,8 +90,7 @@ def cmd_show(args) -> int:
         return 1
     print(monoid.describe())
     try:
-        from .backends import triton as triton_backend
-        source = triton_backend.show(monoid)
+        source = pipeline.show(monoid)
     except ImportError as exc:
         print(f"\n# generated Triton kernels unavailable here: {exc}")
         return 0

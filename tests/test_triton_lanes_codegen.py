@@ -91,7 +91,7 @@ def test_loop_stages_pipeline_the_block_loops(monkeypatch):
     """codegen_seq.LOOP_STAGES: plain loops by default; with N > 1 stages the forward's, the replay's
     and the walk's loops over full blocks become tl.range(..., num_stages=N), per pass, and the
     module still renders (parsed) and imports."""
-    from scanlang.backends.triton import codegen
+    from scanlang.backends.triton import codegen_module as codegen
     ir = _programs()[0][1]
     adj = differentiate(ir)
     default = codegen.render(ir, adj)

@@ -87,7 +87,7 @@ def test_checkpoints_every_few_forward_tiles_packed(runs):
 
 def test_runs_take_the_run_bodies():
     """Both generated kernels switch to the run bodies at RUN_TILE steps (a constexpr branch)."""
-    from scanlang.backends.triton.codegen import render
+    from scanlang.backends.triton.codegen_module import render
 
     from scanlang.autodiff import differentiate
     from scanlang.ir import lower

@@ -25,14 +25,18 @@ from __future__ import annotations
 
 import functools
 import inspect
+import sys
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 import triton
+from torch._subclasses.fake_tensor import is_fake
+from torch.fx.experimental.proxy_tensor import get_proxy_mode
 from torch.library import triton_op, wrap_triton
 from triton.runtime.errors import OutOfResources
 
+from scanlang import backend
 from scanlang.delta import DECLARED, GIVEN, KACZMARZ, DeltaRule
 from scanlang.second_order import refuse_second_order
 
@@ -310,8 +314,6 @@ def _ptr(t: torch.Tensor, fallback: torch.Tensor) -> torch.Tensor:
 
 def _fake(t: torch.Tensor) -> bool:
     """Shape propagation only (meta or FakeTensor outside graph recording): allocate, launch nothing."""
-    from torch._subclasses.fake_tensor import is_fake
-    from torch.fx.experimental.proxy_tensor import get_proxy_mode
     return t.device.type == "meta" or (is_fake(t) and get_proxy_mode() is None)
 
 
@@ -613,3 +615,6 @@ def delta_rule(q, k, v, g, s, rule, scale: float, initial_state=None, output_fin
         o, S, *_ = _chunk_forward(plan(key, K, V, dt, k.device), *args, direct=True)
     o = o.reshape(B, T, H, V)
     return o, (S if output_final_state else None)
+
+
+backend.register("delta", sys.modules[__name__])

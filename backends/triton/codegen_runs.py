@@ -349,7 +349,7 @@ def forward_loop(ir: ScanIR) -> list[str]:
 
 
 def _du_store_runs(i: int, name: str) -> list[str]:
-    """Write du{j}_<name> (step j of every run) by the constexpr mode DU{i} (see codegen._du_store)."""
+    """Write du{j}_<name> (step j of every run) by the constexpr mode DU{i} (see codegen_tile._du_store)."""
     cast = f"du{i}_ptr.dtype.element_ty"
     lines = [f"if DU{i} == 0:"] + ["    " + ln for ln in _store_steps(f"du{i}", f"du{{}}_{name}", cast)]
     lines.append(f"elif DU{i} == 1:")

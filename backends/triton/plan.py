@@ -314,7 +314,7 @@ class BackwardPlan(_Plan):
                 got = (self.prog.module.scan_backward_lanes, grid, dict(meta, UNROLL=cfg.unroll, **self.lanes_meta(cfg)),
                        scratch)
             else:
-                got = (self.prog.module.scan_backward, grid,   # FLIP_REV: see codegen.render_backward
+                got = (self.prog.module.scan_backward, grid,   # FLIP_REV: see codegen_tile.render_backward
                        dict(meta, BLOCK_T=cfg.block_t, STAGES=cfg.stages, FLIP_REV=not self.time_contiguous,
                             **self.tile_meta(cfg)), None)
             self._launch[cfg] = got

@@ -19,11 +19,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import triton
 from triton.runtime.errors import OutOfResources
 
+import scanlang
 from scanlang import cache, settings
 
 from .codegen import LANE_DIMS
+from .codegen_runs import RUN
+from .codegen_seq import MAX_UNROLL
 
 
 # ---- load: the content-addressed cache ---------------------------------------------------------
@@ -35,9 +39,6 @@ def _device_kind() -> str:
 
 
 def cache_key(source: str) -> str:
-    import triton
-
-    import scanlang
     text = "\n".join([source, scanlang.__version__, triton.__version__, torch.__version__, _device_kind()])
     return hashlib.sha256(text.encode()).hexdigest()[:24]
 
@@ -158,7 +159,6 @@ class Config:
     unroll: int = 4      # lanes: steps per loop iteration (their loads issued together)
 
     def __post_init__(self):
-        from .codegen_seq import MAX_UNROLL
         if self.schedule not in SCHEDULES:
             raise ValueError(f"schedule: expected one of {SCHEDULES}, got {self.schedule!r}")
         if not 1 <= self.unroll <= MAX_UNROLL:
@@ -194,6 +194,11 @@ def lanes_per_thread(cfg: Config, state: int) -> int:
     over its threads, at most `state` (the state lanes of a reducing program, 1 otherwise), so a
     group's state sum starts in registers and an input constant over the state loads once per slot."""
     return max(1, min(cfg.block_l // (32 * cfg.num_warps), state))
+
+
+def forces_lanes() -> bool:
+    """True while a forced config (OVERRIDES) runs the lane-sequential schedule."""
+    return any(c.schedule == "lanes" for c in OVERRIDES.values())
 
 
 def prefers_lanes(L: int) -> bool:
@@ -239,7 +244,6 @@ def choose_config(T: int, L: int, time_contiguous: bool, state: int, backward: b
         # (99.7%); offline SASS per element under Triton 3.6 (resources.py): Möbius forward 48.8 (no-grad)
         # and backward 170.5, affine 13.1 and 37.4. 1024 x 2 measured 0.146 ms for the affine forward in
         # session 3 (run 6) against 0.149 for 512 x 2 then; not re-measured since the reciprocal changes.
-        from .codegen_runs import RUN
         bt = min(512, pow2(T))
         chunk = bt
         tile = chunk if backward else bt
