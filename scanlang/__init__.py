@@ -16,6 +16,7 @@ from .expr import abs, exp, log, maximum, minimum, sqrt  # noqa: A004 - DSL name
 from .library import (LIBRARY, Add, Affine, ComplexMul, LogAffine, LogSumExp, Matrix2, Max, MaxPlus, MinPlus,
                       Mobius, OnlineSoftmax, Welford)
 from .monoid import Fields, Monoid, monoid
+from . import tuning  # noqa: F401  (sl.tuning.override: knobs for tests and benchmarks)
 from .scan import scan
 from .verify import Proof, verify
 

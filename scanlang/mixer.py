@@ -56,7 +56,7 @@ from typing import Callable, Mapping, Sequence
 import torch
 
 from . import backend as registry
-from . import context_parallel, pipeline, settings
+from . import context_parallel, pipeline, settings, tuning
 from ._checks import check_cu_seqlens
 from .context_parallel_ops import mixer_sharded
 from .ir import lower, specialize_carry
@@ -107,9 +107,23 @@ class Mixer:
         self.result = collections.namedtuple("MixerOutput", self.outputs + ("final",))
         self.program = pipeline.build(self.ir)   # generated and loaded now, never inside a traced call
         self.key = self.program.key
-        self._specialised: dict = {}   # constants -> program (`_program_for`)
+        self._render = tuning.current().render_key   # the render-time knobs self.program was built under
+        self._rendered: dict = {}      # other render-time knobs -> program (`_general`)
+        self._specialised: dict = {}   # (constants, render-time knobs) -> program (`_program_for`)
         self._checked: dict = {}       # eager input signature -> what validation derived (`_call`)
         self._time_dim = self.axes.index("t")
+
+    def _general(self):
+        """This mixer's program under the render-time knobs in effect (`scanlang.tuning`): the one
+        built with the mixer, or one rendered on first use (outside a trace; inside, the first one)."""
+        render = tuning.current().render_key
+        if render == self._render:
+            return self.program
+        if render not in self._rendered:
+            if torch.compiler.is_compiling():
+                return self.program
+            self._rendered[render] = pipeline.build(self.ir)
+        return self._rendered[render]
 
     def _program_for(self, constants: dict, lanes: int):
         """The program to launch: this mixer's, or one specialised to initial fields given as Python
@@ -118,14 +132,15 @@ class Mixer:
         Specialised programs are built on first use and kept; inside a torch.compile trace a program
         not built yet is not generated (no sympy in a traced call): the general one runs instead."""
         kernels = _triton()
+        general = self._general()
         if not constants or not (kernels.prefers_lanes(lanes) or kernels.forces_lanes()):
-            return self.program
-        key = tuple(sorted(constants.items()))
+            return general
+        key = (tuple(sorted(constants.items())), tuning.current().render_key)
         if key not in self._specialised:
             if torch.compiler.is_compiling():
-                return self.program
+                return general
             spec = specialize_carry(self.ir, constants)
-            self._specialised[key] = self.program if spec is self.ir else pipeline.build(spec)
+            self._specialised[key] = general if spec is self.ir else pipeline.build(spec)
         return self._specialised[key]
 
     def source(self) -> str:
@@ -255,7 +270,7 @@ def _call(self: Mixer, initial, output_final_state: bool, reverse: bool, cu_seql
     if initial is not None:
         init, constants = self._initial(initial, state_shape, fp64, values[0].device)
         eager = None   # the initial elements' tensors count too: ops.launch decides
-    program = self._program_for(constants, math.prod(lane_shape)) if constants else self.program
+    program = self._program_for(constants, math.prod(lane_shape)) if constants else self._general()
     outs, final = pipeline.launch(program, views, init, self._time_dim, reverse, fp64, cu_seqlens, is_eager=eager)
     fin = tuple(final[i].reshape(state_shape) for i in range(len(self.monoid.fields))) if output_final_state else None
     return self.result(*outs, fin)

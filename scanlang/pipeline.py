@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from . import backend as registry
-from . import settings
+from . import settings, tuning
 from .autodiff import Adjoint, differentiate
 from .ir import ScanIR, lower
 from .monoid import DECLARED, Monoid, monoid as declare
@@ -65,8 +65,9 @@ def load(source: str):
 
 
 def build(ir: ScanIR) -> Program:
-    """lower's result -> differentiate -> render -> load: a launchable `Program` (cached by ir.key)."""
-    key = ir.key
+    """lower's result -> differentiate -> render -> load: a launchable `Program`, cached by its key:
+    the IR's key and the render-time knobs in effect (`scanlang.tuning`), which the renderer reads."""
+    key = f"{ir.key}.{tuning.current().render_key}"
     if key not in PROGRAMS:
         adjoint = differentiate(ir)
         source = render(ir, adjoint)
@@ -88,7 +89,7 @@ def program(m: Monoid) -> Program:
     return PROGRAMS[program_key(m.key, m.name)]
 
 
-_KEYS: dict = {}   # (monoid key, name) -> the key of its plain-scan program in PROGRAMS
+_KEYS: dict = {}   # (monoid key, name, render-time knobs) -> the key of its plain-scan program in PROGRAMS
 
 
 @torch.compiler.assume_constant_result
@@ -97,11 +98,13 @@ def program_key(key: str, name: str) -> str:
 
     torch.compile runs this at trace time and keeps only the string. It takes two strings (constants
     to Dynamo in every torch version, also when a recompile turns numbers dynamic) rather than the
-    Monoid object or its parts; the object is found in `scanlang.monoid.DECLARED`.
+    Monoid object or its parts; the object is found in `scanlang.monoid.DECLARED`. The program is the
+    one of the render-time knobs in effect (`scanlang.tuning`).
     """
-    if (key, name) not in _KEYS:
-        _KEYS[(key, name)] = build(lower(DECLARED[(key, name)])).key
-    return _KEYS[(key, name)]
+    found = (key, name, tuning.current().render_key)
+    if found not in _KEYS:
+        _KEYS[found] = build(lower(DECLARED[(key, name)])).key
+    return _KEYS[found]
 
 
 def show(m: Monoid) -> str:

@@ -91,7 +91,7 @@ def test_broadcast_parameter_and_float32():
 def check_with_initial(monoid, shape, dim: int, reverse: bool):
     """sl.scan with a per-lane initial element against the float64 loop: every output field, and the
     gradients of every element and initial field under random output weights (the schedule is
-    whatever the caller's fixture or runtime.OVERRIDES chose)."""
+    whatever the caller's fixture or forced configs (scanlang.tuning) chose)."""
     elems = tuple(e.requires_grad_() for e in elems_for(monoid, shape))
     initial = tuple(e.requires_grad_() for e in elems_for(monoid, shape[:dim] + shape[dim + 1:]))
     out = sl.scan(monoid, elems, dim=dim, reverse=reverse, initial=initial, backend="triton")

@@ -13,10 +13,11 @@ from scanlang.ir import ScanIR
 from .codegen import (TILE_FLAGS, _assign, _assign_inverted, _common_prologue, _indent, _initial_carry, _lane_off,
                       _load_lift, _num, _previous, _replay, _symbols_named, _time_index, backward_args, combine_call,
                       forward_args, tile_start_checkpoints)
-from .codegen_runs import RUN, RUN_TILE, backward_loop, forward_loop, runs_epilogue, runs_prologue
+from .codegen_runs import backward_loop, forward_loop, runs_epilogue, runs_prologue, runs_shape
 
 
 def render_forward(ir: ScanIR) -> list[str]:
+    RUN, _, RUN_TILE = runs_shape()
     args = forward_args(ir)
     consts = ["BLOCK_T", "BLOCK_L", "CHUNK", "REVERSE", "HAS_INIT", "VARLEN", "STATE", "FP64", "STAGES", "CKPT"] + TILE_FLAGS
     body = _common_prologue()
@@ -105,6 +106,7 @@ def render_backward(ir: ScanIR, adj: Adjoint) -> list[str]:
     affine scan gbar_s = E_s + A_s gbar_{s+1} with A_s = J1(p_s, x_{s+1})^T, E_s = dy_s + c_{s+1};
     then dx = J2(q, x)^T gbar and the input gradients. No shifts of register tiles are needed.
     Tiles of at least RUN_TILE steps run `codegen_runs.backward_loop` instead."""
+    RUN, _, RUN_TILE = runs_shape()
     n = len(ir.fields)
     nb = len(adj.b_entries)
     args = backward_args(ir)

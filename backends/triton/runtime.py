@@ -23,11 +23,9 @@ import triton
 from triton.runtime.errors import OutOfResources
 
 import scanlang
-from scanlang import cache, settings
+from scanlang import cache, settings, tuning
 
 from .codegen import LANE_DIMS
-from .codegen_runs import RUN
-from .codegen_seq import MAX_UNROLL
 
 
 # ---- load: the content-addressed cache ---------------------------------------------------------
@@ -161,8 +159,9 @@ class Config:
     def __post_init__(self):
         if self.schedule not in SCHEDULES:
             raise ValueError(f"schedule: expected one of {SCHEDULES}, got {self.schedule!r}")
-        if not 1 <= self.unroll <= MAX_UNROLL:
-            raise ValueError(f"unroll: expected 1..{MAX_UNROLL}, got {self.unroll}")
+        max_unroll = tuning.current().max_unroll   # the steps per iteration the kernels are generated for
+        if not 1 <= self.unroll <= max_unroll:
+            raise ValueError(f"unroll: expected 1..{max_unroll}, got {self.unroll}")
         object.__setattr__(self, "_hash", hash(dataclasses.astuple(self)))
 
     def __hash__(self) -> int:   # configs key several dicts on every launch: hash the fields once
@@ -172,21 +171,11 @@ class Config:
         return type(self), dataclasses.astuple(self)
 
 
-# (time_contiguous, is_backward) -> Config forced by the benchmark or a test; empty in normal use.
-# A forced Config with schedule="lanes" selects the lane-sequential kernels (see `lanes_overrides`).
-OVERRIDES: dict = {}
-
-
 def lanes_overrides(block_l: int = 64, num_warps: int = 2, chunk: int = 64, unroll: int = 16) -> dict:
-    """OVERRIDES entries that run every layout, forward and backward, on the lane-sequential schedule."""
+    """Forced configs (`tuning.override(forced=...)`) that run every layout, forward and backward, on the
+    lane-sequential schedule."""
     cfg = Config(block_t=chunk, block_l=block_l, num_warps=num_warps, chunk=chunk, schedule="lanes", unroll=unroll)
     return {(time_contiguous, backward): cfg for time_contiguous in (False, True) for backward in (False, True)}
-
-
-# Lanes at which the lane-sequential schedule wins (H200, 2026-11-30, BENCHMARKS.md): the Kalman
-# program at 196,608 lanes ran 6.7x faster on it than on tiles; the affine and Möbius scans at
-# 12,288 lanes ran 2-5x slower on it (too few lanes to hide each step's latency).
-LANES_MIN = 1 << 17
 
 
 def lanes_per_thread(cfg: Config, state: int) -> int:
@@ -197,13 +186,14 @@ def lanes_per_thread(cfg: Config, state: int) -> int:
 
 
 def forces_lanes() -> bool:
-    """True while a forced config (OVERRIDES) runs the lane-sequential schedule."""
-    return any(c.schedule == "lanes" for c in OVERRIDES.values())
+    """True while a forced config (tuning.current().forced) runs the lane-sequential schedule."""
+    return any(c.schedule == "lanes" for _, c in tuning.current().forced)
 
 
 def prefers_lanes(L: int) -> bool:
-    """True when `choose_config` picks the lane-sequential schedule for L lanes (forced configs aside)."""
-    return L >= LANES_MIN
+    """True when `choose_config` picks the lane-sequential schedule for L lanes (forced configs aside):
+    from tuning.lanes_min lanes, where it wins (BENCHMARKS.md); with fewer it cannot hide each step's latency."""
+    return L >= tuning.current().lanes_min
 
 
 def choose_config(T: int, L: int, time_contiguous: bool, state: int, backward: bool = False,
@@ -213,7 +203,8 @@ def choose_config(T: int, L: int, time_contiguous: bool, state: int, backward: b
     `checkpoint`: the forward serves a backward (its checkpoint interval is the backward's tile)."""
     def pow2(n):
         return 1 << max(0, (n - 1).bit_length())
-    forced = OVERRIDES.get((time_contiguous, backward))
+    knobs = tuning.current()
+    forced = knobs.forced_config(time_contiguous, backward)
     if forced is not None and (forced.schedule == "lanes" or not sequential):
         return dataclasses.replace(forced, block_t=min(forced.block_t, pow2(T)), block_l=max(state, forced.block_l))
     interpret = settings.triton_interpret() and not torch.cuda.is_available()
@@ -247,7 +238,7 @@ def choose_config(T: int, L: int, time_contiguous: bool, state: int, backward: b
         bt = min(512, pow2(T))
         chunk = bt
         tile = chunk if backward else bt
-        warps = max(1, min(4, tile * max(state, 1) // (32 * RUN)))
+        warps = max(1, min(4, tile * max(state, 1) // (32 * knobs.run)))
         return Config(block_t=bt, block_l=max(state, 1), num_warps=warps, chunk=chunk)
     # one lane per thread, 32 lanes on 1 warp, 32-step tiles with 4 stages of loads in flight: 89.1%
     # of copy for the affine forward (H200, session 3 run 4, best of 9) against 79% for 64-step tiles
