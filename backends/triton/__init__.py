@@ -19,10 +19,19 @@ import torch
 
 from scanlang import backend, pipeline, settings
 
-from . import runtime
+from . import ops, runtime
 from .codegen_module import render
-from .ops import eager, launch
 from .runtime import load
+
+
+def eager(tensors) -> bool:
+    """Whether these tensors may skip the registered ops (`ops.eager`: plain tensors, no tracing)."""
+    return ops.eager(tensors)
+
+
+def launch(program, inputs, initial, dim: int, reverse: bool, fp64: bool, cu_seqlens=None, is_eager=None):
+    """Run `program`'s forward with autograd attached (`ops.launch`)."""
+    return ops.launch(program, inputs, initial, dim, reverse, fp64, cu_seqlens, is_eager=is_eager)
 
 
 def check(tensors, arg: str = "inputs") -> None:
