@@ -30,6 +30,17 @@ def _seed():
     torch.manual_seed(0)
 
 
+@pytest.fixture
+def knobs():
+    """knobs(**kw): `scanlang.tuning.override(**kw)` until the test ends (a later call overrides an
+    earlier one's knobs); the tests' way to change a tuning knob, never by assigning a module global."""
+    import contextlib
+
+    from scanlang import tuning
+    with contextlib.ExitStack() as stack:
+        yield lambda **kw: stack.enter_context(tuning.override(**kw))
+
+
 # Every generic scan kernel buffer starts as NaN for the whole session (scanlang.testing.poisoned_outputs),
 # so an element a kernel leaves unwritten fails the comparison that reads it.
 from scanlang import settings as _settings  # noqa: E402

@@ -17,6 +17,7 @@ from .linear import LinearFamily, MatrixState, matrix_state
 from .library import (LIBRARY, Add, Affine, ComplexMul, LogAffine, LogSumExp, Matrix2, Max, MaxPlus, MinPlus,
                       Mobius, OnlineSoftmax, Welford)
 from .monoid import Fields, Monoid, monoid
+from . import tuning  # noqa: F401  (sl.tuning.override: knobs for tests and benchmarks)
 from .scan import scan
 from .verify import Proof, verify
 

@@ -20,6 +20,7 @@ import importlib.util
 import sys
 from pathlib import Path
 
+from . import pipeline
 from .errors import IdentityError, NotAssociativeError
 from .monoid import Monoid
 
@@ -93,8 +94,7 @@ def cmd_show(args) -> int:
         return 1
     print(monoid.describe())
     try:
-        from .backends import triton as triton_backend
-        source = triton_backend.show(monoid, args.shape, args.layout) if args.shape else triton_backend.show(monoid)
+        source = pipeline.show(monoid, args.shape, args.layout) if args.shape else pipeline.show(monoid)
     except ValueError as exc:   # --shape / --layout, named in the message
         raise CliError(str(exc)) from None
     except ImportError as exc:

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import sympy
+import torch
 
 from . import expr as E
 from .monoid import trace_body
@@ -120,7 +121,6 @@ def token_element(k, v, g, beta):
     if isinstance(k, sympy.MatrixBase):
         eye = sympy.eye(k.shape[0])
         return sympy.exp(g) * (eye - beta * k * k.T), beta * k * v.T
-    import torch
     eye = torch.eye(k.shape[0], dtype=k.dtype, device=k.device)
     return torch.exp(g) * (eye - beta * torch.outer(k, k)), beta * torch.outer(k, v)
 

@@ -17,6 +17,7 @@ import math
 from dataclasses import dataclass
 
 import sympy
+import torch
 
 from .errors import UnsupportedOperationError
 
@@ -147,7 +148,6 @@ def _unary(name: str, sym_fn, torch_name: str, math_fn, law: str, example: tuple
             return Traced(sym_fn(x.expr))
         if isinstance(x, (int, float)) and not isinstance(x, bool):
             return math_fn(x)
-        import torch
         if isinstance(x, torch.Tensor):
             return getattr(torch, torch_name)(x)
         raise UnsupportedOperationError(f"sl.{name} takes a traced value, a tensor or a number, not {type(x).__name__}")
@@ -162,7 +162,6 @@ def _binary(name: str, sym_fn, torch_name: str, py_fn, law: str, example: tuple[
     def fn(x, y):
         if isinstance(x, Traced) or isinstance(y, Traced):
             return Traced(sym_fn(Traced._of(x), Traced._of(y)))
-        import torch
         if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
             x_t = x if isinstance(x, torch.Tensor) else torch.as_tensor(x, dtype=y.dtype, device=y.device)
             y_t = y if isinstance(y, torch.Tensor) else torch.as_tensor(y, dtype=x.dtype, device=x.device)

@@ -23,6 +23,7 @@ from typing import Callable, Sequence
 import sympy
 
 from . import expr as E
+from .errors import UnsupportedOperationError
 from .monoid import Fields, Monoid, trace_body
 
 
@@ -141,7 +142,6 @@ def lower(monoid: Monoid, inputs: Sequence[str] | None = None, lift: Callable | 
 
 
 def _trace_readout(body, args, n_results: int):
-    from .errors import UnsupportedOperationError
     try:
         out = body(*args)
     except UnsupportedOperationError as exc:

@@ -49,9 +49,11 @@ from typing import Callable, Mapping, Sequence
 
 import torch
 
-from . import context_parallel, settings
+from . import backend as registry
+from . import context_parallel, pipeline, settings, tuning
 from ._checks import check_cu_seqlens
 from .context_parallel_ops import mixer_sharded
+from .ir import lower, specialize_carry
 from .monoid import Monoid
 
 
@@ -69,7 +71,6 @@ class Mixer:
 
     def __init__(self, monoid: Monoid, axes: str, inputs: Mapping[str, str], lift: Callable,
                  readout: Callable, outputs: Sequence[str], reduce: str | None = None):
-        from .ir import lower
         if not isinstance(monoid, Monoid):
             raise TypeError(f"monoid: expected a scanlang Monoid, got {type(monoid).__name__}")
         monoid.ensure_verified()   # here, so that a Mixer built directly is proved too
@@ -98,12 +99,25 @@ class Mixer:
                         reduce_state=reduce is not None)
         self.outputs = self.ir.outputs
         self.result = collections.namedtuple("MixerOutput", self.outputs + ("final",))
-        from . import pipeline
         self.program = pipeline.build(self.ir)   # generated and loaded now, never inside a traced call
         self.key = self.program.key
-        self._specialised: dict = {}   # constants -> program (`_program_for`)
+        self._render = tuning.current().render_key   # the render-time knobs self.program was built under
+        self._rendered: dict = {}      # other render-time knobs -> program (`_general`)
+        self._specialised: dict = {}   # (constants, render-time knobs) -> program (`_program_for`)
         self._checked: dict = {}       # eager input signature -> what validation derived (`_call`)
         self._time_dim = self.axes.index("t")
+
+    def _general(self):
+        """This mixer's program under the render-time knobs in effect (`scanlang.tuning`): the one
+        built with the mixer, or one rendered on first use (outside a trace; inside, the first one)."""
+        render = tuning.current().render_key
+        if render == self._render:
+            return self.program
+        if render not in self._rendered:
+            if torch.compiler.is_compiling():
+                return self.program
+            self._rendered[render] = pipeline.build(self.ir)
+        return self._rendered[render]
 
     def _program_for(self, constants: dict, lanes: int):
         """The program to launch: this mixer's, or one specialised to initial fields given as Python
@@ -111,18 +125,16 @@ class Mixer:
 
         Specialised programs are built on first use and kept; inside a torch.compile trace a program
         not built yet is not generated (no sympy in a traced call): the general one runs instead."""
-        from .backends.triton import runtime
-        if not constants or not (runtime.prefers_lanes(lanes)
-                                 or any(c.schedule == "lanes" for c in runtime.OVERRIDES.values())):
-            return self.program
-        key = tuple(sorted(constants.items()))
+        kernels = _triton()
+        general = self._general()
+        if not constants or not (kernels.prefers_lanes(lanes) or kernels.forces_lanes()):
+            return general
+        key = (tuple(sorted(constants.items())), tuning.current().render_key)
         if key not in self._specialised:
             if torch.compiler.is_compiling():
-                return self.program
-            from . import pipeline
-            from .ir import specialize_carry
+                return general
             spec = specialize_carry(self.ir, constants)
-            self._specialised[key] = self.program if spec is self.ir else pipeline.build(spec)
+            self._specialised[key] = general if spec is self.ir else pipeline.build(spec)
         return self._specialised[key]
 
     def source(self) -> str:
@@ -203,22 +215,21 @@ def _check_cu_seqlens(cu_seqlens, total: int, device) -> int:
     return cu_seqlens.numel() - 1
 
 
-_ops = None   # backends.triton.ops, bound on the first call (importing scanlang does not import Triton)
+_kernels = None   # the "triton" backend, bound on the first call (importing scanlang does not import Triton)
 
 
-def _triton_ops():
-    global _ops
-    if _ops is None:
-        from .backends.triton import ops
-        _ops = ops
-    return _ops
+def _triton():
+    global _kernels
+    if _kernels is None:
+        _kernels = registry.get("triton")
+    return _kernels
 
 
 def _call(self: Mixer, initial, output_final_state: bool, reverse: bool, cu_seqlens, tensors: dict):
     """Validate, align and launch. For plain eager tensors (outside torch.compile and tracing) what the
     inputs' shapes, dtypes and devices decide (validation, views, fp64, lane shape) is remembered per
     signature, so a repeated call does no validation work beyond the names and types."""
-    triton_ops = _triton_ops()
+    kernels = _triton()
     if tensors.keys() != self.input_axes.keys():
         names = list(self.input_axes)
         positional = [v for v in (initial, output_final_state, reverse, cu_seqlens) if isinstance(v, torch.Tensor)]
@@ -231,7 +242,7 @@ def _call(self: Mixer, initial, output_final_state: bool, reverse: bool, cu_seql
     values = [tensors[n] for n in self.input_axes]
     # plain eager tensors only (the check also refuses non-tensors): under tracing, shapes may be
     # symbolic (and unhashable)
-    eager = triton_ops.eager(values if cu_seqlens is None else values + [cu_seqlens])
+    eager = kernels.eager(values if cu_seqlens is None else values + [cu_seqlens])
     known = None
     if eager:
         signature = tuple([(t.shape, t.dtype, t.device) for t in values])
@@ -253,16 +264,15 @@ def _call(self: Mixer, initial, output_final_state: bool, reverse: bool, cu_seql
     if initial is not None:
         init, constants = self._initial(initial, state_shape, fp64, values[0].device)
         eager = None   # the initial elements' tensors count too: ops.launch decides
-    program = self._program_for(constants, math.prod(lane_shape)) if constants else self.program
-    outs, final = triton_ops.launch(program, views, init, self._time_dim, reverse, fp64, cu_seqlens, is_eager=eager)
+    program = self._program_for(constants, math.prod(lane_shape)) if constants else self._general()
+    outs, final = pipeline.launch(program, views, init, self._time_dim, reverse, fp64, cu_seqlens, is_eager=eager)
     fin = tuple(final[i].reshape(state_shape) for i in range(len(self.monoid.fields))) if output_final_state else None
     return self.result(*outs, fin)
 
 
 def _triton_backend_check(values):
-    """The Triton backend's device and dtype checks of the inputs (`backends.triton._check`)."""
-    from .backends import triton as triton_backend
-    triton_backend._check(values, None, arg="inputs")
+    """The Triton backend's device and dtype checks of the inputs."""
+    _triton().check(values, "inputs")
 
 
 def mixer(monoid: Monoid, axes: str, inputs: Mapping[str, str], lift: Callable, readout: Callable,

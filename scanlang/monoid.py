@@ -24,6 +24,7 @@ import sympy
 
 from . import expr as E
 from .errors import UnprovedWarning, UnsupportedOperationError
+from .verify import verify
 
 # (key, name) -> the declaration: torch.compile passes these two strings (constants to Dynamo) to the
 # trace-time proof check in scan.py, which finds the object here
@@ -258,7 +259,6 @@ class Monoid:
 
         Raises `NotAssociativeError` (with `.counterexample = (x, y, z)`) or `IdentityError`.
         """
-        from .verify import verify
         self._proof = verify(self, seconds=seconds)
         return self._proof
 

@@ -7,12 +7,12 @@
 where `(+)` is the monoid's combine with its left operand the earlier one. Projective monoids return
 every prefix renormalised (`scale(out_t) == 1`), the first one included.
 
-The front end validates and broadcasts; a backend does the work:
-`backend.scan(monoid, elems, dim, reverse, initial, out_dtype) -> tuple[Tensor]`, where `elems` all
-have the broadcast shape's number of dimensions, with size 1 where they broadcast (a static parameter
-stays small: never materialised, and its gradient is reduced by the backend), `dim >= 0`, `initial`
-is likewise shaped against the broadcast shape without `dim` (or None) and `out_dtype` is float32 or
-float64.
+The front end validates and broadcasts; a backend, found by name in the registry `scanlang.backend`,
+does the work: `backend.get(name).scan(monoid, elems, dim, reverse, initial, out_dtype) -> tuple[Tensor]`,
+where `elems` all have the broadcast shape's number of dimensions, with size 1 where they broadcast (a
+static parameter stays small: never materialised, and its gradient is reduced by the backend),
+`dim >= 0`, `initial` is likewise shaped against the broadcast shape without `dim` (or None) and
+`out_dtype` is float32 or float64.
 """
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ from collections.abc import Mapping, Sequence  # isinstance checks: cheaper than
 
 import torch
 
+from . import backend as registry
 from . import context_parallel, settings
 from .context_parallel_ops import scan_sharded
 from .monoid import DECLARED, Monoid
@@ -83,7 +84,7 @@ def _normalise_dim(dim, ndim: int) -> int:
 
 def _choose_backend(backend, device: torch.device) -> str:
     if backend is None:
-        return "triton" if device.type == "cuda" else "reference"
+        return registry.default(device)
     if backend not in BACKENDS:
         raise ValueError(f"backend: expected one of {BACKENDS} or None, got {backend!r}")
     if backend == "triton" and device.type != "cuda" and not settings.triton_interpret():
@@ -175,11 +176,7 @@ def scan(monoid: Monoid, elems, dim: int, reverse: bool = False, initial=None, b
 
 
 def _backend_scan(backend: str):
-    if backend == "reference":
-        from .backends import reference as impl
-    else:
-        from .backends import triton as impl
-    return impl.scan
+    return registry.get(backend).scan
 
 
 def _prepare(monoid: Monoid, elems, dim, reverse, initial, backend):

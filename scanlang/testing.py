@@ -37,6 +37,8 @@ import os
 
 import torch
 
+from scanlang import settings
+
 # ---- CPU (IEEE) rows: (what, dtype) -> largest accepted RMS(err)/RMS(ref) -----------------------
 # Each comment: the worst ratio the suite measures for the row (CPU, Triton interpreter, torch 2.13,
 # Triton 3.9; `SCANLANG_TOLERANCE_REPORT`), where, and the margin the row keeps above it.
@@ -296,7 +298,6 @@ def poisoned_outputs(on: bool = True):
     """While active, the generic scan kernels' output, final-state, checkpoint and gradient buffers
     (backends/triton/ops.py) start as NaN instead of torch.empty's leftovers, so an element a kernel
     does not write fails every comparison. Test-only (tests/conftest.py turns it on for the session)."""
-    from scanlang import settings
     saved = settings.POISON_OUTPUTS
     settings.POISON_OUTPUTS = on
     try:

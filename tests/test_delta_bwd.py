@@ -11,6 +11,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports triton
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+from scanlang import tuning  # noqa: E402
 from scanlang.backends.delta import ops as delta_ops  # noqa: E402
 from scanlang.recipes.kaczmarz import kaczmarz_delta_rule  # noqa: E402
 from scanlang.testing import assert_close  # noqa: E402
@@ -58,14 +59,14 @@ def odd_case():
     (dict(LOCAL_DU=True, BV=64, num_warps=4, num_stages=1, DECAY_V=True), dict(BV=64, num_warps=4, num_stages=2),
      dict(WY=True, BV=16, num_warps=8, num_stages=1, DG_SUMS=True, LOWP=True), dict(BV=16, num_warps=4, num_stages=1)),
 ])
-def test_backward_configs_match_float64(monkeypatch, odd_case, state_bwd, dU_local, dqk, wy):
+def test_backward_configs_match_float64(monkeypatch, odd_case, state_bwd, dU_local, dqk, wy, knobs):
     """delta_state_bwd with the local dU from delta_dU_local or formed itself, in value blocks smaller than V
     or not; delta_bwd_dqk in several key blocks (each storing its shares of dk, dTm, dG, dbeta, summed by
     delta_bwd_wy), in one (BKS clamped to the padded K), or in one doing delta_bwd_wy's work too (WY); and the
     kernels' variants (SEQ_BOUNDS, DECAY_V, DG_SUMS, LOWP) and the host's LOWP_DU, LOWP_DK."""
-    monkeypatch.setattr(delta_ops, "KEY_BLOCK", 16)
+    knobs(delta_key_block=16)
     for name, cfg in dict(state_bwd=state_bwd, dU_local=dU_local, bwd_dqk=dqk, bwd_wy=wy).items():
-        monkeypatch.setitem(delta_ops.CONFIG, name, cfg)
+        knobs(delta_configs={name: cfg})
     inputs, ref = odd_case
     got = run_with_grads(kaczmarz("triton", 32), inputs, torch.float32)
     for name, a, b in zip(("o", "S") + NAMES, got, ref):
@@ -73,38 +74,38 @@ def test_backward_configs_match_float64(monkeypatch, odd_case, state_bwd, dU_loc
         assert_close(a, b, "delta_ieee", torch.float32, name)
 
 
-def test_dqk_key_block_and_wy_from_config(monkeypatch):
+def test_dqk_key_block_and_wy_from_config(monkeypatch, knobs):
     key = delta_ops.program_key(delta_ops._RULES["kaczmarz"], 16)
-    monkeypatch.setitem(delta_ops.CONFIG, "bwd_dqk", dict(BKS=128, BV=32, num_warps=8, num_stages=1))
+    knobs(delta_configs={"bwd_dqk": dict(BKS=128, BV=32, num_warps=8, num_stages=1)})
     p = delta_ops.plan(key, 40, 20, torch.float32, torch.device("cpu"))
     assert p.configs["bwd_dqk"]["BKS"] == 64 and p.configs["bwd_dqk"]["BV"] == 32
-    monkeypatch.setitem(delta_ops.CONFIG, "bwd_dqk", dict(BV=32, num_warps=4, num_stages=1))
+    knobs(delta_configs={"bwd_dqk": dict(BV=32, num_warps=4, num_stages=1)})
     p = delta_ops.plan(key, 40, 20, torch.float32, torch.device("cpu"))
-    assert p.configs["bwd_dqk"]["BKS"] == min(delta_ops.KEY_BLOCK, 64) and not p.configs["bwd_dqk"]["WY"]
+    assert p.configs["bwd_dqk"]["BKS"] == min(tuning.current().delta_key_block, 64) and not p.configs["bwd_dqk"]["WY"]
     # WY: one block of all K columns, up to K = 128
-    monkeypatch.setitem(delta_ops.CONFIG, "bwd_dqk", dict(WY=True, BKS=16, BV=32, num_warps=8, num_stages=1))
+    knobs(delta_configs={"bwd_dqk": dict(WY=True, BKS=16, BV=32, num_warps=8, num_stages=1)})
     p = delta_ops.plan(key, 100, 20, torch.float32, torch.device("cpu"))
     assert p.configs["bwd_dqk"]["BKS"] == 128 and p.configs["bwd_dqk"]["WY"]
     p = delta_ops.plan(key, 200, 20, torch.float32, torch.device("cpu"))
     assert p.configs["bwd_dqk"]["BKS"] == 16 and not p.configs["bwd_dqk"]["WY"]
 
 
-def test_host_keys_leave_the_launch_configs(monkeypatch):
+def test_host_keys_leave_the_launch_configs(monkeypatch, knobs):
     """LOWP_DU, LOWP_DK (and LOWP_DTM) choose buffers: the plan keeps them in `host`, never in a kernel's
     launch config."""
     key = delta_ops.program_key(delta_ops._RULES["kaczmarz"], 16)
-    monkeypatch.setitem(delta_ops.CONFIG, "state_bwd", dict(LOCAL_DU=True, BV=32, num_warps=4, num_stages=1,
-                                                              LOWP_DU=True))
-    monkeypatch.setitem(delta_ops.CONFIG, "bwd_dqk", dict(BKS=64, BV=32, num_warps=8, num_stages=1, LOWP_DK=True))
+    knobs(delta_configs={"state_bwd": dict(LOCAL_DU=True, BV=32, num_warps=4, num_stages=1,
+                                           LOWP_DU=True)})
+    knobs(delta_configs={"bwd_dqk": dict(BKS=64, BV=32, num_warps=8, num_stages=1, LOWP_DK=True)})
     p = delta_ops.plan(key, 64, 32, torch.bfloat16, torch.device("cpu"))
     assert p.host == dict(LOWP_DU=True, LOWP_DK=True)
     assert not any(k in cfg for cfg in p.configs.values() for k in delta_ops.HOST_KEYS)
     assert "LOWP_DU" in delta_ops.CONFIG["state_bwd"]      # the plan copied, CONFIG kept its entry
-    monkeypatch.setitem(delta_ops.CONFIG, "bwd_wy", dict(BV=32, num_warps=4, num_stages=1, LOWP=True))
+    knobs(delta_configs={"bwd_wy": dict(BV=32, num_warps=4, num_stages=1, LOWP=True)})
     # fp16 (a narrow range): fp32 buffers and fp32 dots whatever the configs say
     p = delta_ops.plan(key, 64, 32, torch.float16, torch.device("cpu"))
     assert p.host == {} and p.configs["bwd_wy"]["LOWP"] is False and p.configs["bwd_dqk"]["LOWP"] is False
-    monkeypatch.setitem(delta_ops.CONFIG, "state_bwd", dict(LOCAL_DU=True, BV=32, num_warps=4, num_stages=1))
+    knobs(delta_configs={"state_bwd": dict(LOCAL_DU=True, BV=32, num_warps=4, num_stages=1)})
     p = delta_ops.plan(key, 64, 32, torch.bfloat16, torch.device("cpu"))
     assert p.host == dict(LOWP_DK=True) and p.configs["bwd_wy"]["LOWP"] is True
 
@@ -123,7 +124,7 @@ def _kaczmarz_fn(backend):
 
 
 @pytest.mark.parametrize("lowp_du", [False, True])
-def test_bf16_local_dU_from_its_kernel_or_the_state_pass_same_bits(monkeypatch, lowp_du):
+def test_bf16_local_dU_from_its_kernel_or_the_state_pass_same_bits(monkeypatch, lowp_du, knobs):
     """bf16 inputs: delta_dU_local (which also stores dO rounded to bf16 for the later kernels) or the local dU
     formed in the state pass (reading fp32 dO and rounding it there) give bit-identical gradients, within the
     spec's bf16 tolerances of float64 (on the bf16-rounded inputs); with dU stored in fp32 or in bf16
@@ -133,8 +134,8 @@ def test_bf16_local_dU_from_its_kernel_or_the_state_pass_same_bits(monkeypatch, 
     ref = run_with_grads(fn("reference"), inputs, torch.float64)
     got = {}
     for local in (False, True):
-        monkeypatch.setitem(delta_ops.CONFIG, "state_bwd", dict(LOCAL_DU=local, BV=16, num_warps=4, num_stages=1,
-                                                                  LOWP_DU=lowp_du))
+        knobs(delta_configs={"state_bwd": dict(LOCAL_DU=local, BV=16, num_warps=4, num_stages=1,
+                                               LOWP_DU=lowp_du)})
         got[local] = run_with_grads(fn("triton"), inputs, torch.bfloat16)
     for name, a, b, r in zip(("o", "S") + NAMES, got[False], got[True], ref):
         assert torch.equal(a, b), name
@@ -142,7 +143,7 @@ def test_bf16_local_dU_from_its_kernel_or_the_state_pass_same_bits(monkeypatch, 
         assert_close(a, r, kind, torch.bfloat16, name)
 
 
-def test_bf16_variants_within_tolerance_of_float64(monkeypatch):
+def test_bf16_variants_within_tolerance_of_float64(monkeypatch, knobs):
     """bf16 inputs with every variant on (dU and the dk and dTm shares in bf16, bf16 operands for the fp32 dots, dG by
     row sums, decays on the value side): gradients within the spec's bf16 tolerances of float64; SEQ_BOUNDS alone
     changes addresses only (same bits)."""
@@ -150,15 +151,15 @@ def test_bf16_variants_within_tolerance_of_float64(monkeypatch):
     fn = _kaczmarz_fn
     ref = run_with_grads(fn("reference"), inputs, torch.float64)
     state_bwd = dict(LOCAL_DU=True, BV=16, num_warps=4, num_stages=1)
-    monkeypatch.setitem(delta_ops.CONFIG, "state_bwd", state_bwd)
+    knobs(delta_configs={"state_bwd": state_bwd})
     plain = run_with_grads(fn("triton"), inputs, torch.bfloat16)
-    monkeypatch.setitem(delta_ops.CONFIG, "state_bwd", dict(state_bwd, SEQ_BOUNDS=True))
+    knobs(delta_configs={"state_bwd": dict(state_bwd, SEQ_BOUNDS=True)})
     bounds = run_with_grads(fn("triton"), inputs, torch.bfloat16)
-    monkeypatch.setitem(delta_ops.CONFIG, "state_bwd", dict(state_bwd, SEQ_BOUNDS=True, DECAY_V=True, LOWP_DU=True))
-    monkeypatch.setitem(delta_ops.CONFIG, "bwd_dqk", dict(BKS=16, BV=16, num_warps=4, num_stages=1, DG_SUMS=True,
-                                                            LOWP=True, LOWP_DK=True, LOWP_DTM=True))
-    monkeypatch.setitem(delta_ops.CONFIG, "bwd_wy", dict(BV=16, num_warps=4, num_stages=1, LOWP=True))
-    monkeypatch.setattr(delta_ops, "KEY_BLOCK", 16)
+    knobs(delta_configs={"state_bwd": dict(state_bwd, SEQ_BOUNDS=True, DECAY_V=True, LOWP_DU=True)})
+    knobs(delta_configs={"bwd_dqk": dict(BKS=16, BV=16, num_warps=4, num_stages=1, DG_SUMS=True,
+                                         LOWP=True, LOWP_DK=True, LOWP_DTM=True)})
+    knobs(delta_configs={"bwd_wy": dict(BV=16, num_warps=4, num_stages=1, LOWP=True)})
+    knobs(delta_key_block=16)
     got = run_with_grads(fn("triton"), inputs, torch.bfloat16)
     for name, a, b, c, r in zip(("o", "S") + NAMES, plain, bounds, got, ref):
         assert torch.equal(a, b), name
@@ -167,18 +168,18 @@ def test_bf16_variants_within_tolerance_of_float64(monkeypatch):
 
 
 @pytest.mark.parametrize("wy, variants", [(False, False), (True, False), (False, True), (True, True)])
-def test_varlen_and_decay_parameters_through_both_backward_layouts(monkeypatch, wy, variants):
+def test_varlen_and_decay_parameters_through_both_backward_layouts(monkeypatch, wy, variants, knobs):
     """Packed sequences (an empty one, lengths off the chunk) with the Mamba2 decay hook's per-head parameters:
     bwd_dqk in 16-column key blocks with bwd_wy, or one WY program per chunk storing every gradient itself; with
     the kernels' variants or without (SEQ_BOUNDS takes the chunks from the sequences' bounds)."""
     from scanlang.delta import KACZMARZ_MAMBA2
-    monkeypatch.setattr(delta_ops, "KEY_BLOCK", 16)
+    knobs(delta_key_block=16)
     flags = dict(DG_SUMS=True, LOWP=True) if variants else {}
-    monkeypatch.setitem(delta_ops.CONFIG, "bwd_dqk", dict(WY=wy, BKS=16, BV=16, num_warps=4, num_stages=1, **flags))
+    knobs(delta_configs={"bwd_dqk": dict(WY=wy, BKS=16, BV=16, num_warps=4, num_stages=1, **flags)})
     if variants:
-        monkeypatch.setitem(delta_ops.CONFIG, "bwd_wy", dict(BV=16, num_warps=4, num_stages=1, LOWP=True))
-        monkeypatch.setitem(delta_ops.CONFIG, "state_bwd", dict(LOCAL_DU=True, BV=16, num_warps=4, num_stages=1,
-                                                                  SEQ_BOUNDS=True, DECAY_V=True))
+        knobs(delta_configs={"bwd_wy": dict(BV=16, num_warps=4, num_stages=1, LOWP=True)})
+        knobs(delta_configs={"state_bwd": dict(LOCAL_DU=True, BV=16, num_warps=4, num_stages=1,
+                                               SEQ_BOUNDS=True, DECAY_V=True)})
     q, k, v, _, eta, _ = make_inputs(1, 40, 2, 24, 20, seed=4)
     gen = torch.Generator().manual_seed(5)
     a = torch.randn(1, 40, 2, generator=gen)

@@ -42,10 +42,10 @@ def poisoned_buffers(monkeypatch, tmp_path):
 
 
 @pytest.mark.parametrize("BV, num_warps", [(16, 4), (32, 8)])
-def test_state_output_in_value_blocks_varlen(monkeypatch, BV, num_warps):
+def test_state_output_in_value_blocks_varlen(monkeypatch, BV, num_warps, knobs):
     """V = 48 in blocks of 16 or 32 (a partial last block), sequences of 0, 1, 17 and 40 tokens at C = 16: the
     chunk addresses each program derives from its sequence's bounds, the output and the final state."""
-    monkeypatch.setitem(delta_ops.CONFIG, "state_output", dict(BV=BV, num_warps=num_warps, num_stages=1))
+    knobs(delta_configs={"state_output": dict(BV=BV, num_warps=num_warps, num_stages=1)})
     q, k, v, g, eta = make_inputs(1, 58, 2, 16, 48, seed=21)
     cu = torch.tensor([0, 0, 1, 18, 58])
     h0 = torch.randn(4, 2, 16, 48, generator=torch.Generator().manual_seed(22))
@@ -61,12 +61,12 @@ def test_state_output_in_value_blocks_varlen(monkeypatch, BV, num_warps):
 
 @pytest.mark.parametrize("per_chunk", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_backward_recomputation_of_w_u_per_chunk_or_per_block(monkeypatch, per_chunk, dtype):
+def test_backward_recomputation_of_w_u_per_chunk_or_per_block(monkeypatch, per_chunk, dtype, knobs):
     """delta_wu writing all of a chunk's column blocks in one program or one block per program (K = 40 in
     16-column blocks, V = 20): the gradients, which use the recomputed w and u, against float64."""
-    monkeypatch.setattr(delta_ops, "KEY_BLOCK", 16)
+    knobs(delta_key_block=16)
     monkeypatch.setattr(delta_ops, "SHARED_MEMORY_FITS", {})      # fp32 would otherwise take per-block programs
-    monkeypatch.setitem(delta_ops.CONFIG, "wu", dict(BV=16, num_warps=4, num_stages=1, PER_CHUNK=per_chunk))
+    knobs(delta_configs={"wu": dict(BV=16, num_warps=4, num_stages=1, PER_CHUNK=per_chunk)})
     q, k, v, g, eta = make_inputs(1, 37, 2, 40, 20, seed=23)
     ins = [t.to(dtype) if t.dim() == 4 else t for t in (q, k, v)] + [g, eta]
 

@@ -127,7 +127,7 @@ def test_torch_compile_fullgraph_through_the_registered_op():
         torch.testing.assert_close(a, b)
 
 
-def test_eager_path_matches_the_op_path_on_gpu(monkeypatch):
+def test_eager_path_matches_the_op_path_on_gpu(monkeypatch, knobs):
     """The dispatcher-free eager path launches the op path's kernels with the same configs: identical bits."""
     from scanlang.backends.delta import ops
     ins = inputs(2, 200, 2, 64, 64, torch.bfloat16, seed=5)
@@ -135,6 +135,6 @@ def test_eager_path_matches_the_op_path_on_gpu(monkeypatch):
     def fn(q, k, v, g, e, h0):
         return kaczmarz_delta_rule(q, k, v, g, e, initial_state=h0, output_final_state=True, backend="triton")
     eager = with_grads(fn, ins)
-    monkeypatch.setattr(ops, "EAGER_FAST_PATH", False)
+    knobs(delta_eager_fast_path=False)
     for name, a, b in zip(NAMES, eager, with_grads(fn, ins)):
         assert torch.equal(a, b), name

@@ -43,7 +43,7 @@ def forward_backward(ins, cu_seqlens=None):
 
 
 @pytest.mark.parametrize("varlen", [False, True])
-def test_eager_path_and_op_path_give_identical_bits(monkeypatch, varlen):
+def test_eager_path_and_op_path_give_identical_bits(monkeypatch, varlen, knobs):
     ins = inputs(1, 37, 2, 16, 16)
     cu = None
     if varlen:
@@ -53,16 +53,16 @@ def test_eager_path_and_op_path_give_identical_bits(monkeypatch, varlen):
     op = delta_ops.delta_chunk_fwd
     monkeypatch.setattr(delta_ops, "delta_chunk_fwd", lambda *a: paths.append("op") or op(*a))
     eager = forward_backward(ins, cu)
-    monkeypatch.setattr(delta_ops, "EAGER_FAST_PATH", False)
+    knobs(delta_eager_fast_path=False)
     through_op = forward_backward(ins, cu)
     assert paths == ["op"]                     # the first run never went through the dispatcher
     for a, b in zip(eager, through_op):
         assert torch.equal(a, b)
     with torch.no_grad():                      # forward only: the body itself, no autograd.Function
-        monkeypatch.setattr(delta_ops, "EAGER_FAST_PATH", True)
+        knobs(delta_eager_fast_path=True)
         o1, S1 = kaczmarz_delta_rule(*ins[:5], initial_state=ins[5], output_final_state=True, backend="triton",
                                      chunk_size=16, cu_seqlens=cu)
-        monkeypatch.setattr(delta_ops, "EAGER_FAST_PATH", False)
+        knobs(delta_eager_fast_path=False)
         o2, S2 = kaczmarz_delta_rule(*ins[:5], initial_state=ins[5], output_final_state=True, backend="triton",
                                      chunk_size=16, cu_seqlens=cu)
     assert torch.equal(o1, o2) and torch.equal(S1, S2) and paths == ["op", "op"]
@@ -78,7 +78,7 @@ def test_tracing_and_compiling_take_the_op_path(monkeypatch):
     assert not delta_ops._eager(q)
 
 
-def test_mamba2_decay_params_through_the_eager_path_match_the_op_path(monkeypatch):
+def test_mamba2_decay_params_through_the_eager_path_match_the_op_path(monkeypatch, knobs):
     q, k, v, a, eta, h0 = inputs(1, 21, 2, 16, 16, seed=3)
     A_log, dt_bias = torch.tensor([-1.0, 0.5]), torch.tensor([0.0, -2.0])
 
@@ -88,7 +88,7 @@ def test_mamba2_decay_params_through_the_eager_path_match_the_op_path(monkeypatc
                                     output_final_state=True, chunk_size=16, eps=1e-6, decay_params=ts[6:])
         return [o, S, *torch.autograd.grad(o.sum() + S.sum(), ts)]
     eager = run()
-    monkeypatch.setattr(delta_ops, "EAGER_FAST_PATH", False)
+    knobs(delta_eager_fast_path=False)
     for x, y in zip(eager, run()):
         assert torch.equal(x, y)
 
@@ -109,11 +109,11 @@ def test_plans_and_chunk_tables_are_built_once_per_shape():
     assert len(delta_ops.PLANS) == 2
 
 
-def test_changing_a_launch_config_drops_the_plans(monkeypatch):
+def test_changing_a_launch_config_drops_the_plans(monkeypatch, knobs):
     key = delta_ops.program_key(KACZMARZ, 16)
     p = delta_ops.plan(key, 16, 16, torch.float32, CPU)
     assert delta_ops.plan(key, 16, 16, torch.float32, CPU) is p
-    monkeypatch.setitem(delta_ops.CONFIG, "state_output", dict(BV=16, num_warps=2, num_stages=1))
+    knobs(delta_configs={"state_output": dict(BV=16, num_warps=2, num_stages=1)})
     fresh = delta_ops.plan(key, 16, 16, torch.float32, CPU)
     assert fresh is not p and fresh.configs["state_output"] == dict(BV=16, num_warps=2, num_stages=1)
 
@@ -159,7 +159,7 @@ class _AlwaysTooBig:
 
 def test_launches_per_call(monkeypatch):
     """Decode: one launch; chunked forward: prep, state_output; forward + backward (bf16, whose state_bwd forms the
-    local dU itself, with the forward's w and u: SAVE_WU): six."""
+    local dU itself, with the forward's w and u: tuning.delta_save_wu): six."""
     from triton.runtime.interpreter import InterpretedFunction
     from scanlang.tools import host_profile
     launched = []
@@ -193,19 +193,19 @@ def test_host_profile_reports_the_three_delta_calls_and_restores_the_op_path(cap
 
 
 @pytest.mark.parametrize("through_op", [False, True])
-def test_saved_w_u_give_the_recomputed_bits_without_delta_wu(monkeypatch, through_op):
-    """SAVE_WU: the backward reads the w, u that delta_prep stored in the forward instead of launching delta_wu,
+def test_saved_w_u_give_the_recomputed_bits_without_delta_wu(monkeypatch, through_op, knobs):
+    """tuning.delta_save_wu: the backward reads the w, u that delta_prep stored in the forward instead of launching delta_wu,
     which recomputes the same bits (eager path and torch.library op path)."""
     from triton.runtime.interpreter import InterpretedFunction
-    monkeypatch.setattr(delta_ops, "EAGER_FAST_PATH", not through_op)
-    monkeypatch.setattr(delta_ops, "SAVE_WU", False)
+    knobs(delta_eager_fast_path=not through_op)
+    knobs(delta_save_wu=False)
     ins = inputs(1, 37, 2, 16, 16)
     recomputed = forward_backward(ins)
     launched = []
     run = InterpretedFunction.run
     monkeypatch.setattr(InterpretedFunction, "run", lambda self, *a, **k: launched.append(self.fn.__name__) or run(
         self, *a, **k))
-    monkeypatch.setattr(delta_ops, "SAVE_WU", True)
+    knobs(delta_save_wu=True)
     saved = forward_backward(ins)
     assert "delta_wu" not in launched and "delta_state_fwd" in launched
     for a, b in zip(recomputed, saved):
@@ -231,7 +231,7 @@ def test_plans_respect_the_measured_shared_memory_limits():
         assert cfgs["state_output"] == cfg["state_output"] and cfgs["state_bwd"] == cfg["state_bwd"]
 
 
-def test_op_path_passes_every_kernel_parameter(monkeypatch):
+def test_op_path_passes_every_kernel_parameter(monkeypatch, knobs):
     """torch.compile's mutation analysis of a wrap_triton launch needs every kernel parameter, the defaulted variant
     flags (SEQ_BOUNDS, DG_SUMS, ...) too: without them it assumes every input mutated, and the compiled backward
     fails (H200, session 5, `test_torch_compile_fullgraph_through_the_registered_op`)."""
@@ -251,7 +251,7 @@ def test_op_path_passes_every_kernel_parameter(monkeypatch):
                 return run
         return Grid()
     monkeypatch.setattr(delta_ops, "wrap_triton", recording)
-    monkeypatch.setattr(delta_ops, "EAGER_FAST_PATH", False)
+    knobs(delta_eager_fast_path=False)
     forward_backward([t.to(torch.bfloat16) if t.dim() == 4 and i < 3 else t for i, t in enumerate(inputs(1, 21, 2, 16, 16))])
     assert {"delta_prep", "delta_state_bwd", "delta_bwd_dqk", "delta_bwd_wy"} <= missing.keys()
     assert not any(missing.values()), missing

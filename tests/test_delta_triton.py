@@ -273,10 +273,10 @@ def test_chunk_op_is_a_registered_torch_library_op():
                           test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
 
 
-def test_backward_in_key_blocks_and_odd_head_dims(monkeypatch):
+def test_backward_in_key_blocks_and_odd_head_dims(monkeypatch, knobs):
     """K split across programs / loop steps of 16 columns; K and V not powers of two."""
-    monkeypatch.setattr(delta_ops, "KEY_BLOCK", 16)
-    monkeypatch.setitem(delta_ops.CONFIG, "bwd_wy", dict(BV=16, num_warps=4, num_stages=1))
+    knobs(delta_key_block=16)
+    knobs(delta_configs={"bwd_wy": dict(BV=16, num_warps=4, num_stages=1)})
     inputs = make_inputs(1, 40, 2, 40, 20, seed=11)
     fn = lambda backend: lambda q, k, v, g, eta, h0: kaczmarz_delta_rule(  # noqa: E731
         q, k, v, g, eta, initial_state=h0, output_final_state=True, backend=backend, chunk_size=32)
@@ -346,12 +346,12 @@ def test_rendering_is_byte_identical_across_processes():
 
 
 @pytest.mark.parametrize("save_wu", [True, False])
-def test_launch_sequence_of_forward_and_backward(monkeypatch, save_wu):
+def test_launch_sequence_of_forward_and_backward(save_wu, knobs):
     """What `python -m scanlang.tools.offline_compile --workload delta` compiles: every kernel of one forward +
-    backward, in order (bf16: state_bwd forms the local dU itself; with SAVE_WU the backward reads the forward's
-    w, u instead of launching delta_wu)."""
+    backward, in order (bf16: state_bwd forms the local dU itself; with tuning.delta_save_wu the backward reads the
+    forward's w, u instead of launching delta_wu)."""
     from scanlang.tools import offline_compile
-    monkeypatch.setattr(delta_ops, "SAVE_WU", save_wu)
+    knobs(delta_save_wu=save_wu)
     names = [name for name, *_ in offline_compile.capture_launches(32, 16, torch.bfloat16, T=40)]
     assert names == ["prep", "state_output"] + ([] if save_wu else ["wu"]) + ["state_fwd", "state_bwd", "bwd_dqk",
                                                                                "bwd_wy"]

@@ -28,8 +28,8 @@ def test_a_monoid_name_that_would_end_a_docstring_generates_a_module_that_loads(
     name = 'tri"""ple\nline \\ quote\'"""; import os #'
     # a field name of its own: programs are keyed by content, so an equal monoid's module would be reused
     m = sl.monoid(fields=("quirky",), identity=(0,), name=name)(lambda x, y: (x.quirky + y.quirky,))
-    from scanlang.backends import triton as tb
-    program = tb.program_for(m)      # rendered, parsed and imported from the cache
+    from scanlang import pipeline
+    program = pipeline.program(m)      # rendered, parsed and imported from the cache
     ast.parse(program.source)
     assert '"""; import os' not in program.source and program.module is not None
     assert 'tri\\"\\"\\"ple' in program.source   # the name is kept, escaped

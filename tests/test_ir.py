@@ -6,7 +6,7 @@ import sympy
 
 import scanlang as sl
 from scanlang.autodiff import differentiate
-from scanlang.backends.triton.codegen import render
+from scanlang.backends.triton.codegen_module import render
 from scanlang.ir import lower
 
 

@@ -19,12 +19,11 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 @pytest.fixture(params=["tiles", "lanes"])
-def schedule(request, monkeypatch):
+def schedule(request, knobs):
     """Both schedules: "lanes" lowers the lane threshold so these tiny shapes run lane-sequentially,
     with the carry specialised to the constant fields (ir.specialize_carry)."""
     if request.param == "lanes":
-        from scanlang.backends.triton import runtime
-        monkeypatch.setattr(runtime, "LANES_MIN", 1)
+        knobs(lanes_min=1)
     return request.param
 
 
@@ -172,11 +171,10 @@ def test_fused_zero_keys_give_zero_not_nan_gradients(form, schedule):
     assert (leaves["v"].grad[:, 3] == 0).all() and (leaves["prec"].grad[:, 3] == 0).all()
 
 
-def test_lanes_run_the_specialised_carry(monkeypatch):
+def test_lanes_run_the_specialised_carry(knobs):
     """On the lane-sequential schedule the 3x3 program carries (lam, eta) alone: 5 of its 7 fields
     are constants of the generated kernels, which have no tile schedule."""
-    from scanlang.backends.triton import runtime
-    monkeypatch.setattr(runtime, "LANES_MIN", 1)
+    knobs(lanes_min=1)
     ins = make_inputs(1, 5, 4, 2)
     kalman_filter(**on(ins), backend="triton", form="fused")
     (program,) = [p for p in joint_mixer()._specialised.values() if p is not joint_mixer().program]
@@ -189,18 +187,18 @@ def test_lanes_run_the_specialised_carry(monkeypatch):
     assert dict(aff.ir.constants) == {"a": 0.0}
 
 
-def test_key_gradients_summed_per_program_or_per_lane_agree(monkeypatch):
+def test_key_gradients_summed_per_program_or_per_lane_agree(knobs):
     """dk, dq (keys shared by the channels): summed over a program's groups before the atomic add
     (plan mode 5) or one atomic per lane (mode 1); both against float64 autograd of the loop."""
-    from scanlang.backends.triton import plan, runtime
-    monkeypatch.setattr(runtime, "LANES_MIN", 1)
+    from scanlang.backends.triton import plan
+    knobs(lanes_min=1)
     ins = make_inputs(2, 9, 4, 2)
     state = make_state(2, 4, 2)
     ref = _loss_and_grads(kalman_filter_loop, {n: x.to(F64) for n, x in ins.items()},
                           tuple(s.to(F64) for s in state), seed=9)
     for grouped in (True, False):
-        monkeypatch.setattr(plan, "SUM_GROUPS_BEFORE_ATOMICS", grouped)
-        plan.PLANS.plans.clear()
+        knobs(sum_groups_before_atomics=grouped)
+        plan.PLANS.plans.clear()   # only this setting's plans inspected below
         got = _loss_and_grads(kalman_filter, *on(ins, state), seed=9, output_final_state=True, backend="triton",
                               form="fused")
         for name, g, r in zip(NAMES, got, ref):

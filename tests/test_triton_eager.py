@@ -1,10 +1,11 @@
 """The eager fast path (one autograd.Function, no torch.library dispatch) against the registered ops,
 and the launch-plan cache: hits on a repeated call, new plans for new shapes and for a changed
-runtime.OVERRIDES. Interpreter on CPU, GPU otherwise."""
+scanlang.tuning's forced configs. Interpreter on CPU, GPU otherwise."""
 import pytest
 import torch
 
 import scanlang as sl
+from scanlang import tuning
 from scanlang.backends.reference import scan_sequential
 from scanlang.backends.triton import ops, plan, runtime
 from scanlang.testing import assert_close
@@ -134,7 +135,8 @@ def test_repeated_call_hits_the_plan_cache():
 
 
 def test_plan_cache_follows_overrides(monkeypatch):
-    """A forced config (runtime.OVERRIDES) takes effect on the next call with the same shapes."""
+    """A forced config (tuning.override(forced=...), a launch-time knob in the plan key) takes effect on
+    the next call with the same shapes, and the default plans are found again after it."""
     from scanlang.backends.triton import launcher
     ran = []
     real = launcher.launch
@@ -145,14 +147,12 @@ def test_plan_cache_follows_overrides(monkeypatch):
     assert set(ran) == {"scan_forward", "scan_backward"}
     built, ran[:] = plan.PLANS.built, []
     lanes = runtime.Config(block_t=4, block_l=4, num_warps=1, chunk=4, schedule="lanes", unroll=2)
-    for contiguous in (False, True):
-        for backward in (False, True):
-            monkeypatch.setitem(runtime.OVERRIDES, (contiguous, backward), lanes)
-    a, b, out = _affine_step(shape)
+    with tuning.override(forced=runtime.lanes_overrides(block_l=4, num_warps=1, chunk=4, unroll=2)) as knobs:
+        assert knobs.forced_config(True, True) == lanes
+        a, b, out = _affine_step(shape)
     assert set(ran) == {"scan_forward_lanes", "scan_backward_lanes"}
     assert plan.PLANS.built == built + 2
     assert_close(out.b, scan_sequential(sl.Affine, (a, b), dim=1)[1], "scan")
-    runtime.OVERRIDES.clear()
     ran[:] = []
     _affine_step(shape)                  # back to the default configs: their plans are still cached
     assert set(ran) == {"scan_forward", "scan_backward"}

@@ -1,7 +1,7 @@
 """The lane-sequential schedule (scan_forward_lanes / scan_backward_lanes) against float64 loops, and
 fitting launch configs to the device (shrink on OutOfResources, remembered per program and shape).
 
-The schedule is forced through runtime.OVERRIDES (how the benchmark selects it). Chunks of 4 steps
+The schedule is forced through `scanlang.tuning` (forced configs, how the benchmark selects it). Chunks of 4 steps
 and 8 lanes per program (two groups of the mixers' 4 state lanes; masked tails), so T = 1, 7, 9
 cover one partial chunk, a tail and several chunks. With CHUNK == UNROLL (here 4) the backward
 replays each chunk in registers; `test_lanes_chunk_not_a_multiple_of_the_unroll` covers the
@@ -13,6 +13,7 @@ from triton.runtime.errors import OutOfResources
 
 import scanlang as sl
 from scanlang.backends.reference import scan_sequential
+from scanlang import tuning
 from scanlang.backends.triton import ops, runtime
 from scanlang.testing import assert_close
 
@@ -25,13 +26,10 @@ LANES = runtime.Config(block_t=4, block_l=8, num_warps=1, chunk=4, schedule="lan
 WIDE = runtime.Config(block_t=4, block_l=64, num_warps=1, chunk=4, schedule="lanes", unroll=4)
 
 
-def _force(fwd: str, bwd: str, cfg: runtime.Config = LANES):
-    runtime.OVERRIDES.clear()
-    for contiguous in (False, True):
-        if fwd == "lanes":
-            runtime.OVERRIDES[(contiguous, False)] = cfg
-        if bwd == "lanes":
-            runtime.OVERRIDES[(contiguous, True)] = cfg
+def _forced(fwd: str, bwd: str, cfg: runtime.Config = LANES) -> dict:
+    """The forced configs (tuning.override(forced=...)) that run `cfg` on the passes named "lanes"."""
+    passes = [backward for backward, name in ((False, fwd), (True, bwd)) if name == "lanes"]
+    return {(contiguous, backward): cfg for contiguous in (False, True) for backward in passes}
 
 
 @pytest.fixture
@@ -50,9 +48,9 @@ def lanes(monkeypatch, request):
         return real_launch(plan, cfg, kernel, *args)
     monkeypatch.setattr(ops, "wrap_triton", spy)
     monkeypatch.setattr(launcher, "launch", spy_launch)
-    _force("lanes", "lanes", WIDE if getattr(request, "param", "one") == "wide" else LANES)
-    yield
-    runtime.OVERRIDES.clear()
+    cfg = WIDE if getattr(request, "param", "one") == "wide" else LANES
+    with tuning.override(forced=_forced("lanes", "lanes", cfg)):
+        yield
     assert ran and set(ran) <= {"scan_forward_lanes", "scan_backward_lanes"}, ran
 
 
@@ -82,8 +80,7 @@ def test_lanes_gradients_with_initial(lanes, monoid, layout, reverse):
 @pytest.mark.parametrize("fwd,bwd", [("lanes", "tile"), ("tile", "lanes")])
 def test_schedules_share_checkpoints(fwd, bwd):
     """Either backward runs after either forward: both read the same checkpoint slots."""
-    _force(fwd, bwd)
-    try:
+    with tuning.override(forced=_forced(fwd, bwd)):
         shape = (2, 11, 3)
         elems = tuple(e.requires_grad_() for e in elems_for(sl.Mobius, shape))
         out = sl.scan(sl.Mobius, elems, dim=1, backend="triton")
@@ -93,17 +90,14 @@ def test_schedules_share_checkpoints(fwd, bwd):
         want = torch.autograd.grad((ref[0] * w).sum() + ref[3].sum(), elems)
         for g, r in zip(got, want):
             assert_close(g, r, "scan_grad")
-    finally:
-        runtime.OVERRIDES.clear()
 
 
 @pytest.mark.parametrize("unroll", [1, 4, 6, 16])
-def test_lanes_chunk_not_a_multiple_of_the_unroll(monkeypatch, unroll):
+def test_lanes_chunk_not_a_multiple_of_the_unroll(knobs, unroll):
     """Checkpoints every 6 steps, stepped in blocks of 1, 4 (a partial block per chunk), 6 (one block:
     the backward's replay stays in registers) or 16 (more than a chunk)."""
     odd = runtime.Config(block_t=6, block_l=8, num_warps=1, chunk=6, schedule="lanes", unroll=unroll)
-    for key in [(c, b) for c in (False, True) for b in (False, True)]:
-        monkeypatch.setitem(runtime.OVERRIDES, key, odd)
+    knobs(forced=_forced("lanes", "lanes", odd))
     shape = (2, 17, 3)
     elems = tuple(e.requires_grad_() for e in elems_for(sl.Mobius, shape))
     initial = tuple(e.requires_grad_() for e in elems_for(sl.Mobius, (2, 3)))
@@ -188,13 +182,10 @@ def _launched_backward_modes(monkeypatch) -> list:
     return modes
 
 
-def _force_group_sums(monkeypatch, group_sums: str):
-    """Set the summing flags and drop every cached plan: a plan (and the backward plans it keeps)
-    memoises its launch meta, DU modes included, under a key that does not name these flags."""
-    from scanlang.backends.triton import plan
-    monkeypatch.setattr(plan, "SUM_GROUPS_BEFORE_ATOMICS", group_sums == "program")
-    monkeypatch.setattr(plan, "SUM_WARP_GROUPS_BEFORE_ATOMICS", group_sums == "warp")
-    plan.PLANS.clear()
+def _force_group_sums(knobs, group_sums: str):
+    """Set the summing flags (launch-time knobs: in the plans' keys, so no cached plan is reused
+    across settings, and nothing needs clearing)."""
+    knobs(sum_groups_before_atomics=group_sums == "program", sum_warp_groups_before_atomics=group_sums == "warp")
 
 
 def _assert_launched(modes, group_sums, block_l):
@@ -207,21 +198,19 @@ def _assert_launched(modes, group_sums, block_l):
 
 @pytest.mark.parametrize("block_l,warps,chunk,unroll", SEVERAL)
 @pytest.mark.parametrize("group_sums", ["program", "warp", "none"])
-def test_lanes_several_per_thread_kalman(monkeypatch, block_l, warps, chunk, unroll, group_sums):
+def test_lanes_several_per_thread_kalman(monkeypatch, knobs, block_l, warps, chunk, unroll, group_sums):
     """Several lanes per thread slot (the layout the Kalman benchmark runs): outputs, final state and
     every gradient against float64 autograd of the loop; key gradients summed over the program's
     groups (plan mode 5), over each warp's groups (mode 6, where a warp's lanes share the batch
     index) or per lane (mode 1) before the atomic add. Each case checks that it launched its mode."""
-    from scanlang.backends.triton import plan
     from scanlang.recipes.kalman import kalman_filter
     from scanlang.recipes.kalman.reference import kalman_filter_loop
     from test_kalman import NAMES, _loss_and_grads, make_inputs, make_state
     cfg = runtime.Config(block_t=chunk, block_l=block_l, num_warps=warps, chunk=chunk, schedule="lanes", unroll=unroll)
     assert runtime.lanes_per_thread(cfg, 4) == min(4, block_l // (32 * warps)) > 1
-    _force_group_sums(monkeypatch, group_sums)
+    _force_group_sums(knobs, group_sums)
     modes = _launched_backward_modes(monkeypatch)
-    for key in [(c, b) for c in (False, True) for b in (False, True)]:
-        monkeypatch.setitem(runtime.OVERRIDES, key, cfg)
+    knobs(forced=_forced("lanes", "lanes", cfg))
     ins = make_inputs(2, 11, 16, 4)
     state = make_state(2, 16, 4)
     dev = {n: x.to(DEVICE) for n, x in ins.items()}
@@ -239,27 +228,23 @@ def test_lanes_several_per_thread_kalman(monkeypatch, block_l, warps, chunk, unr
                                                             initial_state=tuple(s.to(torch.float64) for s in state))
     for name, out, want in (("y", y, ref_y), ("y_var", y_var, ref_var), ("lam", lam, ref_lam), ("eta", eta, ref_eta)):
         assert_close(out, want, "kalman_out", torch.float32, name=name)
-    plan.PLANS.clear()   # the next test must not inherit plans built under these flags
 
 
-def test_each_group_sum_case_launches_its_mode_in_sequence(monkeypatch):
+def test_each_group_sum_case_launches_its_mode_in_sequence(monkeypatch, knobs):
     """The guard for the test above in suite order: the three flag settings one after another in one
     process (plans cached in between, as the suite leaves them) each launch their own DU mode."""
     from scanlang.recipes.kalman import kalman_filter
     from test_kalman import make_inputs, make_state
     cfg = runtime.Config(block_t=4, block_l=64, num_warps=1, chunk=4, schedule="lanes", unroll=4)
-    for key in [(c, b) for c in (False, True) for b in (False, True)]:
-        monkeypatch.setitem(runtime.OVERRIDES, key, cfg)
+    knobs(forced=_forced("lanes", "lanes", cfg))
     ins = {n: x.to(DEVICE).requires_grad_() for n, x in make_inputs(1, 5, 16, 4).items()}
     state = tuple(s.to(DEVICE) for s in make_state(1, 16, 4))
     for group_sums in ("program", "warp", "none", "program"):
-        _force_group_sums(monkeypatch, group_sums)
+        _force_group_sums(knobs, group_sums)
         modes = _launched_backward_modes(monkeypatch)
         y, y_var, _ = kalman_filter(**ins, initial_state=state, backend="triton", form="fused")
         (y.sum() + y_var.sum()).backward()
         _assert_launched(modes, group_sums, 64)
-    from scanlang.backends.triton import plan
-    plan.PLANS.clear()
 
 
 # ---- fitting configs to the device ------------------------------------------------------------
@@ -351,13 +336,13 @@ def test_delta_launch_shrinks_through_the_shared_helper(monkeypatch):
     assert delta_ops.CONFIG["probe"] == dict(BV=32, num_warps=4, num_stages=1)
 
 
-def test_gradient_modes_for_inputs_shared_by_state_groups(monkeypatch):
+def test_gradient_modes_for_inputs_shared_by_state_groups(knobs):
     """Keys shared by the channels of a reducing mixer (broadcast only over the lane dim above the
     state): summed over a program's groups, then one relaxed atomic per state index (mode 5, when
-    plan.SUM_GROUPS_BEFORE_ATOMICS), only on the lane-sequential schedule and when programs do not
+    tuning.sum_groups_before_atomics), only on the lane-sequential schedule and when programs do not
     straddle an outer lane index."""
     from scanlang.backends.triton import plan
-    monkeypatch.setattr(plan, "SUM_GROUPS_BEFORE_ATOMICS", True)
+    knobs(sum_groups_before_atomics=True)
     sizes = (2, 3, 8, 4)   # lane dims (b, h, g, s); s is the state
     assert plan._du_mode([5, 96, 4, 0, 1], sizes, True, 7) == 5     # k[b, t, h, s]
     assert plan._du_mode([5, 96, 8, 1, 0], sizes, True, 7) == 3     # v[b, t, h, g]: summed over s
@@ -367,10 +352,10 @@ def test_gradient_modes_for_inputs_shared_by_state_groups(monkeypatch):
     assert plan._lanes_mode(5, sizes, runtime.Config(block_t=4, block_l=16, num_warps=1)) == 1   # tiles
     assert plan._lanes_mode(5, (2, 3, 3, 4), lanes) == 1            # 16 does not divide 3 x 4 lanes
     assert plan._lanes_mode(3, sizes, runtime.Config(block_t=4, block_l=16, num_warps=1)) == 3
-    monkeypatch.setattr(plan, "SUM_GROUPS_BEFORE_ATOMICS", False)
+    knobs(sum_groups_before_atomics=False)
     assert plan._lanes_mode(5, sizes, lanes) == 1                    # 16 slots: less than a warp
     wide = runtime.Config(block_t=4, block_l=64, num_warps=1, chunk=4, schedule="lanes", unroll=4)   # R = 2
     assert plan._lanes_mode(5, (2, 3, 16, 4), wide, 4) == 6          # summed over each warp's groups
     assert plan._lanes_mode(5, sizes, wide, 4) == 1                  # a warp's 64 lanes straddle 8 x 4
-    monkeypatch.setattr(plan, "SUM_WARP_GROUPS_BEFORE_ATOMICS", False)
+    knobs(sum_warp_groups_before_atomics=False)
     assert plan._lanes_mode(5, (2, 3, 16, 4), wide, 4) == 1          # per-lane atomics

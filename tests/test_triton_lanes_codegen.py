@@ -8,6 +8,7 @@ import pytest
 import sympy
 import torch
 
+from scanlang import tuning
 from scanlang.autodiff import differentiate
 from scanlang.backends.triton import codegen_seq, runtime
 from scanlang.ir import specialize_carry
@@ -62,7 +63,7 @@ def test_memory_goes_through_flat_tensors():
     assert not loose, loose[:5]
 
 
-def test_warp_summed_key_gradients_with_wide_state(monkeypatch):
+def test_warp_summed_key_gradients_with_wide_state(knobs):
     """STATE = 64 > 32 (a warp holds 2 groups, fewer than the 4 lanes per slot): mode 6 adds the first
     group's registers (the other branch of `_du_store_lanes`); every gradient against the float64 loop."""
     from scanlang.backends.triton import plan
@@ -71,11 +72,9 @@ def test_warp_summed_key_gradients_with_wide_state(monkeypatch):
     from test_kalman import NAMES, _loss_and_grads, make_inputs, make_state
     cfg = runtime.Config(block_t=4, block_l=128, num_warps=1, chunk=4, schedule="lanes", unroll=2)
     assert runtime.lanes_per_thread(cfg, 64) == 4
-    monkeypatch.setattr(plan, "SUM_GROUPS_BEFORE_ATOMICS", False)
-    monkeypatch.setattr(plan, "SUM_WARP_GROUPS_BEFORE_ATOMICS", True)
+    knobs(sum_groups_before_atomics=False, sum_warp_groups_before_atomics=True,
+          forced={(c, b): cfg for c in (False, True) for b in (False, True)})
     assert plan._lanes_mode(5, (1, 1, 2, 64), cfg, 64) == 6
-    for key in [(c, b) for c in (False, True) for b in (False, True)]:
-        monkeypatch.setitem(runtime.OVERRIDES, key, cfg)
     ins = make_inputs(1, 5, 2, 64)
     state = make_state(1, 2, 64)
     got = _loss_and_grads(kalman_filter, {n: x.to(DEVICE) for n, x in ins.items()},
@@ -87,18 +86,17 @@ def test_warp_summed_key_gradients_with_wide_state(monkeypatch):
         assert_close(g, r, "kalman_grad", torch.float32, name=f"d{name}")
 
 
-def test_loop_stages_pipeline_the_block_loops(monkeypatch):
-    """codegen_seq.LOOP_STAGES: plain loops by default; with N > 1 stages the forward's, the replay's
+def test_loop_stages_pipeline_the_block_loops():
+    """tuning.loop_stages_forward / loop_stages_backward: plain loops by default; with N > 1 stages the forward's, the replay's
     and the walk's loops over full blocks become tl.range(..., num_stages=N), per pass, and the
     module still renders (parsed) and imports."""
-    from scanlang.backends.triton import codegen
+    from scanlang.backends.triton import codegen_module as codegen
     ir = _programs()[0][1]
     adj = differentiate(ir)
     default = codegen.render(ir, adj)
     assert "tl.range(" not in default and "num_stages" not in default
-    monkeypatch.setitem(codegen_seq.LOOP_STAGES, "forward", 2)
-    monkeypatch.setitem(codegen_seq.LOOP_STAGES, "backward", 3)
-    source = codegen.render(ir, adj)
+    with tuning.override(loop_stages_forward=2, loop_stages_backward=3):
+        source = codegen.render(ir, adj)
     loops = re.findall(r"for (\w+) in tl\.range\(0, n_steps - \(UNROLL - 1\), UNROLL, num_stages=(\d)\):", source)
     assert loops == [("s0", "2"), ("s0", "3"), ("ss0", "3")]
     assert source != default and runtime.load(source).scan_backward_lanes is not None

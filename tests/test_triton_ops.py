@@ -3,7 +3,7 @@ import pytest
 import torch
 
 import scanlang as sl
-from scanlang.backends import triton as tb
+from scanlang import pipeline
 from scanlang.backends.reference import scan_sequential
 from scanlang.testing import assert_close
 
@@ -11,7 +11,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def test_opcheck_forward_op():
-    prog = tb.program_for(sl.Affine)
+    prog = pipeline.program(sl.Affine)
     a = (torch.rand(2, 9, 3, dtype=torch.float64, device=DEVICE) * 0.9 + 0.05).requires_grad_()
     b = torch.randn(2, 9, 3, dtype=torch.float64, device=DEVICE).requires_grad_()
     h0 = [torch.ones(2, 3, dtype=torch.float64, device=DEVICE), torch.randn(2, 3, dtype=torch.float64, device=DEVICE)]

@@ -1,7 +1,7 @@
-"""Run-based tile kernels (backends/triton/codegen_runs.py: tiles of at least RUN_TILE steps, each
-thread scanning runs of RUN consecutive steps) against float64 sequential loops.
+"""Run-based tile kernels (backends/triton/codegen_runs.py: tiles of at least tuning.run_tile steps,
+each thread scanning runs of tuning.run consecutive steps) against float64 sequential loops.
 
-The tile configs are forced through runtime.OVERRIDES: 128-step tiles on 2 lanes (the smallest
+The tile configs are forced through `scanlang.tuning` (forced configs): 128-step tiles on 2 lanes (the smallest
 tile that takes the run bodies), checkpoints every 64, 128 or 4 steps (multiples of the run, and one
 that ends inside runs). Lengths 1, 13 (one partial run), 128 (one whole tile) and 203 (two tiles,
 the last one ending inside a run) cover partial runs, partial tiles and the carry between tiles;
@@ -12,29 +12,31 @@ import pytest
 import test_triton_scan
 import torch
 from scanlang.backends.reference import scan_sequential
-from scanlang.backends.triton import codegen_runs, plan, runtime
+from scanlang.backends.triton import plan, runtime
 from test_triton_scan import DEVICE, LIBRARY, check_with_initial, elems_for
 
 import scanlang as sl
-from scanlang import library
+from scanlang import library, tuning
 from scanlang.testing import assert_close
 
-TILE = codegen_runs.RUN_TILE
+TILE = tuning.DEFAULT.run_tile
 hardware_reciprocal = test_triton_scan.hardware_reciprocal   # the fixture (float32 RCP_APPROX path emulated)
 
 
-def _force(chunk: int, block_l: int = 2):
-    runtime.OVERRIDES.clear()
+def _forced(chunk: int, block_l: int = 2, block_t: int = TILE) -> dict:
+    """Forced configs: a forward on `block_t`-step tiles checkpointing every `chunk` steps, the backward on chunks."""
+    out = {}
     for contiguous in (False, True):
-        runtime.OVERRIDES[(contiguous, False)] = runtime.Config(block_t=TILE, block_l=block_l, num_warps=1, chunk=chunk)
-        runtime.OVERRIDES[(contiguous, True)] = runtime.Config(block_t=chunk, block_l=block_l, num_warps=1, chunk=chunk)
+        out[(contiguous, False)] = runtime.Config(block_t=block_t, block_l=block_l, num_warps=1, chunk=chunk)
+        out[(contiguous, True)] = runtime.Config(block_t=chunk, block_l=block_l, num_warps=1, chunk=chunk)
+    return out
 
 
 @pytest.fixture
-def runs():
-    _force(64)
-    yield _force
-    runtime.OVERRIDES.clear()
+def runs(knobs):
+    """Force 128-step forward tiles checkpointing every 64 steps; runs(chunk) forces another interval."""
+    knobs(forced=_forced(64))
+    return lambda chunk: knobs(forced=_forced(chunk))
 
 
 @pytest.mark.parametrize("monoid", LIBRARY, ids=lambda m: m.name)
@@ -60,34 +62,26 @@ def test_runs_gradients_with_initial(runs, monoid, layout, reverse, chunk):
     check_with_initial(monoid, shape, dim, reverse)
 
 
-def _force_long_checkpoints(block_t: int, chunk: int, block_l: int = 2):
-    """A forward on `block_t`-step tiles checkpointing every `chunk` (a multiple) steps; the backward on chunks."""
-    runtime.OVERRIDES.clear()
-    for contiguous in (False, True):
-        runtime.OVERRIDES[(contiguous, False)] = runtime.Config(block_t=block_t, block_l=block_l, num_warps=1, chunk=chunk)
-        runtime.OVERRIDES[(contiguous, True)] = runtime.Config(block_t=chunk, block_l=block_l, num_warps=1, chunk=chunk)
-
-
 @pytest.mark.parametrize("monoid", [library.Affine, library.Mobius], ids=lambda m: m.name)
 @pytest.mark.parametrize("block_t,chunk,T,reverse", [(4, 16, 37, False), (32, TILE, 203, True), (TILE, 2 * TILE, 300, False)])
-def test_checkpoints_every_few_forward_tiles(runs, monoid, block_t, chunk, T, reverse):
+def test_checkpoints_every_few_forward_tiles(knobs, monoid, block_t, chunk, T, reverse):
     """Checkpoint intervals longer than the forward's tile (the channels training default: 32-step forward
     tiles, 256-step backward tiles): the short-tile, run-based and run-to-run pairings, channels layout."""
-    _force_long_checkpoints(block_t, chunk)
-    assert plan.chunk_of(runtime.OVERRIDES[(False, False)]) == chunk
+    knobs(forced=_forced(chunk, block_t=block_t))   # chunk a multiple of block_t
+    assert plan.chunk_of(tuning.current().forced_config(False, False)) == chunk
     check_with_initial(monoid, (2, T, 3), 1, reverse)
 
 
-def test_checkpoints_every_few_forward_tiles_packed(runs):
+def test_checkpoints_every_few_forward_tiles_packed(knobs):
     """cu_seqlens with 16-step checkpoints over 4-step forward tiles: each sequence's slots start at its own."""
     import test_mixer
-    _force_long_checkpoints(4, 16)
+    knobs(forced=_forced(16, block_t=4))
     test_mixer.test_packed_sequences_restart_at_every_start(False)
 
 
 def test_runs_take_the_run_bodies():
-    """Both generated kernels switch to the run bodies at RUN_TILE steps (a constexpr branch)."""
-    from scanlang.backends.triton.codegen import render
+    """Both generated kernels switch to the run bodies at tuning.run_tile steps (a constexpr branch)."""
+    from scanlang.backends.triton.codegen_module import render
 
     from scanlang.autodiff import differentiate
     from scanlang.ir import lower

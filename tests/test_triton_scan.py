@@ -91,7 +91,7 @@ def test_broadcast_parameter_and_float32():
 def check_with_initial(monoid, shape, dim: int, reverse: bool):
     """sl.scan with a per-lane initial element against the float64 loop: every output field, and the
     gradients of every element and initial field under random output weights (the schedule is
-    whatever the caller's fixture or runtime.OVERRIDES chose)."""
+    whatever the caller's fixture or forced configs (scanlang.tuning) chose)."""
     elems = tuple(e.requires_grad_() for e in elems_for(monoid, shape))
     initial = tuple(e.requires_grad_() for e in elems_for(monoid, shape[:dim] + shape[dim + 1:]))
     out = sl.scan(monoid, elems, dim=dim, reverse=reverse, initial=initial, backend="triton")
@@ -159,8 +159,8 @@ def test_bad_inputs_raise_typed_errors():
             tb.scan(sl.Affine, (x, torch.ones(2, 4, 3, device="meta")), 1, False, None, torch.float32)
 
 
-SHOW = ("import scanlang as sl; from scanlang.backends import triton as tb; "
-        "import sys; sys.stdout.write(tb.show(sl.Mobius))")
+SHOW = ("import scanlang as sl; from scanlang import pipeline; "
+        "import sys; sys.stdout.write(pipeline.show(sl.Mobius))")
 
 
 def test_generated_source_is_byte_identical_across_processes(tmp_path):
@@ -173,7 +173,7 @@ def test_generated_source_is_byte_identical_across_processes(tmp_path):
     cached = list((tmp_path / "triton").glob("scanlang_*.py"))
     assert len(cached) == 1 and cached[0].read_text() == runs[0]
     assert not list((tmp_path / "triton").glob("*.tmp"))
-    debug = subprocess.run([sys.executable, "-c", SHOW.replace("sys.stdout.write(tb.show(sl.Mobius))", "tb.show(sl.Mobius)")],
+    debug = subprocess.run([sys.executable, "-c", SHOW.replace("sys.stdout.write(pipeline.show(sl.Mobius))", "pipeline.show(sl.Mobius)")],
                            env=dict(env, SCANLANG_DEBUG="1"), capture_output=True, text=True, check=True).stdout
     assert "generated Triton for Mobius" in debug and runs[0] in debug
 

@@ -9,7 +9,7 @@ The chunked path is two `torch.library` ops with registered autograd, `scanlang:
 `scanlang::delta_chunk_bwd` (launches through `wrap_triton`, so torch.compile traces them).
 Forward: prep (gcum, beta, Tm, w, u) -> state_output (sequential over chunks: outputs, final state). The
 backward keeps Tm (and the in-chunk decay cumsum and beta) from the forward, recomputes w, u (delta_wu; or keeps
-the forward's: SAVE_WU) and the chunk start states h and innovations U (state_fwd), then
+the forward's: tuning.delta_save_wu) and the chunk start states h and innovations U (state_fwd), then
 state_bwd (reverse over chunks; dU) -> bwd_dqk (dq; shares of dk, dTm, dG, dbeta per key block) -> bwd_wy (dv,
 dk, d step input, d decay input and its parameters).
 Short inputs without gradients (every sequence <= RECURRENT_MAX_LEN tokens, e.g. decoding) take the
@@ -25,14 +25,18 @@ from __future__ import annotations
 
 import functools
 import inspect
+import sys
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 import triton
+from torch._subclasses.fake_tensor import is_fake
+from torch.fx.experimental.proxy_tensor import get_proxy_mode
 from torch.library import triton_op, wrap_triton
 from triton.runtime.errors import OutOfResources
 
+from scanlang import backend, tuning
 from scanlang.delta import DECLARED, GIVEN, KACZMARZ, DeltaRule
 from scanlang.second_order import refuse_second_order
 
@@ -53,7 +57,6 @@ class _Configs(dict):
 
 
 RECURRENT_MAX_LEN = 16
-KEY_BLOCK = 64           # key columns per program / loop step in the backward kernels (and per step of w in prep)
 PREP_VALUE_BLOCK = 64    # value columns per step of u in delta_prep (one [C, C] x [C, 64] product at a time)
 # Per kernel: BV = value columns per program (or per loop step in delta_bwd_*), and Triton launch options.
 # state_bwd: LOCAL_DU forms the local dU = scale (Q K^T * D)^T dO inside the sequential pass (no dU_local
@@ -102,14 +105,14 @@ SHARED_MEMORY_FITS = {
 # entry), the dU that state_bwd stores for bwd_dqk and bwd_wy (bwd_dqk rounds it so for its dot anyway); LOWP_DK and
 # LOWP_DTM (bwd_dqk's), its shares of dk and of dTm, which bwd_wy adds to its own parts.
 HOST_KEYS = ("LOWP_DU", "LOWP_DK", "LOWP_DTM")
-# The forward keeps the w and u that delta_prep stored, and the backward reads them instead of recomputing them with
-# delta_wu (a measured share of the backward: BENCHMARKS_HISTORY.md, "Notes moved from code comments"), for two more
-# saved activations the size of k and v (fla recomputes them to save that memory). False: recompute.
-SAVE_WU = True
-EAGER_FAST_PATH = True   # False: every chunked call goes through the torch.library ops (tests compare the two)
+# Knobs in scanlang.tuning (launch-time, in PLANS' key): delta_key_block, key columns per program / loop step in
+# the backward kernels (and per step of w in prep); delta_save_wu, the forward keeps the w and u that delta_prep
+# stored and the backward reads them instead of recomputing them with delta_wu (BENCHMARKS_HISTORY.md, "Notes moved from code comments"), for two more saved
+# activations the size of k and v (fla recomputes them to save that memory); delta_eager_fast_path, eager calls
+# skip the dispatcher (off: every chunked call goes through the torch.library ops; tests compare the two).
 _RULES = {"beta": GIVEN, "kaczmarz": KACZMARZ}
 PROGRAMS: dict[str, tuple] = {}     # key -> (generated module, chunk size); keys name rule, hooks and C
-PLANS: dict = {}                    # (program key, K, V, dtype, device, KEY_BLOCK) -> Plan
+PLANS: dict = {}                    # (program key, K, V, dtype, device, key block, delta configs) -> Plan
 TABLES: dict = {}                   # (B, T, chunk size, device) or (offsets, chunk size, device) -> ChunkTable
 _NO_PARAMS: dict = {}               # (H, device) -> the empty [0, H] parameter tensor
 _CACHE_LIMIT = 256                  # entries per shape cache before it is emptied
@@ -226,17 +229,20 @@ class Plan:
 
 def plan(key: str, K: int, V: int, dtype: torch.dtype, device: torch.device) -> Plan:
     """The cached Plan of program `key` (see `program_key`) for this shape, built on first use."""
-    pk = (key, K, V, dtype, device, KEY_BLOCK)
+    knobs = tuning.current()
+    key_block = knobs.delta_key_block
+    pk = (key, K, V, dtype, device, key_block, knobs.delta_configs)
     found = PLANS.get(pk)
     if found is None:
         mod, C = PROGRAMS[key]
         meta = _meta(K, V, C, dtype, device)
-        BKS = min(KEY_BLOCK, meta["BK"])
+        BKS = min(key_block, meta["BK"])
         if len(PLANS) >= _CACHE_LIMIT:
             PLANS.clear()
+        given = {name: knobs.delta_config(name) or cfg for name, cfg in CONFIG.items()}   # tuning.delta_configs first
         configs = {name: {**_clamp(cfg, V), **SHARED_MEMORY_FITS.get((name, dtype.itemsize, meta["BK"]), {})}
-                   for name, cfg in CONFIG.items()}
-        # delta_bwd_dqk's key block: its config's BKS (else KEY_BLOCK), at most the padded K; all of K with WY
+                   for name, cfg in given.items()}
+        # delta_bwd_dqk's key block: its config's BKS (else the key block), at most the padded K; all of K with WY
         # (delta_bwd_wy's work in the same program), which is taken up to K = 128 only (registers)
         dqk = configs["bwd_dqk"]
         dqk["WY"] = bool(dqk.get("WY", False)) and meta["BK"] <= 128
@@ -294,14 +300,12 @@ def _ptr(t: torch.Tensor, fallback: torch.Tensor) -> torch.Tensor:
 
 def _fake(t: torch.Tensor) -> bool:
     """Shape propagation only (meta or FakeTensor outside graph recording): allocate, launch nothing."""
-    from torch._subclasses.fake_tensor import is_fake
-    from torch.fx.experimental.proxy_tensor import get_proxy_mode
     return t.device.type == "meta" or (is_fake(t) and get_proxy_mode() is None)
 
 
 def _states(p: Plan, k, v, hp, h0, chunk_tok, chunk_len, seq_chunk0, tm, gcum, beta, direct=False, w=None, u=None):
     """The backward's recomputation from the forward's (Tm, gcum, beta): w and u by delta_wu (unless the forward's
-    are given: SAVE_WU), then the chunk start states h and innovations U by delta_state_fwd. Returns (w, h, U)."""
+    are given: tuning.delta_save_wu), then the chunk start states h and innovations U by delta_state_fwd. Returns (w, h, U)."""
     TT, H, K = k.shape
     V = v.shape[-1]
     NC, N, dev = chunk_tok.numel(), seq_chunk0.numel() - 1, k.device
@@ -434,7 +438,7 @@ def _setup_context(ctx, inputs, output):
     _, _, tm, gcum, beta, w, u = output
     ctx.mark_non_differentiable(tm, gcum, beta, w, u)
     ctx.set_materialize_grads(False)      # no zero-filled gradients for Tm, gcum, beta, w, u (nor an unused o or S)
-    if not SAVE_WU:
+    if not tuning.current().delta_save_wu:
         w = u = None                      # the backward recomputes them (delta_wu)
     ctx.save_for_backward(q, k, v, a, hp, s, h0, chunk_tok, chunk_len, seq_chunk0, tm, gcum, beta, w, u)
     ctx.key, ctx.eps, ctx.scale = key, eps, scale
@@ -489,7 +493,7 @@ class _EagerChunk(torch.autograd.Function):
 def _eager(*tensors) -> bool:
     """Whether the dispatcher can be skipped: not compiling, no dispatch mode (fake, proxy) and no functorch
     transform active, plain tensors (no fake or other subclasses)."""
-    if (not EAGER_FAST_PATH or torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack()
+    if (not tuning.current().delta_eager_fast_path or torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack()
             or torch._C._functorch.peek_interpreter_stack() is not None):
         return False
     return all(type(t) is torch.Tensor for t in tensors)
@@ -597,3 +601,6 @@ def delta_rule(q, k, v, g, s, rule, scale: float, initial_state=None, output_fin
         o, S, *_ = _chunk_forward(plan(key, K, V, dt, k.device), *args, direct=True)
     o = o.reshape(B, T, H, V)
     return o, (S if output_final_state else None)
+
+
+backend.register("delta", sys.modules[__name__])

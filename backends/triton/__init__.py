@@ -1,18 +1,42 @@
 """The Triton backend: generated fused scan kernels and their generated backward.
 
     scan(monoid, elems, dim, reverse, initial, out_dtype) -> tuple[Tensor]   (sl.scan's backend call)
-    show(monoid) -> str                                                      (`scanlang show`)
+    render(ir, adjoint) -> str, load(source) -> module                       (pipeline.render / load)
+    launch(program, inputs, initial, dim, reverse, fp64, cu_seqlens, is_eager) (pipeline.launch)
+    check(tensors, arg), eager(tensors), prefers_lanes(lanes)                 (sl.mixer, recipes)
 
-The kernels come from `scanlang.pipeline` (lower -> differentiate -> render -> load) and run as the
-`torch.library` ops `scanlang::scan_fwd` / `scanlang::scan_bwd` (see `ops.py`), so autograd and
-`torch.compile(fullgraph=True)` see them as ordinary ops; plain eager calls run the same code without
-the dispatcher, with their launch plans cached (`plan.py`).
+Registered as "triton" (`scanlang.backend`); the core reaches it only by that name. `scan` takes
+the pipeline's route (program_key -> build -> launch); the kernels run as the `torch.library` ops
+`scanlang::scan_fwd` / `scanlang::scan_bwd` (see `ops.py`), so autograd and
+`torch.compile(fullgraph=True)` see them as ordinary ops; plain eager calls run the same code
+without the dispatcher, with their launch plans cached (`plan.py`).
 """
 from __future__ import annotations
 
+import sys
+
 import torch
 
-from scanlang import settings
+from scanlang import backend, pipeline, settings
+
+from . import ops, runtime
+from .codegen_module import render
+from .runtime import load
+
+
+def eager(tensors) -> bool:
+    """Whether these tensors may skip the registered ops (`ops.eager`: plain tensors, no tracing)."""
+    return ops.eager(tensors)
+
+
+def launch(program, inputs, initial, dim: int, reverse: bool, fp64: bool, cu_seqlens=None, is_eager=None):
+    """Run `program`'s forward with autograd attached (`ops.launch`)."""
+    return ops.launch(program, inputs, initial, dim, reverse, fp64, cu_seqlens, is_eager=is_eager)
+
+
+def check(tensors, arg: str = "inputs") -> None:
+    """The backend's device and dtype checks: floating tensors on one device, CUDA (or the interpreter)."""
+    _check(tensors, None, arg=arg)
 
 
 def _check(elems, initial, arg="elems"):
@@ -34,29 +58,6 @@ def _check(elems, initial, arg="elems"):
                          "to run the generated kernels in Triton's interpreter")
 
 
-def program_for(monoid):
-    """The compiled plain-scan program of `monoid` (generated and loaded once)."""
-    from scanlang import pipeline
-    return pipeline.build(pipeline.lower(monoid))
-
-
-_KEYS: dict = {}   # (monoid key, name) -> the key of its plain-scan program in PROGRAMS
-
-
-@torch.compiler.assume_constant_result
-def program_key(key: str, name: str) -> str:
-    """Build (once) and name the plain-scan program of the declaration `(monoid.key, monoid.name)`.
-
-    torch.compile runs this at trace time and keeps only the string. It takes two strings (constants
-    to Dynamo in every torch version, also when a recompile turns numbers dynamic) rather than the
-    Monoid object or its parts; the object is found in `scanlang.monoid.DECLARED`.
-    """
-    from scanlang.monoid import DECLARED
-    if (key, name) not in _KEYS:
-        _KEYS[(key, name)] = program_for(DECLARED[(key, name)]).key
-    return _KEYS[(key, name)]
-
-
 def scan(monoid, elems, dim: int, reverse: bool, initial, out_dtype) -> tuple[torch.Tensor, ...]:
     """Inclusive scan of broadcastable `elems` along `dim` (>= 0) with the generated kernels.
 
@@ -64,7 +65,6 @@ def scan(monoid, elems, dim: int, reverse: bool, initial, out_dtype) -> tuple[to
     `out_dtype` (float32 or float64; the accumulation dtype too). Differentiable in every element and
     in `initial` through the generated backward kernel.
     """
-    from .ops import PROGRAMS, launch
     if out_dtype not in (torch.float32, torch.float64):
         raise TypeError(f"out_dtype: expected torch.float32 or torch.float64, got {out_dtype}")
     elems = tuple(elems)
@@ -77,15 +77,18 @@ def scan(monoid, elems, dim: int, reverse: bool, initial, out_dtype) -> tuple[to
     if not 0 <= dim < ndim:
         raise ValueError(f"dim: expected 0 <= dim < {ndim}, got {dim}")
     init = list(initial) if initial is not None else None
-    prog = PROGRAMS[program_key(monoid.key, monoid.name)]
-    outs, _ = launch(prog, elems, init, dim, reverse, out_dtype == torch.float64)
+    prog = pipeline.PROGRAMS[pipeline.program_key(monoid.key, monoid.name)]
+    outs, _ = pipeline.launch(prog, elems, init, dim, reverse, out_dtype == torch.float64)
     return tuple(outs)
 
 
-def show(monoid, shape=None, layout: str = "time") -> str:
-    """The generated Triton module (forward and backward kernels) of `monoid`'s plain scan; with a
-    `shape` (B, T, D) the configs chosen for it and the kernels they run (`show_shape.py`)."""
-    if shape is None:
-        return program_for(monoid).source
-    from .show_shape import show as show_for_shape
-    return show_for_shape(program_for(monoid), shape, layout)
+def show_for_shape(program, shape, layout: str = "time") -> str:
+    """The configs chosen for `shape` (B, T, D) in `layout` and the kernels they run (`show_shape.py`)."""
+    from .show_shape import show as show_shape
+    return show_shape(program, shape, layout)
+
+
+prefers_lanes = runtime.prefers_lanes   # lanes -> whether choose_config picks the lane-sequential schedule
+forces_lanes = runtime.forces_lanes     # () -> whether a forced config runs the lane-sequential schedule
+
+backend.register("triton", sys.modules[__name__])

@@ -26,20 +26,27 @@ import functools
 import sympy
 
 from scanlang import expr as E
+from scanlang import tuning
 from scanlang.autodiff import Adjoint
 from scanlang.ir import ScanIR
 
 from .codegen import _assign, _assign_inverted, _num, combine_call, combine_operands, scan_call, tile_start_checkpoints
 
-RUN = 8            # steps per run (one thread's consecutive steps)
-RUN_TILE = 128     # tiles of at least this many steps take the run-based bodies
-VEC = 4            # steps per vector load/store where time is contiguous (16 B of float32)
+
+
+def runs_shape() -> tuple[int, int, int]:
+    """(RUN, VEC, RUN_TILE) of the program being rendered, render-time knobs of `scanlang.tuning`
+    (in the program key): steps per run (one thread's consecutive steps), steps per vector
+    load/store where time is contiguous, and the smallest tile that takes the run-based bodies."""
+    t = tuning.current()
+    return t.run, t.vec, t.run_tile
 
 
 def runs_prologue(ir: ScanIR, carried: str) -> list[str]:
     """run: the run index along the tile's rows; vec: the steps of one vector load; {carried}r_<field>:
     the carry {carried}_<field> [lanes] held on every run ([runs, lanes], so a tile hands it on with
     one gather instead of a reduction over the runs)."""
+    RUN, VEC, _ = runs_shape()
     lines = [f"run = tl.arange(0, BLOCK_T // {RUN})[:, None]", f"vec = tl.arange(0, {VEC})[None, None, :]"]
     lines += [f"{carried}r_{f} = {carried}_{f}[None, :] + tl.zeros([BLOCK_T // {RUN}, BLOCK_L], {carried}_{f}.dtype)"
               for f in ir.fields]
@@ -55,6 +62,7 @@ def _run_index() -> list[str]:
     """ts: the first scan step of each run of tile k; ms its memory index; step the memory direction;
     m{h} the memory indices of the run's h-th VEC steps in increasing memory order (the last VEC
     steps first when REVERSE), okq{h} whether they are in the sequence."""
+    RUN, VEC, _ = runs_shape()
     lines = [
         f"ts = k * BLOCK_T + run * {RUN}",
         "if REVERSE:",   # mq written so that Triton sees it divisible by VEC (seq_len and ts are)
@@ -83,6 +91,7 @@ def _bases(ir: ScanIR, names: list[str]) -> list[str]:
 
 def _split_vec(h: int, src: str, outs: str) -> list[str]:
     """The VEC steps of vector `src` ([runs, lanes, VEC], memory order) as outs.format(j), j the step."""
+    RUN, VEC, _ = runs_shape()
     lines = [f"{src}_a, {src}_b = tl.split(tl.reshape({src}, [BLOCK_T // {RUN}, BLOCK_L, 2, 2]))",
              f"{src}_0, {src}_2 = tl.split({src}_a)", f"{src}_1, {src}_3 = tl.split({src}_b)"]
     fwd = ", ".join(outs.format(h * VEC + q) for q in range(VEC))
@@ -93,6 +102,7 @@ def _split_vec(h: int, src: str, outs: str) -> list[str]:
 
 def _join_vec(h: int, vals: str, dst: str) -> list[str]:
     """vals.format(j) of the VEC steps of quad h joined into `dst` ([runs, lanes, VEC], memory order)."""
+    RUN, VEC, _ = runs_shape()
     order = "if REVERSE:", "else:"
     lines = []
     for cond, js in zip(order, ([h * VEC + VEC - 1 - q for q in range(VEC)], [h * VEC + q for q in range(VEC)])):
@@ -105,6 +115,7 @@ def _join_vec(h: int, vals: str, dst: str) -> list[str]:
 def _load_steps(tensor: str, out: str, other: str) -> list[str]:
     """out.format(j): tensor `tensor` (u0, g0, ...) at step j of every run; vector loads of VEC steps
     when its time stride is 1 (Triton specialises a stride of 1 into a constant), else one per step."""
+    RUN, VEC, _ = runs_shape()
     vector = []
     for h in range(RUN // VEC):
         vector.append(f"w = tl.load({tensor}_ptr + {tensor}_off[:, :, None] + m{h}, mask=okq{h}, other={other})")
@@ -116,6 +127,7 @@ def _load_steps(tensor: str, out: str, other: str) -> list[str]:
 
 def _store_steps(tensor: str, vals: str, cast: str, mask_j: str = "ok{}", mask_q: str = "okq{}") -> list[str]:
     """Store vals.format(j) at step j of every run of `tensor` (vector stores when its time stride is 1)."""
+    RUN, VEC, _ = runs_shape()
     vector = []
     for h in range(RUN // VEC):
         vector += _join_vec(h, vals, "w")
@@ -156,6 +168,7 @@ def _pad(ir: ScanIR, i: int) -> str:
 
 def _load_lift_runs(ir: ScanIR) -> list[str]:
     """Inputs u{j}_<input> and elements e{j}_<field> of every step j of every run."""
+    RUN = runs_shape()[0]
     lines = []
     for i, name in enumerate(ir.inputs):
         lines += _load_steps(f"u{i}", f"u{{}}_{name}", _pad(ir, i))
@@ -166,6 +179,7 @@ def _load_lift_runs(ir: ScanIR) -> list[str]:
 
 def _load_lift_after(ir: ScanIR) -> list[str]:
     """un_<input>, en_<field>: the step after each run (masked by okn)."""
+    RUN = runs_shape()[0]
     lines = [f"un_{name} = tl.load(u{i}_at + ({RUN} * step) * u{i}_st, mask=okn, other={_pad(ir, i)})"
              for i, name in enumerate(ir.inputs)]
     return lines + _lift_run(ir, "n", "okn")
@@ -182,6 +196,7 @@ def _replay_runs(ir: ScanIR, raw: bool = False, carry: str = "cr") -> list[str]:
     not rescaled, nor the run's partial products r{j}_* of an odd number of elements (j even): each
     is one element times a rescaled r{j-1}, so no product grows past two elements' magnitude (what
     every rescaled combine already computes before it rescales)."""
+    RUN = runs_shape()[0]
     lines = [f"r0_{f} = e0_{f}" for f in ir.fields]
     for j in range(1, RUN):
         lines += _combine_call(ir, f"r{j}", f"r{j - 1}", f"e{j}", "combine_raw" if raw and j % 2 == 0 else "combine")
@@ -254,6 +269,7 @@ def _gather_runs(srcs: list[str], index: str, outs: list[str]) -> list[str]:
     gather through shared memory: the tensors are packed along new in-register axes and flattened
     (Triton gives a 2-D gather a warp-local layout that replicates the tile over the warps; a 1-D
     one goes through shared memory, one exchange and barrier pair for all of them)."""
+    RUN = runs_shape()[0]
     flat = f"BLOCK_T // {RUN} * BLOCK_L"
     k = 1 << max(0, (len(srcs) - 1).bit_length())
     pad = [f"tl.zeros_like({srcs[0]})"] * (k - len(srcs))
@@ -270,6 +286,7 @@ def _gather_runs(srcs: list[str], index: str, outs: list[str]) -> list[str]:
 
 def _step_masks() -> list[str]:
     """ok{j}: step j of every run is in the sequence (constant under EVEN_T: the masks fold away)."""
+    RUN = runs_shape()[0]
     return (["if EVEN_T:"] + [f"    ok{j} = tl.full([BLOCK_T // {RUN}, BLOCK_L], 1, tl.int1) & lane_ok[None, :]" for j in range(RUN)]
             + ["else:"] + [f"    ok{j} = (ts + {j} < seq_len) & lane_ok[None, :]" for j in range(RUN)])
 
@@ -277,6 +294,7 @@ def _step_masks() -> list[str]:
 def _last_prefix(ir: ScanIR, raw: bool = False) -> list[str]:
     """cr_*: the prefix at the tile's last valid step (padding may not even be finite) on every run;
     rescaled here when the prefixes are `raw`."""
+    RUN = runs_shape()[0]
     lines = ["if EVEN_T:", "    last = BLOCK_T - 1", "else:", "    last = tl.minimum(seq_len - 1 - k * BLOCK_T, BLOCK_T - 1)",
              f"last_run = last // {RUN}"]
     lines += [f"z_{f} = p{RUN - 1}_{f}" for f in ir.fields]
@@ -310,6 +328,7 @@ def sum_fields_function(ir: ScanIR) -> list[str]:
 
 def forward_loop(ir: ScanIR) -> list[str]:
     """The tile loop of `scan_forward` on runs (module docstring); same checkpoints and outputs."""
+    RUN, VEC, _ = runs_shape()
     loop = _run_index() + _step_masks()
     loop += tile_start_checkpoints(ir, "cr", "lane[None, :] + run * 0", "(run == 0) & lane_ok[None, :]")
     loop += _bases(ir, [f"u{i}" for i in range(len(ir.inputs))] + [f"o{j}" for j in range(len(ir.outputs))])
@@ -349,7 +368,8 @@ def forward_loop(ir: ScanIR) -> list[str]:
 
 
 def _du_store_runs(i: int, name: str) -> list[str]:
-    """Write du{j}_<name> (step j of every run) by the constexpr mode DU{i} (see codegen._du_store)."""
+    """Write du{j}_<name> (step j of every run) by the constexpr mode DU{i} (see codegen_tile._du_store)."""
+    RUN = runs_shape()[0]
     cast = f"du{i}_ptr.dtype.element_ty"
     lines = [f"if DU{i} == 0:"] + ["    " + ln for ln in _store_steps(f"du{i}", f"du{{}}_{name}", cast)]
     lines.append(f"elif DU{i} == 1:")
@@ -384,6 +404,7 @@ def backward_loop(ir: ScanIR, adj: Adjoint) -> list[str]:
     the reverse affine scan gbar_t = v_t + A_t gbar_{t+1} the same way as the forward: per run the
     composed maps (RUN - 1 adjoint combines), a reverse scan over the runs, and per step one
     matrix-vector product from the gbar entering the run."""
+    RUN = runs_shape()[0]
     n, nb = len(ir.fields), len(adj.b_entries)
     F = ir.fields
     loop = ["k = n_tiles - 1 - kk"] + _run_index() + _step_masks()

@@ -21,7 +21,7 @@ SASS, Kalman forward inner loop: 44 -> 23 instructions per lane-step under 3.6).
   element), readout (optionally summed over the STATE lanes), store. Every CHUNK steps it stores the
   carry into the chunk: the same checkpoints as the tile schedule (slot j = the carry into chunk j),
   so either backward can run after either forward. No shared memory: work-optimal, one combine per
-  step and lane. Steps run in blocks of UNROLL (a constexpr <= MAX_UNROLL): the block's loads are
+  step and lane. Steps run in blocks of UNROLL (a constexpr <= tuning.max_unroll): the block's loads are
   issued first (they do not depend on the carry, and a store between them would keep the compiler
   from hoisting them), then the dependent chain. Full blocks run without step masks or keeps; the
   chunk's partial last block (if any) runs a masked copy whose steps past the end leave the carries.
@@ -59,6 +59,7 @@ import functools
 import sympy
 
 from scanlang import expr as E
+from scanlang import tuning
 from scanlang.autodiff import Adjoint
 from scanlang.ir import ScanIR
 
@@ -110,9 +111,6 @@ def _prologue() -> list[str]:
         "first_in_warp = (slot - pid.to(tl.int64) * BLOCK_L) % (32 * R) < STATE",   # each warp's first group
         "slot_in_block = tl.arange(0, BLOCK_L // R)[None, :]",   # a warp's slots: 32 consecutive (_warp_sum_scatter)
     ]
-
-
-MAX_UNROLL = 16   # steps per loop iteration (constexpr UNROLL <= this): loads issued together, ahead of the chain
 
 
 def _guarded(j: int, lines: list[str]) -> list[str]:
@@ -331,14 +329,11 @@ def _groups_sum(value: str) -> str:
             f"keep_dims=True), {split}), {SHAPE})")
 
 
-# Software-pipelining depth of the lane kernels' loops over full blocks, per pass (1: a plain loop).
-# With N > 1 the loop is `tl.range(..., num_stages=N)`: Triton issues the loads of the next N - 1
-# blocks (cp.async into shared memory) while the current block's chain runs, for more instructions
-# and registers (the offline counts and the slower timings: BENCHMARKS_HISTORY.md, "Notes moved from
-# code comments"). A generation-time choice: set it
-# before the first program is built (scanlang/tools/bench_kalman.py --lanes-stages); the generated source,
-# and so the cached module, differs.
-LOOP_STAGES = {"forward": 1, "backward": 1}
+# Software-pipelining depth of the loops over full blocks, per pass: tuning.loop_stages_forward /
+# loop_stages_backward (render-time: in the program key). With N > 1 the loop is
+# `tl.range(..., num_stages=N)`: Triton issues the loads of the next N - 1 blocks (cp.async into shared
+# memory) while the current block's chain runs, for more instructions and registers.
+# (Offline counts and timings: BENCHMARKS_HISTORY.md, "Notes moved from code comments".)
 
 
 def _split_blocks(full: list[str], masked: list[str], start: str, stages: int = 1) -> list[str]:
@@ -352,6 +347,7 @@ def _split_blocks(full: list[str], masked: list[str], start: str, stages: int = 
 
 
 def _forward_block(ir: ScanIR, masked: bool) -> list[str]:
+    MAX_UNROLL = tuning.current().max_unroll
     block = _block_index("s0")
     for j in range(MAX_UNROLL):   # loads first: nothing below depends on the carry
         lines, lmask, smask, _ = _masks(j, "s0", masked)
@@ -396,7 +392,7 @@ def render_forward_lanes(ir: ScanIR) -> list[str]:
                             for f, name in enumerate(ir.fields) if name in _free(ir)]
     chunk.append("n_steps = tl.minimum(CHUNK, seq_len - k * CHUNK)")
     chunk += _split_blocks(_forward_block(ir, masked=False), _forward_block(ir, masked=True), "s0",
-                           LOOP_STAGES["forward"])
+                           tuning.current().loop_stages_forward)
     body.append("for k in range(0, n_chunks):")
     body += _indent(chunk, 4)
     for f, name in enumerate(ir.fields):
@@ -588,6 +584,7 @@ def _step_inputs(ir: ScanIR, j: int) -> list[str]:
 
 def _replay_block(ir: ScanIR, masked: bool) -> list[str]:
     """Replay UNROLL steps from s0 into the scratch rows s0 + 1 ..."""
+    MAX_UNROLL = tuning.current().max_unroll
     block = _block_index("s0")
     for j in range(MAX_UNROLL):
         lines, lmask, smask, _ = _masks(j, "s0", masked)
@@ -604,6 +601,7 @@ def _replay_block(ir: ScanIR, masked: bool) -> list[str]:
 
 def _walk_block(ir: ScanIR, adj: Adjoint, masked: bool) -> list[str]:
     """UNROLL adjoint steps back from step n_steps - 1 - ss0, reading the previous prefixes from scratch."""
+    MAX_UNROLL = tuning.current().max_unroll
     const = dict(ir.constants)
     block = _block_index("(n_steps - 1 - ss0)")
     for j in range(MAX_UNROLL):   # loads first (inputs, upstream gradients, previous prefixes), then the chain
@@ -626,7 +624,7 @@ def _chunk_in_scratch(ir: ScanIR, adj: Adjoint) -> list[str]:
     """CHUNK > UNROLL: replay the chunk's prefixes into the per-lane scratch rows, then walk back in
     blocks of UNROLL steps reading each step's previous prefix from scratch."""
     chunk = [_store(_scratch(ir, name, "0"), f"k_{name}", "lane_ok") for name in _free(ir)]
-    stages = LOOP_STAGES["backward"]
+    stages = tuning.current().loop_stages_backward
     chunk += _split_blocks(_replay_block(ir, False), _replay_block(ir, True), "s0", stages) + ["tl.debug_barrier()"]
     chunk += [f"nq_{f} = c_{f}" for f in ir.fields]   # the prefix at the chunk's last step
     chunk += _split_blocks(_walk_block(ir, adj, False), _walk_block(ir, adj, True), "ss0", stages)
@@ -635,6 +633,7 @@ def _chunk_in_scratch(ir: ScanIR, adj: Adjoint) -> list[str]:
 
 def _registers_block(ir: ScanIR, adj: Adjoint, masked: bool) -> list[str]:
     """The whole chunk as one block at fixed positions j (memory index tt + j * step)."""
+    MAX_UNROLL = tuning.current().max_unroll
     const = dict(ir.constants)
     chunk = []
     for j in range(MAX_UNROLL):

@@ -6,7 +6,7 @@ eager fast path that runs the same code without the dispatcher.
     scanlang::scan_bwd(key, inputs, initial, cu_seqlens, checkpoints, grads, dfinal, dim, reverse, fp64)
         -> [*input grads, *initial grads]
 
-`key` names a compiled program in `PROGRAMS` (one per lowered IR: its kernels are generated once).
+`key` names a compiled program in `scanlang.pipeline.PROGRAMS` (one per lowered IR: generated once).
 `inputs` are tensors broadcastable to one shape with the same ndim (size-1 dims broadcast; their
 gradients come back in their own shape, reduced in the kernel, never materialised at full size).
 
@@ -21,33 +21,21 @@ per-call binding (`launcher.py`).
 from __future__ import annotations
 
 import collections
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
+from torch.fx.experimental.proxy_tensor import get_proxy_mode
 from torch.library import triton_op, wrap_triton
 from triton.runtime.errors import OutOfResources
 
 from scanlang import settings
+from scanlang.pipeline import PROGRAMS, Program
 from scanlang.second_order import refuse_second_order
 
 from . import chunked_launch, launcher, runtime
 from .plan import PLANS, BackwardPlan, ForwardPlan, chunk_of, overrides
 from .runtime import fit_launch, fitted
-
-
-@dataclass
-class Program:
-    """One lowered scan with its adjoint, generated source and loaded module."""
-
-    key: str
-    ir: object
-    adjoint: object
-    source: str
-    module: object
-
-
-PROGRAMS: dict[str, Program] = {}
 
 
 def _empty(shape, dtype, device) -> torch.Tensor:
@@ -62,8 +50,6 @@ def _fake(t: torch.Tensor) -> bool:
 
     While a graph is being recorded (torch.compile, make_fx) the launch must run: it records the kernel.
     """
-    from torch._subclasses.fake_tensor import is_fake
-    from torch.fx.experimental.proxy_tensor import get_proxy_mode
     return t.device.type == "meta" or (is_fake(t) and get_proxy_mode() is None)
 
 

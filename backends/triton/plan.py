@@ -7,8 +7,8 @@ hole wherever a tensor goes. `ops._forward` / `ops._backward_pass` build one per
 only allocates and launches.
 
 The cache key is everything a plan reads: program key, pass flags, every tensor's (shape, stride,
-dtype), the device, the number of sequences, and `runtime.OVERRIDES` (a forced config changes the
-plan). The config that survives `fit_launch` (runtime.FITTED) is looked up at each launch, never cached here.
+dtype), the device, the number of sequences, and the launch-time knobs of `scanlang.tuning` (a
+forced config or a gradient mode changes the plan; `launch_key`). The config that survives `fit_launch` (runtime.FITTED) is looked up at each launch, never cached here.
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import dataclasses
 
 import torch
 
-from scanlang import settings
+from scanlang import settings, tuning
 
 from . import runtime
 from .kernel import chunked
@@ -50,16 +50,12 @@ def _time_contiguous(sizes, strides, dim) -> bool:
 
 
 ATOMIC_MODES = (1, 2, 4, 5, 6)   # gradient buffers these modes add into start zeroed
-# Mode 5 (see `_du_mode`): a program sums the gradients of an input its state groups share before
-# adding atomically (the Kalman keys: 4x fewer atomics on 64-lane programs, for a cross-warp sum
-# with barriers). Off: per-lane relaxed atomics measured faster for the Kalman backward
-# (BENCHMARKS_HISTORY.md, "Notes moved from code comments"); benchmarks flip it to compare.
-SUM_GROUPS_BEFORE_ATOMICS = False
-# Mode 6 (see `_lanes_mode`): the lane-sequential kernels sum such gradients over the groups of each
-# warp (shuffles, no barrier) before the atomic add: Kalman keys on 256-lane programs (4 lanes per
-# thread slot) 8x fewer atomics for 17 more instructions per lane and step (offline SASS). Not
-# measured yet against per-lane atomics; flip to compare.
-SUM_WARP_GROUPS_BEFORE_ATOMICS = True
+# Mode 5 (see `_du_mode`, tuning.sum_groups_before_atomics, off by default): a program sums the
+# gradients of an input its state groups share before adding atomically (the Kalman keys: fewer
+# atomics, for a cross-warp sum with barriers); per-lane relaxed atomics measured faster
+# (BENCHMARKS_HISTORY.md, "Notes moved from code comments"). Mode 6 (`_lanes_mode`, tuning.sum_warp_groups_before_atomics, on): the
+# lane-sequential kernels sum such gradients over the groups of each warp (shuffles, no barrier)
+# before the atomic add.
 
 
 def _du_mode(du_strides, lane_sizes, reduce_state: bool, T: int) -> int:
@@ -78,23 +74,24 @@ def _du_mode(du_strides, lane_sizes, reduce_state: bool, T: int) -> int:
     return 1
 
 
-def _lanes_mode(mode: int, sizes, cfg: Config, state: int = 1) -> int:
+def _lanes_mode(mode: int, sizes, cfg: Config, state: int = 1, knobs: tuning.Tuning | None = None) -> int:
     """Mode 5 needs the lane-sequential kernel and programs whose lanes share every outer lane index
-    (BLOCK_L divides the two innermost lane sizes' product), and SUM_GROUPS_BEFORE_ATOMICS. Else mode
-    6 (lane-sequential, SUM_WARP_GROUPS_BEFORE_ATOMICS): the sum over the groups of each 32
+    (BLOCK_L divides the two innermost lane sizes' product), and knobs.sum_groups_before_atomics. Else
+    mode 6 (lane-sequential, knobs.sum_warp_groups_before_atomics): the sum over the groups of each 32
     consecutive thread slots (one warp's: shuffles only, no shared memory), then one atomic per state
     index and warp, when those slots share every outer lane index (32 R lanes divide that product, R = runtime.lanes_per_thread);
     otherwise one atomic per lane (1)."""
     if mode != 5:
         return mode
+    knobs = knobs or tuning.current()
     if cfg.schedule != "lanes":
         return 1
     inner = sizes[-2] * sizes[-1]
-    if SUM_GROUPS_BEFORE_ATOMICS and inner % cfg.block_l == 0:
+    if knobs.sum_groups_before_atomics and inner % cfg.block_l == 0:
         return 5
     r = runtime.lanes_per_thread(cfg, state)
     slots = cfg.block_l // r
-    if SUM_WARP_GROUPS_BEFORE_ATOMICS and slots % 32 == 0 and 32 % (state // r) == 0 and inner % (32 * r) == 0:
+    if knobs.sum_warp_groups_before_atomics and slots % 32 == 0 and 32 % (state // r) == 0 and inner % (32 * r) == 0:
         return 6
     return 1
 
@@ -134,6 +131,7 @@ class _Plan:
         """Set layout, copy_shape and the forward's config for `inputs` broadcast to `shape`; `extra`
         are the other tensors' strides, `extra_copied(shape)` theirs when the inputs are copied."""
         ir = prog.ir
+        self.knobs = tuning.current()   # the launch-time knobs this plan is built and keyed under
         self.shape = shape
         sizes = [list(t.shape) for t in inputs]
         in_st = [broadcast_strides(t, shape) for t in inputs]
@@ -308,7 +306,7 @@ class BackwardPlan(_Plan):
         if got is None:
             chunk = cfg.block_t
             meta = dict(self.common, BLOCK_L=cfg.block_l, CHUNK=chunk, num_warps=cfg.num_warps)
-            meta.update({k: _lanes_mode(v, self.layout.sizes, cfg, self.state) for k, v in meta.items()
+            meta.update({k: _lanes_mode(v, self.layout.sizes, cfg, self.state, self.knobs) for k, v in meta.items()
                          if k.startswith("DU")})
             grid = (_cdiv(self.layout.L, cfg.block_l), self.n_seq)
             if cfg.schedule == "lanes":   # per-lane scratch for one chunk's replayed prefixes (none in registers):
@@ -318,7 +316,7 @@ class BackwardPlan(_Plan):
                 got = (self.prog.module.scan_backward_lanes, grid, dict(meta, UNROLL=cfg.unroll, **self.lanes_meta(cfg)),
                        scratch)
             else:
-                got = (self.prog.module.scan_backward, grid,   # FLIP_REV: see codegen.render_backward
+                got = (self.prog.module.scan_backward, grid,   # FLIP_REV: see codegen_tile.render_backward
                        dict(meta, BLOCK_T=cfg.block_t, STAGES=cfg.stages, FLIP_REV=not self.time_contiguous,
                             **self.tile_meta(cfg)), None)
             self._launch[cfg] = got
@@ -354,5 +352,5 @@ PLANS = PlanCache()
 
 
 def overrides() -> tuple:
-    """The forced configs (runtime.OVERRIDES) as part of a plan key."""
-    return tuple(runtime.OVERRIDES.items()) if runtime.OVERRIDES else ()
+    """The launch-time knobs in effect (`scanlang.tuning`, forced configs included) as part of a plan key."""
+    return tuning.current().launch_key

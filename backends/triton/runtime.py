@@ -19,9 +19,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import triton
 from triton.runtime.errors import OutOfResources
 
-from scanlang import cache, settings
+import scanlang
+from scanlang import cache, settings, tuning
 
 from .codegen import LANE_DIMS
 
@@ -35,9 +37,6 @@ def _device_kind() -> str:
 
 
 def cache_key(source: str) -> str:
-    import triton
-
-    import scanlang
     text = "\n".join([source, scanlang.__version__, triton.__version__, torch.__version__, _device_kind()])
     return hashlib.sha256(text.encode()).hexdigest()[:24]
 
@@ -158,11 +157,11 @@ class Config:
     unroll: int = 4      # lanes: steps per loop iteration (their loads issued together)
 
     def __post_init__(self):
-        from .codegen_seq import MAX_UNROLL
         if self.schedule not in SCHEDULES:
             raise ValueError(f"schedule: expected one of {SCHEDULES}, got {self.schedule!r}")
-        if not 1 <= self.unroll <= MAX_UNROLL:
-            raise ValueError(f"unroll: expected 1..{MAX_UNROLL}, got {self.unroll}")
+        max_unroll = tuning.current().max_unroll   # the steps per iteration the kernels are generated for
+        if not 1 <= self.unroll <= max_unroll:
+            raise ValueError(f"unroll: expected 1..{max_unroll}, got {self.unroll}")
         object.__setattr__(self, "_hash", hash(dataclasses.astuple(self)))
 
     def __hash__(self) -> int:   # configs key several dicts on every launch: hash the fields once
@@ -172,21 +171,11 @@ class Config:
         return type(self), dataclasses.astuple(self)
 
 
-# (time_contiguous, is_backward) -> Config forced by the benchmark or a test; empty in normal use.
-# A forced Config with schedule="lanes" selects the lane-sequential kernels (see `lanes_overrides`).
-OVERRIDES: dict = {}
-
-
 def lanes_overrides(block_l: int = 64, num_warps: int = 2, chunk: int = 64, unroll: int = 16) -> dict:
-    """OVERRIDES entries that run every layout, forward and backward, on the lane-sequential schedule."""
+    """Forced configs (`tuning.override(forced=...)`) that run every layout, forward and backward, on the
+    lane-sequential schedule."""
     cfg = Config(block_t=chunk, block_l=block_l, num_warps=num_warps, chunk=chunk, schedule="lanes", unroll=unroll)
     return {(time_contiguous, backward): cfg for time_contiguous in (False, True) for backward in (False, True)}
-
-
-# Lanes at which the lane-sequential schedule wins: the Kalman program (196,608 lanes) runs faster on
-# it than on tiles, the affine and Möbius scans at 12,288 lanes slower (too few lanes to hide each
-# step's latency); BENCHMARKS_HISTORY.md, "Notes moved from code comments", runtime.LANES_MIN.
-LANES_MIN = 1 << 17
 
 
 def lanes_per_thread(cfg: Config, state: int) -> int:
@@ -196,9 +185,15 @@ def lanes_per_thread(cfg: Config, state: int) -> int:
     return max(1, min(cfg.block_l // (32 * cfg.num_warps), state))
 
 
+def forces_lanes() -> bool:
+    """True while a forced config (tuning.current().forced) runs the lane-sequential schedule."""
+    return any(c.schedule == "lanes" for _, c in tuning.current().forced)
+
+
 def prefers_lanes(L: int) -> bool:
-    """True when `choose_config` picks the lane-sequential schedule for L lanes (forced configs aside)."""
-    return L >= LANES_MIN
+    """True when `choose_config` picks the lane-sequential schedule for L lanes (forced configs aside):
+    from tuning.lanes_min lanes, where it wins (BENCHMARKS.md); with fewer it cannot hide each step's latency."""
+    return L >= tuning.current().lanes_min
 
 
 def prefers_chunked(T: int, L: int) -> bool:
@@ -230,7 +225,8 @@ def choose_config(T: int, L: int, time_contiguous: bool, state: int, backward: b
     `checkpoint`: the forward serves a backward (its checkpoint interval is the backward's tile)."""
     def pow2(n):
         return 1 << max(0, (n - 1).bit_length())
-    forced = OVERRIDES.get((time_contiguous, backward))
+    knobs = tuning.current()
+    forced = knobs.forced_config(time_contiguous, backward)
     if forced is not None and forced.schedule == "chunked" and not (chunkable and T > 0):
         forced = None   # a program or call (cu_seqlens) the chunk-parallel kernels do not serve
     if forced is not None and (forced.schedule == "lanes" or not sequential):
@@ -259,11 +255,10 @@ def choose_config(T: int, L: int, time_contiguous: bool, state: int, backward: b
         # per thread: 512-step tiles on 2 warps, checkpoints every tile (the backward's tile). The
         # forward runs at copy bandwidth with them (BENCHMARKS.md; the earlier tile measurements in
         # BENCHMARKS_HISTORY.md, "Notes moved from code comments").
-        from .codegen_runs import RUN
         bt = min(512, pow2(T))
         chunk = bt
         tile = chunk if backward else bt
-        warps = max(1, min(4, tile * max(state, 1) // (32 * RUN)))
+        warps = max(1, min(4, tile * max(state, 1) // (32 * knobs.run)))
         return Config(block_t=bt, block_l=max(state, 1), num_warps=warps, chunk=chunk)
     # one lane per thread, 32 lanes on 1 warp, 32-step tiles with 4 stages of loads in flight: the
     # fastest channels-contiguous forward of the tiles swept (BENCHMARKS_HISTORY.md, "Notes moved from

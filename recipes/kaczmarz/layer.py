@@ -21,11 +21,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from scanlang import backend as registry
 from scanlang import context_parallel
 from scanlang.delta import GIVEN_MAMBA2, KACZMARZ_MAMBA2
 
 from .context_parallel import conv_halos
-from .ops import delta_rule, kaczmarz_delta_rule, validate
+from .ops import delta_rule, delta_rule_with_decay, kaczmarz_delta_rule, validate
 
 MODES = ("kaczmarz", "gdn")
 
@@ -179,15 +180,13 @@ class KaczmarzLinearAttention(nn.Module):
         a = self.a_proj(x).to(ct)
         eta = torch.sigmoid(self.b_proj(x).to(ct))
         h0 = None if state is None else state.recurrent
-        backend = self.backend or ("triton" if x.is_cuda and ct == torch.float32 else "reference")
+        backend = self.backend or registry.default(x.device, ct, triton_dtypes=(torch.float32,))
         if backend == "triton" and group is None:
             # the Mamba2 gate runs inside the generated kernels as the rule's decay hook
             validate(q, k, v, a, eta, "eta", None, h0, None, backend, self.chunk_size)
-            from scanlang.backends.delta import ops as delta_ops
             rule = KACZMARZ_MAMBA2 if self.mode == "kaczmarz" else GIVEN_MAMBA2
-            o, S = delta_ops.delta_rule(q, k, v, a, eta, rule, scale=K ** -0.5, initial_state=h0,
-                                        output_final_state=return_state, chunk_size=self.chunk_size, eps=self.eps,
-                                        decay_params=(self.A_log, self.dt_bias))
+            o, S = delta_rule_with_decay(q, k, v, a, eta, rule, (self.A_log, self.dt_bias), K ** -0.5, h0,
+                                         return_state, self.chunk_size, self.eps)
         else:
             g = -torch.exp(self.A_log.to(ct)) * F.softplus(a + self.dt_bias.to(ct))
             kwargs = dict(initial_state=h0, output_final_state=return_state, backend=backend,

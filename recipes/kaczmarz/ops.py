@@ -23,7 +23,8 @@ import numbers
 
 import torch
 
-from scanlang import context_parallel
+from scanlang import backend as registry
+from scanlang import context_parallel, settings
 from scanlang._checks import check_cu_seqlens, check_log_decay
 
 from .chunk_reference import chunk_delta_rule_reference, chunk_delta_rule_reference_varlen
@@ -95,12 +96,11 @@ def validate(q, k, v, g, step, step_name, scale, initial_state, cu_seqlens, back
         if initial_state.device != device:
             raise ValueError(f"initial_state is on {initial_state.device} but k is on {device}")
 
-    if backend is None:
-        backend = "triton" if device.type == "cuda" and compute == torch.float32 else "reference"
+    if backend is None:   # the delta kernels compute in float32 only
+        backend = registry.default(device, compute, triton_dtypes=(torch.float32,))
     if backend not in ("reference", "triton"):
         raise ValueError(f"backend must be None, 'reference' or 'triton', got {backend!r}")
     if backend == "triton":
-        from scanlang import settings
         if device.type != "cuda" and not settings.triton_interpret():
             raise ValueError("backend='triton' needs CUDA tensors, or TRITON_INTERPRET=1 to run the kernels "
                              "in Triton's interpreter on CPU")
@@ -156,8 +156,7 @@ def delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_st
     scale = k.shape[-1] ** -0.5 if scale is None else float(scale)
     if backend == "reference":
         return _reference(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, compute, chunk_size)
-    from scanlang.backends.delta import ops as triton_ops
-    return triton_ops.delta_rule(q, k, v, g, beta, "beta", scale=scale, initial_state=initial_state,
+    return registry.get("delta").delta_rule(q, k, v, g, beta, "beta", scale=scale, initial_state=initial_state,
                                  output_final_state=output_final_state, cu_seqlens=offsets,
                                  chunk_size=chunk_size)
 
@@ -194,7 +193,16 @@ def kaczmarz_delta_rule(q, k, v, g, eta, eps=1e-6, scale=None, initial_state=Non
     if backend == "reference":
         beta = kaczmarz_beta(k.to(compute), eta.to(compute), float(eps))
         return _reference(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, compute, chunk_size)
-    from scanlang.backends.delta import ops as triton_ops
-    return triton_ops.delta_rule(q, k, v, g, eta, "kaczmarz", scale=scale, initial_state=initial_state,
+    return registry.get("delta").delta_rule(q, k, v, g, eta, "kaczmarz", scale=scale, initial_state=initial_state,
                                  output_final_state=output_final_state, cu_seqlens=offsets,
                                  chunk_size=chunk_size, eps=float(eps))
+
+
+def delta_rule_with_decay(q, k, v, a, eta, rule, decay_params, scale, initial_state=None, output_final_state=False,
+                          chunk_size=64, eps=1e-6):
+    """The generated kernels of `rule` (a `scanlang.delta.DeltaRule` with a decay hook) on validated
+    inputs: the hook turns `a` and the per-head `decay_params` into the log-decay inside the kernels
+    (the layer's Mamba2 gate). Returns (o, S or None) as `delta_rule`."""
+    return registry.get("delta").delta_rule(q, k, v, a, eta, rule, scale=scale, initial_state=initial_state,
+                                            output_final_state=output_final_state, chunk_size=chunk_size, eps=eps,
+                                            decay_params=decay_params)

@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 
 import scanlang as sl
+from scanlang import backend as registry
 from scanlang import context_parallel
 
 from . import fused
@@ -92,7 +93,7 @@ def kalman_filter(v, prec, k, q, a_bar, p_bar, initial_state=None, output_final_
     batch, length, channels, state_size = _check_shapes(v, prec, k, q, a_bar, p_bar, initial_state)
     if form is not None and form not in FORMS:
         raise ValueError(f"form: expected one of {FORMS} or None, got {form!r}")
-    resolved = backend if backend is not None else ("triton" if v.device.type == "cuda" else "reference")
+    resolved = backend if backend is not None else registry.default(v.device)
     if form is None:
         tensors = [v, prec, k, q, a_bar, p_bar, *(initial_state or ())]
         form = choose_form(resolved, state_size, torch.is_grad_enabled() and any(x.requires_grad for x in tensors),
@@ -145,8 +146,7 @@ def choose_form(backend: str, state_size: int, needs_grad: bool, lanes: int = 0)
     """
     if backend != "triton":   # the reference backend never needs Triton imported
         return DEFAULT_FORM
-    from scanlang.backends.triton.runtime import prefers_lanes
-    if fused.supports(state_size) and (prefers_lanes(lanes) or not needs_grad):
+    if fused.supports(state_size) and (registry.get("triton").prefers_lanes(lanes) or not needs_grad):
         return "fused"
     return DEFAULT_FORM
 

@@ -30,6 +30,8 @@ import math
 
 import torch
 
+import scanlang as sl
+
 from . import monoids as K
 
 A_FLOOR = math.sqrt(K.A2_FLOOR)
@@ -65,8 +67,7 @@ def _information_readout(p, u, q):
 @functools.lru_cache(maxsize=None)
 def precision_mixer():
     """Möbius scan of the precision; per entry outputs the information gate and 1 / lam."""
-    from scanlang.mixer import mixer
-    return mixer(K.PRECISION, axes="b t h g s",
+    return sl.mixer(K.PRECISION, axes="b t h g s",
                  inputs={"prec": "b t h g", "k": "b t h s", "a_bar": "h g s", "p_bar": "h g s"},
                  lift=_precision_lift, readout=_precision_readout, outputs=("gate", "inv_lam"))
 
@@ -74,8 +75,7 @@ def precision_mixer():
 @functools.lru_cache(maxsize=None)
 def information_mixer():
     """Affine scan of the information mean with the (y, y_var) readout summed over s."""
-    from scanlang.mixer import mixer
-    return mixer(K.INFORMATION, axes="b t h g s",
+    return sl.mixer(K.INFORMATION, axes="b t h g s",
                  inputs={"gate": "b t h g s", "inv_lam": "b t h g s", "v": "b t h g", "prec": "b t h g",
                          "k": "b t h s", "q": "b t h s"},
                  lift=_information_lift, readout=_information_readout, outputs=("y", "y_var"), reduce="s")
@@ -84,8 +84,7 @@ def information_mixer():
 @functools.lru_cache(maxsize=None)
 def joint_mixer():
     """The fused program (built and generated once per process)."""
-    from scanlang.mixer import mixer
-    return mixer(K.KalmanJoint, axes="b t h g s",
+    return sl.mixer(K.KalmanJoint, axes="b t h g s",
                  inputs={"v": "b t h g", "prec": "b t h g", "k": "b t h s", "q": "b t h s",
                          "a_bar": "h g s", "p_bar": "h g s"},
                  lift=_lift, readout=_readout, outputs=("y", "y_var"), reduce="s")

@@ -36,6 +36,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from scanlang.mixer import Mixer
+from scanlang.recipes.kaczmarz import KaczmarzLinearAttention
+from scanlang.recipes.kalman import KalmanLinearAttention
 
 from .mamba import MambaMixer
 
@@ -83,13 +85,11 @@ class CausalSelfAttention(nn.Module):
 
 
 def _kalman(d_model: int, num_heads: int, **options) -> nn.Module:
-    from scanlang.recipes.kalman import KalmanLinearAttention
     return KalmanLinearAttention(d_model, **options)
 
 
 def _delta(mode: str):
     def factory(d_model: int, num_heads: int, **options) -> nn.Module:
-        from scanlang.recipes.kaczmarz import KaczmarzLinearAttention
         return KaczmarzLinearAttention(d_model, num_heads, mode=mode, **options)
     return factory
 

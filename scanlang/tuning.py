@@ -1,0 +1,171 @@
+"""Knobs as data: one frozen `Tuning` with every tuning knob of the kernels, and an override context.
+
+    sl.tuning.current()                      the Tuning in effect (the defaults unless overridden)
+    with sl.tuning.override(lanes_min=1):    tests and benchmarks change knobs here, never by
+        ...                                  assigning module globals; restored on exit
+
+Two kinds of knob, by when they act:
+- render-time knobs change the generated source. They are part of the program key
+  (`render_key`, `scanlang.pipeline.build`): flipping one renders (and caches) another program.
+- launch-time knobs change how a program is launched (configs, gradient-accumulation modes, the
+  delta kernels' buffers and paths). They are part of the launch plans' keys (`launch_key`).
+
+Overrides are process-wide (the autograd engine runs backward passes on its own threads, which
+must see the knobs the forward saw) and thread-safe: each `override` is one entry in a list kept
+under a lock, `current()` is the defaults with every active entry applied in the order they were
+entered, and leaving a context removes its own entry, whichever order contexts end in.
+
+>>> with override(loop_stages_forward=2):
+...     current().loop_stages_forward, current().render_key != DEFAULT.render_key
+(2, True)
+>>> current().loop_stages_forward
+1
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import threading
+from dataclasses import dataclass, field
+
+RENDER_KNOBS = ("loop_stages_forward", "loop_stages_backward", "run", "vec", "run_tile", "max_unroll")
+
+
+@dataclass(frozen=True)
+class Tuning:
+    """Every knob; the defaults are what the kernels run with.
+
+    Render-time (in the program key):
+      loop_stages_forward, loop_stages_backward: software-pipelining stages of the lane-sequential
+        kernels' loops over full blocks (`tl.range(..., num_stages=N)`); 1: plain loops.
+      run: steps per thread run of the run-based tile bodies (codegen_runs.py), a multiple of vec.
+      vec: steps per vector load/store where time is contiguous (the split into step tensors is
+        written for 4: 16 bytes of float32).
+      run_tile: tiles of at least this many steps take the run-based bodies.
+      max_unroll: steps per loop iteration the lane-sequential kernels are generated for (a
+        config's `unroll` is at most this).
+    Launch-time (in the plan keys):
+      forced: configs forced per (time_contiguous, backward), as ((key, Config), ...); give a dict
+        to `override(forced=...)`. A forced Config with schedule "lanes" selects the
+        lane-sequential kernels.
+      lanes_min: lanes from which `choose_config` picks the lane-sequential schedule.
+      sum_groups_before_atomics: gradient mode 5 (a program's state groups summed before the
+        atomic add, plan._lanes_mode) instead of per-lane atomics.
+      sum_warp_groups_before_atomics: gradient mode 6 (the groups of each warp summed by shuffles
+        before the atomic add).
+      delta_save_wu: the delta forward stores w, u for the backward (else the backward recomputes them).
+      delta_eager_fast_path: eager delta calls skip the torch.library dispatcher.
+      delta_key_block: key columns per program / loop step of the delta backward kernels.
+      delta_configs: launch configs of delta kernels by name, in place of backends/delta/ops.CONFIG's
+        entries, as ((name, ((key, value), ...)), ...); give a dict {name: config dict} to
+        `override(delta_configs=...)`. Unlike the other knobs, a nested override's entries add to
+        the enclosing ones' (by kernel name).
+    """
+
+    loop_stages_forward: int = 1
+    loop_stages_backward: int = 1
+    run: int = 8
+    vec: int = 4
+    run_tile: int = 128
+    max_unroll: int = 16
+    forced: tuple = ()
+    lanes_min: int = 1 << 17
+    sum_groups_before_atomics: bool = False
+    sum_warp_groups_before_atomics: bool = True
+    delta_save_wu: bool = True
+    delta_eager_fast_path: bool = True
+    delta_key_block: int = 64
+    delta_configs: tuple = ()
+    render_key: str = field(init=False, repr=False, compare=False)
+    launch_key: tuple = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self):
+        if isinstance(self.forced, dict):
+            object.__setattr__(self, "forced", tuple(sorted(self.forced.items(), key=lambda kv: kv[0])))
+        if isinstance(self.delta_configs, dict):
+            frozen = tuple(sorted((name, tuple(sorted(cfg.items()))) for name, cfg in self.delta_configs.items()))
+            object.__setattr__(self, "delta_configs", frozen)
+        for name in ("loop_stages_forward", "loop_stages_backward", "run", "vec", "run_tile", "max_unroll",
+                     "lanes_min", "delta_key_block"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}: expected an int >= 1, got {value!r}")
+        for name in ("sum_groups_before_atomics", "sum_warp_groups_before_atomics", "delta_save_wu",
+                     "delta_eager_fast_path"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name}: expected a bool, got {getattr(self, name)!r}")
+        if self.vec != 4:
+            raise ValueError(f"vec: the run bodies split 16-byte vectors into 4 steps; got {self.vec}")
+        if self.run % self.vec:
+            raise ValueError(f"run: expected a multiple of vec = {self.vec}, got {self.run}")
+        if self.run_tile < self.run or self.run_tile & (self.run_tile - 1):
+            raise ValueError(f"run_tile: expected a power of two >= run = {self.run}, got {self.run_tile}")
+        for key, _ in self.forced:
+            if not (isinstance(key, tuple) and len(key) == 2 and all(isinstance(k, bool) for k in key)):
+                raise ValueError(f"forced: keys are (time_contiguous, backward) pairs of bools, got {key!r}")
+        render = tuple(getattr(self, n) for n in RENDER_KNOBS)
+        object.__setattr__(self, "render_key", hashlib.sha256(repr(render).encode()).hexdigest()[:12])
+        object.__setattr__(self, "launch_key", tuple(getattr(self, f.name) for f in dataclasses.fields(self)
+                                                     if f.init and f.name not in RENDER_KNOBS))
+
+    def forced_config(self, time_contiguous: bool, backward: bool):
+        """The Config forced for this layout and pass, or None."""
+        for key, cfg in self.forced:
+            if key == (time_contiguous, backward):
+                return cfg
+        return None
+
+    def delta_config(self, name: str) -> dict | None:
+        """The delta kernel `name`'s launch config given by `delta_configs` (a fresh dict), or None."""
+        for key, items in self.delta_configs:
+            if key == name:
+                return dict(items)
+        return None
+
+
+DEFAULT = Tuning()
+_LOCK = threading.Lock()
+_ACTIVE: list[tuple[object, dict]] = []   # (token, knobs) of every open override, in entry order
+_current = DEFAULT
+
+
+def current() -> Tuning:
+    """The Tuning in effect now (the defaults with every open `override` applied)."""
+    return _current
+
+
+@contextlib.contextmanager
+def override(**knobs):
+    """Run the block with `knobs` changed (names as in `Tuning`; `forced` may be a dict); thread-safe,
+    restored on exit. An unknown name or a bad value raises before the block runs."""
+    global _current
+    unknown = sorted(set(knobs) - {f.name for f in dataclasses.fields(Tuning) if f.init})
+    if unknown:
+        raise TypeError(f"override: unknown knobs {unknown}; the knobs are the fields of scanlang.tuning.Tuning")
+    token = object()
+    with _LOCK:
+        merged = _merge(_ACTIVE + [(token, knobs)])   # validates before anything changes
+        _ACTIVE.append((token, knobs))
+        _current = merged
+    try:
+        yield merged
+    finally:
+        with _LOCK:
+            _ACTIVE[:] = [entry for entry in _ACTIVE if entry[0] is not token]
+            _current = _merge(_ACTIVE)
+
+
+def _merge(entries) -> Tuning:
+    knobs: dict = {}
+    delta_configs: dict = {}
+    for _, more in entries:
+        knobs.update(more)
+        if "delta_configs" in more:   # by kernel name, on top of the enclosing overrides'
+            given = more["delta_configs"]
+            delta_configs.update(given if isinstance(given, dict) else {n: dict(c) for n, c in given})
+            knobs["delta_configs"] = dict(delta_configs)
+    return dataclasses.replace(DEFAULT, **knobs) if knobs else DEFAULT
+
+
+__all__ = ["Tuning", "DEFAULT", "RENDER_KNOBS", "current", "override"]

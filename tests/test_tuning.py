@@ -1,0 +1,120 @@
+"""Knobs as data (scanlang.tuning): the override context, and the keys the knobs are part of:
+a render-time knob in the program key (a flip renders another program), a launch-time knob in
+the plan key (a flip builds another plan; the old plans are found again after)."""
+import threading
+
+import pytest
+import torch
+
+import scanlang as sl
+from scanlang import pipeline, tuning
+from scanlang.backends.reference import scan_sequential
+from scanlang.ir import lower
+from scanlang.testing import assert_close
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def test_override_changes_the_named_knobs_and_restores_them():
+    assert tuning.current() is tuning.DEFAULT
+    with tuning.override(lanes_min=3, loop_stages_backward=2) as outer:
+        assert tuning.current() is outer and (outer.lanes_min, outer.loop_stages_backward) == (3, 2)
+        with tuning.override(lanes_min=5):
+            assert (tuning.current().lanes_min, tuning.current().loop_stages_backward) == (5, 2)
+        assert tuning.current().lanes_min == 3
+    assert tuning.current() == tuning.DEFAULT
+
+
+def test_override_refuses_unknown_knobs_and_bad_values_before_the_block():
+    with pytest.raises(TypeError, match="unknown knobs \\['LOOP_STAGES'\\]"):
+        with tuning.override(LOOP_STAGES=2):
+            pass
+    with pytest.raises(ValueError, match="loop_stages_forward: expected an int >= 1"):
+        with tuning.override(loop_stages_forward=0):
+            pass
+    with pytest.raises(ValueError, match="run: expected a multiple of vec"):
+        with tuning.override(run=6):
+            pass
+    with pytest.raises(TypeError, match="sum_groups_before_atomics: expected a bool"):
+        with tuning.override(sum_groups_before_atomics=1):
+            pass
+    assert tuning.current() is tuning.DEFAULT
+
+
+def test_overrides_from_threads_end_in_any_order():
+    """Two threads' overrides are both in effect while open; the first to enter leaving first keeps
+    the second's knobs, and nothing is left once both have left."""
+    entered, leave_first, seen = threading.Event(), threading.Event(), {}
+
+    def first():
+        with tuning.override(lanes_min=7):
+            entered.set()
+            leave_first.wait(10)
+        seen["after first"] = tuning.current().lanes_min, tuning.current().delta_key_block
+
+    worker = threading.Thread(target=first)
+    worker.start()
+    assert entered.wait(10)
+    with tuning.override(delta_key_block=16):
+        assert (tuning.current().lanes_min, tuning.current().delta_key_block) == (7, 16)
+        leave_first.set()
+        worker.join(10)
+        assert seen["after first"] == (tuning.DEFAULT.lanes_min, 16)
+    assert tuning.current() is tuning.DEFAULT
+
+
+def test_a_render_time_knob_is_in_the_program_key():
+    """Flipping loop_stages_forward after the first build renders a new program (its loops pipelined),
+    which sl.scan then runs; the default program is the one found again afterwards."""
+    ir = lower(sl.Add)
+    default = pipeline.build(ir)
+    with tuning.override(loop_stages_forward=2):
+        staged = pipeline.build(ir)
+        x = torch.randn(2, 9, 3, dtype=torch.float64, device=DEVICE)
+        out = sl.scan(sl.Add, (x,), dim=1, backend="triton")
+        assert pipeline.program(sl.Add) is staged
+    assert staged.key != default.key and staged.ir is ir
+    assert "num_stages=2" in staged.source and "num_stages=2" not in default.source
+    assert_close(out[0], scan_sequential(sl.Add, (x,), dim=1)[0], "scan")
+    assert pipeline.build(ir) is default and pipeline.program(sl.Add) is default
+
+
+def test_a_render_time_knob_reaches_a_mixer_built_before_it():
+    mix = sl.mixer(sl.Affine, axes="b t d", inputs={"x": "b t d", "decay": "d"},
+                   lift=lambda u: (u.decay, (1 - u.decay) * u.x), readout=lambda p, u, q: p.b, outputs=("h",))
+    x = torch.randn(1, 6, 2, dtype=torch.float64, device=DEVICE)
+    decay = torch.tensor([0.5, 0.25], dtype=torch.float64, device=DEVICE)
+    want = mix(x=x, decay=decay).h
+    with tuning.override(loop_stages_backward=3):
+        assert mix._general() is not mix.program and "num_stages=3" in mix._general().source
+        assert_close(mix(x=x, decay=decay).h, want, "scan")
+    assert mix._general() is mix.program
+
+
+def _affine_step(shape):
+    a = (torch.rand(shape, device=DEVICE) * 0.9 + 0.05).requires_grad_()
+    b = torch.randn(shape, device=DEVICE).requires_grad_()
+    out = sl.scan(sl.Affine, (a, b), dim=1, backend="triton")
+    torch.autograd.grad(out.b.sum(), (a, b))
+    return out
+
+
+@pytest.mark.parametrize("knob", [dict(sum_warp_groups_before_atomics=False), dict(sum_groups_before_atomics=True),
+                                  dict(lanes_min=1)], ids=lambda k: next(iter(k)))
+def test_a_launch_time_knob_is_in_the_plan_key(knob):
+    """The same eager call under a flipped launch-time knob builds a forward and a backward plan of its
+    own (a plan memoises its launch meta, gradient modes included); back at the defaults, the first
+    plans are found again."""
+    from scanlang.backends.triton import plan
+    shape = (2, 5, 3)
+    _affine_step(shape)
+    built = plan.PLANS.built
+    _affine_step(shape)
+    assert plan.PLANS.built == built
+    with tuning.override(**knob):
+        _affine_step(shape)
+        assert plan.PLANS.built == built + 2
+        _affine_step(shape)
+        assert plan.PLANS.built == built + 2
+    _affine_step(shape)
+    assert plan.PLANS.built == built + 2
