@@ -15,12 +15,10 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 PACKAGES = {"scanlang": "scanlang", "backends": "scanlang.backends", "recipes": "scanlang.recipes"}
 
 
-# tools that still sit among the runtime files (benchmarks, offline compile reports, host profilers);
-# issue 13 moves them into scanlang/tools/, after which this set is empty
-
 def is_tool(module: str) -> bool:
-    return (module in ("scanlang.cli", "scanlang.__main__", "scanlang.tools") or module.startswith("scanlang.tools.")
-)
+    """The CLI and scanlang/tools/ (benchmarks, offline compile reports, host profilers): they may
+    import anything; nothing in the library imports them."""
+    return module in ("scanlang.cli", "scanlang.__main__", "scanlang.tools") or module.startswith("scanlang.tools.")
 
 
 def modules() -> dict[str, tuple[pathlib.Path, bool]]:
