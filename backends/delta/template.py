@@ -33,6 +33,11 @@ Kernels (per chunk c of C tokens, head h; S0 the chunk's start state, G the in-c
     delta_bwd_wy      per chunk, through u, Tm, A and the hooks, summing dqk's shares: dv, dk, d(step input),
                       d(decay input)
     delta_recurrent   token loop with the state in registers (decode / short inputs)
+
+A NaN or inf in token t reaches token t and later ones only, as in the token loop (forward): the causal
+products (Tm from A, w, u, (Q K^T * Dec) U) take a chunk's non-finite entries as 0 and are NaN in each column
+from its first one on (`causal_mm`, and the prep's A), only in chunks that hold one. The backward kernels
+still mix them into earlier tokens' gradients (0 * NaN).
 """
 from .template_bwd import BACKWARD
 

@@ -6,6 +6,9 @@ One module per program, deterministic text, holding:
   same with every reciprocal by the hardware instruction (`reciprocal`), which the tile kernels call
   instead under constexpr RCP_APPROX (float32 compiled for a GPU; plan.py). Their readouts and
   adjoint expressions multiply by `reciprocal(d, RCP_APPROX)` instead of dividing by d;
+- `leaf_scale`, for projective monoids: every schedule scales each lifted leaf by a power of two that brings
+  its largest field into [1, 2) before any product (`renormalise_leaf`), and its backward scales the leaf's
+  gradient by the same factor;
 - `adjoint_combine`: the reverse affine scan's combine over (B entries, vector) pairs;
 - `scan_forward`: lanes = every index but time, flattened over up to four lane dims with arbitrary
   strides (stride 0 = a broadcast parameter, loaded, never materialised). A program owns BLOCK_L
