@@ -36,8 +36,9 @@ Kernels (per chunk c of C tokens, head h; S0 the chunk's start state, G the in-c
 
 A NaN or inf in token t reaches token t and later ones only, as in the token loop (forward): the causal
 products (Tm from A, w, u, (Q K^T * Dec) U) take a chunk's non-finite entries as 0 and are NaN in each column
-from its first one on (`causal_mm`, and the prep's A), only in chunks that hold one. The backward kernels
-still mix them into earlier tokens' gradients (0 * NaN).
+from its first one on (`causal_mm`, and the prep's A), only in chunks that hold one. In the backward only dq
+is causal so far (dM = dO U^T is selected by the mask); the other gradients still mix a NaN into the earlier
+tokens of its chunk (0 * NaN in the products through Tm).
 """
 from .template_bwd import BACKWARD
 
