@@ -6,6 +6,9 @@ one module per program, deterministic text, holding:
   same with every reciprocal by the hardware instruction (`reciprocal`), which the tile kernels call
   instead under constexpr RCP_APPROX (float32 compiled for a GPU; plan.py). Their readouts and
   adjoint expressions multiply by `reciprocal(d, RCP_APPROX)` instead of dividing by d;
+- `leaf_scale`, for projective monoids: every schedule scales each lifted leaf by a power of two that brings
+  its largest field into [1, 2) before any product (`renormalise_leaf`), and its backward scales the leaf's
+  gradient by the same factor;
 - `adjoint_combine`: the reverse affine scan's combine over (B entries, vector) pairs;
 - `scan_forward`: lanes = every index but time, flattened over up to four lane dims with arbitrary
   strides (stride 0 = a broadcast parameter, loaded, never materialised). A program owns BLOCK_L
@@ -212,6 +215,47 @@ def reciprocal(x, HW: tl.constexpr):
     return r'''
 
 
+LEAF_SCALE = '''@triton.jit
+def leaf_scale(m):
+    """2^-e where 2^e <= m < 2^(e + 1), m >= 0 the largest |field| of a projective leaf: the leaf times it
+    has its largest field in [1, 2), exactly (a power of two). From the exponent bits, clamped to a finite
+    normal factor (m = 0 or subnormal: 2^127 in float32; m = inf or NaN: 2^-126, the leaf stays as it is)."""
+    if m.dtype == tl.float64:
+        e = m.to(tl.int64, bitcast=True) & 0x7FF0000000000000
+        return (0x7FE0000000000000 - tl.minimum(e, 0x7FD0000000000000)).to(tl.float64, bitcast=True)
+    else:
+        e = m.to(tl.int32, bitcast=True) & 0x7F800000
+        return (0x7F000000 - tl.minimum(e, 0x7E800000)).to(tl.float32, bitcast=True)'''
+
+
+def _max_tree(items: list[str]) -> str:
+    """tl.maximum over `items`, as a balanced tree (independent maxima issue together)."""
+    if len(items) == 1:
+        return items[0]
+    half = len(items) // 2
+    return f"tl.maximum({_max_tree(items[:half])}, {_max_tree(items[half:])})"
+
+
+def renormalise_leaf(ir: ScanIR, tag: str) -> list[str]:
+    """Projective monoids: the lifted leaf l{tag}_<field> scaled by inv_leaf{tag} = leaf_scale(its largest
+    |field|), before any product, as the reference backend renormalises every leaf (there by its scale;
+    any non-zero factor is the same projective element, and every combine result is divided by its scale,
+    so the outputs are those of the raw leaves: leaves near 1e20 no longer overflow float32 in a product).
+    The outputs do not change when a leaf is scaled, so d out / d leaf = inv_leaf * d out / d(scaled
+    leaf): the backward multiplies each dx by its step's inv_leaf. Nothing for other monoids."""
+    if not ir.is_projective:
+        return []
+    largest = _max_tree([f"tl.abs(l{tag}_{f})" for f in ir.fields])
+    return [f"inv_leaf{tag} = leaf_scale({largest})"] + [f"l{tag}_{f} = l{tag}_{f} * inv_leaf{tag}" for f in ir.fields]
+
+
+def scale_leaf_gradient(ir: ScanIR, dx: str, tag: str) -> list[str]:
+    """dx<field> (format `dx`) times the step's inv_leaf{tag} (see `renormalise_leaf`); nothing unless projective."""
+    if not ir.is_projective:
+        return []
+    return [f"{dx.format(f)} = {dx.format(f)} * inv_leaf{tag}" for f in ir.fields]
+
+
 LANE_OFFSETS = '''@triton.jit
 def lane_offsets(lane, D1, D2, D3, s0, s1, s2, s3):
     """Memory offset of flattened lane indices over lane dims (D0, D1, D2, D3), last fastest."""
@@ -292,7 +336,7 @@ def _load_lift(ir: ScanIR, tag: str = "", shift: int = 0, mask: str = "ok", hois
             lines.append(load)
     names = {s: f"u{tag}_{s.name[2:]}" for s in ir.input_symbols}
     lifted = _assign([f"l{tag}_{f}" for f in ir.fields], ir.lift, names, f"_l{tag}", shape_like=f"u{tag}_{ir.inputs[0]}")
-    lines += lifted
+    lines += lifted + renormalise_leaf(ir, tag)
     for f, ident in zip(ir.fields, ir.identity):
         lines.append(f"e{tag}_{f} = tl.where({mask}, l{tag}_{f}, {_num(ident)})")
     return lines

@@ -11,7 +11,7 @@ from scanlang import expr as E
 from scanlang.autodiff import Adjoint
 from scanlang.ir import ScanIR
 
-from .codegen import (LANE_OFFSETS, RECIPROCAL, TO_ACC, _adjoint_combine_function, _combine_function,
+from .codegen import (LANE_OFFSETS, LEAF_SCALE, RECIPROCAL, TO_ACC, _adjoint_combine_function, _combine_function,
                       _combine_rcp_function)
 from .codegen_runs import raw_functions, sum_fields_function
 from .codegen_seq import render_backward_lanes, render_forward_lanes
@@ -35,6 +35,7 @@ def render(ir: ScanIR, adj: Adjoint) -> str:
         "\n".join(raw) if raw else None,
         "\n".join(sum_fields_function(ir)) if tiles else None,
         RECIPROCAL if any("reciprocal(" in b for b in kernels + lanes + ["\n".join(raw + rcp)]) else None,
+        LEAF_SCALE if ir.is_projective else None,
         TO_ACC,
         LANE_OFFSETS,
         *kernels,

@@ -30,7 +30,8 @@ from scanlang import tuning
 from scanlang.autodiff import Adjoint
 from scanlang.ir import ScanIR
 
-from .codegen import _assign, _assign_inverted, _num, combine_call, combine_operands, scan_call, tile_start_checkpoints
+from .codegen import (_assign, _assign_inverted, _num, combine_call, combine_operands, renormalise_leaf,
+                      scale_leaf_gradient, scan_call, tile_start_checkpoints)
 
 
 
@@ -154,7 +155,9 @@ def _lift_run(ir: ScanIR, tag: str, mask: str) -> list[str]:
     lines = [f"u{tag}_{n} = to_acc(u{tag}_{n}, FP64)" for n in ir.inputs]
     lines += _assign([f"l{tag}_{f}" for f in ir.fields], ir.lift, names, f"_l{tag}_",
                      shape_like=f"u{tag}_{ir.inputs[0]}")
-    direct = {f for f, _ in _direct_fields(ir).values()}
+    lines += renormalise_leaf(ir, tag)
+    # a renormalised padding step is the identity only where every field is selected
+    direct = set() if ir.is_projective else {f for f, _ in _direct_fields(ir).values()}
     for f, ident in zip(ir.fields, ir.identity):
         lines.append(f"e{tag}_{f} = l{tag}_{f}" if f in direct else f"e{tag}_{f} = tl.where({mask}, l{tag}_{f}, {_num(ident)})")
     return lines
@@ -497,6 +500,7 @@ def backward_loop(ir: ScanIR, adj: Adjoint) -> list[str]:
         names_x = ({s: q(j, s.name[2:]) for s in ir.previous_symbols} | {s: f"gbar{j}_{s.name[5:]}" for s in adj.gbar}
                    | {s: f"e{j}_{f}" for s, f in zip(ir.later, F)})
         loop += _assign_inverted([f"dx{j}_{f}" for f in F], adj.dx, names_x, f"_x{j}_", shape_like=shape, recips=recips)
+        loop += scale_leaf_gradient(ir, f"dx{j}_" + "{}", str(j))
         names_u = ({s: f"p{j}_{s.name[2:]}" for s in ir.prefix_symbols} | {s: q(j, s.name[2:]) for s in ir.previous_symbols}
                    | {g: f"g{j}_{g.name[2:]}" for g in adj.g} | {s: f"u{j}_{s.name[2:]}" for s in ir.input_symbols}
                    | {s: f"dx{j}_{s.name[3:]}" for s in adj.dx_symbols})

@@ -64,7 +64,7 @@ from scanlang.autodiff import Adjoint
 from scanlang.ir import ScanIR
 
 from .codegen import (_assign, _assign_inverted, _indent, _initial_carry, _num, _symbols_named, backward_args, forward_args,
-                      memory_index, sequence_bounds, static_flags)
+                      memory_index, renormalise_leaf, scale_leaf_gradient, sequence_bounds, static_flags)
 
 SHAPE = "[R, BLOCK_L // R]"   # a lane tensor: R lanes per thread slot, BLOCK_L // R slots
 SLOTS = "[1, BLOCK_L // R]"   # a slot tensor: one value per thread slot
@@ -175,6 +175,7 @@ def _load_lift(ir: ScanIR, tag: str, shift: int, lane_mask: str, slot_mask: str,
         return lines
     names = {s: f"u{tag}_{s.name[2:]}" for s in ir.input_symbols}
     lines += _assign([f"l{tag}_{f}" for f in ir.fields], ir.lift, names, f"_l{tag}", shape_like=f"u{tag}_{ir.inputs[0]}")
+    lines += renormalise_leaf(ir, tag)
     for f, ident in zip(ir.fields, ir.identity):
         lines.append(f"e{tag}_{f} = tl.where({lane_mask}, l{tag}_{f}, {_num(ident)})" if masked else f"e{tag}_{f} = l{tag}_{f}")
     return lines
@@ -510,6 +511,7 @@ def _adjoint_step(ir: ScanIR, adj: Adjoint, j: int, shift: int, carried: list[st
     names_x = {s: s.name for s in ir.previous_symbols + adj.gbar} | {s: f"e_{f}" for s, f in zip(ir.later, ir.fields)}
     if adj.dx:   # (a composed adjoint has none: its du is over gbar directly)
         part += _assign_rcp([f"dx_{f}" for f in ir.fields], _cheapest(adj.dx), names_x, "_x", recips, shape_like=shape)
+        part += scale_leaf_gradient(ir, "dx_{}", "")
     part += _assign_rcp([f"du_{u}" for u in ir.inputs], _cheapest(adj.du),
                         here | {s: s.name for s in adj.dx_symbols + adj.gbar}, "_u", recips, shape_like=shape)
     for i, name in enumerate(ir.inputs):
@@ -579,6 +581,7 @@ def _grad_loads(ir: ScanIR, j: int, shift: int, lane_mask: str, slot_mask: str) 
 
 def _step_inputs(ir: ScanIR, j: int) -> list[str]:
     return ([f"u_{u} = u{j}_{u}" for u in ir.inputs] + [f"e_{f} = e{j}_{f}" for f in ir.fields]
+            + ([f"inv_leaf = inv_leaf{j}"] if ir.is_projective else [])
             + [f"g_{o} = g{j}_{o}" for o in ir.outputs] + [f"q_{f} = q{j}_{f}" for f in ir.fields])
 
 

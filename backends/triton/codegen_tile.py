@@ -10,7 +10,7 @@ from scanlang import expr as E
 from scanlang.autodiff import Adjoint
 from scanlang.ir import ScanIR
 
-from .codegen import (TILE_FLAGS, _assign, _assign_inverted, _common_prologue, _indent, _initial_carry, _lane_off,
+from .codegen import (TILE_FLAGS, scale_leaf_gradient, _assign, _assign_inverted, _common_prologue, _indent, _initial_carry, _lane_off,
                       _load_lift, _num, _previous, _replay, _symbols_named, _time_index, backward_args, combine_call,
                       forward_args, tile_start_checkpoints)
 from .codegen_runs import backward_loop, forward_loop, runs_epilogue, runs_prologue, runs_shape
@@ -198,6 +198,7 @@ def render_backward(ir: ScanIR, adj: Adjoint) -> list[str]:
                | {s: f"e_{f}" for s, f in zip(ir.later, ir.fields)})
     recips = {}
     loop += _assign_inverted([f"dx_{f}" for f in ir.fields], adj.dx, names_x, "_x", shape_like=shape, recips=recips)
+    loop += scale_leaf_gradient(ir, "dx_{}", "")
     names_u = here | {s: s.name for s in adj.dx_symbols}
     loop += _assign_inverted([f"du_{n_}" for n_ in ir.inputs], adj.du, names_u, "_u", shape_like=shape, recips=recips)
     for i, name in enumerate(ir.inputs):
