@@ -7,7 +7,8 @@ import torch
 
 import scanlang as sl
 from scanlang.backends import reference
-from scanlang.backends.triton import codegen_runs, runtime
+from scanlang import tuning
+from scanlang.backends.triton import runtime
 from scanlang.recipes.kaczmarz import delta_rule
 from scanlang.recipes.kalman import kalman_filter
 from scanlang.recipes.kalman.reference import kalman_filter_loop
@@ -148,7 +149,7 @@ def mobius_loop(x, reverse=False, initial=None):
 SCHEDULES = {
     "tile": runtime.Config(block_t=8, block_l=4, num_warps=1, chunk=8),
     "lanes": runtime.Config(block_t=4, block_l=8, num_warps=1, chunk=4, schedule="lanes", unroll=4),
-    "runs": runtime.Config(block_t=codegen_runs.RUN_TILE, block_l=2, num_warps=1, chunk=codegen_runs.RUN_TILE),
+    "runs": runtime.Config(block_t=tuning.current().run_tile, block_l=2, num_warps=1, chunk=tuning.current().run_tile),
 }
 
 
@@ -160,12 +161,12 @@ SCHEDULES = {
     pytest.param("runs", 139, False, True, False, marks=pytest.mark.slow),
     pytest.param("runs", 133, True, False, True, marks=pytest.mark.slow),
 ])
-def test_triton_renormalises_large_projective_leaves(monkeypatch, schedule, T, reverse, with_initial, grad):
+def test_triton_renormalises_large_projective_leaves(knobs, schedule, T, reverse, with_initial, grad):
     """Möbius leaves near 1e20 (a product of two overflows float32) on every generated schedule: the
     outputs, their projective ratio, and the gradients of the leaves and of the initial element equal
     the float64 loop's (where the leaves' products are finite)."""
-    for key in [(contiguous, backward) for contiguous in (False, True) for backward in (False, True)]:
-        monkeypatch.setitem(runtime.OVERRIDES, key, SCHEDULES[schedule])
+    knobs(forced={(contiguous, backward): SCHEDULES[schedule] for contiguous in (False, True)
+                  for backward in (False, True)})
     gen = torch.Generator().manual_seed(T)
     x64 = [(torch.rand(3, T, generator=gen, dtype=F64) * 1e20 + 1e19).float().double() for _ in range(4)]
     init64 = [torch.rand(3, generator=gen, dtype=F64) + 0.5 for _ in range(4)] if with_initial else []
