@@ -12,6 +12,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from scanlang.tools import bench_scan as bench  # noqa: E402
+from scanlang import tuning  # noqa: E402
 from scanlang.backends.triton import runtime  # noqa: E402
 from scanlang.testing import planted_gradient_error  # noqa: E402
 
@@ -31,7 +32,7 @@ def planted(monkeypatch):
     def wrap(mix):
         def wrapped(**data):
             y = mix(**data)[0]
-            if plant["fwd"] and PLANTED in runtime.OVERRIDES.values():
+            if plant["fwd"] and _planted_forced():
                 bump = torch.zeros_like(y)
                 bump.view(-1)[4] = 1e-3 * y.detach().view(-1)[4]
                 y = y + bump
@@ -43,10 +44,14 @@ def planted(monkeypatch):
     monkeypatch.setattr(bench, "_sweep_configs", lambda layout: [GOOD, PLANTED])
     def fake_clock(fn, graph=False):
         fn()
-        return 0.001 if PLANTED in runtime.OVERRIDES.values() else 1.0
+        return 0.001 if _planted_forced() else 1.0
     monkeypatch.setattr(bench, "_bench", fake_clock)
     yield plant
-    runtime.OVERRIDES.clear()
+    assert tuning.current() is tuning.DEFAULT   # every config the run forced was unforced when it left
+
+
+def _planted_forced() -> bool:
+    return PLANTED in dict(tuning.current().forced).values()
 
 
 def test_sweep_skips_a_wrong_config_and_the_run_exits_1(planted, capsys):

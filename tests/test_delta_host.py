@@ -178,14 +178,15 @@ def test_launches_per_call(monkeypatch):
 @pytest.mark.parametrize("op_path", [False, True])
 def test_host_profile_reports_the_three_delta_calls_and_restores_the_op_path(capsys, op_path):
     """`python -m scanlang.tools.host_profile --workload delta`: a positive time for each of its three calls, and
-    the interpreter and EAGER_FAST_PATH as they were afterwards."""
+    the interpreter and the tuning (delta_eager_fast_path) as they were afterwards."""
     from triton.runtime.interpreter import InterpretedFunction
 
+    from scanlang import tuning
     from scanlang.tools import host_profile
-    run, fast = InterpretedFunction.run, delta_ops.EAGER_FAST_PATH
+    run, knobs = InterpretedFunction.run, tuning.current()
     argv = ["--workload", "delta", "--calls", "2", "--repeat", "1"] + (["--op-path"] if op_path else [])
     assert host_profile.main(argv) == 0
-    assert InterpretedFunction.run is run and delta_ops.EAGER_FAST_PATH == fast
+    assert InterpretedFunction.run is run and tuning.current() is knobs
     out = capsys.readouterr().out
     assert ("torch.library op path" in out) == op_path
     lines = {name: ln for ln in out.splitlines() for name in host_profile.delta_calls() if ln.strip().startswith(name)}

@@ -1,6 +1,6 @@
 """The chunk-parallel schedule (backends/triton/kernel/chunked.py) against float64 loops written here.
 
-The schedule is forced through runtime.OVERRIDES with small chunks (interpreter on CPU, GPU
+The schedule is forced through tuning.override(forced=...) with small chunks (interpreter on CPU, GPU
 otherwise): chunks of 8 steps at T = 1, 7 (chunk - 1), 9 (chunk + 1); chunks of 4 at T = 37 (ten
 chunks, so the carry kernels walk three tiles of 4 aggregates with a partial one); chunks of 64 at
 T = 5000 (79 chunks, the last partial; one lane). Lanes: [1, 3, T] with time contiguous (the few-lanes shape
@@ -12,7 +12,6 @@ import pytest
 import torch
 
 import scanlang as sl
-from scanlang.backends import triton as tb
 from scanlang.backends.triton import chunked_launch, plan, runtime
 from scanlang.testing import assert_close
 
@@ -92,15 +91,12 @@ def case(kind, shape, dim):
 
 
 @pytest.fixture
-def chunked(request):
-    """Force the chunk-parallel schedule with chunks of `request.param` steps, both passes, both layouts."""
+def chunked(request, knobs):
+    """Force the chunk-parallel schedule with chunks of `request.param` steps, both passes, both layouts
+    (the forced configs are in the plans' key: no cache to clear)."""
     cfg = runtime.Config(block_t=request.param, block_l=4, num_warps=1, schedule="chunked")
-    runtime.OVERRIDES.clear()
-    runtime.OVERRIDES.update({(c, b): cfg for c in (False, True) for b in (False, True)})
-    plan.PLANS.clear()
-    yield cfg
-    runtime.OVERRIDES.clear()
-    plan.PLANS.clear()
+    knobs(forced={(c, b): cfg for c in (False, True) for b in (False, True)})
+    return cfg
 
 
 def check(kind, shape, dim, reverse, with_initial, dtype=torch.float64):
@@ -169,7 +165,6 @@ def test_choose_config_picks_chunked_for_few_lanes_and_long_time(monkeypatch):
     """[1, 16, 2^20] with time contiguous: the chunk-parallel schedule on the GPU branch (2048-step
     chunks, one lane per program), not for many lanes, short sequences or programs without it."""
     monkeypatch.setattr(runtime.settings, "triton_interpret", lambda: False)
-    runtime.OVERRIDES.clear()
     for backward in (False, True):
         cfg = runtime.choose_config(1 << 20, 16, True, 1, backward=backward, checkpoint=True, chunkable=True)
         assert cfg.schedule == "chunked" and cfg.block_t == 2048 and cfg.block_l == 1
@@ -182,14 +177,15 @@ def test_choose_config_picks_chunked_for_few_lanes_and_long_time(monkeypatch):
 
 def test_plan_picks_chunked_for_a_plain_scan_not_for_packed_sequences():
     """The plan asks for the chunk-parallel schedule where the program and call allow it."""
-    prog = tb.program_for(sl.Affine)
+    from scanlang import pipeline
+    prog = pipeline.program(sl.Affine)
     x = torch.empty(1, 16, 1 << 14, device="meta")
     p = plan.ForwardPlan(prog, [x, x], [], 1, False, 2, False, False, True)
     assert p.fwd_chosen.schedule == "chunked"
     packed = plan.ForwardPlan(prog, [x, x], [], 1, True, 2, False, False, True)
     assert packed.fwd_chosen.schedule != "chunked"
     assert p.checkpoint_shape(p.fwd_chosen) == (2, (1 << 14) // p.fwd_chosen.block_t + 1, 16)
-    from scanlang import pipeline   # a mixer (lift and readout) keeps the other schedules
+    # a mixer (lift and readout) keeps the other schedules
     mixer = pipeline.lower(sl.Affine, inputs=("g", "x"), lift=lambda u: (u.g, 2 * u.x))
     assert chunked_launch.chunked.supports(pipeline.lower(sl.Affine)) and not chunked_launch.chunked.supports(mixer)
 

@@ -16,6 +16,7 @@ da, db (5n). accelerated-scan returns only the b prefix (forward 3n, forward+bac
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import sys
 
@@ -40,9 +41,8 @@ def _parse_shape(text: str) -> tuple[int, int, int]:
 
 
 def main(argv=None) -> int:
-    import scanlang as sl
-    from scanlang.backends.triton import chunked_launch, runtime
-    from scanlang.testing import check
+    from scanlang import tuning
+    from scanlang.backends.triton import runtime
 
     parser = argparse.ArgumentParser(prog="python -m scanlang.tools.bench_chunked", description=__doc__.split("\n")[0])
     parser.add_argument("--shape", default=f"1,16,{1 << 20}", help="B,D,T (default 1,16,1048576)")
@@ -52,14 +52,25 @@ def main(argv=None) -> int:
         B, D, T = _parse_shape(args.shape)
     except ValueError as exc:
         parser.error(str(exc))
+    forced = {}
     if args.chunk:
         if args.chunk < 1 or args.chunk & (args.chunk - 1):
             parser.error(f"--chunk: expected a power of two, got {args.chunk}")
-        forced = runtime.Config(block_t=args.chunk, block_l=1, num_warps=4, schedule="chunked")
-        runtime.OVERRIDES.update({(True, False): forced, (True, True): dataclasses.replace(forced, num_warps=8)})
+        cfg = runtime.Config(block_t=args.chunk, block_l=1, num_warps=4, schedule="chunked")
+        forced = {(True, False): cfg, (True, True): dataclasses.replace(cfg, num_warps=8)}
     if not torch.cuda.is_available():
         print("bench_chunked: needs a CUDA GPU", file=sys.stderr)
         return 2
+    with tuning.override(forced=forced) if forced else contextlib.nullcontext():
+        return _checked_then_timed(B, D, T)
+
+
+def _checked_then_timed(B: int, D: int, T: int) -> int:
+    """The scan at [B, D, T] checked against float64 (exit status 1 on a mismatch), then the table."""
+    import scanlang as sl
+    from scanlang.backends.triton import chunked_launch
+    from scanlang.testing import check
+
     torch.manual_seed(0)
     a = (torch.rand(B, D, T, device="cuda") * 0.1 + 0.9)
     b = torch.randn(B, D, T, device="cuda")

@@ -29,7 +29,7 @@ is timed with `triton.testing.do_bench` (median, fresh random inputs, warm-up). 
 "fused-two" run the configs `runtime.choose_config` picks (at this shape: the lane-sequential
 schedule with the specialised (lam, eta) carry); the "*-lanes" rows force `--lanes-*` instead.
 `--lanes-stages FWD,BWD` software-pipelines the lane kernels' block loops in every row (one setting
-per process: it changes the generated source, codegen_seq.LOOP_STAGES).
+per run: the tuning's loop_stages_forward / loop_stages_backward, render-time knobs).
 
 The checks gate the timing: each output and gradient is compared with scanlang.testing's rows
 ("kalman_out", "kalman_grad"; RMS and element-wise, the GPU rows on CUDA). An implementation that
@@ -40,6 +40,7 @@ interpreter (TRITON_INTERPRET=1) with a wall-clock timer: the CPU tests use it a
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import math
@@ -50,6 +51,7 @@ from pathlib import Path
 
 import torch
 
+from scanlang import tuning
 from scanlang.testing import check as check_close
 
 from scanlang.recipes.kalman.filter import kalman_filter
@@ -94,7 +96,7 @@ def implementations(authors: str | None):
         "scan-joint": lambda *x: kalman_filter(*x, backend="triton", validate=False, form="joint")[:2],
         "scan-two": lambda *x: kalman_filter(*x, backend="triton", validate=False, form="two_scans")[:2],
     }
-    # the same fused programs on the lane-sequential schedule (runtime.OVERRIDES set around the run)
+    # the same fused programs on the lane-sequential schedule (forced configs set around the run)
     impls["fused-lanes"] = impls["fused"]
     # the default program with the key/query gradients summed over a program's groups before one
     # atomic per state index (plan mode 5) instead of one relaxed atomic per lane (mode 1, the default)
@@ -129,13 +131,9 @@ def check(fn, device, weights_seed=1):
     """Ratios of outputs and every gradient against float64 autograd of the loop (CHECK_SHAPE), on
     the schedule the timed shape runs (the lane threshold lowered when SHAPE has enough lanes)."""
     from scanlang.backends.triton import runtime
-    saved = runtime.LANES_MIN
-    if runtime.prefers_lanes(SHAPE["B"] * SHAPE["M"] * SHAPE["S"]):
-        runtime.LANES_MIN = 1
-    try:
+    lanes = runtime.prefers_lanes(SHAPE["B"] * SHAPE["M"] * SHAPE["S"])
+    with tuning.override(lanes_min=1) if lanes else contextlib.nullcontext():
         return _check(fn, device, weights_seed)
-    finally:
-        runtime.LANES_MIN = saved
 
 
 def check_full_forward(fn, device):
@@ -214,53 +212,56 @@ def main(argv=None):
                         help="the backward's unroll in the *-lanes rows (default: --lanes-unroll)")
     parser.add_argument("--lanes-stages", default="1,1",
                         help="FWD,BWD: software-pipelining depth of the lane kernels' block loops, every row "
-                             "(codegen_seq.LOOP_STAGES; 1 = plain loops)")
+                             "(tuning loop_stages_forward, loop_stages_backward; 1 = plain loops)")
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
                         help="cpu: Triton's interpreter (TRITON_INTERPRET=1), wall-clock times (tests, tiny shapes)")
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         print("the benchmark needs a CUDA GPU", file=sys.stderr)
         return 2
-    from scanlang.backends.triton import codegen_seq
     fwd_stages, bwd_stages = (int(x) for x in args.lanes_stages.split(","))
-    codegen_seq.LOOP_STAGES.update(forward=fwd_stages, backward=bwd_stages)   # before any program is built
+    with tuning.override(loop_stages_forward=fwd_stages, loop_stages_backward=bwd_stages):   # every row
+        return _run(args)
+
+
+def _run(args) -> int:
+    """Every implementation checked, then timed; the table; the exit status."""
+    from scanlang.backends.triton import runtime
+    knobs = tuning.current()
     device = args.device
     import triton
     env = dict(date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                gpu=torch.cuda.get_device_name() if device == "cuda" else "cpu (Triton interpreter)",
                torch=torch.__version__, triton=triton.__version__, python=platform.python_version(),
-               lanes_stages=dict(codegen_seq.LOOP_STAGES))
+               lanes_stages=dict(forward=knobs.loop_stages_forward, backward=knobs.loop_stages_backward))
     print(json.dumps(env))
     results = []
     for name, fn in implementations(args.authors).items():
         if args.only and name not in args.only.split(","):
             continue
         row = dict(name=name)
-        from scanlang.backends.triton import runtime
-        runtime.OVERRIDES.clear()
-        from scanlang.backends.triton import plan
-        plan.SUM_GROUPS_BEFORE_ATOMICS = name == "fused-groupsum"
-        plan.PLANS.plans.clear()
+        forced = {}
         if name.endswith("-lanes"):
             unroll_bwd = args.lanes_unroll if args.lanes_unroll_bwd is None else args.lanes_unroll_bwd
-            runtime.OVERRIDES.update(runtime.lanes_overrides(block_l=args.lanes_block, num_warps=args.lanes_warps,
-                                                             chunk=args.lanes_chunk, unroll=args.lanes_unroll))
-            runtime.OVERRIDES.update({key: dataclasses.replace(cfg, unroll=unroll_bwd)
-                                      for key, cfg in runtime.OVERRIDES.items() if key[1]})   # (layout, backward)
+            lanes = runtime.lanes_overrides(block_l=args.lanes_block, num_warps=args.lanes_warps,
+                                            chunk=args.lanes_chunk, unroll=args.lanes_unroll)
+            forced = {key: dataclasses.replace(cfg, unroll=unroll_bwd) if key[1] else cfg   # (layout, backward)
+                      for key, cfg in lanes.items()}
             row["config"] = dict(block_l=args.lanes_block, warps=args.lanes_warps, chunk=args.lanes_chunk,
                                  unroll=args.lanes_unroll, unroll_bwd=unroll_bwd)
-        try:   # checked first; timed only when every output and gradient passed
-            row["check"] = check(fn, device)
-            full = check_full_forward(fn, device)
-            row["check"]["failed"] += full.pop("failed")
-            row["check"].update(full)
-            if row["check"]["failed"]:
-                row["failed"] = row["check"]["failed"]
-            else:
-                row["fwd_ms"], row["fwd_bwd_ms"], shape = timing(fn, device, args.quick)
-                row["shape"] = shape
-        except Exception as exc:  # noqa: BLE001 - one failing implementation must not hide the rest
-            row["error"] = f"{type(exc).__name__}: {exc}"[:500]
+        with tuning.override(forced=forced, sum_groups_before_atomics=name == "fused-groupsum"):
+            try:   # checked first; timed only when every output and gradient passed
+                row["check"] = check(fn, device)
+                full = check_full_forward(fn, device)
+                row["check"]["failed"] += full.pop("failed")
+                row["check"].update(full)
+                if row["check"]["failed"]:
+                    row["failed"] = row["check"]["failed"]
+                else:
+                    row["fwd_ms"], row["fwd_bwd_ms"], shape = timing(fn, device, args.quick)
+                    row["shape"] = shape
+            except Exception as exc:  # noqa: BLE001 - one failing implementation must not hide the rest
+                row["error"] = f"{type(exc).__name__}: {exc}"[:500]
         if device == "cuda":
             torch.cuda.empty_cache()
         results.append(row)

@@ -143,7 +143,7 @@ def _reference(kind, data, dim, grad_out=None):
 def run_scans(table, B, D, T, anchors: bool, sweep: bool, log: dict, lanes: bool = True, only=None,
               bwd_sweep: bool = False):
     import scanlang as sl
-    from scanlang.backends.triton import runtime
+    from scanlang import tuning
     gen = torch.Generator(device=DEVICE).manual_seed(0)
     for kind, layout in (("affine", "time"), ("affine", "channels"), ("mobius", "time"), ("mobius", "channels")):
         if only is not None and f"{kind}:{layout}" not in only:
@@ -165,61 +165,55 @@ def run_scans(table, B, D, T, anchors: bool, sweep: bool, log: dict, lanes: bool
             configs += _sweep_configs(layout)
         best = None
         for cfg in configs:
-            runtime.OVERRIDES.clear()
-            if cfg is not None:
-                runtime.OVERRIDES[(layout == "time", False)] = cfg
-            label = f"{kind} {layout} fwd config {cfg or 'default'}"
-            try:   # checked first (its output, and the gradients through its checkpoints), then timed
-                ok, err = _checked([mix(**data)[0]], [y_ref], "scan")
-                ok_g, gerr = _checked(fwd_bwd(), g_ref, "scan_grad")
-                if not (ok and ok_g):
-                    table.fail(f"{label}: output ratio {err:.1e}, worst gradient ratio {gerr:.1e}")
-                    log.setdefault("sweep", []).append(dict(kind=kind, layout=layout, pass_="fwd", cfg=str(cfg),
-                                                            failed=True, err=err, grad_err=gerr))
+            with tuning.override(forced={} if cfg is None else {(layout == "time", False): cfg}):
+                label = f"{kind} {layout} fwd config {cfg or 'default'}"
+                try:   # checked first (its output, and the gradients through its checkpoints), then timed
+                    ok, err = _checked([mix(**data)[0]], [y_ref], "scan")
+                    ok_g, gerr = _checked(fwd_bwd(), g_ref, "scan_grad")
+                    if not (ok and ok_g):
+                        table.fail(f"{label}: output ratio {err:.1e}, worst gradient ratio {gerr:.1e}")
+                        log.setdefault("sweep", []).append(dict(kind=kind, layout=layout, pass_="fwd", cfg=str(cfg),
+                                                                failed=True, err=err, grad_err=gerr))
+                        continue
+                    ms = _bench(lambda: mix(**data), graph=True)
+                except Exception as exc:  # a config that does not compile is skipped, and said so
+                    print(f"config {cfg} failed: {type(exc).__name__}: {str(exc)[:200]}")
                     continue
-                ms = _bench(lambda: mix(**data), graph=True)
-            except Exception as exc:  # a config that does not compile is skipped, and said so
-                print(f"config {cfg} failed: {type(exc).__name__}: {str(exc)[:200]}")
-                continue
-            log.setdefault("sweep", []).append(dict(kind=kind, layout=layout, pass_="fwd", cfg=str(cfg), ms=ms, err=err))
-            if best is None or ms < best[0]:
-                best = (ms, err, cfg)
-        runtime.OVERRIDES.clear()
+                log.setdefault("sweep", []).append(dict(kind=kind, layout=layout, pass_="fwd", cfg=str(cfg), ms=ms, err=err))
+                if best is None or ms < best[0]:
+                    best = (ms, err, cfg)
         if best is None:
             table.fail(f"{kind} {layout}: no forward configuration passed its check; no rows for it")
             continue
-        if best[2] is not None:
-            runtime.OVERRIDES[(layout == "time", False)] = best[2]
+        fwd_forced = {} if best[2] is None else {(layout == "time", False): best[2]}   # the chosen forward
         table.add(f"scanlang {kind} fwd ({nf} in, 1 out)", layout, best[0], (nf + 1) * n * 4, best[1],
                   note=str(best[2]) if best[2] else "default config")
         bwd_configs = [None]
         best_b = None
         for cfg in bwd_configs:
-            runtime.OVERRIDES.pop((layout == "time", True), None)
-            if cfg is not None:
-                runtime.OVERRIDES[(layout == "time", True)] = cfg
-            try:
-                ok, e = _checked(fwd_bwd(), g_ref, "scan_grad")
-                if not ok:
-                    table.fail(f"{kind} {layout} fwd+bwd config {cfg or 'default'}: worst gradient ratio {e:.1e}")
-                    continue
-                ms = _bench(fwd_bwd)
-                try:  # GPU time alone (CUDA graph replay), next to the time with Python launches
-                    ms_graph = _bench(fwd_bwd, graph=True)
+            forced = fwd_forced if cfg is None else {**fwd_forced, (layout == "time", True): cfg}
+            with tuning.override(forced=forced):
+                try:
+                    ok, e = _checked(fwd_bwd(), g_ref, "scan_grad")
+                    if not ok:
+                        table.fail(f"{kind} {layout} fwd+bwd config {cfg or 'default'}: worst gradient ratio {e:.1e}")
+                        continue
+                    ms = _bench(fwd_bwd)
+                    try:  # GPU time alone (CUDA graph replay), next to the time with Python launches
+                        ms_graph = _bench(fwd_bwd, graph=True)
+                    except Exception as exc:
+                        ms_graph = float("nan")
+                        print(f"fwd+bwd graph capture failed: {type(exc).__name__}: {str(exc)[:200]}")
                 except Exception as exc:
-                    ms_graph = float("nan")
-                    print(f"fwd+bwd graph capture failed: {type(exc).__name__}: {str(exc)[:200]}")
-            except Exception as exc:
-                print(f"bwd config {cfg} failed: {type(exc).__name__}: {str(exc)[:200]}")
-                continue
-            log.setdefault("sweep", []).append(dict(kind=kind, layout=layout, pass_="fwd+bwd", cfg=str(cfg), ms=ms, err=e))
-            if best_b is None or ms < best_b[0]:
-                best_b = (ms, e, cfg, ms_graph)
+                    print(f"bwd config {cfg} failed: {type(exc).__name__}: {str(exc)[:200]}")
+                    continue
+                log.setdefault("sweep", []).append(dict(kind=kind, layout=layout, pass_="fwd+bwd", cfg=str(cfg), ms=ms, err=e))
+                if best_b is None or ms < best_b[0]:
+                    best_b = (ms, e, cfg, ms_graph)
         if best_b is not None:
             table.add(f"scanlang {kind} fwd+bwd (grad err: max over inputs)", layout, best_b[0],
                       (nf + 1 + 2 * nf + 1) * n * 4, best_b[1],
                       note=f"{best_b[2] or 'default config'}; GPU time alone (CUDA graph) {best_b[3]:.4f} ms")
-        runtime.OVERRIDES.clear()
         if bwd_sweep:
             _bwd_sweep_rows(table, kind, layout, mix, data, g, y_ref, g_ref, n, log)
         if lanes:
@@ -261,7 +255,7 @@ def _bwd_sweep_rows(table, kind, layout, mix, data, g, y_ref, g_ref, n, log: dic
     """Tile shapes for `layout` (FWD_SWEEP, BWD_SWEEP), GPU time alone (CUDA graph): the forward alone per
     tile; then fwd+bwd per backward tile = checkpoint interval (the forward on that tile or its own). Each
     checked first: its output and its gradients against float64."""
-    from scanlang.backends.triton import runtime
+    from scanlang import tuning
     from scanlang.backends.triton.runtime import Config
     nf = len(data)
     key = layout == "time"
@@ -278,42 +272,43 @@ def _bwd_sweep_rows(table, kind, layout, mix, data, g, y_ref, g_ref, n, log: dic
         table.fail(f"{kind} {layout} {note}: output ratio {err:.1e}, worst gradient ratio {gerr:.1e}")
         return None
     for bt, bl, warps, stages in FWD_SWEEP[layout]:
-        runtime.OVERRIDES.clear()
-        runtime.OVERRIDES[(key, False)] = Config(block_t=bt, block_l=bl, num_warps=warps, stages=stages)
-        note = f"forward tile {bt} x {bl}, warps {warps}, stages {stages}"
-        try:
-            errs = checked(note)
-            if errs is None:
-                continue
-            ms = _bench(lambda: mix(**data), graph=True)
-            table.add(f"scanlang {kind} fwd, GPU time (CUDA graph)", layout, ms, (nf + 1) * n * 4, errs[0],
-                      note=note)
-            log.setdefault("fwd_sweep", []).append(dict(kind=kind, layout=layout, cfg=note, ms=ms, err=errs[0]))
-        except Exception as exc:  # reported, not fatal
-            print(f"fwd sweep {note} failed: {type(exc).__name__}: {str(exc)[:300]}")
+        forced = {(key, False): Config(block_t=bt, block_l=bl, num_warps=warps, stages=stages)}
+        with tuning.override(forced=forced):
+            note = f"forward tile {bt} x {bl}, warps {warps}, stages {stages}"
+            try:
+                errs = checked(note)
+                if errs is None:
+                    continue
+                ms = _bench(lambda: mix(**data), graph=True)
+                table.add(f"scanlang {kind} fwd, GPU time (CUDA graph)", layout, ms, (nf + 1) * n * 4, errs[0],
+                          note=note)
+                log.setdefault("fwd_sweep", []).append(dict(kind=kind, layout=layout, cfg=note, ms=ms, err=errs[0]))
+            except Exception as exc:  # reported, not fatal
+                print(f"fwd sweep {note} failed: {type(exc).__name__}: {str(exc)[:300]}")
     for chunk, bl, warps, stages, fwd in BWD_SWEEP[layout]:
-        runtime.OVERRIDES.clear()
-        runtime.OVERRIDES[(key, True)] = Config(block_t=chunk, block_l=bl, num_warps=warps, stages=stages, chunk=chunk)
         fbt, fbl, fwarps, fstages = fwd or (chunk, bl, warps, stages)
-        runtime.OVERRIDES[(key, False)] = Config(block_t=fbt, block_l=fbl, num_warps=fwarps, stages=fstages, chunk=chunk)
-        note = (f"backward tile {chunk} x {bl} (= checkpoint interval), warps {warps}, stages {stages}; forward "
-                + (f"tile {fbt} x {fbl}, warps {fwarps}, stages {fstages}" if fwd else "the same"))
-        try:
-            errs = checked(note)
-            if errs is None:
-                continue
-            ms = _bench(fwd_bwd, graph=True)
-            table.add(f"scanlang {kind} fwd+bwd, GPU time (CUDA graph)", layout, ms, (3 * nf + 2) * n * 4, errs[1],
-                      note=note)
-            log.setdefault("bwd_sweep", []).append(dict(kind=kind, layout=layout, cfg=note, ms=ms, err=errs[1]))
-        except Exception as exc:  # reported, not fatal
-            print(f"bwd sweep {note} failed: {type(exc).__name__}: {str(exc)[:300]}")
-    runtime.OVERRIDES.clear()
+        forced = {(key, True): Config(block_t=chunk, block_l=bl, num_warps=warps, stages=stages, chunk=chunk),
+                  (key, False): Config(block_t=fbt, block_l=fbl, num_warps=fwarps, stages=fstages, chunk=chunk)}
+        with tuning.override(forced=forced):
+            note = (f"backward tile {chunk} x {bl} (= checkpoint interval), warps {warps}, stages {stages}; forward "
+                    + (f"tile {fbt} x {fbl}, warps {fwarps}, stages {fstages}" if fwd else "the same"))
+            try:
+                errs = checked(note)
+                if errs is None:
+                    continue
+                ms = _bench(fwd_bwd, graph=True)
+                table.add(f"scanlang {kind} fwd+bwd, GPU time (CUDA graph)", layout, ms, (3 * nf + 2) * n * 4, errs[1],
+                          note=note)
+                log.setdefault("bwd_sweep", []).append(dict(kind=kind, layout=layout, cfg=note, ms=ms, err=errs[1]))
+            except Exception as exc:  # reported, not fatal
+                print(f"bwd sweep {note} failed: {type(exc).__name__}: {str(exc)[:300]}")
 
 
 def _lanes_rows(table, kind, layout, mix, data, g, y_ref, g_ref, n, sweep: bool, log: dict):
     """The same mixer on the lane-sequential schedule (forward and backward forced through
-    runtime.OVERRIDES): fwd and fwd+bwd rows, each checked against the float64 reference before it is timed."""
+    `tuning.override(forced=...)`): fwd and fwd+bwd rows, each checked against the float64 reference before it
+    is timed."""
+    from scanlang import tuning
     from scanlang.backends.triton import runtime
     nf = len(data)
     shapes = [(64, 2, 64, 16)] + ([(32, 1, 64, 16), (128, 4, 64, 16), (64, 2, 64, 4), (64, 2, 128, 8)] if sweep else [])
@@ -322,24 +317,23 @@ def _lanes_rows(table, kind, layout, mix, data, g, y_ref, g_ref, n, sweep: bool,
     def fwd_bwd():
         return torch.autograd.grad(mix(**leaves)[0], tuple(leaves.values()), g)
     for block_l, warps, chunk, unroll in shapes:
-        runtime.OVERRIDES.clear()
-        runtime.OVERRIDES.update(runtime.lanes_overrides(block_l=block_l, num_warps=warps, chunk=chunk, unroll=unroll))
-        note = f"lanes block_l={block_l} warps={warps} chunk={chunk} unroll={unroll}"
-        try:
-            ok, err = _checked([mix(**data)[0]], [y_ref], "scan")
-            ok_g, gerr = _checked(fwd_bwd(), g_ref, "scan_grad")
-            if not (ok and ok_g):
-                table.fail(f"{kind} {layout} {note}: output ratio {err:.1e}, worst gradient ratio {gerr:.1e}")
-                continue
-            ms = _bench(lambda: mix(**data), graph=True)
-            table.add(f"scanlang {kind} fwd [lanes] ({nf} in, 1 out)", layout, ms, (nf + 1) * n * 4, err, note=note)
-            ms_b = _bench(fwd_bwd)
-            table.add(f"scanlang {kind} fwd+bwd [lanes]", layout, ms_b, (nf + 1 + 2 * nf + 1) * n * 4, gerr, note=note)
-            log.setdefault("lanes", []).append(dict(kind=kind, layout=layout, cfg=note, fwd_ms=ms, fwd_bwd_ms=ms_b,
-                                                    err=err, grad_err=gerr))
-        except Exception as exc:  # reported, not fatal: the tile rows above stand
-            print(f"lanes {note} failed: {type(exc).__name__}: {str(exc)[:300]}")
-    runtime.OVERRIDES.clear()
+        forced = runtime.lanes_overrides(block_l=block_l, num_warps=warps, chunk=chunk, unroll=unroll)
+        with tuning.override(forced=forced):
+            note = f"lanes block_l={block_l} warps={warps} chunk={chunk} unroll={unroll}"
+            try:
+                ok, err = _checked([mix(**data)[0]], [y_ref], "scan")
+                ok_g, gerr = _checked(fwd_bwd(), g_ref, "scan_grad")
+                if not (ok and ok_g):
+                    table.fail(f"{kind} {layout} {note}: output ratio {err:.1e}, worst gradient ratio {gerr:.1e}")
+                    continue
+                ms = _bench(lambda: mix(**data), graph=True)
+                table.add(f"scanlang {kind} fwd [lanes] ({nf} in, 1 out)", layout, ms, (nf + 1) * n * 4, err, note=note)
+                ms_b = _bench(fwd_bwd)
+                table.add(f"scanlang {kind} fwd+bwd [lanes]", layout, ms_b, (nf + 1 + 2 * nf + 1) * n * 4, gerr, note=note)
+                log.setdefault("lanes", []).append(dict(kind=kind, layout=layout, cfg=note, fwd_ms=ms, fwd_bwd_ms=ms_b,
+                                                        err=err, grad_err=gerr))
+            except Exception as exc:  # reported, not fatal: the tile rows above stand
+                print(f"lanes {note} failed: {type(exc).__name__}: {str(exc)[:300]}")
 
 
 def _sweep_configs(layout):

@@ -16,7 +16,7 @@ forward + backward; `--anchor` times accelerated-scan's `scan` the same way (if 
 state, no grad: the recurrent kernel), a chunked forward without grad and a chunked forward + backward
 (B2 T256 H4 K=V=64; host work does not depend on the sizes): validation, packing, plans and chunk
 tables, buffer allocation, autograd and dispatch. `--op-path` routes every chunked call through the
-torch.library ops (EAGER_FAST_PATH off).
+torch.library ops (the tuning's delta_eager_fast_path off).
 
 On a machine without CUDA the kernels run in Triton's interpreter with every launch a no-op that
 returns a compiled-kernel stand-in, so repeated scan calls take `launcher.py`'s direct relaunch as on
@@ -187,12 +187,9 @@ def delta_calls(device: str = "cpu") -> dict[str, Callable[[], None]]:
 
 
 def _report_delta(args):
-    from scanlang.backends.delta import ops
-    saved, ops.EAGER_FAST_PATH = ops.EAGER_FAST_PATH, not args.op_path and ops.EAGER_FAST_PATH
-    try:
+    from scanlang import tuning
+    with tuning.override(delta_eager_fast_path=not args.op_path and tuning.current().delta_eager_fast_path):
         _report_delta_calls(args)
-    finally:
-        ops.EAGER_FAST_PATH = saved
 
 
 def _report_delta_calls(args):

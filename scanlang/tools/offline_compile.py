@@ -40,6 +40,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.runtime.jit import JITFunction
 
+from scanlang import tuning
 from scanlang.backends.delta import ops as delta_ops
 from scanlang.delta import KACZMARZ
 
@@ -381,8 +382,10 @@ def _delta_main(args):
     only = set(filter(None, args.only.split(",")))
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
     print(f"delta-rule kernels, K={args.K} V={args.V} {args.dtype}, sm_{args.arch}, Triton {triton.__version__}")
-    host = {key: cfg[key] for cfg in delta_ops.CONFIG.values() for key in delta_ops.HOST_KEYS if key in cfg}
-    print(f"  host keys (buffers, not launch options): {host}; SAVE_WU={delta_ops.SAVE_WU}")
+    knobs = tuning.current()
+    configs = [knobs.delta_config(name) or cfg for name, cfg in delta_ops.CONFIG.items()]   # as delta_ops.plan
+    host = {key: cfg[key] for cfg in configs for key in delta_ops.HOST_KEYS if key in cfg}
+    print(f"  host keys (buffers, not launch options): {host}; SAVE_WU={knobs.delta_save_wu}")
     for name, kernel, kargs, meta, cfg in capture_launches(args.K, args.V, dtype):
         if only and name not in only:
             continue
@@ -392,29 +395,24 @@ def _delta_main(args):
 def _scan_main(args):
     from scanlang.backends.triton import runtime
     print(f"{args.workload}: sm_{args.arch}, Triton {triton.__version__}")
-    saved = runtime.LANES_MIN
-    if args.workload == "kalman":
-        runtime.LANES_MIN = 1   # the small capture shape runs the schedule the full-size layer uses
-    try:
-        for spec in args.lanes or args.tile or [None]:
-            runtime.OVERRIDES.clear()
-            runtime.FITTED.clear()
-            if spec is not None and args.lanes:
-                block_l, warps, chunk, unroll = (int(x) for x in spec.split(","))
-                runtime.OVERRIDES.update(runtime.lanes_overrides(block_l, warps, chunk, unroll))
-            elif spec is not None:
-                block_t, block_l, warps, stages = (int(x) for x in spec.split(","))
-                cfg = runtime.Config(block_t=block_t, block_l=block_l, num_warps=warps, stages=stages, chunk=block_t)
-                runtime.OVERRIDES.update({(contiguous, backward): cfg for contiguous in (False, True)
-                                          for backward in (False, True)})
+    # kalman: the small capture shape runs the schedule the full-size layer uses
+    lanes_min = dict(lanes_min=1) if args.workload == "kalman" else {}
+    for spec in args.lanes or args.tile or [None]:
+        forced = {}
+        runtime.FITTED.clear()
+        if spec is not None and args.lanes:
+            block_l, warps, chunk, unroll = (int(x) for x in spec.split(","))
+            forced = runtime.lanes_overrides(block_l, warps, chunk, unroll)
+        elif spec is not None:
+            block_t, block_l, warps, stages = (int(x) for x in spec.split(","))
+            cfg = runtime.Config(block_t=block_t, block_l=block_l, num_warps=warps, stages=stages, chunk=block_t)
+            forced = {(contiguous, backward): cfg for contiguous in (False, True) for backward in (False, True)}
+        with tuning.override(forced=forced, **lanes_min):
             with captured() as launches:
                 run_workload(args.workload, args.layout)
             print(f"config {spec or 'chosen by runtime.choose_config'}:")
             for launch in launches:
                 print("  " + report(launch, args.arch), flush=True)
-    finally:
-        runtime.LANES_MIN = saved
-        runtime.OVERRIDES.clear()
 
 
 if __name__ == "__main__":
