@@ -33,12 +33,6 @@ Kernels (per chunk c of C tokens, head h; S0 the chunk's start state, G the in-c
     delta_bwd_wy      per chunk, through u, Tm, A and the hooks, summing dqk's shares: dv, dk, d(step input),
                       d(decay input)
     delta_recurrent   token loop with the state in registers (decode / short inputs)
-
-A NaN or inf in token t reaches token t and later ones only, as in the token loop (forward): the causal
-products (Tm from A, w, u, (Q K^T * Dec) U) take a chunk's non-finite entries as 0 and are NaN in each column
-from its first one on (`causal_mm`, and the prep's A), only in chunks that hold one. In the backward only dq
-is causal so far (dM = dO U^T is selected by the mask); the other gradients still mix a NaN into the earlier
-tokens of its chunk (0 * NaN in the products through Tm).
 """
 from .template_bwd import BACKWARD
 
@@ -68,31 +62,6 @@ def mm(a, b, precision: tl.constexpr, upcast: tl.constexpr):
         return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
     else:
         return tl.dot(a, b, input_precision=precision)
-
-
-@triton.jit
-def non_finite(x):
-    """Where x is NaN or +-inf (x - x is NaN exactly there), in fp32 (the interpreter's bf16 arithmetic is
-    on raw integers; a half-precision upcast is exact)."""
-    y = x.to(tl.float32)
-    return (y - y) != 0
-
-
-@triton.jit
-def any_non_finite(x):
-    """Whether any entry of x is NaN or +-inf (a scalar)."""
-    return tl.max(non_finite(x).to(tl.int32)) > 0
-
-
-@triton.jit
-def causal_mm(L, X, precision: tl.constexpr, upcast: tl.constexpr):
-    """L @ X for a causal L (lower triangular over a chunk's rows: row i of the product sums rows j <= i of
-    X) where X may hold NaN or inf: L's exact zeros above the diagonal would make 0 * NaN = NaN in the rows
-    before them. X's non-finite entries enter as 0 and each column is NaN from its first one on, as the
-    token loop's state is."""
-    bad = non_finite(X)
-    Y = mm(L, tl.where(bad, 0.0, X), precision, upcast)
-    return tl.where(tl.cumsum(bad.to(tl.int32), 0) > 0, float("nan"), Y)
 
 
 @triton.jit
@@ -168,11 +137,7 @@ def wy_block(x_ptr, out_ptr, Tm, scale, tok, ok, h, H, col0, D: tl.constexpr, BD
     cols = col0 + tl.arange(0, BD)
     m = ok[:, None] & (cols[None, :] < D)
     x = tl.load(x_ptr + (tok[:, None] * H + h) * D + cols[None, :], mask=m, other=0.0).to(tl.float32)
-    x = scale[:, None] * x
-    if any_non_finite(x):   # a NaN or inf token: kept out of the rows before it
-        y = causal_mm(Tm, x, PREC, UPCAST)
-    else:
-        y = mm(Tm, x, PREC, UPCAST)
+    y = mm(Tm, scale[:, None] * x, PREC, UPCAST)
     tl.store(out_ptr + (tok[:, None] * H + h) * D + cols[None, :], rnd(y, out_ptr.dtype.element_ty, UPCAST), mask=m)
 
 
@@ -181,28 +146,20 @@ def split_scaled(Tm, scale, UPCAST: tl.constexpr):
     """Tm diag(scale) as hi + lo, two bf16 matrices (hi the rounded product, lo the rounded remainder): together
     about 16 significant bits (tf32 keeps 11), multiplied by bf16 inputs as stored in two bf16 tensor-core
     products, which cost what one tf32 product of the same shape costs."""
-    Ts = Tm * tl.where(non_finite(scale), 0.0, scale)[None, :]   # a non-finite scale: in `wy_block_split`
+    Ts = Tm * scale[None, :]
     hi = rnd(Ts, tl.bfloat16, UPCAST)
     return hi, rnd(Ts - hi.to(tl.float32), tl.bfloat16, UPCAST)
 
 
 @triton.jit
-def wy_block_split(x_ptr, out_ptr, Th, Tl, scale, tok, ok, h, H, col0, D: tl.constexpr, BD: tl.constexpr,
+def wy_block_split(x_ptr, out_ptr, Th, Tl, tok, ok, h, H, col0, D: tl.constexpr, BD: tl.constexpr,
                    PREC: tl.constexpr, UPCAST: tl.constexpr):
     """`wy_block` for bf16 x: out = (Th + Tl) x with (Th, Tl) = split_scaled(Tm, scale); x enters the tensor
-    cores as loaded, with no fp32 copy. A token whose x or scale is not finite makes its rows and the
-    later ones NaN (in its columns of x, or in all for its scale), never the rows before it."""
+    cores as loaded, with no fp32 copy."""
     cols = col0 + tl.arange(0, BD)
     m = ok[:, None] & (cols[None, :] < D)
     x = tl.load(x_ptr + (tok[:, None] * H + h) * D + cols[None, :], mask=m, other=0.0)
-    bad_scale = non_finite(scale)
-    if any_non_finite(x) | (tl.max(bad_scale.to(tl.int32)) > 0):
-        bad = non_finite(x) | bad_scale[:, None]
-        x = tl.where(bad, 0.0, x)
-        y = mm(Th, x, PREC, UPCAST) + mm(Tl, x, PREC, UPCAST)
-        y = tl.where(tl.cumsum(bad.to(tl.int32), 0) > 0, float("nan"), y)
-    else:
-        y = mm(Th, x, PREC, UPCAST) + mm(Tl, x, PREC, UPCAST)
+    y = mm(Th, x, PREC, UPCAST) + mm(Tl, x, PREC, UPCAST)
     tl.store(out_ptr + (tok[:, None] * H + h) * D + cols[None, :], rnd(y, out_ptr.dtype.element_ty, UPCAST), mask=m)
 
 
@@ -214,10 +171,10 @@ def wy_factors(k_ptr, v_ptr, w_ptr, u_ptr, Tm, beta, bG, tok, ok, h, H, K: tl.co
     if k_ptr.dtype.element_ty == tl.bfloat16:
         Wh, Wl = split_scaled(Tm, bG, UPCAST)
         for kb in range(0, tl.cdiv(K, BKS)):
-            wy_block_split(k_ptr, w_ptr, Wh, Wl, bG, tok, ok, h, H, kb * BKS, K, BKS, PREC, UPCAST)
+            wy_block_split(k_ptr, w_ptr, Wh, Wl, tok, ok, h, H, kb * BKS, K, BKS, PREC, UPCAST)
         Uh, Ul = split_scaled(Tm, beta, UPCAST)
         for iv in range(0, tl.cdiv(V, BV)):
-            wy_block_split(v_ptr, u_ptr, Uh, Ul, beta, tok, ok, h, H, iv * BV, V, BV, PREC, UPCAST)
+            wy_block_split(v_ptr, u_ptr, Uh, Ul, tok, ok, h, H, iv * BV, V, BV, PREC, UPCAST)
     else:
         for kb in range(0, tl.cdiv(K, BKS)):
             wy_block(k_ptr, w_ptr, Tm, bG, tok, ok, h, H, kb * BKS, K, BKS, PREC, UPCAST)
@@ -259,9 +216,9 @@ def delta_wu(k_ptr, v_ptr, gcum_ptr, beta_ptr, tm_ptr, w_ptr, u_ptr, chunk_tok, 
         if k_ptr.dtype.element_ty == tl.bfloat16:       # as delta_prep computes them (`wy_factors`)
             Th, Tl = split_scaled(Tm, scale, UPCAST)
             if j < NKB:
-                wy_block_split(k_ptr, w_ptr, Th, Tl, scale, tok, ok, h, H, j * BKS, K, BKS, PREC, UPCAST)
+                wy_block_split(k_ptr, w_ptr, Th, Tl, tok, ok, h, H, j * BKS, K, BKS, PREC, UPCAST)
             else:
-                wy_block_split(v_ptr, u_ptr, Th, Tl, scale, tok, ok, h, H, (j - NKB) * BV, V, BV, PREC, UPCAST)
+                wy_block_split(v_ptr, u_ptr, Th, Tl, tok, ok, h, H, (j - NKB) * BV, V, BV, PREC, UPCAST)
         elif j < NKB:
             wy_block(k_ptr, w_ptr, Tm, scale, tok, ok, h, H, j * BKS, K, BKS, PREC, UPCAST)
         else:
@@ -307,8 +264,6 @@ def state_pass(q_ptr, k_ptr, w_ptr, u_ptr, gcum_ptr, h0_ptr, chunk_tok, chunk_le
         u = tl.load(u_ptr + (tok[:, None] * H + h) * V + vv[None, :], mask=vm, other=0.0).to(tl.float32)
         G = tl.load(gcum_ptr + tok * H + h, mask=ok, other=0.0)
         G_last = tl.load(gcum_ptr + (t0 + nv - 1) * H + h)
-        if OUTPUT:   # a NaN or inf token of this chunk (off the state's chain: its inputs only)
-            poisoned = any_non_finite(u) | any_non_finite(w)
         Sq = rnd(S, w.dtype, UPCAST)
         U = u - mm(w, Sq, IN_PREC, UPCAST)
         Uq = rnd(U, k.dtype, UPCAST)
@@ -317,10 +272,7 @@ def state_pass(q_ptr, k_ptr, w_ptr, u_ptr, gcum_ptr, h0_ptr, chunk_tok, chunk_le
             # an unmasked (vectorised) load: delta_prep wrote every element
             M = tl.load(mq_ptr + ((c * H + h) * C + rows[:, None]).to(tl.int64) * C + rows[None, :])
             o = mm(q, Sq, IN_PREC, UPCAST) * tl.exp(G)[:, None]
-            if poisoned:   # kept out of the rows before it (a non-finite S0 reaches every row anyway)
-                o += causal_mm(M, Uq, IN_PREC, UPCAST)
-            else:
-                o += mm(M, Uq, IN_PREC, UPCAST)
+            o += mm(M, Uq, IN_PREC, UPCAST)
             tl.store(o_ptr + (tok[:, None] * H + h) * V + vv[None, :], o * scale, mask=vm)
         else:
             tl.store(U_ptr + (tok[:, None] * H + h) * V + vv[None, :], rnd(U, U_ptr.dtype.element_ty, UPCAST), mask=vm)

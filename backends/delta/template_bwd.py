@@ -173,8 +173,7 @@ def delta_bwd_dqk(q_ptr, k_ptr, v_ptr, a_ptr, hp_ptr, s_ptr, eps, gcum_ptr, beta
     k = tl.load(k_ptr + (tok[:, None] * H + h) * K + kk[None, :], mask=km, other=0.0)
     kf = k.to(tl.float32)
     # outputs (every dG term below is a sum over key columns: each block adds its share)
-    # selected, not multiplied by a 0 mask: a NaN or inf later token's U stays out of the earlier rows
-    dM = tl.where(causal, dOU * tl.exp(tl.where(causal, G[:, None] - G[None, :], 0.0)), 0.0) * scale
+    dM = dOU * tl.where(causal, tl.exp(tl.where(causal, G[:, None] - G[None, :], 0.0)), 0.0) * scale
     dMq = rnd(dM, q.dtype, UPCAST)
     dq1 = dq1 * (scale * eG)[:, None]
     if DG_SUMS:
