@@ -5,7 +5,9 @@ the generated kernels run on CPU tensors. Tests marked `gpu` skip with a reason.
 an empty kernel and proof cache, so no test passes on what an earlier run left behind.
 """
 import os
+import pathlib
 import tempfile
+import zlib
 
 import pytest
 import torch
@@ -16,7 +18,31 @@ if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+SLOW_TESTS = frozenset(line.strip() for line in
+                       (pathlib.Path(__file__).parent / "tests" / "slow_tests.txt").read_text().splitlines()
+                       if line.strip() and not line.startswith("#"))
+
+
+@pytest.hookimpl(tryfirst=True)   # before `-m` deselects by marker
 def pytest_collection_modifyitems(config, items):
+    """Tiers and shards. The functions in tests/slow_tests.txt are `slow` except their first
+    parametrised case; SCANLANG_TEST_SHARD=i/n keeps every n-th test from the i-th (by a hash of its id,
+    so `.ci/run` can run the slow tier as two processes on two cores); without a GPU, `gpu` tests skip."""
+    seen = set()
+    for item in items:
+        name = f"{pathlib.Path(str(item.fspath)).relative_to(pathlib.Path(__file__).parent).as_posix()}::" \
+               f"{getattr(item, 'originalname', item.name)}"
+        if name in SLOW_TESTS:
+            first_case = hasattr(item, "callspec") and name not in seen
+            seen.add(name)
+            if not first_case:
+                item.add_marker(pytest.mark.slow)
+    shard = os.environ.get("SCANLANG_TEST_SHARD")
+    if shard:
+        i, n = (int(x) for x in shard.split("/"))
+        keep = [it for it in items if zlib.crc32(it.nodeid.encode()) % n == i]
+        config.hook.pytest_deselected(items=[it for it in items if it not in keep])
+        items[:] = keep
     if HAS_CUDA:
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU; none is present (run on the device machine)")
