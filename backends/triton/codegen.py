@@ -169,7 +169,10 @@ def _combine_function(ir: ScanIR) -> list[str]:
             '    """combine(x, y) with x the earlier operand, one scalar per field."""', *_indent(body, 4)]
 
 
-def _adjoint_combine_function(ir: ScanIR, adj: Adjoint) -> list[str]:
+def adjoint_combine_exprs(ir: ScanIR, adj: Adjoint):
+    """The reverse affine scan's combine over (B, e) pairs, w -> B w + e, x applied first (the later
+    time step): (yB xB, yB xe + ye), B keeping the adjoint's sparsity. Returns the operand symbols
+    (xb, yb, xe, ye) and the result expressions (b_out, e_out); every schedule prints these."""
     n = len(ir.fields)
     nb = len(adj.b_entries)
     xb = [E.symbol(f"xb{k}") for k in range(nb)]
@@ -178,11 +181,15 @@ def _adjoint_combine_function(ir: ScanIR, adj: Adjoint) -> list[str]:
     ye = [E.symbol(f"ye{i}") for i in range(n)]
     mx, my = adj.matrix(xb), adj.matrix(yb)
     prod = [[sum((my[i][k] * mx[k][j] for k in range(n)), sympy.Integer(0)) for j in range(n)] for i in range(n)]
-    if adj.scalar:
-        b_out = [prod[0][0]]
-    else:
-        b_out = [prod[i][j] for i, j in adj.pattern]
+    b_out = [prod[0][0]] if adj.scalar else [prod[i][j] for i, j in adj.pattern]
     e_out = [sum((my[i][k] * xe[k] for k in range(n)), sympy.Integer(0)) + ye[i] for i in range(n)]
+    return (xb, yb, xe, ye), (b_out, e_out)
+
+
+def _adjoint_combine_function(ir: ScanIR, adj: Adjoint) -> list[str]:
+    n = len(ir.fields)
+    nb = len(adj.b_entries)
+    (xb, yb, xe, ye), (b_out, e_out) = adjoint_combine_exprs(ir, adj)
     names = {s: s.name for s in xb + yb + xe + ye}
     outs = [f"b{k}" for k in range(nb)] + [f"e{i}" for i in range(n)]
     body = _assign(outs, b_out + e_out, names, "_a", shape_like="xe0")

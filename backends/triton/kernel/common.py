@@ -9,13 +9,11 @@ from __future__ import annotations
 
 import inspect
 
-import sympy
-
 from scanlang import expr as E
 from scanlang.autodiff import Adjoint
 from scanlang.ir import ScanIR
 
-from ..codegen import _assign, _num
+from ..codegen import _assign, _num, adjoint_combine_exprs
 from . import ir as K
 
 
@@ -79,14 +77,7 @@ def adjoint_combine_kernel(ir: ScanIR, adj: Adjoint) -> K.Kernel:
     """`adjoint_combine`: the reverse affine scan's combine over (B, e) pairs, w -> B w + e, with x
     applied first (the later time step): (yB xB, yB xe + ye). B keeps the adjoint's sparsity."""
     n, nb = len(ir.fields), len(adj.b_entries)
-    xb = [E.symbol(f"xb{k}") for k in range(nb)]
-    yb = [E.symbol(f"yb{k}") for k in range(nb)]
-    xe = [E.symbol(f"xe{i}") for i in range(n)]
-    ye = [E.symbol(f"ye{i}") for i in range(n)]
-    mx, my = adj.matrix(xb), adj.matrix(yb)
-    prod = [[sum((my[i][k] * mx[k][j] for k in range(n)), sympy.Integer(0)) for j in range(n)] for i in range(n)]
-    b_out = [prod[0][0]] if adj.scalar else [prod[i][j] for i, j in adj.pattern]
-    e_out = [sum((my[i][k] * xe[k] for k in range(n)), sympy.Integer(0)) + ye[i] for i in range(n)]
+    (xb, yb, xe, ye), (b_out, e_out) = adjoint_combine_exprs(ir, adj)
     outs = [f"b{k}" for k in range(nb)] + [f"e{i}" for i in range(n)]
     body = assign(outs, b_out + e_out, {s: s.name for s in xb + yb + xe + ye}, "_a", shape_like="xe0")
     params = tuple(K.Param(s.name) for s in xb + xe + yb + ye)
