@@ -45,9 +45,10 @@ def test_rendered_module_parses_and_has_the_stages():
     src = render(ir, differentiate(ir))
     tree = ast.parse(src)
     names = [n.name for n in tree.body if isinstance(n, ast.FunctionDef)]
-    assert names == ["combine", "combine_rcp", "adjoint_combine", "sum_fields", "reciprocal", "to_acc",
+    assert names == ["combine", "combine_rcp", "adjoint_combine", "sum_fields", "reciprocal", "leaf_scale", "to_acc",
                      "lane_offsets", "scan_forward", "scan_backward", "scan_forward_lanes", "scan_backward_lanes"]
     assert "inv_scale = 1.0 / scale" in src       # projective: renormalised after each combine
+    assert "inv_leaf = leaf_scale(" in src        # and each leaf before any product
     assert src == render(lower(sl.Mobius), differentiate(lower(sl.Mobius)))
 
 
