@@ -97,8 +97,18 @@ GPU_TOLERANCES = {
     ("kalman_grad", torch.float32): 1e-3,
 }
 
-# The element-wise bound is this many times the row's RMS tolerance.
+# The element-wise bound is this many times the row's RMS tolerance, except where a GPU row states its own.
 ELEMENT_FACTOR = 10.0
+
+# ---- GPU element-wise bounds measured apart from the RMS row --------------------------------------
+# bf16 dot products round each element's partial sums: the worst element of a gradient sits further from
+# the RMS than 10x. Measured on the H200 (tests/test_delta_gpu.py, Kaczmarz T1000 K128 bf16, 2026-12-02;
+# the float64 reference's own bf16 rounding of the gradients is 1.6e-3 RMS): o 2.6e-2, S 1.6e-2,
+# dq 5.3e-2, dk 8.1e-2, dv 5.0e-2, dh0 1.7e-2; dg 3.5e-2 and deta 2.9e-2 are within 10x their row.
+GPU_ELEMENT_TOLERANCES = {
+    ("delta_out", torch.bfloat16): 0.1,    # 2.6e-2 (o): 4x
+    ("delta_grad", torch.bfloat16): 0.25,  # 8.1e-2 (dk): 3x
+}
 # A CPU row more than this many times above the worst error its tests measure fails the margin check.
 MARGIN_LIMIT = 100.0
 
@@ -214,13 +224,27 @@ def _record(what: str, dtype: torch.dtype, kind: str, tol: float, r: float, e: f
         row["element"] = e
 
 
+def element_tolerance(what: str, dtype: torch.dtype, device=None) -> float:
+    """The element-wise bound for (what, dtype): the GPU row's own where `device` is CUDA and
+    GPU_ELEMENT_TOLERANCES has one, else ELEMENT_FACTOR times `tolerance(what, dtype, device)`.
+
+    >>> import torch
+    >>> element_tolerance("scan", torch.float32) == ELEMENT_FACTOR * tolerance("scan", torch.float32)
+    True
+    """
+    if execution_kind(device) == "gpu" and (what, dtype) in GPU_ELEMENT_TOLERANCES:
+        return GPU_ELEMENT_TOLERANCES[(what, dtype)]
+    return ELEMENT_FACTOR * tolerance(what, dtype, device)
+
+
 def _compare(out, ref, what: str, dtype, device):
-    """(kind, tolerance, RMS ratio, element error, flat index of the worst element)."""
+    """(kind, tolerance, element bound, RMS ratio, element error, flat index of the worst element)."""
     kind = execution_kind(device) if device is not None else execution_kind(out, ref)
-    tol = tolerance(what, dtype, "cuda" if kind == "gpu" else None)
+    on = "cuda" if kind == "gpu" else None
+    tol, etol = tolerance(what, dtype, on), element_tolerance(what, dtype, on)
     r = ratio(out, ref)
     e, where = element_error(out, ref)
-    return kind, tol, r, e, where
+    return kind, tol, etol, r, e, where
 
 
 def check(out: torch.Tensor, ref: torch.Tensor, what: str, dtype: torch.dtype | None = None,
@@ -232,26 +256,28 @@ def check(out: torch.Tensor, ref: torch.Tensor, what: str, dtype: torch.dtype | 
     >>> check(torch.tensor([1.0, 2.0]), torch.tensor([1.0, 2.0 + 1e-3], dtype=torch.float64), "scan")[0]
     False
     """
-    kind, tol, r, e, _ = _compare(out, ref, what, dtype or out.dtype, device)
-    return bool(r <= tol and e <= ELEMENT_FACTOR * tol), r
+    kind, tol, etol, r, e, _ = _compare(out, ref, what, dtype or out.dtype, device)
+    return bool(r <= tol and e <= etol), r
 
 
 def assert_close(out: torch.Tensor, ref: torch.Tensor, what: str, dtype: torch.dtype | None = None, name: str = "output",
                  device=None):
     """Fail unless ratio(out, ref) is within the table's tolerance for (what, dtype) and every element's
-    error relative to max(|ref|, RMS(ref)) within ELEMENT_FACTOR times it. The row is the GPU one when
-    `device` (default: out's and ref's devices) is CUDA. Non-finite values must match exactly."""
+    error relative to max(|ref|, RMS(ref)) within `element_tolerance` (ELEMENT_FACTOR times it, unless a
+    GPU row states its own). The row is the GPU one when `device` (default: out's and ref's devices) is
+    CUDA. Non-finite values must match exactly."""
     dtype = dtype or out.dtype
-    kind, tol, r, e, where = _compare(out, ref, what, dtype, device)
+    kind, tol, etol, r, e, where = _compare(out, ref, what, dtype, device)
     _record(what, dtype, kind, tol, r, e, name)
     row = f"({what}, {dtype}, {kind}) row {tol:.1e}"
     if not r <= tol:
         raise AssertionError(f"{name}: ratio RMS(err)/RMS(ref) = {r:.3e} exceeds the {row}")
-    if not e <= ELEMENT_FACTOR * tol:
+    if not e <= etol:
         index = tuple(int(i) for i in torch.unravel_index(torch.tensor(where), tuple(out.shape))) if out.dim() else ()
         at = index[0] if len(index) == 1 else index
+        bound = f"{etol / tol:g} x the {row}" if etol != ELEMENT_FACTOR * tol else f"{ELEMENT_FACTOR:g} x the {row}"
         raise AssertionError(f"{name}: element {at} has error {e:.1e} (relative to max(|ref|, RMS(ref))), above "
-                             f"{ELEMENT_FACTOR * tol:.1e} ({ELEMENT_FACTOR:g} x the {row}; RMS ratio {r:.1e})")
+                             f"{etol:.1e} ({bound}; RMS ratio {r:.1e})")
 
 
 def margins(observed: dict | None = None, limit: float = MARGIN_LIMIT) -> list[str]:

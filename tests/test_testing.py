@@ -70,6 +70,26 @@ def test_gpu_rows_only_on_cuda():
     assert tolerance("delta_tm", torch.float32, device="cuda") == testing.TOLERANCES[("delta_tm", torch.float32)]
 
 
+def test_gpu_element_rows_only_on_cuda_and_still_catch_a_wrong_element(unrecorded):
+    """A GPU row with its own element bound (bf16 dot products) uses it on CUDA only; on the CPU the
+    bound stays ELEMENT_FACTOR x the row, and an element above the GPU bound fails on both."""
+    key = ("delta_grad", torch.bfloat16)
+    gpu = testing.element_tolerance(*key, device="cuda")
+    assert gpu == testing.GPU_ELEMENT_TOLERANCES[key] != testing.element_tolerance(*key)
+    assert testing.element_tolerance(*key) == testing.ELEMENT_FACTOR * tolerance(*key)
+    ref = torch.randn(100_000, dtype=torch.float64)
+    rms = float(ref.pow(2).mean().sqrt())
+    out = ref.clone()
+    i = int(ref.abs().argmin())                      # |ref| < RMS there: the error is relative to RMS
+    out[i] += 0.5 * (testing.element_tolerance(*key) + gpu) * rms
+    assert_close(out, ref, *key, device="cuda")      # between the two bounds: passes on the GPU row only
+    with pytest.raises(AssertionError, match="element"):
+        assert_close(out, ref, *key)
+    out[i] = ref[i] + 1.5 * gpu * rms
+    with pytest.raises(AssertionError, match="element"):
+        assert_close(out, ref, *key, device="cuda")
+
+
 def test_margin_check_flags_a_loose_row_and_skips_unmeasured_ones():
     observed = {("scan", "float32", "cpu"): dict(tolerance=1e-4, ratio=1e-7, element=0, checks=1, where="x"),
                 ("scan", "float64", "cpu"): dict(tolerance=1e-12, ratio=0.0, element=0, checks=1, where="y"),
