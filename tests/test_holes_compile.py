@@ -1,8 +1,11 @@
 """Issue 18, class 2: proofs are not skipped under torch.compile. A monoid first scanned inside a
 compiled function is proved at trace time, outside the graph (refused with its counterexample when
 the law fails), and the first compiled call of a `fullgraph=True` function never meets sympy inside
-the trace. Dynamo alone ("eager" backend): on CPU the kernels run in Triton's interpreter, which
-cannot take the fake tensors that AOT tracing would feed them."""
+the trace. A declaration built inside the compiled function (a monoid, a mixer, a delta rule, a
+matrix state) is built at trace time outside the graph (scanlang/traced.py): proved ones give the
+float64 loop's values, refuted or malformed ones raise the eager call's error. Dynamo alone
+("eager" backend): on CPU the kernels run in Triton's interpreter, which cannot take the fake
+tensors that AOT tracing would feed them."""
 import pytest
 import torch
 
