@@ -42,6 +42,8 @@ def get(name: str):
     >>> get("reference").__name__
     'scanlang.backends.reference'
     """
+    if torch.compiler.is_dynamo_compiling():   # the registry may change at trace time: not read here
+        return getattr(_Imported, _imported_outside_the_trace(name))
     found = _REGISTERED.get(name)
     if found is None:
         if name not in _MODULES:
@@ -49,6 +51,23 @@ def get(name: str):
         importlib.import_module(_MODULES[name])
         found = _REGISTERED[name]
     return found
+
+
+class _Imported:
+    """Backends met in torch.compile traces, by name: the traced call reads this class attribute
+    (reading the registry itself would guard on its contents, which the import changes)."""
+
+
+@torch.compiler.assume_constant_result
+def _imported_outside_the_trace(name: str) -> str:
+    """`get(name)` at trace time, outside the graph (torch.compile runs this for real; Dynamo does
+    not trace imports); returns the attribute of `_Imported` that holds the backend."""
+    from .traced import passed_through_compile
+    try:
+        setattr(_Imported, name, get(name))
+    except ValueError as err:
+        raise passed_through_compile(err) from None
+    return name
 
 
 def default(device: torch.device, compute_dtype: torch.dtype | None = None, triton_dtypes=None) -> str:

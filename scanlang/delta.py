@@ -34,6 +34,7 @@ import torch
 
 from . import expr as E
 from .monoid import trace_body
+from .traced import BuiltOutsideTheTrace
 
 STEP_INPUTS = ("s", "n2", "eps")
 # (name, key) -> the rule: torch.compile passes these strings (constants to Dynamo) to the trace-time
@@ -71,15 +72,19 @@ def trace_hook(fn: Callable, name: str, inputs: tuple[str, ...], differentiate: 
     return Hook(name, inputs, expr, grads)
 
 
-class DeltaRule:
+class DeltaRule(BuiltOutsideTheTrace):
     """A member of the gated delta-rule family: a step-size hook and a decay hook.
 
     `step(t)` returns beta from `t.s`, `t.n2` (squared key norm) and `t.eps`; `decay(t)` returns the
     log-decay g from `t.a` and the per-head parameters named in `head_params` (one value per head,
     e.g. Mamba2's A_log and dt_bias). The default decay is g = a (the op's `g` argument as given).
+    Declared inside a torch.compile'd function, it is traced at trace time, outside the graph
+    (`scanlang.traced`).
     """
 
     def __init__(self, name: str, step: Callable, decay: Callable | None = None, head_params: tuple[str, ...] = ()):
+        if torch.compiler.is_dynamo_compiling():
+            return   # built outside the trace by BuiltOutsideTheTrace.__new__
         if not name.isidentifier():
             raise ValueError(f"name must be an identifier (it names generated kernels), got {name!r}")
         head_params = tuple(head_params)
@@ -97,6 +102,10 @@ class DeltaRule:
         self.key = hashlib.sha256(text.encode()).hexdigest()[:16]
         if DECLARED.get((self.name, self.key)) is None:
             DECLARED[(self.name, self.key)] = self
+
+    def trace_identity(self) -> str:
+        """Equal for rules that behave the same: the name and the content hash."""
+        return f"{self.name}:{self.key}"
 
     @property
     def uses_key_norm(self) -> bool:

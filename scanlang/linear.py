@@ -37,9 +37,11 @@ import numbers
 from typing import Callable
 
 import sympy
+import torch
 
 from . import expr as E
 from .delta import Hook, _matrix, combine, prove_affine_matrix_monoid, trace_hook
+from .traced import BuiltOutsideTheTrace
 
 DECAYS = ("none", "per_head", "per_key")
 CORRECTIONS = ("plain", "delta", "householder")
@@ -131,7 +133,7 @@ def prove_structure(decay: str, correction: str, steps: int = 1, K: int = 2, V: 
 # --------------------------------------------------------------------------------------------------
 # The declaration.
 
-class MatrixState:
+class MatrixState(BuiltOutsideTheTrace):
     """A declared member of the matrix-state family (module docstring). Build it with `matrix_state`.
 
     Law: S_t = P_t S_{t-1} + R_t (the affine element (P_t, R_t) of the declared decay and correction,
@@ -150,6 +152,8 @@ class MatrixState:
 
     def __init__(self, name: str, *, decay: str = "none", correction: str = "plain", steps: int = 1,
                  inputs=None, constants=None, beta: Callable | None = None, log_decay: Callable | None = None):
+        if torch.compiler.is_dynamo_compiling():
+            return   # built (proved, hooks traced) outside a torch.compile trace: scanlang.traced
         if not isinstance(name, str) or not name.isidentifier():
             raise ValueError(f"name must be an identifier (it names generated kernels), got {name!r}")
         if decay not in DECAYS:
@@ -171,6 +175,10 @@ class MatrixState:
         text = repr((name, decay, correction, steps, sorted(self.inputs.items()), sorted(self.constants.items()),
                      *(sympy.srepr(h.expr) if h else None for h in (self.beta, self.log_decay))))
         self.key = hashlib.sha256(text.encode()).hexdigest()[:16]
+
+    def trace_identity(self) -> str:
+        """Equal for declarations that behave the same: the name and the content hash."""
+        return f"{self.name}:{self.key}"
 
     def _hook(self, role: str, fn, needed: bool, extra: tuple) -> Hook | None:
         what = f"{role} hook of matrix state '{self.name}'"

@@ -55,6 +55,7 @@ from ._checks import check_cu_seqlens
 from .context_parallel_ops import mixer_sharded
 from .ir import lower, specialize_carry
 from .monoid import Monoid
+from .traced import BuiltOutsideTheTrace
 
 
 def _axes(spec, what: str) -> tuple[str, ...]:
@@ -66,11 +67,15 @@ def _axes(spec, what: str) -> tuple[str, ...]:
     return names
 
 
-class Mixer:
-    """A compiled fused scan; build it with `sl.mixer(...)` (see the module docstring)."""
+class Mixer(BuiltOutsideTheTrace):
+    """A compiled fused scan; build it with `sl.mixer(...)` (see the module docstring). Built inside a
+    torch.compile'd function, it is built (monoid proved, kernels generated) at trace time, outside
+    the graph (`scanlang.traced`)."""
 
     def __init__(self, monoid: Monoid, axes: str, inputs: Mapping[str, str], lift: Callable,
                  readout: Callable, outputs: Sequence[str], reduce: str | None = None):
+        if torch.compiler.is_dynamo_compiling():
+            return   # built outside the trace by BuiltOutsideTheTrace.__new__
         if not isinstance(monoid, Monoid):
             raise TypeError(f"monoid: expected a scanlang Monoid, got {type(monoid).__name__}")
         monoid.ensure_verified()   # here, so that a Mixer built directly is proved too
@@ -106,6 +111,11 @@ class Mixer:
         self._specialised: dict = {}   # (constants, render-time knobs) -> program (`_program_for`)
         self._checked: dict = {}       # eager input signature -> what validation derived (`_call`)
         self._time_dim = self.axes.index("t")
+
+    def trace_identity(self) -> str:
+        """Equal for mixers that behave the same: the program (monoid, lift, readout, render knobs)
+        and the axes of every input."""
+        return repr((self.key, self.axes, sorted(self.input_axes.items()), self.reduce))
 
     def _general(self):
         """This mixer's program under the render-time knobs in effect (`scanlang.tuning`): the one
@@ -295,5 +305,4 @@ def mixer(monoid: Monoid, axes: str, inputs: Mapping[str, str], lift: Callable, 
     """
     if not isinstance(monoid, Monoid):
         raise TypeError(f"monoid: expected a scanlang Monoid (declare one with @sl.monoid), got {type(monoid).__name__}")
-    monoid.ensure_verified()
     return Mixer(monoid, axes, inputs, lift, readout, outputs, reduce)

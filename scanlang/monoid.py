@@ -21,9 +21,11 @@ import warnings
 from typing import Callable, Sequence
 
 import sympy
+import torch
 
 from . import expr as E
 from .errors import UnprovedWarning, UnsupportedOperationError
+from .traced import BuiltOutsideTheTrace
 from .verify import verify
 
 # (key, name) -> the declaration: torch.compile passes these two strings (constants to Dynamo) to the
@@ -122,7 +124,7 @@ def trace_body(fn: Callable, names: Sequence[str], operands: Sequence[Sequence[s
     return tuple(o.expr if isinstance(o, E.Traced) else E.constant(o) for o in out)
 
 
-class Monoid:
+class Monoid(BuiltOutsideTheTrace):
     """A declared monoid: fields, an associative combine of an earlier element x and a later one y,
     and its identity e. Build it with `@sl.monoid(...)`; `help()` of a declared monoid shows its own
     combine's docstring and traced expressions.
@@ -137,9 +139,14 @@ class Monoid:
     combine(x, y) with x the earlier operand:
       a = x_a*y_a
       b = x_b*y_a + y_b
+
+    Declared inside a torch.compile'd function, it is built (traced with sympy) at trace time,
+    outside the graph (`scanlang.traced`); a scan of it proves it there too.
     """
 
     def __init__(self, combine: Callable, fields, identity, scale: Callable | None = None, name: str | None = None):
+        if torch.compiler.is_dynamo_compiling():
+            return   # built outside the trace by BuiltOutsideTheTrace.__new__
         if not callable(combine):
             raise TypeError(f"combine must be a function of two elements, got {type(combine).__name__}")
         if scale is not None and not callable(scale):
@@ -170,6 +177,10 @@ class Monoid:
         if DECLARED.get((self.key, self.name)) is None:
             DECLARED[(self.key, self.name)] = self
         self.__doc__ = self._help_text()   # what help(monoid) and pydoc show for this declaration
+
+    def trace_identity(self) -> str:
+        """Equal for declarations that behave the same: the content hash and the name."""
+        return f"{self.key}:{self.name}"
 
     def _help_text(self) -> str:
         """This declaration's own docstring: the combine's docstring (its law and examples), then the

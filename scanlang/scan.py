@@ -26,6 +26,7 @@ from . import backend as registry
 from . import context_parallel, settings
 from .context_parallel_ops import scan_sharded
 from .monoid import DECLARED, Monoid
+from .traced import passed_through_compile
 
 BACKENDS = ("reference", "triton")
 _RESULT_TYPES: dict = {}
@@ -106,31 +107,9 @@ def proved(key: str, name: str) -> str:
     try:
         proof = m.ensure_verified()
     except (ValueError, TypeError) as err:
-        raise _passed_through_compile(err) from None
+        raise passed_through_compile(err) from None
     m.prepare()
     return proof.method
-
-
-_TRACED_ERRORS: dict = {}
-
-
-def _passed_through_compile(err: Exception) -> Exception:
-    """`err` as an instance of a subclass of its own class and of Dynamo's UserError, which
-    torch.compile re-raises unchanged (any other exception raised at trace time reaches the caller
-    wrapped in InternalTorchDynamoError): `except sl.NotAssociativeError` works around a compiled
-    call, with the counterexample attached. `err` itself where this torch has no such class."""
-    try:   # torch._dynamo is loaded by torch.compile before this runs; nothing to import otherwise
-        from torch._dynamo import exc as dynamo_exc
-        cls = _TRACED_ERRORS.get(type(err))
-        if cls is None:
-            cls = _TRACED_ERRORS[type(err)] = type(type(err).__name__, (type(err), dynamo_exc.UserError),
-                                                   {"__module__": type(err).__module__})
-        out = cls.__new__(cls, str(err))
-        dynamo_exc.UserError.__init__(out, dynamo_exc.UserErrorType.INVALID_INPUT, str(err))
-        out.__dict__.update(err.__dict__)
-        return out
-    except Exception:   # noqa: BLE001 - a torch without this mechanism: the error as it is
-        return err
 
 
 def scan(monoid: Monoid, elems, dim: int, reverse: bool = False, initial=None, backend: str | None = None,

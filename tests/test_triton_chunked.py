@@ -214,3 +214,88 @@ def test_compile_fullgraph_runs_the_chunked_kernels_through_the_registered_ops(c
     for got, want in zip(torch.autograd.grad(out, (a, b), g), torch.autograd.grad(ref, (a, b), g)):
         assert_close(got, want, "scan_grad", name="compiled Affine grad")
     assert all(chunked_launch.LAUNCHED[k] > before.get(k, 0) for k in chunked_launch.chunked.KERNELS)
+
+
+# ---- projective leaves near 1e20: renormalised by an exact power of two, as on the other schedules -----
+
+def huge_mobius(T, generator, with_initial):
+    """Möbius leaves in [1e19, 1.1e20] (a product of two overflows float32), exactly representable in
+    float32; an initial element near 1 when asked."""
+    x = [(torch.rand(1, 3, T, generator=generator, dtype=torch.float64) * 1e20 + 1e19).float().double()
+         for _ in range(4)]
+    init = [torch.rand(1, 3, generator=generator, dtype=torch.float64) + 0.5 for _ in range(4)] if with_initial else []
+    return x, init
+
+
+@pytest.mark.parametrize("chunked,T,reverse,with_initial", [(8, 1, False, False), (4, 9, False, True),
+                                                            (4, 11, True, True)], indirect=["chunked"],
+                         ids=["T1", "T9-initial", "T11-reverse-initial"])
+def test_huge_projective_leaves_are_renormalised(chunked, T, reverse, with_initial):
+    """float32 Möbius leaves near 1e20 on the chunked schedule: every output field, the projective
+    ratio and the gradients of the leaves and of the initial element equal the float64 loop's."""
+    gen = torch.Generator().manual_seed(T)
+    x64, init64 = huge_mobius(T, gen, with_initial)
+    x = [t.float().to(DEVICE).requires_grad_() for t in x64]
+    initial = [i.float().to(DEVICE).requires_grad_() for i in init64] or None
+    before = dict(chunked_launch.LAUNCHED)
+    out = sl.scan(sl.Mobius, x, dim=2, reverse=reverse, initial=initial, backend="triton")
+    ins64 = [t.to(DEVICE).requires_grad_() for t in x64 + init64]
+    want = loop("Mobius", ins64[:4], 2, reverse, ins64[4:] or None)
+    for f, o, w in zip("abcd", out, want):
+        assert_close(o, w, "scan", dtype=torch.float32, name=f)
+    assert_close((out.a + out.b) / (out.c + out.d), (want[0] + want[1]) / (want[2] + want[3]), "scan",
+                 dtype=torch.float32, name="ratio")
+    weights = [torch.randn(w.shape, generator=gen, dtype=torch.float64).to(DEVICE) for w in want]
+    got = torch.autograd.grad(sum((o * v.float()).sum() for o, v in zip(out, weights)), x + (initial or []))
+    ref = torch.autograd.grad(sum((w * v).sum() for w, v in zip(want, weights)), ins64)
+    for name, g, r in zip(["da", "db", "dc", "dd", "dinit_a", "dinit_b", "dinit_c", "dinit_d"], got, ref):
+        assert_close(g, r, "scan_grad", dtype=torch.float32, name=name)
+    ran = {k: v - before.get(k, 0) for k, v in chunked_launch.LAUNCHED.items()}
+    assert all(ran.get(k, 0) == 1 for k in chunked_launch.chunked.KERNELS), ran
+
+
+def test_generated_module_scales_every_leaf_before_any_product():
+    """The projective module holds leaf_scale and calls it for each lift (x_t, and the backward's
+    next and previous steps), and scales dx; a module of a monoid that is not projective has none."""
+    from scanlang import pipeline
+    src = chunked_launch.source(pipeline.program(sl.Mobius))
+    assert "def leaf_scale(m)" in src
+    for tag in ("", "n", "v"):
+        assert f"inv_leaf{tag} = leaf_scale(" in src
+    assert "dx_a = dx_a * inv_leaf" in src
+    assert "leaf_scale" not in chunked_launch.source(pipeline.program(sl.Affine))
+
+
+@pytest.mark.parametrize("chunked", [4], indirect=True)
+def test_kalman_filter_with_huge_precisions(chunked):
+    """prec = 1e30 (an observation trusted completely) on the chunked schedule: outputs and the
+    gradients of v, prec and q finite and equal to the float64 loop's. (dk is left out: in float32 it
+    is off by a factor of order one on every backend, the reference one included, so not a matter of
+    the schedule; float64 agrees with the loop.)"""
+    from scanlang.recipes.kalman import kalman_filter
+    from scanlang.recipes.kalman.reference import kalman_filter_loop
+    gen = torch.Generator().manual_seed(3)
+    B, T, M, S = 1, 9, 2, 2
+    v = torch.randn(B, T, M, generator=gen, dtype=torch.float64)
+    prec = torch.rand(B, T, M, generator=gen, dtype=torch.float64) + 0.5
+    prec[:, ::3] = 1e30
+    k, q = (torch.randn(B, T, S, generator=gen, dtype=torch.float64) for _ in range(2))
+    a_bar = torch.rand(M, S, generator=gen, dtype=torch.float64) * 0.5 + 0.4
+    p_bar = torch.rand(M, S, generator=gen, dtype=torch.float64) * 0.2 + 0.05
+    ins = [t.float().to(DEVICE).requires_grad_() for t in (v, prec, k, q)]
+    before = dict(chunked_launch.LAUNCHED)
+    y, y_var, _ = kalman_filter(*ins, a_bar.float().to(DEVICE), p_bar.float().to(DEVICE), backend="triton",
+                                form="two_scans")
+    ins64 = [t.detach().double().requires_grad_() for t in ins]
+    want, want_var, _ = kalman_filter_loop(*ins64, a_bar, p_bar)
+    assert_close(y, want.float(), "kalman_out")
+    assert_close(y_var, want_var.float(), "kalman_out")
+    ran = {k: n - before.get(k, 0) for k, n in chunked_launch.LAUNCHED.items()}
+    assert all(ran.get(k, 0) >= 1 for k in chunked_launch.chunked.KERNELS[:3]), ran
+    w, w_var = torch.randn(y.shape, generator=gen, dtype=torch.float64), torch.randn(y.shape, generator=gen,
+                                                                                    dtype=torch.float64)
+    got = torch.autograd.grad((y * w.float().to(DEVICE)).sum() + (y_var * w_var.float().to(DEVICE)).sum(), ins)
+    ref = torch.autograd.grad((want * w).sum() + (want_var * w_var).sum(), ins64)
+    for name, g, r in zip(["dv", "dprec", "dk", "dq"], got, ref):
+        if name != "dk":
+            assert_close(g, r.float(), "kalman_grad", name=name)

@@ -222,17 +222,33 @@ def reciprocal(x, HW: tl.constexpr):
     return r'''
 
 
-LEAF_SCALE = '''@triton.jit
-def leaf_scale(m):
-    """2^-e where 2^e <= m < 2^(e + 1), m >= 0 the largest |field| of a projective leaf: the leaf times it
+# leaf_scale's bit arithmetic, per accumulation dtype: (integer type, exponent mask, the exponent
+# bits of 2^(bias - 1) and the largest exponent used, so that the factor stays a finite normal number).
+# One source for the string module (LEAF_SCALE) and the kernel IR's (kernel/chunked.py).
+LEAF_SCALE_DOC = """2^-e where 2^e <= m < 2^(e + 1), m >= 0 the largest |field| of a projective leaf: the leaf times it
     has its largest field in [1, 2), exactly (a power of two). From the exponent bits, clamped to a finite
     normal factor (m = 0 or subnormal: 2^127 in float32; m = inf or NaN: 2^-126, the leaf stays as it is)."""
+LEAF_SCALE_BITS = {"tl.float64": ("tl.int64", "0x7FF0000000000000", "0x7FE0000000000000", "0x7FD0000000000000"),
+                   "tl.float32": ("tl.int32", "0x7F800000", "0x7F000000", "0x7E800000")}
+
+
+def leaf_scale_lines(dtype: str) -> tuple[str, str]:
+    """leaf_scale's two statements for accumulation dtype `dtype` ("tl.float64" / "tl.float32"):
+    `e = <exponent bits of m>` and the returned factor."""
+    itype, mask, top, clamp = LEAF_SCALE_BITS[dtype]
+    return (f"e = m.to({itype}, bitcast=True) & {mask}",
+            f"({top} - tl.minimum(e, {clamp})).to({dtype}, bitcast=True)")
+
+
+LEAF_SCALE = f'''@triton.jit
+def leaf_scale(m):
+    """{LEAF_SCALE_DOC}"""
     if m.dtype == tl.float64:
-        e = m.to(tl.int64, bitcast=True) & 0x7FF0000000000000
-        return (0x7FE0000000000000 - tl.minimum(e, 0x7FD0000000000000)).to(tl.float64, bitcast=True)
+        {leaf_scale_lines("tl.float64")[0]}
+        return {leaf_scale_lines("tl.float64")[1]}
     else:
-        e = m.to(tl.int32, bitcast=True) & 0x7F800000
-        return (0x7F000000 - tl.minimum(e, 0x7E800000)).to(tl.float32, bitcast=True)'''
+        {leaf_scale_lines("tl.float32")[0]}
+        return {leaf_scale_lines("tl.float32")[1]}'''
 
 
 def _max_tree(items: list[str]) -> str:

@@ -20,7 +20,7 @@ RECORD = pathlib.Path(__file__).with_name("record.json")
 
 def programs() -> dict:
     """name -> a function returning its source: the library monoids' plain scans, the chunk-parallel
-    module of sl.Affine, the three Kalman programs, every delta rule at every chunk size."""
+    modules of sl.Affine and sl.Mobius, the three Kalman programs, every delta rule at every chunk size."""
     from scanlang import library, pipeline
     from scanlang.backends.triton.kernel import chunked
     from scanlang.library import LIBRARY
@@ -33,11 +33,15 @@ def programs() -> dict:
         ir = pipeline.lower(m)
         return pipeline.render(ir, pipeline.differentiate(ir))
 
+    def chunked_module(m):
+        ir = pipeline.lower(m)
+        return chunked.render(ir, pipeline.differentiate(ir))
+
     out = {}
     for m in LIBRARY:
         out[f"scan_{m.name}"] = lambda m=m: scan(m)
-    ir = pipeline.lower(library.Affine)
-    out["chunked_Affine"] = lambda: chunked.render(ir, pipeline.differentiate(ir))
+    for m in (library.Affine, library.Mobius):   # Möbius: the projective module (leaf_scale)
+        out[f"chunked_{m.name}"] = lambda m=m: chunked_module(m)
     for name in ("precision_mixer", "information_mixer", "joint_mixer"):
         out[f"kalman_{name}"] = lambda name=name: getattr(fused, name)().program.source
     for rule_name, rule in sorted(RULES.items()):
