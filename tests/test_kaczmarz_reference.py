@@ -115,10 +115,7 @@ def test_varlen_matches_separate_sequences():
 
 
 def test_gradcheck_float64_reference():
-    """Both rules' reference backward inside one partial chunk (T = 9 of 16), two heads (a gradient
-    written to the wrong head fails), K != V, with an initial and a final state. Small on purpose:
-    gradcheck costs a forward per input element."""
-    q, k, v, g, eta, h0 = (t.double().requires_grad_() for t in make_inputs(1, 9, 2, 3, 2, zero_keys=False))
+    q, k, v, g, eta, h0 = (t.double().requires_grad_() for t in make_inputs(1, 13, 2, 4, 3, zero_keys=False))
     fn = lambda q, k, v, g, eta, h0: kaczmarz_delta_rule(  # noqa: E731
         q, k, v, g, eta, initial_state=h0, output_final_state=True, backend="reference", chunk_size=16)
     assert torch.autograd.gradcheck(fn, (q, k, v, g, eta, h0))
