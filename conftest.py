@@ -7,12 +7,18 @@ an empty kernel and proof cache, so no test passes on what an earlier run left b
 import os
 import pathlib
 import tempfile
-import zlib
 
 import pytest
 import torch
 
 os.environ["SCANLANG_CACHE_DIR"] = tempfile.mkdtemp(prefix="scanlang-test-cache-")
+# One intra-op thread (unless the caller chose): the tests' tensors are tiny, so extra threads only
+# synchronise, and on a shared machine they oversubscribe the cores (the reference gradcheck ran ten
+# times slower with torch's default threads beside two other test processes). The examples' and the
+# CLI's subprocesses inherit it through the environment.
+if "OMP_NUM_THREADS" not in os.environ:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
 HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -23,11 +29,34 @@ SLOW_TESTS = frozenset(line.strip() for line in
                        if line.strip() and not line.startswith("#"))
 
 
+SLOW_SECONDS = {path: float(seconds) for path, seconds in
+                (line.split() for line in (pathlib.Path(__file__).parent / "tests" / "slow_seconds.txt")
+                 .read_text().splitlines() if line.strip() and not line.startswith("#"))}
+
+
+def _file_of(item) -> str:
+    return pathlib.Path(str(item.fspath)).relative_to(pathlib.Path(__file__).parent).as_posix()
+
+
+def shard_files(files, n: int) -> dict:
+    """{file: shard}: whole files (a file's tests share their kernels, rendered and interpreted once per
+    process, and its module fixtures), the heaviest first onto the least loaded shard, weighed by the
+    slow tier's measured seconds (tests/slow_seconds.txt; a file not listed counts 1 s). The same
+    files give the same shards in every process."""
+    loads, owner = [0.0] * n, {}
+    for f in sorted(files, key=lambda f: (-SLOW_SECONDS.get(f, 1.0), f)):
+        shard = min(range(n), key=lambda j: (loads[j], j))
+        owner[f] = shard
+        loads[shard] += SLOW_SECONDS.get(f, 1.0)
+    return owner
+
+
 @pytest.hookimpl(tryfirst=True)   # before `-m` deselects by marker
 def pytest_collection_modifyitems(config, items):
     """Tiers and shards. The functions in tests/slow_tests.txt are `slow` except their first
-    parametrised case; SCANLANG_TEST_SHARD=i/n keeps every n-th test from the i-th (by a hash of its id,
-    so `.ci/run` can run the slow tier as two processes on two cores); without a GPU, `gpu` tests skip."""
+    parametrised case; SCANLANG_TEST_SHARD=i/n keeps the i-th of n shards of whole files (see
+    `shard_files`, so `.ci/run` can run the slow tier as two processes on two cores); without a GPU,
+    `gpu` tests skip."""
     seen = set()
     for item in items:
         name = f"{pathlib.Path(str(item.fspath)).relative_to(pathlib.Path(__file__).parent).as_posix()}::" \
@@ -40,7 +69,8 @@ def pytest_collection_modifyitems(config, items):
     shard = os.environ.get("SCANLANG_TEST_SHARD")
     if shard:
         i, n = (int(x) for x in shard.split("/"))
-        keep = [it for it in items if zlib.crc32(it.nodeid.encode()) % n == i]
+        owner = shard_files(sorted({_file_of(it) for it in items}), n)
+        keep = [it for it in items if owner[_file_of(it)] == i]
         config.hook.pytest_deselected(items=[it for it in items if it not in keep])
         items[:] = keep
     if HAS_CUDA:

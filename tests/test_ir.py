@@ -49,7 +49,8 @@ def test_rendered_module_parses_and_has_the_stages():
                      "lane_offsets", "scan_forward", "scan_backward", "scan_forward_lanes", "scan_backward_lanes"]
     assert "inv_scale = 1.0 / scale" in src       # projective: renormalised after each combine
     assert "inv_leaf = leaf_scale(" in src        # and each leaf before any product
-    assert src == render(lower(sl.Mobius), differentiate(lower(sl.Mobius)))
+    # that the render is deterministic is checked across processes (test_triton_scan's byte-identical
+    # test renders this module twice) and against the record (test_replay's scan_Mobius)
 
 
 def test_mixer_readout_with_previous_prefix_and_reduction():

@@ -17,3 +17,17 @@ def test_every_listed_slow_test_exists():
         if func not in names:
             missing.append(entry)
     assert listed and not missing, f"tests/slow_tests.txt names tests that do not exist: {missing}"
+
+
+def test_slow_seconds_name_real_files_and_shards_split_whole_files():
+    """tests/slow_seconds.txt (the shards' weights) names files that exist; SCANLANG_TEST_SHARD's
+    shards put each file in exactly one shard, the same one for the same files."""
+    import conftest
+    assert conftest.SLOW_SECONDS and all((ROOT / path).is_file() for path in conftest.SLOW_SECONDS), \
+        sorted(p for p in conftest.SLOW_SECONDS if not (ROOT / p).is_file())
+    files = sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "tests").glob("test_*.py"))
+    owner = conftest.shard_files(files, 2)
+    assert sorted(owner) == files and set(owner.values()) == {0, 1}
+    assert owner == conftest.shard_files(list(reversed(files)), 2)
+    loads = [sum(conftest.SLOW_SECONDS.get(f, 1.0) for f in files if owner[f] == i) for i in (0, 1)]
+    assert abs(loads[0] - loads[1]) <= max(conftest.SLOW_SECONDS.values()), loads

@@ -51,11 +51,27 @@ def test_runs_forward_matches_sequential_loop(runs, monoid, length):
         assert_close(o, r, "scan", name=f"{monoid.name}.{f}")
 
 
-@pytest.mark.parametrize("monoid", LIBRARY, ids=lambda m: m.name)
-@pytest.mark.parametrize("layout,reverse,chunk", [("time", False, 64), ("channels", True, 4), ("time", True, 128),
-                                                  ("channels", False, 128)])
+# Which monoids each checkpoint config runs: every monoid in one time-contiguous and one channels
+# config, one forward and one reverse scan (all with an initial element); Möbius (projective, the
+# renormalised adjoint) in all four. Every monoid's own kernels also run under every config of the
+# forward test above and in test_triton_scan's gradient test; here the configs are what varies.
+_FIRST_PAIR = (library.Affine, library.Matrix2, library.MinPlus, library.LogAffine, library.OnlineSoftmax,
+               library.Add, library.Mobius)
+_SECOND_PAIR = (library.MaxPlus, library.ComplexMul, library.LogSumExp, library.Welford, library.Max, library.Mobius)
+_GRADIENT_CASES = [pytest.param(layout, reverse, chunk, m, id=f"{layout}-{reverse}-{chunk}-{m.name}")
+                   for (layout, reverse, chunk), monoids in ((("time", False, 64), _FIRST_PAIR),
+                                                             (("channels", True, 4), _FIRST_PAIR),
+                                                             (("time", True, 128), _SECOND_PAIR),
+                                                             (("channels", False, 128), _SECOND_PAIR))
+                   for m in monoids]
+assert {m.name for m in _FIRST_PAIR + _SECOND_PAIR} == {m.name for m in LIBRARY}
+
+
+@pytest.mark.parametrize("layout,reverse,chunk,monoid", _GRADIENT_CASES)
 def test_runs_gradients_with_initial(runs, monoid, layout, reverse, chunk):
-    """Channels with 128-step checkpoints: the run-based backward on strided time (the training default there)."""
+    """Checkpoints every 64 steps (time-contiguous), every 4 steps (channels, reverse: the old backward's
+    4-step tiles), every 128 steps reversed (time) and on strided time (channels: the run-based backward
+    the training default takes there), each with an initial element (cases: _GRADIENT_CASES)."""
     runs(chunk)
     T = 203 if chunk > 4 else 37   # 4-step checkpoints: the old backward's 4-step tiles are slow to interpret
     shape, dim = ((2, 3, T), 2) if layout == "time" else ((2, T, 3), 1)
