@@ -2,7 +2,8 @@
 
 Without a GPU, TRITON_INTERPRET=1 is set for the whole session before anything imports Triton, so
 the generated kernels run on CPU tensors. Tests marked `gpu` skip with a reason. Every session gets
-an empty kernel and proof cache, so no test passes on what an earlier run left behind.
+an empty kernel and proof cache, so no test passes on what an earlier run left behind (one
+empty cache per `.ci/run`, shared by its test processes).
 """
 import os
 import pathlib
@@ -11,7 +12,10 @@ import tempfile
 import pytest
 import torch
 
-os.environ["SCANLANG_CACHE_DIR"] = tempfile.mkdtemp(prefix="scanlang-test-cache-")
+# SCANLANG_TEST_CACHE_DIR: an empty directory the caller made for this run, shared by several test
+# processes (.ci/run's three), so a module one of them renders the others read (rendering one large
+# module costs seconds of the 2-core CI machine's time); tests of the cache itself use their own.
+os.environ["SCANLANG_CACHE_DIR"] = os.environ.get("SCANLANG_TEST_CACHE_DIR") or tempfile.mkdtemp(prefix="scanlang-test-cache-")
 # One intra-op thread (unless the caller chose): the tests' tensors are tiny, so extra threads only
 # synchronise, and on a shared machine they oversubscribe the cores (the reference gradcheck ran ten
 # times slower with torch's default threads beside two other test processes). The examples' and the
