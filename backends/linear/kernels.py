@@ -22,9 +22,11 @@ Kernels (one module per declaration; C, K, V, BK, BV are constexprs):
                           entering every chunk instead (slot c + n; slot c_end + n is the final state)
     {name}_bwd_dh         per (sequence, head, value block), chunks in reverse: dS_end of every chunk
                           (dS0 = e^(G_L) dS_end + scale (Q * e^G)^T dO) and d(initial state)
-    {name}_bwd            per (chunk, head): dq, dk, dv and, with decay, dG_i = q_i dq_i - k_i dk_i
-                          (+ rowsum(S_end * dS_end) on the last row), dg = its reverse cumulative sum
-                          in the chunk, then d(hook inputs) = dg * the hook's sympy derivative.
+    {name}_bwd            per (chunk, head): dq, dk, dv and, with decay, dg_t = dL/dg_t (each pair
+                          (i, j) of rows, e^(G_i - G_j), depends on g_t for j < t <= i; summed that
+                          way rather than as the reverse cumsum of q dq - k dk, whose diagonal terms
+                          cancel: at g = -20 that difference is all rounding), then d(hook inputs) =
+                          dg * the hook's sympy derivative.
 Masks are selects (tl.where), never products with a 0/1 mask: a NaN or inf in a later row must not
 reach an earlier one. The one product that would carry it back, A V (0 * NaN), takes V with rows from
 the chunk's first non-finite value on zeroed, and only rows from there on use the raw product.
@@ -105,17 +107,21 @@ def pairwise_kernels() -> list[K.Kernel]:
                                               a("A", "tl.where(cols == j, col[:, None], A)"))),
         K.Return((K.expr("A"),))),
         doc="A_ij = sum_k q_ik k_jk exp(G_ik - G_jk) for i >= j, else 0.")
-    dqk = K.Kernel("pairwise_grads", tuple(K.Param(p) for p in ("dA", "q", "k", "G")) + (K.Param("C", constexpr=True),), (
-        *pre, a("X", "tl.zeros_like(q)"), a("Y", "tl.zeros_like(k)"),
+    dqk = K.Kernel("pairwise_grads", tuple(K.Param(p) for p in ("dA", "q", "k", "G", "W")) + (
+        K.Param("C", constexpr=True),), (
+        *pre, a("X", "tl.zeros_like(q)"), a("Y", "tl.zeros_like(k)"), a("Z", "tl.zeros_like(q)"),
         K.For("j", K.expr("0"), K.expr("C"), (
-            *row_j, a("k_j", "tl.sum(tl.where(at_j, k, 0.0), 0)"),
+            *row_j, a("k_j", "tl.sum(tl.where(at_j, k, 0.0), 0)"), a("W_j", "tl.sum(tl.where(at_j, W, 0.0), 0)"),
             a("dA_j", "tl.sum(tl.where(cols == j, dA, 0.0), 1)"),
-            a("X", "X + tl.where(live, dA_j[:, None] * k_j[None, :] * e, 0.0)"),
+            a("x_j", "tl.where(live, dA_j[:, None] * k_j[None, :] * e, 0.0)"),
+            a("X", "X + x_j"),
             a("y_j", "tl.sum(tl.where(live, dA_j[:, None] * q * e, 0.0), 0)"),
-            a("Y", "tl.where(at_j, y_j[None, :], Y)"))),
-        K.Return((K.expr("X"), K.expr("Y")))),
-        doc="X_ik = sum_(j <= i) dA_ij k_jk exp(G_ik - G_jk) (dq's part) and "
-            "Y_jk = sum_(i >= j) dA_ij q_ik exp(G_ik - G_jk) (dk's part).")
+            a("Y", "tl.where(at_j, y_j[None, :], Y)"),
+            a("Z", "Z + tl.where(rows[:, None] > j, tl.cumsum(x_j * q, 0, reverse=True) + W_j[None, :], 0.0)"))),
+        K.Return((K.expr("X"), K.expr("Y"), K.expr("Z")))),
+        doc="X_ik = sum_(j <= i) dA_ij k_jk exp(G_ik - G_jk) (dq's part), Y_jk = sum_(i >= j) dA_ij q_ik "
+            "exp(G_ik - G_jk) (dk's part) and Z_tk = sum_(j < t <= i) q_ik X's term_ijk + sum_(j < t) W_jk: the "
+            "decay gradient's pairs that straddle t, summed without the cancelling diagonal terms.")
     return [qk, dqk]
 
 
@@ -157,7 +163,7 @@ def _decay(decay: str, with_pairwise: bool = True) -> tuple:
 
 def _hook_inputs(decl: MatrixState, decay: str) -> list[tuple[str, str]]:
     """(input, kind) of the log-decay hook's inputs, in declaration order."""
-    return [(n, decl.inputs[n]) for n in decl.used(decl.log_decay)]
+    return [(n, decl.inputs[n]) for n in decl.used(decl.log_decay) if n in decl.inputs]
 
 
 def _hook_names(decl: MatrixState) -> dict:
@@ -311,41 +317,43 @@ def bwd_kernel(decl: MatrixState) -> K.Kernel:
              a("dA", f"dA + {dot('b_do', 'tl.trans(b_v)')}"),
              a("dq_inter", f"dq_inter + {dot('b_do', 'tl.trans(S0)')}"),
              a("dk_state", f"dk_state + {dot('b_v', 'tl.trans(dSe)')}"),
-             *((load("Se", "hs_ptr", state_off("c + n + 1"), S_MASK),
-                a("dG_last", "dG_last + tl.sum(Se * dSe, 1)")) if d != "none" else ()),
+             *((a("dG_S0", "dG_S0 + tl.sum(S0 * dSe, 1)"),) if d != "none" else ()),
              K.Store(K.expr(f"dv_ptr + {V_OFF}"),
                      K.expr(f"scale * {dot('tl.trans(A)', 'b_do')} + {dot('k_end', 'dSe')}"), K.expr(V_MASK)))
     body = [a("c", "tl.program_id(0)"), a("h", "tl.program_id(1)"), *_axes(False), *_origin_comments(decl),
             *_chunk(), a("n", "tl.load(chunk_seq_ptr + c)"),
             load("b_q", "q_ptr", QK_OFF, QK_MASK), load("b_k", "k_ptr", QK_OFF, QK_MASK), *_decay(d),
             a("dA", "tl.zeros([C, C], dtype=tl.float32)"), a("dq_inter", "tl.zeros([C, BK], dtype=tl.float32)"),
-            a("dk_state", "tl.zeros([C, BK], dtype=tl.float32)"), a("dG_last", "tl.zeros([BK], dtype=tl.float32)"),
+            a("dk_state", "tl.zeros([C, BK], dtype=tl.float32)"), a("dG_S0", "tl.zeros([BK], dtype=tl.float32)"),
             K.For("vb", K.expr("0"), K.expr("tl.cdiv(V, BV)"), vloop),
             a("dA", "tl.where(causal, scale * dA, 0.0)")]
     if d == "none":
         body += [a("dq", f"scale * dq_inter + {dot('dA', 'b_k')}"),
                  a("dk", f"{dot('tl.trans(dA)', 'b_q')} + dk_state")]
     elif d == "per_head":
-        body += [a("dAD", "tl.where(causal, dA * D, 0.0)"),
-                 a("dq", f"scale * tl.exp(b_G)[:, None] * dq_inter + {dot('dAD', 'b_k')}"),
+        body += [a("dAD", "tl.where(causal, dA * D, 0.0)"), a("dq_s0", "scale * tl.exp(b_G)[:, None] * dq_inter"),
+                 a("dq", f"dq_s0 + {dot('dAD', 'b_k')}"),
                  a("dk", f"{dot('tl.trans(dAD)', 'b_q')} + tl.exp(G_last - b_G)[:, None] * dk_state")]
     else:
-        body += [a("X, Y", "pairwise_grads(dA, b_q, b_k, b_G, C)"),
-                 a("dq", "scale * tl.exp(b_G) * dq_inter + X"),
+        body += [a("X, Y, Z", "pairwise_grads(dA, b_q, b_k, b_G, k_end * dk_state, C)"),
+                 a("dq_s0", "scale * tl.exp(b_G) * dq_inter"), a("dq", "dq_s0 + X"),
                  a("dk", "Y + tl.exp(G_last[None, :] - b_G) * dk_state")]
     body += [K.Store(K.expr(f"dq_ptr + {QK_OFF}"), K.expr("dq"), K.expr(QK_MASK)),
              K.Store(K.expr(f"dk_ptr + {QK_OFF}"), K.expr("tl.where(ok[:, None], dk, 0.0)"), K.expr(QK_MASK))]
     if d != "none":
-        last = "rows == n_rows - 1"
-        body.append(K.Comment("dG_i = q_i dq_i - k_i dk_i, + rowsum(S_end * dS_end) on the chunk's last row"))
+        body += [K.Comment("dg_t, summed so that no two large terms cancel (the diagonal pairs i = j and the"),
+                 K.Comment("state's own last row drop out of q dq - k dk exactly): the readout of S0 at rows >= t,"),
+                 K.Comment("the pairs j < t <= i, e^(G_L) rowsum(S0 dS_end) and the writes j < t into S_end")]
         if d == "per_head":
-            body += [a("dG", f"tl.sum(tl.where({QK_MASK}, b_q * dq - b_k * dk, 0.0), 1)"),
-                     a("dG", f"tl.where({last}, dG + tl.sum(dG_last, 0), dG)")]
+            body += [a("P", "tl.cumsum(tl.where(causal, A * dA, 0.0), 0, reverse=True)"),
+                     a("W", f"tl.sum(tl.where({QK_MASK}, k_end * dk_state, 0.0), 1)"),
+                     a("dg", f"tl.cumsum(tl.sum(tl.where({QK_MASK}, b_q * dq_s0, 0.0), 1), 0, reverse=True)"),
+                     a("dg", "dg + tl.sum(tl.where(rows[None, :] < rows[:, None], P + W[None, :], 0.0), 1)"),
+                     a("dg", "tl.where(ok, dg + tl.exp(G_last) * tl.sum(dG_S0, 0), 0.0)")]
         else:
-            body += [a("dG", f"tl.where({QK_MASK}, b_q * dq - b_k * dk, 0.0)"),
-                     a("dG", f"tl.where(({last})[:, None], dG + dG_last[None, :], dG)")]
-        body += [K.Comment("dg_t = the sum of dG_i over the chunk's rows i >= t"),
-                 a("dg", "tl.cumsum(dG, 0, reverse=True)"), *_load_hook_inputs(decl), *_hook_grads(decl)]
+            body += [a("dg", f"tl.cumsum(tl.where({QK_MASK}, b_q * dq_s0, 0.0), 0, reverse=True) + Z"),
+                     a("dg", f"tl.where({QK_MASK}, dg + tl.exp(G_last)[None, :] * dG_S0[None, :], 0.0)")]
+        body += [*_load_hook_inputs(decl), *_hook_grads(decl)]
     return K.Kernel(f"{decl.name}_bwd", params, tuple(body),
                     doc="Chunk c: dq, dk, dv" + (" and the hook inputs' gradients" if d != "none" else "") + ".")
 
