@@ -15,6 +15,8 @@ state-gradient pass and the per-chunk gradient kernel. Everything the kernels fi
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import sys
 
 import torch
@@ -30,6 +32,29 @@ from . import kernels
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MODULES: dict[str, object] = {}        # declaration key -> the loaded generated module
 CONFIG = dict(BV=32, num_warps=4)      # value columns per program (clamped to the padded V)
+
+
+_RECORDING: contextvars.ContextVar = contextvars.ContextVar("linear_launches", default=None)
+
+
+@contextlib.contextmanager
+def recording():
+    """Within the block, launches are recorded as (name, kernel, grid, args, constexprs and options) instead
+    of run (scanlang.tools.offline_compile compiles them for a GPU without one)."""
+    launches = []
+    token = _RECORDING.set(launches)
+    try:
+        yield launches
+    finally:
+        _RECORDING.reset(token)
+
+
+def _launch(kernel, grid, args, meta):
+    launches = _RECORDING.get()
+    if launches is not None:
+        launches.append((kernel.fn.__name__, kernel, grid, tuple(args), dict(meta)))
+    else:
+        kernel[grid](*args, **meta)
 
 
 def _empty(*shape, device, dtype=torch.float32):
@@ -78,8 +103,8 @@ class _Chunked(torch.autograd.Function):
         G = None
         if d.decay != "none":
             G = _empty(TT, H, *((meta["K"],) if d.decay == "per_key" else ()), device=dev)
-            getattr(mod, f"{d.name}_decay_cumsum")[(table.n_chunks, H)](
-                *xs, G, table.chunk_tok, table.chunk_len, *constants, H, K=meta["K"], BK=meta["BK"], C=meta["C"])
+            _launch(getattr(mod, f"{d.name}_decay_cumsum"), (table.n_chunks, H),
+                    (*xs, G, table.chunk_tok, table.chunk_len, *constants, H), dict(K=meta["K"], BK=meta["BK"], C=meta["C"]))
         o = _empty(TT, H, V, device=dev)
         ht = _empty(table.n_seq, H, meta["K"], V, device=dev)
         _fwd(mod, d, meta, q, k, v, G, h0, o, ht, ht, table, scale, store_o=True, store_h=False)
@@ -102,10 +127,10 @@ def _fwd(mod, d, meta, q, k, v, G, h0, o, ht, hs, table, scale, store_o, store_h
     H, V = q.shape[1], v.shape[-1]
     g = (G,) if G is not None else ()
     grid = (table.n_seq, H, triton.cdiv(V, meta["BV"]))
-    getattr(mod, f"{d.name}_fwd")[grid](
-        q, k, v, *g, h0 if h0 is not None else ht, o, ht, hs, table.chunk_tok, table.chunk_len, table.seq_chunk0,
-        scale, H, **meta, HAS_H0=h0 is not None, STORE_O=store_o, STORE_FINAL=not store_h, STORE_H=store_h,
-        num_warps=CONFIG["num_warps"])
+    _launch(getattr(mod, f"{d.name}_fwd"), grid,
+            (q, k, v, *g, h0 if h0 is not None else ht, o, ht, hs, table.chunk_tok, table.chunk_len, table.seq_chunk0,
+             scale, H), dict(meta, HAS_H0=h0 is not None, STORE_O=store_o, STORE_FINAL=not store_h, STORE_H=store_h,
+                             num_warps=CONFIG["num_warps"]))
 
 
 def _backward(ctx, q, k, v, h0, G, xs, do, dht):
@@ -120,17 +145,17 @@ def _backward(ctx, q, k, v, h0, G, xs, do, dht):
     dh0 = _empty(table.n_seq, H, K, V, device=dev) if h0 is not None else dh
     g = (G,) if G is not None else ()
     grid = (table.n_seq, H, triton.cdiv(V, meta["BV"]))
-    getattr(mod, f"{d.name}_bwd_dh")[grid](
-        q, *g, do, dht if dht is not None else dh, dh, dh0, table.chunk_tok, table.chunk_len, table.seq_chunk0,
-        scale, H, **meta, HAS_DHT=dht is not None, STORE_DH0=h0 is not None, num_warps=CONFIG["num_warps"])
+    _launch(getattr(mod, f"{d.name}_bwd_dh"), grid,
+            (q, *g, do, dht if dht is not None else dh, dh, dh0, table.chunk_tok, table.chunk_len, table.seq_chunk0,
+             scale, H), dict(meta, HAS_DHT=dht is not None, STORE_DH0=h0 is not None, num_warps=CONFIG["num_warps"]))
     dq, dk = _empty(TT, H, K, device=dev), _empty(TT, H, K, device=dev)
     dv = _empty(TT, H, V, device=dev)
     dxs = [_empty(*x.shape, device=dev) for x in xs]
     hook = [*xs, *dxs, *ctx.constants] if d.decay != "none" else []
     if table.n_chunks:
-        getattr(mod, f"{d.name}_bwd")[(table.n_chunks, H)](
-            q, k, v, *g, hs, dh, do, dq, dk, dv, table.chunk_tok, table.chunk_len, table.chunk_seq, *hook,
-            scale, H, **meta, num_warps=CONFIG["num_warps"])
+        _launch(getattr(mod, f"{d.name}_bwd"), (table.n_chunks, H),
+                (q, k, v, *g, hs, dh, do, dq, dk, dv, table.chunk_tok, table.chunk_len, table.chunk_seq, *hook,
+                 scale, H), dict(meta, num_warps=CONFIG["num_warps"]))
     grads = [dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dh0 if h0 is not None else None]
     return (None, None, None, None, None, *grads, *(dx.to(x.dtype) for dx, x in zip(dxs, xs)))
 

@@ -159,7 +159,11 @@ class MemberOp:
                 self.triton = _backend.get("linear").member_op(d)
             if self._decay is not None and q.device.type == "cpu":   # g <= 0, where checking costs no sync
                 with torch.no_grad():
-                    self._log_decay({n: t.to(compute) for n, t in inputs.items()} | constants, q)
+                    g = self._log_decay({n: t.to(compute) for n, t in inputs.items()} | constants, q)
+                if bool(torch.isinf(g).any()):
+                    raise ValueError(f"{self.__name__}: a log-decay of -inf (a hard reset) is not handled by the "
+                                     f"generated kernels yet (their pairwise decays would be -inf - -inf); "
+                                     f"use backend='reference'")
             return self.triton(q, k, v, *[inputs[n] for n in names], offsets=offsets, chunk_size=chunk_size,
                                scale=q.shape[-1] ** -0.5 if scale is None else float(scale),
                                initial_state=initial_state, output_final_state=output_final_state,
