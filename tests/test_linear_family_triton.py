@@ -51,7 +51,8 @@ def _inputs(member, B, T, gen, dtype=torch.float32, g_min=None):
         extra, g = [], None
     elif member in ("simple_gla", "gla"):
         shape = (B, T, H) if member == "simple_gla" else (B, T, H, K)
-        g = -(0.05 + torch.rand(shape, generator=gen, dtype=D64)) if g_min is None else torch.full(shape, g_min, dtype=D64)
+        g = (-(0.05 + torch.rand(shape, generator=gen, dtype=D64)) if g_min is None
+             else torch.full(shape, g_min, dtype=D64))
         extra = [g]
     elif member == "gated":
         a, b = torch.randn(B, T, H, K, generator=gen, dtype=D64), torch.randn(B, T, H, generator=gen, dtype=D64)
@@ -67,7 +68,7 @@ def _call(member, *args, **kw):
     return fn(*args, **kw)
 
 
-def _check(member, B, T, with_h0=True, cu=None, dtype=torch.float32, g_min=None, seed=0):
+def _check(member, B, T, with_h0=True, cu=None, dtype=torch.float32, g_min=None, seed=0, chunk=C):
     gen = torch.Generator().manual_seed(seed)
     N = B if cu is None else len(cu) - 1
     ins, _ = _inputs(member, B, T, gen, dtype, g_min)
@@ -75,7 +76,7 @@ def _check(member, B, T, with_h0=True, cu=None, dtype=torch.float32, g_min=None,
     leaves = [t.clone().requires_grad_() for t in ins] + ([h0.clone().requires_grad_()] if with_h0 else [])
     cu_t = None if cu is None else torch.tensor(cu, dtype=torch.int32)
     o, S = _call(member, *leaves[:len(ins)], initial_state=leaves[-1] if with_h0 else None, output_final_state=True,
-                 cu_seqlens=cu_t, backend="triton", chunk_size=C)
+                 cu_seqlens=cu_t, backend="triton", chunk_size=chunk)
     wo = torch.randn(o.shape, generator=gen, dtype=D64)
     ws = torch.randn(S.shape, generator=gen, dtype=D64)
     ((o * wo.float()).sum() + (S * ws.float()).sum()).backward()
@@ -136,6 +137,13 @@ def test_strong_decay_stays_finite(member):
     assert all(torch.isfinite(t.grad).all() for t in leaves)
 
 
+@pytest.mark.parametrize("chunk,g_min", [(32, None), (64, -20.0), (32, -20.0), (64, None)])
+def test_per_key_row_blocks(chunk, g_min):
+    """Chunks of several 16-row blocks: pairs of different blocks through the later block's reference
+    row (tl.dot), pairs inside a block exactly; a partial last chunk."""
+    _check("gla", 1, chunk + 5, g_min=g_min, chunk=chunk)
+
+
 def test_without_initial_state_and_final_state_off():
     gen = torch.Generator().manual_seed(3)
     (q, k, v, g), g_ref = _inputs("gla", 1, C + 3, gen)
@@ -160,12 +168,13 @@ def test_zero_keys_never_nan(member):
 @pytest.mark.parametrize("bad", ["v", "k"])
 @pytest.mark.parametrize("member", ["simple_gla", "gla"])
 def test_non_finite_token_never_reaches_earlier_outputs(member, bad):
+    """Chunks of two row blocks: the NaN sits in the second block of the second chunk."""
     gen = torch.Generator().manual_seed(5)
-    T, t_bad = 2 * C + 3, C + 6
+    T, t_bad = 4 * C + 3, 3 * C + 6
     ins, g_ref = _inputs(member, 1, T, gen)
     which = {"k": 1, "v": 2}[bad]
     ins[which][0, t_bad, 1] = float("nan")
-    o, _ = _call(member, *ins, output_final_state=True, backend="triton", chunk_size=C)
+    o, _ = _call(member, *ins, output_final_state=True, backend="triton", chunk_size=2 * C)
     clean = [t.clone() for t in ins]
     clean[which][0, t_bad:] = 0.0
     o_ref, _ = token_loop(clean[0], clean[1], clean[2], clean[3])
@@ -208,6 +217,6 @@ def test_generated_source_follows_the_structure():
     plain, head, key = (kernels.render(d) for d in (L.members.LINEAR_ATTENTION, L.members.SIMPLE_GLA, L.members.GLA))
     assert "decay_cumsum" not in plain and "G_ptr" not in plain
     assert "def simple_gla_decay_cumsum" in head and "pairwise_qk(b_q" not in head
-    assert "pairwise_qk(b_q, b_k, b_G, C)" in key and "pairwise_grads(dA" in key
+    assert "pairwise_qk(b_q, b_k, b_G, C, BS" in key and "pairwise_grads(dA" in key and "block_row(" in key
     assert "log_decay = g" in key     # the declaration, cited in the kernels
     assert ops.module(L.members.GLA) is ops.module(L.members.GLA)   # rendered and loaded once

@@ -10,10 +10,12 @@ chunk-local cumulative log-decay G (G_i = g_0 + ... + g_i inside the chunk):
 
 Every exponent used is a difference G_i - G_j with i >= j, G_i, or G_L - G_j: all <= 0 for log-decays
 <= 0, so g = -20 per token cannot overflow at any chunk size. Per head, A = (Q K^T) * e^(G_i - G_j)
-is one tl.dot and a [C, C] mask; per key the pairwise decay differs per key column, so A (and the
-backward's two products of the same kind) is formed exactly, one column j at a time over [C, BK]
-tiles (`pairwise_*`), with tl.dot for every product over V. The structure decides what exists:
-without decay there is no G, no cumulative-sum kernel and no decay gradient.
+is one tl.dot and a [C, C] mask. Per key the pairwise decay differs per key column: rows are grouped
+in blocks of BS (16); a pair in different blocks factors through the later block's reference row r,
+e^(G_i - G_r) e^(G_r - G_j) with both factors <= 1 (one tl.dot per block), and a pair inside a block
+is formed exactly (`pairwise_*`, BS steps over [C, BK] tiles). Every product over V is a tl.dot. The
+structure decides what exists: without decay there is no G, no cumulative-sum kernel and no decay
+gradient.
 
 Kernels (one module per declaration; C, K, V, BK, BV are constexprs):
     {name}_decay_cumsum   per (chunk, head): g from the hook, G = its cumulative sum in the chunk
@@ -46,7 +48,7 @@ QK_MASK = "ok[:, None] & okk[None, :]"
 V_OFF = "((tok + rows[:, None]) * H + h) * V + vv[None, :]"
 V_MASK = "ok[:, None] & okv[None, :]"
 S_MASK = "okk[:, None] & okv[None, :]"
-SHAPE_CONSTS = ("K", "V", "BK", "BV", "C", "PREC", "UPCAST")
+SHAPE_CONSTS = ("K", "V", "BK", "BV", "C", "BS", "PREC", "UPCAST")
 
 
 def a(target: str, value: str) -> K.Assign:
@@ -93,36 +95,67 @@ def helper_kernels() -> list[K.Kernel]:
 
 
 def pairwise_kernels() -> list[K.Kernel]:
-    """The per-key products with the exact pairwise decay e^(G_ik - G_jk) (i >= j), one column j of
-    the chunk at a time: row j of k (or the column j of dA) read out of the register tile by a masked
-    sum, the decay exponent selected to 0 where i < j before exp, the term selected to 0 after."""
-    pre = (a("rows", "tl.arange(0, C)"), a("cols", "tl.arange(0, C)[None, :]"))
-    row_j = (a("at_j", "rows[:, None] == j"), a("live", "rows[:, None] >= j"),
-             a("G_j", "tl.sum(tl.where(at_j, G, 0.0), 0)"),
-             a("e", "tl.exp(tl.where(live, G - G_j[None, :], 0.0))"))
-    qk = K.Kernel("pairwise_qk", (K.Param("q"), K.Param("k"), K.Param("G"), K.Param("C", constexpr=True)), (
+    """The per-key products with the pairwise decay e^(G_ik - G_jk) (i >= j), in row blocks of BS:
+    a pair of different blocks factors through the later block's reference row r (the last row before
+    it), e^(G_i - G_r) e^(G_r - G_j), both factors <= 1, so it is one tl.dot per block; a pair inside
+    one block is formed exactly, column jj of every block at once (BS steps over [C, BK] tiles), the
+    exponent selected to 0 where i < j before exp and the term selected to 0 after."""
+    blocks = tuple(K.Param(p, constexpr=True) for p in ("C", "BS", "BK", "DT", "PREC", "UPCAST"))
+    pre = (a("rows", "tl.arange(0, C)"), a("cols", "tl.arange(0, C)[None, :]"), a("j0", "rows // BS * BS"))
+    ref = (a("G_r", "tl.sum(tl.where(rows[:, None] == b * BS - 1, G, 0.0), 0)"),
+           a("in_b", "((rows >= b * BS) & (rows < b * BS + BS))[:, None]"), a("before", "(rows < b * BS)[:, None]"),
+           a("e_q", "tl.where(in_b, tl.exp(tl.where(in_b, G - G_r[None, :], 0.0)), 0.0)"),
+           a("e_k", "tl.where(before, tl.exp(tl.where(before, G_r[None, :] - G, 0.0)), 0.0)"))
+    col_j = (a("j", "j0 + jj"), a("live", "(rows >= j)[:, None]"), a("G_j", "block_row(G, jj, C, BS, BK)"),
+             a("k_j", "block_row(k, jj, C, BS, BK)"), a("e", "tl.exp(tl.where(live, G - G_j, 0.0))"))
+    qk = K.Kernel("pairwise_qk", (K.Param("q"), K.Param("k"), K.Param("G")) + blocks, (
         *pre, a("A", "tl.zeros([C, C], dtype=tl.float32)"),
-        K.For("j", K.expr("0"), K.expr("C"), (*row_j, a("k_j", "tl.sum(tl.where(at_j, k, 0.0), 0)"),
-                                              a("col", "tl.sum(tl.where(live, q * e * k_j[None, :], 0.0), 1)"),
-                                              a("A", "tl.where(cols == j, col[:, None], A)"))),
+        K.For("b", K.expr("1"), K.expr("C // BS"), (
+            *ref, a("A", "A + tl.where(in_b & (cols < b * BS), "
+                        "mm(q * e_q, tl.trans(k * e_k), DT, PREC, UPCAST), 0.0)")),
+            static=True),
+        K.For("jj", K.expr("0"), K.expr("BS"), (
+            *col_j, a("col", "tl.sum(tl.where(live, q * e * k_j, 0.0), 1)"),
+            a("A", "tl.where(cols == j[:, None], col[:, None], A)"))),
         K.Return((K.expr("A"),))),
         doc="A_ij = sum_k q_ik k_jk exp(G_ik - G_jk) for i >= j, else 0.")
-    dqk = K.Kernel("pairwise_grads", tuple(K.Param(p) for p in ("dA", "q", "k", "G", "W")) + (
-        K.Param("C", constexpr=True),), (
+    dqk = K.Kernel("pairwise_grads", tuple(K.Param(p) for p in ("dA", "q", "k", "G", "W")) + blocks, (
         *pre, a("X", "tl.zeros_like(q)"), a("Y", "tl.zeros_like(k)"), a("Z", "tl.zeros_like(q)"),
-        K.For("j", K.expr("0"), K.expr("C"), (
-            *row_j, a("k_j", "tl.sum(tl.where(at_j, k, 0.0), 0)"), a("W_j", "tl.sum(tl.where(at_j, W, 0.0), 0)"),
-            a("dA_j", "tl.sum(tl.where(cols == j, dA, 0.0), 1)"),
-            a("x_j", "tl.where(live, dA_j[:, None] * k_j[None, :] * e, 0.0)"),
-            a("X", "X + x_j"),
-            a("y_j", "tl.sum(tl.where(live, dA_j[:, None] * q * e, 0.0), 0)"),
-            a("Y", "tl.where(at_j, y_j[None, :], Y)"),
-            a("Z", "Z + tl.where(rows[:, None] > j, tl.cumsum(x_j * q, 0, reverse=True) + W_j[None, :], 0.0)"))),
+        a("W_c", "tl.cumsum(W, 0)"),
+        K.For("b", K.expr("1"), K.expr("C // BS"), (
+            *ref, a("dA_b", "tl.where(in_b & (cols < b * BS), dA, 0.0)"),
+            a("X", "X + e_q * mm(dA_b, k * e_k, DT, PREC, UPCAST)"),
+            a("Y", "Y + e_k * mm(tl.trans(dA_b), q * e_q, DT, PREC, UPCAST)"),
+            a("Z", "Z + tl.where(in_b, tl.sum(tl.where(rows[:, None] == b * BS - 1, W_c, 0.0), 0)[None, :], 0.0)")),
+            static=True),
+        K.Comment("the pairs of different blocks, j < t <= i: no diagonal term is among them"),
+        a("Z", "Z + tl.cumsum(q * X - k * Y, 0, reverse=True)"),
+        K.For("jj", K.expr("0"), K.expr("BS"), (
+            *col_j, a("W_j", "block_row(W, jj, C, BS, BK)"),
+            a("dA_j", "tl.sum(tl.where(cols == j[:, None], dA, 0.0), 1)"),
+            a("x_j", "tl.where(live, dA_j[:, None] * k_j * e, 0.0)"), a("X", "X + x_j"),
+            a("Y", "Y + tl.where((rows % BS == jj)[:, None], "
+                   "block_sum(tl.where(live, dA_j[:, None] * q * e, 0.0), C, BS, BK), 0.0)"),
+            a("Z", "Z + tl.where((rows > j)[:, None], block_rcumsum(x_j * q, C, BS, BK) + W_j, 0.0)"))),
         K.Return((K.expr("X"), K.expr("Y"), K.expr("Z")))),
         doc="X_ik = sum_(j <= i) dA_ij k_jk exp(G_ik - G_jk) (dq's part), Y_jk = sum_(i >= j) dA_ij q_ik "
             "exp(G_ik - G_jk) (dk's part) and Z_tk = sum_(j < t <= i) q_ik X's term_ijk + sum_(j < t) W_jk: the "
             "decay gradient's pairs that straddle t, summed without the cancelling diagonal terms.")
-    return [qk, dqk]
+    three = lambda body: (K.Param("x"),) + (() if body else (K.Param("jj"),)) + tuple(  # noqa: E731
+        K.Param(p, constexpr=True) for p in ("C", "BS", "BK"))
+    row = K.Kernel("block_row", three(False), (
+        a("x3", "tl.reshape(x, (C // BS, BS, BK))"),
+        a("pick", "tl.sum(tl.where(tl.arange(0, BS)[None, :, None] == jj, x3, 0.0), 1)"),
+        K.Return((K.expr("tl.reshape(tl.broadcast_to(pick[:, None, :], (C // BS, BS, BK)), (C, BK))"),))),
+        doc="[C, BK]: row i holds x's row jj of i's block of BS rows.")
+    total = K.Kernel("block_sum", three(True), (
+        a("s", "tl.sum(tl.reshape(x, (C // BS, BS, BK)), 1)"),
+        K.Return((K.expr("tl.reshape(tl.broadcast_to(s[:, None, :], (C // BS, BS, BK)), (C, BK))"),))),
+        doc="[C, BK]: row i holds the sum of x over i's block of BS rows.")
+    rcum = K.Kernel("block_rcumsum", three(True), (
+        K.Return((K.expr("tl.reshape(tl.cumsum(tl.reshape(x, (C // BS, BS, BK)), 1, reverse=True), (C, BK))"),)),),
+        doc="[C, BK]: row i holds the sum of x over the rows >= i of i's block of BS rows.")
+    return [row, total, rcum, qk, dqk]
 
 
 # ---- shared statement groups ---------------------------------------------------------------------
@@ -155,6 +188,7 @@ def _decay(decay: str, with_pairwise: bool = True) -> tuple:
                 a("s_dec", "tl.exp(G_last)")]
     elif decay == "per_key":
         out += [a("G_last", "tl.sum(tl.where((rows == n_rows - 1)[:, None], b_G, 0.0), 0)"),
+                a("b_G", "tl.where(ok[:, None], b_G, G_last[None, :])"),   # rows past the end: no decay, G stays
                 a("q_dec", "b_q * tl.exp(b_G)"),
                 a("k_end", "tl.where(ok[:, None], b_k * tl.exp(G_last[None, :] - b_G), 0.0)"),
                 a("s_dec", "tl.exp(G_last)[:, None]")]
@@ -259,7 +293,7 @@ def _pairwise(decay: str) -> tuple:
     if decay == "per_head":
         return (a("D", "tl.where(causal, tl.exp(tl.where(causal, b_G[:, None] - b_G[None, :], 0.0)), 0.0)"),
                 a("A", f"tl.where(causal, {dot('b_q', 'tl.trans(b_k)')} * D, 0.0)"))
-    return (a("A", "pairwise_qk(b_q, b_k, b_G, C)"),)
+    return (a("A", "pairwise_qk(b_q, b_k, b_G, C, BS, BK, DT, PREC, UPCAST)"),)
 
 
 def bwd_dh_kernel(decl: MatrixState) -> K.Kernel:
@@ -269,7 +303,8 @@ def bwd_dh_kernel(decl: MatrixState) -> K.Kernel:
                       "seq_chunk0_ptr", "scale", "H"], SHAPE_CONSTS + ("HAS_DHT", "STORE_DH0"))
     b_k = (a("b_k", "tl.zeros_like(b_q)"),)   # k_end is unused here; a zero tile keeps _decay's shapes
     step = dot("tl.trans(q_dec)", "b_do")
-    loop = (a("c", "c1 - 1 - i"), *_chunk(), K.Store(K.expr(f"dh_ptr + {state_off('c')}"), K.expr("dS"), K.expr(S_MASK)),
+    loop = (a("c", "c1 - 1 - i"), *_chunk(),
+            K.Store(K.expr(f"dh_ptr + {state_off('c')}"), K.expr("dS"), K.expr(S_MASK)),
             load("b_q", "q_ptr", QK_OFF, QK_MASK), *b_k, load("b_do", "do_ptr", V_OFF, V_MASK),
             *_decay(d, with_pairwise=False),
             a("dS", f"dS * s_dec + scale * {step}" if d != "none" else f"dS + scale * {step}"))
@@ -335,7 +370,7 @@ def bwd_kernel(decl: MatrixState) -> K.Kernel:
                  a("dq", f"dq_s0 + {dot('dAD', 'b_k')}"),
                  a("dk", f"{dot('tl.trans(dAD)', 'b_q')} + tl.exp(G_last - b_G)[:, None] * dk_state")]
     else:
-        body += [a("X, Y, Z", "pairwise_grads(dA, b_q, b_k, b_G, k_end * dk_state, C)"),
+        body += [a("X, Y, Z", "pairwise_grads(dA, b_q, b_k, b_G, k_end * dk_state, C, BS, BK, DT, PREC, UPCAST)"),
                  a("dq_s0", "scale * tl.exp(b_G) * dq_inter"), a("dq", "dq_s0 + X"),
                  a("dk", "Y + tl.exp(G_last[None, :] - b_G) * dk_state")]
     body += [K.Store(K.expr(f"dq_ptr + {QK_OFF}"), K.expr("dq"), K.expr(QK_MASK)),

@@ -90,8 +90,9 @@ class ChunkTable:
 
 def _meta(K: int, V: int, C: int, dtype: torch.dtype, device) -> dict:
     fp32 = dtype == torch.float32
-    return dict(K=K, V=V, BK=max(16, triton.next_power_of_2(K)), BV=min(CONFIG["BV"], max(16, triton.next_power_of_2(V))),
-                C=C, PREC="ieee" if fp32 else "tf32", UPCAST=device.type == "cpu" and dtype == torch.bfloat16)
+    return dict(K=K, V=V, BK=max(16, triton.next_power_of_2(K)),
+                BV=min(CONFIG["BV"], max(16, triton.next_power_of_2(V))), C=C, BS=min(16, C),
+                PREC="ieee" if fp32 else "tf32", UPCAST=device.type == "cpu" and dtype == torch.bfloat16)
 
 
 class _Chunked(torch.autograd.Function):
@@ -104,7 +105,8 @@ class _Chunked(torch.autograd.Function):
         if d.decay != "none":
             G = _empty(TT, H, *((meta["K"],) if d.decay == "per_key" else ()), device=dev)
             _launch(getattr(mod, f"{d.name}_decay_cumsum"), (table.n_chunks, H),
-                    (*xs, G, table.chunk_tok, table.chunk_len, *constants, H), dict(K=meta["K"], BK=meta["BK"], C=meta["C"]))
+                    (*xs, G, table.chunk_tok, table.chunk_len, *constants, H),
+                    dict(K=meta["K"], BK=meta["BK"], C=meta["C"]))
         o = _empty(TT, H, V, device=dev)
         ht = _empty(table.n_seq, H, meta["K"], V, device=dev)
         _fwd(mod, d, meta, q, k, v, G, h0, o, ht, ht, table, scale, store_o=True, store_h=False)
@@ -178,7 +180,8 @@ def run(decl: MatrixState, q, k, v, *xs, scale: float, initial_state, output_fin
         chunk_size: int, constants: dict):
     """Validated inputs (recipes.linear.family) -> (o [B,T,H,V] fp32, final state [N,H,K,V] fp32 or None)."""
     if chunk_size < 16 or chunk_size & (chunk_size - 1):
-        raise ValueError(f"chunk_size must be a power of two >= 16 for backend='triton' (tl.dot tiles), got {chunk_size}")
+        raise ValueError(f"chunk_size must be a power of two >= 16 for backend='triton' (tl.dot tiles), "
+                         f"got {chunk_size}")
     for name, t in (("q", q), ("k", k), ("v", v), *zip(decl.inputs, xs)):
         if t.dtype not in DTYPES:
             raise ValueError(f"{name}: backend='triton' takes float16, bfloat16 or float32, got {t.dtype} "
