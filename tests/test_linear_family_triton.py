@@ -220,3 +220,24 @@ def test_generated_source_follows_the_structure():
     assert "pairwise_qk(b_q, b_k, b_G, C, BS" in key and "pairwise_grads(dA" in key and "block_row(" in key
     assert "log_decay = g" in key     # the declaration, cited in the kernels
     assert ops.module(L.members.GLA) is ops.module(L.members.GLA)   # rendered and loaded once
+
+
+def test_torch_compile_with_cu_seqlens_runs_the_same_kernels():
+    """Under torch.compile the op runs eagerly (a graph break) and reads the offsets itself: while
+    tracing, the caller cannot."""
+    gen = torch.Generator().manual_seed(7)
+    (q, k, v, g), g_ref = _inputs("simple_gla", 1, C + 9, gen)
+    cu = [0, 3, 3, C + 9]
+    cu_t = torch.tensor(cu, dtype=torch.int32)
+    fn = lambda *x: L.simple_gla(*x, cu_seqlens=cu_t, output_final_state=True, backend="triton",  # noqa: E731
+                                 chunk_size=C)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v, g)]
+    o, S = torch.compile(fn, backend="aot_eager")(*leaves)
+    o_eager, S_eager = fn(q, k, v, g)
+    torch.testing.assert_close(o, o_eager, rtol=0, atol=0)
+    torch.testing.assert_close(S, S_eager, rtol=0, atol=0)
+    o_ref, S_ref = token_loop(q, k, v, g_ref.float(), cu=cu)
+    assert_close(o, o_ref, "delta_out", torch.float32, name="compiled o")
+    assert_close(S, S_ref, "delta_out", torch.float32, name="compiled S")
+    (o.sum() + S.sum()).backward()
+    assert all(t.grad is not None and torch.isfinite(t.grad).all() for t in leaves)

@@ -176,9 +176,16 @@ def member_op(decl: MatrixState):
     return lambda *args, **kwargs: run(decl, *args, **kwargs)
 
 
+@torch.compiler.disable
 def run(decl: MatrixState, q, k, v, *xs, scale: float, initial_state, output_final_state: bool, offsets,
-        chunk_size: int, constants: dict):
-    """Validated inputs (recipes.linear.family) -> (o [B,T,H,V] fp32, final state [N,H,K,V] fp32 or None)."""
+        chunk_size: int, constants: dict, cu_seqlens=None):
+    """Validated inputs (recipes.linear.family) -> (o [B,T,H,V] fp32, final state [N,H,K,V] fp32 or None).
+
+    `offsets`: cu_seqlens as ints, or None (then read from `cu_seqlens` here: while torch.compile traces,
+    the caller cannot read them). torch.compile runs this eagerly (a graph break): the chunk table is
+    built on the host from the offsets."""
+    if offsets is None and cu_seqlens is not None:
+        offsets = tuple(int(x) for x in cu_seqlens.tolist())
     if chunk_size < 16 or chunk_size & (chunk_size - 1):
         raise ValueError(f"chunk_size must be a power of two >= 16 for backend='triton' (tl.dot tiles), "
                          f"got {chunk_size}")

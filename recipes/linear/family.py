@@ -157,7 +157,8 @@ class MemberOp:
         if backend == "triton":
             if self.triton is None:   # generated once per declaration; a structure without kernels says so
                 self.triton = _backend.get("linear").member_op(d)
-            if self._decay is not None and q.device.type == "cpu":   # g <= 0, where checking costs no sync
+            if self._decay is not None and q.device.type == "cpu" and not torch.compiler.is_compiling():
+                # g <= 0 and finite, checked where it costs no synchronisation
                 with torch.no_grad():
                     g = self._log_decay({n: t.to(compute) for n, t in inputs.items()} | constants, q)
                 if bool(torch.isinf(g).any()):
@@ -167,7 +168,7 @@ class MemberOp:
             return self.triton(q, k, v, *[inputs[n] for n in names], offsets=offsets, chunk_size=chunk_size,
                                scale=q.shape[-1] ** -0.5 if scale is None else float(scale),
                                initial_state=initial_state, output_final_state=output_final_state,
-                               constants=constants)
+                               constants=constants, cu_seqlens=cu_seqlens)
         q, k, v = (t.to(compute) for t in (q, k, v))
         values = {n: t.to(compute) for n, t in inputs.items()}
         values.update(constants)
