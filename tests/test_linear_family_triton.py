@@ -20,6 +20,11 @@ GATED_OP = L.op(GATED)
 # a per-head hook: g = -softplus(a)
 SOFT = sl.matrix_state("soft_gla", decay="per_head", inputs={"a": "token"}, log_decay=lambda t: -sl.softplus(t.a))
 SOFT_OP = L.op(SOFT)
+# Mamba2's gate with per-head parameters: g = -exp(A_log) softplus(a + dt_bias), per head; and per key
+MAMBA2 = sl.matrix_state("mamba2_ssd", decay="per_head", inputs={"a": "token", "A_log": "head", "dt_bias": "head"},
+                         log_decay=lambda t: -sl.exp(t.A_log) * sl.softplus(t.a + t.dt_bias))
+MAMBA2_KEY = sl.matrix_state("mamba2_key", decay="per_key", inputs={"a": "token_key", "A_log": "head"},
+                             log_decay=lambda t: -sl.exp(t.A_log) * sl.softplus(t.a))
 
 
 def token_loop(q, k, v, g, scale=None, h0=None, cu=None):
@@ -204,10 +209,6 @@ def test_bad_input_errors():
         L.simple_gla(q, k, v, g[..., None], backend="triton", chunk_size=C)
     with pytest.raises(ValueError, match="correction 'delta'"):
         L.kda(q, k, v, g[..., None].expand(*q.shape).contiguous(), torch.rand(1, 5, H), backend="triton")
-    heads = sl.matrix_state("head_param", decay="per_head", inputs={"a": "token", "w": "head"},
-                            log_decay=lambda t: -sl.exp(t.w) * sl.softplus(t.a))
-    with pytest.raises(ValueError, match="per-head parameter inputs"):
-        L.op(heads)(q, k, v, g, torch.zeros(H), backend="triton", chunk_size=C)
     with pytest.raises(ValueError, match="plain writes"):
         kernels.module(L.members.KDA)
 
@@ -241,3 +242,31 @@ def test_torch_compile_with_cu_seqlens_runs_the_same_kernels():
     assert_close(S, S_ref, "delta_out", torch.float32, name="compiled S")
     (o.sum() + S.sum()).backward()
     assert all(t.grad is not None and torch.isfinite(t.grad).all() for t in leaves)
+
+
+@pytest.mark.parametrize("decl", [MAMBA2, MAMBA2_KEY], ids=lambda d: d.name)
+def test_per_head_parameters_in_the_hook(decl):
+    """Per-head parameters ([H]) in the decay hook: their gradients are sums over every token (and key)
+    of every sequence (cu_seqlens with an empty one)."""
+    gen = torch.Generator().manual_seed(8)
+    T, cu = 2 * C + 3, [0, 5, 5, 2 * C + 3]
+    q, k = (torch.randn(1, T, H, K, generator=gen, dtype=D64) for _ in range(2))
+    v = torch.randn(1, T, H, V, generator=gen, dtype=D64)
+    a = torch.randn(1, T, H, *((K,) if decl.decay == "per_key" else ()), generator=gen, dtype=D64)
+    params = [0.3 * torch.randn(H, generator=gen, dtype=D64) for _ in range(len(decl.inputs) - 1)]
+    leaves = [t.float().requires_grad_() for t in (q, k, v, a, *params)]
+    o, S = L.op(decl)(*leaves, cu_seqlens=torch.tensor(cu), output_final_state=True, backend="triton", chunk_size=C)
+    w = torch.randn(o.shape, generator=gen, dtype=D64)
+    ((o * w.float()).sum() + S.sum()).backward()
+    refs = [t.detach().to(D64).requires_grad_() for t in leaves]
+    A_log = refs[4][:, None] if decl.decay == "per_key" else refs[4]
+    shift = refs[5] if len(refs) > 5 else 0.0
+    g = -torch.exp(A_log) * F.softplus(refs[3] + shift)
+    o_ref, S_ref = token_loop(refs[0], refs[1], refs[2], g, cu=cu)
+    ((o_ref * w).sum() + S_ref.sum()).backward()
+    assert_close(o, o_ref, "delta_out", torch.float32, name="o")
+    assert_close(S, S_ref, "delta_out", torch.float32, name="S")
+    for name, leaf, ref in zip(["dq", "dk", "dv", "da", "dA_log", "ddt_bias"], leaves, refs):
+        row = "delta_param_grad" if name in ("dA_log", "ddt_bias") else (
+            "delta_gate_grad" if name == "da" else "delta_grad")
+        assert_close(leaf.grad, ref.grad, row, torch.float32, name=name)

@@ -207,10 +207,13 @@ def _hook_names(decl: MatrixState) -> dict:
 
 
 def _load_hook_inputs(decl: MatrixState) -> tuple:
-    """x_<input> for the hook: [C] (per head), [C, BK] (per key; per-token inputs broadcast over K)."""
+    """x_<input> for the hook: [C] (per head), [C, BK] (per key; per-token inputs broadcast over K), a
+    scalar for a per-head parameter ([H])."""
     out = []
     for n, kind in _hook_inputs(decl, decl.decay):
-        if kind == "token":
+        if kind == "head":
+            out.append(a(f"x_{n}", f"tl.load({n}_ptr + h).to(tl.float32)"))
+        elif kind == "token":
             out.append(load(f"x_{n}", f"{n}_ptr", "(tok + rows) * H + h", "ok"))
             if decl.decay == "per_key":
                 out.append(a(f"x_{n}", f"x_{n}[:, None] + tl.zeros([C, BK], dtype=tl.float32)"))
@@ -321,7 +324,8 @@ def bwd_dh_kernel(decl: MatrixState) -> K.Kernel:
 
 def _hook_grads(decl: MatrixState) -> tuple:
     """d(input) = dg * d log_decay / d input, stored per token (summed over K for a per-token input of
-    a per-key hook)."""
+    a per-key hook); a per-head parameter's, summed over the chunk, is added atomically (chunks of
+    every sequence add to one [H] entry; fp32 atomics, so its bits depend on their order)."""
     hook, out = decl.log_decay, []
     names = _hook_names(decl)
     used = _hook_inputs(decl, decl.decay)
@@ -329,7 +333,10 @@ def _hook_grads(decl: MatrixState) -> tuple:
     out += common.assign(targets, [hook.grads[n] for n, _ in used], names, "_dg", shape_like=_shape_like(decl))
     for n, kind in used:
         value = f"dg * dx_{n}"
-        if decl.decay == "per_key" and kind == "token":
+        if kind == "head":
+            mask = "ok" if decl.decay == "per_head" else QK_MASK
+            out.append(K.AtomicAdd(K.expr(f"d{n}_ptr + h"), K.expr(f"tl.sum(tl.where({mask}, {value}, 0.0))")))
+        elif decl.decay == "per_key" and kind == "token":
             out.append(K.Store(K.expr(f"d{n}_ptr + (tok + rows) * H + h"),
                                K.expr(f"tl.sum(tl.where({QK_MASK}, {value}, 0.0), 1)"), K.expr("ok")))
         else:

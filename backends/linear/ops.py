@@ -152,7 +152,9 @@ def _backward(ctx, q, k, v, h0, G, xs, do, dht):
              scale, H), dict(meta, HAS_DHT=dht is not None, STORE_DH0=h0 is not None, num_warps=CONFIG["num_warps"]))
     dq, dk = _empty(TT, H, K, device=dev), _empty(TT, H, K, device=dev)
     dv = _empty(TT, H, V, device=dev)
-    dxs = [_empty(*x.shape, device=dev) for x in xs]
+    kinds = [d.inputs[n] for n in d.used(d.log_decay) if n in d.inputs] if d.decay != "none" else []
+    dxs = [torch.zeros(x.shape, device=dev) if kind == "head" else _empty(*x.shape, device=dev)   # atomics add
+           for x, kind in zip(xs, kinds)]
     hook = [*xs, *dxs, *ctx.constants] if d.decay != "none" else []
     if table.n_chunks:
         _launch(getattr(mod, f"{d.name}_bwd"), (table.n_chunks, H),
@@ -163,16 +165,13 @@ def _backward(ctx, q, k, v, h0, G, xs, do, dht):
 
 
 def member_op(decl: MatrixState):
-    """The `backend="triton"` op of a plain-write declaration (module docstring); refuses the rest."""
+    """The `backend="triton"` op of a plain-write declaration (module docstring); refuses the rest.
+    Inputs of every kind reach the hook: per token [B,T,H], per token and key [B,T,H,K], per head [H]."""
     if not isinstance(decl, MatrixState):
         raise TypeError(f"declaration: expected a MatrixState, got {type(decl).__name__}")
     if decl.correction != "plain":
         raise ValueError(f"backend='triton': matrix state {decl.name!r} has correction {decl.correction!r}; generated "
                          "kernels exist for plain writes so far (use backend='reference')")
-    wide = [n for n, kind in decl.inputs.items() if kind == "head"]
-    if wide:
-        raise ValueError(f"backend='triton': matrix state {decl.name!r} has per-head parameter inputs {wide}; the "
-                         "generated plain-write kernels take per-token inputs only (use backend='reference')")
     return lambda *args, **kwargs: run(decl, *args, **kwargs)
 
 
@@ -202,7 +201,8 @@ def run(decl: MatrixState, q, k, v, *xs, scale: float, initial_state, output_fin
         return v.new_zeros(B, T, H, V, dtype=torch.float32), (S if output_final_state else None)
     pack = lambda t: t.to(dt).reshape(B * T, H, *t.shape[3:]).contiguous()  # noqa: E731
     used = set(decl.used(decl.log_decay))
-    hooked = [x.reshape(B * T, H, *x.shape[3:]).float().contiguous() for n, x in zip(decl.inputs, xs) if n in used]
+    hooked = [(x if decl.inputs[n] == "head" else x.reshape(B * T, H, *x.shape[3:])).float().contiguous()
+              for n, x in zip(decl.inputs, xs) if n in used]
     h0 = None if initial_state is None else initial_state.float().contiguous()
     meta = _meta(K, V, chunk_size, dt, dev)
     consts = tuple(float(constants[c]) for c in decl.constants)
