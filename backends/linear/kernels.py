@@ -183,12 +183,13 @@ def _decay(decay: str, with_pairwise: bool = True) -> tuple:
         out = [load("b_G", "G_ptr", off, mask)]
     if decay == "per_head":
         out += [a("G_last", "tl.sum(tl.where(rows == n_rows - 1, b_G, 0.0), 0)"),
+                a("b_G", "tl.where(ok, b_G, G_last)"),   # rows past the end: no decay, so no exponent > 0
                 a("q_dec", "b_q * tl.exp(b_G)[:, None]"),
                 a("k_end", "tl.where(ok[:, None], b_k * tl.exp(G_last - b_G)[:, None], 0.0)"),
                 a("s_dec", "tl.exp(G_last)")]
     elif decay == "per_key":
         out += [a("G_last", "tl.sum(tl.where((rows == n_rows - 1)[:, None], b_G, 0.0), 0)"),
-                a("b_G", "tl.where(ok[:, None], b_G, G_last[None, :])"),   # rows past the end: no decay, G stays
+                a("b_G", "tl.where(ok[:, None], b_G, G_last[None, :])"),   # rows past the end: as per head
                 a("q_dec", "b_q * tl.exp(b_G)"),
                 a("k_end", "tl.where(ok[:, None], b_k * tl.exp(G_last[None, :] - b_G), 0.0)"),
                 a("s_dec", "tl.exp(G_last)[:, None]")]
