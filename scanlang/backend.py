@@ -16,6 +16,7 @@ What a backend provides (attributes of the registered object):
   reverse, fp64, cu_seqlens, is_eager)`, `check(tensors, arg)`, `eager(tensors)`,
   `prefers_lanes(lanes)`.
 - "delta": the chunked delta-rule kernels, `delta_rule(q, k, v, g, beta, rule, ...)`.
+- "linear": the generated matrix-state kernels, `member_op(declaration)` (plain writes).
 """
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ import torch
 _REGISTERED: dict[str, object] = {}
 # backends that register themselves when their module is imported (the names users pass as backend=)
 _MODULES = {"reference": "scanlang.backends.reference", "triton": "scanlang.backends.triton",
-            "delta": "scanlang.backends.delta.ops"}
+            "delta": "scanlang.backends.delta.ops", "linear": "scanlang.backends.linear.ops"}
 
 
 def register(name: str, backend) -> None:

@@ -351,11 +351,11 @@ def test_delta_rule_and_kaczmarz_are_the_recipes_kaczmarz_functions():
     assert L.delta_rule.declaration.key == DELTA_RULE.key and L.kaczmarz_delta_rule.declaration.key == KACZMARZ.key
 
 
-@pytest.mark.parametrize("name", ["linear_attention", "simple_gla", "gla", "kda", "gated_delta_product",
-                                  "kaczmarz_kda (new)"])
+@pytest.mark.parametrize("name", ["kda", "gated_delta_product", "kaczmarz_kda (new)"])
 def test_triton_backend_says_the_generated_kernels_are_not_built_yet(name):
+    """Plain writes run on generated kernels (tests/test_linear_family_triton.py); corrections not yet."""
     x = make(name, B=1, T=3, H=1, K=2, V=2)
-    with pytest.raises(ValueError, match="not built yet"):
+    with pytest.raises(ValueError, match="generated kernels exist for plain writes so far"):
         MEMBERS[name][2](x["q"], x["k"], x["v"], *[x[a] for a, *_ in MEMBERS[name][0]], backend="triton")
     with pytest.raises(ValueError, match="backend must be"):
         MEMBERS[name][2](x["q"], x["k"], x["v"], *[x[a] for a, *_ in MEMBERS[name][0]], backend="cuda")

@@ -9,8 +9,8 @@ with the declared inputs positional after v, in declaration order (fla's order f
 members). The hooks run as the traced sympy expressions, rendered for torch; their backward is
 the sympy derivative (`Hook.grads`), so the reference also checks the derivatives a generated
 kernel would use. backend: None / "auto" / "reference" run the chunked PyTorch reference
-(recipes/linear/chunked.py); "triton" needs generated kernels, which are not built for the family
-yet (a ValueError says so).
+(recipes/linear/chunked.py); "triton" runs the kernels generated from the declaration
+(backends/linear: plain writes, every decay; other corrections raise a ValueError saying so).
 """
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ import numbers
 import sympy
 import torch
 
+from scanlang import backend as _backend
 from scanlang import expr as E
 from scanlang._checks import check_cu_seqlens, check_log_decay
 from scanlang.linear import KEY_NORM, MatrixState
@@ -152,13 +153,22 @@ class MemberOp:
             raise TypeError(f"{self.__name__}() is missing inputs {missing}")
         if backend not in (None, "auto", "reference", "triton"):
             raise ValueError(f"backend must be None, 'auto', 'reference' or 'triton', got {backend!r}")
-        if backend == "triton":
-            if self.triton is None:
-                raise ValueError(f"backend='triton': generated kernels for the matrix-state member "
-                                 f"{self.__name__!r} are not built yet; use backend='reference' (or None)")
-            return self.triton(q, k, v, *[inputs[n] for n in names], scale=scale, initial_state=initial_state,
-                               output_final_state=output_final_state, cu_seqlens=cu_seqlens, **kwargs)
         offsets, compute = self._validate(q, k, v, inputs, scale, initial_state, cu_seqlens, chunk_size)
+        if backend == "triton":
+            if self.triton is None:   # generated once per declaration; a structure without kernels says so
+                self.triton = _backend.get("linear").member_op(d)
+            if self._decay is not None and q.device.type == "cpu" and not torch.compiler.is_compiling():
+                # g <= 0 and finite, checked where it costs no synchronisation
+                with torch.no_grad():
+                    g = self._log_decay({n: t.to(compute) for n, t in inputs.items()} | constants, q)
+                if bool(torch.isinf(g).any()):
+                    raise ValueError(f"{self.__name__}: a log-decay of -inf (a hard reset) is not handled by the "
+                                     f"generated kernels yet (their pairwise decays would be -inf - -inf); "
+                                     f"use backend='reference'")
+            return self.triton(q, k, v, *[inputs[n] for n in names], offsets=offsets, chunk_size=chunk_size,
+                               scale=q.shape[-1] ** -0.5 if scale is None else float(scale),
+                               initial_state=initial_state, output_final_state=output_final_state,
+                               constants=constants, cu_seqlens=cu_seqlens)
         q, k, v = (t.to(compute) for t in (q, k, v))
         values = {n: t.to(compute) for n, t in inputs.items()}
         values.update(constants)
@@ -172,21 +182,26 @@ class MemberOp:
                 beta = torch.where(n2 > 0, beta, torch.zeros_like(beta))
             beta = beta.expand(k.shape[:3])
         if self._decay is not None:
-            wide = d.decay == "per_key"   # per-token and per-head inputs broadcast over the key axis
-            g = self._decay({f: x[..., None] if wide and d.inputs.get(f) in ("token", "head") else x
-                             for f, x in values.items()}, like=q if wide else q[..., 0])
-            want = q.shape[:3] + ((q.shape[3],) if d.decay == "per_key" else ())
-            g = g.expand(want)
-            try:
-                check_log_decay(g)
-            except ValueError as exc:
-                raise ValueError(f"{self.__name__}: the log-decay (log_decay = {d.log_decay.expr}) must be "
-                                 f"<= 0: {exc}") from None
+            g = self._log_decay(values, q)
         scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
         h0 = None if initial_state is None else initial_state.to(compute)
         o, S = matrix_state_reference(q, k, v, g, beta, steps=d.steps, scale=scale, initial_state=h0,
                                       chunk_size=chunk_size, cu_seqlens=offsets)
         return o, (S if output_final_state else None)
+
+    def _log_decay(self, values: dict, q: torch.Tensor) -> torch.Tensor:
+        """g = log_decay(values), [B,T,H] or [B,T,H,K], checked to be <= 0 (CPU tensors)."""
+        d = self.declaration
+        wide = d.decay == "per_key"   # per-token and per-head inputs broadcast over the key axis
+        g = self._decay({f: x[..., None] if wide and d.inputs.get(f) in ("token", "head") else x
+                         for f, x in values.items()}, like=q if wide else q[..., 0])
+        g = g.expand(q.shape[:3] + ((q.shape[3],) if wide else ()))
+        try:
+            check_log_decay(g)
+        except ValueError as exc:
+            raise ValueError(f"{self.__name__}: the log-decay (log_decay = {d.log_decay.expr}) must be "
+                             f"<= 0: {exc}") from None
+        return g
 
     def _validate(self, q, k, v, inputs, scale, initial_state, cu_seqlens, chunk_size):
         d, n = self.declaration, self.declaration.steps

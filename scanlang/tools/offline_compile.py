@@ -5,6 +5,7 @@
                                              [--tile BLOCK_T,BLOCK_L,WARPS,STAGES ...]
     python -m scanlang.tools.offline_compile --workload delta [--K 128] [--V 128] [--dtype bf16] [--arch 90]
                                              [--only prep,wu]
+    python -m scanlang.tools.offline_compile --workload linear [--member gla] [--K 128] [--V 128] [--dtype bf16]
 
 Runs one forward and backward of the workload on CPU tensors with the launches captured instead of
 executed, compiles every captured kernel for the target as a launch with those arguments would, and
@@ -354,9 +355,32 @@ def delta_report(kernel, args, constexprs, config, arch: int = 90) -> str:
             f"SASS {sum(ops.values())}: {mix}; longest loop {longest_loop(compiled)}")
 
 
+# the generated matrix-state kernels (--workload linear; backends/linear)
+
+def capture_linear(member: str, K: int, V: int, dtype: torch.dtype, T: int = 200, H: int = 16, C: int = 64):
+    """[(name, kernel, args, constexprs, config)] of one forward and backward of a plain-write member
+    (linear_attention, simple_gla, gla), nothing executed (backends.linear.ops.recording)."""
+    from scanlang.backends.linear import ops as linear_ops
+    from scanlang.recipes import linear
+    q, k = torch.randn(1, T, H, K).to(dtype), torch.randn(1, T, H, K).to(dtype)
+    v = torch.randn(1, T, H, V).to(dtype)
+    extra = {"linear_attention": [], "simple_gla": [-torch.rand(1, T, H)], "gla": [-torch.rand(1, T, H, K)]}[member]
+    ins = [t.requires_grad_() for t in (q, k, v, *extra)]
+    with linear_ops.recording() as launches:
+        o, _ = getattr(linear, member)(*ins, backend="triton", chunk_size=C)
+        torch.autograd.grad(o.sum(), ins)
+    out = []
+    for name, kernel, _grid, args, meta in launches:
+        config = {key: meta.pop(key) for key in list(meta) if key in _OPTIONS}
+        out.append((name, kernel, args, dict(meta, UPCAST=False), config))
+    return out
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--workload", choices=("kalman", "affine", "mobius", "delta"), default="kalman")
+    parser.add_argument("--workload", choices=("kalman", "affine", "mobius", "delta", "linear"), default="kalman")
+    parser.add_argument("--member", choices=("linear_attention", "simple_gla", "gla"), default="gla",
+                        help="linear: the plain-write member")
     parser.add_argument("--arch", type=int, default=90)
     parser.add_argument("--layout", choices=("time", "channels"), default="time", help="the scans' layout")
     parser.add_argument("--lanes", nargs="*", default=None,
@@ -374,6 +398,8 @@ def main(argv=None):
         raise SystemExit("unset TRITON_INTERPRET: the kernels are compiled for the GPU, not interpreted")
     if args.workload == "delta":
         _delta_main(args)
+    elif args.workload == "linear":
+        _linear_main(args)
     else:
         _scan_main(args)
 
@@ -390,6 +416,20 @@ def _delta_main(args):
         if only and name not in only:
             continue
         print(f"  {name:10s} {str(cfg):52s} {delta_report(kernel, kargs, meta, cfg, args.arch)}", flush=True)
+
+
+def _linear_main(args):
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
+    print(f"matrix-state kernels of {args.member}, K={args.K} V={args.V} {args.dtype}, sm_{args.arch}, "
+          f"Triton {triton.__version__}")
+    seen = set()
+    for name, kernel, kargs, meta, cfg in capture_linear(args.member, args.K, args.V, dtype):
+        key = (name, tuple(sorted(meta.items())))
+        if key in seen:   # the forward kernel runs twice (outputs; the backward's state recomputation)
+            continue
+        seen.add(key)
+        flags = ",".join(k for k in ("STORE_O", "STORE_H") if meta.get(k))
+        print(f"  {name:28s} {flags:8s} {str(cfg):18s} {delta_report(kernel, kargs, meta, cfg, args.arch)}", flush=True)
 
 
 def _scan_main(args):

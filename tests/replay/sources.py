@@ -20,7 +20,8 @@ RECORD = pathlib.Path(__file__).with_name("record.json")
 
 def programs() -> dict:
     """name -> a function returning its source: the library monoids' plain scans, the chunk-parallel
-    modules of sl.Affine and sl.Mobius, the three Kalman programs, every delta rule at every chunk size."""
+    modules of sl.Affine and sl.Mobius, the three Kalman programs, every delta rule at every chunk size, the
+    plain-write matrix-state members' generated modules."""
     from scanlang import library, pipeline
     from scanlang.backends.triton.kernel import chunked
     from scanlang.library import LIBRARY
@@ -47,6 +48,10 @@ def programs() -> dict:
     for rule_name, rule in sorted(RULES.items()):
         for c in CHUNK_SIZES:
             out[f"delta_{rule_name}_c{c}"] = lambda rule=rule, c=c: kernel_source(rule, c)
+    from scanlang.backends.linear import kernels as linear_kernels
+    from scanlang.recipes.linear.members import GLA, LINEAR_ATTENTION, SIMPLE_GLA
+    for decl in (LINEAR_ATTENTION, SIMPLE_GLA, GLA):
+        out[f"linear_{decl.name}"] = lambda decl=decl: linear_kernels.render(decl)
     return out
 
 

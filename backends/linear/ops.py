@@ -1,0 +1,213 @@
+"""Launch the generated plain-write matrix-state kernels (backends/linear/kernels.py) under autograd.
+
+`member_op(declaration)` returns the member's `backend="triton"` op, called by
+`recipes.linear.family.MemberOp` with the member's positional inputs after q, k, v (fla's order) and
+fla's keywords. Tokens are packed into one stream [TT, H, ...] (an equal-length batch [B, T] is the
+packed stream with offsets 0, T, 2T, ...) and a chunk table lists every chunk's first token, length
+and sequence, so equal-length and `cu_seqlens` inputs run the same kernels; an empty sequence has no
+chunk (its final state is its initial state).
+
+Recomputation policy (the backward): the forward keeps nothing but its inputs and the chunk-local
+cumulative log-decay G (one fp32 value per token, or per token and key); the backward recomputes
+the state entering every chunk with the forward kernel (STORE_H, no outputs), then runs the reverse
+state-gradient pass and the per-chunk gradient kernel. Everything the kernels fill is allocated by
+`_empty`, so a test can NaN-fill them.
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import sys
+
+import torch
+import triton
+
+from scanlang import backend
+from scanlang.linear import MatrixState
+from scanlang.second_order import refuse_second_order
+
+from ..triton.runtime import load
+from . import kernels
+
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+MODULES: dict[str, object] = {}        # declaration key -> the loaded generated module
+CONFIG = dict(BV=32, num_warps=4)      # value columns per program (clamped to the padded V)
+
+
+_RECORDING: contextvars.ContextVar = contextvars.ContextVar("linear_launches", default=None)
+
+
+@contextlib.contextmanager
+def recording():
+    """Within the block, launches are recorded as (name, kernel, grid, args, constexprs and options) instead
+    of run (scanlang.tools.offline_compile compiles them for a GPU without one)."""
+    launches = []
+    token = _RECORDING.set(launches)
+    try:
+        yield launches
+    finally:
+        _RECORDING.reset(token)
+
+
+def _launch(kernel, grid, args, meta):
+    launches = _RECORDING.get()
+    if launches is not None:
+        launches.append((kernel.fn.__name__, kernel, grid, tuple(args), dict(meta)))
+    else:
+        kernel[grid](*args, **meta)
+
+
+def _empty(*shape, device, dtype=torch.float32):
+    """Every buffer the kernels fill (tests may replace it with a NaN-filled one)."""
+    return torch.empty(*shape, device=device, dtype=dtype)
+
+
+def module(decl: MatrixState):
+    """The generated module of `decl`, rendered and loaded once (content-addressed, runtime.load)."""
+    mod = MODULES.get(decl.key)
+    if mod is None:
+        mod = MODULES[decl.key] = load(kernels.render(decl))
+    return mod
+
+
+class ChunkTable:
+    """chunk_tok, chunk_len, chunk_seq [NC] and seq_chunk0 [N + 1] (int32) of a packed stream."""
+
+    def __init__(self, B: int, T: int, offsets, C: int, device):
+        bounds = [(b * T, (b + 1) * T) for b in range(B)] if offsets is None else list(zip(offsets, offsets[1:]))
+        toks, lens, seqs, first = [], [], [], [0]
+        for n, (s, e) in enumerate(bounds):
+            for t in range(s, e, C):
+                toks.append(t)
+                lens.append(min(C, e - t))
+                seqs.append(n)
+            first.append(len(toks))
+        as_int = lambda x: torch.tensor(x, dtype=torch.int32, device=device)  # noqa: E731
+        self.n_seq, self.n_chunks = len(bounds), len(toks)
+        self.chunk_tok, self.chunk_len, self.chunk_seq = as_int(toks), as_int(lens), as_int(seqs)
+        self.seq_chunk0 = as_int(first)
+
+
+def _meta(K: int, V: int, C: int, dtype: torch.dtype, device) -> dict:
+    fp32 = dtype == torch.float32
+    return dict(K=K, V=V, BK=max(16, triton.next_power_of_2(K)),
+                BV=min(CONFIG["BV"], max(16, triton.next_power_of_2(V))), C=C, BS=min(16, C),
+                PREC="ieee" if fp32 else "tf32", UPCAST=device.type == "cpu" and dtype == torch.bfloat16)
+
+
+class _Chunked(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, decl, table, meta, scale, constants, q, k, v, h0, *xs):
+        mod, d = module(decl), decl
+        TT, H, _ = q.shape
+        V, dev = v.shape[-1], q.device
+        G = None
+        if d.decay != "none":
+            G = _empty(TT, H, *((meta["K"],) if d.decay == "per_key" else ()), device=dev)
+            _launch(getattr(mod, f"{d.name}_decay_cumsum"), (table.n_chunks, H),
+                    (*xs, G, table.chunk_tok, table.chunk_len, *constants, H),
+                    dict(K=meta["K"], BK=meta["BK"], C=meta["C"]))
+        o = _empty(TT, H, V, device=dev)
+        ht = _empty(table.n_seq, H, meta["K"], V, device=dev)
+        _fwd(mod, d, meta, q, k, v, G, h0, o, ht, ht, table, scale, store_o=True, store_h=False)
+        ctx.decl, ctx.table, ctx.meta, ctx.scale, ctx.constants = decl, table, meta, scale, constants
+        ctx.save_for_backward(q, k, v, h0, G, *xs)
+        ctx.set_materialize_grads(False)
+        return o, ht
+
+    @staticmethod
+    def backward(ctx, do, dht):
+        q, k, v, h0, G, *xs = ctx.saved_tensors
+        if torch.is_grad_enabled():
+            with torch.no_grad():
+                grads = _backward(ctx, q, k, v, h0, G, xs, do, dht)
+            return refuse_second_order(f"{ctx.decl.name} (backend='triton')", grads, [q, k, v, do, dht])
+        return _backward(ctx, q, k, v, h0, G, xs, do, dht)
+
+
+def _fwd(mod, d, meta, q, k, v, G, h0, o, ht, hs, table, scale, store_o, store_h):
+    H, V = q.shape[1], v.shape[-1]
+    g = (G,) if G is not None else ()
+    grid = (table.n_seq, H, triton.cdiv(V, meta["BV"]))
+    _launch(getattr(mod, f"{d.name}_fwd"), grid,
+            (q, k, v, *g, h0 if h0 is not None else ht, o, ht, hs, table.chunk_tok, table.chunk_len, table.seq_chunk0,
+             scale, H), dict(meta, HAS_H0=h0 is not None, STORE_O=store_o, STORE_FINAL=not store_h, STORE_H=store_h,
+                             num_warps=CONFIG["num_warps"]))
+
+
+def _backward(ctx, q, k, v, h0, G, xs, do, dht):
+    d, table, meta, scale, mod = ctx.decl, ctx.table, ctx.meta, ctx.scale, module(ctx.decl)
+    TT, H, K = q.shape
+    V, dev = v.shape[-1], q.device
+    do = torch.zeros(TT, H, V, device=dev) if do is None else do.contiguous().float()
+    dht = None if dht is None else dht.contiguous().float()
+    hs = _empty(table.n_chunks + table.n_seq, H, K, V, device=dev)
+    _fwd(mod, d, meta, q, k, v, G, h0, hs, hs, hs, table, scale, store_o=False, store_h=True)
+    dh = _empty(max(table.n_chunks, 1), H, K, V, device=dev)
+    dh0 = _empty(table.n_seq, H, K, V, device=dev) if h0 is not None else dh
+    g = (G,) if G is not None else ()
+    grid = (table.n_seq, H, triton.cdiv(V, meta["BV"]))
+    _launch(getattr(mod, f"{d.name}_bwd_dh"), grid,
+            (q, *g, do, dht if dht is not None else dh, dh, dh0, table.chunk_tok, table.chunk_len, table.seq_chunk0,
+             scale, H), dict(meta, HAS_DHT=dht is not None, STORE_DH0=h0 is not None, num_warps=CONFIG["num_warps"]))
+    dq, dk = _empty(TT, H, K, device=dev), _empty(TT, H, K, device=dev)
+    dv = _empty(TT, H, V, device=dev)
+    kinds = [d.inputs[n] for n in d.used(d.log_decay) if n in d.inputs] if d.decay != "none" else []
+    dxs = [torch.zeros(x.shape, device=dev) if kind == "head" else _empty(*x.shape, device=dev)   # atomics add
+           for x, kind in zip(xs, kinds)]
+    hook = [*xs, *dxs, *ctx.constants] if d.decay != "none" else []
+    if table.n_chunks:
+        _launch(getattr(mod, f"{d.name}_bwd"), (table.n_chunks, H),
+                (q, k, v, *g, hs, dh, do, dq, dk, dv, table.chunk_tok, table.chunk_len, table.chunk_seq, *hook,
+                 scale, H), dict(meta, num_warps=CONFIG["num_warps"]))
+    grads = [dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dh0 if h0 is not None else None]
+    return (None, None, None, None, None, *grads, *(dx.to(x.dtype) for dx, x in zip(dxs, xs)))
+
+
+def member_op(decl: MatrixState):
+    """The `backend="triton"` op of a plain-write declaration (module docstring); refuses the rest.
+    Inputs of every kind reach the hook: per token [B,T,H], per token and key [B,T,H,K], per head [H]."""
+    if not isinstance(decl, MatrixState):
+        raise TypeError(f"declaration: expected a MatrixState, got {type(decl).__name__}")
+    if decl.correction != "plain":
+        raise ValueError(f"backend='triton': matrix state {decl.name!r} has correction {decl.correction!r}; generated "
+                         "kernels exist for plain writes so far (use backend='reference')")
+    return lambda *args, **kwargs: run(decl, *args, **kwargs)
+
+
+@torch.compiler.disable
+def run(decl: MatrixState, q, k, v, *xs, scale: float, initial_state, output_final_state: bool, offsets,
+        chunk_size: int, constants: dict, cu_seqlens=None):
+    """Validated inputs (recipes.linear.family) -> (o [B,T,H,V] fp32, final state [N,H,K,V] fp32 or None).
+
+    `offsets`: cu_seqlens as ints, or None (then read from `cu_seqlens` here: while torch.compile traces,
+    the caller cannot read them). torch.compile runs this eagerly (a graph break): the chunk table is
+    built on the host from the offsets."""
+    if offsets is None and cu_seqlens is not None:
+        offsets = tuple(int(x) for x in cu_seqlens.tolist())
+    if chunk_size < 16 or chunk_size & (chunk_size - 1):
+        raise ValueError(f"chunk_size must be a power of two >= 16 for backend='triton' (tl.dot tiles), "
+                         f"got {chunk_size}")
+    for name, t in (("q", q), ("k", k), ("v", v), *zip(decl.inputs, xs)):
+        if t.dtype not in DTYPES:
+            raise ValueError(f"{name}: backend='triton' takes float16, bfloat16 or float32, got {t.dtype} "
+                             "(use backend='reference' for float64)")
+    B, T, H, K = q.shape
+    V, dev = v.shape[-1], q.device
+    dt = torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype)
+    table = ChunkTable(B, T, offsets, chunk_size, dev)
+    if table.n_chunks == 0:   # every sequence empty
+        S = initial_state.float() if initial_state is not None else torch.zeros(table.n_seq, H, K, V, device=dev)
+        return v.new_zeros(B, T, H, V, dtype=torch.float32), (S if output_final_state else None)
+    pack = lambda t: t.to(dt).reshape(B * T, H, *t.shape[3:]).contiguous()  # noqa: E731
+    used = set(decl.used(decl.log_decay))
+    hooked = [(x if decl.inputs[n] == "head" else x.reshape(B * T, H, *x.shape[3:])).float().contiguous()
+              for n, x in zip(decl.inputs, xs) if n in used]
+    h0 = None if initial_state is None else initial_state.float().contiguous()
+    meta = _meta(K, V, chunk_size, dt, dev)
+    consts = tuple(float(constants[c]) for c in decl.constants)
+    o, S = _Chunked.apply(decl, table, meta, float(scale), consts, pack(q), pack(k), pack(v), h0, *hooked)
+    return o.reshape(B, T, H, V), (S if output_final_state else None)
+
+
+backend.register("linear", sys.modules[__name__])

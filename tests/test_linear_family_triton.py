@@ -1,0 +1,273 @@
+"""The generated plain-write matrix-state kernels (backends/linear) in Triton's interpreter: every
+output, final state and gradient against an independent float64 token loop written here."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import scanlang as sl
+from scanlang.backends.linear import kernels, ops
+from scanlang.recipes import linear as L
+from scanlang.testing import assert_close
+
+C = 16          # the chunk knob in these tests: T = 1, C - 1, C + 1 and 37 cover a partial, a full and a third chunk
+D64 = torch.float64
+H, K, V = 2, 16, 24
+
+# a per-key hook from two raw gates (one per key, one per token broadcast over K) with a constant
+GATED = sl.matrix_state("gated_gla", decay="per_key", inputs={"a": "token_key", "b": "token"},
+                        constants={"c": 0.5}, log_decay=lambda t: sl.logsigmoid(t.a) * sl.sigmoid(t.b) * t.c)
+GATED_OP = L.op(GATED)
+# a per-head hook: g = -softplus(a)
+SOFT = sl.matrix_state("soft_gla", decay="per_head", inputs={"a": "token"}, log_decay=lambda t: -sl.softplus(t.a))
+SOFT_OP = L.op(SOFT)
+# Mamba2's gate with per-head parameters: g = -exp(A_log) softplus(a + dt_bias), per head; and per key
+MAMBA2 = sl.matrix_state("mamba2_ssd", decay="per_head", inputs={"a": "token", "A_log": "head", "dt_bias": "head"},
+                         log_decay=lambda t: -sl.exp(t.A_log) * sl.softplus(t.a + t.dt_bias))
+MAMBA2_KEY = sl.matrix_state("mamba2_key", decay="per_key", inputs={"a": "token_key", "A_log": "head"},
+                             log_decay=lambda t: -sl.exp(t.A_log) * sl.softplus(t.a))
+
+
+def token_loop(q, k, v, g, scale=None, h0=None, cu=None):
+    """S_t = D_t S_{t-1} + k_t v_t^T, o_t = scale S_t^T q_t in float64, one token at a time;
+    g None | [B,T,H] | [B,T,H,K] (log-decays)."""
+    q, k, v = (t.to(D64) for t in (q, k, v))
+    B, T, Hn, Kn = q.shape
+    scale = Kn ** -0.5 if scale is None else scale
+    bounds = [(b, 0, T) for b in range(B)] if cu is None else [(0, s, e) for s, e in zip(cu[:-1], cu[1:])]
+    o = torch.zeros(B, T, Hn, v.shape[-1], dtype=D64)
+    finals = []
+    for i, (b, s, e) in enumerate(bounds):
+        S = torch.zeros(Hn, Kn, v.shape[-1], dtype=D64) if h0 is None else h0[i].to(D64)
+        for t in range(s, e):
+            if g is not None:
+                d = torch.exp(g[b, t].to(D64))
+                S = (d[:, None, None] if g.dim() == 3 else d[:, :, None]) * S
+            S = S + k[b, t][:, :, None] * v[b, t][:, None, :]
+            o[b, t] = scale * torch.einsum("hkv,hk->hv", S, q[b, t])
+        finals.append(S)
+    return o, torch.stack(finals)
+
+
+def _inputs(member, B, T, gen, dtype=torch.float32, g_min=None):
+    """q, k, v and the member's inputs (random, non-zero), and the oracle's g from them."""
+    q, k = (torch.randn(B, T, H, K, generator=gen, dtype=D64) for _ in range(2))
+    v = torch.randn(B, T, H, V, generator=gen, dtype=D64)
+    if member == "linear_attention":
+        extra, g = [], None
+    elif member in ("simple_gla", "gla"):
+        shape = (B, T, H) if member == "simple_gla" else (B, T, H, K)
+        g = (-(0.05 + torch.rand(shape, generator=gen, dtype=D64)) if g_min is None
+             else torch.full(shape, g_min, dtype=D64))
+        extra = [g]
+    elif member == "gated":
+        a, b = torch.randn(B, T, H, K, generator=gen, dtype=D64), torch.randn(B, T, H, generator=gen, dtype=D64)
+        extra, g = [a, b], F.logsigmoid(a) * torch.sigmoid(b)[..., None] * 0.5
+    else:   # soft
+        a = torch.randn(B, T, H, generator=gen, dtype=D64)
+        extra, g = [a], -F.softplus(a)
+    return [t.to(dtype) for t in (q, k, v, *extra)], g
+
+
+def _call(member, *args, **kw):
+    fn = {"gated": GATED_OP, "soft": SOFT_OP}.get(member) or getattr(L, member)
+    return fn(*args, **kw)
+
+
+def _check(member, B, T, with_h0=True, cu=None, dtype=torch.float32, g_min=None, seed=0, chunk=C):
+    gen = torch.Generator().manual_seed(seed)
+    N = B if cu is None else len(cu) - 1
+    ins, _ = _inputs(member, B, T, gen, dtype, g_min)
+    h0 = torch.randn(N, H, K, V, generator=gen, dtype=D64).float() if with_h0 else None
+    leaves = [t.clone().requires_grad_() for t in ins] + ([h0.clone().requires_grad_()] if with_h0 else [])
+    cu_t = None if cu is None else torch.tensor(cu, dtype=torch.int32)
+    o, S = _call(member, *leaves[:len(ins)], initial_state=leaves[-1] if with_h0 else None, output_final_state=True,
+                 cu_seqlens=cu_t, backend="triton", chunk_size=chunk)
+    wo = torch.randn(o.shape, generator=gen, dtype=D64)
+    ws = torch.randn(S.shape, generator=gen, dtype=D64)
+    ((o * wo.float()).sum() + (S * ws.float()).sum()).backward()
+    # the oracle on the same (rounded) values, differentiated by autograd in float64
+    refs = [t.detach().to(D64).requires_grad_() for t in leaves]
+    x = refs[:len(ins)]
+    g = _oracle_g(member, x)
+    o_ref, S_ref = token_loop(x[0], x[1], x[2], g, h0=refs[-1] if with_h0 else None, cu=cu)
+    ((o_ref * wo).sum() + (S_ref * ws).sum()).backward()
+    assert o.dtype == torch.float32 and S.dtype == torch.float32
+    assert_close(o, o_ref, "delta_out", dtype, name=f"{member} o")
+    assert_close(S, S_ref, "delta_out", dtype, name=f"{member} S")
+    names = ["dq", "dk", "dv"] + [f"d{n}" for n in ("g0", "g1")][:len(ins) - 3] + (["dh0"] if with_h0 else [])
+    for name, leaf, ref in zip(names, leaves, refs):
+        row = "delta_gate_grad" if name.startswith("dg") else "delta_grad"
+        assert leaf.grad is not None, f"{member}: no gradient for {name}"
+        assert_close(leaf.grad, ref.grad, row, dtype, name=f"{member} {name}")
+    return o, S, leaves
+
+
+def _oracle_g(member, x):
+    if member == "linear_attention":
+        return None
+    if member in ("simple_gla", "gla"):
+        return x[3]
+    if member == "gated":
+        return F.logsigmoid(x[3]) * torch.sigmoid(x[4])[..., None] * 0.5
+    return -F.softplus(x[3])
+
+
+@pytest.mark.parametrize("T", [C + 1, 1, C - 1, 37])
+@pytest.mark.parametrize("member", ["simple_gla", "linear_attention", "gla"])
+def test_member_against_token_loop(member, T):
+    """Outputs, final state and the gradients of q, k, v, g and the initial state, B = 2."""
+    _check(member, 2, T)
+
+
+@pytest.mark.parametrize("member", ["gated", "soft"])
+def test_hooked_decay_against_token_loop(member):
+    """A traced hook (logsigmoid * sigmoid * a constant per key; -softplus per head): the kernel's
+    hook and its sympy derivative give every input's gradient."""
+    _check(member, 1, 2 * C + 3)
+
+
+@pytest.mark.parametrize("member", ["simple_gla", "linear_attention", "gla"])
+def test_cu_seqlens_with_empty_and_single_token_sequences(member):
+    cu = [0, 0, 1, C + 2, C + 2, 2 * C + 5]
+    o, S, leaves = _check(member, 1, cu[-1], cu=cu)
+    torch.testing.assert_close(S[0], leaves[-1][0].detach(), rtol=0, atol=0)   # the empty sequences keep h0
+    torch.testing.assert_close(S[3], leaves[-1][3].detach(), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("member", ["gla", "simple_gla"])
+def test_strong_decay_stays_finite(member):
+    """g = -20 per token: e^(G_i) reaches e^(-20 C) in a chunk; no exponent may be positive, also
+    between the rows of a partial last chunk and its padding."""
+    o, S, leaves = _check(member, 1, 2 * C + 10, g_min=-20.0)
+    assert torch.isfinite(o).all() and torch.isfinite(S).all()
+    assert all(torch.isfinite(t.grad).all() for t in leaves)
+
+
+@pytest.mark.parametrize("chunk,g_min", [(32, None), (64, -20.0), (32, -20.0), (64, None)])
+def test_per_key_row_blocks(chunk, g_min):
+    """Chunks of several 16-row blocks: pairs of different blocks through the later block's reference
+    row (tl.dot), pairs inside a block exactly; a partial last chunk."""
+    _check("gla", 1, chunk + 5, g_min=g_min, chunk=chunk)
+
+
+def test_without_initial_state_and_final_state_off():
+    gen = torch.Generator().manual_seed(3)
+    (q, k, v, g), g_ref = _inputs("gla", 1, C + 3, gen)
+    o, S = L.gla(q, k, v, g, backend="triton", chunk_size=C)
+    assert S is None
+    o_ref, _ = token_loop(q, k, v, g_ref.float())
+    assert_close(o, o_ref, "delta_out", torch.float32, name="gla o")
+
+
+@pytest.mark.parametrize("member", ["simple_gla", "linear_attention"])
+def test_zero_keys_never_nan(member):
+    gen = torch.Generator().manual_seed(4)
+    ins, _ = _inputs(member, 1, C + 5, gen)
+    ins[1] = torch.zeros_like(ins[1])
+    leaves = [t.clone().requires_grad_() for t in ins]
+    o, S = _call(member, *leaves, output_final_state=True, backend="triton", chunk_size=C)
+    (o.sum() + S.sum()).backward()
+    assert torch.count_nonzero(o) == 0 and torch.count_nonzero(S) == 0
+    assert all(torch.isfinite(t.grad).all() for t in leaves)
+
+
+@pytest.mark.parametrize("bad", ["v", "k"])
+@pytest.mark.parametrize("member", ["simple_gla", "gla"])
+def test_non_finite_token_never_reaches_earlier_outputs(member, bad):
+    """Chunks of two row blocks: the NaN sits in the second block of the second chunk."""
+    gen = torch.Generator().manual_seed(5)
+    T, t_bad = 4 * C + 3, 3 * C + 6
+    ins, g_ref = _inputs(member, 1, T, gen)
+    which = {"k": 1, "v": 2}[bad]
+    ins[which][0, t_bad, 1] = float("nan")
+    o, _ = _call(member, *ins, output_final_state=True, backend="triton", chunk_size=2 * C)
+    clean = [t.clone() for t in ins]
+    clean[which][0, t_bad:] = 0.0
+    o_ref, _ = token_loop(clean[0], clean[1], clean[2], clean[3])
+    assert torch.isfinite(o[:, :t_bad]).all()
+    assert_close(o[:, :t_bad], o_ref[:, :t_bad], "delta_out", torch.float32, name="rows before the NaN")
+    assert not torch.isfinite(o[0, t_bad:, 1]).all()   # and it does reach the later ones
+
+
+def test_bf16_inputs():
+    _check("gla", 1, C + 5, dtype=torch.bfloat16)
+
+
+def test_bad_input_errors():
+    gen = torch.Generator().manual_seed(6)
+    (q, k, v, g), _ = _inputs("simple_gla", 1, 5, gen)
+    with pytest.raises(ValueError, match="chunk_size must be a power of two"):
+        L.simple_gla(q, k, v, g, backend="triton", chunk_size=24)
+    with pytest.raises(ValueError, match="float64"):
+        L.simple_gla(q.double(), k.double(), v.double(), g.double(), backend="triton", chunk_size=C)
+    with pytest.raises(ValueError, match="log-decay"):
+        L.simple_gla(q, k, v, -g, backend="triton", chunk_size=C)
+    with pytest.raises(ValueError, match="log-decay"):   # NaN is no decay (checked where it costs no sync)
+        L.simple_gla(q, k, v, torch.where(g < -0.5, float("nan"), g), backend="triton", chunk_size=C)
+    with pytest.raises(ValueError, match="hard reset"):
+        L.simple_gla(q, k, v, torch.where(g < -0.5, float("-inf"), g), backend="triton", chunk_size=C)
+    with pytest.raises(ValueError, match=r"g must have shape \[B, T, H\]"):
+        L.simple_gla(q, k, v, g[..., None], backend="triton", chunk_size=C)
+    with pytest.raises(ValueError, match="correction 'delta'"):
+        L.kda(q, k, v, g[..., None].expand(*q.shape).contiguous(), torch.rand(1, 5, H), backend="triton")
+    with pytest.raises(ValueError, match="plain writes"):
+        kernels.module(L.members.KDA)
+
+
+def test_generated_source_follows_the_structure():
+    """none: no cumsum kernel and no decay input; per head: scalar decays; per key: the pairwise loop."""
+    plain, head, key = (kernels.render(d) for d in (L.members.LINEAR_ATTENTION, L.members.SIMPLE_GLA, L.members.GLA))
+    assert "decay_cumsum" not in plain and "G_ptr" not in plain
+    assert "def simple_gla_decay_cumsum" in head and "pairwise_qk(b_q" not in head
+    assert "pairwise_qk(b_q, b_k, b_G, C, BS" in key and "pairwise_grads(dA" in key and "block_row(" in key
+    assert "log_decay = g" in key     # the declaration, cited in the kernels
+    assert ops.module(L.members.GLA) is ops.module(L.members.GLA)   # rendered and loaded once
+
+
+def test_torch_compile_with_cu_seqlens_runs_the_same_kernels():
+    """Under torch.compile the op runs eagerly (a graph break) and reads the offsets itself: while
+    tracing, the caller cannot."""
+    gen = torch.Generator().manual_seed(7)
+    (q, k, v, g), g_ref = _inputs("simple_gla", 1, C + 9, gen)
+    cu = [0, 3, 3, C + 9]
+    cu_t = torch.tensor(cu, dtype=torch.int32)
+    fn = lambda *x: L.simple_gla(*x, cu_seqlens=cu_t, output_final_state=True, backend="triton",  # noqa: E731
+                                 chunk_size=C)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v, g)]
+    o, S = torch.compile(fn, backend="aot_eager")(*leaves)
+    o_eager, S_eager = fn(q, k, v, g)
+    torch.testing.assert_close(o, o_eager, rtol=0, atol=0)
+    torch.testing.assert_close(S, S_eager, rtol=0, atol=0)
+    o_ref, S_ref = token_loop(q, k, v, g_ref.float(), cu=cu)
+    assert_close(o, o_ref, "delta_out", torch.float32, name="compiled o")
+    assert_close(S, S_ref, "delta_out", torch.float32, name="compiled S")
+    (o.sum() + S.sum()).backward()
+    assert all(t.grad is not None and torch.isfinite(t.grad).all() for t in leaves)
+
+
+@pytest.mark.parametrize("decl", [MAMBA2, MAMBA2_KEY], ids=lambda d: d.name)
+def test_per_head_parameters_in_the_hook(decl):
+    """Per-head parameters ([H]) in the decay hook: their gradients are sums over every token (and key)
+    of every sequence (cu_seqlens with an empty one)."""
+    gen = torch.Generator().manual_seed(8)
+    T, cu = 2 * C + 3, [0, 5, 5, 2 * C + 3]
+    q, k = (torch.randn(1, T, H, K, generator=gen, dtype=D64) for _ in range(2))
+    v = torch.randn(1, T, H, V, generator=gen, dtype=D64)
+    a = torch.randn(1, T, H, *((K,) if decl.decay == "per_key" else ()), generator=gen, dtype=D64)
+    params = [0.3 * torch.randn(H, generator=gen, dtype=D64) for _ in range(len(decl.inputs) - 1)]
+    leaves = [t.float().requires_grad_() for t in (q, k, v, a, *params)]
+    o, S = L.op(decl)(*leaves, cu_seqlens=torch.tensor(cu), output_final_state=True, backend="triton", chunk_size=C)
+    w = torch.randn(o.shape, generator=gen, dtype=D64)
+    ((o * w.float()).sum() + S.sum()).backward()
+    refs = [t.detach().to(D64).requires_grad_() for t in leaves]
+    A_log = refs[4][:, None] if decl.decay == "per_key" else refs[4]
+    shift = refs[5] if len(refs) > 5 else 0.0
+    g = -torch.exp(A_log) * F.softplus(refs[3] + shift)
+    o_ref, S_ref = token_loop(refs[0], refs[1], refs[2], g, cu=cu)
+    ((o_ref * w).sum() + S_ref.sum()).backward()
+    assert_close(o, o_ref, "delta_out", torch.float32, name="o")
+    assert_close(S, S_ref, "delta_out", torch.float32, name="S")
+    for name, leaf, ref in zip(["dq", "dk", "dv", "da", "dA_log", "ddt_bias"], leaves, refs):
+        row = "delta_param_grad" if name in ("dA_log", "ddt_bias") else (
+            "delta_gate_grad" if name == "da" else "delta_grad")
+        assert_close(leaf.grad, ref.grad, row, torch.float32, name=name)
