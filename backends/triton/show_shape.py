@@ -85,6 +85,8 @@ def show(prog, shape, layout: str = "time") -> str:
             "(float32, forward in time, no initial element)",
             f"# forward config:  {fwd}", f"# backward config: {bwd}"]
     origin = [f"from {o}" for o in origins(prog.ir)]
+    if prog.ir.is_plain:
+        head.append("# lift: identity (one input per field), readout: the prefix (a plain sl.scan)")
     parts = []
     for schedule in dict.fromkeys(cfg.schedule for _, cfg, _ in ran):
         kernels = [(p, name, grid, meta) for p, cfg, found in ran if cfg.schedule == schedule
@@ -95,5 +97,7 @@ def show(prog, shape, layout: str = "time") -> str:
         source = _source(prog, next(cfg for _, cfg, _ in ran if cfg.schedule == schedule))
         notes = {name: ([] if schedule == "chunked" else origin) + [f"{p} kernel, grid {grid}"]
                  for p, name, grid, _ in kernels}
+        if schedule != "chunked":   # the chunk-parallel printer puts the origins above its combine itself
+            notes["combine"] = origin
         parts.append(specialise(source, {name: meta for _, name, _, meta in kernels}, notes))
     return "\n".join(head) + "\n\n" + "\n\n".join(parts)

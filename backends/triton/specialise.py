@@ -181,7 +181,7 @@ def _trailing_comment(line: str) -> str | None:
 def specialise(source: str, launches: dict[str, dict], notes: dict[str, list[str]] | None = None) -> str:
     """The part of the module `source` that the kernels named in `launches` run, each specialised to
     its constexprs (`launches[name]`: constexpr name -> value, other keys ignored), followed by the
-    helpers they call. `notes[name]`: comment lines printed above that kernel. Raises KeyError for a
+    helpers they call. `notes[name]`: comment lines printed above that kernel or helper. Raises KeyError for a
     name the module does not define."""
     tree = ast.parse(source)
     lines = source.split("\n")
@@ -212,7 +212,9 @@ def specialise(source: str, launches: dict[str, dict], notes: dict[str, list[str
         if not isinstance(node, ast.FunctionDef):
             out += lines[node.lineno - 1:node.end_lineno]
         elif node.name in keep:
-            out += ["", ""] + lines[_comments_above(lines, node) - 1:node.end_lineno]
+            start = min([node.lineno] + [d.lineno for d in node.decorator_list])
+            out += ["", ""] + lines[_comments_above(lines, node) - 1:start - 1]
+            out += [f"# {line}" for line in (notes or {}).get(node.name, [])] + lines[start - 1:node.end_lineno]
     out += kernels
     text = "\n".join(out).strip("\n") + "\n"
     ast.parse(text)   # the cut keeps a valid module
