@@ -1,10 +1,11 @@
 """The `scanlang` command: verify, show, demo, bench, train, report.
 
     scanlang verify MODULE:NAME   exit 0 and print the proof; exit 1 and the counterexample
-    scanlang show MODULE:NAME     the traced expressions and the generated Triton kernels (a monoid
-                                  whose laws fail is refused: exit 1 and the counterexample);
-                                  --shape B,T,D [--layout time|channels]: the configs chosen for that
-                                  shape and the kernels they run
+    scanlang show MODULE:NAME     the traced expressions and the generated Triton kernels that a
+                                  training call of shape --shape B,T,D [--layout time|channels]
+                                  (default 4,2048,256, time) runs, with the configs chosen for it;
+                                  --all: the whole generated module, every variant (a monoid whose
+                                  laws fail is refused: exit 1 and the counterexample)
     scanlang demo                 the tour on a built-in default (CPU or GPU)
     scanlang bench                the GPU benchmark of the generated scans (see BENCHMARKS.md)
     scanlang train TASK --mixer M a small model on a synthetic task: metrics.json and curves.png
@@ -86,15 +87,20 @@ def cmd_verify(args) -> int:
     return 0
 
 
+SHOW_SHAPE = "4,2048,256"   # the [B, T, D] `scanlang show` prints the kernels of without --shape
+
+
 def cmd_show(args) -> int:
     if args.shape is None and args.layout != "time":
         raise CliError(f"--layout: {args.layout!r} needs --shape B,T,D (the layout of that shape's tensors)")
+    if args.all and args.shape is not None:
+        raise CliError("--all: prints every variant of the module, for no one shape; drop --shape or --all")
     monoid = load_monoid(args.target)
     if _verified(monoid) is None:   # kernels are generated only for a monoid whose laws hold
         return 1
     print(monoid.describe())
     try:
-        source = pipeline.show(monoid, args.shape, args.layout) if args.shape else pipeline.show(monoid)
+        source = pipeline.show(monoid) if args.all else pipeline.show(monoid, args.shape or SHOW_SHAPE, args.layout)
     except ValueError as exc:   # --shape / --layout, named in the message
         raise CliError(str(exc)) from None
     except ImportError as exc:
@@ -202,8 +208,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_verify)
     p = sub.add_parser("show", help="print a monoid's traced expressions and generated kernels")
     p.add_argument("target", metavar="MODULE:NAME")
-    p.add_argument("--shape", default=None, metavar="B,T,D", help="print the kernels the configs chosen for this shape run")
+    p.add_argument("--shape", default=None, metavar="B,T,D",
+                   help=f"print the kernels the configs chosen for this shape run (default {SHOW_SHAPE})")
     p.add_argument("--layout", default="time", help="time (T contiguous, the default) or channels (D contiguous)")
+    p.add_argument("--all", action="store_true", help="print the whole generated module (every variant)")
     p.set_defaults(func=cmd_show)
     p = sub.add_parser("demo", help="the tour: declare, prove, refute, scan, check, time")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")

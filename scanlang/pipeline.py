@@ -108,8 +108,9 @@ def program_key(key: str, name: str) -> str:
 
 
 def show(m: Monoid, shape=None, layout: str = "time") -> str:
-    """The generated module (forward and backward kernels) of `m`'s plain scan (`scanlang show`); with
-    a `shape` (B, T, D), the configs chosen for it in `layout` and the kernels they run."""
+    """The generated module (forward and backward kernels, every variant) of `m`'s plain scan
+    (`scanlang show --all`); with a `shape` (B, T, D), the configs chosen for it in `layout` and the
+    kernels they launch, specialised to that launch (`scanlang show`)."""
     if shape is None:
         return program(m).source
     return registry.get("triton").show_for_shape(program(m), shape, layout)

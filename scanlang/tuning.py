@@ -27,6 +27,7 @@ import contextlib
 import dataclasses
 import hashlib
 import threading
+import types
 from dataclasses import dataclass, field
 
 RENDER_KNOBS = ("loop_stages_forward", "loop_stages_backward", "run", "vec", "run_tile", "max_unroll")
@@ -57,10 +58,10 @@ class Tuning:
       delta_save_wu: the delta forward stores w, u for the backward (else the backward recomputes them).
       delta_eager_fast_path: eager delta calls skip the torch.library dispatcher.
       delta_key_block: key columns per program / loop step of the delta backward kernels.
-      delta_configs: launch configs of delta kernels by name, in place of backends/delta/ops.CONFIG's
-        entries, as ((name, ((key, value), ...)), ...); give a dict {name: config dict} to
-        `override(delta_configs=...)`. Unlike the other knobs, a nested override's entries add to
-        the enclosing ones' (by kernel name).
+      delta_configs: launch configs of delta kernels by name, in place of DELTA_CONFIGS' entries
+        (the defaults, below), as ((name, ((key, value), ...)), ...); give a dict {name: config
+        dict} to `override(delta_configs=...)`. Unlike the other knobs, a nested override's entries
+        add to the enclosing ones' (by kernel name). What runs: `delta_launch_configs()`.
     """
 
     loop_stages_forward: int = 1
@@ -117,11 +118,41 @@ class Tuning:
         return None
 
     def delta_config(self, name: str) -> dict | None:
-        """The delta kernel `name`'s launch config given by `delta_configs` (a fresh dict), or None."""
+        """The delta kernel `name`'s launch config (a fresh dict): `delta_configs`' entry, else the
+        default of DELTA_CONFIGS, else None."""
         for key, items in self.delta_configs:
             if key == name:
                 return dict(items)
-        return None
+        default = DELTA_CONFIGS.get(name)
+        return None if default is None else dict(default)
+
+    def delta_launch_configs(self) -> dict[str, dict]:
+        """Every delta kernel's launch config in effect (fresh dicts): DELTA_CONFIGS with
+        `delta_configs` applied (kernel names only an override gives come after)."""
+        names = list(DELTA_CONFIGS) + [name for name, _ in self.delta_configs if name not in DELTA_CONFIGS]
+        return {name: self.delta_config(name) for name in names}
+
+
+# The delta-rule kernels' launch configs (backends/delta): the defaults of `Tuning.delta_configs`.
+# Per kernel: BV = value columns per program (or per loop step in delta_bwd_*), and Triton launch options.
+# state_bwd: LOCAL_DU forms the local dU = scale (Q K^T * D)^T dO inside the sequential pass (no dU_local
+# kernel); bwd_dqk: BKS = key columns per program (clamped to the padded K); WY=True: one program per chunk also
+# does bwd_wy's work. The values are the picks of `python -m scanlang.tools.bench_delta --sweep` (greedy, one
+# kernel at a time) at B8 T4096 H16 K=V=128 bf16 on sm_90: 64 value columns keep two blocks per SM, so B8 H16's
+# 256 sequential programs run in one wave, where wider blocks spill or fit one block per SM ("recurrent" was not
+# swept). The sweeps, timings and offline register/spill counts: BENCHMARKS_HISTORY.md, "Notes moved from code
+# comments", delta ops.CONFIG. The host-only keys (LOWP_*) and the shared-memory fits: backends/delta/ops.py.
+DELTA_CONFIGS = types.MappingProxyType({name: types.MappingProxyType(cfg) for name, cfg in {
+    "prep": dict(num_warps=4, num_stages=2),
+    "wu": dict(BV=64, num_warps=4, num_stages=2, PER_CHUNK=True),   # one program per chunk (see delta_wu)
+    "state_fwd": dict(BV=64, num_warps=4, num_stages=2),
+    "state_output": dict(BV=64, num_warps=4, num_stages=1),   # the fits per dtype and K: ops.SHARED_MEMORY_FITS
+    "dU_local": dict(BV=64, num_warps=4, num_stages=2),     # only for state_bwd without LOCAL_DU
+    "state_bwd": dict(LOCAL_DU=True, BV=64, num_warps=4, num_stages=1, DECAY_V=True, LOWP_DU=True),   # likewise
+    "bwd_dqk": dict(WY=False, BKS=64, BV=32, num_warps=4, num_stages=2, DG_SUMS=True, LOWP=True, LOWP_DK=True),
+    "bwd_wy": dict(BV=64, num_warps=4, num_stages=1, LOWP=True),
+    "recurrent": dict(BV=32, num_warps=4, num_stages=1),
+}.items()})
 
 
 DEFAULT = Tuning()
@@ -168,4 +199,4 @@ def _merge(entries) -> Tuning:
     return dataclasses.replace(DEFAULT, **knobs) if knobs else DEFAULT
 
 
-__all__ = ["Tuning", "DEFAULT", "RENDER_KNOBS", "current", "override"]
+__all__ = ["Tuning", "DEFAULT", "DELTA_CONFIGS", "RENDER_KNOBS", "current", "override"]

@@ -11,7 +11,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from scanlang.tools import bench_delta as bench  # noqa: E402
-from scanlang.backends.delta import ops as delta_ops  # noqa: E402
+from scanlang import tuning  # noqa: E402
 from scanlang.testing import planted_gradient_error, tolerance  # noqa: E402
 
 
@@ -41,18 +41,17 @@ def test_timing_step_prints_the_headline_table_with_checked_outputs(tiny_bench):
 
 def test_sweep_stops_at_its_budget(tiny_bench, monkeypatch):
     results, timed = tiny_bench
-    before = {name: dict(cfg) for name, cfg in delta_ops.CONFIG.items()}
+    before = tuning.current().delta_launch_configs()
     clock = iter(range(0, 1000, 10))                         # each reading 10 s later than the one before
     monkeypatch.setattr(bench.time, "monotonic", lambda: next(clock))
     changed = bench.sweep(torch.device("cpu"), results, budget_s=25)
     assert not changed and len(timed) == 2                   # two configs of "prep" tried, then out of time
     assert "kept as they were: ['wu'," in "\n".join(bench.LOG)
-    assert {name: dict(cfg) for name, cfg in delta_ops.CONFIG.items()} == before
+    assert tuning.current().delta_launch_configs() == before == results["sweep_config"]   # nothing global changed
 
 
 def test_sweep_of_named_kernels_only(tiny_bench, monkeypatch):
     results, timed = tiny_bench
-    monkeypatch.setitem(delta_ops.CONFIG, "bwd_wy", dict(delta_ops.CONFIG["bwd_wy"]))     # restored afterwards
     monkeypatch.setitem(bench.SWEEP_OPTIONS, "bwd_wy", [dict(BV=16, num_warps=4, num_stages=1)])
     bench.sweep(torch.device("cpu"), results, budget_s=1e9, only={"bwd_wy"})
     log = "\n".join(bench.LOG)
@@ -76,21 +75,21 @@ def test_a_dropped_output_element_fails_the_run_and_is_not_timed(tiny_bench, mon
     assert "| ours GDN-step |" not in log and "| ours Kaczmarz |" in log      # the other contender still timed
 
 
-def test_sweep_never_keeps_a_config_that_fails_its_check(tiny_bench, monkeypatch):
+def test_sweep_never_keeps_a_config_that_fails_its_check(tiny_bench, monkeypatch, knobs):
     """The planted config is the fastest and its gradients are wrong: reported FAILED, not kept."""
     results, timed = tiny_bench
     planted = dict(BV=16, num_warps=4, num_stages=2)
-    monkeypatch.setitem(delta_ops.CONFIG, "bwd_wy", dict(BV=16, num_warps=4, num_stages=1))
+    knobs(delta_configs={"bwd_wy": dict(BV=16, num_warps=4, num_stages=1)})
     monkeypatch.setitem(bench.SWEEP_OPTIONS, "bwd_wy", [planted])
     real = bench.ours_fn
 
     def wrong_under_planted(*args):
         o, S = real(*args)
-        return (planted_gradient_error(o) if delta_ops.CONFIG["bwd_wy"] == planted else o), S
+        return (planted_gradient_error(o) if tuning.current().delta_config("bwd_wy") == planted else o), S
     monkeypatch.setattr(bench, "ours_fn", wrong_under_planted)
-    monkeypatch.setattr(bench, "bench_ms", lambda fn: timed.append(fn()) or (0.1 if delta_ops.CONFIG["bwd_wy"] == planted
-                                                                          else 1.0))
+    monkeypatch.setattr(bench, "bench_ms", lambda fn: timed.append(fn()) or (
+        0.1 if tuning.current().delta_config("bwd_wy") == planted else 1.0))
     bench.sweep(torch.device("cpu"), results, budget_s=1e9, only={"bwd_wy"})
     log = "\n".join(bench.LOG)
-    assert delta_ops.CONFIG["bwd_wy"] != planted and len(timed) == 1             # only the start config timed
+    assert results["sweep_config"]["bwd_wy"] != planted and len(timed) == 1     # only the start config timed
     assert f"bwd_wy {planted}: FAILED its check" in log and results["failures"] == [f"sweep bwd_wy {planted}"]

@@ -330,10 +330,10 @@ def test_delta_launch_shrinks_through_the_shared_helper(monkeypatch):
                 return run
         return Launcher()
     monkeypatch.setattr(delta_ops, "wrap_triton", fake_wrap)
-    monkeypatch.setitem(delta_ops.CONFIG, "probe", dict(BV=128, num_warps=4, num_stages=2))
-    delta_ops._launch("probe", None, lambda cfg: (cfg["BV"],), (), {}, V=128)
+    configs = {"probe": dict(BV=128, num_warps=4, num_stages=2)}   # a plan's configs
+    delta_ops._launch("probe", None, lambda cfg: (cfg["BV"],), (), {}, V=128, configs=configs)
     assert seen == [((128,), 2), ((128,), 1), ((64,), 1), ((32,), 1)]
-    assert delta_ops.CONFIG["probe"] == dict(BV=32, num_warps=4, num_stages=1)
+    assert configs["probe"] == dict(BV=32, num_warps=4, num_stages=1)   # remembered in the plan's configs
 
 
 def test_gradient_modes_for_inputs_shared_by_state_groups(knobs):

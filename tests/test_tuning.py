@@ -118,3 +118,23 @@ def test_a_launch_time_knob_is_in_the_plan_key(knob):
         assert plan.PLANS.built == built + 2
     _affine_step(shape)
     assert plan.PLANS.built == built + 2
+
+
+def test_delta_launch_configs_are_knobs_with_read_only_defaults():
+    """The delta kernels' configs: DELTA_CONFIGS' defaults with `delta_configs` applied by kernel name
+    (nested overrides add up, leaving restores); the defaults and ops.CONFIG (the same table) are read-only."""
+    from scanlang.backends.delta import ops as delta_ops
+    defaults = {name: dict(cfg) for name, cfg in tuning.DELTA_CONFIGS.items()}
+    assert tuning.current().delta_launch_configs() == defaults and delta_ops.CONFIG is tuning.DELTA_CONFIGS
+    with pytest.raises(TypeError):
+        delta_ops.CONFIG["bwd_wy"] = dict(BV=16)
+    with pytest.raises(TypeError):
+        tuning.DELTA_CONFIGS["bwd_wy"]["BV"] = 16
+    with tuning.override(delta_configs={"bwd_wy": dict(BV=16, num_warps=2)}):
+        with tuning.override(delta_configs={"prep": dict(num_warps=8)}):
+            got = tuning.current().delta_launch_configs()
+            assert got == {**defaults, "bwd_wy": dict(BV=16, num_warps=2), "prep": dict(num_warps=8)}
+            got["prep"]["num_warps"] = 1   # fresh dicts: the knobs do not change
+            assert tuning.current().delta_config("prep") == dict(num_warps=8)
+        assert tuning.current().delta_config("prep") == defaults["prep"]
+    assert tuning.current().delta_launch_configs() == defaults and tuning.current().delta_configs == ()

@@ -44,40 +44,13 @@ from ..triton.runtime import fit_launch
 from . import codegen
 
 
-class _Configs(dict):
-    """Launch configs per kernel. Plans copy them, so setting or deleting an entry drops every cached plan."""
-
-    def __setitem__(self, name, cfg):
-        super().__setitem__(name, cfg)
-        PLANS.clear()
-
-    def __delitem__(self, name):
-        super().__delitem__(name)
-        PLANS.clear()
-
-
 RECURRENT_MAX_LEN = 16
 PREP_VALUE_BLOCK = 64    # value columns per step of u in delta_prep (one [C, C] x [C, 64] product at a time)
-# Per kernel: BV = value columns per program (or per loop step in delta_bwd_*), and Triton launch options.
-# state_bwd: LOCAL_DU forms the local dU = scale (Q K^T * D)^T dO inside the sequential pass (no dU_local
-# kernel); bwd_dqk: BKS = key columns per program (clamped to the padded K); WY=True: one program per chunk also
-# does bwd_wy's work. The values are the picks of `python -m scanlang.tools.bench_delta --sweep` (greedy, one
-# kernel at a time) at B8 T4096 H16 K=V=128 bf16 on sm_90: 64 value columns keep two blocks per SM, so B8 H16's
-# 256 sequential programs run in one wave, where wider blocks spill or fit one block per SM ("recurrent" was not
-# swept). The sweeps, timings and offline register/spill counts: BENCHMARKS_HISTORY.md, "Notes moved from code
-# comments", delta ops.CONFIG.
-CONFIG = _Configs({
-    "prep": dict(num_warps=4, num_stages=2),
-    "wu": dict(BV=64, num_warps=4, num_stages=2, PER_CHUNK=True),   # one program per chunk (see delta_wu)
-    "state_fwd": dict(BV=64, num_warps=4, num_stages=2),
-    "state_output": dict(BV=64, num_warps=4, num_stages=1),   # see above and below
-    "dU_local": dict(BV=64, num_warps=4, num_stages=2),     # only for state_bwd without LOCAL_DU
-    "state_bwd": dict(LOCAL_DU=True, BV=64, num_warps=4, num_stages=1, DECAY_V=True, LOWP_DU=True),   # see below
-    "bwd_dqk": dict(WY=False, BKS=64, BV=32, num_warps=4, num_stages=2, DG_SUMS=True, LOWP=True, LOWP_DK=True),
-    "bwd_wy": dict(BV=64, num_warps=4, num_stages=1, LOWP=True),
-    "recurrent": dict(BV=32, num_warps=4, num_stages=1),
-})
-# Configs above that need more shared memory than sm_90 gives a block (227 KB = 232448 B), and the change that
+# The launch configs per kernel are knobs: scanlang.tuning.DELTA_CONFIGS (the defaults, with why they are what they
+# are), changed by `tuning.override(delta_configs=...)`; `plan` reads `tuning.current()`. CONFIG: those defaults,
+# read-only (what a launch uses is its plan's `configs`).
+CONFIG = tuning.DELTA_CONFIGS
+# Configs that need more shared memory than sm_90 gives a block (227 KB = 232448 B), and the change that
 # fits, per (kernel, input element bytes, padded K), found by `python -m scanlang.tools.offline_compile --workload
 # delta` (ptxas for sm_90a) at the GPU tests' shapes (K = 64, 128, 256; V = 96; fp32/bf16/fp16); every other kernel
 # and shape fits (the byte counts: BENCHMARKS_HISTORY.md, "Notes moved from code comments"). What this table misses
@@ -191,8 +164,8 @@ def _meta(K: int, V: int, C: int, dtype: torch.dtype, device: torch.device) -> d
 
 
 def _opts(name: str, V: int) -> dict:
-    """CONFIG[name] with the value block clamped to the padded V."""
-    return _clamp(CONFIG[name], V)
+    """The launch config of kernel `name` in effect (tuning.current()) with the value block clamped to the padded V."""
+    return _clamp(tuning.current().delta_config(name), V)
 
 
 def _clamp(cfg: dict, V: int) -> dict:
@@ -215,7 +188,7 @@ def _smaller(cfg: dict) -> dict | None:
 @dataclass
 class Plan:
     """How to launch one program at one (K, V, input dtype, device), whatever the lengths: the constexprs and
-    a launch config per kernel (CONFIG, value block clamped to the padded V). A config shrunk to fit the
+    a launch config per kernel (tuning.current()'s, value block clamped to the padded V). A config shrunk to fit the
     device's shared memory is remembered in `configs`, for this shape only."""
 
     mod: object
@@ -239,7 +212,7 @@ def plan(key: str, K: int, V: int, dtype: torch.dtype, device: torch.device) -> 
         BKS = min(key_block, meta["BK"])
         if len(PLANS) >= _CACHE_LIMIT:
             PLANS.clear()
-        given = {name: knobs.delta_config(name) or cfg for name, cfg in CONFIG.items()}   # tuning.delta_configs first
+        given = knobs.delta_launch_configs()
         configs = {name: {**_clamp(cfg, V), **SHARED_MEMORY_FITS.get((name, dtype.itemsize, meta["BK"]), {})}
                    for name, cfg in given.items()}
         # delta_bwd_dqk's key block: its config's BKS (else the key block), at most the padded K; all of K with WY
@@ -257,29 +230,26 @@ def plan(key: str, K: int, V: int, dtype: torch.dtype, device: torch.device) -> 
     return found
 
 
-def _launch(name: str, kernel, grid, args: tuple, meta: dict, V: int, configs: dict | None = None,
-            direct: bool = False):
-    """Launch `kernel` with `configs[name]` (a plan's; without `configs`, CONFIG[name] clamped to V);
-    `grid(cfg)` gives the grid. A config that needs more shared memory than the device has is shrunk
-    until it fits and remembered in `configs` (or CONFIG) by the Triton backend's runtime.fit_launch.
-    `direct` launches the kernel itself (eager); otherwise through wrap_triton, which torch.compile traces."""
-    remembered = CONFIG if configs is None else configs
+def _launch(name: str, kernel, grid, args: tuple, meta: dict, V: int, configs: dict, direct: bool = False):
+    """Launch `kernel` with `configs[name]` (a plan's); `grid(cfg)` gives the grid. A config that needs
+    more shared memory than the device has is shrunk until it fits and remembered in `configs` by the
+    Triton backend's runtime.fit_launch. `direct` launches the kernel itself (eager); otherwise through
+    wrap_triton, which torch.compile traces."""
     if not direct:   # wrap_triton's mutation analysis needs every parameter, the defaulted variant flags too
         meta = {**_defaults(kernel), **meta}
-    if configs is not None:          # the common case first, without fit_launch's bookkeeping
-        cfg = configs[name]
-        try:
-            (kernel if direct else wrap_triton(kernel))[grid(cfg)](*args, **{**meta, **cfg})
-            return
-        except OutOfResources:
-            if _smaller(cfg) is None:
-                raise
-            configs[name] = _smaller(cfg)
+    cfg = configs[name]              # the common case first, without fit_launch's bookkeeping
+    try:
+        (kernel if direct else wrap_triton(kernel))[grid(cfg)](*args, **{**meta, **cfg})
+        return
+    except OutOfResources:
+        if _smaller(cfg) is None:
+            raise
+        configs[name] = _smaller(cfg)
 
     def attempt(cfg):
         opts = _clamp(cfg, V)
         (kernel if direct else wrap_triton(kernel))[grid(opts)](*args, **{**meta, **opts})
-    fit_launch(name, remembered[name], attempt, _smaller, remembered=remembered)
+    fit_launch(name, configs[name], attempt, _smaller, remembered=configs)
 
 
 @functools.lru_cache(maxsize=None)

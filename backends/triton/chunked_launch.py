@@ -74,29 +74,42 @@ def forward(plan, cfg: Config, args, final, eager: bool, empty):
     ckpt = empty(plan.checkpoint_shape(cfg), plan.acc, final.device)
     agg = empty((len(prog.ir.fields), n_chunks, layout.L), plan.acc, final.device)
     full = [*args, ckpt, final, ckpt, *plan.tail, ckpt.shape[1], agg]
-    meta = _meta(plan, cfg, n_chunks, ("REVERSE", "HAS_INIT", "FP64"))
-    mod, lanes = module(prog), _cdiv(layout.L, cfg.block_l)
-    _run(plan, cfg, mod.chunk_reduce, (n_chunks, lanes), full, meta, eager)
-    _run(plan, cfg, mod.chunk_carry, (lanes,), full, meta, eager)
-    _run(plan, cfg, mod.chunk_rescan, (n_chunks, lanes), full, meta, eager)
+    mod = module(prog)
+    for name, grid, meta in forward_launches(plan, cfg):
+        _run(plan, cfg, getattr(mod, name), grid, full, meta, eager)
     return ckpt
+
+
+def forward_launches(plan, cfg: Config) -> list[tuple[str, tuple, dict]]:
+    """The forward's kernels in launch order as (name, grid, constexpr/meta kwargs) (`forward` runs these)."""
+    n_chunks, lanes = _cdiv(plan.layout.T, cfg.block_t), _cdiv(plan.layout.L, cfg.block_l)
+    meta = _meta(plan, cfg, n_chunks, ("REVERSE", "HAS_INIT", "FP64"))
+    return [("chunk_reduce", (n_chunks, lanes), meta), ("chunk_carry", (lanes,), meta),
+            ("chunk_rescan", (n_chunks, lanes), meta)]
 
 
 def backward(plan, cfg: Config, args, eager: bool, empty) -> None:
     """Run the backward (reduce, carry, rescan of the adjoint) for a `plan.BackwardPlan` whose
     forward checkpointed every cfg.block_t steps; `args` as `ops` built them for the tile kernel."""
     prog, layout = plan.prog, plan.layout
-    du = {k: v for k, v in plan.common.items() if k.startswith("DU")}
-    if any(m not in (0, 1, 2) for m in du.values()):
-        raise ValueError(f"plan: gradient modes {du} need the state-lane kernels, not the chunk-parallel ones")
+    launches = backward_launches(plan, cfg)
     n, nb = len(prog.ir.fields), len(prog.adjoint.b_entries)
     n_chunks = _cdiv(layout.T, cfg.block_t)
     device = args[0].device
     agg = empty((nb + n, n_chunks, layout.L), plan.acc, device)
     gc = empty((n, n_chunks + 1, layout.L), plan.acc, device)
     full = [*args, agg, gc]
+    mod = module(prog)
+    for name, grid, meta in launches:
+        _run(plan, cfg, getattr(mod, name), grid, full, meta, eager)
+
+
+def backward_launches(plan, cfg: Config) -> list[tuple[str, tuple, dict]]:
+    """The backward's kernels in launch order as (name, grid, constexpr/meta kwargs) (`backward` runs these)."""
+    du = {k: v for k, v in plan.common.items() if k.startswith("DU")}
+    if any(m not in (0, 1, 2) for m in du.values()):
+        raise ValueError(f"plan: gradient modes {du} need the state-lane kernels, not the chunk-parallel ones")
+    n_chunks, lanes = _cdiv(plan.layout.T, cfg.block_t), _cdiv(plan.layout.L, cfg.block_l)
     meta = dict(_meta(plan, cfg, n_chunks, ("REVERSE", "HAS_INIT", "HAS_DFINAL", "FP64")), **du)
-    mod, lanes = module(prog), _cdiv(layout.L, cfg.block_l)
-    _run(plan, cfg, mod.chunk_bwd_reduce, (n_chunks, lanes), full, meta, eager)
-    _run(plan, cfg, mod.chunk_bwd_carry, (lanes,), full, meta, eager)
-    _run(plan, cfg, mod.chunk_bwd_rescan, (n_chunks, lanes), full, meta, eager)
+    return [("chunk_bwd_reduce", (n_chunks, lanes), meta), ("chunk_bwd_carry", (lanes,), meta),
+            ("chunk_bwd_rescan", (n_chunks, lanes), meta)]

@@ -39,7 +39,7 @@ import torch
 import triton
 import triton.testing
 
-from scanlang.backends.delta import ops as delta_ops
+from scanlang import tuning
 from scanlang.recipes.kaczmarz import delta_rule, kaczmarz_delta_rule
 from scanlang.testing import check as check_close
 
@@ -184,14 +184,14 @@ SWEEP_OPTIONS = {
         dict(BV=bv, num_warps=w, num_stages=2, PER_CHUNK=False) for bv in (64, 128) for w in (4, 8)],
     "state_fwd": [dict(BV=bv, num_warps=w, num_stages=st) for bv, w, st in
                   ((64, 4, 2), (64, 4, 1), (32, 4, 2), (64, 8, 2), (128, 8, 2))],
-    # state_output: see ops.CONFIG's comment (blocks per SM against B8 H16's 128 * V / BV sequential programs)
+    # state_output: see tuning.DELTA_CONFIGS' comment (blocks per SM against B8 H16's 128 * V / BV sequential programs)
     # (BV=32, 8 warps, 1 stage) is left out: on the H200 (Triton 3.6, run 9 of session 4) it raised an illegal
     # memory access, which poisons the CUDA context and ends the sweep; not yet reduced to a repro
     "state_output": [dict(BV=bv, num_warps=w, num_stages=st) for bv, w, st in
                      ((64, 4, 1), (128, 8, 2), (128, 8, 1), (64, 8, 1), (64, 4, 2), (32, 4, 1))] + [
         dict(BV=32, num_warps=4, num_stages=1, maxnreg=128)],
-    # The backward (ops.CONFIG's defaults: run 12's picks among these variants, fwd+bwd 3.487 ms). Offline, Triton 3.6,
-    # sm_90a, K=V=128 bf16 (registers, spill bytes, SASS instructions of the longest loop).
+    # The backward (tuning.DELTA_CONFIGS' defaults: run 12's picks among these variants, fwd+bwd 3.487 ms). Offline,
+    # Triton 3.6, sm_90a, K=V=128 bf16 (registers, spill bytes, SASS instructions of the longest loop).
     # state_bwd (LOCAL_DU, 64 value columns, 4 warps, 1 stage; DECAY_V, LOWP_DU: 255, 120 B, loop 1932; plain: 255,
     # 236 B, 2468); SEQ_BOUNDS: 144 B, 1942; the separate dU_local pass (DECAY_V, LOWP_DU): 0 B, 1128. Two blocks per SM
     # (4 warps, <= 255 registers) run B8 H16's 256 sequential programs in one wave.
@@ -217,8 +217,9 @@ SWEEP_OPTIONS = {
 
 def sweep(device, results, budget_s: float, only=()) -> bool:
     """Per kernel (those named in `only`, else all): try value blocks / warps / stages, keep the fastest (others at
-    their current best), until `budget_s` seconds are spent (kernels not reached keep their configs). Returns
-    whether a config changed."""
+    their current best), until `budget_s` seconds are spent (kernels not reached keep their configs). Every config
+    runs under `tuning.override(delta_configs=...)`; nothing global changes. The configs it ends with (the ones in
+    effect with its picks applied) go to results["sweep_config"]. Returns whether a config changed."""
     B, T, H, K, V = SHAPE
     say(f"## per-kernel sweep (B{B} T{T} H{H} K=V={K} bf16), budget {budget_s:.0f} s")
     deadline = time.monotonic() + budget_s
@@ -230,34 +231,37 @@ def sweep(device, results, budget_s: float, only=()) -> bool:
     check_ins = gdn_inputs(1, min(T, 333), min(H, 2), K, V, torch.bfloat16, device, seed=6)
     check_ref = grads_of(reference_fn, check_ins)
     changed = False
+    kept: dict = {}   # the picks so far; every later kernel is timed with them (greedy)
     options = {name: cfgs for name, cfgs in SWEEP_OPTIONS.items() if not only or name in only}
     names = list(options)
     for i, (name, cfgs) in enumerate(options.items()):
         timer = f if name in ("prep", "state_output") else fb   # "wu" runs in the backward only
-        start = dict(delta_ops.CONFIG[name])
+        start = tuning.current().delta_config(name)
         best = None
         for cfg in [start] + [c for c in cfgs if c != start]:
             if time.monotonic() > deadline:
                 break
-            delta_ops.CONFIG[name] = cfg
             try:
-                if not check(f"sweep {name} {cfg}", grads_of(ours_fn, check_ins), check_ref, torch.bfloat16, results):
-                    say(f"  {name} {cfg}: FAILED its check against float64: not timed, not kept")
-                    continue
-                t = bench_ms(timer)
+                with tuning.override(delta_configs={**kept, name: cfg}):   # in the plans' key: no cache to clear
+                    if not check(f"sweep {name} {cfg}", grads_of(ours_fn, check_ins), check_ref, torch.bfloat16,
+                                 results):
+                        say(f"  {name} {cfg}: FAILED its check against float64: not timed, not kept")
+                        continue
+                    t = bench_ms(timer)
             except Exception as exc:  # a config that does not compile (registers, shared memory) is skipped
                 say(f"  {name} {cfg}: failed ({type(exc).__name__}: {str(exc)[:80]})")
                 continue
             if best is None or t < best[0]:
                 best = (t, cfg)
-        delta_ops.CONFIG[name] = best[1] if best else start
-        changed |= delta_ops.CONFIG[name] != start
+        kept[name] = best[1] if best else start
+        changed |= kept[name] != start
         if best:
             say(f"  {name}: best {best[1]} -> {'fwd' if timer is f else 'fwd+bwd'} {best[0]:.3f} ms")
         if time.monotonic() > deadline:
             say(f"  sweep budget spent; kept as they were: {names[i + 1:]}")
             break
-    results["sweep_config"] = {k: dict(v) for k, v in delta_ops.CONFIG.items()}
+    with tuning.override(delta_configs=kept):
+        results["sweep_config"] = tuning.current().delta_launch_configs()
     return changed
 
 
@@ -297,7 +301,7 @@ def timings(device, results, have_fla, label_suffix="", only_ours=False):
     """fwd, fwd+bwd and decode times first; checks of the same outputs against float64 after; then the table."""
     B, T, H, K, V = SHAPE
     say(f"## timing B{B} T{T} H{H} K=V={K} bf16 (median ms, do_bench){label_suffix}")
-    say(f"  launch configs: {dict(delta_ops.CONFIG)}")
+    say(f"  launch configs: {tuning.current().delta_launch_configs()}")
     ins, contenders = _contenders(device, have_fla, only_ours)
     do = torch.randn(B, T, H, V, device=device)
     timing = results.setdefault("timing" + label_suffix.replace(" ", "_"), {})
@@ -361,7 +365,7 @@ def timings(device, results, have_fla, label_suffix="", only_ours=False):
         graph = "" if row["graph_us"] is None else f", kernels only {row['graph_us']:.1f} us"
         say(f"  decode {label}: whole call {row['us']:.1f} us{graph} (o ratio {row.get('o_ratio', float('nan')):.1e}, "
             f"S ratio {row.get('S_ratio', float('nan')):.1e}){'' if row.get('ok', True) else ' FAIL'}")
-    results["config"] = {name: dict(cfg) for name, cfg in delta_ops.CONFIG.items()}
+    results["config"] = tuning.current().delta_launch_configs()
 
 
 def breakdown(device, results, have_fla):
@@ -412,7 +416,8 @@ def main(argv=None):
     if args.sweep is not None:
         def sweep_then_time():
             if sweep(device, results, args.sweep, set(filter(None, args.sweep_only.split(",")))):
-                timings(device, results, have_fla, label_suffix=" after sweep", only_ours=True)
+                with tuning.override(delta_configs=results["sweep_config"]):
+                    timings(device, results, have_fla, label_suffix=" after sweep", only_ours=True)
         steps.append(("sweep", sweep_then_time))
     for name, step in steps:
         try:

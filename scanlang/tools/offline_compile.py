@@ -20,8 +20,8 @@ Scan workloads (kalman, affine, mobius): Triton's own binder specialises the cap
 report adds the barriers, shuffles, local-memory traffic, the commonest opcodes, and the longest loop
 per element or lane-step. The delta workload: the delta-rule op's launches (`ops._launch`) with their
 real argument types, the alignment specialisation a GPU launch gives them, and the launch config the
-plan gives them (`ops.CONFIG` adjusted by `ops.SHARED_MEMORY_FITS`); this is how the configs that do
-not fit sm_90's 227 KB of shared memory per block were found. fp32 delta inputs compile slowly
+plan gives them (`tuning.current().delta_launch_configs()` adjusted by `ops.SHARED_MEMORY_FITS`); this
+is how the configs that do not fit sm_90's 227 KB of shared memory per block were found. fp32 delta inputs compile slowly
 (minutes per kernel at K=256: their dots run on FMA units and spill tens of KB per thread).
 """
 from __future__ import annotations
@@ -409,7 +409,7 @@ def _delta_main(args):
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
     print(f"delta-rule kernels, K={args.K} V={args.V} {args.dtype}, sm_{args.arch}, Triton {triton.__version__}")
     knobs = tuning.current()
-    configs = [knobs.delta_config(name) or cfg for name, cfg in delta_ops.CONFIG.items()]   # as delta_ops.plan
+    configs = list(knobs.delta_launch_configs().values())   # as delta_ops.plan
     host = {key: cfg[key] for cfg in configs for key in delta_ops.HOST_KEYS if key in cfg}
     print(f"  host keys (buffers, not launch options): {host}; SAVE_WU={knobs.delta_save_wu}")
     for name, kernel, kargs, meta, cfg in capture_launches(args.K, args.V, dtype):
