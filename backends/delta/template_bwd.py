@@ -147,7 +147,7 @@ def delta_bwd_dqk(q_ptr, k_ptr, v_ptr, a_ptr, hp_ptr, s_ptr, eps, gcum_ptr, beta
     beta = tl.load(beta_ptr + tok * H + h, mask=ok, other=0.0)
     dTm = tl.zeros([C, C], dtype=tl.float32)
     dbeta = tl.zeros([C], dtype=tl.float32)
-    first = tl.load(nonfinite_ptr + c * H + h)
+    bad_row = tl.load(nonfinite_ptr + c * H + h)
     if WY:   # Tm is needed in the value loop (u = Tm diag(beta) V); an unmasked load: delta_prep wrote it all
         Tm = tl.where(causal, tl.load(tm_ptr + ((c * H + h) * C + rows[:, None]).to(tl.int64) * C + rows[None, :]),
                       0.0)
@@ -159,7 +159,7 @@ def delta_bwd_dqk(q_ptr, k_ptr, v_ptr, a_ptr, hp_ptr, s_ptr, eps, gcum_ptr, beta
         dSe = tl.load(dh_ptr + ((c * H + h) * K + kk[:, None]).to(tl.int64) * V + vv[None, :], mask=sm, other=0.0)
         # h, dh and U are stored in the input dtype; dU and dO (fp32) are rounded to it for the dots
         U = tl.load(U_ptr + (tok[:, None] * H + h) * V + vv[None, :], mask=vm, other=0.0)
-        if first < nv:   # 0 * NaN through the causal mask and the chunk end's sums (their terms cancel in dG's cumsum)
+        if bad_row < nv:   # else 0 * NaN through the causal mask and the chunk end's sums (terms that cancel in dg)
             U = tl.where(finite(U), U, 0.0)
         dU = tl.load(dU_ptr + (tok[:, None] * H + h) * V + vv[None, :], mask=vm, other=0.0)
         do = rnd(tl.load(do_ptr + (tok[:, None] * H + h) * V + vv[None, :], mask=vm, other=0.0), S0.dtype, UPCAST)
@@ -170,7 +170,7 @@ def delta_bwd_dqk(q_ptr, k_ptr, v_ptr, a_ptr, hp_ptr, s_ptr, eps, gcum_ptr, beta
         dlast += tl.sum(S0.to(tl.float32) * dSe.to(tl.float32), 1)
         if WY:
             dbeta, dTm = u_grads(v_ptr, dv_ptr, Tm, dU, beta, dbeta, dTm, tok, vv, vm, h, H, V, LOWP, PREC, IN_PREC,
-                                 UPCAST, first < nv)
+                                 UPCAST, bad_row < nv)
     # the epilogue consumes the loop's tiles one by one: dOU, dq1, dks, dw
     G = tl.load(gcum_ptr + tok * H + h, mask=ok, other=0.0)
     G_last = tl.load(gcum_ptr + (t0 + nv - 1) * H + h)
@@ -190,8 +190,8 @@ def delta_bwd_dqk(q_ptr, k_ptr, v_ptr, a_ptr, hp_ptr, s_ptr, eps, gcum_ptr, beta
         dG = tl.sum(PM, 1) - tl.sum(PM, 0)
         dG += tl.sum(dq1 * q.to(tl.float32), 1)
         dq = dq1 + mm(dMq, k, IN_PREC, UPCAST)
-    if first < nv:
-        dq = tl.where(rows[:, None] < first, dq, float("nan"))
+    if bad_row < nv:
+        dq = tl.where(rows[:, None] < bad_row, dq, float("nan"))
     tl.store(dq_ptr + (tok[:, None] * H + h) * K + kk[None, :], rnd(dq, dq_ptr.dtype.element_ty, UPCAST), mask=km)
     # w = Tm X on this block's columns: dTm += dw X^T, dX = Tm^T dw (fp32 operands: PREC)
     bG = beta * eG
@@ -229,11 +229,11 @@ def delta_bwd_dqk(q_ptr, k_ptr, v_ptr, a_ptr, hp_ptr, s_ptr, eps, gcum_ptr, beta
         PA = E * KK * beta[:, None]
         dG += tl.sum(PA, 1) - tl.sum(PA, 0)
         dn2 = hook_grads(dG, dbeta, tl.sum(kf * kf, 1), a_ptr, hp_ptr, s_ptr, eps, da_ptr, dhp_ptr, ds_ptr, tok, h,
-                         H, TTH, ok, rows, first)
+                         H, TTH, ok, rows, bad_row)
         dk += through_keys(E, k, beta, LOWP, PREC, IN_PREC, UPCAST)
         dk += dn2[:, None] * kf
-        if first < nv:
-            dk = tl.where(rows[:, None] < first, dk, float("nan"))
+        if bad_row < nv:
+            dk = tl.where(rows[:, None] < bad_row, dk, float("nan"))
         tl.store(dk_ptr + (tok[:, None] * H + h) * K + kk[None, :], rnd(dk, dk_ptr.dtype.element_ty, UPCAST),
                  mask=km)
     else:
@@ -298,14 +298,14 @@ def through_keys(E, k, beta, LOWP: tl.constexpr, PREC: tl.constexpr, IN_PREC: tl
 
 
 @triton.jit
-def hook_grads(dG, dbeta, n2, a_ptr, hp_ptr, s_ptr, eps, da_ptr, dhp_ptr, ds_ptr, tok, h, H, TTH, ok, rows, first):
+def hook_grads(dG, dbeta, n2, a_ptr, hp_ptr, s_ptr, eps, da_ptr, dhp_ptr, ds_ptr, tok, h, H, TTH, ok, rows, bad_row):
     """From dG (G = cumsum(g) in the chunk: dg_t = sum over i >= t of dG_i) and dbeta through the hooks' chain
-    rule: stores the decay input's and parameters' gradients and the step input's; returns d||k||^2. Row `first`
+    rule: stores the decay input's and parameters' gradients and the step input's; returns d||k||^2. Row `bad_row`
     (C if none) holds the chunk's first non-finite token: the token loop's decay gradients are NaN after it (the
     decay acts before the token's value), its step gradients from it on."""
     dg = tl.sum(dG, 0) - tl.cumsum(dG, 0) + dG
-    dg = tl.where(rows > first, float("nan"), dg)
-    dbeta = tl.where(rows < first, dbeta, float("nan"))
+    dg = tl.where(rows > bad_row, float("nan"), dg)
+    dbeta = tl.where(rows < bad_row, dbeta, float("nan"))
     a = tl.load(a_ptr + tok * H + h, mask=ok, other=0.0).to(tl.float32)
     store_decay_grads(dg, a, hp_ptr, h, H, da_ptr, dhp_ptr, tok * H + h, TTH, ok)
     s = tl.load(s_ptr + tok * H + h, mask=ok, other=0.0).to(tl.float32)
@@ -336,7 +336,7 @@ def delta_bwd_wy(k_ptr, v_ptr, a_ptr, hp_ptr, s_ptr, eps, gcum_ptr, beta_ptr, tm
     causal = (rows[:, None] >= rows[None, :]) & ok[:, None] & ok[None, :]
     # an unmasked (vectorised) load: delta_prep wrote every element
     Tm = tl.where(causal, tl.load(tm_ptr + ((c * H + h) * C + rows[:, None]).to(tl.int64) * C + rows[None, :]), 0.0)
-    first = tl.load(nonfinite_ptr + c * H + h)
+    bad_row = tl.load(nonfinite_ptr + c * H + h)
     dTm = tl.zeros([C, C], dtype=tl.float32)
     dbeta = tl.zeros([C], dtype=tl.float32)
     dG = tl.zeros([C], dtype=tl.float32)
@@ -351,7 +351,7 @@ def delta_bwd_wy(k_ptr, v_ptr, a_ptr, hp_ptr, s_ptr, eps, gcum_ptr, beta_ptr, tm
         vm = ok[:, None] & (vv[None, :] < V)
         dU = tl.load(dU_ptr + (tok[:, None] * H + h) * V + vv[None, :], mask=vm, other=0.0)
         dbeta, dTm = u_grads(v_ptr, dv_ptr, Tm, dU, beta, dbeta, dTm, tok, vv, vm, h, H, V, LOWP, PREC, IN_PREC,
-                             UPCAST, first < nv)
+                             UPCAST, bad_row < nv)
     E = through_inverse(Tm, dTm, G, ok, rows, k_ptr.dtype.element_ty, LOWP, PREC, IN_PREC, UPCAST)
     n2 = tl.zeros([C], dtype=tl.float32)
     KK = tl.zeros([C, C], dtype=tl.float32)
@@ -363,7 +363,8 @@ def delta_bwd_wy(k_ptr, v_ptr, a_ptr, hp_ptr, s_ptr, eps, gcum_ptr, beta_ptr, tm
     dbeta += tl.sum(E * KK, 1)
     PA = E * KK * beta[:, None]
     dG += tl.sum(PA, 1) - tl.sum(PA, 0)
-    dn2 = hook_grads(dG, dbeta, n2, a_ptr, hp_ptr, s_ptr, eps, da_ptr, dhp_ptr, ds_ptr, tok, h, H, TTH, ok, rows, first)
+    dn2 = hook_grads(dG, dbeta, n2, a_ptr, hp_ptr, s_ptr, eps, da_ptr, dhp_ptr, ds_ptr, tok, h, H, TTH, ok, rows,
+                     bad_row)
     for kb in range(0, tl.cdiv(K, BKS)):
         kk = kb * BKS + tl.arange(0, BKS)
         km = ok[:, None] & (kk[None, :] < K)
@@ -371,8 +372,8 @@ def delta_bwd_wy(k_ptr, v_ptr, a_ptr, hp_ptr, s_ptr, eps, gcum_ptr, beta_ptr, tm
         dk = tl.load(dk_part_ptr + (tok[:, None] * H + h) * K + kk[None, :], mask=km, other=0.0).to(tl.float32)
         dk += through_keys(E, k, beta, LOWP, PREC, IN_PREC, UPCAST)
         dk += dn2[:, None] * k.to(tl.float32)
-        if first < nv:
-            dk = tl.where(rows[:, None] < first, dk, float("nan"))
+        if bad_row < nv:
+            dk = tl.where(rows[:, None] < bad_row, dk, float("nan"))
         tl.store(dk_ptr + (tok[:, None] * H + h) * K + kk[None, :], rnd(dk, dk_ptr.dtype.element_ty, UPCAST),
                  mask=km)
 
