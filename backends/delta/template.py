@@ -38,7 +38,7 @@ A NaN or inf in token t reaches token t and later ones only, as in the token loo
 first such token (over the key, step, decay and value inputs; C if none) in `nonfinite` [NC, H], and the kernels
 after it take the guarded path only in chunks where that row exists, so finite chunks run the plain products:
 the causal products (Tm from A, w, u, (Q K^T * Dec) U) take the non-finite rows as 0 and make them and the later
-ones NaN (`causal_operand`, `nan_from`; the prep's A and Tm by rows); the backward takes U's and V's non-finite
+ones NaN (`finite_or_zero`, `nan_from`; the prep's A and Tm by rows); the backward takes U's and V's non-finite
 entries as 0 (mathematically their terms reach the earlier tokens' gradients only in differences that cancel)
 and makes the chunk's dq, dk and step gradients NaN from that row on and its decay gradients after it, where the
 token loop's are. A key, step or decay that is not finite makes the loop's gradients of every earlier token NaN
@@ -81,18 +81,17 @@ def finite(x):
 
 
 @triton.jit
-def causal_operand(x, rows, C: tl.constexpr):
-    """For a causal product L @ x (L lower triangular over a chunk's rows) where x may hold NaN or inf: x with each
-    column 0 from its first non-finite row on, and those rows ([BD], C for a finite column). L's exact zeros above
-    the diagonal would carry 0 * NaN into the rows before; `nan_from` makes the product's rows from there on NaN,
-    as the token loop's state is."""
-    first = tl.min(tl.where(finite(x), C, rows[:, None]), 0)
-    return tl.where(rows[:, None] < first[None, :], x, 0.0), first
+def finite_or_zero(x):
+    """x with its NaN and inf entries as 0: the right operand of a causal product L @ x (L lower triangular over a
+    chunk's rows), whose exact zeros above the diagonal would carry 0 * NaN into the rows before them."""
+    return tl.where(finite(x), x, 0.0)
 
 
 @triton.jit
-def nan_from(y, rows, first):
-    """y with each column NaN from row first[column] on."""
+def nan_from(y, x, rows, C: tl.constexpr):
+    """The causal product y = L @ finite_or_zero(x) with each column NaN from x's first non-finite row in it on, as
+    the token loop's state is after a NaN or inf (a min-reduction of row indices)."""
+    first = tl.min(tl.where(finite(x), C, rows[:, None]), 0)
     return tl.where(rows[:, None] < first[None, :], y, float("nan"))
 
 
@@ -167,22 +166,24 @@ def wy_block(x_ptr, out_ptr, Tm, scale, tok, ok, h, H, col0, D: tl.constexpr, BD
     """out = Tm diag(scale) x on columns col0 .. col0 + BD of one chunk's rows `tok` (valid where `ok`) of the
     [TT, H, D] tensors x and out: a block of w (x = K, scale = beta e^G) or of u (x = V, scale = beta).
     `nonfinite`: the chunk holds a non-finite token (Tm is NaN from its key, step or decay on), so diag(scale) x
-    goes through `causal_operand`; DETECT (delta_prep) also finds x's own non-finite rows here, and returns the
-    first (C if none)."""
+    enters as `finite_or_zero` and the product goes through `nan_from`; DETECT (delta_prep) also finds x's own
+    non-finite rows here, and returns the first (C if none). Only the guards branch, not the product (one copy of
+    its code), and the operand is loaded again for `nan_from` rather than kept live across the product."""
     cols = col0 + tl.arange(0, BD)
     rows = tl.arange(0, C)
     m = ok[:, None] & (cols[None, :] < D)
-    x = scale[:, None] * tl.load(x_ptr + (tok[:, None] * H + h) * D + cols[None, :], mask=m, other=0.0).to(tl.float32)
+    offs = (tok[:, None] * H + h) * D + cols[None, :]
+    x = scale[:, None] * tl.load(x_ptr + offs, mask=m, other=0.0).to(tl.float32)
     found = C
     if DETECT:
         found = tl.min(tl.where(finite(x), C, rows[:, None]))
         nonfinite = nonfinite | (found < C)
     if nonfinite:
-        x, nan_row = causal_operand(x, rows, C)
-        y = nan_from(mm(Tm, x, PREC, UPCAST), rows, nan_row)
-    else:
-        y = mm(Tm, x, PREC, UPCAST)
-    tl.store(out_ptr + (tok[:, None] * H + h) * D + cols[None, :], rnd(y, out_ptr.dtype.element_ty, UPCAST), mask=m)
+        x = finite_or_zero(x)
+    y = mm(Tm, x, PREC, UPCAST)
+    if nonfinite:
+        y = nan_from(y, scale[:, None] * tl.load(x_ptr + offs, mask=m, other=0.0).to(tl.float32), rows, C)
+    tl.store(out_ptr + offs, rnd(y, out_ptr.dtype.element_ty, UPCAST), mask=m)
     return found
 
 
@@ -205,17 +206,18 @@ def wy_block_split(x_ptr, out_ptr, Th, Tl, tok, ok, h, H, col0, D: tl.constexpr,
     cols = col0 + tl.arange(0, BD)
     rows = tl.arange(0, C)
     m = ok[:, None] & (cols[None, :] < D)
-    x = tl.load(x_ptr + (tok[:, None] * H + h) * D + cols[None, :], mask=m, other=0.0)
+    offs = (tok[:, None] * H + h) * D + cols[None, :]
+    x = tl.load(x_ptr + offs, mask=m, other=0.0)
     found = C
     if DETECT:
         found = tl.min(tl.where(finite(x), C, rows[:, None]))
         nonfinite = nonfinite | (found < C)
     if nonfinite:
-        x, nan_row = causal_operand(x, rows, C)
-        y = nan_from(mm(Th, x, PREC, UPCAST) + mm(Tl, x, PREC, UPCAST), rows, nan_row)
-    else:
-        y = mm(Th, x, PREC, UPCAST) + mm(Tl, x, PREC, UPCAST)
-    tl.store(out_ptr + (tok[:, None] * H + h) * D + cols[None, :], rnd(y, out_ptr.dtype.element_ty, UPCAST), mask=m)
+        x = finite_or_zero(x)
+    y = mm(Th, x, PREC, UPCAST) + mm(Tl, x, PREC, UPCAST)
+    if nonfinite:
+        y = nan_from(y, tl.load(x_ptr + offs, mask=m, other=0.0), rows, C)
+    tl.store(out_ptr + offs, rnd(y, out_ptr.dtype.element_ty, UPCAST), mask=m)
     return found
 
 
@@ -229,8 +231,8 @@ def wy_factors(k_ptr, v_ptr, w_ptr, u_ptr, Tm, beta, bG, tok, ok, h, H, K: tl.co
     found = tl.full([], C, tl.int32)
     if k_ptr.dtype.element_ty == tl.bfloat16:
         if nonfinite:   # a non-finite scale would reach the rows before its own through Tm's zeros
-            bG = tl.where(finite(bG), bG, 0.0)
-            beta = tl.where(finite(beta), beta, 0.0)
+            bG = finite_or_zero(bG)
+            beta = finite_or_zero(beta)
         Wh, Wl = split_scaled(Tm, bG, UPCAST)
         for kb in range(0, tl.cdiv(K, BKS)):
             wy_block_split(k_ptr, w_ptr, Wh, Wl, tok, ok, h, H, kb * BKS, K, BKS, PREC, UPCAST, nonfinite, C, False)
@@ -282,7 +284,7 @@ def delta_wu(k_ptr, v_ptr, gcum_ptr, beta_ptr, tm_ptr, w_ptr, u_ptr, nonfinite_p
             scale = beta
         if k_ptr.dtype.element_ty == tl.bfloat16:       # as delta_prep computes them (`wy_factors`)
             if nonfinite:
-                scale = tl.where(finite(scale), scale, 0.0)
+                scale = finite_or_zero(scale)
             Th, Tl = split_scaled(Tm, scale, UPCAST)
             if j < NKB:
                 wy_block_split(k_ptr, w_ptr, Th, Tl, tok, ok, h, H, j * BKS, K, BKS, PREC, UPCAST, nonfinite, C, False)
@@ -305,7 +307,7 @@ def state_pass(q_ptr, k_ptr, w_ptr, u_ptr, gcum_ptr, h0_ptr, chunk_tok, chunk_le
     the chunk's output O = scale (e^G Q S0 + (Q K^T * Dec) U) instead (o_ptr; all the forward needs), from
     S0 and U rounded as they would have been stored, and (Q K^T * Dec) as delta_prep stored it (mq_ptr [NC, H, C, C]:
     state-independent work stays in the parallel kernel); in a chunk with a non-finite token (nonfinite_ptr [NC, H])
-    through `causal_operand`."""
+    through `finite_or_zero` and `nan_from`."""
     n = tl.program_id(0)
     h = tl.program_id(1)
     vv = tl.program_id(2) * BV + tl.arange(0, BV)
@@ -342,12 +344,15 @@ def state_pass(q_ptr, k_ptr, w_ptr, u_ptr, gcum_ptr, h0_ptr, chunk_tok, chunk_le
             q = tl.load(q_ptr + (tok[:, None] * H + h) * K + kk[None, :], mask=km, other=0.0)
             # an unmasked (vectorised) load: delta_prep wrote every element
             M = tl.load(mq_ptr + ((c * H + h) * C + rows[:, None]).to(tl.int64) * C + rows[None, :])
+            # U is not finite from some rows on (a non-finite S0: all of them); only the guards branch (U is live
+            # for the state's update anyway), the products are shared
+            nonfinite = tl.load(nonfinite_ptr + c * H + h) < nv
+            if nonfinite:
+                Uq = finite_or_zero(Uq)
             o = mm(q, Sq, IN_PREC, UPCAST) * tl.exp(G)[:, None]
-            if tl.load(nonfinite_ptr + c * H + h) < nv:   # U is not finite from some rows on (a non-finite S0: all)
-                Uq, nan_row = causal_operand(Uq, rows, C)
-                o = nan_from(o + mm(M, Uq, IN_PREC, UPCAST), rows, nan_row)
-            else:
-                o += mm(M, Uq, IN_PREC, UPCAST)
+            o += mm(M, Uq, IN_PREC, UPCAST)
+            if nonfinite:
+                o = nan_from(o, U, rows, C)
             tl.store(o_ptr + (tok[:, None] * H + h) * V + vv[None, :], o * scale, mask=vm)
         else:
             tl.store(U_ptr + (tok[:, None] * H + h) * V + vv[None, :], rnd(U, U_ptr.dtype.element_ty, UPCAST), mask=vm)

@@ -160,7 +160,7 @@ def delta_bwd_dqk(q_ptr, k_ptr, v_ptr, a_ptr, hp_ptr, s_ptr, eps, gcum_ptr, beta
         # h, dh and U are stored in the input dtype; dU and dO (fp32) are rounded to it for the dots
         U = tl.load(U_ptr + (tok[:, None] * H + h) * V + vv[None, :], mask=vm, other=0.0)
         if bad_row < nv:   # else 0 * NaN through the causal mask and the chunk end's sums (terms that cancel in dg)
-            U = tl.where(finite(U), U, 0.0)
+            U = finite_or_zero(U)
         dU = tl.load(dU_ptr + (tok[:, None] * H + h) * V + vv[None, :], mask=vm, other=0.0)
         do = rnd(tl.load(do_ptr + (tok[:, None] * H + h) * V + vv[None, :], mask=vm, other=0.0), S0.dtype, UPCAST)
         dOU += mm(do, tl.trans(U), IN_PREC, UPCAST)
@@ -263,7 +263,7 @@ def u_grads(v_ptr, dv_ptr, Tm, dU, beta, dbeta, dTm, tok, vv, vm, h, H, V: tl.co
     entries enter as 0 (a NaN in dTm's column j would reach every row of dA through Tm's zeros)."""
     v = tl.load(v_ptr + (tok[:, None] * H + h) * V + vv[None, :], mask=vm, other=0.0)
     if nonfinite:
-        v = tl.where(finite(v), v, 0.0)
+        v = finite_or_zero(v)
     dY = mm_lowp(tl.trans(Tm), dU.to(tl.float32), v.dtype, LOWP, PREC, IN_PREC, UPCAST)
     tl.store(dv_ptr + (tok[:, None] * H + h) * V + vv[None, :],
              rnd(beta[:, None] * dY, dv_ptr.dtype.element_ty, UPCAST), mask=vm)
