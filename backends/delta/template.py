@@ -166,9 +166,9 @@ def wy_block(x_ptr, out_ptr, Tm, scale, tok, ok, h, H, col0, D: tl.constexpr, BD
     """out = Tm diag(scale) x on columns col0 .. col0 + BD of one chunk's rows `tok` (valid where `ok`) of the
     [TT, H, D] tensors x and out: a block of w (x = K, scale = beta e^G) or of u (x = V, scale = beta).
     `nonfinite`: the chunk holds a non-finite token (Tm is NaN from its key, step or decay on), so diag(scale) x
-    enters as `finite_or_zero` and the product goes through `nan_from`; DETECT (delta_prep) also finds x's own
-    non-finite rows here, and returns the first (C if none). Only the guards branch, not the product (one copy of
-    its code), and the operand is loaded again for `nan_from` rather than kept live across the product."""
+    enters as `finite_or_zero` (`nan_rows` then makes the stored block NaN where the token loop's is); DETECT
+    (delta_prep) also finds x's own non-finite rows here, and returns the first (C if none). Only the guard
+    branches, not the product (one copy of its code)."""
     cols = col0 + tl.arange(0, BD)
     rows = tl.arange(0, C)
     m = ok[:, None] & (cols[None, :] < D)
@@ -181,8 +181,6 @@ def wy_block(x_ptr, out_ptr, Tm, scale, tok, ok, h, H, col0, D: tl.constexpr, BD
     if nonfinite:
         x = finite_or_zero(x)
     y = mm(Tm, x, PREC, UPCAST)
-    if nonfinite:
-        y = nan_from(y, scale[:, None] * tl.load(x_ptr + offs, mask=m, other=0.0).to(tl.float32), rows, C)
     tl.store(out_ptr + offs, rnd(y, out_ptr.dtype.element_ty, UPCAST), mask=m)
     return found
 
@@ -215,10 +213,22 @@ def wy_block_split(x_ptr, out_ptr, Th, Tl, tok, ok, h, H, col0, D: tl.constexpr,
     if nonfinite:
         x = finite_or_zero(x)
     y = mm(Th, x, PREC, UPCAST) + mm(Tl, x, PREC, UPCAST)
-    if nonfinite:
-        y = nan_from(y, tl.load(x_ptr + offs, mask=m, other=0.0), rows, C)
     tl.store(out_ptr + offs, rnd(y, out_ptr.dtype.element_ty, UPCAST), mask=m)
     return found
+
+
+@triton.jit
+def nan_rows(x_ptr, out_ptr, tok, ok, h, H, col0, D: tl.constexpr, BD: tl.constexpr, C: tl.constexpr):
+    """After a block of w or u was stored from x's finite entries (`wy_block`): its columns NaN from x's first
+    non-finite row in them on (`nan_from`; the rows of a non-finite scale are NaN through Tm's). A pass of its own
+    after the products, in chunks with a non-finite token only: inside their loop it would hold the reduction's
+    registers while the split factors are live (168 -> 186 registers in delta_prep, Triton 3.9, bf16 K = 128)."""
+    cols = col0 + tl.arange(0, BD)
+    rows = tl.arange(0, C)
+    m = ok[:, None] & (cols[None, :] < D)
+    offs = (tok[:, None] * H + h) * D + cols[None, :]
+    y = nan_from(tl.load(out_ptr + offs, mask=m, other=0.0), tl.load(x_ptr + offs, mask=m, other=0.0), rows, C)
+    tl.store(out_ptr + offs, y, mask=m)
 
 
 @triton.jit
@@ -227,7 +237,8 @@ def wy_factors(k_ptr, v_ptr, w_ptr, u_ptr, Tm, beta, bG, tok, ok, h, H, K: tl.co
                C: tl.constexpr, DETECT: tl.constexpr):
     """w = Tm diag(bG) K (bG = beta e^G) and u = Tm diag(beta) V of one chunk, BKS / BV columns at a time:
     bf16 inputs through `split_scaled` (Tm diag(scale) split once per factor), others by `wy_block`.
-    `nonfinite` and DETECT as in `wy_block` (DETECT on V's blocks); returns V's first non-finite row (or C)."""
+    `nonfinite` and DETECT as in `wy_block` (DETECT on V's blocks), then `nan_rows` where either holds; returns V's
+    first non-finite row (or C)."""
     found = tl.full([], C, tl.int32)
     if k_ptr.dtype.element_ty == tl.bfloat16:
         if nonfinite:   # a non-finite scale would reach the rows before its own through Tm's zeros
@@ -246,6 +257,12 @@ def wy_factors(k_ptr, v_ptr, w_ptr, u_ptr, Tm, beta, bG, tok, ok, h, H, K: tl.co
         for iv in range(0, tl.cdiv(V, BV)):
             found = tl.minimum(found, wy_block(v_ptr, u_ptr, Tm, beta, tok, ok, h, H, iv * BV, V, BV, PREC, UPCAST,
                                                nonfinite, C, DETECT))
+    if nonfinite | (found < C):
+        tl.debug_barrier()   # the blocks are read back by other threads than those that stored them
+        for kb in range(0, tl.cdiv(K, BKS)):
+            nan_rows(k_ptr, w_ptr, tok, ok, h, H, kb * BKS, K, BKS, C)
+        for iv in range(0, tl.cdiv(V, BV)):
+            nan_rows(v_ptr, u_ptr, tok, ok, h, H, iv * BV, V, BV, C)
     return found
 
 
@@ -295,6 +312,12 @@ def delta_wu(k_ptr, v_ptr, gcum_ptr, beta_ptr, tm_ptr, w_ptr, u_ptr, nonfinite_p
             wy_block(k_ptr, w_ptr, Tm, scale, tok, ok, h, H, j * BKS, K, BKS, PREC, UPCAST, nonfinite, C, False)
         else:
             wy_block(v_ptr, u_ptr, Tm, scale, tok, ok, h, H, (j - NKB) * BV, V, BV, PREC, UPCAST, nonfinite, C, False)
+        if nonfinite:
+            tl.debug_barrier()   # as in wy_factors
+            if j < NKB:
+                nan_rows(k_ptr, w_ptr, tok, ok, h, H, j * BKS, K, BKS, C)
+            else:
+                nan_rows(v_ptr, u_ptr, tok, ok, h, H, (j - NKB) * BV, V, BV, C)
 
 
 @triton.jit
