@@ -303,18 +303,20 @@ def test_delta_triton_keeps_non_finite_tokens_causal(dtype):
         check_causal(o, delta_loop(*ins), dtype)
 
 
-WY = dict(WY=True, BKS=16, BV=16, num_warps=4, num_stages=1, DG_SUMS=False)   # bwd_dqk doing bwd_wy's work too
+# bwd_dqk doing bwd_wy's work too; w and u recomputed by delta_wu one column block per program (not kept)
+WY = dict(delta_configs={"bwd_dqk": dict(WY=True, BKS=16, BV=16, num_warps=4, num_stages=1, DG_SUMS=False)})
+WU = dict(delta_save_wu=False, delta_configs={"wu": dict(BV=16, num_warps=4, num_stages=1, PER_CHUNK=False)})
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case, bwd_dqk, dtype", [(c, None, torch.float32) for c in VALUE_CASES]
-                         + [("v nan", WY, torch.float32), ("v nan (right padding)", None, torch.bfloat16)])
-def test_delta_triton_gradients_stay_causal(case, bwd_dqk, dtype, knobs):
+@pytest.mark.parametrize("case, config, dtype", [(c, {}, torch.float32) for c in VALUE_CASES]
+                         + [("v nan", WY, torch.float32), ("v nan (a chunk's last token)", WU, torch.float32),
+                            ("v nan (right padding)", {}, torch.bfloat16)])
+def test_delta_triton_gradients_stay_causal(case, config, dtype, knobs):
     """A NaN or inf value: every gradient (q, k, v, g, beta, initial state) has the float64 token loop's NaN pattern
     and values (the outputs' and final state's NaNs masked out of the loss), so the tokens before it keep finite
     gradients: U's and V's non-finite entries stay out of dM, dTm and the chunk-end sums."""
-    if bwd_dqk is not None:
-        knobs(delta_configs={"bwd_dqk": bwd_dqk})
+    knobs(**config)
     ins = [t.to(dtype) for t in poison(case, *delta_inputs())]
     gen = torch.Generator().manual_seed(3)
     h0 = torch.randn(1, 2, 8, 4, generator=gen)
