@@ -37,8 +37,10 @@ Kernels (per chunk c of C tokens, head h; S0 the chunk's start state, G the in-c
 A NaN or inf in token t reaches token t and later ones only, as in the token loop. delta_prep stores each chunk's
 first such token (over the key, step, decay and value inputs; C if none) in `nonfinite` [NC, H], and the kernels
 after it take the guarded path only in chunks where that row exists, so finite chunks run the plain products:
-the causal products (Tm from A, w, u, (Q K^T * Dec) U) take the non-finite rows as 0 and make them and the later
-ones NaN (`finite_or_zero`, `nan_from`; the prep's A and Tm by rows); the backward takes U's and V's non-finite
+the causal products (Tm from A, w, u, (Q K^T * Dec) U) take the non-finite entries as 0 and make each column NaN
+from its first one on (`finite_or_zero`, `nan_from`, `nan_rows`; the prep's A and Tm by rows, from the first
+non-finite key, step or decay); no cumsum, no `x - x`, and the products themselves never branch (one copy of
+each dot: a branched copy costs registers and spills in every chunk). The backward takes U's and V's non-finite
 entries as 0 (mathematically their terms reach the earlier tokens' gradients only in differences that cancel)
 and makes the chunk's dq, dk and step gradients NaN from that row on and its decay gradients after it, where the
 token loop's are. A key, step or decay that is not finite makes the loop's gradients of every earlier token NaN
@@ -221,8 +223,8 @@ def wy_block_split(x_ptr, out_ptr, Th, Tl, tok, ok, h, H, col0, D: tl.constexpr,
 def nan_rows(x_ptr, out_ptr, tok, ok, h, H, col0, D: tl.constexpr, BD: tl.constexpr, C: tl.constexpr):
     """After a block of w or u was stored from x's finite entries (`wy_block`): its columns NaN from x's first
     non-finite row in them on (`nan_from`; the rows of a non-finite scale are NaN through Tm's). A pass of its own
-    after the products, in chunks with a non-finite token only: inside their loop it would hold the reduction's
-    registers while the split factors are live (168 -> 186 registers in delta_prep, Triton 3.9, bf16 K = 128)."""
+    after the products, in chunks with a non-finite token only: inside their loop the reduction's registers would
+    be live with the split factors, and delta_prep's register count (every chunk's) would grow."""
     cols = col0 + tl.arange(0, BD)
     rows = tl.arange(0, C)
     m = ok[:, None] & (cols[None, :] < D)
