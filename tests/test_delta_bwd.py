@@ -21,9 +21,10 @@ from test_delta_triton import NAMES, make_inputs, run_with_grads  # noqa: E402
 
 @pytest.fixture(autouse=True)
 def poisoned_buffers(monkeypatch, tmp_path):
-    """Every kernel buffer starts as NaN (so an unwritten element shows), in a fresh cache dir."""
-    monkeypatch.setattr(delta_ops, "_empty",
-                        lambda *s, device, dtype: torch.full(s, float("nan"), device=device, dtype=dtype))
+    """Every kernel buffer starts as NaN (so an unwritten element shows; an integer one as -1, which marks every row
+    of a chunk non-finite), in a fresh cache dir."""
+    monkeypatch.setattr(delta_ops, "_empty", lambda *s, device, dtype: torch.full(
+        s, float("nan") if dtype.is_floating_point else -1, device=device, dtype=dtype))
     monkeypatch.setenv("SCANLANG_CACHE_DIR", str(tmp_path))
 
 

@@ -35,9 +35,10 @@ def make_inputs(B, T, H, K, V, seed):
 
 @pytest.fixture(autouse=True)
 def poisoned_buffers(monkeypatch, tmp_path):
-    """Every kernel buffer starts as NaN (so an unwritten element shows), in a fresh cache dir."""
-    monkeypatch.setattr(delta_ops, "_empty",
-                        lambda *s, device, dtype: torch.full(s, float("nan"), device=device, dtype=dtype))
+    """Every kernel buffer starts as NaN (so an unwritten element shows; an integer one as -1, which marks every row
+    of a chunk non-finite), in a fresh cache dir."""
+    monkeypatch.setattr(delta_ops, "_empty", lambda *s, device, dtype: torch.full(
+        s, float("nan") if dtype.is_floating_point else -1, device=device, dtype=dtype))
     monkeypatch.setenv("SCANLANG_CACHE_DIR", str(tmp_path))
 
 
@@ -95,9 +96,10 @@ def test_bf16_wy_factors_match_float64():
     table = delta_ops.ChunkTable(1, T, None, C, "cpu")
     p = delta_ops.plan(delta_ops.program_key(KACZMARZ, C), K, V, torch.bfloat16, torch.device("cpu"))
     hp = torch.zeros(0, H)
-    _, _, tm, gcum, beta = delta_ops._chunk_forward(p, *packed, a, hp, s, None, *table.chunks, 1e-6, 0.25,
-                                                    direct=True)
-    w, _, _ = delta_ops._states(p, packed[1], packed[2], hp, None, *table.chunks, tm, gcum, beta, direct=True)
+    _, _, tm, gcum, beta, nonfinite = delta_ops._chunk_forward(p, *packed, a, hp, s, None, *table.chunks, 1e-6,
+                                                               0.25, direct=True)
+    w, _, _ = delta_ops._states(p, packed[1], packed[2], hp, None, *table.chunks, tm, gcum, beta, nonfinite,
+                                direct=True)
     kd, vd = packed[1].double(), packed[2].double()
     w_ref = torch.empty(T, H, K, dtype=torch.float64)
     for t0 in range(0, T, C):

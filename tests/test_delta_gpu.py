@@ -138,3 +138,94 @@ def test_eager_path_matches_the_op_path_on_gpu(monkeypatch, knobs):
     knobs(delta_eager_fast_path=False)
     for name, a, b in zip(NAMES, eager, with_grads(fn, ins)):
         assert torch.equal(a, b), name
+
+
+GDN = (2, 1000, 4, 128, 128)   # B, T, H, K = V (GDN's head size): chunks of 64, the last one of 40 tokens
+# (input, batch, token, head, column or None for all of them, value), one plant per (batch, head): mid-chunk
+# (300 = 4 * 64 + 44), a chunk's first (640) and last (127) token, the short last chunk (990)
+VALUE_PLANTS = [("v", 0, 300, 1, 5, float("nan")), ("v", 1, 640, 2, 100, float("inf")),
+                ("v", 1, 127, 0, None, float("nan")), ("v", 0, 990, 3, 0, float("-inf"))]
+# a non-finite key, step, decay or query: the token loop's gradients of the earlier tokens are NaN too, so
+# only the outputs are compared
+TOKEN_PLANTS = [("k", 0, 300, 1, 3, float("inf")), ("beta", 1, 640, 2, None, float("nan")),
+                ("g", 1, 127, 0, None, float("nan")), ("q", 0, 990, 3, 7, float("nan"))]
+GDN_NAMES = ("o", "S", "dq", "dk", "dv", "dg", "dbeta", "dh0")
+
+
+def gdn_inputs(dtype, seed=7):
+    B, T, H, K, V = GDN
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(B, T, H, K, device="cuda", generator=gen)
+    k = torch.nn.functional.normalize(torch.randn(B, T, H, K, device="cuda", generator=gen), dim=-1)
+    v = torch.randn(B, T, H, V, device="cuda", generator=gen)
+    g = torch.nn.functional.logsigmoid(torch.randn(B, T, H, device="cuda", generator=gen))
+    beta = torch.sigmoid(torch.randn(B, T, H, device="cuda", generator=gen))
+    h0 = torch.randn(B, H, K, V, device="cuda", generator=gen)
+    return [q.to(dtype), k.to(dtype), v.to(dtype), g, beta, h0]
+
+
+def gdn(backend):
+    return lambda q, k, v, g, beta, h0: delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True,
+                                                   backend=backend)
+
+
+def planted(ins, plants):
+    out = [t.clone() for t in ins]
+    for name, b, t, h, col, value in plants:
+        x = out["q k v g beta".split().index(name)]
+        if col is None:
+            x[b, t, h] = value
+        else:
+            x[b, t, h, col] = value
+    return out
+
+
+def same_kernels(got, clean, kind, what):
+    """`got` equals `clean` (the same kernels on the same inputs, up to the rounding of terms that cancel: dg's
+    in-chunk sums): finite, and within fp32's CPU row, not the GPU rows meant for tf32 dots against float64."""
+    assert torch.isfinite(got).all(), f"{what}: not finite"
+    assert_close(got.cpu(), clean.cpu(), kind, torch.float32, what)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_non_finite_values_stay_causal_on_gpu(dtype):
+    """NaN or inf values planted mid-chunk, at a chunk's first and last token and in the short last chunk: the
+    outputs and every gradient of the tokens before each (and d initial state) equal the clean run's, the rows
+    without one equal it whole; the clean run is finite and matches the float64 reference."""
+    ins = gdn_inputs(dtype)
+    clean = with_grads(gdn("triton"), ins)
+    ref = with_grads(gdn("reference"), [t.double() for t in ins])
+    for name, kind, a, b in zip(GDN_NAMES, KINDS, clean, ref):
+        assert torch.isfinite(a).all(), name
+        assert_close(a, b, kind, dtype, name)
+    got = with_grads(gdn("triton"), planted(ins, VALUE_PLANTS))
+    rows = {(b, h): t for _, b, t, h, _, _ in VALUE_PLANTS}
+    for name, kind, a, c in zip(GDN_NAMES, KINDS, got, clean):
+        for (b, h), t in rows.items():
+            if name == "dh0":
+                same_kernels(a[b, h], c[b, h], kind, f"dh0 ({b}, {h})")
+            elif name != "S":     # the final state is not finite in the planted rows
+                same_kernels(a[b, :t, h], c[b, :t, h], kind, f"{name} ({b}, :{t}, {h})")
+    for name, kind, a, c in zip(GDN_NAMES, KINDS, got, clean):   # rows without a plant: B x H minus the planted
+        for b in range(GDN[0]):
+            for h in range(GDN[2]):
+                if (b, h) not in rows:
+                    same_kernels(a[b, h] if name in ("S", "dh0") else a[b, :, h],
+                                 c[b, h] if name in ("S", "dh0") else c[b, :, h], kind, f"{name} ({b}, {h})")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_non_finite_keys_steps_decays_and_queries_stay_causal_on_gpu(dtype):
+    """A NaN or inf key, step, decay or query planted as above: the outputs of the tokens before it equal the clean
+    run's, later ones are NaN where the plant reaches (the state from a key, step or decay on; a query's own row)."""
+    ins = gdn_inputs(dtype)
+    with torch.no_grad():
+        clean, _ = gdn("triton")(*ins)
+        got, S = gdn("triton")(*planted(ins, TOKEN_PLANTS))
+    for name, b, t, h, _, _ in TOKEN_PLANTS:
+        same_kernels(got[b, :t, h], clean[b, :t, h], "delta_out", f"o ({b}, :{t}, {h}), {name} planted at {t}")
+        assert torch.isnan(got[b, t, h]).any(), f"o ({b}, {t}, {h}): the planted token's output is finite"
+        if name == "q":
+            same_kernels(got[b, t + 1:, h], clean[b, t + 1:, h], "delta_out", f"o ({b}, {t + 1}:, {h}) after a query")
+        else:
+            assert torch.isnan(got[b, t:, h]).all() and torch.isnan(S[b, h]).all(), f"({b}, {h}) after {name}"

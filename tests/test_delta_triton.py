@@ -48,8 +48,10 @@ def make_inputs(B, T, H, K, V, seed=0, zero_keys=True):
 
 @pytest.fixture(autouse=True)
 def poisoned_buffers(monkeypatch, tmp_path):
-    """Every kernel buffer starts as NaN (so an unwritten element shows), in a fresh cache dir."""
-    monkeypatch.setattr(delta_ops, "_empty", lambda *s, device, dtype: torch.full(s, float("nan"), device=device, dtype=dtype))
+    """Every kernel buffer starts as NaN (so an unwritten element shows; an integer one as -1, which marks every row
+    of a chunk non-finite), in a fresh cache dir."""
+    monkeypatch.setattr(delta_ops, "_empty", lambda *s, device, dtype: torch.full(
+        s, float("nan") if dtype.is_floating_point else -1, device=device, dtype=dtype))
     monkeypatch.setenv("SCANLANG_CACHE_DIR", str(tmp_path))
 
 
@@ -92,9 +94,9 @@ def test_prep_inverse_matches_float64(C, T):
     table = delta_ops.ChunkTable(1, T, None, C, "cpu")
     p = delta_ops.plan(delta_ops.program_key(KACZMARZ, C), 16, 16, torch.float32, torch.device("cpu"))
     packed = [t.reshape(T, 2, -1).contiguous() for t in (q, k, v)]
-    _, _, tm, gcum, beta = delta_ops._chunk_forward(p, *packed, g.reshape(T, 2).contiguous(), torch.zeros(0, 2),
-                                                    eta.reshape(T, 2).contiguous(), None, *table.chunks, 1e-6,
-                                                    0.25, direct=True)
+    _, _, tm, gcum, beta, _ = delta_ops._chunk_forward(p, *packed, g.reshape(T, 2).contiguous(), torch.zeros(0, 2),
+                                                       eta.reshape(T, 2).contiguous(), None, *table.chunks, 1e-6,
+                                                       0.25, direct=True)
     kd = packed[1].double()
     for c, t0 in enumerate(range(0, T, C)):
         n = min(C, T - t0)

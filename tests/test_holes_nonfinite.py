@@ -202,19 +202,22 @@ def test_kalman_filter_with_huge_precisions(backend, form):
     assert_close(y_var, want_var, "kalman_out")
 
 
-def delta_loop(q, k, v, g, beta):
-    """The token loop of docs/spec/kaczmarz.md in float64 (NaN and inf propagate as IEEE arithmetic does)."""
+def delta_loop(q, k, v, g, beta, h0=None, final_state=False):
+    """The token loop of docs/spec/kaczmarz.md in float64 (NaN and inf propagate as IEEE arithmetic does), from h0
+    [B, H, K, V] (or zeros): o, and with `final_state` (o, S). Differentiable (autograd of the loop)."""
     q, k, v, g, beta = (t.to(F64) for t in (q, k, v, g, beta))
     B, T, H, K = k.shape
-    o = torch.zeros(B, T, H, v.shape[-1], dtype=F64)
+    outs, finals = [], []
     for b in range(B):
-        S = torch.zeros(H, K, v.shape[-1], dtype=F64)
+        S = torch.zeros(H, K, v.shape[-1], dtype=F64) if h0 is None else h0[b].to(F64)
         for t in range(T):
             S = torch.exp(g[b, t])[:, None, None] * S
             e = v[b, t] - torch.einsum("hkv,hk->hv", S, k[b, t])
             S = S + beta[b, t][:, None, None] * k[b, t][:, :, None] * e[:, None, :]
-            o[b, t] = K ** -0.5 * torch.einsum("hkv,hk->hv", S, q[b, t])
-    return o
+            outs.append(K ** -0.5 * torch.einsum("hkv,hk->hv", S, q[b, t]))
+        finals.append(S)
+    o = torch.stack(outs).reshape(B, T, H, v.shape[-1])
+    return (o, torch.stack(finals)) if final_state else o
 
 
 def delta_inputs(T=40, H=2, K=8, V=4):
@@ -237,13 +240,23 @@ def poison(case, q, k, v, g, beta):
         beta[0, 19, 0] = float("nan")
     elif case == "v nan (right padding)":
         v[0, 35:] = float("nan")
+    elif case == "v inf (a chunk's first token)":
+        v[0, 16, 1, 0] = INF
+    elif case == "v nan (a chunk's last token)":
+        v[0, 31, 0, 2] = float("nan")
     elif case == "g = -inf resets":
         g[0, 5, 0] = -INF
         g[0, 17:19, 1] = -INF
     return q, k, v, g, beta
 
 
-CASES = ["v nan", "k inf", "beta nan", "v nan (right padding)", "g = -inf resets"]
+CASES = ["v nan", "k inf", "beta nan", "v nan (right padding)", "v inf (a chunk's first token)",
+         "v nan (a chunk's last token)", "g = -inf resets"]
+# a non-finite value keeps the token loop's gradients of the earlier tokens finite (its state's backward depends on
+# the keys, steps and decays only); a non-finite key or step makes all of them NaN there (CASES' others)
+VALUE_CASES = ["v nan", "v nan (right padding)", "v inf (a chunk's first token)", "v nan (a chunk's last token)"]
+PLANTED_FROM = {"v nan": 20, "v nan (right padding)": 35, "v inf (a chunk's first token)": 16,
+                "v nan (a chunk's last token)": 31}
 
 
 def check_causal(o, want, dtype=torch.float32):
@@ -280,11 +293,46 @@ def test_delta_triton_hard_resets_are_exact_forward_and_backward():
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="issue 18 class 5: the Triton delta-rule kernels still multiply later "
-                                       "tokens by exact zeros inside a chunk (0 * NaN); a masked fix passed the "
-                                       "interpreter but gave NaN everywhere in bf16 on the H200, and was reverted")
-def test_delta_triton_keeps_non_finite_tokens_causal():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_delta_triton_keeps_non_finite_tokens_causal(dtype):
+    """The chunk kernels' causal products (Tm = (I + A)^-1, w, u, (Q K^T * Dec) U) keep a NaN or inf token out of
+    the earlier tokens of its chunk: the loop's outputs and NaN pattern (bf16 takes the split w / u products)."""
     for case in CASES[:-1]:
-        ins = poison(case, *delta_inputs())
+        ins = [t.to(dtype) for t in poison(case, *delta_inputs())]
         o, _ = delta_rule(*ins, backend="triton", chunk_size=16)
-        check_causal(o, delta_loop(*ins))
+        check_causal(o, delta_loop(*ins), dtype)
+
+
+# bwd_dqk doing bwd_wy's work too; w and u recomputed by delta_wu one column block per program (not kept)
+WY = dict(delta_configs={"bwd_dqk": dict(WY=True, BKS=16, BV=16, num_warps=4, num_stages=1, DG_SUMS=False)})
+WU = dict(delta_save_wu=False, delta_configs={"wu": dict(BV=16, num_warps=4, num_stages=1, PER_CHUNK=False)})
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case, config, dtype", [(c, {}, torch.float32) for c in VALUE_CASES]
+                         + [("v nan", WY, torch.float32), ("v nan (a chunk's last token)", WU, torch.float32),
+                            ("v nan (right padding)", {}, torch.bfloat16)])
+def test_delta_triton_gradients_stay_causal(case, config, dtype, knobs):
+    """A NaN or inf value: every gradient (q, k, v, g, beta, initial state) has the float64 token loop's NaN pattern
+    and values (the outputs' and final state's NaNs masked out of the loss), so the tokens before it keep finite
+    gradients: U's and V's non-finite entries stay out of dM, dTm and the chunk-end sums."""
+    knobs(**config)
+    ins = [t.to(dtype) for t in poison(case, *delta_inputs())]
+    gen = torch.Generator().manual_seed(3)
+    h0 = torch.randn(1, 2, 8, 4, generator=gen)
+    xs = [t.to(F64).requires_grad_() for t in [*ins, h0]]
+    o, S = delta_loop(*xs[:5], xs[5], final_state=True)
+    w, wS = torch.randn(o.shape, generator=gen, dtype=F64), torch.randn(S.shape, generator=gen, dtype=F64)
+    want = torch.autograd.grad((o.nan_to_num(0) * w).sum() + (S.nan_to_num(0) * wS).sum(), xs)
+    ts = [t.clone().requires_grad_() for t in [*ins, h0]]
+    o, S = delta_rule(*ts[:5], initial_state=ts[5], output_final_state=True, backend="triton", chunk_size=16)
+    got = torch.autograd.grad((o.nan_to_num(0) * w.float()).sum() + (S.nan_to_num(0) * wS.float()).sum(), ts)
+    t0 = PLANTED_FROM[case]
+    for name, g, ref in zip("q k v g beta h0".split(), got, want):
+        early = ref if name == "h0" else ref[:, :t0]
+        assert torch.isfinite(early).all(), f"the loop's d{name} before the planted token"   # what is tested
+        assert torch.equal(torch.isnan(g), torch.isnan(ref)), f"d{name}: NaN pattern differs from the loop"
+        assert torch.equal(torch.isfinite(g), torch.isfinite(ref)), f"d{name}: finiteness differs from the loop"
+        fin = torch.isfinite(ref)
+        kind = "delta_gate_grad" if name in ("g", "beta") else "delta_grad"
+        assert ratio(g[fin], ref[fin]) <= tolerance(kind, dtype), name

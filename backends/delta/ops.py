@@ -7,11 +7,11 @@ the same kernels.
 
 The chunked path is two `torch.library` ops with registered autograd, `scanlang::delta_chunk_fwd` and
 `scanlang::delta_chunk_bwd` (launches through `wrap_triton`, so torch.compile traces them).
-Forward: prep (gcum, beta, Tm, w, u) -> state_output (sequential over chunks: outputs, final state). The
-backward keeps Tm (and the in-chunk decay cumsum and beta) from the forward, recomputes w, u (delta_wu; or keeps
-the forward's: tuning.delta_save_wu) and the chunk start states h and innovations U (state_fwd), then
-state_bwd (reverse over chunks; dU) -> bwd_dqk (dq; shares of dk, dTm, dG, dbeta per key block) -> bwd_wy (dv,
-dk, d step input, d decay input and its parameters).
+Forward: prep (gcum, beta, Tm, w, u, each chunk's first non-finite row) -> state_output (sequential over chunks:
+outputs, final state). The backward keeps Tm (and the in-chunk decay cumsum, beta and the non-finite rows) from the
+forward, recomputes w, u (delta_wu; or keeps the forward's: tuning.delta_save_wu) and the chunk start states h and
+innovations U (state_fwd), then state_bwd (reverse over chunks; dU) -> bwd_dqk (dq; shares of dk, dTm, dG, dbeta
+per key block) -> bwd_wy (dv, dk, d step input, d decay input and its parameters).
 Short inputs without gradients (every sequence <= RECURRENT_MAX_LEN tokens, e.g. decoding) take the
 token-loop kernel instead.
 
@@ -273,9 +273,11 @@ def _fake(t: torch.Tensor) -> bool:
     return t.device.type == "meta" or (is_fake(t) and get_proxy_mode() is None)
 
 
-def _states(p: Plan, k, v, hp, h0, chunk_tok, chunk_len, seq_chunk0, tm, gcum, beta, direct=False, w=None, u=None):
-    """The backward's recomputation from the forward's (Tm, gcum, beta): w and u by delta_wu (unless the forward's
-    are given: tuning.delta_save_wu), then the chunk start states h and innovations U by delta_state_fwd. Returns (w, h, U)."""
+def _states(p: Plan, k, v, hp, h0, chunk_tok, chunk_len, seq_chunk0, tm, gcum, beta, nonfinite, direct=False, w=None,
+            u=None):
+    """The backward's recomputation from the forward's (Tm, gcum, beta, nonfinite): w and u by delta_wu (unless the
+    forward's are given: tuning.delta_save_wu), then the chunk start states h and innovations U by delta_state_fwd.
+    Returns (w, h, U)."""
     TT, H, K = k.shape
     V = v.shape[-1]
     NC, N, dev = chunk_tok.numel(), seq_chunk0.numel() - 1, k.device
@@ -291,7 +293,8 @@ def _states(p: Plan, k, v, hp, h0, chunk_tok, chunk_len, seq_chunk0, tm, gcum, b
     if recompute:
         _launch("wu", p.mod.delta_wu,
                 lambda cfg: (NC * (1 if cfg.get("PER_CHUNK") else p.NK + triton.cdiv(V, cfg["BV"])), H),
-                (k, v, gcum, beta, tm, w, u, chunk_tok, chunk_len, H), dict(meta, BKS=p.BKS), V, cfgs, direct)
+                (k, v, gcum, beta, tm, w, u, nonfinite, chunk_tok, chunk_len, H), dict(meta, BKS=p.BKS), V, cfgs,
+                direct)
     _launch("state_fwd", p.mod.delta_state_fwd, lambda cfg: (N, H, triton.cdiv(V, cfg["BV"])),
             (k, w, u, gcum, h0 if h0 is not None else h, chunk_tok, chunk_len, seq_chunk0, h, U, h, H),
             dict(meta, HAS_H0=h0 is not None, STORE_FINAL=False), V, cfgs, direct)
@@ -300,9 +303,9 @@ def _states(p: Plan, k, v, hp, h0, chunk_tok, chunk_len, seq_chunk0, tm, gcum, b
 
 def _chunk_forward(p: Plan, q, k, v, a, hp, s, h0, chunk_tok, chunk_len, seq_chunk0, eps, scale, direct,
                    keep_wu=False):
-    """[o, final state, Tm, gcum, beta] (and with `keep_wu` w, u): the body of `delta_chunk_fwd`. prep (gcum, beta,
-    Tm, w, u and the outputs' in-chunk matrices Q K^T * Dec), then delta_state_output (the sequential pass over
-    chunks, storing the outputs and the final state)."""
+    """[o, final state, Tm, gcum, beta, nonfinite] (and with `keep_wu` w, u): the body of `delta_chunk_fwd`. prep (gcum,
+    beta, Tm, w, u, the outputs' in-chunk matrices Q K^T * Dec and each chunk's first non-finite row), then
+    delta_state_output (the sequential pass over chunks, storing the outputs and the final state)."""
     TT, H, K = k.shape
     V = v.shape[-1]
     NC, N, dev, C = chunk_tok.numel(), seq_chunk0.numel() - 1, k.device, p.C
@@ -314,25 +317,27 @@ def _chunk_forward(p: Plan, q, k, v, a, hp, s, h0, chunk_tok, chunk_len, seq_chu
     o = _empty(TT, H, V, device=dev, dtype=torch.float32)
     ht = _empty(N, H, K, V, device=dev, dtype=torch.float32)
     mq = _empty(NC, H, C, C, device=dev, dtype=k.dtype)     # Q K^T * Dec per chunk, from prep to state_output
+    nonfinite = _empty(NC, H, device=dev, dtype=torch.int32)  # per chunk its first non-finite token's row, or C
     if direct or not _fake(k):
         meta, cfgs = p.meta, p.configs
         _launch("prep", p.mod.delta_prep, lambda cfg: (NC, H),
-                (q, k, v, a, _ptr(hp, k), s, eps, chunk_tok, chunk_len, w, u, tm, gcum, beta, mq, H),
+                (q, k, v, a, _ptr(hp, k), s, eps, chunk_tok, chunk_len, w, u, tm, gcum, beta, mq, nonfinite, H),
                 dict(meta, BKS=p.BKS, BV=min(PREP_VALUE_BLOCK, max(16, triton.next_power_of_2(V)))), V, cfgs, direct)
         _launch("state_output", p.mod.delta_state_output, lambda cfg: (N, H, triton.cdiv(V, cfg["BV"])),
-                (q, k, w, u, gcum, h0 if h0 is not None else ht, chunk_tok, chunk_len, seq_chunk0, ht, o, mq, scale, H),
+                (q, k, w, u, gcum, h0 if h0 is not None else ht, chunk_tok, chunk_len, seq_chunk0, ht, o, mq, nonfinite,
+                 scale, H),
                 dict(meta, HAS_H0=h0 is not None, STORE_FINAL=True), V, cfgs, direct)
-    return [o, ht, tm, gcum, beta, w, u] if keep_wu else [o, ht, tm, gcum, beta]
+    return [o, ht, tm, gcum, beta, nonfinite, w, u] if keep_wu else [o, ht, tm, gcum, beta, nonfinite]
 
 
-def _chunk_backward(p: Plan, q, k, v, a, hp, s, h0, chunk_tok, chunk_len, seq_chunk0, tm, gcum, beta, w_fwd, u_fwd,
-                    do, dht, eps, scale, direct):
+def _chunk_backward(p: Plan, q, k, v, a, hp, s, h0, chunk_tok, chunk_len, seq_chunk0, tm, gcum, beta, nonfinite, w_fwd,
+                    u_fwd, do, dht, eps, scale, direct):
     """[dq, dk, dv, da, ds, dh0, dhp]: the body of `delta_chunk_bwd` (w_fwd, u_fwd: the forward's w, u, or None)."""
     TT, H, K = k.shape
     V = v.shape[-1]
     NC, N, dev = chunk_tok.numel(), seq_chunk0.numel() - 1, k.device
-    w, h, U = _states(p, k, v, hp, h0, chunk_tok, chunk_len, seq_chunk0, tm, gcum, beta, direct=direct, w=w_fwd,
-                      u=u_fwd)
+    w, h, U = _states(p, k, v, hp, h0, chunk_tok, chunk_len, seq_chunk0, tm, gcum, beta, nonfinite, direct=direct,
+                      w=w_fwd, u=u_fwd)
     dh = _empty(NC, H, K, V, device=dev, dtype=k.dtype)
     dU = _empty(TT, H, V, device=dev, dtype=k.dtype if p.host.get("LOWP_DU") else torch.float32)
     local_du = p.configs["state_bwd"]["LOCAL_DU"]     # else delta_dU_local stores the local part (fp32) first
@@ -369,13 +374,13 @@ def _chunk_backward(p: Plan, q, k, v, a, hp, s, h0, chunk_tok, chunk_len, seq_ch
     hp_ = _ptr(hp, k)
     # with WY the shares' pointers are placeholders, never touched; without it, dv, da, dhp, ds are
     _launch("bwd_dqk", mod.delta_bwd_dqk, lambda cfg: (NC * NKQ, H),
-            (q, k, v, a, hp_, s, eps, gcum, beta, tm, h, dh, U, dU, doq, dq, dk if wy else dk_part, dv,
+            (q, k, v, a, hp_, s, eps, gcum, beta, tm, nonfinite, h, dh, U, dU, doq, dq, dk if wy else dk_part, dv,
              *((dU, dU, dU) if wy else (dTm_part, dG_part, dbeta_part)), da, dhp_tok, ds, chunk_tok, chunk_len, scale,
              TT * H, H), meta, V, cfgs, direct)
     if not wy:
         _launch("bwd_wy", mod.delta_bwd_wy, lambda cfg: (NC, H),
-                (k, v, a, hp_, s, eps, gcum, beta, tm, dU, dTm_part, dk_part, dG_part, dbeta_part, dk, dv, da,
-                 dhp_tok, ds, chunk_tok, chunk_len, TT * H, H), dict(meta, BKS=p.BKS, NKQ=NKQ), V, cfgs, direct)
+                (k, v, a, hp_, s, eps, gcum, beta, tm, nonfinite, dU, dTm_part, dk_part, dG_part, dbeta_part, dk, dv,
+                 da, dhp_tok, ds, chunk_tok, chunk_len, TT * H, H), dict(meta, BKS=p.BKS, NKQ=NKQ), V, cfgs, direct)
     return [dq, dk, dv, da, ds, dh0, dhp_tok[:hp.shape[0]].sum(1)]
 
 
@@ -384,7 +389,7 @@ def delta_chunk_fwd(key: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     s: torch.Tensor, h0: Optional[torch.Tensor], chunk_tok: torch.Tensor, chunk_len: torch.Tensor,
                     seq_chunk0: torch.Tensor, eps: float, scale: float) -> list[torch.Tensor]:
     """Packed [TT, H, *] inputs (hp: the decay hook's per-head parameters [P, H] fp32) ->
-    [o [TT, H, V] fp32, final state [N, H, K, V] fp32, and for the backward Tm, gcum, beta, w, u]."""
+    [o [TT, H, V] fp32, final state [N, H, K, V] fp32, and for the backward Tm, gcum, beta, nonfinite, w, u]."""
     p = plan(key, k.shape[-1], v.shape[-1], k.dtype, k.device)
     return _chunk_forward(p, q, k, v, a, hp, s, h0, chunk_tok, chunk_len, seq_chunk0, eps, scale, direct=False,
                           keep_wu=True)
@@ -394,23 +399,23 @@ def delta_chunk_fwd(key: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 def delta_chunk_bwd(key: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, hp: torch.Tensor,
                     s: torch.Tensor, h0: Optional[torch.Tensor], chunk_tok: torch.Tensor, chunk_len: torch.Tensor,
                     seq_chunk0: torch.Tensor, tm: torch.Tensor, gcum: torch.Tensor, beta: torch.Tensor,
-                    w: Optional[torch.Tensor], u: Optional[torch.Tensor], do: torch.Tensor, dht: Optional[torch.Tensor],
-                    eps: float, scale: float) -> list[torch.Tensor]:
+                    nonfinite: torch.Tensor, w: Optional[torch.Tensor], u: Optional[torch.Tensor], do: torch.Tensor,
+                    dht: Optional[torch.Tensor], eps: float, scale: float) -> list[torch.Tensor]:
     """Recompute w, u from the forward's Tm (unless given) and the chunk states, then [dq, dk, dv (input dtypes),
     da, ds (fp32), dh0 (fp32; empty without h0), dhp [P, H] fp32]."""
     p = plan(key, k.shape[-1], v.shape[-1], k.dtype, k.device)
-    return _chunk_backward(p, q, k, v, a, hp, s, h0, chunk_tok, chunk_len, seq_chunk0, tm, gcum, beta, w, u, do,
-                           dht, eps, scale, direct=False)
+    return _chunk_backward(p, q, k, v, a, hp, s, h0, chunk_tok, chunk_len, seq_chunk0, tm, gcum, beta, nonfinite, w, u,
+                           do, dht, eps, scale, direct=False)
 
 
 def _setup_context(ctx, inputs, output):
     key, q, k, v, a, hp, s, h0, chunk_tok, chunk_len, seq_chunk0, eps, scale = inputs
-    _, _, tm, gcum, beta, w, u = output
-    ctx.mark_non_differentiable(tm, gcum, beta, w, u)
+    _, _, tm, gcum, beta, nonfinite, w, u = output
+    ctx.mark_non_differentiable(tm, gcum, beta, nonfinite, w, u)
     ctx.set_materialize_grads(False)      # no zero-filled gradients for Tm, gcum, beta, w, u (nor an unused o or S)
     if not tuning.current().delta_save_wu:
         w = u = None                      # the backward recomputes them (delta_wu)
-    ctx.save_for_backward(q, k, v, a, hp, s, h0, chunk_tok, chunk_len, seq_chunk0, tm, gcum, beta, w, u)
+    ctx.save_for_backward(q, k, v, a, hp, s, h0, chunk_tok, chunk_len, seq_chunk0, tm, gcum, beta, nonfinite, w, u)
     ctx.key, ctx.eps, ctx.scale = key, eps, scale
 
 
@@ -422,11 +427,11 @@ def _input_grads(ctx, do, dht, backward):
             grads = _input_grads(ctx, do, dht, backward)
         return refuse_second_order("delta_rule / kaczmarz_delta_rule (backend='triton')", grads,
                                    [*ctx.saved_tensors, do, dht])
-    q, k, v, a, hp, s, h0, chunk_tok, chunk_len, seq_chunk0, tm, gcum, beta, w, u = ctx.saved_tensors
+    q, k, v, a, hp, s, h0, chunk_tok, chunk_len, seq_chunk0, tm, gcum, beta, nonfinite, w, u = ctx.saved_tensors
     do = torch.zeros(*q.shape[:2], v.shape[-1], device=q.device) if do is None else do.contiguous().float()
     dht = None if dht is None else dht.contiguous().float()
     dq, dk, dv, da, ds, dh0, dhp = backward(ctx.key, q, k, v, a, hp, s, h0, chunk_tok, chunk_len, seq_chunk0,
-                                            tm, gcum, beta, w, u, do, dht, ctx.eps, ctx.scale)
+                                            tm, gcum, beta, nonfinite, w, u, do, dht, ctx.eps, ctx.scale)
     return (None, dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), da.to(a.dtype), dhp.to(hp.dtype), ds.to(s.dtype),
             dh0.to(h0.dtype) if h0 is not None else None, None, None, None, None, None)
 

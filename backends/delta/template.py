@@ -33,6 +33,18 @@ Kernels (per chunk c of C tokens, head h; S0 the chunk's start state, G the in-c
     delta_bwd_wy      per chunk, through u, Tm, A and the hooks, summing dqk's shares: dv, dk, d(step input),
                       d(decay input)
     delta_recurrent   token loop with the state in registers (decode / short inputs)
+
+A NaN or inf in token t reaches token t and later ones only, as in the token loop. delta_prep stores each chunk's
+first such token (over the key, step, decay and value inputs; C if none) in `nonfinite` [NC, H], and the kernels
+after it take the guarded path only in chunks where that row exists, so finite chunks run the plain products:
+the causal products (Tm from A, w, u, (Q K^T * Dec) U) take the non-finite entries as 0 and make each column NaN
+from its first one on (`finite_or_zero`, `nan_from`, `nan_rows`; the prep's A and Tm by rows, from the first
+non-finite key, step or decay); no cumsum, no `x - x`, and the products themselves never branch (one copy of
+each dot: a branched copy costs registers and spills in every chunk). The backward takes U's and V's non-finite
+entries as 0 (mathematically their terms reach the earlier tokens' gradients only in differences that cancel)
+and makes the chunk's dq, dk and step gradients NaN from that row on and its decay gradients after it, where the
+token loop's are. A key, step or decay that is not finite makes the loop's gradients of every earlier token NaN
+too (through its state's backward), so only a non-finite value keeps them finite there, and here.
 """
 from .template_bwd import BACKWARD
 
@@ -62,6 +74,27 @@ def mm(a, b, precision: tl.constexpr, upcast: tl.constexpr):
         return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
     else:
         return tl.dot(a, b, input_precision=precision)
+
+
+@triton.jit
+def finite(x):
+    """Where x is neither NaN nor +-inf (NaN compares false)."""
+    return tl.abs(x) < float("inf")
+
+
+@triton.jit
+def finite_or_zero(x):
+    """x with its NaN and inf entries as 0: the right operand of a causal product L @ x (L lower triangular over a
+    chunk's rows), whose exact zeros above the diagonal would carry 0 * NaN into the rows before them."""
+    return tl.where(finite(x), x, 0.0)
+
+
+@triton.jit
+def nan_from(y, x, rows, C: tl.constexpr):
+    """The causal product y = L @ finite_or_zero(x) with each column NaN from x's first non-finite row in it on, as
+    the token loop's state is after a NaN or inf (a min-reduction of row indices)."""
+    first = tl.min(tl.where(finite(x), C, rows[:, None]), 0)
+    return tl.where(rows[:, None] < first[None, :], y, float("nan"))
 
 
 @triton.jit
@@ -131,14 +164,27 @@ def inv_unit_lower_blocks(A, C: tl.constexpr, PRECISION: tl.constexpr):
 
 @triton.jit
 def wy_block(x_ptr, out_ptr, Tm, scale, tok, ok, h, H, col0, D: tl.constexpr, BD: tl.constexpr,
-             PREC: tl.constexpr, UPCAST: tl.constexpr):
+             PREC: tl.constexpr, UPCAST: tl.constexpr, nonfinite, C: tl.constexpr, DETECT: tl.constexpr):
     """out = Tm diag(scale) x on columns col0 .. col0 + BD of one chunk's rows `tok` (valid where `ok`) of the
-    [TT, H, D] tensors x and out: a block of w (x = K, scale = beta e^G) or of u (x = V, scale = beta)."""
+    [TT, H, D] tensors x and out: a block of w (x = K, scale = beta e^G) or of u (x = V, scale = beta).
+    `nonfinite`: the chunk holds a non-finite token (Tm is NaN from its key, step or decay on), so diag(scale) x
+    enters as `finite_or_zero` (`nan_rows` then makes the stored block NaN where the token loop's is); DETECT
+    (delta_prep) also finds x's own non-finite rows here, and returns the first (C if none). Only the guard
+    branches, not the product (one copy of its code)."""
     cols = col0 + tl.arange(0, BD)
+    rows = tl.arange(0, C)
     m = ok[:, None] & (cols[None, :] < D)
-    x = tl.load(x_ptr + (tok[:, None] * H + h) * D + cols[None, :], mask=m, other=0.0).to(tl.float32)
-    y = mm(Tm, scale[:, None] * x, PREC, UPCAST)
-    tl.store(out_ptr + (tok[:, None] * H + h) * D + cols[None, :], rnd(y, out_ptr.dtype.element_ty, UPCAST), mask=m)
+    offs = (tok[:, None] * H + h) * D + cols[None, :]
+    x = scale[:, None] * tl.load(x_ptr + offs, mask=m, other=0.0).to(tl.float32)
+    found = C
+    if DETECT:
+        found = tl.min(tl.where(finite(x), C, rows[:, None]))
+        nonfinite = nonfinite | (found < C)
+    if nonfinite:
+        x = finite_or_zero(x)
+    y = mm(Tm, x, PREC, UPCAST)
+    tl.store(out_ptr + offs, rnd(y, out_ptr.dtype.element_ty, UPCAST), mask=m)
+    return found
 
 
 @triton.jit
@@ -153,37 +199,77 @@ def split_scaled(Tm, scale, UPCAST: tl.constexpr):
 
 @triton.jit
 def wy_block_split(x_ptr, out_ptr, Th, Tl, tok, ok, h, H, col0, D: tl.constexpr, BD: tl.constexpr,
-                   PREC: tl.constexpr, UPCAST: tl.constexpr):
+                   PREC: tl.constexpr, UPCAST: tl.constexpr, nonfinite, C: tl.constexpr, DETECT: tl.constexpr):
     """`wy_block` for bf16 x: out = (Th + Tl) x with (Th, Tl) = split_scaled(Tm, scale); x enters the tensor
-    cores as loaded, with no fp32 copy."""
+    cores as loaded, with no fp32 copy. `nonfinite`, DETECT and the result as in `wy_block` (the scale's
+    non-finite entries are 0 in Th and Tl, and their rows NaN through Tm's)."""
     cols = col0 + tl.arange(0, BD)
+    rows = tl.arange(0, C)
     m = ok[:, None] & (cols[None, :] < D)
-    x = tl.load(x_ptr + (tok[:, None] * H + h) * D + cols[None, :], mask=m, other=0.0)
+    offs = (tok[:, None] * H + h) * D + cols[None, :]
+    x = tl.load(x_ptr + offs, mask=m, other=0.0)
+    found = C
+    if DETECT:
+        found = tl.min(tl.where(finite(x), C, rows[:, None]))
+        nonfinite = nonfinite | (found < C)
+    if nonfinite:
+        x = finite_or_zero(x)
     y = mm(Th, x, PREC, UPCAST) + mm(Tl, x, PREC, UPCAST)
-    tl.store(out_ptr + (tok[:, None] * H + h) * D + cols[None, :], rnd(y, out_ptr.dtype.element_ty, UPCAST), mask=m)
+    tl.store(out_ptr + offs, rnd(y, out_ptr.dtype.element_ty, UPCAST), mask=m)
+    return found
+
+
+@triton.jit
+def nan_rows(x_ptr, out_ptr, tok, ok, h, H, col0, D: tl.constexpr, BD: tl.constexpr, C: tl.constexpr):
+    """After a block of w or u was stored from x's finite entries (`wy_block`): its columns NaN from x's first
+    non-finite row in them on (`nan_from`; the rows of a non-finite scale are NaN through Tm's). A pass of its own
+    after the products, in chunks with a non-finite token only: inside their loop the reduction's registers would
+    be live with the split factors, and delta_prep's register count (every chunk's) would grow."""
+    cols = col0 + tl.arange(0, BD)
+    rows = tl.arange(0, C)
+    m = ok[:, None] & (cols[None, :] < D)
+    offs = (tok[:, None] * H + h) * D + cols[None, :]
+    y = nan_from(tl.load(out_ptr + offs, mask=m, other=0.0), tl.load(x_ptr + offs, mask=m, other=0.0), rows, C)
+    tl.store(out_ptr + offs, y, mask=m)
 
 
 @triton.jit
 def wy_factors(k_ptr, v_ptr, w_ptr, u_ptr, Tm, beta, bG, tok, ok, h, H, K: tl.constexpr, V: tl.constexpr,
-               BKS: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr):
+               BKS: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr, nonfinite,
+               C: tl.constexpr, DETECT: tl.constexpr):
     """w = Tm diag(bG) K (bG = beta e^G) and u = Tm diag(beta) V of one chunk, BKS / BV columns at a time:
-    bf16 inputs through `split_scaled` (Tm diag(scale) split once per factor), others by `wy_block`."""
+    bf16 inputs through `split_scaled` (Tm diag(scale) split once per factor), others by `wy_block`.
+    `nonfinite` and DETECT as in `wy_block` (DETECT on V's blocks), then `nan_rows` where either holds; returns V's
+    first non-finite row (or C)."""
+    found = tl.full([], C, tl.int32)
     if k_ptr.dtype.element_ty == tl.bfloat16:
+        if nonfinite:   # a non-finite scale would reach the rows before its own through Tm's zeros
+            bG = finite_or_zero(bG)
+            beta = finite_or_zero(beta)
         Wh, Wl = split_scaled(Tm, bG, UPCAST)
         for kb in range(0, tl.cdiv(K, BKS)):
-            wy_block_split(k_ptr, w_ptr, Wh, Wl, tok, ok, h, H, kb * BKS, K, BKS, PREC, UPCAST)
+            wy_block_split(k_ptr, w_ptr, Wh, Wl, tok, ok, h, H, kb * BKS, K, BKS, PREC, UPCAST, nonfinite, C, False)
         Uh, Ul = split_scaled(Tm, beta, UPCAST)
         for iv in range(0, tl.cdiv(V, BV)):
-            wy_block_split(v_ptr, u_ptr, Uh, Ul, tok, ok, h, H, iv * BV, V, BV, PREC, UPCAST)
+            found = tl.minimum(found, wy_block_split(v_ptr, u_ptr, Uh, Ul, tok, ok, h, H, iv * BV, V, BV, PREC,
+                                                     UPCAST, nonfinite, C, DETECT))
     else:
         for kb in range(0, tl.cdiv(K, BKS)):
-            wy_block(k_ptr, w_ptr, Tm, bG, tok, ok, h, H, kb * BKS, K, BKS, PREC, UPCAST)
+            wy_block(k_ptr, w_ptr, Tm, bG, tok, ok, h, H, kb * BKS, K, BKS, PREC, UPCAST, nonfinite, C, False)
         for iv in range(0, tl.cdiv(V, BV)):
-            wy_block(v_ptr, u_ptr, Tm, beta, tok, ok, h, H, iv * BV, V, BV, PREC, UPCAST)
+            found = tl.minimum(found, wy_block(v_ptr, u_ptr, Tm, beta, tok, ok, h, H, iv * BV, V, BV, PREC, UPCAST,
+                                               nonfinite, C, DETECT))
+    if nonfinite | (found < C):
+        tl.debug_barrier()   # the blocks are read back by other threads than those that stored them
+        for kb in range(0, tl.cdiv(K, BKS)):
+            nan_rows(k_ptr, w_ptr, tok, ok, h, H, kb * BKS, K, BKS, C)
+        for iv in range(0, tl.cdiv(V, BV)):
+            nan_rows(v_ptr, u_ptr, tok, ok, h, H, iv * BV, V, BV, C)
+    return found
 
 
 @triton.jit
-def delta_wu(k_ptr, v_ptr, gcum_ptr, beta_ptr, tm_ptr, w_ptr, u_ptr, chunk_tok, chunk_len,
+def delta_wu(k_ptr, v_ptr, gcum_ptr, beta_ptr, tm_ptr, w_ptr, u_ptr, nonfinite_ptr, chunk_tok, chunk_len,
              H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
              BKS: tl.constexpr, PREC: tl.constexpr, IN_PREC: tl.constexpr, UPCAST: tl.constexpr,
              PER_CHUNK: tl.constexpr = False):
@@ -191,7 +277,8 @@ def delta_wu(k_ptr, v_ptr, gcum_ptr, beta_ptr, tm_ptr, w_ptr, u_ptr, chunk_tok, 
     Program (c * NJ + j, h) writes column block j of chunk c: of w (BKS columns) for j < cdiv(K, BKS), else of
     u (BV columns). Short programs (one load of Tm and one of K or V) keep many in flight; a chunk's NJ
     programs are launched one after another, so all but the first find Tm in L2. With PER_CHUNK, program (c, h)
-    writes all of chunk c's blocks as delta_prep does (`wy_factors`): Tm read and split once per chunk."""
+    writes all of chunk c's blocks as delta_prep does (`wy_factors`): Tm read and split once per chunk. A chunk
+    with a non-finite token (`nonfinite`, from delta_prep) takes the guarded products, as delta_prep did."""
     NKB: tl.constexpr = (K + BKS - 1) // BKS
     NJ: tl.constexpr = 1 if PER_CHUNK else NKB + (V + BV - 1) // BV
     c = tl.program_id(0) // NJ
@@ -203,10 +290,11 @@ def delta_wu(k_ptr, v_ptr, gcum_ptr, beta_ptr, tm_ptr, w_ptr, u_ptr, chunk_tok, 
     causal = (rows[:, None] >= rows[None, :]) & ok[:, None] & ok[None, :]
     # an unmasked (vectorised) load: delta_prep wrote every element
     Tm = tl.where(causal, tl.load(tm_ptr + ((c * H + h) * C + rows[:, None]).to(tl.int64) * C + rows[None, :]), 0.0)
+    nonfinite = tl.load(nonfinite_ptr + c * H + h) < nv
     if PER_CHUNK:
         G = tl.load(gcum_ptr + tok * H + h, mask=ok, other=0.0)
         wy_factors(k_ptr, v_ptr, w_ptr, u_ptr, Tm, beta, beta * tl.where(ok, tl.exp(G), 0.0), tok, ok, h, H, K, V,
-                   BKS, BV, PREC, UPCAST)
+                   BKS, BV, PREC, UPCAST, nonfinite, C, False)
     else:
         if j < NKB:
             G = tl.load(gcum_ptr + tok * H + h, mask=ok, other=0.0)
@@ -214,27 +302,37 @@ def delta_wu(k_ptr, v_ptr, gcum_ptr, beta_ptr, tm_ptr, w_ptr, u_ptr, chunk_tok, 
         else:
             scale = beta
         if k_ptr.dtype.element_ty == tl.bfloat16:       # as delta_prep computes them (`wy_factors`)
+            if nonfinite:
+                scale = finite_or_zero(scale)
             Th, Tl = split_scaled(Tm, scale, UPCAST)
             if j < NKB:
-                wy_block_split(k_ptr, w_ptr, Th, Tl, tok, ok, h, H, j * BKS, K, BKS, PREC, UPCAST)
+                wy_block_split(k_ptr, w_ptr, Th, Tl, tok, ok, h, H, j * BKS, K, BKS, PREC, UPCAST, nonfinite, C, False)
             else:
-                wy_block_split(v_ptr, u_ptr, Th, Tl, tok, ok, h, H, (j - NKB) * BV, V, BV, PREC, UPCAST)
+                wy_block_split(v_ptr, u_ptr, Th, Tl, tok, ok, h, H, (j - NKB) * BV, V, BV, PREC, UPCAST, nonfinite,
+                               C, False)
         elif j < NKB:
-            wy_block(k_ptr, w_ptr, Tm, scale, tok, ok, h, H, j * BKS, K, BKS, PREC, UPCAST)
+            wy_block(k_ptr, w_ptr, Tm, scale, tok, ok, h, H, j * BKS, K, BKS, PREC, UPCAST, nonfinite, C, False)
         else:
-            wy_block(v_ptr, u_ptr, Tm, scale, tok, ok, h, H, (j - NKB) * BV, V, BV, PREC, UPCAST)
+            wy_block(v_ptr, u_ptr, Tm, scale, tok, ok, h, H, (j - NKB) * BV, V, BV, PREC, UPCAST, nonfinite, C, False)
+        if nonfinite:
+            tl.debug_barrier()   # as in wy_factors
+            if j < NKB:
+                nan_rows(k_ptr, w_ptr, tok, ok, h, H, j * BKS, K, BKS, C)
+            else:
+                nan_rows(v_ptr, u_ptr, tok, ok, h, H, (j - NKB) * BV, V, BV, C)
 
 
 @triton.jit
 def state_pass(q_ptr, k_ptr, w_ptr, u_ptr, gcum_ptr, h0_ptr, chunk_tok, chunk_len, seq_chunk0, h_ptr, U_ptr, ht_ptr,
-               o_ptr, mq_ptr, scale, H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-               C: tl.constexpr, HAS_H0: tl.constexpr, STORE_FINAL: tl.constexpr, OUTPUT: tl.constexpr, PREC: tl.constexpr,
-               IN_PREC: tl.constexpr, UPCAST: tl.constexpr):
+               o_ptr, mq_ptr, nonfinite_ptr, scale, H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
+               BV: tl.constexpr, C: tl.constexpr, HAS_H0: tl.constexpr, STORE_FINAL: tl.constexpr, OUTPUT: tl.constexpr,
+               PREC: tl.constexpr, IN_PREC: tl.constexpr, UPCAST: tl.constexpr):
     """Sequential over a sequence's chunks with the fp32 state S [K, BV] in registers: U = u - w S0,
     S_end = e^G_last S0 + (K e^(G_last - G))^T U. Stores S0 per chunk and U (h_ptr, U_ptr), or with OUTPUT
     the chunk's output O = scale (e^G Q S0 + (Q K^T * Dec) U) instead (o_ptr; all the forward needs), from
     S0 and U rounded as they would have been stored, and (Q K^T * Dec) as delta_prep stored it (mq_ptr [NC, H, C, C]:
-    state-independent work stays in the parallel kernel)."""
+    state-independent work stays in the parallel kernel); in a chunk with a non-finite token (nonfinite_ptr [NC, H])
+    through `finite_or_zero` and `nan_from`."""
     n = tl.program_id(0)
     h = tl.program_id(1)
     vv = tl.program_id(2) * BV + tl.arange(0, BV)
@@ -271,8 +369,15 @@ def state_pass(q_ptr, k_ptr, w_ptr, u_ptr, gcum_ptr, h0_ptr, chunk_tok, chunk_le
             q = tl.load(q_ptr + (tok[:, None] * H + h) * K + kk[None, :], mask=km, other=0.0)
             # an unmasked (vectorised) load: delta_prep wrote every element
             M = tl.load(mq_ptr + ((c * H + h) * C + rows[:, None]).to(tl.int64) * C + rows[None, :])
+            # U is not finite from some rows on (a non-finite S0: all of them); only the guards branch (U is live
+            # for the state's update anyway), the products are shared
+            nonfinite = tl.load(nonfinite_ptr + c * H + h) < nv
+            if nonfinite:
+                Uq = finite_or_zero(Uq)
             o = mm(q, Sq, IN_PREC, UPCAST) * tl.exp(G)[:, None]
             o += mm(M, Uq, IN_PREC, UPCAST)
+            if nonfinite:
+                o = nan_from(o, U, rows, C)
             tl.store(o_ptr + (tok[:, None] * H + h) * V + vv[None, :], o * scale, mask=vm)
         else:
             tl.store(U_ptr + (tok[:, None] * H + h) * V + vv[None, :], rnd(U, U_ptr.dtype.element_ty, UPCAST), mask=vm)
@@ -289,17 +394,18 @@ def delta_state_fwd(k_ptr, w_ptr, u_ptr, gcum_ptr, h0_ptr, chunk_tok, chunk_len,
                     H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
                     HAS_H0: tl.constexpr, STORE_FINAL: tl.constexpr, PREC: tl.constexpr, IN_PREC: tl.constexpr, UPCAST: tl.constexpr):
     state_pass(k_ptr, k_ptr, w_ptr, u_ptr, gcum_ptr, h0_ptr, chunk_tok, chunk_len, seq_chunk0, h_ptr, U_ptr, ht_ptr,
-               ht_ptr, k_ptr, 1.0, H, K, V, BK, BV, C, HAS_H0, STORE_FINAL, False, PREC, IN_PREC, UPCAST)
+               ht_ptr, k_ptr, chunk_len, 1.0, H, K, V, BK, BV, C, HAS_H0, STORE_FINAL, False, PREC, IN_PREC, UPCAST)
 
 
 @triton.jit
 def delta_state_output(q_ptr, k_ptr, w_ptr, u_ptr, gcum_ptr, h0_ptr, chunk_tok, chunk_len, seq_chunk0, ht_ptr, o_ptr,
-                       mq_ptr, scale, H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                       C: tl.constexpr, HAS_H0: tl.constexpr, STORE_FINAL: tl.constexpr, PREC: tl.constexpr, IN_PREC: tl.constexpr,
-                       UPCAST: tl.constexpr):
+                       mq_ptr, nonfinite_ptr, scale, H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
+                       BV: tl.constexpr, C: tl.constexpr, HAS_H0: tl.constexpr, STORE_FINAL: tl.constexpr,
+                       PREC: tl.constexpr, IN_PREC: tl.constexpr, UPCAST: tl.constexpr):
     scale = tl.cast(scale, tl.float32)   # torch.compile types a Python float as fp64
     state_pass(q_ptr, k_ptr, w_ptr, u_ptr, gcum_ptr, h0_ptr, chunk_tok, chunk_len, seq_chunk0, o_ptr, o_ptr, ht_ptr,
-               o_ptr, mq_ptr, scale, H, K, V, BK, BV, C, HAS_H0, STORE_FINAL, True, PREC, IN_PREC, UPCAST)
+               o_ptr, mq_ptr, nonfinite_ptr, scale, H, K, V, BK, BV, C, HAS_H0, STORE_FINAL, True, PREC, IN_PREC,
+               UPCAST)
 
 
 ''' + BACKWARD + '''@triton.jit

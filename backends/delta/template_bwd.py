@@ -111,7 +111,8 @@ def delta_state_bwd(q_ptr, k_ptr, w_ptr, gcum_ptr, do_ptr, dul_ptr, dht_ptr, chu
 
 
 @triton.jit
-def delta_bwd_dqk(q_ptr, k_ptr, v_ptr, a_ptr, hp_ptr, s_ptr, eps, gcum_ptr, beta_ptr, tm_ptr, h_ptr, dh_ptr, U_ptr,
+def delta_bwd_dqk(q_ptr, k_ptr, v_ptr, a_ptr, hp_ptr, s_ptr, eps, gcum_ptr, beta_ptr, tm_ptr, nonfinite_ptr, h_ptr,
+                  dh_ptr, U_ptr,
                   dU_ptr, do_ptr, dq_ptr, dk_ptr, dv_ptr, dTm_ptr, dG_ptr, dbeta_ptr, da_ptr, dhp_ptr, ds_ptr,
                   chunk_tok, chunk_len, scale, TTH,
                   H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
@@ -124,7 +125,9 @@ def delta_bwd_dqk(q_ptr, k_ptr, v_ptr, a_ptr, hp_ptr, s_ptr, eps, gcum_ptr, beta
     same loads and without the shares' round trip: dv, dk, d step input, d decay input (final).
     DG_SUMS: the outputs' in-chunk part of dG as row sums of its dq and dk terms, q . (dM K) - k . (dM^T Q)
     (= rowsum - colsum of dM * Q K^T, without forming Q K^T). LOWP: the dots of fp32 operands (dw, Tm, and
-    under WY dTm, E) take them rounded to the input dtype, as the input dtype's tensor cores need."""
+    under WY dTm, E) take them rounded to the input dtype, as the input dtype's tensor cores need. In a chunk with
+    a non-finite token (nonfinite_ptr [NC, H]: its row, else C) U's and V's non-finite entries enter as 0 and dq (under
+    WY dk and the step and decay gradients too, `hook_grads`) are NaN from that row on, as the token loop's are."""
     eps = tl.cast(eps, tl.float32)   # torch.compile types a Python float as fp64
     scale = tl.cast(scale, tl.float32)   # torch.compile types a Python float as fp64
     NKB: tl.constexpr = (K + BKS - 1) // BKS     # a chunk's key blocks run back to back: U, dU, dO from L2
@@ -144,6 +147,7 @@ def delta_bwd_dqk(q_ptr, k_ptr, v_ptr, a_ptr, hp_ptr, s_ptr, eps, gcum_ptr, beta
     beta = tl.load(beta_ptr + tok * H + h, mask=ok, other=0.0)
     dTm = tl.zeros([C, C], dtype=tl.float32)
     dbeta = tl.zeros([C], dtype=tl.float32)
+    bad_row = tl.load(nonfinite_ptr + c * H + h)
     if WY:   # Tm is needed in the value loop (u = Tm diag(beta) V); an unmasked load: delta_prep wrote it all
         Tm = tl.where(causal, tl.load(tm_ptr + ((c * H + h) * C + rows[:, None]).to(tl.int64) * C + rows[None, :]),
                       0.0)
@@ -155,6 +159,8 @@ def delta_bwd_dqk(q_ptr, k_ptr, v_ptr, a_ptr, hp_ptr, s_ptr, eps, gcum_ptr, beta
         dSe = tl.load(dh_ptr + ((c * H + h) * K + kk[:, None]).to(tl.int64) * V + vv[None, :], mask=sm, other=0.0)
         # h, dh and U are stored in the input dtype; dU and dO (fp32) are rounded to it for the dots
         U = tl.load(U_ptr + (tok[:, None] * H + h) * V + vv[None, :], mask=vm, other=0.0)
+        if bad_row < nv:   # else 0 * NaN through the causal mask and the chunk end's sums (terms that cancel in dg)
+            U = finite_or_zero(U)
         dU = tl.load(dU_ptr + (tok[:, None] * H + h) * V + vv[None, :], mask=vm, other=0.0)
         do = rnd(tl.load(do_ptr + (tok[:, None] * H + h) * V + vv[None, :], mask=vm, other=0.0), S0.dtype, UPCAST)
         dOU += mm(do, tl.trans(U), IN_PREC, UPCAST)
@@ -164,7 +170,7 @@ def delta_bwd_dqk(q_ptr, k_ptr, v_ptr, a_ptr, hp_ptr, s_ptr, eps, gcum_ptr, beta
         dlast += tl.sum(S0.to(tl.float32) * dSe.to(tl.float32), 1)
         if WY:
             dbeta, dTm = u_grads(v_ptr, dv_ptr, Tm, dU, beta, dbeta, dTm, tok, vv, vm, h, H, V, LOWP, PREC, IN_PREC,
-                                 UPCAST)
+                                 UPCAST, bad_row < nv)
     # the epilogue consumes the loop's tiles one by one: dOU, dq1, dks, dw
     G = tl.load(gcum_ptr + tok * H + h, mask=ok, other=0.0)
     G_last = tl.load(gcum_ptr + (t0 + nv - 1) * H + h)
@@ -184,6 +190,8 @@ def delta_bwd_dqk(q_ptr, k_ptr, v_ptr, a_ptr, hp_ptr, s_ptr, eps, gcum_ptr, beta
         dG = tl.sum(PM, 1) - tl.sum(PM, 0)
         dG += tl.sum(dq1 * q.to(tl.float32), 1)
         dq = dq1 + mm(dMq, k, IN_PREC, UPCAST)
+    if bad_row < nv:
+        dq = tl.where(rows[:, None] < bad_row, dq, float("nan"))
     tl.store(dq_ptr + (tok[:, None] * H + h) * K + kk[None, :], rnd(dq, dq_ptr.dtype.element_ty, UPCAST), mask=km)
     # w = Tm X on this block's columns: dTm += dw X^T, dX = Tm^T dw (fp32 operands: PREC)
     bG = beta * eG
@@ -221,9 +229,11 @@ def delta_bwd_dqk(q_ptr, k_ptr, v_ptr, a_ptr, hp_ptr, s_ptr, eps, gcum_ptr, beta
         PA = E * KK * beta[:, None]
         dG += tl.sum(PA, 1) - tl.sum(PA, 0)
         dn2 = hook_grads(dG, dbeta, tl.sum(kf * kf, 1), a_ptr, hp_ptr, s_ptr, eps, da_ptr, dhp_ptr, ds_ptr, tok, h,
-                         H, TTH, ok)
+                         H, TTH, ok, rows, bad_row)
         dk += through_keys(E, k, beta, LOWP, PREC, IN_PREC, UPCAST)
         dk += dn2[:, None] * kf
+        if bad_row < nv:
+            dk = tl.where(rows[:, None] < bad_row, dk, float("nan"))
         tl.store(dk_ptr + (tok[:, None] * H + h) * K + kk[None, :], rnd(dk, dk_ptr.dtype.element_ty, UPCAST),
                  mask=km)
     else:
@@ -247,10 +257,13 @@ def mm_lowp(a, b, dtype: tl.constexpr, LOWP: tl.constexpr, PREC: tl.constexpr, I
 
 @triton.jit
 def u_grads(v_ptr, dv_ptr, Tm, dU, beta, dbeta, dTm, tok, vv, vm, h, H, V: tl.constexpr, LOWP: tl.constexpr,
-            PREC: tl.constexpr, IN_PREC: tl.constexpr, UPCAST: tl.constexpr):
+            PREC: tl.constexpr, IN_PREC: tl.constexpr, UPCAST: tl.constexpr, nonfinite):
     """Through u = Tm diag(beta) V on one block of value columns (dU as stored: fp32 or the input dtype):
-    stores dv; returns dbeta and dTm updated."""
+    stores dv; returns dbeta and dTm updated. `nonfinite` (the chunk holds a non-finite token): V's non-finite
+    entries enter as 0 (a NaN in dTm's column j would reach every row of dA through Tm's zeros)."""
     v = tl.load(v_ptr + (tok[:, None] * H + h) * V + vv[None, :], mask=vm, other=0.0)
+    if nonfinite:
+        v = finite_or_zero(v)
     dY = mm_lowp(tl.trans(Tm), dU.to(tl.float32), v.dtype, LOWP, PREC, IN_PREC, UPCAST)
     tl.store(dv_ptr + (tok[:, None] * H + h) * V + vv[None, :],
              rnd(beta[:, None] * dY, dv_ptr.dtype.element_ty, UPCAST), mask=vm)
@@ -285,10 +298,14 @@ def through_keys(E, k, beta, LOWP: tl.constexpr, PREC: tl.constexpr, IN_PREC: tl
 
 
 @triton.jit
-def hook_grads(dG, dbeta, n2, a_ptr, hp_ptr, s_ptr, eps, da_ptr, dhp_ptr, ds_ptr, tok, h, H, TTH, ok):
+def hook_grads(dG, dbeta, n2, a_ptr, hp_ptr, s_ptr, eps, da_ptr, dhp_ptr, ds_ptr, tok, h, H, TTH, ok, rows, bad_row):
     """From dG (G = cumsum(g) in the chunk: dg_t = sum over i >= t of dG_i) and dbeta through the hooks' chain
-    rule: stores the decay input's and parameters' gradients and the step input's; returns d||k||^2."""
+    rule: stores the decay input's and parameters' gradients and the step input's; returns d||k||^2. Row `bad_row`
+    (C if none) holds the chunk's first non-finite token: the token loop's decay gradients are NaN after it (the
+    decay acts before the token's value), its step gradients from it on."""
     dg = tl.sum(dG, 0) - tl.cumsum(dG, 0) + dG
+    dg = tl.where(rows > bad_row, float("nan"), dg)
+    dbeta = tl.where(rows < bad_row, dbeta, float("nan"))
     a = tl.load(a_ptr + tok * H + h, mask=ok, other=0.0).to(tl.float32)
     store_decay_grads(dg, a, hp_ptr, h, H, da_ptr, dhp_ptr, tok * H + h, TTH, ok)
     s = tl.load(s_ptr + tok * H + h, mask=ok, other=0.0).to(tl.float32)
@@ -299,15 +316,16 @@ def hook_grads(dG, dbeta, n2, a_ptr, hp_ptr, s_ptr, eps, da_ptr, dhp_ptr, ds_ptr
 
 
 @triton.jit
-def delta_bwd_wy(k_ptr, v_ptr, a_ptr, hp_ptr, s_ptr, eps, gcum_ptr, beta_ptr, tm_ptr, dU_ptr, dTm_part_ptr,
-                 dk_part_ptr, dG_part_ptr, dbeta_part_ptr, dk_ptr, dv_ptr, da_ptr, dhp_ptr, ds_ptr, chunk_tok,
-                 chunk_len, TTH, H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+def delta_bwd_wy(k_ptr, v_ptr, a_ptr, hp_ptr, s_ptr, eps, gcum_ptr, beta_ptr, tm_ptr, nonfinite_ptr, dU_ptr,
+                 dTm_part_ptr, dk_part_ptr, dG_part_ptr, dbeta_part_ptr, dk_ptr, dv_ptr, da_ptr, dhp_ptr, ds_ptr,
+                 chunk_tok, chunk_len, TTH, H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                  C: tl.constexpr, BKS: tl.constexpr, NKQ: tl.constexpr, PREC: tl.constexpr, IN_PREC: tl.constexpr,
                  UPCAST: tl.constexpr, LOWP: tl.constexpr = False):
     """Per chunk, through u = Tm diag(beta) V, Tm = (I + A)^-1 and the hooks: dv, dk (final), d decay input,
     d step input. The w = Tm diag(beta e^G) K terms arrive from delta_bwd_dqk as NKQ key-block shares of dTm,
     dk, dG and dbeta; keys are visited in blocks of BKS columns after dA (K K^T, ||k||^2, then dk). LOWP: the dots
-    of fp32 operands (Tm, dU, dTm, E) take them rounded to the input dtype."""
+    of fp32 operands (Tm, dU, dTm, E) take them rounded to the input dtype. A chunk with a non-finite token
+    (nonfinite_ptr) as in delta_bwd_dqk: V's non-finite entries as 0, dk and the hooks' gradients NaN from its row."""
     eps = tl.cast(eps, tl.float32)   # torch.compile types a Python float as fp64
     c = tl.program_id(0)
     h = tl.program_id(1)
@@ -318,6 +336,7 @@ def delta_bwd_wy(k_ptr, v_ptr, a_ptr, hp_ptr, s_ptr, eps, gcum_ptr, beta_ptr, tm
     causal = (rows[:, None] >= rows[None, :]) & ok[:, None] & ok[None, :]
     # an unmasked (vectorised) load: delta_prep wrote every element
     Tm = tl.where(causal, tl.load(tm_ptr + ((c * H + h) * C + rows[:, None]).to(tl.int64) * C + rows[None, :]), 0.0)
+    bad_row = tl.load(nonfinite_ptr + c * H + h)
     dTm = tl.zeros([C, C], dtype=tl.float32)
     dbeta = tl.zeros([C], dtype=tl.float32)
     dG = tl.zeros([C], dtype=tl.float32)
@@ -332,7 +351,7 @@ def delta_bwd_wy(k_ptr, v_ptr, a_ptr, hp_ptr, s_ptr, eps, gcum_ptr, beta_ptr, tm
         vm = ok[:, None] & (vv[None, :] < V)
         dU = tl.load(dU_ptr + (tok[:, None] * H + h) * V + vv[None, :], mask=vm, other=0.0)
         dbeta, dTm = u_grads(v_ptr, dv_ptr, Tm, dU, beta, dbeta, dTm, tok, vv, vm, h, H, V, LOWP, PREC, IN_PREC,
-                             UPCAST)
+                             UPCAST, bad_row < nv)
     E = through_inverse(Tm, dTm, G, ok, rows, k_ptr.dtype.element_ty, LOWP, PREC, IN_PREC, UPCAST)
     n2 = tl.zeros([C], dtype=tl.float32)
     KK = tl.zeros([C, C], dtype=tl.float32)
@@ -344,7 +363,8 @@ def delta_bwd_wy(k_ptr, v_ptr, a_ptr, hp_ptr, s_ptr, eps, gcum_ptr, beta_ptr, tm
     dbeta += tl.sum(E * KK, 1)
     PA = E * KK * beta[:, None]
     dG += tl.sum(PA, 1) - tl.sum(PA, 0)
-    dn2 = hook_grads(dG, dbeta, n2, a_ptr, hp_ptr, s_ptr, eps, da_ptr, dhp_ptr, ds_ptr, tok, h, H, TTH, ok)
+    dn2 = hook_grads(dG, dbeta, n2, a_ptr, hp_ptr, s_ptr, eps, da_ptr, dhp_ptr, ds_ptr, tok, h, H, TTH, ok, rows,
+                     bad_row)
     for kb in range(0, tl.cdiv(K, BKS)):
         kk = kb * BKS + tl.arange(0, BKS)
         km = ok[:, None] & (kk[None, :] < K)
@@ -352,6 +372,8 @@ def delta_bwd_wy(k_ptr, v_ptr, a_ptr, hp_ptr, s_ptr, eps, gcum_ptr, beta_ptr, tm
         dk = tl.load(dk_part_ptr + (tok[:, None] * H + h) * K + kk[None, :], mask=km, other=0.0).to(tl.float32)
         dk += through_keys(E, k, beta, LOWP, PREC, IN_PREC, UPCAST)
         dk += dn2[:, None] * k.to(tl.float32)
+        if bad_row < nv:
+            dk = tl.where(rows[:, None] < bad_row, dk, float("nan"))
         tl.store(dk_ptr + (tok[:, None] * H + h) * K + kk[None, :], rnd(dk, dk_ptr.dtype.element_ty, UPCAST),
                  mask=km)
 
