@@ -108,7 +108,9 @@ def check(label, got, ref, dtype, results) -> bool:
         row[name + "_ok"], row[name] = check_close(a, b, kind, dtype)
     results[label] = row
     passed = all(v for n, v in row.items() if n.endswith("_ok"))
-    say(f"  {label:28s} {'PASS' if passed else 'FAIL'} " + " ".join(f"{n}={row[n]:.2e}" for n in NAMES))
+    failed = [n for n in NAMES if not row[n + "_ok"]]
+    say(f"  {label:28s} {'PASS' if passed else 'FAIL'} " + " ".join(f"{n}={row[n]:.2e}" for n in NAMES)
+        + (f"  (outside its rows: {', '.join(failed)})" if failed else ""))
     if not passed and not label.startswith("fla"):
         results.setdefault("failures", []).append(label)
     return passed
@@ -427,6 +429,7 @@ def main(argv=None):
             say(f"!! {name} failed: {type(exc).__name__}: {exc}")
             say(traceback.format_exc()[-3000:])
             results.setdefault("failures", []).append(f"step {name} raised {type(exc).__name__}")
+        os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "delta_bench.json"), "w") as f:
             json.dump(results, f, indent=1, default=str)
         with open(os.path.join(args.out, "delta_bench.log"), "w") as f:
