@@ -3,23 +3,29 @@ float64 chunked reference in the same run.
 
     python -m scanlang.tools.bench_linear [--B 8] [--T 4096] [--H 16] [--K 128] [--V 128] [--chunk 64]
 
-Per member (linear_attention, simple_gla, gla), bf16 inputs: the median forward and forward+backward
-time (triton.testing.do_bench) at the given shape, and the RMS ratio of o and of every gradient against
+Per member (linear_attention, simple_gla, gla), bf16 inputs: first o and every gradient against
 backend="reference" in float64 at B1 and T = min(T, 1024) (the reference's per-key pairwise tensor is
-[C, C, K] per chunk).
+[C, C, K] per chunk), under scanlang.testing's rows (RMS ratio and every element); a member that fails
+its check (or raises) is reported FAIL and not timed, and the run exits 1. Then the median forward and
+forward+backward time (triton.testing.do_bench) at the given shape. `--device cpu` runs the same steps
+in Triton's interpreter with wall-clock times (tests, tiny shapes).
 """
 from __future__ import annotations
 
 import argparse
+import sys
+import time
 
 import torch
 import triton
 import triton.testing
 
 from scanlang.recipes import linear
-from scanlang.testing import ratio
+from scanlang.testing import check as check_close
 
 MEMBERS = ("linear_attention", "simple_gla", "gla")
+NAMES = ("o", "dq", "dk", "dv", "dg")
+KINDS = ("delta_out", "delta_grad", "delta_grad", "delta_grad", "delta_gate_grad")   # rows of scanlang.testing
 
 
 def _inputs(member, B, T, H, K, V, dtype, device, seed=0):
@@ -32,7 +38,8 @@ def _inputs(member, B, T, H, K, V, dtype, device, seed=0):
 
 
 def check(member, T, H, K, V, C, device) -> dict:
-    """RMS ratios of the bf16 triton run against the float64 reference, o and every gradient."""
+    """{name: (within its rows, RMS ratio)} for o and every gradient of the bf16 triton run against the
+    float64 reference."""
     ins = _inputs(member, 1, T, H, K, V, torch.bfloat16, device)
     out = {}
     for be in ("triton", "reference"):
@@ -42,8 +49,17 @@ def check(member, T, H, K, V, C, device) -> dict:
                         dtype=torch.float64).to(o.dtype)
         (o * w).sum().backward()
         out[be] = [o] + [x.grad for x in xs]
-    names = ["o", "dq", "dk", "dv", "dg"]
-    return {n: ratio(a.double(), b) for n, a, b in zip(names, out["triton"], out["reference"])}
+    return {n: check_close(a, b, kind, torch.bfloat16)
+            for n, kind, a, b in zip(NAMES, KINDS, out["triton"], out["reference"])}
+
+
+def bench_ms(fn, device) -> float:
+    if device.type != "cuda":   # the interpreter (tests): one call's wall-clock time after a first call
+        fn()
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e3
+    return triton.testing.do_bench(fn)
 
 
 def time_member(member, B, T, H, K, V, C, device) -> tuple[float, float]:
@@ -51,30 +67,51 @@ def time_member(member, B, T, H, K, V, C, device) -> tuple[float, float]:
     fn = getattr(linear, member)
     fwd = lambda: fn(*ins, backend="triton", chunk_size=C)  # noqa: E731
     with torch.no_grad():
-        t_fwd = triton.testing.do_bench(fwd)
+        t_fwd = bench_ms(fwd, device)
     do = torch.randn(B, T, H, V, device=device)
 
     def fwd_bwd():
         o, _ = fwd()
         torch.autograd.grad(o, ins, do)
-    return t_fwd, triton.testing.do_bench(fwd_bwd)
+    return t_fwd, bench_ms(fwd_bwd, device)
 
 
-def main(argv=None):
+def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     for name, default in (("B", 8), ("T", 4096), ("H", 16), ("K", 128), ("V", 128), ("chunk", 64)):
         p.add_argument(f"--{name}", type=int, default=default)
     p.add_argument("--members", default=",".join(MEMBERS))
+    p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     a = p.parse_args(argv)
-    device = torch.device("cuda")
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, Triton {triton.__version__}; "
+    if a.device == "cuda" and not torch.cuda.is_available():
+        print("no CUDA device: this benchmark needs a GPU (or --device cpu)", file=sys.stderr)
+        return 2
+    device = torch.device(a.device)
+    gpu = torch.cuda.get_device_name() if device.type == "cuda" else "cpu (Triton interpreter)"
+    print(f"{gpu}, torch {torch.__version__}, Triton {triton.__version__}; "
           f"bf16 B{a.B} T{a.T} H{a.H} K{a.K} V{a.V} C{a.chunk}")
+    failures = []
     for member in a.members.split(","):
-        r = check(member, min(a.T, 1024), a.H, a.K, a.V, a.chunk, device)
+        try:
+            verdicts = check(member, min(a.T, 1024), a.H, a.K, a.V, a.chunk, device)
+        except Exception as exc:   # a member that cannot run is a failed check, not a missing row
+            print(f"  {member:17s} FAIL: {type(exc).__name__}: {exc}", flush=True)
+            failures.append(member)
+            continue
+        ratios = " ".join(f"{n} {r:.1e}" for n, (_, r) in verdicts.items())
+        bad = [n for n, (ok, _) in verdicts.items() if not ok]
+        if bad:
+            print(f"  {member:17s} FAIL against float64 ({', '.join(bad)} outside their rows): {ratios}; not timed",
+                  flush=True)
+            failures.append(member)
+            continue
         t_fwd, t_all = time_member(member, a.B, a.T, a.H, a.K, a.V, a.chunk, device)
-        ratios = " ".join(f"{n} {v:.1e}" for n, v in r.items())
-        print(f"  {member:17s} fwd {t_fwd:8.3f} ms  fwd+bwd {t_all:8.3f} ms  vs float64: {ratios}", flush=True)
+        print(f"  {member:17s} fwd {t_fwd:8.3f} ms  fwd+bwd {t_all:8.3f} ms  vs float64 (PASS): {ratios}", flush=True)
+    if failures:
+        print(f"FAILED: {failures}")
+        return 1
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
