@@ -90,6 +90,26 @@ def test_kaczmarz_layer_compiles_fullgraph_on_the_generated_kernels():
     assert_close(got, layer(x), "delta_ieee", torch.float32)
 
 
+
+def test_kaczmarz_decode_compiles_fullgraph():
+    """Short inputs without gradients (decoding) take the token-loop kernel eagerly, which launches
+    directly; compiled, they take the traceable chunk ops and give the same outputs and state."""
+    from scanlang.recipes.kaczmarz import kaczmarz_delta_rule
+    B, T, H, K, V = 1, 3, 2, 16, 16
+    q, k, v = (torch.randn(B, T, H, d, device=DEVICE) for d in (K, K, V))
+    g = torch.nn.functional.logsigmoid(torch.randn(B, T, H, device=DEVICE))
+    eta = torch.rand(B, T, H, device=DEVICE)
+    h0 = torch.randn(B, H, K, V, device=DEVICE)
+
+    def f(q, k, v, g, eta, h0):
+        return kaczmarz_delta_rule(q, k, v, g, eta, initial_state=h0, output_final_state=True, backend="triton",
+                                   chunk_size=16)
+    with torch.no_grad():
+        o, S = _compiled(f)(q, k, v, g, eta, h0)
+        ref_o, ref_S = f(q, k, v, g, eta, h0)   # eager: the token-loop kernel
+    assert_close(o, ref_o, "delta_ieee", torch.float32, name="o")
+    assert_close(S, ref_S, "delta_ieee", torch.float32, name="S")
+
 # ---- declarations built inside the compiled function: traced, proved and built at trace time ----
 
 def _affine_loop(a, b):

@@ -558,7 +558,8 @@ def delta_rule(q, k, v, g, s, rule, scale: float, initial_state=None, output_fin
     key = program_key(rule, chunk_size)
     needs_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (q, k, v, g, s, initial_state, *decay_params))
-    if not needs_grad and table.max_len <= RECURRENT_MAX_LEN:
+    # (not while compiling: the token-loop kernel launches directly, the chunk ops are the traceable ones)
+    if not needs_grad and table.max_len <= RECURRENT_MAX_LEN and not torch.compiler.is_compiling():
         # decode: contiguous [B, T, H, *] inputs are already the packed stream; no reshapes
         dense = lambda t: (t if t.dtype == dt else t.to(dt)).contiguous()  # noqa: E731
         o, S = recurrent_forward(plan(key, K, V, dt, k.device), dense(q), dense(k), dense(v), g.contiguous(), hp,
