@@ -283,9 +283,17 @@ def choose_config(T: int, L: int, time_contiguous: bool, state: int, backward: b
 FITTED: dict = {}
 
 
+def _symbolic(key) -> bool:
+    """Whether `key` holds a symbolic size or flag (graph tracing): looking such a key up would compare
+    it with the remembered keys' plain values, a guard on a shape environment that is not the caller's."""
+    if isinstance(key, (tuple, list)):
+        return any(_symbolic(k) for k in key)
+    return isinstance(key, (torch.SymInt, torch.SymBool, torch.SymFloat))
+
+
 def fitted(key, chosen: Config) -> Config:
-    """The config remembered for `key` by `fit_launch`, else `chosen`."""
-    return FITTED.get(key, chosen)
+    """The config remembered for `key` by `fit_launch`, else `chosen` (always `chosen` for a symbolic key)."""
+    return chosen if _symbolic(key) else FITTED.get(key, chosen)
 
 
 def fit_launch(key, cfg, attempt, smaller, remembered: dict | None = None):
