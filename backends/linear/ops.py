@@ -90,8 +90,13 @@ class ChunkTable:
 
 def _meta(K: int, V: int, C: int, dtype: torch.dtype, device) -> dict:
     fp32 = dtype == torch.float32
-    return dict(K=K, V=V, BK=max(16, triton.next_power_of_2(K)),
-                BV=min(CONFIG["BV"], max(16, triton.next_power_of_2(V))), C=C, BS=min(16, C),
+    BV = min(CONFIG["BV"], max(16, triton.next_power_of_2(V)))
+    if device.type == "cuda" and not fp32:
+        # Triton 3.6 on sm_90 miscompiles the 16-bit forward's outputs when BV < C (BENCHMARKS_HISTORY.md,
+        # "Session 10": o wrong from the first chunk at C=64, BV=32, and an illegal memory access with 8
+        # warps; BV = C was right; the states were right in every case), so BV >= C there (masked past V)
+        BV = max(BV, C)
+    return dict(K=K, V=V, BK=max(16, triton.next_power_of_2(K)), BV=BV, C=C, BS=min(16, C),
                 PREC="ieee" if fp32 else "tf32", UPCAST=device.type == "cpu" and dtype == torch.bfloat16)
 
 

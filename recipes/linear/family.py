@@ -155,12 +155,6 @@ class MemberOp:
             raise ValueError(f"backend must be None, 'auto', 'reference' or 'triton', got {backend!r}")
         offsets, compute = self._validate(q, k, v, inputs, scale, initial_state, cu_seqlens, chunk_size)
         if backend == "triton":
-            if q.device.type == "cuda":
-                # their first H200 run (2026-12-02, B8 T4096 H16 K=V=128 bf16) hit an illegal memory access;
-                # until that is found they run in Triton's interpreter only (where they are tested)
-                raise ValueError(f"{self.__name__}: backend='triton' is not available on CUDA yet (the generated "
-                                 f"matrix-state kernels are validated in Triton's interpreter only); use "
-                                 f"backend='reference' (or None)")
             if self.triton is None:   # generated once per declaration; a structure without kernels says so
                 self.triton = _backend.get("linear").member_op(d)
             if self._decay is not None and q.device.type == "cpu" and not torch.compiler.is_compiling():

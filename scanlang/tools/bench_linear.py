@@ -7,7 +7,9 @@ Per member (linear_attention, simple_gla, gla), bf16 inputs: first o and every g
 backend="reference" in float64 at B1 and T = min(T, 1024) (the reference's per-key pairwise tensor is
 [C, C, K] per chunk), under scanlang.testing's rows (RMS ratio and every element); a member that fails
 its check (or raises) is reported FAIL and not timed, and the run exits 1. Then the median forward and
-forward+backward time (triton.testing.do_bench) at the given shape. `--device cpu` runs the same steps
+forward+backward time (triton.testing.do_bench) at the given shape, next to fla's chunk op
+(chunk_linear_attn with normalize=False, chunk_simple_gla, chunk_gla) on the same inputs when fla-core
+is installed. `--device cpu` runs the same steps
 in Triton's interpreter with wall-clock times (tests, tiny shapes).
 """
 from __future__ import annotations
@@ -76,6 +78,36 @@ def time_member(member, B, T, H, K, V, C, device) -> tuple[float, float]:
     return t_fwd, bench_ms(fwd_bwd, device)
 
 
+def _fla_op(member):
+    """fla's chunk op of `member` with our argument order (q, k, v[, g]), or None without fla-core."""
+    try:
+        if member == "linear_attention":
+            from fla.ops.linear_attn import chunk_linear_attn
+            return lambda q, k, v: chunk_linear_attn(q, k, v, normalize=False)
+        if member == "simple_gla":
+            from fla.ops.simple_gla import chunk_simple_gla
+            return lambda q, k, v, g: chunk_simple_gla(q, k, v, g)
+        from fla.ops.gla import chunk_gla
+        return lambda q, k, v, g: chunk_gla(q, k, v, g)
+    except ImportError:
+        return None
+
+
+def time_anchor(member, B, T, H, K, V, device):
+    """(fla fwd ms, fwd+bwd ms, RMS ratio of fla's o to ours) on the same inputs, or None without fla."""
+    op = _fla_op(member)
+    if op is None or device.type != "cuda":
+        return None
+    ins = [t.requires_grad_() for t in _inputs(member, B, T, H, K, V, torch.bfloat16, device)]
+    with torch.no_grad():
+        ours, _ = getattr(linear, member)(*ins, backend="triton")
+        theirs = op(*ins)[0]
+        t_fwd = bench_ms(lambda: op(*ins), device)
+    do = torch.randn(B, T, H, V, device=device, dtype=torch.bfloat16)
+    t_all = bench_ms(lambda: torch.autograd.grad(op(*ins)[0], ins, do), device)
+    return t_fwd, t_all, float((theirs.float() - ours).norm() / ours.norm())
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     for name, default in (("B", 8), ("T", 4096), ("H", 16), ("K", 128), ("V", 128), ("chunk", 64)):
@@ -107,6 +139,13 @@ def main(argv=None) -> int:
             continue
         t_fwd, t_all = time_member(member, a.B, a.T, a.H, a.K, a.V, a.chunk, device)
         print(f"  {member:17s} fwd {t_fwd:8.3f} ms  fwd+bwd {t_all:8.3f} ms  vs float64 (PASS): {ratios}", flush=True)
+        anchor = time_anchor(member, a.B, a.T, a.H, a.K, a.V, device)
+        if anchor is None:
+            print(f"  {'':17s} fla: not installed (pip fla-core) or not on a GPU; no anchor")
+        else:
+            f_fwd, f_all, rel = anchor
+            print(f"  {'':17s} fla fwd {f_fwd:8.3f} ms  fwd+bwd {f_all:8.3f} ms  -> ours/fla {t_fwd / f_fwd:.2f}x / "
+                  f"{t_all / f_all:.2f}x (fla's o vs ours: RMS ratio {rel:.1e})", flush=True)
     if failures:
         print(f"FAILED: {failures}")
         return 1
