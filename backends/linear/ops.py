@@ -90,14 +90,20 @@ class ChunkTable:
 
 def _meta(K: int, V: int, C: int, dtype: torch.dtype, device) -> dict:
     fp32 = dtype == torch.float32
-    BV = min(CONFIG["BV"], max(16, triton.next_power_of_2(V)))
-    if device.type == "cuda" and not fp32:
-        # Triton 3.6 on sm_90 miscompiles the 16-bit forward's outputs when BV < C (BENCHMARKS_HISTORY.md,
-        # "Session 10": o wrong from the first chunk at C=64, BV=32, and an illegal memory access with 8
-        # warps; BV = C was right; the states were right in every case), so BV >= C there (masked past V)
-        BV = max(BV, C)
-    return dict(K=K, V=V, BK=max(16, triton.next_power_of_2(K)), BV=BV, C=C, BS=min(16, C),
+    return dict(K=K, V=V, BK=max(16, triton.next_power_of_2(K)),
+                BV=min(CONFIG["BV"], max(16, triton.next_power_of_2(V))), C=C, BS=min(16, C),
                 PREC="ieee" if fp32 else "tf32", UPCAST=device.type == "cpu" and dtype == torch.bfloat16)
+
+
+def _output_columns(meta: dict, q: torch.Tensor) -> int:
+    """BV of the forward that writes outputs. Triton 3.6 on sm_90 miscompiles its 16-bit outputs when
+    BV < C (BENCHMARKS_HISTORY.md, "Session 10": o wrong from the first chunk at C=64, BV=32, an illegal
+    memory access with 8 warps; BV = C right; the states right in every case), so BV >= C there
+    (masked past V). The other kernels keep BV: at BV=64 the backward needs more shared memory than
+    the H200 has."""
+    if q.device.type == "cuda" and q.dtype != torch.float32:
+        return max(meta["BV"], meta["C"])
+    return meta["BV"]
 
 
 class _Chunked(torch.autograd.Function):
@@ -133,6 +139,7 @@ class _Chunked(torch.autograd.Function):
 def _fwd(mod, d, meta, q, k, v, G, h0, o, ht, hs, table, scale, store_o, store_h):
     H, V = q.shape[1], v.shape[-1]
     g = (G,) if G is not None else ()
+    meta = dict(meta, BV=_output_columns(meta, q)) if store_o else meta
     grid = (table.n_seq, H, triton.cdiv(V, meta["BV"]))
     _launch(getattr(mod, f"{d.name}_fwd"), grid,
             (q, k, v, *g, h0 if h0 is not None else ht, o, ht, hs, table.chunk_tok, table.chunk_len, table.seq_chunk0,
