@@ -240,6 +240,23 @@ def test_backend_is_passed_through():
         KimiDeltaAttention(8, num_heads=1, head_dim=4, backend="triton")(torch.randn(1, 3, 8))
 
 
+def test_recurrence_runs_without_autocast():
+    """Under bf16 autocast the projections run in bf16, the recurrence's matmuls in fp32 (what the
+    member's reference computes with), and the state stays fp32."""
+    layer = make("kda")
+    seen = []
+    inner = layer._recurrence
+
+    def spy(*args):
+        seen.append(torch.is_autocast_enabled("cpu"))
+        return inner(*args)
+
+    layer._recurrence = spy
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y, st = layer(torch.randn(1, 5, layer.hidden_size), return_state=True)
+    assert seen == [False] and y.dtype == torch.bfloat16 and st.recurrent.dtype == torch.float32
+
+
 GLA = lambda: GatedLinearAttention(8, num_heads=2)                           # noqa: E731
 GLA_CONV = lambda: GatedLinearAttention(8, num_heads=2, use_short_conv=True)   # noqa: E731
 KDA = lambda: KimiDeltaAttention(8, num_heads=2, head_dim=2)                  # noqa: E731

@@ -72,7 +72,6 @@ class _MatrixStateLayer(nn.Module):
     """Shared parts: q/k/v projections, optional short convolutions, state checks, the output norm."""
 
     silu_without_conv = False   # KDA applies SiLU to q, k, v also when there is no convolution
-    member = None
 
     def _build(self, hidden_size, num_heads, head_k_dim, head_v_dim, use_short_conv, conv_size, conv_bias,
                norm_eps, backend, chunk_size):
@@ -210,7 +209,11 @@ class _MatrixStateLayer(nn.Module):
             return (y, state if state is not None else self.empty_state(N, x)) if return_state else y
         q, k, v, windows = self._qkv(x, state, offsets, N)
         h0 = None if state is None else state.recurrent
-        o, S = self._recurrence(x, q, k, v, h0, return_state, cu_seqlens)
+        if torch.is_autocast_enabled(x.device.type):   # the recurrence stays in fp32 under bf16 autocast
+            with torch.autocast(x.device.type, enabled=False):
+                o, S = self._recurrence(x, q, k, v, h0, return_state, cu_seqlens)
+        else:
+            o, S = self._recurrence(x, q, k, v, h0, return_state, cu_seqlens)
         ct = o.dtype
         o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + self.norm_eps) * self.norm_weight.to(ct)
         gate = self._output_gate(x)
