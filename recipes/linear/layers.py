@@ -129,7 +129,8 @@ class _MatrixStateLayer(nn.Module):
         if type(state) is tuple and len(state) == 4:   # a plain (conv_q, conv_k, conv_v, recurrent)
             state = LinearLayerState(*state)
         if not isinstance(state, LinearLayerState):
-            raise TypeError(f"state: expected the LinearLayerState a previous call returned, got {type(state).__name__}")
+            raise TypeError(f"state: expected the LinearLayerState a previous call returned, "
+                            f"got {type(state).__name__}")
         want = (N, self.num_heads, self.head_k_dim, self.head_v_dim)
         S = state.recurrent
         if not isinstance(S, torch.Tensor) or tuple(S.shape) != want:
