@@ -173,7 +173,7 @@ TASK_OPTIONS = {"group": str, "num_kv_pairs": int, "vocab_size": int, "num_token
 def _add_train_parser(sub):
     p = sub.add_parser("train", help="train a small model on a synthetic task (needs scanlang[train])")
     p.add_argument("task", help="mqar, state_tracking or selective_copy")
-    p.add_argument("--mixer", required=True, help="kalman, kaczmarz, gdn, mamba, attention (gla: not yet)")
+    p.add_argument("--mixer", required=True, help="kalman, kaczmarz, gdn, gla, kda, mamba, attention")
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--d-model", type=int, default=64)
     p.add_argument("--heads", type=int, default=4)

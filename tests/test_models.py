@@ -14,7 +14,7 @@ from scanlang.models import (MIXERS, MambaMixer, ReferenceMixer, SequenceModel, 
 from scanlang.models.mamba import DECLARATION, selective_scan_reference
 from scanlang.testing import assert_close
 
-NAMES = ["kalman", "kaczmarz", "gdn", "mamba", "attention"]
+NAMES = ["kalman", "kaczmarz", "gdn", "gla", "kda", "mamba", "attention"]
 # Interpreting every generated kernel of a model takes minutes of a 2-core CPU (about 17 minutes for
 # the four GPU-path tests on a loaded machine), past this file's CI budget: opt in.
 INTERPRETED = pytest.mark.skipif(os.environ.get("SCANLANG_SLOW_TESTS") != "1",
@@ -119,7 +119,8 @@ def test_mixers_by_module_factory_and_registry():
 
 
 @pytest.mark.parametrize("call, error, match", [
-    (lambda: SequenceModel(5, 8, 1, mixer="gla"), ValueError, "gla.*matrix-state family"),
+    (lambda: SequenceModel(5, 9, 1, mixer="kda", num_heads=2), ValueError, "num_heads: 2 must divide"),
+    (lambda: SequenceModel(5, 8, 1, mixer="gla", num_heads=3), ValueError, "num_heads: 3 must divide"),
     (lambda: SequenceModel(5, 8, 1, mixer="lstm"), ValueError, "mixer: expected one of"),
     (lambda: SequenceModel(5, 8, 1, mixer=3), TypeError, "mixer"),
     (lambda: SequenceModel(5, 8, 0, mixer="attention"), ValueError, "num_layers"),

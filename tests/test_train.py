@@ -69,7 +69,8 @@ def test_mqar_and_selective_copy_train(tmp_path):
 @pytest.mark.parametrize("argv, match", [
     (["parity", "--mixer", "gdn"], "task: expected one of"),
     (["state_tracking", "--mixer", "lstm"], "mixer: expected one of"),
-    (["state_tracking", "--mixer", "gla", "--group", "Z2"], "gla.*matrix-state family"),
+    (["state_tracking", "--mixer", "gla", "--group", "Z2", "--d-state", "4"],
+     "mixer_options.*do not fit mixer 'gla'"),
     (["state_tracking", "--mixer", "gdn"], "group: state_tracking needs a group"),
     (["state_tracking", "--mixer", "gdn", "--group", "Z2", "--num-kv-pairs", "3"], "options: state_tracking takes"),
     (["state_tracking", "--mixer", "gdn", "--group", "A4"], "group: expected one of"),

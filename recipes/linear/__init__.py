@@ -6,10 +6,15 @@ generated Triton kernels by default); the other members run on the chunked PyTor
 default, and with backend="triton" on kernels generated from their declaration (backends/linear:
 plain writes so far, in Triton's interpreter: on CUDA they are refused until their first GPU run's
 illegal memory access is found; the delta and Householder corrections say they are not generated yet).
+
+`GatedLinearAttention` and `KimiDeltaAttention` are the layers (fla's parametrisation) around `gla` and
+`kda`, with state carry (`LinearLayerState`).
 """
 from .family import MemberOp, op
 from .members import (DECLARATIONS, delta_rule, gated_delta_product, gated_delta_product_declaration, gla, kda,
                       kaczmarz_delta_rule, linear_attention, simple_gla)
+from .layers import GatedLinearAttention, KimiDeltaAttention, LinearLayerState
 
 __all__ = ["linear_attention", "simple_gla", "gla", "delta_rule", "kda", "gated_delta_product",
-           "kaczmarz_delta_rule", "op", "MemberOp", "DECLARATIONS", "gated_delta_product_declaration"]
+           "kaczmarz_delta_rule", "op", "MemberOp", "DECLARATIONS", "gated_delta_product_declaration",
+           "GatedLinearAttention", "KimiDeltaAttention", "LinearLayerState"]

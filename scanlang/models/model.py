@@ -13,9 +13,11 @@ passed through, e.g. `d_state` for kalman and mamba):
 - "gdn": Gated DeltaNet, the same layer in mode "gdn" (`delta_rule` with L2-normalised keys)
 - "mamba": `MambaMixer`, whose selective scan is an `sl.mixer` declared over `sl.Affine`
 - "attention": causal softmax attention with rotary positions (`scaled_dot_product_attention`)
-- "gla": not available yet (it arrives with the matrix-state family); a clear error
+- "gla": `GatedLinearAttention` (scanlang.recipes.linear; fla's parametrisation around `gla`)
+- "kda": `KimiDeltaAttention` (scanlang.recipes.linear; around `kda`), heads of d_model / num_heads
 
-The scanlang mixers run the generated Triton kernels on CUDA and the reference backend elsewhere.
+The scanlang mixers run the generated Triton kernels on CUDA and the reference backend elsewhere
+("gla" and "kda" run the members' chunked PyTorch reference unless `backend=` says otherwise).
 `mixer=` also takes an `nn.Module` (deep-copied per layer), a factory `f(d_model) -> nn.Module`,
 or an `sl.mixer` with the selective-scan inputs (x, dt, B, C, A -> y), which becomes the scan of a
 `MambaMixer` block.
@@ -38,6 +40,7 @@ from torch import nn
 from scanlang.mixer import Mixer
 from scanlang.recipes.kaczmarz import KaczmarzLinearAttention
 from scanlang.recipes.kalman import KalmanLinearAttention
+from scanlang.recipes.linear import GatedLinearAttention, KimiDeltaAttention
 
 from .mamba import MambaMixer
 
@@ -95,9 +98,13 @@ def _delta(mode: str):
 
 
 def _gla(d_model: int, num_heads: int, **options) -> nn.Module:
-    raise ValueError("mixer: 'gla' (gated linear attention) is not in this build: it arrives with the "
-                     "matrix-state family (scanlang.recipes.linear); register a layer with "
-                     "scanlang.models.register_mixer('gla', factory) to use your own")
+    return GatedLinearAttention(d_model, num_heads, **options)
+
+
+def _kda(d_model: int, num_heads: int, **options) -> nn.Module:
+    if d_model % num_heads and "head_dim" not in options:
+        raise ValueError(f"num_heads: {num_heads} must divide d_model = {d_model} (or give head_dim)")
+    return KimiDeltaAttention(d_model, num_heads, **{"head_dim": d_model // num_heads, **options})
 
 
 MIXERS: dict[str, Callable[[int, int], nn.Module]] = {
@@ -105,6 +112,7 @@ MIXERS: dict[str, Callable[[int, int], nn.Module]] = {
     "kaczmarz": _delta("kaczmarz"),
     "gdn": _delta("gdn"),
     "gla": _gla,
+    "kda": _kda,
     "mamba": lambda d_model, num_heads, **options: MambaMixer(d_model, **options),
     "attention": lambda d_model, num_heads, **options: CausalSelfAttention(d_model, num_heads, **options),
 }
