@@ -95,15 +95,17 @@ def _meta(K: int, V: int, C: int, dtype: torch.dtype, device) -> dict:
                 PREC="ieee" if fp32 else "tf32", UPCAST=device.type == "cpu" and dtype == torch.bfloat16)
 
 
-def _output_columns(meta: dict, q: torch.Tensor) -> int:
-    """BV of the forward that writes outputs. Triton 3.6 on sm_90 miscompiles its 16-bit outputs when
-    BV < C (BENCHMARKS_HISTORY.md, "Session 10": o wrong from the first chunk at C=64, BV=32, an illegal
-    memory access with 8 warps; BV = C right; the states right in every case), so BV >= C there
-    (masked past V). The other kernels keep BV: at BV=64 the backward needs more shared memory than
-    the H200 has."""
-    if q.device.type == "cuda" and q.dtype != torch.float32:
-        return max(meta["BV"], meta["C"])
-    return meta["BV"]
+def _wide(meta: dict, q: torch.Tensor) -> dict:
+    """`meta` for the output-writing forward and the per-chunk backward on CUDA with 16-bit inputs:
+    BV >= C (masked past V), and one pipeline stage in the backward. Triton 3.6 on sm_90 miscompiles
+    both kernels when BV < C (BENCHMARKS_HISTORY.md, "Session 10"): the forward's o wrong from the first
+    chunk at C=64, BV=32 (an illegal memory access with 8 warps); the backward's dq wrong, or an illegal
+    memory access, at C=64, BV=V=32. Every variant with BV >= C (one stage) or BV=16 was right; the
+    states were right throughout. One stage: at BV=64 the pipelined backward needs 245-279 KB of shared
+    memory, over the H200's 227 KB."""
+    if q.device.type == "cuda" and q.dtype != torch.float32 and meta["BV"] < meta["C"]:
+        return dict(meta, BV=meta["C"])
+    return meta
 
 
 class _Chunked(torch.autograd.Function):
@@ -139,7 +141,7 @@ class _Chunked(torch.autograd.Function):
 def _fwd(mod, d, meta, q, k, v, G, h0, o, ht, hs, table, scale, store_o, store_h):
     H, V = q.shape[1], v.shape[-1]
     g = (G,) if G is not None else ()
-    meta = dict(meta, BV=_output_columns(meta, q)) if store_o else meta
+    meta = _wide(meta, q) if store_o else meta
     grid = (table.n_seq, H, triton.cdiv(V, meta["BV"]))
     _launch(getattr(mod, f"{d.name}_fwd"), grid,
             (q, k, v, *g, h0 if h0 is not None else ht, o, ht, hs, table.chunk_tok, table.chunk_len, table.seq_chunk0,
@@ -169,9 +171,11 @@ def _backward(ctx, q, k, v, h0, G, xs, do, dht):
            for x, kind in zip(xs, kinds)]
     hook = [*xs, *dxs, *ctx.constants] if d.decay != "none" else []
     if table.n_chunks:
+        bwd = _wide(meta, q)
+        bwd = dict(bwd, num_warps=CONFIG["num_warps"], **({"num_stages": 1} if bwd is not meta else {}))
         _launch(getattr(mod, f"{d.name}_bwd"), (table.n_chunks, H),
                 (q, k, v, *g, hs, dh, do, dq, dk, dv, table.chunk_tok, table.chunk_len, table.chunk_seq, *hook,
-                 scale, H), dict(meta, num_warps=CONFIG["num_warps"]))
+                 scale, H), bwd)
     grads = [dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dh0 if h0 is not None else None]
     return (None, None, None, None, None, *grads, *(dx.to(x.dtype) for dx, x in zip(dxs, xs)))
 
