@@ -57,11 +57,14 @@ def _stmt(s, where: str) -> list[ast.stmt]:
     if isinstance(s, ir.Comment):
         return [_comment(s.text)]
     if isinstance(s, ir.Assign):
-        if len(s.targets) == 1:
+        if len(s.targets) == 1 and not s.unpack:
             target = _name(s.targets[0], ast.Store)
         else:
             target = ast.Tuple(elts=[_name(t, ast.Store) for t in s.targets], ctx=ast.Store())
         return [ast.Assign(targets=[target], value=x(s.value), lineno=0)]
+    if isinstance(s, ir.AugAssign):
+        op = {"+": ast.Add, "-": ast.Sub, "*": ast.Mult}[s.op]()
+        return [ast.AugAssign(target=_name(s.target, ast.Store), op=op, value=x(s.value), lineno=0)]
     if isinstance(s, ir.Load):
         kw = ([("mask", x(s.mask))] if s.mask is not None else []) + (
             [("other", x(s.other))] if s.other is not None else [])
