@@ -61,7 +61,7 @@ def _convert(node: ast.stmt, lines) -> K.Stmt:
         if isinstance(t, ast.Name):
             return K.Assign((t.id,), X(ast.unparse(node.value)))
         if isinstance(t, ast.Tuple) and all(isinstance(e, ast.Name) for e in t.elts):
-            return K.Assign(tuple(e.id for e in t.elts), X(ast.unparse(node.value)), unpack=True)
+            return K.Assign(tuple(e.id for e in t.elts), X(ast.unparse(node.value)), unpack=len(t.elts) == 1)
     if isinstance(node, ast.If):
         return K.If(X(ast.unparse(node.test)), tuple(_convert(n, lines) for n in node.body),
                     tuple(_convert(n, lines) for n in node.orelse))
