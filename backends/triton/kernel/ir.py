@@ -66,20 +66,13 @@ class Assign:
     unpack: bool = False
 
 
-AUG_OPS = ("+", "-", "*")
-
-
 @dataclass(frozen=True)
 class AugAssign:
-    """`target op= value` (op one of AUG_OPS), e.g. an accumulator summed over a loop."""
+    """`target op= value` (op one of "+", "-", "*": an accumulation such as `acc += du`)."""
 
     target: str
-    op: str
     value: Expr
-
-    def __post_init__(self):
-        if self.op not in AUG_OPS:
-            raise ValueError(f"op: expected one of {AUG_OPS}, got {self.op!r}")
+    op: str = "+"
 
 
 @dataclass(frozen=True)

@@ -422,7 +422,7 @@ def _du_store_runs(i: int, name: str) -> K.If:
     cast = f"du{i}_ptr.dtype.element_ty"
     adds = tuple(K.AtomicAdd(X(f"du{i}_at + ({j} * step) * du{i}_st"), X(f"du{j}_{name}.to({cast})"), X(f"ok{j}"))
                  for j in range(RUN))
-    sums = tuple(K.AugAssign(f"acc{i}", "+", X(f"tl.sum(tl.where(ok{j}, du{j}_{name}, 0.0), 0)")) for j in range(RUN))
+    sums = tuple(K.AugAssign(f"acc{i}", X(f"tl.sum(tl.where(ok{j}, du{j}_{name}, 0.0), 0)")) for j in range(RUN))
     grouped = []
     for j in range(RUN):
         mask = X(f"(ts + {j} < seq_len) & group_ok[None, :]")
