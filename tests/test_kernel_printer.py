@@ -39,6 +39,21 @@ def test_statements_print_as_triton_source():
     ast.parse(src)
 
 
+def test_augmented_assignment_and_one_value_unpacking():
+    body = [K.Assign(("acc",), K.expr("0.0")), K.AugAssign("acc", K.expr("tl.sum(x, 0)")),
+            K.AugAssign("acc", K.expr("2.0"), "*"), *K.assign_lines(["s, = tl.associative_scan((x,), 0, f)"]),
+            K.Assign(("t",), K.expr("s"), unpack=True)]
+    tree = ast.parse(render(kernel(body)))
+    stmts = tree.body[-1].body[1:]   # after the docstring
+    assert isinstance(stmts[1], ast.AugAssign) and isinstance(stmts[1].op, ast.Add)
+    assert ast.unparse(stmts[1]) == "acc += tl.sum(x, 0)" and ast.unparse(stmts[2]) == "acc *= 2.0"
+    for s, name in ((stmts[3], "s"), (stmts[4], "t")):   # a one-element tuple target, not a plain name
+        assert isinstance(s.targets[0], ast.Tuple) and [e.id for e in s.targets[0].elts] == [name]
+    assert K.assign_lines(["s = f(x)"])[0].unpack is False
+    with pytest.raises(ValueError, match="kernel k: augmented assignment '//'= is not one of"):
+        render(kernel([K.AugAssign("acc", K.expr("2"), "//")]))
+
+
 def test_bad_input_is_refused_naming_the_kernel():
     with pytest.raises(ValueError, match=r"kernel k: 'x \+' is not a Python expression"):
         render(kernel([K.Assign(("y",), K.expr("x +"))]))

@@ -1,527 +1,63 @@
-"""Run-based tile bodies of `scan_forward` / `scan_backward` (tiles of at least RUN_TILE steps).
+"""Run-based tile bodies of `scan_forward` / `scan_backward` as lines: thin wrappers over the kernel-IR
+schedule in kernel/runs.py (what the bodies compute: its docstring), for the line-list callers
+codegen_tile.py (runs_prologue, forward_loop, backward_loop, runs_epilogue) and codegen_module.py
+(raw_functions, sum_fields_function).
 
-`tl.associative_scan` over a [BLOCK_T, BLOCK_L] tile costs several combines per element (its
-in-thread part covers only the 4 steps of one vector load; the warp shuffles and the cross-warp
-pass combine again, and the carried prefix once more). Here a tile is RUN interleaved
-[BLOCK_T // RUN, BLOCK_L] tensors: tensor j holds step run * RUN + j of every run, so a thread owns
-whole runs of RUN consecutive steps and
-
-    l_j  = e_0 (+) ... (+) e_j            in registers, RUN - 1 combines per run
-    s    = scan over the runs of l_{RUN-1} (tl.associative_scan on 1/RUN of the elements)
-    P    = c (+) s_{run-1}                 the prefix before each run (c before the first)
-    p_j  = P (+) l_j                       RUN combines per run
-
-about 2 combines per element instead of ~6. The previous prefix of step j is p_{j-1} (P for j = 0),
-and the next step's element is e_{j+1}, both in the same thread: the backward needs no second
-replay scan and no shifted loads except one per run; its reverse adjoint scan is split the same
-way. Where time is contiguous (Triton specialises a unit stride), a run's steps are loaded and
-stored VEC at a time (16-byte vectors split into the step tensors in registers); otherwise one
-strided access per step. Values crossing threads (the runs' exclusive prefixes, the carry into the
-next tile) go through one packed 1-D gather each.
+The seam is `body_lines` (statements) and `kernel_lines` (whole kernels): the one printer
+(kernel/printer.py) prints the IR inside a dummy kernel and the body's lines come back unindented.
+Once the callers build kernel IR themselves they take kernel/runs.py's functions directly
+(prologue, forward_loop, backward_loop, epilogue, raw_kernels, sum_fields_kernel) and this file goes.
 """
 from __future__ import annotations
 
-import functools
-
-import sympy
-
-from scanlang import expr as E
-from scanlang import tuning
 from scanlang.autodiff import Adjoint
 from scanlang.ir import ScanIR
 
-from .codegen import (_assign, _assign_inverted, _num, combine_call, combine_operands, renormalise_leaf,
-                      scale_leaf_gradient, scan_call, tile_start_checkpoints)
+from .kernel import ir as K
+from .kernel import runs
+from .kernel.printer import render as print_module
+from .kernel.runs import runs_shape, scale_invariant_readout
+
+__all__ = ["backward_loop", "body_lines", "forward_loop", "kernel_lines", "raw_functions", "runs_epilogue",
+           "runs_prologue", "runs_shape", "scale_invariant_readout", "sum_fields_function"]
+
+_BODY = "_runs_body"
 
 
+def body_lines(stmts) -> list[str]:
+    """IR statements as source lines at indentation 0 (printed as the body of a dummy kernel)."""
+    lines = print_module(K.Module("", (K.Kernel(_BODY, (), tuple(stmts)),))).splitlines()
+    start = lines.index(f"def {_BODY}():") + 1
+    return [ln[4:] for ln in lines[start:]]
 
-def runs_shape() -> tuple[int, int, int]:
-    """(RUN, VEC, RUN_TILE) of the program being rendered, render-time knobs of `scanlang.tuning`
-    (in the program key): steps per run (one thread's consecutive steps), steps per vector
-    load/store where time is contiguous, and the smallest tile that takes the run-based bodies."""
-    t = tuning.current()
-    return t.run, t.vec, t.run_tile
+
+def kernel_lines(kernels) -> list[str]:
+    """Whole IR kernels as source lines (decorator first, two blank lines between kernels)."""
+    if not kernels:
+        return []
+    lines = print_module(K.Module("", tuple(kernels))).splitlines()
+    return lines[lines.index("@triton.jit"):]
 
 
 def runs_prologue(ir: ScanIR, carried: str) -> list[str]:
-    """run: the run index along the tile's rows; vec: the steps of one vector load; {carried}r_<field>:
-    the carry {carried}_<field> [lanes] held on every run ([runs, lanes], so a tile hands it on with
-    one gather instead of a reduction over the runs)."""
-    RUN, VEC, _ = runs_shape()
-    lines = [f"run = tl.arange(0, BLOCK_T // {RUN})[:, None]", f"vec = tl.arange(0, {VEC})[None, None, :]"]
-    lines += [f"{carried}r_{f} = {carried}_{f}[None, :] + tl.zeros([BLOCK_T // {RUN}, BLOCK_L], {carried}_{f}.dtype)"
-              for f in ir.fields]
-    return lines
+    return body_lines(runs.prologue(ir, carried))
 
 
 def runs_epilogue(ir: ScanIR, carried: str) -> list[str]:
-    """{carried}_<field> [lanes] again from the per-run copies (all runs hold the same value)."""
-    return [f"{carried}_{f} = tl.sum(tl.where(run == 0, {carried}r_{f}, 0.0), 0)" for f in ir.fields]
-
-
-def _run_index() -> list[str]:
-    """ts: the first scan step of each run of tile k; ms its memory index; step the memory direction;
-    m{h} the memory indices of the run's h-th VEC steps in increasing memory order (the last VEC
-    steps first when REVERSE), okq{h} whether they are in the sequence."""
-    RUN, VEC, _ = runs_shape()
-    lines = [
-        f"ts = k * BLOCK_T + run * {RUN}",
-        "if REVERSE:",   # mq written so that Triton sees it divisible by VEC (seq_len and ts are)
-        f"    mq = (t0 + seq_len - ts - {VEC}).to(tl.int64)",
-        "    step = -1",
-        f"    ms = mq + {VEC - 1}",
-        "else:",
-        "    ms = (t0 + ts).to(tl.int64)",
-        "    step = 1",
-        "    mq = ms",
-    ]
-    for h in range(RUN // VEC):
-        lines.append(f"m{h} = (mq + ({h * VEC} * step))[:, :, None] + vec")
-    lines.append("if EVEN_T:   # every step of the tile is in the sequence")
-    lines += [f"    okq{h} = tl.full([BLOCK_T // {RUN}, BLOCK_L, {VEC}], 1, tl.int1) & lane_ok[None, :, None]"
-              for h in range(RUN // VEC)]
-    lines.append("else:")
-    lines += [f"    okq{h} = (m{h} >= t0) & (m{h} < t0 + seq_len) & lane_ok[None, :, None]" for h in range(RUN // VEC)]
-    return lines
-
-
-def _bases(ir: ScanIR, names: list[str]) -> list[str]:
-    """Per-tile base pointers at the runs' first steps for tensors `names` (e.g. u0, g0)."""
-    return [f"{n}_at = {n}_ptr + {n}_off + ms * {n}_st" for n in names]
-
-
-def _split_vec(h: int, src: str, outs: str) -> list[str]:
-    """The VEC steps of vector `src` ([runs, lanes, VEC], memory order) as outs.format(j), j the step."""
-    RUN, VEC, _ = runs_shape()
-    lines = [f"{src}_a, {src}_b = tl.split(tl.reshape({src}, [BLOCK_T // {RUN}, BLOCK_L, 2, 2]))",
-             f"{src}_0, {src}_2 = tl.split({src}_a)", f"{src}_1, {src}_3 = tl.split({src}_b)"]
-    fwd = ", ".join(outs.format(h * VEC + q) for q in range(VEC))
-    rev = ", ".join(outs.format(h * VEC + VEC - 1 - q) for q in range(VEC))
-    parts = ", ".join(f"{src}_{q}" for q in range(VEC))
-    return lines + ["if REVERSE:", f"    {rev} = {parts}", "else:", f"    {fwd} = {parts}"]
-
-
-def _join_vec(h: int, vals: str, dst: str) -> list[str]:
-    """vals.format(j) of the VEC steps of quad h joined into `dst` ([runs, lanes, VEC], memory order)."""
-    RUN, VEC, _ = runs_shape()
-    order = "if REVERSE:", "else:"
-    lines = []
-    for cond, js in zip(order, ([h * VEC + VEC - 1 - q for q in range(VEC)], [h * VEC + q for q in range(VEC)])):
-        a, b, c, d = (vals.format(j) for j in js)
-        joined = f"tl.join(tl.join({a}, {c}), tl.join({b}, {d}))"
-        lines += [cond, f"    {dst} = tl.reshape({joined}, [BLOCK_T // {RUN}, BLOCK_L, {VEC}])"]
-    return lines
-
-
-def _load_steps(tensor: str, out: str, other: str) -> list[str]:
-    """out.format(j): tensor `tensor` (u0, g0, ...) at step j of every run; vector loads of VEC steps
-    when its time stride is 1 (Triton specialises a stride of 1 into a constant), else one per step."""
-    RUN, VEC, _ = runs_shape()
-    vector = []
-    for h in range(RUN // VEC):
-        vector.append(f"w = tl.load({tensor}_ptr + {tensor}_off[:, :, None] + m{h}, mask=okq{h}, other={other})")
-        vector += _split_vec(h, "w", out)
-    scalar = [f"{out.format(j)} = tl.load({tensor}_at + ({j} * step) * {tensor}_st, mask=ok{j}, other={other})"
-              for j in range(RUN)]
-    return [f"if {tensor}_st == 1:"] + ["    " + ln for ln in vector] + ["else:"] + ["    " + ln for ln in scalar]
-
-
-def _store_steps(tensor: str, vals: str, cast: str, mask_j: str = "ok{}", mask_q: str = "okq{}") -> list[str]:
-    """Store vals.format(j) at step j of every run of `tensor` (vector stores when its time stride is 1)."""
-    RUN, VEC, _ = runs_shape()
-    vector = []
-    for h in range(RUN // VEC):
-        vector += _join_vec(h, vals, "w")
-        vector.append(f"tl.store({tensor}_ptr + {tensor}_off[:, :, None] + m{h}, w.to({cast}), mask={mask_q.format(h)})")
-    scalar = [f"tl.store({tensor}_at + ({j} * step) * {tensor}_st, {vals.format(j)}.to({cast}), mask={mask_j.format(j)})"
-              for j in range(RUN)]
-    return [f"if {tensor}_st == 1:"] + ["    " + ln for ln in vector] + ["else:"] + ["    " + ln for ln in scalar]
-
-
-def _direct_fields(ir: ScanIR) -> dict[int, tuple[str, float]]:
-    """Inputs lifted unchanged into exactly one field (and into no other field's lift): input index ->
-    (field, identity). Their loads pad with the identity, so no select is needed after the lift."""
-    out = {}
-    for i, u in enumerate(ir.input_symbols):
-        users = [f for f, e in enumerate(ir.lift) if u in e.free_symbols]
-        if len(users) == 1 and ir.lift[users[0]] == u:
-            out[i] = (ir.fields[users[0]], ir.identity[users[0]])
-    return out
-
-
-def _lift_run(ir: ScanIR, tag: str, mask: str) -> list[str]:
-    """e{tag}_<field>: the lifted inputs u{tag}_<input>, the identity where `mask` is false."""
-    names = {s: f"u{tag}_{s.name[2:]}" for s in ir.input_symbols}
-    lines = [f"u{tag}_{n} = to_acc(u{tag}_{n}, FP64)" for n in ir.inputs]
-    lines += _assign([f"l{tag}_{f}" for f in ir.fields], ir.lift, names, f"_l{tag}_",
-                     shape_like=f"u{tag}_{ir.inputs[0]}")
-    lines += renormalise_leaf(ir, tag)
-    # a renormalised padding step is the identity only where every field is selected
-    direct = set() if ir.is_projective else {f for f, _ in _direct_fields(ir).values()}
-    for f, ident in zip(ir.fields, ir.identity):
-        lines.append(f"e{tag}_{f} = l{tag}_{f}" if f in direct else f"e{tag}_{f} = tl.where({mask}, l{tag}_{f}, {_num(ident)})")
-    return lines
-
-
-def _pad(ir: ScanIR, i: int) -> str:
-    """The value a masked load of input i gives: the identity of the field it is lifted into unchanged."""
-    direct = _direct_fields(ir)
-    return _num(direct[i][1]) if i in direct else "1.0"
-
-
-def _load_lift_runs(ir: ScanIR) -> list[str]:
-    """Inputs u{j}_<input> and elements e{j}_<field> of every step j of every run."""
-    RUN = runs_shape()[0]
-    lines = []
-    for i, name in enumerate(ir.inputs):
-        lines += _load_steps(f"u{i}", f"u{{}}_{name}", _pad(ir, i))
-    for j in range(RUN):
-        lines += _lift_run(ir, str(j), f"ok{j}")
-    return lines
-
-
-def _load_lift_after(ir: ScanIR) -> list[str]:
-    """un_<input>, en_<field>: the step after each run (masked by okn)."""
-    RUN = runs_shape()[0]
-    lines = [f"un_{name} = tl.load(u{i}_at + ({RUN} * step) * u{i}_st, mask=okn, other={_pad(ir, i)})"
-             for i, name in enumerate(ir.inputs)]
-    return lines + _lift_run(ir, "n", "okn")
-
-
-def _combine_call(ir: ScanIR, out: str, x: str, y: str, fn: str = "combine") -> list[str]:
-    outs = ", ".join(f"{out}_{f}" for f in ir.fields)   # one field: combine returns the value itself
-    return combine_call(ir, outs, f"{', '.join(f'{x}_{f}' for f in ir.fields)}, {', '.join(f'{y}_{f}' for f in ir.fields)}", fn)
-
-
-def _replay_runs(ir: ScanIR, raw: bool = False, carry: str = "cr") -> list[str]:
-    """Prefixes p{j}_* of every step of the tile from the elements e{j}_* and the carry {carry}_*
-    ([runs, lanes]); P_* is the prefix before each run (the carry before the first). `raw`: p{j}_*
-    not rescaled, nor the run's partial products r{j}_* of an odd number of elements (j even): each
-    is one element times a rescaled r{j-1}, so no product grows past two elements' magnitude (what
-    every rescaled combine already computes before it rescales)."""
-    RUN = runs_shape()[0]
-    lines = [f"r0_{f} = e0_{f}" for f in ir.fields]
-    for j in range(1, RUN):
-        lines += _combine_call(ir, f"r{j}", f"r{j - 1}", f"e{j}", "combine_raw" if raw and j % 2 == 0 else "combine")
-    last = RUN - 1
-    s = ", ".join(f"s_{f}" for f in ir.fields) + ("," if len(ir.fields) == 1 else "")
-    lines += scan_call(ir, s, ", ".join(f"r{last}_{f}" for f in ir.fields))
-    lines.append(f"prev_run = tl.maximum(tl.arange(0, BLOCK_T // {RUN} * BLOCK_L) - BLOCK_L, 0)")
-    lines += _gather_runs([f"s_{f}" for f in ir.fields], "prev_run", [f"x_{f}" for f in ir.fields])
-    for f in ir.fields:
-        lines.append(f"cb_{f} = {carry}_{f}")
-    lines += _combine_call(ir, "pc", "cb", "x")
-    for f in ir.fields:
-        lines.append(f"P_{f} = tl.where(run == 0, cb_{f}, pc_{f})")
-    for j in range(RUN):
-        lines += _combine_call(ir, f"p{j}", "P", f"r{j}", "combine_raw" if raw else "combine")
-    return lines
-
-
-@functools.lru_cache(maxsize=256)
-def scale_invariant_readout(ir: ScanIR) -> bool:
-    """True for a projective monoid whose readout does not change when the prefix and the previous
-    prefix are each multiplied by any non-zero number (e.g. Möbius (a + b) / (c + d)): then the
-    forward's readout may take unnormalised prefixes (P (+) r_j without the rescale)."""
-    if not ir.is_projective:
-        return False
-    lam, mu = sympy.Symbol("_lambda", nonzero=True), sympy.Symbol("_mu", nonzero=True)
-    scaled = dict(zip(ir.prefix_symbols, [lam * x for x in ir.prefix_symbols]))
-    scaled |= dict(zip(ir.previous_symbols, [mu * x for x in ir.previous_symbols]))
-    for r in ir.readout:
-        if r.count_ops() > 60:
-            return False
-        if sympy.simplify(r.subs(scaled, simultaneous=True) - r) != 0:
-            return False
-    return True
-
-
-def raw_functions(ir: ScanIR) -> list[str]:
-    """`combine_raw` (the combine without the rescale) and `normalise` (the rescale alone) of a
-    projective monoid whose readout is scale invariant; nothing otherwise."""
-    if not scale_invariant_readout(ir):
-        return []
-    xs, ys, names, out = combine_operands(ir)
-    raw = _assign(out, ir.combine, names, "_c", shape_like=xs[0]) + [f"return {', '.join(out)}"]
-    norm = _assign(["scale"], [ir.scale], dict(zip(ir.scale_symbols, out)), "_s")
-    norm += ["inv_scale = reciprocal(scale, HW)", f"return {', '.join(f'{o} * inv_scale' for o in out)}"]
-    return (["@triton.jit", f"def combine_raw({', '.join(xs + ys)}):",
-             '    """combine(x, y) without the rescale."""'] + ["    " + ln for ln in raw]
-            + ["", "", "@triton.jit", f"def normalise({', '.join(out)}, HW: tl.constexpr):",
-               '    """m rescaled as the combine rescales (HW: by the hardware reciprocal, as combine_rcp)."""']
-            + ["    " + ln for ln in norm])
-
-
-def _pack(items: list[str]) -> str:
-    """One tensor [..., 2, .., 2] holding `items` (a power-of-2 count) in order along its new axes."""
-    if len(items) == 1:
-        return items[0]
-    return f"tl.join({_pack(items[0::2])}, {_pack(items[1::2])})"
-
-
-def _unpack(src: str, items: list[str], tmp: str) -> list[str]:
-    """Lines assigning the tensors packed by `_pack(items)` in `src` back to `items`."""
-    if len(items) == 1:
-        return [f"{items[0]} = {src}"]
-    lines = [f"{tmp}0, {tmp}1 = tl.split({src})"]
-    return (lines + _unpack(f"{tmp}0", items[0::2], f"{tmp}0_") + _unpack(f"{tmp}1", items[1::2], f"{tmp}1_"))
-
-
-def _gather_runs(srcs: list[str], index: str, outs: list[str]) -> list[str]:
-    """outs[i] = srcs[i] at run `index` ([runs * lanes], flattened run-major) of each run, all in one
-    gather through shared memory: the tensors are packed along new in-register axes and flattened
-    (Triton gives a 2-D gather a warp-local layout that replicates the tile over the warps; a 1-D
-    one goes through shared memory, one exchange and barrier pair for all of them)."""
-    RUN = runs_shape()[0]
-    flat = f"BLOCK_T // {RUN} * BLOCK_L"
-    k = 1 << max(0, (len(srcs) - 1).bit_length())
-    pad = [f"tl.zeros_like({srcs[0]})"] * (k - len(srcs))
-    items = [f"tl.reshape(to_acc({x}, FP64), [{flat}])" for x in srcs + pad]
-    idx = [f"{index} * {k} + {i}" for i in range(k)]
-    shape = ", ".join(["2"] * (k.bit_length() - 1))
-    gathered = (f"tl.gather(tl.reshape({_pack(items)}, [{flat} * {k}]), "
-                f"tl.reshape({_pack(idx)}, [{flat} * {k}]), 0)")
-    lines = [f"gathered = tl.reshape({gathered}, [{flat}{', ' + shape if shape else ''}])"]
-    names = [f"{o}_flat" for o in outs] + [f"_unused{i}" for i in range(len(pad))]
-    lines += _unpack("gathered", names, "_gs")
-    return lines + [f"{o} = tl.reshape({o}_flat, [BLOCK_T // {RUN}, BLOCK_L])" for o in outs]
-
-
-def _step_masks() -> list[str]:
-    """ok{j}: step j of every run is in the sequence (constant under EVEN_T: the masks fold away)."""
-    RUN = runs_shape()[0]
-    return (["if EVEN_T:"] + [f"    ok{j} = tl.full([BLOCK_T // {RUN}, BLOCK_L], 1, tl.int1) & lane_ok[None, :]" for j in range(RUN)]
-            + ["else:"] + [f"    ok{j} = (ts + {j} < seq_len) & lane_ok[None, :]" for j in range(RUN)])
-
-
-def _last_prefix(ir: ScanIR, raw: bool = False) -> list[str]:
-    """cr_*: the prefix at the tile's last valid step (padding may not even be finite) on every run;
-    rescaled here when the prefixes are `raw`."""
-    RUN = runs_shape()[0]
-    lines = ["if EVEN_T:", "    last = BLOCK_T - 1", "else:", "    last = tl.minimum(seq_len - 1 - k * BLOCK_T, BLOCK_T - 1)",
-             f"last_run = last // {RUN}"]
-    lines += [f"z_{f} = p{RUN - 1}_{f}" for f in ir.fields]
-    lines.append(f"if last % {RUN} != {RUN - 1}:")
-    for j in range(RUN - 1):
-        lines.append(f"    {'if' if j == 0 else 'elif'} last % {RUN} == {j}:")
-        lines += [f"        z_{f} = p{j}_{f}" for f in ir.fields]
-    if raw:
-        lines.append(f"{', '.join(f'z_{f}' for f in ir.fields)} = normalise({', '.join(f'z_{f}' for f in ir.fields)}, RCP_APPROX)")
-    lines.append(f"last_run_lane = last_run * BLOCK_L + tl.arange(0, BLOCK_T // {RUN} * BLOCK_L) % BLOCK_L")
-    lines += _gather_runs([f"z_{f}" for f in ir.fields], "last_run_lane", [f"cr_{f}" for f in ir.fields])
-    return lines
-
-
-def _sum_runs(ir: ScanIR, out: str, src: str) -> list[str]:
-    """out_<field> = src_<field> summed over the runs, all fields in one reduction (one exchange
-    through shared memory instead of one per field)."""
-    if len(ir.fields) == 1:
-        return [f"{out}_{ir.fields[0]} = tl.sum({src}_{ir.fields[0]}, 0)"]
-    outs = ", ".join(f"{out}_{f}" for f in ir.fields)
-    return [f"{outs} = tl.reduce(({', '.join(f'{src}_{f}' for f in ir.fields)}), 0, sum_fields)"]
-
-
-def sum_fields_function(ir: ScanIR) -> list[str]:
-    """`sum_fields(x.., y..)`: fieldwise sum (the combine of `_sum_runs`)."""
-    xs = [f"x_{f}" for f in ir.fields]
-    ys = [f"y_{f}" for f in ir.fields]
-    return ["@triton.jit", f"def sum_fields({', '.join(xs + ys)}):", '    """Fieldwise x + y."""',
-            f"    return {', '.join(f'{x} + {y}' for x, y in zip(xs, ys))}"]
+    return body_lines(runs.epilogue(ir, carried))
 
 
 def forward_loop(ir: ScanIR) -> list[str]:
-    """The tile loop of `scan_forward` on runs (module docstring); same checkpoints and outputs."""
-    RUN, VEC, _ = runs_shape()
-    loop = _run_index() + _step_masks()
-    loop += tile_start_checkpoints(ir, "cr", "lane[None, :] + run * 0", "(run == 0) & lane_ok[None, :]")
-    loop += _bases(ir, [f"u{i}" for i in range(len(ir.inputs))] + [f"o{j}" for j in range(len(ir.outputs))])
-    raw = scale_invariant_readout(ir)
-    loop += _load_lift_runs(ir)
-    loop += _replay_runs(ir, raw)
-    # checkpoints every CHUNK steps from inside the tile: the prefix at each chunk's last step
-    for j in range(RUN):
-        store = [f"chunk{j} = (ts + {j}) // CHUNK + 1",
-                 f"end{j} = ((ts + {j}) % CHUNK == CHUNK - 1) & (chunk{j} < tl.cdiv(seq_len, CHUNK)) & lane_ok[None, :]"]
-        saved = f"p{j}"
-        if raw:
-            saved = f"n{j}"
-            store.append(f"{', '.join(f'n{j}_{f}' for f in ir.fields)} = normalise({', '.join(f'p{j}_{f}' for f in ir.fields)}, RCP_APPROX)")
-        store += [f"tl.store(ckpt_ptr + ({f} * n_slots + slot0 + chunk{j}) * L + lane[None, :], {saved}_{name}, mask=end{j})"
-                  for f, name in enumerate(ir.fields)]
-        # a chunk that is a multiple of RUN ends only on a run's last step
-        cond = "CHUNK < BLOCK_T" if j == RUN - 1 else f"CHUNK < BLOCK_T and CHUNK % {RUN} != 0"
-        loop += [f"if {cond}:"] + ["    " + s for s in store]
-    for j in range(RUN):
-        names = ({s: f"p{j}_{s.name[2:]}" for s in ir.prefix_symbols}
-                 | {s: (f"P_{s.name[2:]}" if j == 0 else f"p{j - 1}_{s.name[2:]}") for s in ir.previous_symbols}
-                 | {s: f"u{j}_{s.name[2:]}" for s in ir.input_symbols})
-        outs = [f"y{j}_{o}" for o in range(len(ir.outputs))]
-        loop += _assign_inverted(outs, ir.readout, names, f"_r{j}_", shape_like=f"p{j}_{ir.fields[0]}")
-        if ir.reduce_state:
-            loop += [f"y{j}_{o} = tl.sum(tl.reshape(y{j}_{o}, (BLOCK_T // {RUN}, BLOCK_L // STATE, STATE)), 2)"
-                     for o in range(len(ir.outputs))]
-    if ir.reduce_state:
-        loop += [f"okg{j} = (ts + {j} < seq_len) & group_ok[None, :]" for j in range(RUN)]
-        loop += [f"okgq{h} = (m{h} >= t0) & (m{h} < t0 + seq_len) & group_ok[None, :, None]" for h in range(RUN // VEC)]
-    for o in range(len(ir.outputs)):
-        masks = ("okg{}", "okgq{}") if ir.reduce_state else ("ok{}", "okq{}")
-        loop += _store_steps(f"o{o}", f"y{{}}_{o}", f"o{o}_ptr.dtype.element_ty", *masks)
-    loop += _last_prefix(ir, raw)
-    return loop
-
-
-def _du_store_runs(i: int, name: str) -> list[str]:
-    """Write du{j}_<name> (step j of every run) by the constexpr mode DU{i} (see codegen_tile._du_store)."""
-    RUN = runs_shape()[0]
-    cast = f"du{i}_ptr.dtype.element_ty"
-    lines = [f"if DU{i} == 0:"] + ["    " + ln for ln in _store_steps(f"du{i}", f"du{{}}_{name}", cast)]
-    lines.append(f"elif DU{i} == 1:")
-    lines += [f"    tl.atomic_add(du{i}_at + ({j} * step) * du{i}_st, du{j}_{name}.to({cast}), mask=ok{j}, sem='relaxed')"
-              for j in range(RUN)]
-    lines.append(f"elif DU{i} == 2:")
-    lines += [f"    acc{i} += tl.sum(tl.where(ok{j}, du{j}_{name}, 0.0), 0)" for j in range(RUN)]
-    lines.append("else:")
-    for j in range(RUN):
-        lines += [
-            f"    red = tl.sum(tl.reshape(tl.where(ok{j}, du{j}_{name}, 0.0), (BLOCK_T // {RUN}, BLOCK_L // STATE, STATE)), 2)",
-            f"    gptr = du{i}_ptr + du{i}_goff + (ms + {j} * step) * du{i}_st",
-            f"    if DU{i} == 3:",
-            f"        tl.store(gptr, red.to({cast}), mask=(ts + {j} < seq_len) & group_ok[None, :])",
-            "    else:",
-            f"        tl.atomic_add(gptr, red.to({cast}), mask=(ts + {j} < seq_len) & group_ok[None, :], sem='relaxed')",
-        ]
-    return lines
-
-
-def _matvec(adj: Adjoint, entries: list[str], vec: list[str], add: list[str] | None = None) -> list[sympy.Expr]:
-    """add + B vec with B given by its stored `entries` (names), as expressions over symbols."""
-    n = len(vec)
-    mat = adj.matrix([E.symbol(b) for b in entries])
-    return [(E.symbol(add[i]) if add else sympy.Integer(0))
-            + sum((mat[i][k] * E.symbol(vec[k]) for k in range(n)), sympy.Integer(0)) for i in range(n)]
+    return body_lines(runs.forward_loop(ir))
 
 
 def backward_loop(ir: ScanIR, adj: Adjoint) -> list[str]:
-    """The tile loop of `scan_backward` on runs: replay the runs' prefixes (the previous prefix and
-    the next element are the neighbouring step in the same thread), form the adjoint elements, then
-    the reverse affine scan gbar_t = v_t + A_t gbar_{t+1} the same way as the forward: per run the
-    composed maps (RUN - 1 adjoint combines), a reverse scan over the runs, and per step one
-    matrix-vector product from the gbar entering the run."""
-    RUN = runs_shape()[0]
-    n, nb = len(ir.fields), len(adj.b_entries)
-    F = ir.fields
-    loop = ["k = n_tiles - 1 - kk"] + _run_index() + _step_masks()
-    loop.append(f"okn = (ts + {RUN} < seq_len) & lane_ok[None, :]")
-    for f, (name, ident) in enumerate(zip(F, ir.identity)):
-        loop.append(f"c_{name} = to_acc(tl.load(ckpt_ptr + ({f} * n_slots + slot0 + k) * L + lane, mask=lane_ok, "
-                    f"other={_num(ident)}), FP64)")
-    loop += _bases(ir, [f"u{i}" for i in range(len(ir.inputs))] + [f"g{j}" for j in range(len(ir.outputs))]
-                   + [f"du{i}" for i in range(len(ir.inputs))])
-    loop += [f"cr_{f} = c_{f}[None, :] + tl.zeros([BLOCK_T // {RUN}, BLOCK_L], c_{f}.dtype)" for f in F]
-    loop += _load_lift_runs(ir) + _load_lift_after(ir)
-    # the upstream gradients are loaded with the inputs, before the replay's exchanges through shared memory
-    # (barriers), so both loads' latencies overlap
-    for jo, o in enumerate(ir.outputs):
-        loop += _load_steps(f"g{jo}", f"g{{}}_{o}", "0.0")
-        loop += [f"g{j}_{o} = to_acc(g{j}_{o}, FP64)" for j in range(RUN)]
-    loop += _replay_runs(ir)
-    shape = f"p0_{F[0]}"
+    return body_lines(runs.backward_loop(ir, adj))
 
-    def q(j, f):   # the previous prefix of step j
-        return f"P_{f}" if j == 0 else f"p{j - 1}_{f}"
 
-    def nxt(j, f):   # the element of step j + 1
-        return f"en_{f}" if j == RUN - 1 else f"e{j + 1}_{f}"
+def raw_functions(ir: ScanIR) -> list[str]:
+    return kernel_lines(runs.raw_kernels(ir))
 
-    def ok_next(j):
-        return "okn" if j == RUN - 1 else f"ok{j + 1}"
 
-    if ir.uses_previous:   # the readout after the run's last step: its prefix and upstream gradient
-        loop += _combine_call(ir, "pn", f"p{RUN - 1}", "en")
-        for jo, o in enumerate(ir.outputs):
-            loop.append(f"gn_{o} = to_acc(tl.load(g{jo}_at + ({RUN} * step) * g{jo}_st, mask=okn, other=0.0), FP64)")
-    for j in range(RUN):   # divisions by reciprocals, each inverted once per step (`recips`)
-        recips = {}
-        here = ({s: f"p{j}_{s.name[2:]}" for s in ir.prefix_symbols} | {s: q(j, s.name[2:]) for s in ir.previous_symbols}
-                | {g: f"g{j}_{g.name[2:]}" for g in adj.g} | {s: f"u{j}_{s.name[2:]}" for s in ir.input_symbols})
-        loop += _assign_inverted([f"dy{j}_{f}" for f in F], adj.dy, here, f"_d{j}_", shape_like=shape, recips=recips)
-        if ir.uses_previous:   # c_{t+1}: the next readout differentiated in its previous prefix (= p_t)
-            last = j == RUN - 1
-            names = ({s: (f"pn_{s.name[2:]}" if last else f"p{j + 1}_{s.name[2:]}") for s in ir.prefix_symbols}
-                     | {s: f"p{j}_{s.name[2:]}" for s in ir.previous_symbols}
-                     | {g: (f"gn_{g.name[2:]}" if last else f"g{j + 1}_{g.name[2:]}") for g in adj.g}
-                     | {s: (f"un_{s.name[2:]}" if last else f"u{j + 1}_{s.name[2:]}") for s in ir.input_symbols})
-            loop += _assign_inverted([f"cn{j}_{f}" for f in F], adj.c, names, f"_n{j}_", shape_like=shape, recips=recips)
-            cn = [f" + tl.where({ok_next(j)}, cn{j}_{f}, 0.0)" for f in F]
-        else:
-            cn = [""] * n
-        a_names = ({s: f"p{j}_{s.name[2:]}" for s in ir.previous_symbols}
-                   | {s: nxt(j, f) for s, f in zip(ir.later, F)})
-        loop += _assign_inverted([f"a{j}_{b}" for b in range(nb)], adj.b_entries, a_names, f"_a{j}_", shape_like=shape,
-                                 recips=recips)
-        # the last step has no successor: A = 0 (its padding may not be finite)
-        loop += [f"a{j}_{b} = tl.where({ok_next(j)}, a{j}_{b}, 0.0)" for b in range(nb)]
-        loop.append(f"last{j} = ts + {j} == seq_len - 1")
-        loop += [f"d{j}_{f} = dy{j}_{f}{cn[i]} + tl.where(last{j}, dfin_{f}[None, :], 0.0)" for i, f in enumerate(F)]
-        names_v = {s: f"p{j}_{s.name[2:]}" for s in ir.prefix_symbols} | {s: f"d{j}_{s.name[2:]}" for s in adj.d}
-        loop += _assign_inverted([f"v{j}_{f}" for f in F], adj.direct, names_v, f"_v{j}_", shape_like=shape, recips=recips)
-        loop += [f"v{j}_{f} = tl.where(ok{j}, v{j}_{f}, 0.0)" for f in F]
-    # per run: the map gbar_{run end + 1} -> gbar_{run start}, composed from the last step backwards
-    last = RUN - 1
-    loop += [f"mb{last}_{b} = a{last}_{b}" for b in range(nb)] + [f"mv{last}_{f} = v{last}_{f}" for f in F]
-    for j in range(RUN - 2, -1, -1):
-        outs = [f"mb{j}_{b}" for b in range(nb)] + [f"mv{j}_{f}" for f in F]
-        args = ([f"mb{j + 1}_{b}" for b in range(nb)] + [f"mv{j + 1}_{f}" for f in F]
-                + [f"a{j}_{b}" for b in range(nb)] + [f"v{j}_{f}" for f in F])
-        loop.append(f"{', '.join(outs)} = adjoint_combine({', '.join(args)})")
-    tb = [f"tb_{b}" for b in range(nb)]
-    tv = [f"tv_{f}" for f in F]
-    loop.append(f"{', '.join(tb + tv)} = tl.associative_scan(({', '.join([f'mb0_{b}' for b in range(nb)] + [f'mv0_{f}' for f in F])},), "
-                "0, adjoint_combine, reverse=True)")
-    # gbar entering each run from the later runs (the carried gc after the tile's last run)
-    flat = f"BLOCK_T // {RUN} * BLOCK_L"
-    loop.append(f"next_run = tl.minimum(tl.arange(0, {flat}) + BLOCK_L, {flat} - 1)")
-    loop += _gather_runs(tb + tv, "next_run", [f"{x}n" for x in tb + tv])
-    entering = _matvec(adj, [f"{x}n" for x in tb], [f"gcb_{f}" for f in F], [f"{x}n" for x in tv])
-    loop += [f"gcb_{f} = gcr_{f}" for f in F]
-    names = {E.symbol(f"{x}n"): f"{x}n" for x in tb + tv} | {E.symbol(f"gcb_{f}"): f"gcb_{f}" for f in F}
-    loop += _assign([f"ge_{f}" for f in F], entering, names, "_ge")
-    loop += [f"gin_{f} = tl.where(run == BLOCK_T // {RUN} - 1, gcb_{f}, ge_{f})" for f in F]
-    # gbar_t = v_t + A_t gbar_{t+1}, the run's steps backwards
-    after = [f"gin_{f}" for f in F]
-    for j in range(RUN - 1, -1, -1):
-        exprs = _matvec(adj, [f"a{j}_{b}" for b in range(nb)], after, [f"v{j}_{f}" for f in F])
-        names = ({E.symbol(f"a{j}_{b}"): f"a{j}_{b}" for b in range(nb)} | {E.symbol(x): x for x in after}
-                 | {E.symbol(f"v{j}_{f}"): f"v{j}_{f}" for f in F})
-        loop += _assign([f"gbar{j}_{f}" for f in F], exprs, names, f"_g{j}_")
-        after = [f"gbar{j}_{f}" for f in F]
-    for j in range(RUN):   # after the adjoint scan: reciprocals again (none kept live across it)
-        recips = {}
-        names_x = ({s: q(j, s.name[2:]) for s in ir.previous_symbols} | {s: f"gbar{j}_{s.name[5:]}" for s in adj.gbar}
-                   | {s: f"e{j}_{f}" for s, f in zip(ir.later, F)})
-        loop += _assign_inverted([f"dx{j}_{f}" for f in F], adj.dx, names_x, f"_x{j}_", shape_like=shape, recips=recips)
-        loop += scale_leaf_gradient(ir, f"dx{j}_" + "{}", str(j))
-        names_u = ({s: f"p{j}_{s.name[2:]}" for s in ir.prefix_symbols} | {s: q(j, s.name[2:]) for s in ir.previous_symbols}
-                   | {g: f"g{j}_{g.name[2:]}" for g in adj.g} | {s: f"u{j}_{s.name[2:]}" for s in ir.input_symbols}
-                   | {s: f"dx{j}_{s.name[3:]}" for s in adj.dx_symbols})
-        loop += _assign_inverted([f"du{j}_{name}" for name in ir.inputs], adj.du, names_u, f"_u{j}_", shape_like=shape,
-                                 recips=recips)
-    for i, name in enumerate(ir.inputs):
-        loop += _du_store_runs(i, name)
-    loop.append(f"first_run_lane = tl.arange(0, BLOCK_T // {RUN} * BLOCK_L) % BLOCK_L")
-    loop += _gather_runs([f"gbar0_{f}" for f in F], "first_run_lane", [f"gcr_{f}" for f in F])
-    # dL/d(initial) = J1(q_0, x_0)^T gbar_0 + c_0, from the tile's first step (the loop's last tile)
-    here0 = ({s: f"p0_{s.name[2:]}" for s in ir.prefix_symbols} | {s: f"P_{s.name[2:]}" for s in ir.previous_symbols}
-             | {g: f"g0_{g.name[2:]}" for g in adj.g} | {s: f"u0_{s.name[2:]}" for s in ir.input_symbols})
-    recips = {}
-    init = _assign_inverted([f"cq_{f}" for f in F], adj.c, here0, "_i", shape_like=shape, recips=recips)
-    b_names = {s: f"P_{s.name[2:]}" for s in ir.previous_symbols} | {s: f"e0_{f}" for s, f in zip(ir.later, F)}
-    init += _assign_inverted([f"b{k}" for k in range(nb)], adj.b_entries, b_names, "_b", shape_like=shape, recips=recips)
-    w = _matvec(adj, [f"b{k}" for k in range(nb)], [f"gbar0_{f}" for f in F], [f"cq_{f}" for f in F])
-    names_w = ({E.symbol(f"cq_{f}"): f"cq_{f}" for f in F} | {E.symbol(f"gbar0_{f}"): f"gbar0_{f}" for f in F}
-               | {E.symbol(f"b{k}"): f"b{k}" for k in range(nb)})
-    init += _assign([f"w_{f}" for f in F], w, names_w, "_w", shape_like=shape)
-    init += [f"w_{f} = tl.where(run == 0, w_{f}, 0.0)" for f in F] + _sum_runs(ir, "w0", "w")
-    loop.append("if HAS_INIT:")
-    loop += ["    " + ln for ln in init]
-    return loop
+def sum_fields_function(ir: ScanIR) -> list[str]:
+    return kernel_lines((runs.sum_fields_kernel(ir),))

@@ -1,7 +1,7 @@
 """A small statement IR for generated Triton kernels.
 
 A kernel is a tree of frozen dataclasses: `Kernel(name, params, body, doc, origin)` whose body is a
-tuple of statements (`Assign`, `Load`, `Store`, `AtomicAdd`, `If`, `For`, `Return`, `Comment`).
+tuple of statements (`Assign`, `AugAssign`, `Load`, `Store`, `AtomicAdd`, `If`, `For`, `Return`, `Comment`).
 Expressions are `Expr` nodes holding one Python expression in Triton's dialect: either printed by the
 symbolic layer (`scanlang.expr.render`, the one sympy -> Triton printer) or written by a schedule
 (`tl.arange(0, BLOCK_T)[:, None]`). Nothing here knows Triton beyond names; `printer.py` turns a
@@ -59,10 +59,20 @@ class Comment:
 
 @dataclass(frozen=True)
 class Assign:
-    """`targets = value` (several targets: tuple unpacking)."""
+    """`targets = value` (several targets, or `unpack`: tuple unpacking, `x, = value` for one)."""
 
     targets: tuple[str, ...]
     value: Expr
+    unpack: bool = False
+
+
+@dataclass(frozen=True)
+class AugAssign:
+    """`target op= value` (op one of "+", "-", "*": an accumulation such as `acc += du`)."""
+
+    target: str
+    value: Expr
+    op: str = "+"
 
 
 @dataclass(frozen=True)
@@ -120,7 +130,7 @@ class Return:
     values: tuple[Expr, ...]
 
 
-Stmt = Union[Comment, Assign, Load, Store, AtomicAdd, If, For, Return]
+Stmt = Union[Comment, Assign, AugAssign, Load, Store, AtomicAdd, If, For, Return]
 
 
 @dataclass(frozen=True)
@@ -158,11 +168,12 @@ def assign(target: str, value) -> Assign:
 
 def assign_lines(lines) -> tuple[Assign, ...]:
     """Statements from `name = expression` lines, the form `scanlang.expr.render` and the code
-    generator's `_assign` print (shared subexpressions first)."""
+    generator's `_assign` print (shared subexpressions first); `x, = expression` unpacks one value."""
     out = []
     for line in lines:
         target, sep, value = line.partition(" = ")
         if not sep or not target.replace(",", " ").replace(" ", "").replace("_", "a").isalnum():
             raise ValueError(f"lines: expected 'name = expression', got {line!r}")
-        out.append(Assign(tuple(t.strip() for t in target.split(",") if t.strip()), Expr(value)))
+        targets = tuple(t.strip() for t in target.split(",") if t.strip())
+        out.append(Assign(targets, Expr(value), unpack=len(targets) == 1 and target.rstrip().endswith(",")))
     return tuple(out)

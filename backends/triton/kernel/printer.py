@@ -16,6 +16,7 @@ from . import ir
 
 _COMMENT = "__comment__"
 _COMMENT_LINE = re.compile(rf"^(\s*){_COMMENT}\((.*)\)$")
+_AUG_OPS = {"+": ast.Add, "-": ast.Sub, "*": ast.Mult}
 
 
 def _expr(e: ir.Expr, where: str) -> ast.expr:
@@ -57,7 +58,7 @@ def _stmt(s, where: str) -> list[ast.stmt]:
     if isinstance(s, ir.Comment):
         return [_comment(s.text)]
     if isinstance(s, ir.Assign):
-        if len(s.targets) == 1:
+        if len(s.targets) == 1 and not s.unpack:
             target = _name(s.targets[0], ast.Store)
         else:
             target = ast.Tuple(elts=[_name(t, ast.Store) for t in s.targets], ctx=ast.Store())
@@ -78,6 +79,10 @@ def _stmt(s, where: str) -> list[ast.stmt]:
     if isinstance(s, ir.If):
         return [ast.If(test=x(s.cond), body=_block(s.body, where),
                        orelse=_block(s.orelse, where) if s.orelse else [])]
+    if isinstance(s, ir.AugAssign):
+        if s.op not in _AUG_OPS:
+            raise ValueError(f"{where}: augmented assignment {s.op!r}= is not one of {sorted(_AUG_OPS)}")
+        return [ast.AugAssign(target=_name(s.target, ast.Store), op=_AUG_OPS[s.op](), value=x(s.value), lineno=0)]
     if isinstance(s, ir.For):
         bounds = [x(s.start), x(s.stop)] + ([x(s.step)] if s.step is not None else [])
         it = _call("tl.static_range" if s.static else "tl.range", bounds)
