@@ -10,7 +10,9 @@ members). The hooks run as the traced sympy expressions, rendered for torch; the
 the sympy derivative (`Hook.grads`), so the reference also checks the derivatives a generated
 kernel would use. backend: None / "auto" / "reference" run the chunked PyTorch reference
 (recipes/linear/chunked.py); "triton" runs the kernels generated from the declaration
-(backends/linear: plain writes, every decay; other corrections raise a ValueError saying so).
+(backends/linear): without gradients and for sequences of at most `tuning.decode_max_tokens` tokens the
+recurrent decode kernel of every structure; otherwise the chunk kernels of plain writes, every decay
+(other corrections raise a ValueError saying so).
 """
 from __future__ import annotations
 
