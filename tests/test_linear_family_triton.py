@@ -235,7 +235,7 @@ def test_torch_compile_with_cu_seqlens_runs_the_same_kernels():
                                  chunk_size=C)
     leaves = [t.clone().requires_grad_() for t in (q, k, v, g)]
     o, S = torch.compile(fn, backend="aot_eager")(*leaves)
-    o_eager, S_eager = fn(q, k, v, g)
+    o_eager, S_eager = fn(*leaves)   # with gradients, as compiled: the chunk kernels (not the decode kernel)
     torch.testing.assert_close(o, o_eager, rtol=0, atol=0)
     torch.testing.assert_close(S, S_eager, rtol=0, atol=0)
     o_ref, S_ref = token_loop(q, k, v, g_ref.float(), cu=cu)
