@@ -234,6 +234,9 @@ def run(decl: MatrixState, q, k, v, *xs, scale: float, initial_state, output_fin
     built on the host from the offsets."""
     if offsets is None and cu_seqlens is not None:
         offsets = tuple(int(x) for x in cu_seqlens.tolist())
+    if chunk_size < 16 or chunk_size & (chunk_size - 1):
+        raise ValueError(f"chunk_size must be a power of two >= 16 for backend='triton' (tl.dot tiles), "
+                         f"got {chunk_size}")
     for name, t in (("q", q), ("k", k), ("v", v), *zip(decl.inputs, xs)):
         if t.dtype not in DTYPES:
             raise ValueError(f"{name}: backend='triton' takes float16, bfloat16 or float32, got {t.dtype} "
@@ -250,9 +253,6 @@ def run(decl: MatrixState, q, k, v, *xs, scale: float, initial_state, output_fin
                          f"{why}; generated kernels exist for plain writes so far (the recurrent decode kernel "
                          f"runs every structure, forward only, for sequences of at most decode_max_tokens "
                          f"tokens); use backend='reference'")
-    if chunk_size < 16 or chunk_size & (chunk_size - 1):
-        raise ValueError(f"chunk_size must be a power of two >= 16 for backend='triton' (tl.dot tiles), "
-                         f"got {chunk_size}")
     V, dev = v.shape[-1], q.device
     dt = torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype)
     table = ChunkTable(B, T, offsets, chunk_size, dev)
