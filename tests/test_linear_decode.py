@@ -182,3 +182,86 @@ def test_bad_input_gives_the_reference_paths_error(name):
             OPS[name](*bad, backend=backend)
         messages.append(str(info.value))
     assert messages[0] == messages[1]
+
+
+# hooks evaluated in the kernel: per-key decay from a per-key and a per-token input (the latter read by both
+# hooks), a per-head parameter and constants in beta, ||k||^2; per-head decay from a per-head parameter with two
+# Householder steps whose beta input carries T*n rows
+HOOKED_KEY = sl.matrix_state("decode_hooked_key", decay="per_key", correction="delta",
+                             inputs={"a": "token_key", "b": "token", "w": "head"}, constants={"c": 0.5, "eps": 1e-3},
+                             beta=lambda t: sl.sigmoid(t.b) * t.w / (t.n2 + t.eps),
+                             log_decay=lambda t: sl.logsigmoid(t.a) * sl.sigmoid(t.b) * t.c)
+HOOKED_PRODUCT = sl.matrix_state("decode_hooked_product", decay="per_head", correction="householder", steps=2,
+                                 inputs={"a": "token", "A_log": "head", "s": "token"},
+                                 beta=lambda t: sl.sigmoid(t.s),
+                                 log_decay=lambda t: -sl.exp(t.A_log) * sl.softplus(t.a))
+
+
+@pytest.mark.parametrize("decl", [HOOKED_KEY, HOOKED_PRODUCT], ids=lambda d: d.name)
+def test_hooks_from_the_declared_inputs(decl):
+    gen = torch.Generator().manual_seed(9)
+    B, T, n = 1, 5, decl.steps
+    q = torch.randn(B, T, H, K, generator=gen)
+    k, v = torch.randn(B, T * n, H, K, generator=gen), torch.randn(B, T * n, H, V, generator=gen)
+    k[:, 2] = 0.0   # a zero key: n2 = 0 in beta's denominator
+    h0 = torch.randn(B, H, K, V, generator=gen)
+    if decl is HOOKED_KEY:
+        a, b, w = torch.randn(B, T, H, K, generator=gen), torch.randn(B, T, H, generator=gen), 0.5 + torch.rand(H)
+        o, S = L.op(decl)(q, k, v, a, b, w, initial_state=h0, output_final_state=True, c=0.25, backend="triton")
+        a, b, w, kd = a.to(D64), b.to(D64), w.to(D64), k.to(D64)
+        g = F.logsigmoid(a) * torch.sigmoid(b)[..., None] * 0.25
+        n2 = (kd * kd).sum(-1)
+        beta = torch.where(n2 > 0, torch.sigmoid(b) * w / (n2 + 1e-3), torch.zeros_like(n2))
+    else:
+        a, A_log = torch.randn(B, T, H, generator=gen), torch.randn(H, generator=gen)
+        s = torch.randn(B, T * n, H, generator=gen)
+        o, S = L.op(decl)(q, k, v, a, A_log, s, initial_state=h0, output_final_state=True, backend="triton")
+        g = -torch.exp(A_log.to(D64)) * F.softplus(a.to(D64))
+        beta = torch.sigmoid(s.to(D64))
+    o_ref, S_ref = token_loop(q.to(D64), k.to(D64), v.to(D64), g, beta, n, None, h0)
+    assert_close(o, o_ref, "delta_out", torch.float32, name=f"{decl.name} o")
+    assert_close(S, S_ref, "delta_out", torch.float32, name=f"{decl.name} S")
+
+
+def test_ungated_delta_product_of_three_steps():
+    gen = torch.Generator().manual_seed(10)
+    q, k = torch.randn(2, 5, H, K, generator=gen), torch.randn(2, 15, H, K, generator=gen)
+    v, beta = torch.randn(2, 15, H, V, generator=gen), torch.rand(2, 15, H, generator=gen)
+    o, S = L.gated_delta_product(q, k, v, None, beta, 3, output_final_state=True, backend="triton")
+    o_ref, S_ref = token_loop(q.to(D64), k.to(D64), v.to(D64), None, beta.to(D64), 3)
+    assert_close(o, o_ref, "delta_out", torch.float32, name="o")
+    assert_close(S, S_ref, "delta_out", torch.float32, name="S")
+
+
+def test_bf16_inputs():
+    gen = torch.Generator().manual_seed(11)
+    args = [t.to(torch.bfloat16) for t in make("kda", 1, 5, gen)]
+    o, S = OPS["kda"](*args, output_final_state=True, backend="triton")
+    o_ref, S_ref = token_loop(*oracle("kda", args))
+    assert_close(o, o_ref, "delta_out", torch.bfloat16, name="o")
+    assert_close(S, S_ref, "delta_out", torch.bfloat16, name="S")
+
+
+def test_non_finite_token_never_reaches_earlier_outputs():
+    gen = torch.Generator().manual_seed(12)
+    args = make("gated_delta_rule", 1, 5, gen)
+    clean, _ = OPS["gated_delta_rule"](*args, backend="triton")
+    args[2][0, 3, 1] = float("nan")
+    o, _ = OPS["gated_delta_rule"](*args, backend="triton")
+    torch.testing.assert_close(o[:, :3], clean[:, :3], rtol=0, atol=0)
+    assert torch.isnan(o[0, 3:, 1]).all()
+
+
+def test_generated_source_follows_the_structure():
+    """none: no exponent; per head: one scalar decay; per key: a column; plain: no beta and no read of S
+    before the write; n steps: a static loop of n writes; ||k||^2 only where beta reads it."""
+    from scanlang.backends.linear import decode
+    src = {name: decode.render(d) for name, (d, _) in MEMBERS.items()}
+    assert "tl.exp" not in src["linear_attention"] and "beta" not in src["linear_attention"]
+    assert "S = S * tl.exp(g)\n" in src["simple_gla"] and "e = b_v" not in src["simple_gla"]
+    assert "S = S * tl.exp(g)[:, None]" in src["gla"] and "e = b_v" not in src["gla"]
+    assert "e = b_v - tl.sum(S * b_k[:, None], 0)" in src["deltanet"] and "n2" not in src["deltanet"]
+    assert "n2_safe = tl.where(n2 > 0, n2, 1.0)" in src["kaczmarz"]
+    assert "tl.static_range(0, 2)" in src["gated_delta_product"] and "static_range" not in src["kda"]
+    assert "log_decay = g" in src["kda"]   # the declaration, cited in the kernel
+    assert decode.render(M.KDA) == src["kda"]   # deterministic

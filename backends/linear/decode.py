@@ -63,14 +63,12 @@ def _names(decl: MatrixState) -> dict:
 
 
 def _load_inputs(decl: MatrixState, names, row: str, per_key: bool) -> tuple:
-    """x_<input> for the inputs `names` at token row `row` (a scalar; [BK] for per-key inputs, 0 past
-    K); a per-head parameter [H] is one scalar."""
+    """x_<input> for the per-token inputs among `names` at token row `row` (a scalar; [BK] for per-key
+    inputs, 0 past K). Per-head parameters are loaded once, before the token loop (`_head_inputs`)."""
     out = []
-    for n in (n for n in names if n in decl.inputs):   # constants are parameters c_<name>
+    for n in (n for n in names if n in decl.inputs and decl.inputs[n] != "head"):   # constants: c_<name>
         kind = decl.inputs[n]
-        if kind == "head":
-            out.append(_load(f"x_{n}", f"{n}_ptr", "h"))
-        elif kind == "token":
+        if kind == "token":
             out.append(_load(f"x_{n}", f"{n}_ptr", f"{row} * H + h"))
         else:
             out.append(_load(f"x_{n}", f"{n}_ptr", f"({row} * H + h) * K + kk", "okk"))
@@ -114,6 +112,11 @@ def _write(decl: MatrixState, row: str, loaded: set) -> tuple:
     return tuple(out)
 
 
+def _head_inputs(decl: MatrixState) -> tuple:
+    """x_<input> = the head's entry of each per-head parameter ([H]) a hook reads, once per program."""
+    return tuple(_load(f"x_{n}", f"{n}_ptr", "h") for n in hook_inputs(decl) if decl.inputs[n] == "head")
+
+
 def _zeros(decl: MatrixState) -> tuple:
     """zero_k ([BK]) for a per-key decay, zero (a scalar) for a hook that is a number: what the hooks'
     statements broadcast against."""
@@ -148,7 +151,7 @@ def decode_kernel(decl: MatrixState) -> K.Kernel:
     body = (a("s", "tl.program_id(0)"), a("h", "tl.program_id(1)"), a("vb", "tl.program_id(2)"),
             a("kk", "tl.arange(0, BK)"), a("okk", "kk < K"),
             a("vv", "vb * BV + tl.arange(0, BV)"), a("okv", "vv < V"),
-            *_zeros(decl), K.Comment(text),
+            *_zeros(decl), K.Comment(text), *_head_inputs(decl),
             K.If(K.expr("HAS_H0"), (_load("S", "h0_ptr", _state_off("s"), STATE_MASK),),
                  (a("S", "tl.zeros([BK, BV], dtype=tl.float32)"),)),
             a("bos", "tl.load(cu_ptr + s).to(tl.int64)"), a("eos", "tl.load(cu_ptr + s + 1).to(tl.int64)"),

@@ -56,7 +56,7 @@ def programs() -> dict:
     from scanlang.recipes.linear import members as linear_members
     decls = [getattr(linear_members, n) for n in ("LINEAR_ATTENTION", "SIMPLE_GLA", "GLA", "DELTANET", "DELTA_RULE",
                                                   "KDA", "KACZMARZ")]
-    decls += [linear_members.gated_delta_product_declaration(2), linear_members.gated_delta_product_declaration(3, False)]
+    decls += [linear_members.gated_delta_product_declaration(n, gated) for n, gated in ((2, True), (3, False))]
     for decl in decls:
         out[f"decode_{decl.name}"] = lambda decl=decl: linear_decode.render(decl)
     return out
