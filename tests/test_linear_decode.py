@@ -265,3 +265,18 @@ def test_generated_source_follows_the_structure():
     assert "tl.static_range(0, 2)" in src["gated_delta_product"] and "static_range" not in src["kda"]
     assert "log_decay = g" in src["kda"]   # the declaration, cited in the kernel
     assert decode.render(M.KDA) == src["kda"]   # deterministic
+
+
+@pytest.mark.parametrize("name", ["simple_gla", "kda"])
+def test_hard_reset_matches_the_reference(name):
+    """A log-decay of -inf (a hard reset, which the chunk kernels refuse) on the decode kernel: the state
+    before it is forgotten, as in the token loop (and on the reference path)."""
+    gen = torch.Generator().manual_seed(13)
+    args = make(name, 1, 5, gen)
+    args[3][0, 2, 1] = float("-inf")   # token 2, head 1 (every key for per-key decay)
+    h0 = torch.randn(1, H, K, V, generator=gen)
+    o, S = OPS[name](*args, initial_state=h0, output_final_state=True, backend="triton")
+    o_ref, S_ref = token_loop(*oracle(name, args), 1, None, h0)
+    assert torch.isfinite(o).all() and torch.isfinite(S).all()
+    assert_close(o, o_ref, "delta_out", torch.float32, name=f"{name} o")
+    assert_close(S, S_ref, "delta_out", torch.float32, name=f"{name} S")

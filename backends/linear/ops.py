@@ -217,6 +217,18 @@ def _decode(decl: MatrixState, q, k, v, xs, scale, initial_state, output_final_s
     return o.reshape(B, T, H, V), (ht if output_final_state else None)
 
 
+def _needs_grad(tensors) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+def decodes(q, tensors, offsets) -> bool:
+    """Whether `run` takes the decode kernel: no tensor (q and `tensors`, None allowed) requires a
+    gradient and no sequence (`offsets`: cu_seqlens as ints, or None) has more tokens of q than
+    tuning.current().decode_max_tokens."""
+    B, T = q.shape[:2]
+    return not _needs_grad((q, *tensors)) and _longest(B, T, offsets) <= tuning.current().decode_max_tokens
+
+
 def _longest(B: int, T: int, offsets) -> int:
     """The longest sequence's tokens (of q)."""
     if offsets is None:
@@ -242,11 +254,10 @@ def run(decl: MatrixState, q, k, v, *xs, scale: float, initial_state, output_fin
             raise ValueError(f"{name}: backend='triton' takes float16, bfloat16 or float32, got {t.dtype} "
                              "(use backend='reference' for float64)")
     B, T, H, K = q.shape
-    limit = tuning.current().decode_max_tokens
-    needs_grad = torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad for t in (q, k, v, initial_state, *xs))
-    if not needs_grad and _longest(B, T, offsets) <= limit:
+    if decodes(q, (k, v, initial_state, *xs), offsets):
         return _decode(decl, q, k, v, xs, scale, initial_state, output_final_state, offsets, constants)
+    limit = tuning.current().decode_max_tokens
+    needs_grad = _needs_grad((q, k, v, initial_state, *xs))
     if decl.correction != "plain":
         why = "gradients are needed" if needs_grad else f"a sequence is longer than decode_max_tokens = {limit}"
         raise ValueError(f"backend='triton': matrix state {decl.name!r} has correction {decl.correction!r} and "
