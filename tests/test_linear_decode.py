@@ -280,3 +280,13 @@ def test_hard_reset_matches_the_reference(name):
     assert torch.isfinite(o).all() and torch.isfinite(S).all()
     assert_close(o, o_ref, "delta_out", torch.float32, name=f"{name} o")
     assert_close(S, S_ref, "delta_out", torch.float32, name=f"{name} S")
+
+
+def test_no_tokens_keeps_the_initial_state():
+    gen = torch.Generator().manual_seed(14)
+    args = make("kda", 1, 0, gen)
+    h0 = torch.randn(2, H, K, V, generator=gen)
+    o, S = OPS["kda"](*args, initial_state=h0, output_final_state=True, cu_seqlens=torch.tensor([0, 0, 0]),
+                      backend="triton")
+    assert o.shape == (1, 0, H, V) and o.dtype == torch.float32
+    torch.testing.assert_close(S, h0, rtol=0, atol=0)

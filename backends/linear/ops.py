@@ -199,7 +199,7 @@ def _decode(decl: MatrixState, q, k, v, xs, scale, initial_state, output_final_s
     o = _empty(B * T, H, V, device=dev)
     h0 = None if initial_state is None else initial_state.float().contiguous()
     if B * T == 0 or N == 0:   # no token: every final state is its initial state
-        S = h0 if h0 is not None else torch.zeros(N, H, K, V, device=dev)
+        S = h0.clone() if h0 is not None else torch.zeros(N, H, K, V, device=dev)   # not the caller's tensor
         return o.reshape(B, T, H, V), (S if output_final_state else None)
     dt = torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype)
     pack = lambda t: t.to(dt).reshape(-1, H, *t.shape[3:]).contiguous()  # noqa: E731
