@@ -55,6 +55,9 @@ class Tuning:
         atomic add, plan._lanes_mode) instead of per-lane atomics.
       sum_warp_groups_before_atomics: gradient mode 6 (the groups of each warp summed by shuffles
         before the atomic add).
+      decode_max_tokens: the matrix-state family's backend='triton' runs the recurrent decode kernel
+        (backends/linear/decode.py) when no input requires a gradient and no sequence has more
+        tokens than this (0: never); longer inputs take the chunk kernels.
       delta_save_wu: the delta forward stores w, u for the backward (else the backward recomputes them).
       delta_eager_fast_path: eager delta calls skip the torch.library dispatcher.
       delta_key_block: key columns per program / loop step of the delta backward kernels.
@@ -74,6 +77,7 @@ class Tuning:
     lanes_min: int = 1 << 17
     sum_groups_before_atomics: bool = False
     sum_warp_groups_before_atomics: bool = True
+    decode_max_tokens: int = 64
     delta_save_wu: bool = True
     delta_eager_fast_path: bool = True
     delta_key_block: int = 64
@@ -92,6 +96,9 @@ class Tuning:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}: expected an int >= 1, got {value!r}")
+        if isinstance(self.decode_max_tokens, bool) or not isinstance(self.decode_max_tokens, int) \
+                or self.decode_max_tokens < 0:
+            raise ValueError(f"decode_max_tokens: expected an int >= 0, got {self.decode_max_tokens!r}")
         for name in ("sum_groups_before_atomics", "sum_warp_groups_before_atomics", "delta_save_wu",
                      "delta_eager_fast_path"):
             if not isinstance(getattr(self, name), bool):

@@ -153,7 +153,8 @@ def test_per_key_row_blocks(chunk, g_min):
 def test_without_initial_state_and_final_state_off():
     gen = torch.Generator().manual_seed(3)
     (q, k, v, g), g_ref = _inputs("gla", 1, C + 3, gen)
-    o, S = L.gla(q, k, v, g, backend="triton", chunk_size=C)
+    with sl.tuning.override(decode_max_tokens=0):   # no gradients: the chunk kernels, not the decode kernel
+        o, S = L.gla(q, k, v, g, backend="triton", chunk_size=C)
     assert S is None
     o_ref, _ = token_loop(q, k, v, g_ref.float())
     assert_close(o, o_ref, "delta_out", torch.float32, name="gla o")
@@ -180,7 +181,8 @@ def test_non_finite_token_never_reaches_earlier_outputs(member, bad):
     ins, g_ref = _inputs(member, 1, T, gen)
     which = {"k": 1, "v": 2}[bad]
     ins[which][0, t_bad, 1] = float("nan")
-    o, _ = _call(member, *ins, output_final_state=True, backend="triton", chunk_size=2 * C)
+    with sl.tuning.override(decode_max_tokens=0):   # no gradients: the chunk kernels, not the decode kernel
+        o, _ = _call(member, *ins, output_final_state=True, backend="triton", chunk_size=2 * C)
     clean = [t.clone() for t in ins]
     clean[which][0, t_bad:] = 0.0
     o_ref, _ = token_loop(clean[0], clean[1], clean[2], clean[3])
@@ -204,11 +206,11 @@ def test_bad_input_errors():
         L.simple_gla(q, k, v, -g, backend="triton", chunk_size=C)
     with pytest.raises(ValueError, match="log-decay"):   # NaN is no decay (checked where it costs no sync)
         L.simple_gla(q, k, v, torch.where(g < -0.5, float("nan"), g), backend="triton", chunk_size=C)
-    with pytest.raises(ValueError, match="hard reset"):
+    with pytest.raises(ValueError, match="hard reset"), sl.tuning.override(decode_max_tokens=0):
         L.simple_gla(q, k, v, torch.where(g < -0.5, float("-inf"), g), backend="triton", chunk_size=C)
     with pytest.raises(ValueError, match=r"g must have shape \[B, T, H\]"):
         L.simple_gla(q, k, v, g[..., None], backend="triton", chunk_size=C)
-    with pytest.raises(ValueError, match="correction 'delta'"):
+    with pytest.raises(ValueError, match="correction 'delta'"), sl.tuning.override(decode_max_tokens=0):
         L.kda(q, k, v, g[..., None].expand(*q.shape).contiguous(), torch.rand(1, 5, H), backend="triton")
     with pytest.raises(ValueError, match="plain writes"):
         kernels.module(L.members.KDA)
@@ -235,7 +237,7 @@ def test_torch_compile_with_cu_seqlens_runs_the_same_kernels():
                                  chunk_size=C)
     leaves = [t.clone().requires_grad_() for t in (q, k, v, g)]
     o, S = torch.compile(fn, backend="aot_eager")(*leaves)
-    o_eager, S_eager = fn(q, k, v, g)
+    o_eager, S_eager = fn(*leaves)   # with gradients, as compiled: the chunk kernels (not the decode kernel)
     torch.testing.assert_close(o, o_eager, rtol=0, atol=0)
     torch.testing.assert_close(S, S_eager, rtol=0, atol=0)
     o_ref, S_ref = token_loop(q, k, v, g_ref.float(), cu=cu)

@@ -1,4 +1,10 @@
-"""Launch the generated plain-write matrix-state kernels (backends/linear/kernels.py) under autograd.
+"""Launch the generated matrix-state kernels: the plain-write chunk kernels (backends/linear/kernels.py)
+under autograd, and the recurrent decode kernel of every structure (backends/linear/decode.py).
+
+Routing (`run`): when no input requires a gradient and no sequence is longer than
+`scanlang.tuning.current().decode_max_tokens` tokens (of q; default 64, 0 turns it off), the forward is
+the token loop of decode.py, for every decay and correction. Otherwise plain writes take the chunk
+kernels and the delta / Householder corrections raise a ValueError asking for backend='reference'.
 
 `member_op(declaration)` returns the member's `backend="triton"` op, called by
 `recipes.linear.family.MemberOp` with the member's positional inputs after q, k, v (fla's order) and
@@ -22,16 +28,18 @@ import sys
 import torch
 import triton
 
-from scanlang import backend
+from scanlang import backend, tuning
 from scanlang.linear import MatrixState
 from scanlang.second_order import refuse_second_order
 
 from ..triton.runtime import load
-from . import kernels
+from . import decode, kernels
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MODULES: dict[str, object] = {}        # declaration key -> the loaded generated module
 CONFIG = dict(BV=32, num_warps=4)      # value columns per program (clamped to the padded V)
+DECODE_CONFIG = dict(BV=32, num_warps=4)   # the decode kernel's value columns per program (clamped likewise)
+DECODE_MODULES: dict[str, object] = {}     # declaration key -> the loaded decode module
 
 
 _RECORDING: contextvars.ContextVar = contextvars.ContextVar("linear_launches", default=None)
@@ -181,14 +189,69 @@ def _backward(ctx, q, k, v, h0, G, xs, do, dht):
 
 
 def member_op(decl: MatrixState):
-    """The `backend="triton"` op of a plain-write declaration (module docstring); refuses the rest.
-    Inputs of every kind reach the hook: per token [B,T,H], per token and key [B,T,H,K], per head [H]."""
+    """The `backend="triton"` op of a declaration (module docstring). Every structure runs on the recurrent
+    decode kernel without gradients for short sequences (`run`); with gradients or longer sequences only
+    plain writes have kernels, and the rest raise a ValueError there. Inputs of every kind reach the hooks:
+    per token [B,T,H] (or [B,T*n,H] rows of beta's inputs), per token and key [B,T,H,K], per head [H]."""
     if not isinstance(decl, MatrixState):
         raise TypeError(f"declaration: expected a MatrixState, got {type(decl).__name__}")
-    if decl.correction != "plain":
-        raise ValueError(f"backend='triton': matrix state {decl.name!r} has correction {decl.correction!r}; generated "
-                         "kernels exist for plain writes so far (use backend='reference')")
     return lambda *args, **kwargs: run(decl, *args, **kwargs)
+
+
+def decode_module(decl: MatrixState):
+    """The generated decode module of `decl` (backends/linear/decode.py), rendered and loaded once."""
+    mod = DECODE_MODULES.get(decl.key)
+    if mod is None:
+        mod = DECODE_MODULES[decl.key] = load(decode.render(decl))
+    return mod
+
+
+def _decode(decl: MatrixState, q, k, v, xs, scale, initial_state, output_final_state, offsets, constants):
+    """The forward by the token loop (decode.py): one program per (sequence, head, value block)."""
+    B, T, H, K = q.shape
+    V, dev = v.shape[-1], q.device
+    bounds = [b * T for b in range(B + 1)] if offsets is None else list(offsets)
+    N = len(bounds) - 1
+    o = _empty(B * T, H, V, device=dev)
+    h0 = None if initial_state is None else initial_state.float().contiguous()
+    if B * T == 0 or N == 0:   # no token: every final state is its initial state
+        S = h0.clone() if h0 is not None else torch.zeros(N, H, K, V, device=dev)   # not the caller's tensor
+        return o.reshape(B, T, H, V), (S if output_final_state else None)
+    dt = torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype)
+    pack = lambda t: t.to(dt).reshape(-1, H, *t.shape[3:]).contiguous()  # noqa: E731
+    used = set(decode.hook_inputs(decl))
+    hooked = [(x if decl.inputs[m] == "head" else x.reshape(-1, H, *x.shape[3:])).float().contiguous()
+              for m, x in zip(decl.inputs, xs) if m in used]
+    ht = _empty(N, H, K, V, device=dev)
+    cu = torch.tensor(bounds, dtype=torch.int32, device=dev)
+    BV = min(DECODE_CONFIG["BV"], triton.next_power_of_2(V))
+    consts = tuple(float(constants[c]) for c in decl.constants)
+    _launch(getattr(decode_module(decl), f"{decl.name}_decode"), (N, H, triton.cdiv(V, BV)),
+            (pack(q), pack(k), pack(v), *hooked, h0 if h0 is not None else ht, o, ht, cu, *consts, float(scale), H),
+            dict(K=K, V=V, BK=triton.next_power_of_2(K), BV=BV, HAS_H0=h0 is not None,
+                 STORE_FINAL=bool(output_final_state), num_warps=DECODE_CONFIG["num_warps"]))
+    return o.reshape(B, T, H, V), (ht if output_final_state else None)
+
+
+def _needs_grad(tensors) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+def decodes(q, tensors, offsets) -> bool:
+    """Whether `run` takes the decode kernel: no tensor (q and `tensors`, None allowed) requires a
+    gradient and no sequence (`offsets`: cu_seqlens as ints, or None) has more tokens of q than
+    tuning.current().decode_max_tokens; never on CUDA yet."""
+    B, T = q.shape[:2]
+    if q.device.type == "cuda":   # not run on a GPU yet (session 10 spent its device time on the chunk kernels)
+        return False
+    return not _needs_grad((q, *tensors)) and _longest(B, T, offsets) <= tuning.current().decode_max_tokens
+
+
+def _longest(B: int, T: int, offsets) -> int:
+    """The longest sequence's tokens (of q)."""
+    if offsets is None:
+        return T if B else 0
+    return max((e - s for s, e in zip(offsets, offsets[1:])), default=0)
 
 
 @torch.compiler.disable
@@ -209,6 +272,17 @@ def run(decl: MatrixState, q, k, v, *xs, scale: float, initial_state, output_fin
             raise ValueError(f"{name}: backend='triton' takes float16, bfloat16 or float32, got {t.dtype} "
                              "(use backend='reference' for float64)")
     B, T, H, K = q.shape
+    if decodes(q, (k, v, initial_state, *xs), offsets):
+        return _decode(decl, q, k, v, xs, scale, initial_state, output_final_state, offsets, constants)
+    limit = tuning.current().decode_max_tokens
+    needs_grad = _needs_grad((q, k, v, initial_state, *xs))
+    if decl.correction != "plain":
+        why = ("gradients are needed" if needs_grad else "the decode kernel has not run on a GPU yet"
+               if q.device.type == "cuda" else f"a sequence is longer than decode_max_tokens = {limit}")
+        raise ValueError(f"backend='triton': matrix state {decl.name!r} has correction {decl.correction!r} and "
+                         f"{why}; generated kernels exist for plain writes so far (the recurrent decode kernel "
+                         f"runs every structure, forward only, for sequences of at most decode_max_tokens "
+                         f"tokens); use backend='reference'")
     V, dev = v.shape[-1], q.device
     dt = torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype)
     table = ChunkTable(B, T, offsets, chunk_size, dev)

@@ -3,9 +3,12 @@ declared with `scanlang.matrix_state` and run by `op(declaration)`.
 
 `delta_rule` and `kaczmarz_delta_rule` are scanlang.recipes.kaczmarz's ops (the same functions,
 generated Triton kernels by default); the other members run on the chunked PyTorch reference by
-default, and with backend="triton" on kernels generated from their declaration (backends/linear:
-plain writes so far, in Triton's interpreter: on CUDA they are refused until their first GPU run's
-illegal memory access is found; the delta and Householder corrections say they are not generated yet).
+default, and with backend="triton" on kernels generated from their declaration (backends/linear): the
+recurrent decode kernel of every structure without gradients for short sequences (`scanlang.tuning`
+decode_max_tokens; Triton's interpreter only so far: on CUDA the chunk kernels run instead, and delta
+and Householder corrections say they need backend='reference'), else the chunk kernels of plain writes
+(CPU interpreter and CUDA; the delta and Householder corrections with gradients say they are not
+generated yet).
 
 `GatedLinearAttention` and `KimiDeltaAttention` are the layers (fla's parametrisation) around `gla` and
 `kda`, with state carry (`LinearLayerState`).

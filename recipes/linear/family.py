@@ -10,7 +10,9 @@ members). The hooks run as the traced sympy expressions, rendered for torch; the
 the sympy derivative (`Hook.grads`), so the reference also checks the derivatives a generated
 kernel would use. backend: None / "auto" / "reference" run the chunked PyTorch reference
 (recipes/linear/chunked.py); "triton" runs the kernels generated from the declaration
-(backends/linear: plain writes, every decay; other corrections raise a ValueError saying so).
+(backends/linear): without gradients and for sequences of at most `tuning.decode_max_tokens` tokens the
+recurrent decode kernel of every structure; otherwise the chunk kernels of plain writes, every decay
+(other corrections raise a ValueError saying so).
 """
 from __future__ import annotations
 
@@ -158,10 +160,12 @@ class MemberOp:
             if self.triton is None:   # generated once per declaration; a structure without kernels says so
                 self.triton = _backend.get("linear").member_op(d)
             if self._decay is not None and q.device.type == "cpu" and not torch.compiler.is_compiling():
-                # g <= 0 and finite, checked where it costs no synchronisation
+                # g <= 0 and finite, checked where it costs no synchronisation; the decode kernel's
+                # token loop takes -inf (a hard reset: exp(-inf) = 0), the chunk kernels do not
                 with torch.no_grad():
                     g = self._log_decay({n: t.to(compute) for n, t in inputs.items()} | constants, q)
-                if bool(torch.isinf(g).any()):
+                chunked = not _backend.get("linear").decodes(q, (k, v, initial_state, *inputs.values()), offsets)
+                if chunked and bool(torch.isinf(g).any()):
                     raise ValueError(f"{self.__name__}: a log-decay of -inf (a hard reset) is not handled by the "
                                      f"generated kernels yet (their pairwise decays would be -inf - -inf); "
                                      f"use backend='reference'")

@@ -7,9 +7,10 @@ Per member (linear_attention, simple_gla, gla), bf16 inputs: first o and every g
 backend="reference" in float64 at B1 and T = min(T, 1024) (the reference's per-key pairwise tensor is
 [C, C, K] per chunk), under scanlang.testing's rows (RMS ratio and every element); a member that fails
 its check (or raises) is reported FAIL and not timed, and the run exits 1. Then the median forward and
-forward+backward time (triton.testing.do_bench) at the given shape, next to fla's chunk op
-(chunk_linear_attn with normalize=False, chunk_simple_gla, chunk_gla) on the same inputs when fla-core
-is installed. `--device cpu` runs the same steps
+forward+backward time (triton.testing.do_bench) at the given shape, both on the chunk kernels (the
+no-grad forward of a short input would otherwise take the decode kernel: tuning.decode_max_tokens = 0),
+next to fla's chunk op (chunk_linear_attn with normalize=False, chunk_simple_gla, chunk_gla) on the same
+inputs when fla-core is installed. `--device cpu` runs the same steps
 in Triton's interpreter with wall-clock times (tests, tiny shapes).
 """
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch
 import triton
 import triton.testing
 
+from scanlang import tuning
 from scanlang.recipes import linear
 from scanlang.testing import check as check_close
 
@@ -68,7 +70,7 @@ def time_member(member, B, T, H, K, V, C, device) -> tuple[float, float]:
     ins = [t.requires_grad_() for t in _inputs(member, B, T, H, K, V, torch.bfloat16, device)]
     fn = getattr(linear, member)
     fwd = lambda: fn(*ins, backend="triton", chunk_size=C)  # noqa: E731
-    with torch.no_grad():
+    with torch.no_grad(), tuning.override(decode_max_tokens=0):   # the chunk kernels, not the decode kernel
         t_fwd = bench_ms(fwd, device)
     do = torch.randn(B, T, H, V, device=device)
 

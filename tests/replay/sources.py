@@ -21,7 +21,7 @@ RECORD = pathlib.Path(__file__).with_name("record.json")
 def programs() -> dict:
     """name -> a function returning its source: the library monoids' plain scans, the chunk-parallel
     modules of sl.Affine and sl.Mobius, the three Kalman programs, every delta rule at every chunk size, the
-    plain-write matrix-state members' generated modules."""
+    plain-write matrix-state members' generated modules, every member's decode module."""
     from scanlang import library, pipeline
     from scanlang.backends.triton.kernel import chunked
     from scanlang.library import LIBRARY
@@ -52,6 +52,13 @@ def programs() -> dict:
     from scanlang.recipes.linear.members import GLA, LINEAR_ATTENTION, SIMPLE_GLA
     for decl in (LINEAR_ATTENTION, SIMPLE_GLA, GLA):
         out[f"linear_{decl.name}"] = lambda decl=decl: linear_kernels.render(decl)
+    from scanlang.backends.linear import decode as linear_decode
+    from scanlang.recipes.linear import members as linear_members
+    decls = [getattr(linear_members, n) for n in ("LINEAR_ATTENTION", "SIMPLE_GLA", "GLA", "DELTANET", "DELTA_RULE",
+                                                  "KDA", "KACZMARZ")]
+    decls += [linear_members.gated_delta_product_declaration(n, gated) for n, gated in ((2, True), (3, False))]
+    for decl in decls:
+        out[f"decode_{decl.name}"] = lambda decl=decl: linear_decode.render(decl)
     return out
 
 
