@@ -8,9 +8,13 @@
 with the declared inputs positional after v, in declaration order (fla's order for the shipped
 members). The hooks run as the traced sympy expressions, rendered for torch; their backward is
 the sympy derivative (`Hook.grads`), so the reference also checks the derivatives a generated
-kernel would use. backend: None / "auto" / "reference" run the chunked PyTorch reference
-(recipes/linear/chunked.py); "triton" runs the kernels generated from the declaration
-(backends/linear: plain writes, every decay; other corrections raise a ValueError saying so).
+kernel would use. backend: "reference" runs the chunked PyTorch reference (recipes/linear/chunked.py);
+"triton" runs generated kernels: the delta correction in one step with decay none or per head on the
+delta-rule kernels (backends/delta, CUDA or Triton's interpreter; the declaration translated into a
+DeltaRule by recipes/linear/delta_form.py), plain writes on the kernels generated from the declaration
+(backends/linear, every decay; Triton's interpreter only); per-key decay with the delta correction and
+Householder steps raise a ValueError saying so. None / "auto": "triton" for the delta kernels' structures
+on CUDA (`scanlang.backend.default`, float32 compute), the reference otherwise.
 """
 from __future__ import annotations
 
@@ -22,10 +26,14 @@ import torch
 
 from scanlang import backend as _backend
 from scanlang import expr as E
+from scanlang import settings
 from scanlang._checks import check_cu_seqlens, check_log_decay
 from scanlang.linear import KEY_NORM, MatrixState
 
+from scanlang.recipes.kaczmarz.ops import CHUNK_SIZES, MAX_HEAD_DIM
+
 from .chunked import matrix_state_reference
+from .delta_form import default_backend, delta_form, runs_on_delta
 
 FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _STEPS = {sympy.Heaviside: lambda u: torch.where(u > 0, 1.0, torch.where(u < 0, 0.0, 0.5)).to(u.dtype),
@@ -154,7 +162,19 @@ class MemberOp:
         if backend not in (None, "auto", "reference", "triton"):
             raise ValueError(f"backend must be None, 'auto', 'reference' or 'triton', got {backend!r}")
         offsets, compute = self._validate(q, k, v, inputs, scale, initial_state, cu_seqlens, chunk_size)
+        if backend in (None, "auto"):
+            backend = default_backend(d, q.device, compute, chunk_size, q.shape[-1], v.shape[-1], CHUNK_SIZES,
+                                      MAX_HEAD_DIM)
+        if backend == "triton" and runs_on_delta(d):
+            return self._on_delta(q, k, v, inputs, constants, scale, initial_state, output_final_state, offsets,
+                                  chunk_size, compute)
         if backend == "triton":
+            if d.correction != "plain":
+                raise ValueError(f"{self.__name__}: backend='triton': matrix state {d.name!r} (decay {d.decay}, "
+                                 f"correction {d.correction}, {d.steps} step{'s' if d.steps > 1 else ''}) has no "
+                                 f"generated kernels; generated kernels exist for plain writes so far (backends/"
+                                 f"linear) and for the delta correction with decay 'none' or 'per_head' in one step "
+                                 f"(backends/delta); use backend='reference'")
             if q.device.type == "cuda":
                 # their first H200 run (2026-12-02, B8 T4096 H16 K=V=128 bf16) hit an illegal memory access;
                 # until that is found they run in Triton's interpreter only (where they are tested)
@@ -180,13 +200,7 @@ class MemberOp:
         values.update(constants)
         beta = g = None
         if self._beta is not None:
-            if d.uses_key_norm:
-                n2 = (k * k).sum(-1)
-                values[KEY_NORM] = torch.where(n2 > 0, n2, torch.ones_like(n2))
-            beta = self._beta(values, like=k[..., 0])
-            if d.uses_key_norm:   # a zero key writes nothing whatever beta is: keep 0/0 out
-                beta = torch.where(n2 > 0, beta, torch.zeros_like(beta))
-            beta = beta.expand(k.shape[:3])
+            beta = self._host_beta(values, k)
         if self._decay is not None:
             g = self._log_decay(values, q)
         scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
@@ -194,6 +208,53 @@ class MemberOp:
         o, S = matrix_state_reference(q, k, v, g, beta, steps=d.steps, scale=scale, initial_state=h0,
                                       chunk_size=chunk_size, cu_seqlens=offsets)
         return o, (S if output_final_state else None)
+
+    def _host_beta(self, values: dict, k: torch.Tensor) -> torch.Tensor:
+        """beta = the beta hook of `values` (and ||k||^2), [B,T,H]; 0 for a zero key when beta reads ||k||^2."""
+        d = self.declaration
+        if d.uses_key_norm:
+            n2 = (k * k).sum(-1)
+            values = {**values, KEY_NORM: torch.where(n2 > 0, n2, torch.ones_like(n2))}
+        beta = self._beta(values, like=k[..., 0])
+        if d.uses_key_norm:   # a zero key writes nothing whatever beta is: keep 0/0 out
+            beta = torch.where(n2 > 0, beta, torch.zeros_like(beta))
+        return beta.expand(k.shape[:3])
+
+    def _on_delta(self, q, k, v, inputs, constants, scale, initial_state, output_final_state, offsets, chunk_size,
+                  compute):
+        """backend='triton' for a structure the delta kernels run (recipes/linear/delta_form.py), on CUDA or
+        in Triton's interpreter: the declaration's DeltaForm, its s, a and per-head parameters, one launch."""
+        if q.device.type != "cuda" and not settings.triton_interpret():
+            raise ValueError(f"{self.__name__}: backend='triton' needs CUDA tensors, or TRITON_INTERPRET=1 to run "
+                             f"the kernels in Triton's interpreter on CPU")
+        if compute == torch.float64:
+            raise ValueError(f"{self.__name__}: backend='triton' takes bf16/fp16/fp32 inputs; use "
+                             f"backend='reference' for float64")
+        if chunk_size not in CHUNK_SIZES:
+            raise ValueError(f"chunk_size must be one of {CHUNK_SIZES} for backend='triton' (the delta-rule "
+                             f"kernels), got {chunk_size!r}")
+        for name, dim in (("q", q.shape[-1]), ("v", v.shape[-1])):
+            if dim > MAX_HEAD_DIM:
+                raise ValueError(f"{name}: head dim {dim} is above {MAX_HEAD_DIM}, the most the delta-rule kernels "
+                                 f"take (backend='triton'); use backend='reference'")
+        form = delta_form(self.declaration, constants)
+        values = {n: t.to(compute) for n, t in inputs.items()} | constants
+        if form.host_beta:
+            s = self._host_beta(values, k.to(compute))
+        else:
+            s = inputs[form.step] if form.step else q.new_zeros(q.shape[:3], dtype=torch.float32)
+        if form.host_decay:
+            a = self._log_decay(values, q)
+        else:
+            a = inputs[form.decay] if form.decay else q.new_zeros(q.shape[:3], dtype=torch.float32)
+            if self._decay is not None and q.device.type == "cpu" and not torch.compiler.is_compiling():
+                with torch.no_grad():   # g <= 0, checked where it costs no synchronisation (the kernels form g)
+                    self._log_decay(values, q)
+        return _backend.get("delta").delta_rule(
+            q, k, v, a, s, form.rule, scale=q.shape[-1] ** -0.5 if scale is None else float(scale),
+            initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=offsets,
+            chunk_size=chunk_size, eps=constants[form.eps] if form.eps else 0.0,
+            decay_params=[inputs[p] for p in form.params])
 
     def _log_decay(self, values: dict, q: torch.Tensor) -> torch.Tensor:
         """g = log_decay(values), [B,T,H] or [B,T,H,K], checked to be <= 0 (CPU tensors)."""
