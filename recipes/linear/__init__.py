@@ -2,10 +2,13 @@
 declared with `scanlang.matrix_state` and run by `op(declaration)`.
 
 `delta_rule` and `kaczmarz_delta_rule` are scanlang.recipes.kaczmarz's ops (the same functions,
-generated Triton kernels by default); the other members run on the chunked PyTorch reference by
-default, and with backend="triton" on kernels generated from their declaration (backends/linear:
-plain writes so far, in Triton's interpreter: on CUDA they are refused until their first GPU run's
-illegal memory access is found; the delta and Householder corrections say they are not generated yet).
+generated Triton kernels by default). With backend="triton", a declaration with the delta correction in
+one step and decay none or per head (deltanet, gated_delta_rule, kaczmarz, or a user's) runs on the
+delta-rule kernels (backends/delta), its hooks translated into a DeltaRule (delta_form.py), on CUDA too,
+and backend=None picks them on CUDA; plain writes run on kernels generated from their declaration
+(backends/linear, in Triton's interpreter: on CUDA they are refused until their first GPU run's illegal
+memory access is found); per-key decay with the delta correction (kda) and Householder steps say they are
+not generated yet. Everything else runs on the chunked PyTorch reference by default.
 """
 from .family import MemberOp, op
 from .members import (DECLARATIONS, delta_rule, gated_delta_product, gated_delta_product_declaration, gla, kda,

@@ -170,8 +170,8 @@ class MemberOp:
                                   chunk_size, compute)
         if backend == "triton":
             if d.correction != "plain":
-                raise ValueError(f"{self.__name__}: backend='triton': matrix state {d.name!r} (decay {d.decay}, "
-                                 f"correction {d.correction}, {d.steps} step{'s' if d.steps > 1 else ''}) has no "
+                raise ValueError(f"{self.__name__}: backend='triton': matrix state {d.name!r} (decay {d.decay!r}, "
+                                 f"correction {d.correction!r}, {d.steps} step{'s' if d.steps > 1 else ''}) has no "
                                  f"generated kernels; generated kernels exist for plain writes so far (backends/"
                                  f"linear) and for the delta correction with decay 'none' or 'per_head' in one step "
                                  f"(backends/delta); use backend='reference'")

@@ -1,0 +1,270 @@
+"""Family members of the delta structure (correction delta, one step, decay none / per head) on the delta-rule
+kernels with backend="triton" (recipes/linear/delta_form.py; Triton's interpreter on CPU): outputs, final
+states and the gradients of q, k, v, every hook input and the initial state against an independent float64
+token loop written here, and against backend="reference"."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import scanlang as sl
+from scanlang.backends.delta import ops as delta_ops
+from scanlang.delta import GIVEN, KACZMARZ as KACZMARZ_RULE
+from scanlang.recipes import linear as L
+from scanlang.recipes.linear.delta_form import default_backend, delta_form
+from scanlang.recipes.linear.members import DELTA_RULE, DELTANET, KACZMARZ, KDA
+from scanlang.testing import assert_close
+
+C = 16            # the delta kernels' chunk in these tests (16, 32, 64 are theirs)
+D64 = torch.float64
+H, K, V = 2, 16, 8   # several heads, K != V
+
+# a declaration of its own, rendered into the kernels: beta from one raw gate, ||k||^2, a run-time eps and a
+# constant baked in as its number; Mamba2's gate with a per-head parameter as the decay hook
+USER = sl.matrix_state("user_delta", decay="per_head", correction="delta",
+                       inputs={"a": "token", "A_log": "head", "b": "token"}, constants={"eps": 1e-3, "c": 0.9},
+                       beta=lambda t: t.c * sl.sigmoid(t.b) / (t.n2 + t.eps),
+                       log_decay=lambda t: -sl.exp(t.A_log) * sl.softplus(t.a))
+# and one whose hooks the kernels' two per-token slots cannot hold (beta reads a per-head input, g two per-token
+# inputs, x is read by both): beta and g evaluated on the host, passed to the kernels as given
+HOSTED = sl.matrix_state("hosted_delta", decay="per_head", correction="delta",
+                         inputs={"x": "token", "y": "token", "w": "head"},
+                         beta=lambda t: sl.sigmoid(t.x + t.w) / (1 + t.n2),
+                         log_decay=lambda t: sl.logsigmoid(t.x) * sl.sigmoid(t.y))
+
+
+def _unit(shape, gen):
+    return torch.rand(shape, generator=gen, dtype=D64) * 0.98 + 0.01
+
+
+def _decay(shape, gen):
+    return -(0.05 + torch.rand(shape, generator=gen, dtype=D64))
+
+
+def _raw(shape, gen):
+    return torch.randn(shape, generator=gen, dtype=D64)
+
+
+# name -> (declaration, [(input, rows "tok" [B,T,H] / "head" [H], maker)], oracle (k, x) -> (g or None, beta),
+#          raw key norms over [1e-2, 10] (Kaczmarz's keys are not normalised))
+MEMBERS = {
+    "deltanet": (DELTANET, [("beta", "tok", _unit)], lambda k, x: (None, x["beta"]), False),
+    "gated_delta_rule": (DELTA_RULE, [("g", "tok", _decay), ("beta", "tok", _unit)],
+                         lambda k, x: (x["g"], x["beta"]), False),
+    "kaczmarz": (KACZMARZ, [("g", "tok", _decay), ("eta", "tok", _unit)],
+                 lambda k, x: (x["g"], x["eta"] / ((k * k).sum(-1) + 1e-6)), True),
+    "user": (USER, [("a", "tok", _raw), ("A_log", "head", lambda s, gen: 0.5 * _raw(s, gen)), ("b", "tok", _raw)],
+             lambda k, x: (-torch.exp(x["A_log"]) * F.softplus(x["a"]),
+                           0.9 * torch.sigmoid(x["b"]) / ((k * k).sum(-1) + 1e-3)), False),
+    "hosted": (HOSTED, [("x", "tok", _raw), ("y", "tok", _raw), ("w", "head", _raw)],
+               lambda k, x: (F.logsigmoid(x["x"]) * torch.sigmoid(x["y"]),
+                             torch.sigmoid(x["x"] + x["w"]) / (1 + (k * k).sum(-1))), False),
+}
+OPS = {name: L.op(decl) for name, (decl, *_) in MEMBERS.items()}
+
+
+@pytest.fixture(autouse=True)
+def poisoned_buffers(monkeypatch):
+    """Every delta-kernel buffer starts as NaN (an integer one as -1), so an element left unwritten shows."""
+    monkeypatch.setattr(delta_ops, "_empty", lambda *s, device, dtype: torch.full(
+        s, float("nan") if dtype.is_floating_point else -1, device=device, dtype=dtype))
+
+
+def token_loop(q, k, v, g, beta, scale, h0, bounds):
+    """S_t = exp(g_t) S_{t-1}, then S_t += beta_t k_t (v_t - S_t^T k_t)^T, o_t = scale S_t^T q_t, one token at a
+    time in float64; bounds: (batch row, first token, end) per sequence."""
+    B, T = q.shape[:2]
+    o = [[None] * T for _ in range(B)]
+    finals = []
+    for i, (b, s, e) in enumerate(bounds):
+        S = h0[i]
+        for t in range(s, e):
+            if g is not None:
+                S = torch.exp(g[b, t])[:, None, None] * S
+            err = v[b, t] - torch.einsum("hkv,hk->hv", S, k[b, t])
+            S = S + beta[b, t][:, None, None] * k[b, t][:, :, None] * err[:, None, :]
+            o[b][t] = scale * torch.einsum("hkv,hk->hv", S, q[b, t])
+        finals.append(S)
+    zero = q.new_zeros(H, v.shape[-1])
+    out = torch.stack([torch.stack([o[b][t] if o[b][t] is not None else zero for t in range(T)]) for b in range(B)])
+    return out, torch.stack(finals)
+
+
+def make(name, B, T, seed=0, N=None):
+    """q, k, v, the member's inputs and h0, float64, random and non-zero."""
+    _, specs, _, raw_keys = MEMBERS[name]
+    gen = torch.Generator().manual_seed(seed)
+    x = {"q": _raw((B, T, H, K), gen), "v": _raw((B, T, H, V), gen)}
+    k = _raw((B, T, H, K), gen)
+    if raw_keys:   # norms log-uniform over [1e-2, 10]
+        norms = torch.exp(torch.empty(B, T, H, 1, dtype=D64).uniform_(math.log(1e-2), math.log(10), generator=gen))
+        x["k"] = F.normalize(k, dim=-1) * norms
+    else:
+        x["k"] = k / math.sqrt(K)
+    for arg, rows, maker in specs:
+        x[arg] = maker((B, T, H) if rows == "tok" else (H,), gen)
+    x["h0"] = _raw((N or B, H, K, V), gen)
+    return x
+
+
+def names_of(name):
+    return ["q", "k", "v"] + [a for a, *_ in MEMBERS[name][1]] + ["h0"]
+
+
+def run(name, x, backend="triton", cu=None, grad=True, **kw):
+    """The member on fp32 copies of x; with grad, backprop fixed float64 cotangents. Returns (o, S, grads)."""
+    ts = {n: x[n].float().clone().requires_grad_(grad) for n in names_of(name)}
+    args = [ts[a] for a, *_ in MEMBERS[name][1]]
+    o, S = OPS[name](ts["q"], ts["k"], ts["v"], *args, initial_state=ts["h0"], output_final_state=True,
+                     cu_seqlens=None if cu is None else torch.tensor(cu), backend=backend, chunk_size=C, **kw)
+    if not grad:
+        return o, S, {}
+    do, dS = cotangents(o.shape, S.shape)
+    ((o.double() * do).sum() + (S.double() * dS).sum()).backward()
+    return o, S, {n: t.grad for n, t in ts.items()}
+
+
+def cotangents(o_shape, S_shape):
+    gen = torch.Generator().manual_seed(99)
+    return torch.randn(o_shape, generator=gen, dtype=D64), torch.randn(S_shape, generator=gen, dtype=D64)
+
+
+def oracle(name, x, cu=None):
+    """The float64 token loop on x (leaves requiring grad) with autograd: (o, S, grads)."""
+    ts = {n: x[n].clone().requires_grad_() for n in names_of(name)}
+    g, beta = MEMBERS[name][2](ts["k"], ts)
+    B, T = ts["q"].shape[:2]
+    bounds = [(b, 0, T) for b in range(B)] if cu is None else [(0, s, e) for s, e in zip(cu[:-1], cu[1:])]
+    o, S = token_loop(ts["q"], ts["k"], ts["v"], g, beta.expand(B, T, H), K ** -0.5, ts["h0"], bounds)
+    do, dS = cotangents(o.shape, S.shape)
+    ((o * do).sum() + (S * dS).sum()).backward()
+    return o.detach(), S.detach(), {n: t.grad for n, t in ts.items()}
+
+
+def row(name, arg):
+    """The tolerance row of a compared tensor: outputs and states, q k v h0, hook inputs per token, per head."""
+    if arg in ("o", "S"):
+        return "delta_out"
+    if arg in ("q", "k", "v", "h0"):
+        return "delta_grad"
+    kind = next(rows for a, rows, _ in MEMBERS[name][1] if a == arg)
+    return "delta_param_grad" if kind == "head" else "delta_gate_grad"
+
+
+def check(name, got, want, what=""):
+    (o, S, grads), (o_ref, S_ref, grads_ref) = got, want
+    assert_close(o, o_ref, "delta_out", torch.float32, name=f"{name}{what} o")
+    assert_close(S, S_ref, "delta_out", torch.float32, name=f"{name}{what} S")
+    for n, g in grads.items():
+        assert g is not None, f"{name}: {n} got no gradient"
+        assert_close(g, grads_ref[n], row(name, n), torch.float32, name=f"{name}{what} d{n}")
+
+
+# --------------------------------------------------------------------------------------------------
+# The translation.
+
+def test_shipped_members_run_the_shipped_rules_and_a_declaration_gets_its_own():
+    for decl, rule, step, decay in ((DELTANET, GIVEN, "beta", None), (DELTA_RULE, GIVEN, "beta", "g"),
+                                    (KACZMARZ, KACZMARZ_RULE, "eta", "g")):
+        form = delta_form(decl, decl.constants)
+        assert form.rule is rule and (form.step, form.decay) == (step, decay), decl.name
+        assert not form.host_beta and not form.host_decay
+    assert delta_form(KACZMARZ, KACZMARZ.constants).eps == "eps"
+    form = delta_form(USER, USER.constants)
+    assert (form.step, form.decay, form.params, form.eps) == ("b", "a", ("A_log",), "eps")
+    assert form.rule.head_params == ("A_log",) and form.rule.uses_key_norm
+    assert {s.name for s in form.rule.step.expr.free_symbols} == {"s", "n2", "eps"}   # c = 0.9 is a number
+    assert delta_form(USER, USER.constants) is form                                  # built once
+    assert delta_form(USER, {**USER.constants, "eps": 0.5}) is form                  # eps is passed at run time
+    other = delta_form(USER, {**USER.constants, "c": 0.5})                           # c is rendered
+    assert other is not form and other.rule.key != form.rule.key
+    hosted = delta_form(HOSTED, {})
+    assert hosted.host_beta and hosted.host_decay and hosted.rule is GIVEN
+
+
+def test_default_backend_is_the_delta_kernels_on_cuda_for_their_structures():
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    pick = lambda d, dev, dt=torch.float32, c=32, k=64: default_backend(d, dev, dt, c, k, 64, (16, 32, 64), 256)  # noqa: E731
+    for d in (DELTANET, DELTA_RULE, KACZMARZ, USER, HOSTED):
+        assert pick(d, cuda) == "triton" and pick(d, cpu) == "reference", d.name
+        assert pick(d, cuda, torch.float64) == "reference" and pick(d, cuda, c=8) == "reference"
+        assert pick(d, cuda, k=512) == "reference"
+    for d in (KDA, L.gated_delta_product_declaration(2), L.DECLARATIONS["gla"], L.DECLARATIONS["linear_attention"]):
+        assert pick(d, cuda) == "reference", d.name
+    x = make("kaczmarz", B=1, T=5)
+    o, S, _ = run("kaczmarz", x, backend=None, grad=False)          # CPU: the reference, bit for bit
+    o_ref, S_ref, _ = run("kaczmarz", x, backend="reference", grad=False)
+    assert torch.equal(o, o_ref) and torch.equal(S, S_ref)
+
+
+# --------------------------------------------------------------------------------------------------
+# Against the float64 token loop.
+
+@pytest.mark.parametrize("T", [C + 1, 1, pytest.param(37, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("name", list(MEMBERS))
+def test_member_on_the_delta_kernels_matches_the_token_loop(name, T):
+    """B = 2 rows, H = 2 heads, K = 16, V = 8: outputs, final states and every gradient (chunked path); the
+    forward without gradients too (T <= 16 takes the token-loop kernel)."""
+    x = make(name, B=2, T=T, seed=T)
+    want = oracle(name, x)
+    check(name, run(name, x), want)
+    rule = delta_form(MEMBERS[name][0], MEMBERS[name][0].constants).rule
+    assert f"{rule.name}_{rule.key}_c{C}" in delta_ops.PROGRAMS    # the delta backend's generated kernels ran
+    o, S, _ = run(name, x, grad=False)
+    assert_close(o, want[0], "delta_out", torch.float32, name=f"{name} o (no grad)")
+    assert_close(S, want[1], "delta_out", torch.float32, name=f"{name} S (no grad)")
+
+
+@pytest.mark.parametrize("name", list(MEMBERS))
+def test_packed_sequences_with_length_one_and_zero(name):
+    cu = [0, 1, 1, C + 2, C + 7]          # lengths 1, 0, C + 1, 5
+    x = make(name, B=1, T=cu[-1], seed=3, N=len(cu) - 1)
+    got, want = run(name, x, cu=cu), oracle(name, x, cu=cu)
+    check(name, got, want, " (packed)")
+    assert torch.equal(got[1][1], x["h0"][1].float())     # the empty sequence keeps its initial state
+
+
+def test_constants_of_a_call_reach_the_kernels():
+    """eps (a run-time argument of the kernels) and c (rendered as a number: another rule) overridden per call."""
+    x = make("user", B=1, T=C + 1, seed=5)
+    ts = {n: x[n].float() for n in names_of("user")}
+    o, S = OPS["user"](ts["q"], ts["k"], ts["v"], ts["a"], ts["A_log"], ts["b"], initial_state=ts["h0"],
+                       output_final_state=True, backend="triton", chunk_size=C, eps=0.05, c=0.5)
+    k = x["k"]
+    beta = 0.5 * torch.sigmoid(x["b"]) / ((k * k).sum(-1) + 0.05)
+    g = -torch.exp(x["A_log"]) * F.softplus(x["a"])
+    o_ref, S_ref = token_loop(x["q"], k, x["v"], g, beta, K ** -0.5, x["h0"], [(0, 0, C + 1)])
+    assert_close(o, o_ref, "delta_out", torch.float32, name="o")
+    assert_close(S, S_ref, "delta_out", torch.float32, name="S")
+
+
+# --------------------------------------------------------------------------------------------------
+# Against the reference backend, and the limits.
+
+@pytest.mark.parametrize("name", ["gated_delta_rule", "hosted"] + [
+    pytest.param(n, marks=pytest.mark.slow) for n in MEMBERS if n not in ("gated_delta_rule", "hosted")])
+def test_triton_equals_the_reference_backend(name):
+    x = make(name, B=2, T=C + 5, seed=11)
+    check(name, run(name, x), run(name, x, backend="reference"), " (vs reference)")
+
+
+def test_structures_and_inputs_the_delta_kernels_do_not_take_say_so():
+    x = make("gated_delta_rule", B=1, T=4)
+    q, k, v, g, beta = (x[n].float() for n in ("q", "k", "v", "g", "beta"))
+    with pytest.raises(ValueError, match="generated kernels exist for plain writes so far"):
+        L.kda(q, k, v, g[..., None].expand(1, 4, H, K), beta, backend="triton", chunk_size=C)
+    with pytest.raises(ValueError, match="generated kernels exist for plain writes so far"):
+        L.gated_delta_product(q, torch.cat([k, k], 1), torch.cat([v, v], 1), g, torch.cat([beta, beta], 1), 2,
+                              backend="triton", chunk_size=C)
+    gdn = OPS["gated_delta_rule"]
+    with pytest.raises(ValueError, match="float64"):
+        gdn(x["q"], x["k"], x["v"], x["g"], x["beta"], backend="triton", chunk_size=C)
+    with pytest.raises(ValueError, match="chunk_size must be one of"):
+        gdn(q, k, v, g, beta, backend="triton", chunk_size=8)
+    with pytest.raises(ValueError, match="v: head dim 300"):
+        gdn(q, k, torch.zeros(1, 4, H, 300), g, beta, backend="triton", chunk_size=C)
+    with pytest.raises(ValueError, match="log-decay"):
+        gdn(q, k, v, -g, beta, backend="triton", chunk_size=C)
