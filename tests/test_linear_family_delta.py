@@ -268,3 +268,13 @@ def test_structures_and_inputs_the_delta_kernels_do_not_take_say_so():
         gdn(q, k, torch.zeros(1, 4, H, 300), g, beta, backend="triton", chunk_size=C)
     with pytest.raises(ValueError, match="log-decay"):
         gdn(q, k, v, -g, beta, backend="triton", chunk_size=C)
+
+
+@pytest.mark.parametrize("name", ["kaczmarz", "hosted", pytest.param("user", marks=pytest.mark.slow)])
+def test_zero_keys_write_nothing_and_keep_their_slope(name):
+    """A zero key writes nothing (beta k = 0), but its dk is beta(0) times the residual: the kernels' in-kernel
+    step and the host's beta both keep it (eps > 0 makes beta finite there)."""
+    x = make(name, B=1, T=C + 1, seed=2)
+    x["k"][:, 2] = 0
+    x["k"][0, 9, 1] = 0
+    check(name, run(name, x), oracle(name, x), " (zero keys)")

@@ -210,14 +210,18 @@ class MemberOp:
         return o, (S if output_final_state else None)
 
     def _host_beta(self, values: dict, k: torch.Tensor) -> torch.Tensor:
-        """beta = the beta hook of `values` (and ||k||^2), [B,T,H]; 0 for a zero key when beta reads ||k||^2."""
+        """beta = the beta hook of `values` (and ||k||^2), [B,T,H]. A zero key writes nothing whatever beta is,
+        so where the hook is not finite for one (0/0 at eps = 0) beta is 0, as in the delta kernels; where it is
+        finite (eps > 0) it stays, and so does its share of dk (beta k (v - S^T k)^T has slope beta at k = 0)."""
         d = self.declaration
         if d.uses_key_norm:
             n2 = (k * k).sum(-1)
-            values = {**values, KEY_NORM: torch.where(n2 > 0, n2, torch.ones_like(n2))}
+            with torch.no_grad():
+                dead = (n2 == 0) & ~torch.isfinite(self._beta({**values, KEY_NORM: n2}, like=k[..., 0]))
+            values = {**values, KEY_NORM: torch.where(dead, torch.ones_like(n2), n2)}
         beta = self._beta(values, like=k[..., 0])
-        if d.uses_key_norm:   # a zero key writes nothing whatever beta is: keep 0/0 out
-            beta = torch.where(n2 > 0, beta, torch.zeros_like(beta))
+        if d.uses_key_norm:   # keep 0/0 out of beta and of its derivatives
+            beta = torch.where(dead, torch.zeros_like(beta), beta)
         return beta.expand(k.shape[:3])
 
     def _on_delta(self, q, k, v, inputs, constants, scale, initial_state, output_final_state, offsets, chunk_size,
