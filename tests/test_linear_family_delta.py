@@ -114,16 +114,19 @@ def names_of(name):
     return ["q", "k", "v"] + [a for a, *_ in MEMBERS[name][1]] + ["h0"]
 
 
-def run(name, x, backend="triton", cu=None, grad=True, **kw):
-    """The member on fp32 copies of x; with grad, backprop fixed float64 cotangents. Returns (o, S, grads)."""
-    ts = {n: x[n].float().clone().requires_grad_(grad) for n in names_of(name)}
+def run(name, x, backend="triton", cu=None, grad=True, dtype=torch.float32, device="cpu", **kw):
+    """The member on `dtype` copies of x (h0 fp32) on `device`; with grad, backprop fixed float64 cotangents.
+    Returns (o, S, grads)."""
+    ts = {n: x[n].to(device, torch.float32 if n == "h0" else dtype).clone().requires_grad_(grad)
+          for n in names_of(name)}
     args = [ts[a] for a, *_ in MEMBERS[name][1]]
     o, S = OPS[name](ts["q"], ts["k"], ts["v"], *args, initial_state=ts["h0"], output_final_state=True,
-                     cu_seqlens=None if cu is None else torch.tensor(cu), backend=backend, chunk_size=C, **kw)
+                     cu_seqlens=None if cu is None else torch.tensor(cu, device=device), backend=backend,
+                     chunk_size=kw.pop("chunk_size", C), **kw)
     if not grad:
         return o, S, {}
     do, dS = cotangents(o.shape, S.shape)
-    ((o.double() * do).sum() + (S.double() * dS).sum()).backward()
+    ((o.double() * do.to(o.device)).sum() + (S.double() * dS.to(o.device)).sum()).backward()
     return o, S, {n: t.grad for n, t in ts.items()}
 
 
@@ -154,13 +157,13 @@ def row(name, arg):
     return "delta_param_grad" if kind == "head" else "delta_gate_grad"
 
 
-def check(name, got, want, what=""):
+def check(name, got, want, what="", dtype=torch.float32):
     (o, S, grads), (o_ref, S_ref, grads_ref) = got, want
-    assert_close(o, o_ref, "delta_out", torch.float32, name=f"{name}{what} o")
-    assert_close(S, S_ref, "delta_out", torch.float32, name=f"{name}{what} S")
+    assert_close(o, o_ref, "delta_out", dtype, name=f"{name}{what} o")
+    assert_close(S, S_ref, "delta_out", dtype, name=f"{name}{what} S")
     for n, g in grads.items():
         assert g is not None, f"{name}: {n} got no gradient"
-        assert_close(g, grads_ref[n], row(name, n), torch.float32, name=f"{name}{what} d{n}")
+        assert_close(g, grads_ref[n], row(name, n), dtype, name=f"{name}{what} d{n}")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -187,7 +190,9 @@ def test_shipped_members_run_the_shipped_rules_and_a_declaration_gets_its_own():
 
 def test_default_backend_is_the_delta_kernels_on_cuda_for_their_structures():
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
-    pick = lambda d, dev, dt=torch.float32, c=32, k=64: default_backend(d, dev, dt, c, k, 64, (16, 32, 64), 256)  # noqa: E731
+
+    def pick(d, dev, dt=torch.float32, c=32, k=64):
+        return default_backend(d, dev, dt, c, k, 64, (16, 32, 64), 256)
     for d in (DELTANET, DELTA_RULE, KACZMARZ, USER, HOSTED):
         assert pick(d, cuda) == "triton" and pick(d, cpu) == "reference", d.name
         assert pick(d, cuda, torch.float64) == "reference" and pick(d, cuda, c=8) == "reference"
@@ -278,3 +283,37 @@ def test_zero_keys_write_nothing_and_keep_their_slope(name):
     x["k"][:, 2] = 0
     x["k"][0, 9, 1] = 0
     check(name, run(name, x), oracle(name, x), " (zero keys)")
+
+
+def test_a_hard_reset_clears_the_state():
+    """g = -inf (a reset) is taken by the delta kernels (the plain-write kernels refuse it)."""
+    x = make("gated_delta_rule", B=1, T=C + 3, seed=4)
+    x["g"][0, 7, 1] = float("-inf")
+    o, S, _ = run("gated_delta_rule", x, grad=False)
+    o_ref, S_ref = token_loop(x["q"], x["k"], x["v"], x["g"], x["beta"], K ** -0.5, x["h0"], [(0, 0, C + 3)])
+    assert_close(o, o_ref, "delta_out", torch.float32, name="o")
+    assert_close(S, S_ref, "delta_out", torch.float32, name="S")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("name", ["gated_delta_rule", "kaczmarz"])
+def test_low_precision_inputs_within_the_table(name, dtype):
+    """bf16 / fp16 q, k, v and hook inputs against the loop on the same rounded inputs (the table's rows)."""
+    x = make(name, B=1, T=C + 5, seed=6)
+    x = {n: t if n == "h0" else t.to(dtype).double() for n, t in x.items()}
+    check(name, run(name, x, dtype=dtype), oracle(name, x), f" ({dtype})", dtype=dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", list(MEMBERS))
+def test_on_cuda_the_default_backend_is_the_delta_kernels(name):
+    """backend=None on CUDA runs the delta kernels (GPU rows of the table), equal-length and packed."""
+    x = make(name, B=2, T=3 * 64 + 7, seed=7)
+    check(name, run(name, x, backend=None, device="cuda", chunk_size=64), oracle(name, x), " (cuda)")
+    rule = delta_form(MEMBERS[name][0], MEMBERS[name][0].constants).rule
+    assert f"{rule.name}_{rule.key}_c64" in delta_ops.PROGRAMS
+    cu = [0, 1, 1, 70, 200]
+    x = make(name, B=1, T=cu[-1], seed=8, N=len(cu) - 1)
+    check(name, run(name, x, backend=None, device="cuda", cu=cu, chunk_size=64), oracle(name, x, cu=cu),
+          " (cuda, packed)")
