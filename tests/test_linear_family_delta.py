@@ -317,3 +317,21 @@ def test_on_cuda_the_default_backend_is_the_delta_kernels(name):
     x = make(name, B=1, T=cu[-1], seed=8, N=len(cu) - 1)
     check(name, run(name, x, backend=None, device="cuda", cu=cu, chunk_size=64), oracle(name, x, cu=cu),
           " (cuda, packed)")
+
+
+@pytest.mark.parametrize("name", ["kaczmarz", "user"])
+def test_compiles_fullgraph_on_the_delta_kernels(name):
+    """The form is built with the op, outside any trace: Dynamo (fullgraph, "eager" backend: the interpreter
+    cannot take AOT's fake tensors) traces the call into the delta backend's torch.library ops. (A beta or
+    log-decay evaluated on the host, `hosted`, does not trace yet, on either backend.)"""
+    x = make(name, B=1, T=C + 4, seed=9)
+    ts = [x[n].float() for n in names_of(name)]
+
+    def f(q, k, v, *rest):
+        return OPS[name](q, k, v, *rest[:-1], initial_state=rest[-1], output_final_state=True, backend="triton",
+                         chunk_size=C)
+    torch._dynamo.reset()
+    o, S = torch.compile(f, fullgraph=True, backend="eager")(*ts)
+    o_ref, S_ref = f(*ts)
+    assert_close(o, o_ref, "delta_ieee", torch.float32, name="o")
+    assert_close(S, S_ref, "delta_ieee", torch.float32, name="S")

@@ -51,7 +51,8 @@ class DeltaForm:
 
     rule: the DeltaRule the kernels are generated from; step / decay: the declaration's per-token input
     passed as s / a (None: zeros, or the host's beta / g when host_beta / host_decay); params: its
-    per-head inputs in the order of rule.head_params; eps: the constant passed as the kernels' eps."""
+    per-head inputs in the order of rule.head_params; eps: the constant passed as the kernels' eps; baked: the
+    constants rendered into the rule as numbers, with their values."""
 
     rule: DeltaRule
     step: str | None
@@ -60,6 +61,7 @@ class DeltaForm:
     eps: str | None
     host_beta: bool
     host_decay: bool
+    baked: tuple[tuple[str, float], ...]
 
 
 def runs_on_delta(decl: MatrixState) -> bool:
@@ -154,7 +156,7 @@ def delta_form(decl: MatrixState, constants: dict) -> DeltaForm:
     if rule is None:
         rule = DeltaRule(decl.name, step=lambda t: E.Traced(step_expr), decay=lambda t: E.Traced(decay_expr),
                          head_params=params)
-    found = FORMS[key] = DeltaForm(rule, step, decay, heads, eps, host_beta, host_decay)
+    found = FORMS[key] = DeltaForm(rule, step, decay, heads, eps, host_beta, host_decay, baked)
     return found
 
 

@@ -132,6 +132,9 @@ class MemberOp:
         d = declaration
         self._beta = None if d.beta is None else _TorchHook(d.beta, d.used(d.beta))
         self._decay = None if d.log_decay is None else _TorchHook(d.log_decay, d.used(d.log_decay))
+        # the delta kernels' form of the declaration with its default constants, built here, outside any
+        # torch.compile trace (a call that changes a constant rendered into the rule finds or builds another)
+        self._delta = delta_form(d, d.constants) if runs_on_delta(d) else None
 
     def __repr__(self):
         return f"<matrix-state op {self.__name__}: {self.declaration!r}>"
@@ -241,7 +244,9 @@ class MemberOp:
             if dim > MAX_HEAD_DIM:
                 raise ValueError(f"{name}: head dim {dim} is above {MAX_HEAD_DIM}, the most the delta-rule kernels "
                                  f"take (backend='triton'); use backend='reference'")
-        form = delta_form(self.declaration, constants)
+        form = self._delta
+        if any(constants[c] != value for c, value in form.baked):
+            form = delta_form(self.declaration, constants)
         values = {n: t.to(compute) for n, t in inputs.items()} | constants
         if form.host_beta:
             s = self._host_beta(values, k.to(compute))
