@@ -35,6 +35,17 @@ HOSTED = sl.matrix_state("hosted_delta", decay="per_head", correction="delta",
                          beta=lambda t: sl.sigmoid(t.x + t.w) / (1 + t.n2),
                          log_decay=lambda t: sl.logsigmoid(t.x) * sl.sigmoid(t.y))
 
+# names the rule's own fields use (s, a, eps): a per-token input "s" read by the decay, "a" by the step, a per-head
+# input "eps" (a parameter of the rule under another name) and a constant k2 as the kernels' eps
+RENAMED = sl.matrix_state("renamed_delta", decay="per_head", correction="delta",
+                          inputs={"s": "token", "a": "token", "eps": "head"}, constants={"k2": 0.5},
+                          beta=lambda t: sl.sigmoid(t.a) / (t.n2 + t.k2),
+                          log_decay=lambda t: -sl.exp(t.eps) * sl.softplus(t.s))
+# hooks without a per-token input: beta from ||k||^2 and a constant, g from a per-head parameter and a constant
+CONSTANT_STEP = sl.matrix_state("constant_step", decay="per_head", correction="delta",
+                                inputs={"A_log": "head"}, constants={"c": 0.7, "d": 0.8},
+                                beta=lambda t: t.c / (1 + t.n2), log_decay=lambda t: -t.d * sl.exp(t.A_log))
+
 
 def _unit(shape, gen):
     return torch.rand(shape, generator=gen, dtype=D64) * 0.98 + 0.01
@@ -62,7 +73,13 @@ MEMBERS = {
     "hosted": (HOSTED, [("x", "tok", _raw), ("y", "tok", _raw), ("w", "head", _raw)],
                lambda k, x: (F.logsigmoid(x["x"]) * torch.sigmoid(x["y"]),
                              torch.sigmoid(x["x"] + x["w"]) / (1 + (k * k).sum(-1))), False),
+    "renamed": (RENAMED, [("s", "tok", _raw), ("a", "tok", _raw), ("eps", "head", lambda s, gen: 0.5 * _raw(s, gen))],
+                lambda k, x: (-torch.exp(x["eps"]) * F.softplus(x["s"]),
+                              torch.sigmoid(x["a"]) / ((k * k).sum(-1) + 0.5)), False),
+    "constant_step": (CONSTANT_STEP, [("A_log", "head", lambda s, gen: _raw(s, gen) - 1)],
+                      lambda k, x: (-0.8 * torch.exp(x["A_log"]).expand(k.shape[:3]), 0.7 / (1 + (k * k).sum(-1))), False),
 }
+MAIN = ("deltanet", "gated_delta_rule", "kaczmarz", "user", "hosted")   # the rest: the translation's corner cases
 OPS = {name: L.op(decl) for name, (decl, *_) in MEMBERS.items()}
 
 
@@ -209,7 +226,7 @@ def test_default_backend_is_the_delta_kernels_on_cuda_for_their_structures():
 # Against the float64 token loop.
 
 @pytest.mark.parametrize("T", [C + 1, 1, pytest.param(37, marks=pytest.mark.slow)])
-@pytest.mark.parametrize("name", list(MEMBERS))
+@pytest.mark.parametrize("name", MAIN)
 def test_member_on_the_delta_kernels_matches_the_token_loop(name, T):
     """B = 2 rows, H = 2 heads, K = 16, V = 8: outputs, final states and every gradient (chunked path); the
     forward without gradients too (T <= 16 takes the token-loop kernel)."""
@@ -223,7 +240,7 @@ def test_member_on_the_delta_kernels_matches_the_token_loop(name, T):
     assert_close(S, want[1], "delta_out", torch.float32, name=f"{name} S (no grad)")
 
 
-@pytest.mark.parametrize("name", list(MEMBERS))
+@pytest.mark.parametrize("name", MAIN)
 def test_packed_sequences_with_length_one_and_zero(name):
     cu = [0, 1, 1, C + 2, C + 7]          # lengths 1, 0, C + 1, 5
     x = make(name, B=1, T=cu[-1], seed=3, N=len(cu) - 1)
@@ -250,7 +267,7 @@ def test_constants_of_a_call_reach_the_kernels():
 # Against the reference backend, and the limits.
 
 @pytest.mark.parametrize("name", ["gated_delta_rule", "hosted"] + [
-    pytest.param(n, marks=pytest.mark.slow) for n in MEMBERS if n not in ("gated_delta_rule", "hosted")])
+    pytest.param(n, marks=pytest.mark.slow) for n in MAIN if n not in ("gated_delta_rule", "hosted")])
 def test_triton_equals_the_reference_backend(name):
     x = make(name, B=2, T=C + 5, seed=11)
     check(name, run(name, x), run(name, x, backend="reference"), " (vs reference)")
@@ -273,6 +290,19 @@ def test_structures_and_inputs_the_delta_kernels_do_not_take_say_so():
         gdn(q, k, torch.zeros(1, 4, H, 300), g, beta, backend="triton", chunk_size=C)
     with pytest.raises(ValueError, match="log-decay"):
         gdn(q, k, v, -g, beta, backend="triton", chunk_size=C)
+
+
+@pytest.mark.parametrize("name", ["renamed", "constant_step"])
+def test_hooks_reading_the_rule_field_names_or_no_token_input(name):
+    form = delta_form(MEMBERS[name][0], MEMBERS[name][0].constants)
+    assert not form.host_beta and not form.host_decay
+    if name == "renamed":   # s <- a, a <- s, the per-head eps as the rule's eps_, the constant k2 as its eps
+        assert (form.step, form.decay, form.params, form.eps, form.rule.head_params) == ("a", "s", ("eps",), "k2",
+                                                                                       ("eps_",))
+    else:                   # s and a are zeros; c is the kernels' eps, d a number in the rule
+        assert (form.step, form.decay, form.eps, form.baked) == (None, None, "c", (("d", 0.8),))
+    x = make(name, B=2, T=C + 1, seed=12)
+    check(name, run(name, x), oracle(name, x))
 
 
 @pytest.mark.parametrize("name", ["kaczmarz", "hosted", pytest.param("user", marks=pytest.mark.slow)])
@@ -306,7 +336,7 @@ def test_low_precision_inputs_within_the_table(name, dtype):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", list(MEMBERS))
+@pytest.mark.parametrize("name", MAIN)
 def test_on_cuda_the_default_backend_is_the_delta_kernels(name):
     """backend=None on CUDA runs the delta kernels (GPU rows of the table), equal-length and packed."""
     x = make(name, B=2, T=3 * 64 + 7, seed=7)
