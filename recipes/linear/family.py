@@ -29,7 +29,6 @@ from scanlang import expr as E
 from scanlang import settings
 from scanlang._checks import check_cu_seqlens, check_log_decay
 from scanlang.linear import KEY_NORM, MatrixState
-
 from scanlang.recipes.kaczmarz.ops import CHUNK_SIZES, MAX_HEAD_DIM
 
 from .chunked import matrix_state_reference
