@@ -220,6 +220,18 @@ def test_default_backend_is_the_delta_kernels_on_cuda_for_their_structures():
     o, S, _ = run("kaczmarz", x, backend=None, grad=False)          # CPU: the reference, bit for bit
     o_ref, S_ref, _ = run("kaczmarz", x, backend="reference", grad=False)
     assert torch.equal(o, o_ref) and torch.equal(S, S_ref)
+    o_auto, _, _ = run("kaczmarz", x, backend="auto", grad=False)
+    assert torch.equal(o_auto, o_ref)
+
+
+def test_without_a_chunk_size_the_delta_kernels_take_their_tuned_64():
+    x = make("user", B=1, T=C + 3, seed=14)
+    o, S, _ = run("user", x, grad=False, chunk_size=None)
+    rule = delta_form(USER, USER.constants).rule
+    assert f"{rule.name}_{rule.key}_c64" in delta_ops.PROGRAMS
+    o_ref, S_ref, _ = oracle("user", x)
+    assert_close(o, o_ref, "delta_out", torch.float32, name="o")
+    assert_close(S, S_ref, "delta_out", torch.float32, name="S")
 
 
 # --------------------------------------------------------------------------------------------------

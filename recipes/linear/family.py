@@ -3,7 +3,7 @@
 `op(declaration)` returns the member's functional op
 
     o, S = op(q, k, v, *inputs, scale=None, initial_state=None, output_final_state=False,
-              cu_seqlens=None, backend=None, chunk_size=32, **constants)
+              cu_seqlens=None, backend=None, chunk_size=None, **constants)
 
 with the declared inputs positional after v, in declaration order (fla's order for the shipped
 members). The hooks run as the traced sympy expressions, rendered for torch; their backward is
@@ -14,7 +14,8 @@ delta-rule kernels (backends/delta, CUDA or Triton's interpreter; the declaratio
 DeltaRule by recipes/linear/delta_form.py), plain writes on the kernels generated from the declaration
 (backends/linear, every decay; Triton's interpreter only); per-key decay with the delta correction and
 Householder steps raise a ValueError saying so. None / "auto": "triton" for the delta kernels' structures
-on CUDA (`scanlang.backend.default`, float32 compute), the reference otherwise.
+on CUDA (`scanlang.backend.default`, float32 compute), the reference otherwise. chunk_size=None: 64
+on the delta-rule kernels (the chunk their launch configs are tuned for), 32 elsewhere.
 """
 from __future__ import annotations
 
@@ -35,6 +36,8 @@ from .chunked import matrix_state_reference
 from .delta_form import default_backend, delta_form, runs_on_delta
 
 FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+REFERENCE_CHUNK = 32   # chunk_size=None: the reference's chunk (and the plain-write kernels')
+DELTA_CHUNK = 64       # and the delta-rule kernels' (their launch configs are tuned at 64, recipes/kaczmarz's default)
 _STEPS = {sympy.Heaviside: lambda u: torch.where(u > 0, 1.0, torch.where(u < 0, 0.0, 0.5)).to(u.dtype),
           sympy.sign: torch.sign}   # derivatives of max / abs; Heaviside(0) = 1/2 as in sympy and torch
 
@@ -139,7 +142,7 @@ class MemberOp:
         return f"<matrix-state op {self.__name__}: {self.declaration!r}>"
 
     def __call__(self, q, k, v, *args, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
-                 backend=None, chunk_size=32, **kwargs):
+                 backend=None, chunk_size=None, **kwargs):
         d = self.declaration
         names = tuple(d.inputs)
         if len(args) > len(names):
@@ -163,10 +166,13 @@ class MemberOp:
             raise TypeError(f"{self.__name__}() is missing inputs {missing}")
         if backend not in (None, "auto", "reference", "triton"):
             raise ValueError(f"backend must be None, 'auto', 'reference' or 'triton', got {backend!r}")
-        offsets, compute = self._validate(q, k, v, inputs, scale, initial_state, cu_seqlens, chunk_size)
+        offsets, compute = self._validate(q, k, v, inputs, scale, initial_state, cu_seqlens,
+                                          REFERENCE_CHUNK if chunk_size is None else chunk_size)
         if backend in (None, "auto"):
-            backend = default_backend(d, q.device, compute, chunk_size, q.shape[-1], v.shape[-1], CHUNK_SIZES,
-                                      MAX_HEAD_DIM)
+            backend = default_backend(d, q.device, compute, DELTA_CHUNK if chunk_size is None else chunk_size,
+                                      q.shape[-1], v.shape[-1], CHUNK_SIZES, MAX_HEAD_DIM)
+        if chunk_size is None:   # each backend's own: the delta kernels' tuned chunk, else the reference's
+            chunk_size = DELTA_CHUNK if backend == "triton" and runs_on_delta(d) else REFERENCE_CHUNK
         if backend == "triton" and runs_on_delta(d):
             return self._on_delta(q, k, v, inputs, constants, scale, initial_state, output_final_state, offsets,
                                   chunk_size, compute)
