@@ -35,12 +35,13 @@ HOSTED = sl.matrix_state("hosted_delta", decay="per_head", correction="delta",
                          beta=lambda t: sl.sigmoid(t.x + t.w) / (1 + t.n2),
                          log_decay=lambda t: sl.logsigmoid(t.x) * sl.sigmoid(t.y))
 
-# names the rule's own fields use (s, a, eps): a per-token input "s" read by the decay, "a" by the step, a per-head
-# input "eps" (a parameter of the rule under another name) and a constant k2 as the kernels' eps
+# names the rule's own fields use (s, a, eps): a per-token input "s" read by the decay, "a" by the step, per-head
+# inputs "eps" and "h" (the generated decay hook's head index: both parameters of the rule under other names) and a
+# constant k2 as the kernels' eps
 RENAMED = sl.matrix_state("renamed_delta", decay="per_head", correction="delta",
-                          inputs={"s": "token", "a": "token", "eps": "head"}, constants={"k2": 0.5},
+                          inputs={"s": "token", "a": "token", "eps": "head", "h": "head"}, constants={"k2": 0.5},
                           beta=lambda t: sl.sigmoid(t.a) / (t.n2 + t.k2),
-                          log_decay=lambda t: -sl.exp(t.eps) * sl.softplus(t.s))
+                          log_decay=lambda t: -sl.exp(t.eps) * sl.softplus(t.s) * sl.sigmoid(t.h))
 # hooks without a per-token input: beta from ||k||^2 and a constant, g from a per-head parameter and a constant
 CONSTANT_STEP = sl.matrix_state("constant_step", decay="per_head", correction="delta",
                                 inputs={"A_log": "head"}, constants={"c": 0.7, "d": 0.8},
@@ -73,11 +74,13 @@ MEMBERS = {
     "hosted": (HOSTED, [("x", "tok", _raw), ("y", "tok", _raw), ("w", "head", _raw)],
                lambda k, x: (F.logsigmoid(x["x"]) * torch.sigmoid(x["y"]),
                              torch.sigmoid(x["x"] + x["w"]) / (1 + (k * k).sum(-1))), False),
-    "renamed": (RENAMED, [("s", "tok", _raw), ("a", "tok", _raw), ("eps", "head", lambda s, gen: 0.5 * _raw(s, gen))],
-                lambda k, x: (-torch.exp(x["eps"]) * F.softplus(x["s"]),
+    "renamed": (RENAMED, [("s", "tok", _raw), ("a", "tok", _raw), ("eps", "head", lambda s, gen: 0.5 * _raw(s, gen)),
+                          ("h", "head", _raw)],
+                lambda k, x: (-torch.exp(x["eps"]) * F.softplus(x["s"]) * torch.sigmoid(x["h"]),
                               torch.sigmoid(x["a"]) / ((k * k).sum(-1) + 0.5)), False),
     "constant_step": (CONSTANT_STEP, [("A_log", "head", lambda s, gen: _raw(s, gen) - 1)],
-                      lambda k, x: (-0.8 * torch.exp(x["A_log"]).expand(k.shape[:3]), 0.7 / (1 + (k * k).sum(-1))), False),
+                      lambda k, x: (-0.8 * torch.exp(x["A_log"]).expand(k.shape[:3]), 0.7 / (1 + (k * k).sum(-1))),
+                      False),
 }
 MAIN = ("deltanet", "gated_delta_rule", "kaczmarz", "user", "hosted")   # the rest: the translation's corner cases
 OPS = {name: L.op(decl) for name, (decl, *_) in MEMBERS.items()}
@@ -310,8 +313,8 @@ def test_hooks_reading_the_rule_field_names_or_no_token_input(name):
     form = delta_form(MEMBERS[name][0], MEMBERS[name][0].constants)
     assert not form.host_beta and not form.host_decay
     if name == "renamed":   # s <- a, a <- s, the per-head eps as the rule's eps_, the constant k2 as its eps
-        assert (form.step, form.decay, form.params, form.eps, form.rule.head_params) == ("a", "s", ("eps",), "k2",
-                                                                                       ("eps_",))
+        assert (form.step, form.decay, form.params, form.eps, form.rule.head_params) == (
+            "a", "s", ("eps", "h"), "k2", ("eps_", "h_"))
     else:                   # s and a are zeros; c is the kernels' eps, d a number in the rule
         assert (form.step, form.decay, form.eps, form.baked) == (None, None, "c", (("d", 0.8),))
     x = make(name, B=2, T=C + 1, seed=12)

@@ -43,6 +43,10 @@ from scanlang.linear import MatrixState
 
 DECAYS = ("none", "per_head")
 FORMS: dict = {}   # (declaration key, the constants rendered as numbers with their values) -> DeltaForm
+# names a head parameter of the rule must not take: the hooks' fields, and the generated decay hooks' own arguments
+# and locals (backends/delta/codegen.py: decay_hook(a, hp_ptr, h, H), store_decay_grads(dg, ..., mask))
+_TAKEN = STEP_INPUTS + DECAY_INPUTS + ("hp_ptr", "h", "H", "dg", "da_ptr", "dhp_ptr", "offs", "TTH", "mask", "tl",
+                                       "triton")
 
 
 @dataclass(frozen=True)
@@ -92,11 +96,11 @@ def _split(decl: MatrixState, hook) -> tuple[list, list, list]:
 
 
 def _param_names(heads: list) -> dict:
-    """Head-parameter names for the rule: the input's own, unless the decay hook's `a` (or a step field) has it."""
+    """Head-parameter names for the rule: the input's own, unless a field or the generated hooks have it (`_TAKEN`)."""
     names, used = {}, set()
     for h in heads:
         name = h
-        while name in STEP_INPUTS + DECAY_INPUTS or name in used:
+        while name in _TAKEN or name in used:
             name += "_"
         names[h] = name
         used.add(name)
