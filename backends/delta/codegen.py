@@ -33,11 +33,14 @@ _STEPS = {  # sympy's step functions, printed as selects (Heaviside(0) = 1/2 as 
 }
 
 
-def _render(exprs: list, args: tuple[str, ...]) -> tuple[list[str], list[str]]:
-    """Lines and result expressions (CSE'd) of `exprs` over the symbols named `args`.
+def _render(exprs: list, args: tuple[str, ...], tensors: tuple[str, ...] | None = None) -> tuple[list[str], list[str]]:
+    """Lines and result expressions (CSE'd) of `exprs` over the symbols named `args`, of which `tensors`
+    (default: the first) are per-token tensors and the rest scalars.
 
     Derivatives of max/abs contain Heaviside/sign, which the expression printer does not know: each is
     bound to a temporary computed by a select first."""
+    per_token = {E.symbol(a) for a in (args[:1] if tensors is None else tensors)}
+    scalar = [not (sympy.sympify(e).free_symbols & per_token) for e in exprs]
     names = {E.symbol(a): a for a in args}
     steps = sorted({atom for e in exprs for kind in _STEPS for atom in sympy.sympify(e).atoms(kind)},
                    key=sympy.default_sort_key)
@@ -53,8 +56,9 @@ def _render(exprs: list, args: tuple[str, ...]) -> tuple[list[str], list[str]]:
             subs[st] = sym
     exprs = [sympy.sympify(e).xreplace(subs) for e in exprs]
     body, outs = E.render(exprs, names, E.TRITON, temp_prefix="_t")
-    # a constant result still has to be a tensor of the first argument's shape
-    outs = [f"tl.zeros_like({args[0]}) + {o}" if e.is_Number else o for e, o in zip(exprs, outs)]
+    # a result of constants and scalars only (a number, eps, a per-head parameter) still has to be a tensor of
+    # the first argument's shape
+    outs = [f"tl.zeros_like({args[0]}) + {o}" if sc else o for sc, o in zip(scalar, outs)]
     return lines + body, outs
 
 
@@ -66,10 +70,10 @@ def render_hooks(rule: DeltaRule) -> str:
     """step_hook, step_hook_grad, decay_hook and store_decay_grads as Triton source."""
     step, decay = rule.step, rule.decay
     out = []
-    lines, outs = _render([step.expr], ("s", "n2", "eps"))
+    lines, outs = _render([step.expr], ("s", "n2", "eps"), tensors=("s", "n2"))
     out += ["@triton.jit", "def step_hook(s, n2, eps):", f'    """beta = {step.expr}"""']
     out += [f"    {ln}" for ln in lines] + [f"    return {outs[0]}", "", ""]
-    lines, outs = _render([step.grads["s"], step.grads["n2"]], ("s", "n2", "eps"))
+    lines, outs = _render([step.grads["s"], step.grads["n2"]], ("s", "n2", "eps"), tensors=("s", "n2"))
     out += ["@triton.jit", "def step_hook_grad(s, n2, eps):", '    """(d beta / d s, d beta / d n2)"""']
     out += [f"    {ln}" for ln in lines] + [f"    return {', '.join(outs)}", "", ""]
     inputs = ("a",) + rule.head_params

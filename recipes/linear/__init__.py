@@ -2,13 +2,15 @@
 declared with `scanlang.matrix_state` and run by `op(declaration)`.
 
 `delta_rule` and `kaczmarz_delta_rule` are scanlang.recipes.kaczmarz's ops (the same functions,
-generated Triton kernels by default); the other members run on the chunked PyTorch reference by
-default, and with backend="triton" on kernels generated from their declaration (backends/linear): the
-recurrent decode kernel of every structure without gradients for short sequences (`scanlang.tuning`
-decode_max_tokens; Triton's interpreter only so far: on CUDA the chunk kernels run instead, and delta
-and Householder corrections say they need backend='reference'), else the chunk kernels of plain writes
-(CPU interpreter and CUDA; the delta and Householder corrections with gradients say they are not
-generated yet).
+generated Triton kernels by default). With backend="triton", a declaration with the delta correction in
+one step and decay none or per head (deltanet, gated_delta_rule, kaczmarz, or a user's) runs on the
+delta-rule kernels (backends/delta), its hooks translated into a DeltaRule (delta_form.py), on CUDA too,
+and backend=None picks them on CUDA. The other structures run with backend="triton" on kernels
+generated from their declaration (backends/linear): the recurrent decode kernel of every structure
+without gradients for short sequences (`scanlang.tuning` decode_max_tokens; Triton's interpreter only so
+far), else the chunk kernels of plain writes (CPU interpreter and CUDA); per-key decay with the delta
+correction (kda) and Householder steps with gradients say they are not generated yet. By default
+(backend=None) everything but the delta kernels' structures runs on the chunked PyTorch reference.
 
 `GatedLinearAttention` and `KimiDeltaAttention` are the layers (fla's parametrisation) around `gla` and
 `kda`, with state carry (`LinearLayerState`).

@@ -3,16 +3,21 @@
 `op(declaration)` returns the member's functional op
 
     o, S = op(q, k, v, *inputs, scale=None, initial_state=None, output_final_state=False,
-              cu_seqlens=None, backend=None, chunk_size=32, **constants)
+              cu_seqlens=None, backend=None, chunk_size=None, **constants)
 
 with the declared inputs positional after v, in declaration order (fla's order for the shipped
 members). The hooks run as the traced sympy expressions, rendered for torch; their backward is
 the sympy derivative (`Hook.grads`), so the reference also checks the derivatives a generated
-kernel would use. backend: None / "auto" / "reference" run the chunked PyTorch reference
-(recipes/linear/chunked.py); "triton" runs the kernels generated from the declaration
-(backends/linear): without gradients and for sequences of at most `tuning.decode_max_tokens` tokens the
-recurrent decode kernel of every structure; otherwise the chunk kernels of plain writes, every decay
-(other corrections raise a ValueError saying so).
+kernel would use. backend: "reference" runs the chunked PyTorch reference (recipes/linear/chunked.py);
+"triton" runs generated kernels: the delta correction in one step with decay none or per head on the
+delta-rule kernels (backends/delta, CUDA or Triton's interpreter; the declaration translated into a
+DeltaRule by recipes/linear/delta_form.py); every other structure on the kernels generated from the
+declaration (backends/linear): without gradients and for sequences of at most
+`tuning.decode_max_tokens` tokens the recurrent decode kernel (Triton's interpreter only so far), else
+the chunk kernels of plain writes, every decay, CUDA or the interpreter (per-key decay with the delta
+correction and Householder steps raise a ValueError saying so). None / "auto": "triton" for the delta
+kernels' structures on CUDA (`scanlang.backend.default`, float32 compute), the reference otherwise.
+chunk_size=None: 64 on the delta-rule kernels (the chunk their launch configs are tuned for), 32 elsewhere.
 """
 from __future__ import annotations
 
@@ -24,12 +29,17 @@ import torch
 
 from scanlang import backend as _backend
 from scanlang import expr as E
+from scanlang import settings
 from scanlang._checks import check_cu_seqlens, check_log_decay
 from scanlang.linear import KEY_NORM, MatrixState
+from scanlang.recipes.kaczmarz.ops import CHUNK_SIZES, MAX_HEAD_DIM
 
 from .chunked import matrix_state_reference
+from .delta_form import default_backend, delta_form, runs_on_delta
 
 FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+REFERENCE_CHUNK = 32   # chunk_size=None: the reference's chunk (and the plain-write kernels')
+DELTA_CHUNK = 64       # and the delta-rule kernels' (their launch configs are tuned at 64, recipes/kaczmarz's default)
 _STEPS = {sympy.Heaviside: lambda u: torch.where(u > 0, 1.0, torch.where(u < 0, 0.0, 0.5)).to(u.dtype),
           sympy.sign: torch.sign}   # derivatives of max / abs; Heaviside(0) = 1/2 as in sympy and torch
 
@@ -126,12 +136,15 @@ class MemberOp:
         d = declaration
         self._beta = None if d.beta is None else _TorchHook(d.beta, d.used(d.beta))
         self._decay = None if d.log_decay is None else _TorchHook(d.log_decay, d.used(d.log_decay))
+        # the delta kernels' form of the declaration with its default constants, built here, outside any
+        # torch.compile trace (a call that changes a constant rendered into the rule finds or builds another)
+        self._delta = delta_form(d, d.constants) if runs_on_delta(d) else None
 
     def __repr__(self):
         return f"<matrix-state op {self.__name__}: {self.declaration!r}>"
 
     def __call__(self, q, k, v, *args, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
-                 backend=None, chunk_size=32, **kwargs):
+                 backend=None, chunk_size=None, **kwargs):
         d = self.declaration
         names = tuple(d.inputs)
         if len(args) > len(names):
@@ -155,7 +168,16 @@ class MemberOp:
             raise TypeError(f"{self.__name__}() is missing inputs {missing}")
         if backend not in (None, "auto", "reference", "triton"):
             raise ValueError(f"backend must be None, 'auto', 'reference' or 'triton', got {backend!r}")
-        offsets, compute = self._validate(q, k, v, inputs, scale, initial_state, cu_seqlens, chunk_size)
+        offsets, compute = self._validate(q, k, v, inputs, scale, initial_state, cu_seqlens,
+                                          REFERENCE_CHUNK if chunk_size is None else chunk_size)
+        if backend in (None, "auto"):
+            backend = default_backend(d, q.device, compute, DELTA_CHUNK if chunk_size is None else chunk_size,
+                                      q.shape[-1], v.shape[-1], CHUNK_SIZES, MAX_HEAD_DIM)
+        if chunk_size is None:   # each backend's own: the delta kernels' tuned chunk, else the reference's
+            chunk_size = DELTA_CHUNK if backend == "triton" and runs_on_delta(d) else REFERENCE_CHUNK
+        if backend == "triton" and runs_on_delta(d):
+            return self._on_delta(q, k, v, inputs, constants, scale, initial_state, output_final_state, offsets,
+                                  chunk_size, compute)
         if backend == "triton":
             if self.triton is None:   # generated once per declaration; a structure without kernels says so
                 self.triton = _backend.get("linear").member_op(d)
@@ -178,13 +200,7 @@ class MemberOp:
         values.update(constants)
         beta = g = None
         if self._beta is not None:
-            if d.uses_key_norm:
-                n2 = (k * k).sum(-1)
-                values[KEY_NORM] = torch.where(n2 > 0, n2, torch.ones_like(n2))
-            beta = self._beta(values, like=k[..., 0])
-            if d.uses_key_norm:   # a zero key writes nothing whatever beta is: keep 0/0 out
-                beta = torch.where(n2 > 0, beta, torch.zeros_like(beta))
-            beta = beta.expand(k.shape[:3])
+            beta = self._host_beta(values, k)
         if self._decay is not None:
             g = self._log_decay(values, q)
         scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
@@ -192,6 +208,59 @@ class MemberOp:
         o, S = matrix_state_reference(q, k, v, g, beta, steps=d.steps, scale=scale, initial_state=h0,
                                       chunk_size=chunk_size, cu_seqlens=offsets)
         return o, (S if output_final_state else None)
+
+    def _host_beta(self, values: dict, k: torch.Tensor) -> torch.Tensor:
+        """beta = the beta hook of `values` (and ||k||^2), [B,T,H]. A zero key writes nothing whatever beta is,
+        so where the hook is not finite for one (0/0 at eps = 0) beta is 0, as in the delta kernels; where it is
+        finite (eps > 0) it stays, and so does its share of dk (beta k (v - S^T k)^T has slope beta at k = 0)."""
+        d = self.declaration
+        if d.uses_key_norm:
+            n2 = (k * k).sum(-1)
+            with torch.no_grad():
+                dead = (n2 == 0) & ~torch.isfinite(self._beta({**values, KEY_NORM: n2}, like=k[..., 0]))
+            values = {**values, KEY_NORM: torch.where(dead, torch.ones_like(n2), n2)}
+        beta = self._beta(values, like=k[..., 0])
+        if d.uses_key_norm:   # keep 0/0 out of beta and of its derivatives
+            beta = torch.where(dead, torch.zeros_like(beta), beta)
+        return beta.expand(k.shape[:3])
+
+    def _on_delta(self, q, k, v, inputs, constants, scale, initial_state, output_final_state, offsets, chunk_size,
+                  compute):
+        """backend='triton' for a structure the delta kernels run (recipes/linear/delta_form.py), on CUDA or
+        in Triton's interpreter: the declaration's DeltaForm, its s, a and per-head parameters, one launch."""
+        if q.device.type != "cuda" and not settings.triton_interpret():
+            raise ValueError(f"{self.__name__}: backend='triton' needs CUDA tensors, or TRITON_INTERPRET=1 to run "
+                             f"the kernels in Triton's interpreter on CPU")
+        if compute == torch.float64:
+            raise ValueError(f"{self.__name__}: backend='triton' takes bf16/fp16/fp32 inputs; use "
+                             f"backend='reference' for float64")
+        if chunk_size not in CHUNK_SIZES:
+            raise ValueError(f"chunk_size must be one of {CHUNK_SIZES} for backend='triton' (the delta-rule "
+                             f"kernels), got {chunk_size!r}")
+        for name, dim in (("q", q.shape[-1]), ("v", v.shape[-1])):
+            if dim > MAX_HEAD_DIM:
+                raise ValueError(f"{name}: head dim {dim} is above {MAX_HEAD_DIM}, the most the delta-rule kernels "
+                                 f"take (backend='triton'); use backend='reference'")
+        form = self._delta
+        if any(constants[c] != value for c, value in form.baked):
+            form = delta_form(self.declaration, constants)
+        values = {n: t.to(compute) for n, t in inputs.items()} | constants
+        if form.host_beta:
+            s = self._host_beta(values, k.to(compute))
+        else:
+            s = inputs[form.step] if form.step else q.new_zeros(q.shape[:3], dtype=torch.float32)
+        if form.host_decay:
+            a = self._log_decay(values, q)
+        else:
+            a = inputs[form.decay] if form.decay else q.new_zeros(q.shape[:3], dtype=torch.float32)
+            if self._decay is not None and q.device.type == "cpu" and not torch.compiler.is_compiling():
+                with torch.no_grad():   # g <= 0, checked where it costs no synchronisation (the kernels form g)
+                    self._log_decay(values, q)
+        return _backend.get("delta").delta_rule(
+            q, k, v, a, s, form.rule, scale=q.shape[-1] ** -0.5 if scale is None else float(scale),
+            initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=offsets,
+            chunk_size=chunk_size, eps=constants[form.eps] if form.eps else 0.0,
+            decay_params=[inputs[p] for p in form.params])
 
     def _log_decay(self, values: dict, q: torch.Tensor) -> torch.Tensor:
         """g = log_decay(values), [B,T,H] or [B,T,H,K], checked to be <= 0 (CPU tensors)."""
