@@ -9,7 +9,8 @@ import scanlang as sl
 from scanlang import pipeline
 from scanlang.backends.triton.kernel import chunked, common
 from scanlang.backends.triton.kernel import ir as K
-from scanlang.backends.triton.kernel.printer import render
+from scanlang.backends.triton.kernel import lanes
+from scanlang.backends.triton.kernel.printer import render, render_kernel
 
 
 def kernel(body, params=(K.Param("x_ptr"), K.Param("N", constexpr=True)), origin=()):
@@ -52,6 +53,40 @@ def test_augmented_assignment_and_one_value_unpacking():
     assert K.assign_lines(["s = f(x)"])[0].unpack is False
     with pytest.raises(ValueError, match="kernel k: augmented assignment '//'= is not one of"):
         render(kernel([K.AugAssign("acc", K.expr("2"), "//")]))
+
+
+def test_accumulations_effects_and_loop_forms_print_as_written():
+    """AugAssign, Eval and the For forms the lane schedule needs (Python's range, tl.range with
+    num_stages, tl.static_range(stop)); render_kernel: one kernel as a text block (no blank lines
+    around it, no final newline)."""
+    loops = (K.For("k", K.expr(0), K.expr("N"), (K.AugAssign("acc", K.expr("x * 2")),), builtin=True),
+             K.For("s", K.expr(0), K.expr("N - 3"), (K.AugAssign("acc", K.expr("1.0"), "-"),), step=K.expr(4),
+                   num_stages=K.expr(2)),
+             K.For("b", None, K.expr(5), (K.AugAssign("acc", K.expr("acc"), "*"),), static=True),
+             K.Eval(K.expr("tl.debug_barrier()")))
+    origin = (K.Origin("combine of Affine", "lib.py", 19),)
+    src = render_kernel(K.Kernel("k", (K.Param("N", True),), loops, doc="doc of k", origin=origin))
+    assert src.splitlines() == [
+        "# from combine of Affine: lib.py:19", "@triton.jit", "def k(N: tl.constexpr):", '    """doc of k"""',
+        "    for k in range(0, N):", "        acc += x * 2",
+        "    for s in tl.range(0, N - 3, 4, num_stages=2):", "        acc -= 1.0",
+        "    for b in tl.static_range(5):", "        acc *= acc",
+        "    tl.debug_barrier()"]
+    with pytest.raises(ValueError, match=r"kernel k: augmented assignment '/'= "):
+        render(kernel([K.AugAssign("a", K.expr("2"), "/")]))
+    with pytest.raises(ValueError, match="kernel k: loop over i: static, builtin and num_stages exclude each other"):
+        render(kernel([K.For("i", K.expr(0), K.expr(2), (), static=True, builtin=True)]))
+
+
+def test_the_lane_schedules_seam_takes_assignments_ifs_and_parameters_only():
+    stmts = lanes.from_lines(["if VARLEN:", "    t0 = tl.load(cu_ptr + seq)", "else:", "    t0 = 0"])
+    assert stmts == (K.If(K.expr("VARLEN"), (K.assign("t0", "tl.load(cu_ptr + seq)"),), (K.assign("t0", "0"),)),)
+    with pytest.raises(ValueError, match="lines: expected assignments and ifs"):
+        lanes.from_lines(["for i in range(3):", "    x = i"])
+    assert lanes.params(["u0_ptr", "R: tl.constexpr", "TSTATIC0: tl.constexpr = False"]) == (
+        K.Param("u0_ptr"), K.Param("R", True), K.Param("TSTATIC0", True, K.expr("False")))
+    with pytest.raises(ValueError, match="texts: expected"):
+        lanes.params(["x: int"])
 
 
 def test_bad_input_is_refused_naming_the_kernel():

@@ -1,4 +1,4 @@
-"""The lane-sequential generator's source-level guarantees (codegen_seq.py): the composed adjoint equals
+"""The lane-sequential generator's source-level guarantees (kernel/lanes.py, kernel/lanes_adjoint.py): the composed adjoint equals
 the generic one, memory is accessed through 1-D tensors, and the warp-summed key gradients are right
 when a warp holds fewer groups than lanes per slot (STATE > 32).
 """
@@ -10,7 +10,8 @@ import torch
 
 from scanlang import tuning
 from scanlang.autodiff import differentiate
-from scanlang.backends.triton import codegen_seq, runtime
+from scanlang.backends.triton import runtime
+from scanlang.backends.triton.kernel import lanes, lanes_adjoint, printer
 from scanlang.ir import specialize_carry
 from scanlang.testing import assert_close
 
@@ -29,10 +30,10 @@ def _programs():
 
 @pytest.mark.parametrize("name,ir", _programs(), ids=lambda x: x if isinstance(x, str) else "")
 def test_composed_adjoint_equals_the_generic_one(name, ir):
-    """du = (dF/du)^T gbar + (d readout/du)^T g and B over the inputs (`_composed_adjoint`) against the
+    """du = (dF/du)^T gbar + (d readout/du)^T g and B over the inputs (`composed_adjoint`) against the
     generic adjoint's du (through dx = J2^T gbar and d lift/du) and B with the lift substituted."""
     adj = differentiate(ir)
-    composed = codegen_seq._composed_adjoint(ir, adj)
+    composed = lanes_adjoint.composed_adjoint(ir, adj)
     assert composed.dx == () and composed is not adj
     lift = dict(zip(ir.later, ir.lift))
     dx = dict(zip(adj.dx_symbols, adj.dx))
@@ -48,7 +49,7 @@ def test_projective_programs_keep_the_generic_adjoint():
     from scanlang.recipes.kalman import fused
     ir = fused.precision_mixer().ir
     adj = differentiate(ir)
-    assert codegen_seq._composed_adjoint(ir, adj) is adj
+    assert lanes_adjoint.composed_adjoint(ir, adj) is adj
 
 
 def test_memory_goes_through_flat_tensors():
@@ -56,7 +57,8 @@ def test_memory_goes_through_flat_tensors():
     Triton 3.6 keeps the [R, G] layout; module docstring, "Memory"). The exceptions: the sequence
     bounds (scalars) and the initial carry (codegen._initial_carry, once per program)."""
     ir = _programs()[0][1]
-    source = "\n".join(codegen_seq.render_forward_lanes(ir) + codegen_seq.render_backward_lanes(ir, differentiate(ir)))
+    source = "\n".join(printer.render_kernel(k) for k in (lanes.render_forward_lanes(ir),
+                                                          lanes_adjoint.render_backward_lanes(ir, differentiate(ir))))
     ops = re.findall(r"tl\.(?:load|store|atomic_add)\((.{0,40})", source)
     assert len(ops) > 50
     loose = [o for o in ops if not o.startswith("tl.reshape(") and not o.startswith(("cu_ptr", "init"))]

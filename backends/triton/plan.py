@@ -310,7 +310,7 @@ class BackwardPlan(_Plan):
                          if k.startswith("DU")})
             grid = (_cdiv(self.layout.L, cfg.block_l), self.n_seq)
             if cfg.schedule == "lanes":   # per-lane scratch for one chunk's replayed prefixes (none in registers):
-                in_registers = chunk == cfg.unroll   # per program CHUNK + 1 rows of its free fields (codegen_seq._scratch)
+                in_registers = chunk == cfg.unroll   # per program CHUNK + 1 rows of its free fields (kernel/lanes_adjoint._scratch)
                 free = len(self.prog.ir.fields) - len(self.prog.ir.constants)
                 scratch = (1,) if in_registers else (self.n_seq, grid[0], chunk + 1, free, cfg.block_l)
                 got = (self.prog.module.scan_backward_lanes, grid, dict(meta, UNROLL=cfg.unroll, **self.lanes_meta(cfg)),

@@ -1,7 +1,8 @@
 """A small statement IR for generated Triton kernels.
 
 A kernel is a tree of frozen dataclasses: `Kernel(name, params, body, doc, origin)` whose body is a
-tuple of statements (`Assign`, `AugAssign`, `Load`, `Store`, `AtomicAdd`, `If`, `For`, `Return`, `Comment`).
+tuple of statements (`Assign`, `AugAssign`, `Load`, `Store`, `AtomicAdd`, `Eval`, `If`, `For`, `Return`,
+`Comment`).
 Expressions are `Expr` nodes holding one Python expression in Triton's dialect: either printed by the
 symbolic layer (`scanlang.expr.render`, the one sympy -> Triton printer) or written by a schedule
 (`tl.arange(0, BLOCK_T)[:, None]`). Nothing here knows Triton beyond names; `printer.py` turns a
@@ -105,6 +106,13 @@ class AtomicAdd:
 
 
 @dataclass(frozen=True)
+class Eval:
+    """An expression evaluated for its effect only (`tl.debug_barrier()`)."""
+
+    value: Expr
+
+
+@dataclass(frozen=True)
 class If:
     """`if cond: body else: orelse` (a constexpr condition folds away at compile time)."""
 
@@ -115,14 +123,18 @@ class If:
 
 @dataclass(frozen=True)
 class For:
-    """`for var in tl.range(start, stop, step):` (`static`: `tl.static_range`, unrolled)."""
+    """`for var in tl.range(start, stop, step):` (`static`: `tl.static_range`, unrolled; `builtin`:
+    Python's `range`; `num_stages`: `tl.range(..., num_stages=...)`, software-pipelined). A `start`
+    of None is the one-argument form `range(stop)`."""
 
     var: str
-    start: Expr
+    start: Expr | None
     stop: Expr
     body: tuple["Stmt", ...]
     step: Expr | None = None
     static: bool = False
+    builtin: bool = False
+    num_stages: Expr | None = None
 
 
 @dataclass(frozen=True)
@@ -130,7 +142,7 @@ class Return:
     values: tuple[Expr, ...]
 
 
-Stmt = Union[Comment, Assign, AugAssign, Load, Store, AtomicAdd, If, For, Return]
+Stmt = Union[Comment, Assign, AugAssign, Load, Store, AtomicAdd, Eval, If, For, Return]
 
 
 @dataclass(frozen=True)

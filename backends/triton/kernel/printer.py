@@ -83,9 +83,14 @@ def _stmt(s, where: str) -> list[ast.stmt]:
         if s.op not in _AUG_OPS:
             raise ValueError(f"{where}: augmented assignment {s.op!r}= is not one of {sorted(_AUG_OPS)}")
         return [ast.AugAssign(target=_name(s.target, ast.Store), op=_AUG_OPS[s.op](), value=x(s.value), lineno=0)]
+    if isinstance(s, ir.Eval):
+        return [ast.Expr(x(s.value))]
     if isinstance(s, ir.For):
-        bounds = [x(s.start), x(s.stop)] + ([x(s.step)] if s.step is not None else [])
-        it = _call("tl.static_range" if s.static else "tl.range", bounds)
+        if s.static + s.builtin + (s.num_stages is not None) > 1:
+            raise ValueError(f"{where}: loop over {s.var}: static, builtin and num_stages exclude each other")
+        bounds = ([x(s.start)] if s.start is not None else []) + [x(s.stop)] + ([x(s.step)] if s.step is not None else [])
+        fn = "tl.static_range" if s.static else "range" if s.builtin else "tl.range"
+        it = _call(fn, bounds, [("num_stages", x(s.num_stages))] if s.num_stages is not None else [])
         return [ast.For(target=_name(s.var, ast.Store), iter=it, body=_block(s.body, where), orelse=[], lineno=0)]
     if isinstance(s, ir.Return):
         values = [x(v) for v in s.values]
@@ -117,20 +122,27 @@ def _function(k: ir.Kernel) -> list[ast.stmt]:
     return [_comment(f"from {o}") for o in k.origin] + [fn]
 
 
+def _lines(body: list[ast.stmt]) -> list[str]:
+    """`body` unparsed once, the comment placeholders turned back into `# text` lines."""
+    text = ast.unparse(ast.fix_missing_locations(ast.Module(body=body, type_ignores=[])))
+    lines = []
+    for line in text.split("\n"):
+        m = _COMMENT_LINE.match(line)
+        lines.append(f"{m.group(1)}# {ast.literal_eval(m.group(2))}" if m else line)
+    return lines
+
+
 def render(module: ir.Module) -> str:
     """The source text of `module`: docstring, imports, one `@triton.jit` function per kernel."""
     names = [k.name for k in module.kernels]
     if len(set(names)) != len(names):
         raise ValueError(f"module: kernel names repeat: {names}")
-    tree = ast.Module(body=[ast.Expr(ast.Constant(module.doc)), ast.Import([ast.alias("triton")]),
-                            ast.Import([ast.alias("triton.language", "tl")])], type_ignores=[])
+    body = [ast.Expr(ast.Constant(module.doc)), ast.Import([ast.alias("triton")]),
+            ast.Import([ast.alias("triton.language", "tl")])]
     for k in module.kernels:
-        tree.body += _function(k)
-    text = ast.unparse(ast.fix_missing_locations(tree))
+        body += _function(k)
     lines = []
-    for line in text.split("\n"):
-        m = _COMMENT_LINE.match(line)
-        line = f"{m.group(1)}# {ast.literal_eval(m.group(2))}" if m else line
+    for line in _lines(body):
         starts = line.startswith(("# ", "@", "def "))   # a top-level function or the comments above it
         while starts and lines and lines[-1] == "":
             lines.pop()                                  # unparse's own blank lines, replaced below
@@ -138,5 +150,18 @@ def render(module: ir.Module) -> str:
             lines += ["", ""]                            # two blank lines before each function
         lines.append(line)
     source = "\n".join(lines) + "\n"
+    ast.parse(source)
+    return source
+
+
+def render_kernel(kernel: ir.Kernel) -> str:
+    """The source text of one kernel (its origin comments, `@triton.jit`, the function; no blank
+    lines and no final newline), for a module assembled from text blocks (codegen_module.render)."""
+    lines = []
+    for line in _lines(_function(kernel)):
+        while line.startswith("@") and lines and lines[-1] == "":
+            lines.pop()                                  # unparse's blank lines before the function
+        lines.append(line)
+    source = "\n".join(lines).strip("\n")
     ast.parse(source)
     return source
