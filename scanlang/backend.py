@@ -15,8 +15,10 @@ What a backend provides (attributes of the registered object):
   `render(ir, adjoint) -> str`, `load(source) -> module`, `launch(program, inputs, initial, dim,
   reverse, fp64, cu_seqlens, is_eager)`, `check(tensors, arg)`, `eager(tensors)`,
   `prefers_lanes(lanes)`.
-- "delta": the chunked delta-rule kernels, `delta_rule(q, k, v, g, beta, rule, ...)`.
-- "linear": the generated matrix-state kernels, `member_op(declaration)` (plain writes).
+- "delta": the chunked delta-rule kernels, `delta_rule(q, k, v, g, beta, rule, ...)`, and their source,
+  `kernel_source(rule, chunk_size)`.
+- "linear": the generated matrix-state kernels, `member_op(declaration)` (plain writes), and their
+  sources, `sources(declaration)` ({"chunk": ..., "decode": ...}).
 """
 from __future__ import annotations
 

@@ -6,6 +6,10 @@
                                   (default 4,2048,256, time) runs, with the configs chosen for it;
                                   --all: the whole generated module, every variant (a monoid whose
                                   laws fail is refused: exit 1 and the counterexample)
+
+NAME may also be a matrix state (sl.matrix_state) or a delta rule (scanlang.delta.DeltaRule): verify prints its
+proof and traced hooks, show the declaration and the generated source of the kernels that run for it
+(scanlang/show.py), the delta-rule kernels at --chunk C (16, 32 or 64; default 64).
     scanlang demo                 the tour on a built-in default (CPU or GPU)
     scanlang bench                the GPU benchmark of the generated scans (see BENCHMARKS.md)
     scanlang train TASK --mixer M a small model on a synthetic task: metrics.json and curves.png
@@ -22,16 +26,20 @@ import sys
 from pathlib import Path
 
 from . import pipeline
+from .delta import DeltaRule
 from .errors import IdentityError, NotAssociativeError
+from .linear import MatrixState
 from .monoid import Monoid
+
+DECLARATIONS = (Monoid, MatrixState, DeltaRule)   # what MODULE:NAME may name
 
 
 class CliError(Exception):
     """A usage problem: printed without a traceback, exit status 2."""
 
 
-def load_monoid(target: str) -> Monoid:
-    """Resolve MODULE:NAME (module path or .py file) to a declared Monoid."""
+def load_declaration(target: str):
+    """Resolve MODULE:NAME (module path or .py file) to a declared Monoid, MatrixState or DeltaRule."""
     if ":" not in target:
         raise CliError(f"expected MODULE:NAME (e.g. scanlang.library:Affine), got {target!r}")
     module_name, _, name = target.rpartition(":")
@@ -58,9 +66,10 @@ def load_monoid(target: str) -> Monoid:
             except ImportError as exc2:
                 raise CliError(f"cannot import module {module_name!r}: {exc2}") from None
     obj = getattr(module, name, None)
-    if not isinstance(obj, Monoid):
+    if not isinstance(obj, DECLARATIONS):
+        from .show import KINDS
         kind = "nothing" if obj is None else type(obj).__name__
-        raise CliError(f"{target}: expected a monoid declared with @sl.monoid, found {kind}")
+        raise CliError(f"{target}: expected {KINDS}, found {kind}")
     return obj
 
 
@@ -79,7 +88,11 @@ def _verified(monoid):
 
 
 def cmd_verify(args) -> int:
-    monoid = load_monoid(args.target)
+    monoid = load_declaration(args.target)
+    if not isinstance(monoid, Monoid):
+        from . import show
+        print(show.verify_matrix_state(monoid) if isinstance(monoid, MatrixState) else show.verify_delta_rule(monoid))
+        return 0
     proof = _verified(monoid)
     if proof is None:
         return 1
@@ -90,12 +103,39 @@ def cmd_verify(args) -> int:
 SHOW_SHAPE = "4,2048,256"   # the [B, T, D] `scanlang show` prints the kernels of without --shape
 
 
+def _show_declaration(decl, args) -> int:
+    """`scanlang show` of a matrix state or a delta rule (scanlang/show.py): the scan options are refused."""
+    from . import show
+    for flag, given in (("--shape", args.shape is not None), ("--layout", args.layout is not None),
+                        ("--all", args.all)):
+        if given:
+            raise CliError(f"{flag}: an option of scans (@sl.monoid); {args.target} is a {type(decl).__name__}")
+    matrix = isinstance(decl, MatrixState)
+    try:
+        source = (show.show_matrix_state if matrix else show.show_delta_rule)(decl, args.chunk)
+    except ValueError as exc:   # --chunk, named in the message
+        raise CliError(str(exc)) from None
+    except ImportError as exc:
+        source = f"# generated Triton kernels unavailable here: {exc}"
+    print(show.describe_matrix_state(decl) if matrix else show.describe_delta_rule(decl))
+    print()
+    print(source)
+    return 0
+
+
 def cmd_show(args) -> int:
+    decl = load_declaration(args.target)
+    if not isinstance(decl, Monoid):
+        return _show_declaration(decl, args)
+    if args.chunk is not None:
+        raise CliError("--chunk: an option of delta-rule kernels (a matrix state or a DeltaRule); "
+                       f"{args.target} is a monoid")
+    args.layout = "time" if args.layout is None else args.layout
     if args.shape is None and args.layout != "time":
         raise CliError(f"--layout: {args.layout!r} needs --shape B,T,D (the layout of that shape's tensors)")
     if args.all and args.shape is not None:
         raise CliError("--all: prints every variant of the module, for no one shape; drop --shape or --all")
-    monoid = load_monoid(args.target)
+    monoid = decl
     if _verified(monoid) is None:   # kernels are generated only for a monoid whose laws hold
         return 1
     print(monoid.describe())
@@ -203,15 +243,19 @@ def _add_train_parser(sub):
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="scanlang", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("verify", help="prove a monoid's laws (exit 1 with a counterexample if they fail)")
+    p = sub.add_parser("verify", help="prove a monoid's laws (exit 1 with a counterexample if they fail), "
+                                      "or print a matrix state's or delta rule's proof")
     p.add_argument("target", metavar="MODULE:NAME")
     p.set_defaults(func=cmd_verify)
-    p = sub.add_parser("show", help="print a monoid's traced expressions and generated kernels")
+    p = sub.add_parser("show", help="print a monoid's, matrix state's or delta rule's traced expressions and "
+                                    "generated kernels")
     p.add_argument("target", metavar="MODULE:NAME")
     p.add_argument("--shape", default=None, metavar="B,T,D",
                    help=f"print the kernels the configs chosen for this shape run (default {SHOW_SHAPE})")
-    p.add_argument("--layout", default="time", help="time (T contiguous, the default) or channels (D contiguous)")
+    p.add_argument("--layout", default=None, help="time (T contiguous, the default) or channels (D contiguous)")
     p.add_argument("--all", action="store_true", help="print the whole generated module (every variant)")
+    p.add_argument("--chunk", type=int, default=None, metavar="C",
+                   help="the chunk size of delta-rule kernels (16, 32 or 64; default 64)")
     p.set_defaults(func=cmd_show)
     p = sub.add_parser("demo", help="the tour: declare, prove, refute, scan, check, time")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")

@@ -487,6 +487,11 @@ def recurrent_forward(p: Plan, q, k, v, a, hp, s, h0, eps, scale, table: ChunkTa
     return o, ht
 
 
+def kernel_source(rule: DeltaRule, chunk_size: int) -> str:
+    """The generated module of `rule` at `chunk_size` (backends/delta/codegen.py), as `scanlang show` prints it."""
+    return codegen.kernel_source(rule, chunk_size)
+
+
 def program_key(rule: DeltaRule, chunk_size: int) -> str:
     """Load (once) the generated module for `rule` at `chunk_size` and return its key in PROGRAMS.
 

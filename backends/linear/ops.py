@@ -198,6 +198,16 @@ def member_op(decl: MatrixState):
     return lambda *args, **kwargs: run(decl, *args, **kwargs)
 
 
+def sources(decl: MatrixState) -> dict[str, str]:
+    """The generated source of each module `run` may launch for `decl` (what `scanlang show` prints):
+    "chunk" (backends/linear/kernels.py; plain writes only) and "decode" (backends/linear/decode.py)."""
+    if not isinstance(decl, MatrixState):
+        raise TypeError(f"declaration: expected a MatrixState, got {type(decl).__name__}")
+    found = {"chunk": kernels.render(decl)} if decl.correction == "plain" else {}
+    found["decode"] = decode.render(decl)
+    return found
+
+
 def decode_module(decl: MatrixState):
     """The generated decode module of `decl` (backends/linear/decode.py), rendered and loaded once."""
     mod = DECODE_MODULES.get(decl.key)

@@ -1,0 +1,123 @@
+"""`scanlang verify` / `scanlang show` for the declarations that are not scans: one function per kind.
+
+    matrix state (sl.matrix_state)   verify: the structure's proof and the traced hooks
+                                     show: the declaration, then the generated Triton source of every
+                                     kernel module backend='triton' runs for it, each under a comment
+                                     header saying when it runs
+    delta rule (delta.DeltaRule)     verify: the delta-rule monoid's proof and the traced hooks
+                                     show: the rule, then its generated module at one chunk size
+
+The routing printed is the one recipes/linear/family.py takes: the delta correction in one step with
+decay none or per head runs on the delta-rule kernels (its declaration translated into a DeltaRule by
+recipes/linear/delta_form.py); every other structure on the kernels generated from the declaration
+(backends/linear). Backends are reached through the registry (`scanlang.backend.get`).
+"""
+from __future__ import annotations
+
+from . import backend as registry
+from . import tuning
+from .delta import DeltaRule, verify_delta_monoid
+from .linear import INPUT_KINDS, MatrixState
+from .recipes.kaczmarz.ops import CHUNK_SIZES
+from .recipes.linear.delta_form import delta_form, describe, runs_on_delta
+from .recipes.linear.family import DELTA_CHUNK, REFERENCE_CHUNK
+
+KINDS = "a monoid (@sl.monoid), a matrix state (sl.matrix_state) or a delta rule (scanlang.delta.DeltaRule)"
+
+
+def _hook_lines(role: str, hook, names) -> list[str]:
+    """`role(t) = expr` and its partial derivatives (the ones the kernels' backward uses)."""
+    if hook is None:
+        return []
+    lines = [f"  {role}(t) = {hook.expr}"]
+    lines += [f"    d/d{n} = {hook.grads[n]}" for n in names if n in hook.grads]
+    return lines
+
+
+def describe_matrix_state(decl: MatrixState) -> str:
+    """The declaration: structure, inputs (with their shapes), constants and the traced hooks."""
+    steps = f", {decl.steps} steps" if decl.steps > 1 else ""
+    lines = [f"matrix state {decl.name}: decay {decl.decay}, correction {decl.correction}{steps} "
+             f"(declaration {decl.key})"]
+    for name, kind in decl.inputs.items():
+        rows = " (T*n rows, with k and v)" if decl.rows.get(name) == "sub" else ""
+        lines.append(f"  input {name}: {kind} {INPUT_KINDS[kind]}{rows}")
+    lines += [f"  constant {name} = {value!r}" for name, value in decl.constants.items()]
+    lines += _hook_lines("beta", decl.beta, decl.used(decl.beta))
+    lines += _hook_lines("log_decay", decl.log_decay, decl.used(decl.log_decay))
+    return "\n".join(lines)
+
+
+def verify_matrix_state(decl: MatrixState) -> str:
+    """The structure's proof (proved when the declaration was built) and the traced hooks."""
+    return decl.proof + "\n" + describe_matrix_state(decl)
+
+
+def describe_delta_rule(rule: DeltaRule) -> str:
+    """The rule: its step and decay hooks with their partial derivatives, and its per-head parameters."""
+    params = f", per-head parameters {', '.join(rule.head_params)}" if rule.head_params else ""
+    lines = [f"delta rule {rule.name} (rule {rule.key}{params})"]
+    lines += _hook_lines("beta = step", rule.step, ("s", "n2"))
+    lines += _hook_lines("g = decay", rule.decay, rule.decay.inputs)
+    return "\n".join(lines)
+
+
+def verify_delta_rule(rule: DeltaRule) -> str:
+    """The delta-rule monoid's proof (shared by every rule; the hooks only fill beta_t and g_t) and the hooks."""
+    return verify_delta_monoid() + "\n" + describe_delta_rule(rule)
+
+
+def check_chunk(chunk) -> int:
+    """The delta-rule kernels' chunk size; a ValueError naming --chunk unless it is one they take."""
+    if chunk is None:
+        return DELTA_CHUNK
+    if chunk not in CHUNK_SIZES:
+        raise ValueError(f"--chunk: the delta-rule kernels take a chunk of {', '.join(map(str, CHUNK_SIZES))}, "
+                         f"got {chunk}")
+    return chunk
+
+
+def _delta_header(chunk: int) -> str:
+    limit = registry.get("delta").RECURRENT_MAX_LEN
+    return (f"# delta-rule kernels at chunk {chunk} (backends/delta/codegen.py), one module:\n"
+            f"# delta_recurrent: no gradients, every sequence <= {limit} tokens (decode, short inputs)\n"
+            f"# chunk kernels, every other call: forward delta_prep, delta_state_output; backward delta_wu,\n"
+            f"#   delta_state_fwd, delta_dU_local, delta_state_bwd, delta_bwd_dqk, delta_bwd_wy")
+
+
+def show_delta_rule(rule: DeltaRule, chunk=None) -> str:
+    """The rule's generated module at `chunk` (default DELTA_CHUNK), under a header."""
+    chunk = check_chunk(chunk)
+    return _delta_header(chunk) + "\n" + registry.get("delta").kernel_source(rule, chunk)
+
+
+def show_matrix_state(decl: MatrixState, chunk=None) -> str:
+    """The generated source of every module backend='triton' runs for `decl`, each under a header."""
+    if runs_on_delta(decl):
+        chunk = check_chunk(chunk)
+        form = delta_form(decl, decl.constants)
+        return (f"# backend='triton' (and backend=None on CUDA, float32 compute) runs {decl.name} on the delta-rule "
+                f"kernels:\n# {describe(form)}\n# chunk_size=None is {DELTA_CHUNK}; this is chunk {chunk}\n"
+                + show_delta_rule(form.rule, chunk))
+    if chunk is not None:
+        raise ValueError(f"--chunk: matrix state {decl.name!r} (decay {decl.decay}, correction {decl.correction}) "
+                         f"runs on backends/linear, whose chunk is a launch constant (C), not rendered; drop --chunk")
+    sources = registry.get("linear").sources(decl)
+    limit = tuning.current().decode_max_tokens
+    parts = [f"# backend='triton' runs {decl.name} on the kernels generated from the declaration (backends/linear);"
+             f"\n# backend=None runs the PyTorch reference for it."]
+    if "chunk" in sources:
+        parts.append(f"# chunk kernels (backends/linear/kernels.py): with gradients, or a sequence longer than "
+                     f"decode_max_tokens = {limit} tokens, or on CUDA (chunk_size=None is {REFERENCE_CHUNK})\n"
+                     + sources["chunk"])
+    else:
+        parts.append(f"# no chunk kernels for decay {decl.decay!r} with correction {decl.correction!r} yet: with "
+                     f"gradients, a sequence longer than decode_max_tokens = {limit} tokens or on CUDA,\n"
+                     f"# backend='triton' raises a ValueError (use backend='reference')")
+    parts.append(f"# decode: no gradients, every sequence <= decode_max_tokens = {limit} tokens "
+                 f"(backends/linear/decode.py; Triton's interpreter only so far, not on CUDA)\n" + sources["decode"])
+    return "\n\n".join(parts)
+
+
+__all__ = ["KINDS", "describe_matrix_state", "verify_matrix_state", "describe_delta_rule", "verify_delta_rule",
+           "check_chunk", "show_delta_rule", "show_matrix_state"]
