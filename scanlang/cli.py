@@ -6,16 +6,16 @@
                                   (default 4,2048,256, time) runs, with the configs chosen for it;
                                   --all: the whole generated module, every variant (a monoid whose
                                   laws fail is refused: exit 1 and the counterexample)
-
-NAME may also be a matrix state (sl.matrix_state) or a delta rule (scanlang.delta.DeltaRule): verify prints its
-proof and traced hooks, show the declaration and the generated source of the kernels that run for it
-(scanlang/show.py), the delta-rule kernels at --chunk C (16, 32 or 64; default 64).
     scanlang demo                 the tour on a built-in default (CPU or GPU)
     scanlang bench                the GPU benchmark of the generated scans (see BENCHMARKS.md)
     scanlang train TASK --mixer M a small model on a synthetic task: metrics.json and curves.png
     scanlang report DIR...        a markdown table and a plot comparing training runs
 
 MODULE is an importable module (`scanlang.library`) or a path to a .py file (`examples/my.py`).
+NAME names a monoid, a matrix state (sl.matrix_state) or a delta rule (scanlang.delta.DeltaRule); for the
+latter two verify prints the proof and the traced hooks, show the declaration and the generated source
+of the kernels that run for it, each under a header saying when it runs (scanlang/show.py); --chunk C
+(16, 32 or 64, default 64) picks the delta-rule kernels' chunk.
 """
 from __future__ import annotations
 
