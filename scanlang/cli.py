@@ -32,6 +32,7 @@ from .linear import MatrixState
 from .monoid import Monoid
 
 DECLARATIONS = (Monoid, MatrixState, DeltaRule)   # what MODULE:NAME may name
+KINDS = "a monoid (@sl.monoid), a matrix state (sl.matrix_state) or a delta rule (scanlang.delta.DeltaRule)"
 
 
 class CliError(Exception):
@@ -67,7 +68,6 @@ def load_declaration(target: str):
                 raise CliError(f"cannot import module {module_name!r}: {exc2}") from None
     obj = getattr(module, name, None)
     if not isinstance(obj, DECLARATIONS):
-        from .show import KINDS
         kind = "nothing" if obj is None else type(obj).__name__
         raise CliError(f"{target}: expected {KINDS}, found {kind}")
     return obj
@@ -88,12 +88,12 @@ def _verified(monoid):
 
 
 def cmd_verify(args) -> int:
-    monoid = load_declaration(args.target)
-    if not isinstance(monoid, Monoid):
-        from . import show
-        print(show.verify_matrix_state(monoid) if isinstance(monoid, MatrixState) else show.verify_delta_rule(monoid))
+    decl = load_declaration(args.target)
+    if not isinstance(decl, Monoid):   # proved when declared (a failing structure raises there)
+        from . import show   # imports the recipes: only for these kinds
+        print(show.verify_matrix_state(decl) if isinstance(decl, MatrixState) else show.verify_delta_rule(decl))
         return 0
-    proof = _verified(monoid)
+    proof = _verified(decl)
     if proof is None:
         return 1
     print(proof)
@@ -105,7 +105,7 @@ SHOW_SHAPE = "4,2048,256"   # the [B, T, D] `scanlang show` prints the kernels o
 
 def _show_declaration(decl, args) -> int:
     """`scanlang show` of a matrix state or a delta rule (scanlang/show.py): the scan options are refused."""
-    from . import show
+    from . import show   # imports the recipes: only for these kinds
     for flag, given in (("--shape", args.shape is not None), ("--layout", args.layout is not None),
                         ("--all", args.all)):
         if given:

@@ -18,11 +18,9 @@ from . import backend as registry
 from . import tuning
 from .delta import DeltaRule, verify_delta_monoid
 from .linear import INPUT_KINDS, MatrixState
-from .recipes.kaczmarz.ops import CHUNK_SIZES
+from .recipes.kaczmarz.ops import CHUNK_SIZES, MAX_HEAD_DIM
 from .recipes.linear.delta_form import delta_form, describe, runs_on_delta
 from .recipes.linear.family import DELTA_CHUNK, REFERENCE_CHUNK
-
-KINDS = "a monoid (@sl.monoid), a matrix state (sl.matrix_state) or a delta rule (scanlang.delta.DeltaRule)"
 
 
 def _hook_lines(role: str, hook, names) -> list[str]:
@@ -96,8 +94,9 @@ def show_matrix_state(decl: MatrixState, chunk=None) -> str:
     if runs_on_delta(decl):
         chunk = check_chunk(chunk)
         form = delta_form(decl, decl.constants)
-        return (f"# backend='triton' (and backend=None on CUDA, float32 compute) runs {decl.name} on the delta-rule "
-                f"kernels:\n# {describe(form)}\n# chunk_size=None is {DELTA_CHUNK}; this is chunk {chunk}\n"
+        return (f"# backend='triton' runs {decl.name} on the delta-rule kernels (backend=None too, on CUDA with "
+                f"float32 compute and K, V <= {MAX_HEAD_DIM}):\n# {describe(form)}\n"
+                f"# chunk_size=None is {DELTA_CHUNK}; this is chunk {chunk}\n"
                 + show_delta_rule(form.rule, chunk))
     if chunk is not None:
         raise ValueError(f"--chunk: matrix state {decl.name!r} (decay {decl.decay}, correction {decl.correction}) "
@@ -119,5 +118,5 @@ def show_matrix_state(decl: MatrixState, chunk=None) -> str:
     return "\n\n".join(parts)
 
 
-__all__ = ["KINDS", "describe_matrix_state", "verify_matrix_state", "describe_delta_rule", "verify_delta_rule",
+__all__ = ["describe_matrix_state", "verify_matrix_state", "describe_delta_rule", "verify_delta_rule",
            "check_chunk", "show_delta_rule", "show_matrix_state"]

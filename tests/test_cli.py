@@ -4,11 +4,18 @@ states and delta rules (show: the generated kernels that run for them).
 One test runs the real command (`python -m scanlang` in a subprocess: the entry point, the exit
 status through sys.exit); the others call `scanlang.cli.main` in this process, which returns the
 same exit status and prints the same text (a subprocess per case only re-imports torch)."""
+import ast
+import importlib
 import subprocess
 import sys
 import textwrap
 
+import pytest
+
+from scanlang.backends.delta import codegen
+from scanlang.backends.linear import decode, kernels
 from scanlang.cli import main
+from scanlang.recipes.linear.delta_form import delta_form
 
 
 def run(*args, cwd=None):
@@ -52,14 +59,6 @@ def test_show_prints_the_traced_expressions(capsys):
 
 # ---- matrix states and delta rules -----------------------------------------------------------------
 
-import ast  # noqa: E402
-
-import pytest  # noqa: E402
-
-from scanlang.backends.delta import codegen  # noqa: E402
-from scanlang.backends.linear import decode, kernels  # noqa: E402
-from scanlang.recipes.linear.delta_form import delta_form  # noqa: E402
-
 MEMBERS = "scanlang.recipes.linear.members"
 DECLARATIONS = '''
 import scanlang as sl
@@ -81,7 +80,6 @@ def declared(tmp_path, monkeypatch):
     """A user module of declarations on sys.path: MODULE:NAME is `cli_declared:NAME`."""
     (tmp_path / "cli_declared.py").write_text(DECLARATIONS)
     monkeypatch.syspath_prepend(str(tmp_path))
-    import importlib
     return importlib.import_module("cli_declared")
 
 
