@@ -28,9 +28,11 @@ if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
-SLOW_TESTS = frozenset(line.strip() for line in
-                       (pathlib.Path(__file__).parent / "tests" / "slow_tests.txt").read_text().splitlines()
-                       if line.strip() and not line.startswith("#"))
+_SLOW_LINES = [line.split() for line in
+               (pathlib.Path(__file__).parent / "tests" / "slow_tests.txt").read_text().splitlines()
+               if line.strip() and not line.startswith("#")]
+SLOW_TESTS = frozenset(words[0] for words in _SLOW_LINES)                          # all but the first case
+SLOW_ALL_CASES = frozenset(words[0] for words in _SLOW_LINES if words[1:] == ["all"])  # every case
 
 
 SLOW_SECONDS = {path: float(seconds) for path, seconds in
@@ -58,15 +60,15 @@ def shard_files(files, n: int) -> dict:
 @pytest.hookimpl(tryfirst=True)   # before `-m` deselects by marker
 def pytest_collection_modifyitems(config, items):
     """Tiers and shards. The functions in tests/slow_tests.txt are `slow` except their first
-    parametrised case; SCANLANG_TEST_SHARD=i/n keeps the i-th of n shards of whole files (see
-    `shard_files`, so `.ci/run` can run the slow tier as two processes on two cores); without a GPU,
-    `gpu` tests skip."""
+    parametrised case (every case for a line ending in `all`); SCANLANG_TEST_SHARD=i/n keeps the i-th
+    of n shards of whole files (see `shard_files`, so `.ci/run` can run the slow tier as several
+    processes beside the fast one); without a GPU, `gpu` tests skip."""
     seen = set()
     for item in items:
         name = f"{pathlib.Path(str(item.fspath)).relative_to(pathlib.Path(__file__).parent).as_posix()}::" \
                f"{getattr(item, 'originalname', item.name)}"
         if name in SLOW_TESTS:
-            first_case = hasattr(item, "callspec") and name not in seen
+            first_case = hasattr(item, "callspec") and name not in seen and name not in SLOW_ALL_CASES
             seen.add(name)
             if not first_case:
                 item.add_marker(pytest.mark.slow)
