@@ -59,9 +59,18 @@ class Comment:
 
 @dataclass(frozen=True)
 class Assign:
-    """`targets = value` (several targets: tuple unpacking)."""
+    """`targets = value` (several targets, or `unpack`: tuple unpacking, `x, = value` for one)."""
 
     targets: tuple[str, ...]
+    value: Expr
+    unpack: bool = False
+
+
+@dataclass(frozen=True)
+class AddAssign:
+    """`target += value`."""
+
+    target: str
     value: Expr
 
 
@@ -105,7 +114,7 @@ class If:
 
 @dataclass(frozen=True)
 class For:
-    """`for var in tl.range(start, stop, step):` (`static`: `tl.static_range`, unrolled)."""
+    """`for var in tl.range(start, stop, step, num_stages=stages):` (`static`: `tl.static_range`, unrolled)."""
 
     var: str
     start: Expr
@@ -113,6 +122,7 @@ class For:
     body: tuple["Stmt", ...]
     step: Expr | None = None
     static: bool = False
+    stages: Expr | None = None
 
 
 @dataclass(frozen=True)
@@ -120,7 +130,7 @@ class Return:
     values: tuple[Expr, ...]
 
 
-Stmt = Union[Comment, Assign, Load, Store, AtomicAdd, If, For, Return]
+Stmt = Union[Comment, Assign, AddAssign, Load, Store, AtomicAdd, If, For, Return]
 
 
 @dataclass(frozen=True)
@@ -144,11 +154,21 @@ class Kernel:
 
 
 @dataclass(frozen=True)
+class Source:
+    """A `@triton.jit` function already written as source text, not yet on this IR (the lane-sequential
+    schedule, codegen_seq.py, and the run helpers of codegen_runs.py): the printer parses it and adds its
+    definition (its comments are dropped). The seam those generators are ported through."""
+
+    name: str
+    text: str
+
+
+@dataclass(frozen=True)
 class Module:
     """A generated source file: a docstring, `import triton` / `triton.language as tl`, the kernels."""
 
     doc: str
-    kernels: tuple[Kernel, ...]
+    kernels: tuple[Kernel | Source, ...]
 
 
 def assign(target: str, value) -> Assign:
@@ -164,5 +184,5 @@ def assign_lines(lines) -> tuple[Assign, ...]:
         target, sep, value = line.partition(" = ")
         if not sep or not target.replace(",", " ").replace(" ", "").replace("_", "a").isalnum():
             raise ValueError(f"lines: expected 'name = expression', got {line!r}")
-        out.append(Assign(tuple(t.strip() for t in target.split(",") if t.strip()), Expr(value)))
+        out.append(Assign(tuple(t.strip() for t in target.split(",") if t.strip()), Expr(value), unpack="," in target))
     return tuple(out)

@@ -5,7 +5,8 @@ expression fails here, naming the kernel) and unparses it once with `ast.unparse
 parentheses and quoting are the standard library's, the text is deterministic, and what is printed
 parses by construction. Comments (`ir.Comment`, the kernels' `Origin`s) are not part of Python's
 AST: they travel as placeholder calls `__comment__('text')` that the single unparsed text turns
-back into `# text` lines.
+back into `# text` lines. An `ir.Source` (a function not yet on the IR) is parsed as a check and
+spliced into the text as written.
 """
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ from . import ir
 
 _COMMENT = "__comment__"
 _COMMENT_LINE = re.compile(rf"^(\s*){_COMMENT}\((.*)\)$")
+_SOURCE = "__source__"
+_SOURCE_LINE = re.compile(rf"^{_SOURCE}\((\d+)\)$")
 
 
 def _expr(e: ir.Expr, where: str) -> ast.expr:
@@ -57,11 +60,13 @@ def _stmt(s, where: str) -> list[ast.stmt]:
     if isinstance(s, ir.Comment):
         return [_comment(s.text)]
     if isinstance(s, ir.Assign):
-        if len(s.targets) == 1:
+        if len(s.targets) == 1 and not s.unpack:
             target = _name(s.targets[0], ast.Store)
         else:
             target = ast.Tuple(elts=[_name(t, ast.Store) for t in s.targets], ctx=ast.Store())
         return [ast.Assign(targets=[target], value=x(s.value), lineno=0)]
+    if isinstance(s, ir.AddAssign):
+        return [ast.AugAssign(target=_name(s.target, ast.Store), op=ast.Add(), value=x(s.value), lineno=0)]
     if isinstance(s, ir.Load):
         kw = ([("mask", x(s.mask))] if s.mask is not None else []) + (
             [("other", x(s.other))] if s.other is not None else [])
@@ -80,7 +85,8 @@ def _stmt(s, where: str) -> list[ast.stmt]:
                        orelse=_block(s.orelse, where) if s.orelse else [])]
     if isinstance(s, ir.For):
         bounds = [x(s.start), x(s.stop)] + ([x(s.step)] if s.step is not None else [])
-        it = _call("tl.static_range" if s.static else "tl.range", bounds)
+        it = _call("tl.static_range" if s.static else "tl.range", bounds,
+                   [("num_stages", x(s.stages))] if s.stages is not None else [])
         return [ast.For(target=_name(s.var, ast.Store), iter=it, body=_block(s.body, where), orelse=[], lineno=0)]
     if isinstance(s, ir.Return):
         values = [x(v) for v in s.values]
@@ -119,11 +125,28 @@ def render(module: ir.Module) -> str:
         raise ValueError(f"module: kernel names repeat: {names}")
     tree = ast.Module(body=[ast.Expr(ast.Constant(module.doc)), ast.Import([ast.alias("triton")]),
                             ast.Import([ast.alias("triton.language", "tl")])], type_ignores=[])
+    sources = []
     for k in module.kernels:
-        tree.body += _function(k)
+        if isinstance(k, ir.Source):
+            try:
+                defs = ast.parse(k.text).body
+            except SyntaxError as exc:
+                raise ValueError(f"kernel {k.name}: its source does not parse ({exc.msg})") from None
+            if [type(d) for d in defs] != [ast.FunctionDef] or defs[0].name != k.name:
+                raise ValueError(f"kernel {k.name}: its source is not one function named {k.name}")
+            tree.body.append(ast.Expr(_call(_SOURCE, [ast.Constant(len(sources))])))
+            sources.append(k.text.strip("\n"))
+        else:
+            tree.body += _function(k)
     text = ast.unparse(ast.fix_missing_locations(tree))
     lines = []
     for line in text.split("\n"):
+        m = _SOURCE_LINE.match(line)
+        if m:                                            # an ir.Source, as written (its comments kept)
+            while lines and lines[-1] == "":
+                lines.pop()
+            lines += ["", ""] + sources[int(m.group(1))].split("\n")
+            continue
         m = _COMMENT_LINE.match(line)
         line = f"{m.group(1)}# {ast.literal_eval(m.group(2))}" if m else line
         starts = line.startswith(("# ", "@", "def "))   # a top-level function or the comments above it
