@@ -171,7 +171,7 @@ class _Plan:
                     **self.static, **slot, **self.time_strides())
 
     def tile_meta(self, cfg: Config) -> dict:
-        """The tile kernels' layout constexprs (codegen.TILE_FLAGS): RCP_APPROX (float32 compiled for a
+        """The tile kernels' layout constexprs (kernel/builders.TILE_FLAGS): RCP_APPROX (float32 compiled for a
         GPU: reciprocals by the hardware instruction), EVEN_T (every time tile full: one sequence whose
         length block_t divides), EVEN_L (every lane block full)."""
         return dict(RCP_APPROX=not self.common["FP64"] and not settings.triton_interpret(),

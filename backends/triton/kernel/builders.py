@@ -15,7 +15,7 @@ import enum
 
 from scanlang.ir import ScanIR
 
-from ..codegen import (LEAF_SCALE_DOC, STRIDES, _assign, _assign_inverted, _num, combine_operands, has_combine_rcp,
+from ..codegen import (LEAF_SCALE_DOC, _assign, _assign_inverted, _num, combine_operands, has_combine_rcp,
                        leaf_scale_lines, renormalise_leaf)
 from . import ir as K
 
@@ -114,10 +114,6 @@ def params(args, consts) -> tuple[K.Param, ...]:
 def lane_off(prefix: str, lanes: str = "lane", d3: str = "D3") -> str:
     """The memory offset of lanes `lanes` in tensor `prefix` (its lane strides)."""
     return f"lane_offsets({lanes}, D1, D2, {d3}, {prefix}_s0, {prefix}_s1, {prefix}_s2, {prefix}_s3)"
-
-
-def strides(prefix: str) -> list[str]:
-    return [f"{prefix}_{s}" for s in STRIDES]
 
 
 # --- program, sequence, time --------------------------------------------------------------------------------
