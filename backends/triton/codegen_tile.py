@@ -26,7 +26,7 @@ def _runs_or_tiles(ir: ScanIR, carried: str, var: str, runs_loop: list[str], epi
     """The seam to codegen_runs.py: tiles of at least RUN_TILE steps run its line-generated bodies
     (prologue, the tile loop `runs_loop`, and for the forward the epilogue), turned into statements
     here by `builders.from_lines`; smaller tiles run `tile_loop`. Both walk the n_tiles tiles as `var`."""
-    RUN, _, RUN_TILE = runs_shape()
+    RUN_TILE = runs_shape()[2]
     over = lambda body: K.For(var, K.expr(0), K.expr("n_tiles"), tuple(body), stages=K.expr("STAGES"))  # noqa: E731
     runs = (B.from_lines(runs_prologue(ir, carried)) + (over(B.from_lines(runs_loop)),)
             + (B.from_lines(runs_epilogue(ir, carried)) if epilogue else ()))
@@ -34,6 +34,9 @@ def _runs_or_tiles(ir: ScanIR, carried: str, var: str, runs_loop: list[str], epi
 
 
 def forward_kernel(ir: ScanIR) -> K.Kernel:
+    """Per tile: lift, `tl.associative_scan` along time, combine with the carried prefix, readout
+    (summed over the STATE lanes when `ir.reduce_state`), store; the carry at tile starts (and chunk
+    ends) as the backward's checkpoints, the last prefix per lane at the end."""
     consts = ["BLOCK_T", "BLOCK_L", "CHUNK", "REVERSE", "HAS_INIT", "VARLEN", "STATE", "FP64", "STAGES", "CKPT",
               *B.TILE_FLAGS]
     outs = range(len(ir.outputs))

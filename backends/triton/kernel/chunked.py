@@ -320,7 +320,7 @@ def _backward_kernels(ir: ScanIR, adj: Adjoint, origin) -> list[K.Kernel]:
 
 
 def _leaf_scale_kernel() -> K.Kernel:
-    """`leaf_scale(m)`: the exact power of two the tile modules' leaf_scale is (codegen.LEAF_SCALE)."""
+    """`leaf_scale(m)`: the exact power of two the tile modules' leaf_scale is (builders.leaf_scale_kernel)."""
     f64, f32 = leaf_scale_lines("tl.float64"), leaf_scale_lines("tl.float32")
     body = K.If(K.expr("m.dtype == tl.float64"), (*K.assign_lines(f64[:1]), K.Return((K.expr(f64[1]),))),
                 (*K.assign_lines(f32[:1]), K.Return((K.expr(f32[1]),))))
