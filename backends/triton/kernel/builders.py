@@ -26,16 +26,25 @@ TILE_FLAGS = ("RCP_APPROX", "EVEN_T", "EVEN_L")
 
 
 class GradMode(enum.IntEnum):
-    """How a kernel writes an input's gradient, the constexpr DU<i> (plan.py picks it per input):
-    STORE one value per element; ATOMIC added atomically (lanes broadcast in memory); TIME_SUM summed
-    over time in registers, added once per lane at the end (an input constant in time); STATE_STORE /
-    STATE_ATOMIC summed over the STATE lanes, then stored / added atomically."""
+    """How a kernel writes an input's gradient: the constexpr DU<i>, which plan.py picks per input
+    (`plan._du_mode`, `plan._lanes_mode`) and the kernels branch on. STORE one value per element;
+    ATOMIC added atomically (the input broadcast over lanes); TIME_SUM summed over time in registers,
+    added once per lane at the end (constant in time); STATE_STORE / STATE_ATOMIC summed over the
+    STATE lanes, then stored / added atomically; GROUP_ATOMIC (lane-sequential only) summed over a
+    program's state groups, then added; WARP_ATOMIC (lane-sequential only) summed over the groups of
+    each warp, then added."""
 
     STORE = 0
     ATOMIC = 1
     TIME_SUM = 2
     STATE_STORE = 3
     STATE_ATOMIC = 4
+    GROUP_ATOMIC = 5
+    WARP_ATOMIC = 6
+
+
+# the modes that add into their gradient buffer (which therefore starts zeroed)
+ADDING_MODES = (GradMode.ATOMIC, GradMode.TIME_SUM, GradMode.STATE_ATOMIC, GradMode.GROUP_ATOMIC, GradMode.WARP_ATOMIC)
 
 
 def a(target: str, value) -> K.Assign:
