@@ -16,7 +16,7 @@ from .codegen import _num, _symbols_named, backward_args, forward_args, scale_le
 from .codegen_runs import backward_loop, forward_loop, runs_epilogue, runs_prologue, runs_shape
 from .kernel import builders as B
 from .kernel import ir as K
-from .kernel.builders import GradMode, a, when
+from .kernel.builders import GradMode, a, grad_mode_is, when
 
 GROUPS = (a("group", "pid.to(tl.int64) * (BLOCK_L // STATE) + tl.arange(0, BLOCK_L // STATE)"),
           a("group_ok", "group < L // STATE"))
@@ -86,7 +86,7 @@ def _du_store(i: int, name: str) -> K.If:
     """Write du_<name> by the constexpr DU{i} (a `GradMode`)."""
     ptr, cast = K.expr(f"du{i}_ptr + du{i}_off + tt * du{i}_st"), K.expr(f"du_{name}.to(du{i}_ptr.dtype.element_ty)")
     red, grp = K.expr(f"red{i}.to(du{i}_ptr.dtype.element_ty)"), K.expr("(t < seq_len) & group_ok[None, :]")
-    mode = lambda m: f"DU{i} == {int(m)}"  # noqa: E731
+    mode = lambda m: grad_mode_is(i, m).text  # noqa: E731
     by_state = [a(f"red{i}", f"tl.sum(tl.reshape(tl.where(ok, du_{name}, 0.0), (BLOCK_T, BLOCK_L // STATE, STATE)), 2)"),
                 a(f"gptr{i}", f"du{i}_ptr + du{i}_goff + tt * du{i}_st"),
                 when(mode(GradMode.STATE_STORE), [K.Store(K.expr(f"gptr{i}"), red, grp)],
@@ -188,7 +188,7 @@ def backward_kernel(ir: ScanIR, adj: Adjoint) -> K.Kernel:
     # dL/d(initial) = J1(q_0, x_0)^T gbar_0 + c_0, taken from the first tile (the loop's last)
     loop.append(when("HAS_INIT", _initial_gradient(ir, adj, here, shape)))
     body += _runs_or_tiles(ir, "gc", "kk", backward_loop(ir, adj), False, loop)
-    body += [when(f"DU{i} == {int(GradMode.TIME_SUM)}", [
+    body += [when(grad_mode_is(i, GradMode.TIME_SUM).text, [
         K.AtomicAdd(K.expr(f"du{i}_ptr + du{i}_lane_off"), K.expr(f"acc{i}.to(du{i}_ptr.dtype.element_ty)"),
                     K.expr("lane_ok"))]) for i in range(len(ir.inputs))]
     body.append(when("HAS_INIT", [K.Store(K.expr(f"dinit{f}_ptr + seq * L + lane"), K.expr(f"w0_{name}"), K.expr("lane_ok"))

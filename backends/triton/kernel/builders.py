@@ -47,6 +47,11 @@ class GradMode(enum.IntEnum):
 ADDING_MODES = (GradMode.ATOMIC, GradMode.TIME_SUM, GradMode.STATE_ATOMIC, GradMode.GROUP_ATOMIC, GradMode.WARP_ATOMIC)
 
 
+def grad_mode_is(i: int, mode: GradMode) -> K.Expr:
+    """The constexpr test `DU<i> == mode` a kernel branches on for input i's gradient."""
+    return K.expr(f"DU{i} == {int(mode)}")
+
+
 def a(target: str, value) -> K.Assign:
     return K.assign(target, value)
 
