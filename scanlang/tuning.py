@@ -40,7 +40,7 @@ class Tuning:
     Render-time (in the program key):
       loop_stages_forward, loop_stages_backward: software-pipelining stages of the lane-sequential
         kernels' loops over full blocks (`tl.range(..., num_stages=N)`); 1: plain loops.
-      run: steps per thread run of the run-based tile bodies (codegen_runs.py), a multiple of vec.
+      run: steps per thread run of the run-based tile bodies (kernel/runs.py), a multiple of vec.
       vec: steps per vector load/store where time is contiguous (the split into step tensors is
         written for 4: 16 bytes of float32).
       run_tile: tiles of at least this many steps take the run-based bodies.

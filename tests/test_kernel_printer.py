@@ -7,7 +7,7 @@ import pytest
 
 import scanlang as sl
 from scanlang import pipeline
-from scanlang.backends.triton.kernel import chunked, common
+from scanlang.backends.triton.kernel import builders, chunked, common
 from scanlang.backends.triton.kernel import ir as K
 from scanlang.backends.triton.kernel import lanes
 from scanlang.backends.triton.kernel.printer import render, render_kernel
@@ -78,11 +78,11 @@ def test_accumulations_effects_and_loop_forms_print_as_written():
         render(kernel([K.For("i", K.expr(0), K.expr(2), (), static=True, builtin=True)]))
 
 
-def test_the_lane_schedules_seam_takes_assignments_ifs_and_parameters_only():
-    stmts = lanes.from_lines(["if VARLEN:", "    t0 = tl.load(cu_ptr + seq)", "else:", "    t0 = 0"])
+def test_the_line_seam_and_the_lane_parameters():
+    stmts = builders.from_lines(["if VARLEN:", "    t0 = tl.load(cu_ptr + seq)", "else:", "    t0 = 0"])
     assert stmts == (K.If(K.expr("VARLEN"), (K.assign("t0", "tl.load(cu_ptr + seq)"),), (K.assign("t0", "0"),)),)
-    with pytest.raises(ValueError, match="lines: expected assignments and ifs"):
-        lanes.from_lines(["for i in range(3):", "    x = i"])
+    with pytest.raises(ValueError, match="lines: no kernel IR statement for"):
+        builders.from_lines(["while i < 3:", "    i = i + 1"])
     assert lanes.params(["u0_ptr", "R: tl.constexpr", "TSTATIC0: tl.constexpr = False"]) == (
         K.Param("u0_ptr"), K.Param("R", True), K.Param("TSTATIC0", True, K.expr("False")))
     with pytest.raises(ValueError, match="texts: expected"):
@@ -108,3 +108,33 @@ def test_chunked_module_points_at_the_declaration_and_is_deterministic():
         assert f"# from combine of {m.name}: {inspect.getsourcefile(fn)}:{fn.__code__.co_firstlineno}" in src
         assert all(f"def {name}(" in src for name in chunked.KERNELS)
     assert common.origins(pipeline.lower(sl.Mobius))[1].what == "scale of Mobius"
+
+
+def test_unpacking_add_assign_staged_loops_and_spliced_sources():
+    body = [K.Assign(("s",), K.expr("tl.associative_scan((x,), 0, combine)"), unpack=True),
+            K.AugAssign("acc", K.expr("tl.sum(s, 0)")),
+            K.For("k", K.expr(0), K.expr("N"), (K.Assign(("t",), K.expr("k + 1")),), num_stages=K.expr("STAGES"))]
+    helper = K.Source("helper", "@triton.jit\ndef helper(y):\n    # kept as written\n    return y + 1\n")
+    mod = kernel(body)
+    src = render(K.Module(mod.doc, (helper,) + mod.kernels))
+    lines = src.splitlines()
+    assert "    s, = tl.associative_scan((x,), 0, combine)" in lines
+    assert "    acc += tl.sum(s, 0)" in lines and "    for k in tl.range(0, N, num_stages=STAGES):" in lines
+    assert "    # kept as written" in lines   # a Source is spliced as written, its comments kept
+    fns = [n for n in ast.parse(src).body if isinstance(n, ast.FunctionDef)]
+    assert [f.name for f in fns] == ["helper", "k"]
+    assert isinstance(fns[1].body[1].targets[0], ast.Tuple) and len(fns[1].body[1].targets[0].elts) == 1
+    with pytest.raises(ValueError, match="kernel other"):
+        render(K.Module("d", (K.Source("other", "@triton.jit\ndef helper(y):\n    return y\n"),)))
+
+
+def test_generated_lines_become_the_same_statements():
+    lines = ["if DU0 == 0:", "    tl.store(p, v, mask=ok)", "elif DU0 == 1:",
+             "    tl.atomic_add(p, v, mask=ok, sem='relaxed')", "else:", "    acc0 += tl.sum(v, 0)",
+             "a, = f(x)", "for k in tl.range(0, n, num_stages=S):", "    b = k * 2"]
+    stmts = builders.from_lines(lines)
+    printed = render(kernel(stmts))
+    fn = next(n for n in ast.parse(printed).body if isinstance(n, ast.FunctionDef))
+    assert ast.dump(ast.Module(fn.body[1:], [])) == ast.dump(ast.parse("\n".join(lines)))
+    with pytest.raises(ValueError, match="no kernel IR statement"):
+        builders.from_lines(["while x:", "    x = x - 1"])

@@ -1,15 +1,15 @@
-"""The run-based tile bodies on the kernel IR (backends/triton/kernel/runs.py) and the line seam of
-codegen_runs.py that prints them for the line-list tile kernels."""
-import ast
+"""The run-based tile bodies on the kernel IR (backends/triton/kernel/runs.py) and the one seam where
+codegen.py's line builders enter the IR (kernel/builders.py from_lines)."""
 
 import pytest
 
 import scanlang as sl
 from scanlang import pipeline
-from scanlang.backends.triton import codegen_runs
 from scanlang.backends.triton.codegen import combine_call, tile_start_checkpoints
+from scanlang.backends.triton.kernel import builders
 from scanlang.backends.triton.kernel import ir as K
 from scanlang.backends.triton.kernel import runs
+from scanlang.backends.triton.kernel.printer import render_kernel
 
 STMTS = (K.Comment, K.Assign, K.AugAssign, K.Load, K.Store, K.AtomicAdd, K.If, K.For, K.Return)
 
@@ -31,11 +31,7 @@ def test_bodies_are_ir_statements(monoid):
     assert any(isinstance(s, K.Store) for s in fwd) and any(isinstance(s, K.Load) for s in fwd)
     sums = [s.target for s in bwd if isinstance(s, K.AugAssign)]   # DU == 2: one sum per step of the run (RUN 8)
     assert sorted(sums) == sorted(f"acc{i}" for i in range(len(ir.inputs)) for _ in range(8))
-    # the seam: the lines the tile kernels splice in are the printed statements, at indentation 0
-    lines = codegen_runs.forward_loop(ir)
-    assert lines[0] == "ts = k * BLOCK_T + run * 8" and not lines[0].startswith(" ")
-    ast.parse("\n".join(lines))
-    assert len(codegen_runs.backward_loop(ir, adj)) > len(lines)
+    assert fwd[0] == K.assign("ts", "k * BLOCK_T + run * 8") and len(bwd) > len(fwd)
 
 
 def test_kernels_of_the_runs():
@@ -43,25 +39,25 @@ def test_kernels_of_the_runs():
     mobius = pipeline.lower(sl.Mobius, inputs=tuple("abcd"), lift=lambda u: (u.a, u.b, u.c, u.d), outputs=("lam",),
                             readout=lambda p, u, q: (p.a + p.b) / (p.c + p.d))
     assert [k.name for k in runs.raw_kernels(mobius)] == ["combine_raw", "normalise"]
-    assert runs.raw_kernels(affine) == () and codegen_runs.raw_functions(affine) == []
-    raw = codegen_runs.raw_functions(mobius)
-    assert raw[0] == "@triton.jit" and raw.count("@triton.jit") == 2 and raw[-1].lstrip().startswith("return ")
-    assert "def normalise(m_a, m_b, m_c, m_d, HW: tl.constexpr):" in raw
+    assert runs.raw_kernels(affine) == ()
+    raw = [render_kernel(k) for k in runs.raw_kernels(mobius)]
+    assert all(r.startswith("@triton.jit") and r.splitlines()[-1].lstrip().startswith("return ") for r in raw)
+    assert "def normalise(m_a, m_b, m_c, m_d, HW: tl.constexpr):" in raw[1]
     assert runs.raw_kernels(pipeline.lower(sl.Mobius)) == ()   # the plain readout is not scale invariant
     k = runs.sum_fields_kernel(affine)
     assert k.name == "sum_fields" and [p.name for p in k.params] == ["x_a", "x_b", "y_a", "y_b"]
-    assert codegen_runs.sum_fields_function(affine)[-1] == "    return (x_a + y_a, x_b + y_b)"
+    assert render_kernel(k).splitlines()[-1] == "    return (x_a + y_a, x_b + y_b)"
 
 
 def test_codegen_lines_enter_at_one_seam():
     mobius = pipeline.lower(sl.Mobius)   # projective: the combine by combine_rcp under RCP_APPROX
-    (branch,) = runs.from_codegen(combine_call(mobius, "p_a, p_b", "x_a, x_b, y_a, y_b"))
+    (branch,) = builders.from_lines(combine_call(mobius, "p_a, p_b", "x_a, x_b, y_a, y_b"))
     assert isinstance(branch, K.If) and branch.cond.text == "RCP_APPROX"
     assert branch.body == (K.Assign(("p_a", "p_b"), K.expr("combine_rcp(x_a, x_b, y_a, y_b)")),)
-    (one,) = runs.from_codegen(["s_a, = tl.associative_scan((r_a,), 0, combine)"])
+    (one,) = builders.from_lines(["s_a, = tl.associative_scan((r_a,), 0, combine)"])
     assert one == K.Assign(("s_a",), K.expr("tl.associative_scan((r_a,), 0, combine)"), unpack=True)
-    stores = [s for s in _walk(runs.from_codegen(tile_start_checkpoints(mobius, "c", "lane", "lane_ok")))
+    stores = [s for s in _walk(builders.from_lines(tile_start_checkpoints(mobius, "c", "lane", "lane_ok")))
               if isinstance(s, K.Store)]
     assert len(stores) == 2 * len(mobius.fields) and all(s.mask.text == "lane_ok" for s in stores)
-    with pytest.raises(ValueError, match="lines: 'for i in x:"):
-        runs.from_codegen(["for i in x:", "    y = i"])
+    with pytest.raises(ValueError, match="lines: no kernel IR statement for 'for i in x:"):
+        builders.from_lines(["for i in x:", "    y = i"])

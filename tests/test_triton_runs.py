@@ -1,4 +1,4 @@
-"""Run-based tile kernels (backends/triton/codegen_runs.py: tiles of at least tuning.run_tile steps,
+"""Run-based tile kernels (backends/triton/kernel/runs.py: tiles of at least tuning.run_tile steps,
 each thread scanning runs of tuning.run consecutive steps) against float64 sequential loops.
 
 The tile configs are forced through `scanlang.tuning` (forced configs): 128-step tiles on 2 lanes (the smallest
@@ -157,7 +157,7 @@ def test_runs_scale_invariant_readout(runs, chunk, dtype):
     """A projective readout invariant to rescaling (Möbius lam = (a + b) / (c + d), and its change
     from the previous prefix): the forward reads unnormalised prefixes, checkpoints and carry are
     rescaled (checkpoints inside runs when chunk = 4)."""
-    from scanlang.backends.triton.codegen_runs import scale_invariant_readout
+    from scanlang.backends.triton.kernel.runs import scale_invariant_readout
     runs(chunk)
     mix = _mobius_ratio_mixer()
     assert scale_invariant_readout(mix.ir) and "def combine_raw(" in mix.program.source
@@ -176,7 +176,7 @@ def test_runs_scale_invariant_readout(runs, chunk, dtype):
 
 
 def test_scale_invariance_is_detected_only_where_it_holds():
-    from scanlang.backends.triton.codegen_runs import scale_invariant_readout
+    from scanlang.backends.triton.kernel.runs import scale_invariant_readout
 
     from scanlang.ir import lower
     ratio = lower(sl.Mobius, inputs=tuple("abcd"), lift=lambda u: (u.a, u.b, u.c, u.d),
@@ -277,7 +277,7 @@ def test_runs_scale_invariant_readout_by_the_hardware_reciprocal(runs, hardware_
 
 def test_channels_training_takes_run_tiles_inference_the_short_tile(monkeypatch):
     """Channels contiguous on a GPU: the forward keeps the 32-step tile (fastest), checkpointing every 256 steps
-    when it serves a backward, whose tile that is (run-based, codegen_runs)."""
+    when it serves a backward, whose tile that is (run-based, kernel/runs.py)."""
     monkeypatch.setattr(runtime.settings, "triton_interpret", lambda: False)
     T, L = 4096, 8 * 1536
     inference = runtime.choose_config(T, L, False, 1)

@@ -1,5 +1,6 @@
 """The shared parts of the Triton source for a lowered scan (`ScanIR`) and its adjoint (`Adjoint`):
-printing helpers, prologues, arguments and the combine functions. `codegen_module.render` assembles
+printing helpers, prologues, arguments and the combine expressions (the kernel-IR builders the tile
+schedule uses: kernel/builders.py, kernel/common.py). `codegen_module.render` assembles
 one module per program, deterministic text, holding:
 - `combine(x.., y..)`: the monoid's combine on one scalar per field (x earlier), renormalised by the
   scale expression for projective monoids; `combine_rcp`, where the combine divides or rescales: the
@@ -21,7 +22,7 @@ one module per program, deterministic text, holding:
   forms the adjoint elements (B_{t+1}, dy_t + c_{t+1}) and runs the reverse scan, carrying gbar
   across tiles; writes the input gradients (stored, or reduced in-kernel where an input is
   broadcast) and the gradient of the initial element (see scanlang/autodiff.py).
-- `scan_forward_lanes` / `scan_backward_lanes`: the lane-sequential schedule (codegen_seq.py), same
+- `scan_forward_lanes` / `scan_backward_lanes`: the lane-sequential schedule (kernel/lanes.py, kernel/lanes_adjoint.py), same
   arguments and checkpoints, selected by `Config.schedule` (runtime.py).
 Time runs backwards in memory when REVERSE is set (index T-1-t), which is `flip, scan, flip`.
 """
@@ -35,10 +36,6 @@ from scanlang.ir import ScanIR
 
 LANE_DIMS = 4
 STRIDES = ("st", "s0", "s1", "s2", "s3")
-# the tile kernels' layout constexprs (plan.py): RCP_APPROX (float32 compiled for a GPU: reciprocals by
-# the hardware instruction), EVEN_T (every time tile full: not VARLEN and BLOCK_T divides T), EVEN_L
-# (every lane block full); under EVEN_T and EVEN_L the loads, stores and identity pads drop their masks
-TILE_FLAGS = ["RCP_APPROX", "EVEN_T", "EVEN_L"]
 
 
 def _num(v: float) -> str:
@@ -134,41 +131,6 @@ def combine_operands(ir: ScanIR) -> tuple[list[str], list[str], dict, list[str]]
     return xs, ys, dict(zip(ir.earlier, xs)) | dict(zip(ir.later, ys)), [f"m_{f}" for f in ir.fields]
 
 
-def _combine_rcp_function(ir: ScanIR) -> list[str]:
-    """`combine_rcp`: `combine` with every reciprocal (its divisions and the projective rescale) by the
-    hardware instruction; [] when the combine inverts nothing."""
-    if not has_combine_rcp(ir):
-        return []
-    xs, ys, names, out = combine_operands(ir)
-    body = _assign_inverted(out, ir.combine, names, "_c", shape_like=xs[0], hw="True")
-    if ir.is_projective:
-        body += _assign(["scale"], [ir.scale], dict(zip(ir.scale_symbols, out)), "_s")
-        body += ["inv_scale = reciprocal(scale, True)", f"return {', '.join(f'{o} * inv_scale' for o in out)}"]
-    else:
-        body.append(f"return {', '.join(out)}")
-    return ["@triton.jit", f"def combine_rcp({', '.join(xs + ys)}):",
-            '    """combine(x, y) by the hardware reciprocal (float32 on a GPU: RCP_APPROX)."""', *_indent(body, 4)]
-
-
-def _combine_function(ir: ScanIR) -> list[str]:
-    xs, ys, names, out = combine_operands(ir)
-    body = _assign(out, ir.combine, names, "_c", shape_like=xs[0])
-    if ir.is_projective:
-        body += _assign(["scale"], [ir.scale], dict(zip(ir.scale_symbols, out)), "_s")
-        # any positive multiple of the product is the same projective element: float32 rescales by
-        # Triton's non-IEEE division (tl.fdiv: div.full.f32, 2 ulp, a MUFU.RCP and a few FMAs) instead of
-        # the IEEE one; `approx=True` (div.approx) is not in Triton 3.6
-        body += ["if scale.dtype == tl.float32:",
-                 "    inv_scale = tl.fdiv(1.0, scale)",
-                 "else:",
-                 "    inv_scale = 1.0 / scale"]
-        body.append(f"return {', '.join(f'{o} * inv_scale' for o in out)}")
-    else:
-        body.append(f"return {', '.join(out)}")
-    return ["@triton.jit", f"def combine({', '.join(xs + ys)}):",
-            '    """combine(x, y) with x the earlier operand, one scalar per field."""', *_indent(body, 4)]
-
-
 def adjoint_combine_exprs(ir: ScanIR, adj: Adjoint):
     """The reverse affine scan's combine over (B, e) pairs, w -> B w + e, x applied first (the later
     time step): (yB xB, yB xe + ye), B keeping the adjoint's sparsity. Returns the operand symbols
@@ -186,29 +148,6 @@ def adjoint_combine_exprs(ir: ScanIR, adj: Adjoint):
     return (xb, yb, xe, ye), (b_out, e_out)
 
 
-def _adjoint_combine_function(ir: ScanIR, adj: Adjoint) -> list[str]:
-    n = len(ir.fields)
-    nb = len(adj.b_entries)
-    (xb, yb, xe, ye), (b_out, e_out) = adjoint_combine_exprs(ir, adj)
-    names = {s: s.name for s in xb + yb + xe + ye}
-    outs = [f"b{k}" for k in range(nb)] + [f"e{i}" for i in range(n)]
-    body = _assign(outs, b_out + e_out, names, "_a", shape_like="xe0")
-    body.append(f"return {', '.join(outs)}")
-    args = [s.name for s in xb + xe + yb + ye]
-    return ["@triton.jit", f"def adjoint_combine({', '.join(args)}):",
-            '    """(B, e) pairs of w -> B w + e, x applied first (the later time step): (yB xB, yB xe + ye)."""',
-            *_indent(body, 4)]
-
-
-TO_ACC = '''@triton.jit
-def to_acc(x, FP64: tl.constexpr):
-    """The accumulation dtype: float64 when FP64, else float32."""
-    if FP64:
-        return x.to(tl.float64)
-    else:
-        return x.to(tl.float32)'''
-
-
 RECIPROCAL = '''@triton.jit
 def reciprocal(x, HW: tl.constexpr):
     """1 / x. HW (RCP_APPROX: float32 compiled for a GPU): the hardware reciprocal rcp.approx.ftz.f32,
@@ -224,7 +163,7 @@ def reciprocal(x, HW: tl.constexpr):
 
 # leaf_scale's bit arithmetic, per accumulation dtype: (integer type, exponent mask, the exponent
 # bits of 2^(bias - 1) and the largest exponent used, so that the factor stays a finite normal number).
-# One source for the string module (LEAF_SCALE) and the kernel IR's (kernel/chunked.py).
+# One source for the tile modules' leaf_scale (kernel/builders.py) and the chunk-parallel one (kernel/chunked.py).
 LEAF_SCALE_DOC = """2^-e where 2^e <= m < 2^(e + 1), m >= 0 the largest |field| of a projective leaf: the leaf times it
     has its largest field in [1, 2), exactly (a power of two). From the exponent bits, clamped to a finite
     normal factor (m = 0 or subnormal: 2^127 in float32; m = inf or NaN: 2^-126, the leaf stays as it is)."""
@@ -238,17 +177,6 @@ def leaf_scale_lines(dtype: str) -> tuple[str, str]:
     itype, mask, top, clamp = LEAF_SCALE_BITS[dtype]
     return (f"e = m.to({itype}, bitcast=True) & {mask}",
             f"({top} - tl.minimum(e, {clamp})).to({dtype}, bitcast=True)")
-
-
-LEAF_SCALE = f'''@triton.jit
-def leaf_scale(m):
-    """{LEAF_SCALE_DOC}"""
-    if m.dtype == tl.float64:
-        {leaf_scale_lines("tl.float64")[0]}
-        return {leaf_scale_lines("tl.float64")[1]}
-    else:
-        {leaf_scale_lines("tl.float32")[0]}
-        return {leaf_scale_lines("tl.float32")[1]}'''
 
 
 def _max_tree(items: list[str]) -> str:
@@ -279,36 +207,8 @@ def scale_leaf_gradient(ir: ScanIR, dx: str, tag: str) -> list[str]:
     return [f"{dx.format(f)} = {dx.format(f)} * inv_leaf{tag}" for f in ir.fields]
 
 
-LANE_OFFSETS = '''@triton.jit
-def lane_offsets(lane, D1, D2, D3, s0, s1, s2, s3):
-    """Memory offset of flattened lane indices over lane dims (D0, D1, D2, D3), last fastest."""
-    i3 = lane % D3
-    rest = lane // D3
-    i2 = rest % D2
-    rest = rest // D2
-    i1 = rest % D1
-    i0 = rest // D1
-    return i0 * s0 + i1 * s1 + i2 * s2 + i3 * s3'''
-
-
 def _strides(prefix):
     return [f"{prefix}_{s}" for s in STRIDES]
-
-
-def _lane_off(prefix, lanes="lane", d3="D3"):
-    return f"lane_offsets({lanes}, D1, D2, {d3}, {prefix}_s0, {prefix}_s1, {prefix}_s2, {prefix}_s3)"
-
-
-def _common_prologue():
-    """Program = (lane block, sequence). Packed sequences (VARLEN) start at cu[seq] in memory; the
-    checkpoint slots of sequence `seq` start at t0 // CHUNK + seq (disjoint ranges, no host sync)."""
-    return (["pid = tl.program_id(0)", "seq = tl.program_id(1)", "rows = tl.arange(0, BLOCK_T)[:, None]"]
-            + ["lane = pid.to(tl.int64) * BLOCK_L + tl.arange(0, BLOCK_L)",
-               "if EVEN_L:   # every lane block full: masks by lane_ok fold away",
-               "    lane_ok = tl.full([BLOCK_L], 1, tl.int1)",
-               "else:",
-               "    lane_ok = lane < L"]
-            + sequence_bounds() + ["n_tiles = tl.cdiv(seq_len, BLOCK_T)", "slot0 = t0 // CHUNK + seq"])
 
 
 def sequence_bounds() -> list[str]:
@@ -335,66 +235,9 @@ def memory_index() -> list[str]:
     ]
 
 
-def _time_index():
-    """t, ok (in the sequence; constant under EVEN_T: the masks fold away), and the memory index."""
-    return ["t = k * BLOCK_T + rows",
-            "if EVEN_T:",
-            "    ok = tl.full([BLOCK_T, BLOCK_L], 1, tl.int1) & lane_ok[None, :]",
-            "else:",
-            "    ok = (t < seq_len) & lane_ok[None, :]",
-            *memory_index()]
-
-
-def _load_lift(ir: ScanIR, tag: str = "", shift: int = 0, mask: str = "ok", hoisted: bool = False) -> list[str]:
-    """Load the inputs `shift` steps later in scan order (memory index tt + shift * step), lift them,
-    and pad with the identity where `mask` is false: u{tag}_<input>, e{tag}_<field>. `hoisted`: an
-    input constant in time (constexpr TSTATIC<i>) is the value `us<i>` loaded once (`_static_loads`)."""
-    lines = []
-    at = "tt" if shift == 0 else f"(tt + {shift} * step)"
-    for i, n in enumerate(ir.inputs):
-        load = f"u{tag}_{n} = to_acc(tl.load(u{i}_ptr + u{i}_off + {at} * u{i}_st, mask={mask}, other=1.0), FP64)"
-        if hoisted:
-            lines += [f"if TSTATIC{i}:", f"    u{tag}_{n} = us{i}", "else:", f"    {load}"]
-        else:
-            lines.append(load)
-    names = {s: f"u{tag}_{s.name[2:]}" for s in ir.input_symbols}
-    lifted = _assign([f"l{tag}_{f}" for f in ir.fields], ir.lift, names, f"_l{tag}", shape_like=f"u{tag}_{ir.inputs[0]}")
-    lines += lifted + renormalise_leaf(ir, tag)
-    for f, ident in zip(ir.fields, ir.identity):
-        lines.append(f"e{tag}_{f} = tl.where({mask}, l{tag}_{f}, {_num(ident)})")
-    return lines
-
-
-def _static_loads(ir: ScanIR) -> list[str]:
-    """us<i>: input i loaded once per program when it is constant in time (constexpr TSTATIC<i>,
-    a time stride of 0: a broadcast static parameter), instead of once per step."""
-    lines = []
-    for i in range(len(ir.inputs)):
-        lines += [f"if TSTATIC{i}:",
-                  f"    us{i} = to_acc(tl.load(u{i}_ptr + u{i}_off, mask=lane_ok, other=1.0), FP64)"]
-    return lines
-
-
 def static_flags(ir: ScanIR) -> list[str]:
     """The TSTATIC<i> constexpr parameters (default False: every step loads)."""
     return [f"TSTATIC{i}: tl.constexpr = False" for i in range(len(ir.inputs))]
-
-
-def _replay(ir: ScanIR, tag: str = "", out: str = "p") -> list[str]:
-    """Inclusive prefixes of the tile's elements e{tag}_* from the carry c_*, named {out}_*."""
-    e = ", ".join(f"e{tag}_{f}" for f in ir.fields)
-    p = ", ".join(f"{out}_{f}" for f in ir.fields)
-    c = ", ".join(f"c_{f}[None, :]" for f in ir.fields)
-    s = ", ".join(f"s{tag}_{f}" for f in ir.fields)
-    unpack = s if len(ir.fields) > 1 else f"{s},"
-    return scan_call(ir, unpack, e) + combine_call(ir, p, f"{c}, {s}")
-
-
-def _previous(ir: ScanIR) -> list[str]:
-    lines = ["prev_rows = tl.maximum(rows - 1, 0) + tl.zeros([BLOCK_T, BLOCK_L], tl.int32)"]
-    for f in ir.fields:
-        lines.append(f"q_{f} = tl.where(rows == 0, c_{f}[None, :], tl.gather(p_{f}, prev_rows, 0))")
-    return lines
 
 
 def _initial_carry(ir: ScanIR, shape: str = "[BLOCK_L]") -> list[str]:

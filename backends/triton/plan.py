@@ -20,6 +20,7 @@ from scanlang import settings, tuning
 
 from . import runtime
 from .kernel import chunked
+from .kernel.builders import ADDING_MODES, GradMode
 from .runtime import Config, broadcast_strides, lane_layout
 
 
@@ -49,7 +50,7 @@ def _time_contiguous(sizes, strides, dim) -> bool:
     return False
 
 
-ATOMIC_MODES = (1, 2, 4, 5, 6)   # gradient buffers these modes add into start zeroed
+ATOMIC_MODES = ADDING_MODES   # gradient buffers these modes add into start zeroed (kernel/builders.GradMode)
 # Mode 5 (see `_du_mode`, tuning.sum_groups_before_atomics, off by default): a program sums the
 # gradients of an input its state groups share before adding atomically (the Kalman keys: fewer
 # atomics, for a cross-warp sum with barriers); per-lane relaxed atomics measured faster
@@ -58,42 +59,43 @@ ATOMIC_MODES = (1, 2, 4, 5, 6)   # gradient buffers these modes add into start z
 # before the atomic add.
 
 
-def _du_mode(du_strides, lane_sizes, reduce_state: bool, T: int) -> int:
-    """0 store, 1 atomic add, 2 summed over time, 3 summed over the state lanes, 4 that plus atomic,
-    5 (lane-sequential only, see `_lanes_mode`) summed over a program's state groups, then atomic:
-    an input broadcast only over the lane dim just above the state (e.g. keys shared by channels)."""
+def _du_mode(du_strides, lane_sizes, reduce_state: bool, T: int) -> GradMode:
+    """The `GradMode` (kernel/builders.py) of an input's gradient: 0 store, 1 atomic add, 2 summed over
+    time, 3 summed over the state lanes, 4 that plus atomic, 5 (lane-sequential only, see `_lanes_mode`)
+    summed over a program's state groups, then atomic: an input broadcast only over the lane dim just
+    above the state (e.g. keys shared by channels)."""
     if T > 1 and du_strides[0] == 0:
-        return 2
+        return GradMode.TIME_SUM
     broadcast = [s == 0 and n > 1 for s, n in zip(du_strides[1:], lane_sizes)]
     if not any(broadcast):
-        return 0
+        return GradMode.STORE
     if reduce_state and broadcast[-1]:
-        return 3 if not any(broadcast[:-1]) else 4
+        return GradMode.STATE_STORE if not any(broadcast[:-1]) else GradMode.STATE_ATOMIC
     if reduce_state and broadcast == [False] * (len(broadcast) - 2) + [True, False]:
-        return 5
-    return 1
+        return GradMode.GROUP_ATOMIC
+    return GradMode.ATOMIC
 
 
-def _lanes_mode(mode: int, sizes, cfg: Config, state: int = 1, knobs: tuning.Tuning | None = None) -> int:
+def _lanes_mode(mode: GradMode, sizes, cfg: Config, state: int = 1, knobs: tuning.Tuning | None = None) -> GradMode:
     """Mode 5 needs the lane-sequential kernel and programs whose lanes share every outer lane index
     (BLOCK_L divides the two innermost lane sizes' product), and knobs.sum_groups_before_atomics. Else
     mode 6 (lane-sequential, knobs.sum_warp_groups_before_atomics): the sum over the groups of each 32
     consecutive thread slots (one warp's: shuffles only, no shared memory), then one atomic per state
     index and warp, when those slots share every outer lane index (32 R lanes divide that product, R = runtime.lanes_per_thread);
     otherwise one atomic per lane (1)."""
-    if mode != 5:
-        return mode
+    if mode != GradMode.GROUP_ATOMIC:
+        return GradMode(mode)
     knobs = knobs or tuning.current()
     if cfg.schedule != "lanes":
-        return 1
+        return GradMode.ATOMIC
     inner = sizes[-2] * sizes[-1]
     if knobs.sum_groups_before_atomics and inner % cfg.block_l == 0:
-        return 5
+        return GradMode.GROUP_ATOMIC
     r = runtime.lanes_per_thread(cfg, state)
     slots = cfg.block_l // r
     if knobs.sum_warp_groups_before_atomics and slots % 32 == 0 and 32 % (state // r) == 0 and inner % (32 * r) == 0:
-        return 6
-    return 1
+        return GradMode.WARP_ATOMIC
+    return GradMode.ATOMIC
 
 
 def _init_strides(t: torch.Tensor, shape, dim: int, n_seq: int, varlen: bool) -> tuple[int, list[int]]:
@@ -171,7 +173,7 @@ class _Plan:
                     **self.static, **slot, **self.time_strides())
 
     def tile_meta(self, cfg: Config) -> dict:
-        """The tile kernels' layout constexprs (codegen.TILE_FLAGS): RCP_APPROX (float32 compiled for a
+        """The tile kernels' layout constexprs (kernel/builders.TILE_FLAGS): RCP_APPROX (float32 compiled for a
         GPU: reciprocals by the hardware instruction), EVEN_T (every time tile full: one sequence whose
         length block_t divides), EVEN_L (every lane block full)."""
         return dict(RCP_APPROX=not self.common["FP64"] and not settings.triton_interpret(),
@@ -279,7 +281,7 @@ class BackwardPlan(_Plan):
         self.head, self.slots = self._holes(st)
         self.tail = (layout.T, layout.L, *layout.sizes[1:], n_seq)
         self.common = dict(REVERSE=reverse, HAS_INIT=bool(initial), HAS_DFINAL=has_dfinal, VARLEN=varlen,
-                           STATE=self.state, FP64=fp64, **{f"DU{i}": m for i, m in enumerate(modes)})
+                           STATE=self.state, FP64=fp64, **{f"DU{i}": int(m) for i, m in enumerate(modes)})
         # input gradients: (sum to the input's shape or None, dtype to cast to or None)
         self.finish = [(tuple(t.shape) if list(t.shape) != s else None, t.dtype if t.dtype != acc else None)
                        for t, s in zip(inputs, self.du_shapes)]
@@ -306,7 +308,7 @@ class BackwardPlan(_Plan):
         if got is None:
             chunk = cfg.block_t
             meta = dict(self.common, BLOCK_L=cfg.block_l, CHUNK=chunk, num_warps=cfg.num_warps)
-            meta.update({k: _lanes_mode(v, self.layout.sizes, cfg, self.state, self.knobs) for k, v in meta.items()
+            meta.update({k: int(_lanes_mode(v, self.layout.sizes, cfg, self.state, self.knobs)) for k, v in meta.items()
                          if k.startswith("DU")})
             grid = (_cdiv(self.layout.L, cfg.block_l), self.n_seq)
             if cfg.schedule == "lanes":   # per-lane scratch for one chunk's replayed prefixes (none in registers):

@@ -251,7 +251,7 @@ def choose_config(T: int, L: int, time_contiguous: bool, state: int, backward: b
     if interpret:
         return Config(block_t=min(8, pow2(T)), block_l=max(state, min(4, pow2(L))), num_warps=1, chunk=4)
     if time_contiguous:
-        # Tiles of RUN_TILE steps or more scan runs of RUN steps per thread (codegen_runs.py), one run
+        # Tiles of RUN_TILE steps or more scan runs of RUN steps per thread (kernel/runs.py), one run
         # per thread: 512-step tiles on 2 warps, checkpoints every tile (the backward's tile). The
         # forward runs at copy bandwidth with them (BENCHMARKS.md; the earlier tile measurements in
         # BENCHMARKS_HISTORY.md, "Notes moved from code comments").
@@ -267,7 +267,7 @@ def choose_config(T: int, L: int, time_contiguous: bool, state: int, backward: b
     forward = Config(block_t=32, block_l=bl, num_warps=1, stages=4)
     if not (backward or checkpoint):
         return forward
-    # training: the backward on run-based tiles (codegen_runs.py) of 256 steps over 16 lanes on 4 warps with
+    # training: the backward on run-based tiles (kernel/runs.py) of 256 steps over 16 lanes on 4 warps with
     # 2 stages, the forward on its own tile checkpointing every 256 steps: a 32 x 32 backward scans time across
     # threads (more instructions per element), and this pair measured fastest (BENCHMARKS_HISTORY.md, "Notes
     # moved from code comments")

@@ -234,7 +234,7 @@ def run_scans(table, B, D, T, anchors: bool, sweep: bool, log: dict, lanes: bool
 
 
 # (block_t, block_l, warps, stages): the forward tiles `--bwd-sweep` times alone, per layout. Time contiguous:
-# run-based tiles (codegen_runs.py; 256 steps per warp is one 8-step run per thread). Channels contiguous: the
+# run-based tiles (kernel/runs.py; 256 steps per warp is one 8-step run per thread). Channels contiguous: the
 # 32 x 32 tile (the default forward) and run-based tiles of 128-512 steps over 8-32 lanes (256 x 16: the training
 # backward's tile).
 FWD_SWEEP = {"time": ((256, 1, 1, 1), (512, 1, 2, 1), (1024, 1, 4, 1), (512, 1, 1, 1), (1024, 1, 2, 1),
@@ -339,7 +339,7 @@ def _lanes_rows(table, kind, layout, mix, data, g, y_ref, g_ref, n, sweep: bool,
 def _sweep_configs(layout):
     """A few forward tiles besides the default (the default itself came from a wider sweep)."""
     from scanlang.backends.triton.runtime import Config
-    if layout == "time":   # one 8-step run per thread (codegen_runs.py), and two; a pipelined tile loop
+    if layout == "time":   # one 8-step run per thread (kernel/runs.py), and two; a pipelined tile loop
         return [Config(2048, 1, 8), Config(1024, 1, 4), Config(512, 1, 2), Config(2048, 1, 4),
                 Config(1024, 1, 4, stages=2)]
     # one lane per thread keeps the time scan inside a thread (no shared memory, no barriers); more

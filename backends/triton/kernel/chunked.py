@@ -45,6 +45,7 @@ from scanlang.ir import ScanIR
 from ..codegen import (LEAF_SCALE_DOC, backward_args, forward_args, leaf_scale_lines, renormalise_leaf,
                        scale_leaf_gradient)
 from . import common
+from .builders import GradMode, grad_mode_is
 from . import ir as K
 from .printer import render as print_module
 
@@ -232,13 +233,13 @@ def _apply_carry(ir: ScanIR, adj: Adjoint, out: str, carry: str) -> tuple:
 
 
 def _du_store(i: int, name: str) -> K.If:
-    """du_<name> by the constexpr mode DU<i> (plan._du_mode): 0 stored, 1 atomically added (broadcast
-    over lanes), 2 summed over the chunk then added once per lane (constant in time)."""
+    """du_<name> by the constexpr mode DU<i> (a builders.GradMode, plan._du_mode): STORE, ATOMIC (broadcast
+    over lanes), else TIME_SUM: summed over the chunk then added once per lane (constant in time)."""
     ptr = K.expr(f"du{i}_ptr + du{i}_off + tt * du{i}_st")
     value = K.expr(f"du_{name}.to(du{i}_ptr.dtype.element_ty)")
     summed = K.expr(f"tl.sum(tl.where(ok, du_{name}, 0.0), 0).to(du{i}_ptr.dtype.element_ty)")
-    return K.If(K.expr(f"DU{i} == 0"), (K.Store(ptr, value, K.expr("ok")),),
-                (K.If(K.expr(f"DU{i} == 1"), (K.AtomicAdd(ptr, value, K.expr("ok")),),
+    return K.If(grad_mode_is(i, GradMode.STORE), (K.Store(ptr, value, K.expr("ok")),),
+                (K.If(grad_mode_is(i, GradMode.ATOMIC), (K.AtomicAdd(ptr, value, K.expr("ok")),),
                       (K.AtomicAdd(K.expr(f"du{i}_ptr + {_offsets(f'du{i}')}"), summed, K.expr("lane_ok")),)),))
 
 
@@ -320,7 +321,7 @@ def _backward_kernels(ir: ScanIR, adj: Adjoint, origin) -> list[K.Kernel]:
 
 
 def _leaf_scale_kernel() -> K.Kernel:
-    """`leaf_scale(m)`: the exact power of two the tile modules' leaf_scale is (codegen.LEAF_SCALE)."""
+    """`leaf_scale(m)`: the exact power of two the tile modules' leaf_scale is (builders.leaf_scale_kernel)."""
     f64, f32 = leaf_scale_lines("tl.float64"), leaf_scale_lines("tl.float32")
     body = K.If(K.expr("m.dtype == tl.float64"), (*K.assign_lines(f64[:1]), K.Return((K.expr(f64[1]),))),
                 (*K.assign_lines(f32[:1]), K.Return((K.expr(f32[1]),))))

@@ -58,7 +58,6 @@ SASS, Kalman forward inner loop: 44 -> 23 instructions per lane-step under 3.6).
 """
 from __future__ import annotations
 
-import ast
 import functools
 
 import sympy
@@ -68,6 +67,7 @@ from scanlang.ir import ScanIR
 
 from ..codegen import (_assign_inverted, _initial_carry, _num, _symbols_named, forward_args, memory_index,
                        renormalise_leaf, sequence_bounds, static_flags)
+from . import builders as B
 from . import common
 from . import ir as K
 
@@ -75,21 +75,7 @@ SHAPE = "[R, BLOCK_L // R]"   # a lane tensor: R lanes per thread slot, BLOCK_L 
 SLOTS = "[1, BLOCK_L // R]"   # a slot tensor: one value per thread slot
 
 
-# --- the seam to codegen.py's line builders (a later merge switches to kernel/builders.py) ---
-
-def from_lines(lines) -> tuple:
-    """Statements from the text lines of codegen.py's shared builders that hold control flow
-    (`sequence_bounds`, `memory_index`, `_initial_carry`): the lines parsed once and each assignment
-    and `if` taken over as an IR node (expressions as their source text). Pure assignments go through
-    `K.assign_lines` instead; nothing else is expected here."""
-    def stmt(node: ast.stmt):
-        if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
-            return K.Assign((node.targets[0].id,), K.Expr(ast.unparse(node.value)))
-        if isinstance(node, ast.If):
-            return K.If(K.Expr(ast.unparse(node.test)), tuple(map(stmt, node.body)), tuple(map(stmt, node.orelse)))
-        raise ValueError(f"lines: expected assignments and ifs, got {ast.unparse(node)!r}")
-    return tuple(stmt(node) for node in ast.parse("\n".join(lines)).body)
-
+# --- codegen.py's shared line builders enter through builders.from_lines (the one seam) ---
 
 def params(texts) -> tuple[K.Param, ...]:
     """Kernel parameters from codegen.py's argument lists: `name`, `name: tl.constexpr` or
@@ -157,7 +143,7 @@ def prologue() -> list:
         when("EVEN_L", [let("slot_ok", "tl.full([1, BLOCK_L // R], 1, tl.int1)"),
                        let("lane_ok", f"tl.full({SHAPE}, 1, tl.int1)")],
             [let("slot_ok", "slot < L"), let("lane_ok", "lane < L")]),
-        *from_lines(sequence_bounds()),
+        *B.from_lines(sequence_bounds()),
         let("n_chunks", "tl.cdiv(seq_len, CHUNK)"),
         let("slot0", "t0 // CHUNK + seq"),
         let("first", "(slot % STATE) == 0"),   # the slot that stores its group's sum
@@ -175,7 +161,7 @@ def guarded(j: int, stmts) -> list:
 def block_index(first: str) -> list:
     """tt: the memory index of scan step t = k * CHUNK + `first` (backwards in memory when REVERSE);
     step j of the block is at tt + j * step (forward walk) or tt - j * step (backward walk)."""
-    return [let("t", f"k * CHUNK + {first}"), *from_lines(memory_index())]
+    return [let("t", f"k * CHUNK + {first}"), *B.from_lines(memory_index())]
 
 
 def offsets(prefix: str, per_group: bool = False) -> list:
@@ -422,7 +408,7 @@ def render_forward_lanes(ir: ScanIR) -> K.Kernel:
     if ir.reduce_state:
         body += [let(f"po{o}", f"po{o}g") for o in range(len(ir.outputs))]
     body += static_loads(ir)
-    body += from_lines(_initial_carry(ir, SHAPE))
+    body += B.from_lines(_initial_carry(ir, SHAPE))
     ckpt = "ckpt_ptr + ({} * n_slots + slot0 + k) * L + lane"
     chunk = [when("CKPT", [lane_store(ckpt.format(f), f"c_{name}", "lane_ok")
                           for f, name in enumerate(ir.fields) if name in free(ir)])]

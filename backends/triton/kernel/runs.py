@@ -1,6 +1,6 @@
 """Run-based tile bodies of `scan_forward` / `scan_backward` (tiles of at least RUN_TILE steps), on
 the kernel IR (kernel/ir.py): every function returns a tuple of statements (`raw_kernels` and
-`sum_fields_kernel` whole `Kernel`s); codegen_runs.py prints them back to lines for the tile kernels.
+`sum_fields_kernel` whole `Kernel`s), placed in the tile kernels by codegen_tile.py.
 
 `tl.associative_scan` over a [BLOCK_T, BLOCK_L] tile costs several combines per element (its
 in-thread part covers only the 4 steps of one vector load; the warp shuffles and the cross-warp
@@ -24,11 +24,10 @@ prefixes, the carry into the next tile) go through one packed 1-D gather each.
 Expressions stay source text (`K.Expr`); the monoid's own expressions are printed by the one
 sympy -> Triton printer (codegen._assign / _assign_inverted, wrapped by `common.assign` and
 `inverted`). codegen.py's structured line builders (combine_call, scan_call,
-tile_start_checkpoints) enter the IR at one seam, `from_codegen`.
+tile_start_checkpoints) enter the IR at the one seam, `builders.from_lines`.
 """
 from __future__ import annotations
 
-import ast
 import functools
 
 import sympy
@@ -40,6 +39,7 @@ from scanlang.ir import ScanIR
 
 from ..codegen import (_assign_inverted, _num, combine_call, combine_operands, renormalise_leaf, scale_leaf_gradient,
                        scan_call, tile_start_checkpoints)
+from . import builders as B
 from . import common
 from . import ir as K
 
@@ -53,30 +53,6 @@ def runs_shape() -> tuple[int, int, int]:
     load/store where time is contiguous, and the smallest tile that takes the run-based bodies."""
     t = tuning.current()
     return t.run, t.vec, t.run_tile
-
-
-def _convert(node: ast.stmt, lines) -> K.Stmt:
-    if isinstance(node, ast.Assign) and len(node.targets) == 1:
-        t = node.targets[0]
-        if isinstance(t, ast.Name):
-            return K.Assign((t.id,), X(ast.unparse(node.value)))
-        if isinstance(t, ast.Tuple) and all(isinstance(e, ast.Name) for e in t.elts):
-            return K.Assign(tuple(e.id for e in t.elts), X(ast.unparse(node.value)), unpack=len(t.elts) == 1)
-    if isinstance(node, ast.If):
-        return K.If(X(ast.unparse(node.test)), tuple(_convert(n, lines) for n in node.body),
-                    tuple(_convert(n, lines) for n in node.orelse))
-    if (isinstance(node, ast.Expr) and isinstance(node.value, ast.Call) and ast.unparse(node.value.func) == "tl.store"
-            and len(node.value.args) == 2 and [k.arg for k in node.value.keywords] == ["mask"]):
-        ptr, value = (X(ast.unparse(a)) for a in node.value.args)
-        return K.Store(ptr, value, X(ast.unparse(node.value.keywords[0].value)))
-    raise ValueError(f"lines: {ast.unparse(node)!r} is no assignment, if or tl.store (from {lines!r})")
-
-
-def from_codegen(lines) -> tuple[K.Stmt, ...]:
-    """The one seam where codegen.py's structured line builders (combine_call, scan_call,
-    tile_start_checkpoints: assignments, `if` blocks of them and masked `tl.store`s) enter the IR.
-    Plain `name = expression` lists (the expression printer's) go through `K.assign_lines`."""
-    return tuple(_convert(node, lines) for node in ast.parse("\n".join(lines)).body)
 
 
 def inverted(names_out, exprs, names, prefix, shape_like=None, recips=None) -> tuple[K.Assign, ...]:
@@ -240,7 +216,7 @@ def combine(ir: ScanIR, out: str, x: str, y: str, fn: str = "combine") -> tuple[
     """out_<field> = fn(x_<field>.., y_<field>..) (one field: combine returns the value itself)."""
     outs = ", ".join(f"{out}_{f}" for f in ir.fields)
     args = f"{', '.join(f'{x}_{f}' for f in ir.fields)}, {', '.join(f'{y}_{f}' for f in ir.fields)}"
-    return from_codegen(combine_call(ir, outs, args, fn))
+    return B.from_lines(combine_call(ir, outs, args, fn))
 
 
 def replay_runs(ir: ScanIR, raw: bool = False, carry: str = "cr") -> tuple[K.Stmt, ...]:
@@ -254,7 +230,7 @@ def replay_runs(ir: ScanIR, raw: bool = False, carry: str = "cr") -> tuple[K.Stm
     for j in range(1, RUN):
         out += combine(ir, f"r{j}", f"r{j - 1}", f"e{j}", "combine_raw" if raw and j % 2 == 0 else "combine")
     s = ", ".join(f"s_{f}" for f in ir.fields) + ("," if len(ir.fields) == 1 else "")
-    out += from_codegen(scan_call(ir, s, ", ".join(f"r{RUN - 1}_{f}" for f in ir.fields)))
+    out += B.from_lines(scan_call(ir, s, ", ".join(f"r{RUN - 1}_{f}" for f in ir.fields)))
     out.append(A("prev_run", f"tl.maximum(tl.arange(0, BLOCK_T // {RUN} * BLOCK_L) - BLOCK_L, 0)"))
     out += gather_runs([f"s_{f}" for f in ir.fields], "prev_run", [f"x_{f}" for f in ir.fields])
     out += [A(f"cb_{f}", f"{carry}_{f}") for f in ir.fields]
@@ -375,7 +351,7 @@ def forward_loop(ir: ScanIR) -> tuple[K.Stmt, ...]:
     """The tile loop of `scan_forward` on runs (module docstring); same checkpoints and outputs."""
     RUN, VEC, _ = runs_shape()
     loop = list(run_index() + step_masks())
-    loop += from_codegen(tile_start_checkpoints(ir, "cr", "lane[None, :] + run * 0", "(run == 0) & lane_ok[None, :]"))
+    loop += B.from_lines(tile_start_checkpoints(ir, "cr", "lane[None, :] + run * 0", "(run == 0) & lane_ok[None, :]"))
     loop += bases([f"u{i}" for i in range(len(ir.inputs))] + [f"o{j}" for j in range(len(ir.outputs))])
     raw = scale_invariant_readout(ir)
     loop += load_lift_runs(ir)

@@ -1,0 +1,260 @@
+"""Statement builders the kernel-IR schedules share (kernel/ir.py): the program prologue, sequence
+bounds and memory index, loading and lifting a tile, replaying prefixes from a carry, the initial
+carry, checkpoints, the kernel parameters, the combine calls, and the module's small helpers
+(leaf_scale, combine_rcp). Expressions are printed by the one expression printer
+(codegen._assign / _assign_inverted, over `scanlang.expr.render`); this module only builds statements.
+
+`from_lines` is the one seam for codegen.py's remaining line builders (sequence bounds, memory index,
+initial carry, combine and scan calls, checkpoints: used by every schedule): it turns their lines into
+IR statements; it goes when those builders return statements themselves.
+"""
+from __future__ import annotations
+
+import ast
+import enum
+
+from scanlang.ir import ScanIR
+
+from ..codegen import (LEAF_SCALE_DOC, _assign, _assign_inverted, _num, combine_operands, has_combine_rcp,
+                       leaf_scale_lines, renormalise_leaf)
+from . import ir as K
+
+# the tile kernels' layout constexprs (plan.py): RCP_APPROX (float32 compiled for a GPU: reciprocals by
+# the hardware instruction), EVEN_T (every time tile full: not VARLEN and BLOCK_T divides T), EVEN_L
+# (every lane block full); under EVEN_T and EVEN_L the loads, stores and identity pads drop their masks
+TILE_FLAGS = ("RCP_APPROX", "EVEN_T", "EVEN_L")
+
+
+class GradMode(enum.IntEnum):
+    """How a kernel writes an input's gradient: the constexpr DU<i>, which plan.py picks per input
+    (`plan._du_mode`, `plan._lanes_mode`) and the kernels branch on. STORE one value per element;
+    ATOMIC added atomically (the input broadcast over lanes); TIME_SUM summed over time in registers,
+    added once per lane at the end (constant in time); STATE_STORE / STATE_ATOMIC summed over the
+    STATE lanes, then stored / added atomically; GROUP_ATOMIC (lane-sequential only) summed over a
+    program's state groups, then added; WARP_ATOMIC (lane-sequential only) summed over the groups of
+    each warp, then added."""
+
+    STORE = 0
+    ATOMIC = 1
+    TIME_SUM = 2
+    STATE_STORE = 3
+    STATE_ATOMIC = 4
+    GROUP_ATOMIC = 5
+    WARP_ATOMIC = 6
+
+
+# the modes that add into their gradient buffer (which therefore starts zeroed)
+ADDING_MODES = (GradMode.ATOMIC, GradMode.TIME_SUM, GradMode.STATE_ATOMIC, GradMode.GROUP_ATOMIC, GradMode.WARP_ATOMIC)
+
+
+def grad_mode_is(i: int, mode: GradMode) -> K.Expr:
+    """The constexpr test `DU<i> == mode` a kernel branches on for input i's gradient."""
+    return K.expr(f"DU{i} == {int(mode)}")
+
+
+def a(target: str, value) -> K.Assign:
+    return K.assign(target, value)
+
+
+def when(cond: str, body, orelse=()) -> K.If:
+    return K.If(K.expr(cond), tuple(body), tuple(orelse))
+
+
+def lines(src) -> tuple:
+    """Statements (pure assignments) from `name = expression` lines of the expression printer."""
+    return K.assign_lines(src)
+
+
+def assign(targets, exprs, names, prefix, shape_like=None) -> tuple:
+    """`targets[i] = exprs[i]` by the one expression printer (see codegen._assign)."""
+    return K.assign_lines(_assign(list(targets), list(exprs), names, prefix, shape_like))
+
+
+def assign_inverted(targets, exprs, names, prefix, shape_like=None, recips=None) -> tuple:
+    """`assign` with each reciprocal taken once by `reciprocal(.., RCP_APPROX)` (codegen._assign_inverted)."""
+    return K.assign_lines(_assign_inverted(list(targets), list(exprs), names, prefix, shape_like, recips=recips))
+
+
+# --- the seam: codegen.py's line-generated statements as IR --------- --------------------------------------------
+
+def _call_parts(call: ast.Call):
+    return [ast.unparse(x) for x in call.args], {k.arg: k.value for k in call.keywords}
+
+
+def _from_ast(node: ast.stmt):
+    text = lambda e: K.Expr(ast.unparse(e))  # noqa: E731
+    if isinstance(node, ast.Assign) and len(node.targets) == 1:
+        t = node.targets[0]
+        if isinstance(t, ast.Name):
+            return K.Assign((t.id,), text(node.value))
+        if isinstance(t, ast.Tuple) and all(isinstance(e, ast.Name) for e in t.elts):
+            return K.Assign(tuple(e.id for e in t.elts), text(node.value), unpack=len(t.elts) == 1)
+    if isinstance(node, ast.AugAssign) and isinstance(node.op, ast.Add) and isinstance(node.target, ast.Name):
+        return K.AugAssign(node.target.id, text(node.value))
+    if isinstance(node, ast.If):
+        return K.If(text(node.test), tuple(map(_from_ast, node.body)), tuple(map(_from_ast, node.orelse)))
+    if isinstance(node, ast.For) and isinstance(node.target, ast.Name) and isinstance(node.iter, ast.Call):
+        fn = ast.unparse(node.iter.func)
+        args, kw = _call_parts(node.iter)
+        if fn in ("tl.range", "tl.static_range") and len(args) in (2, 3) and set(kw) <= {"num_stages"}:
+            return K.For(node.target.id, K.Expr(args[0]), K.Expr(args[1]), tuple(map(_from_ast, node.body)),
+                         step=K.Expr(args[2]) if len(args) == 3 else None, static=fn == "tl.static_range",
+                         num_stages=text(kw["num_stages"]) if "num_stages" in kw else None)
+    if isinstance(node, ast.Expr) and isinstance(node.value, ast.Call):
+        fn = ast.unparse(node.value.func)
+        args, kw = _call_parts(node.value)
+        mask = text(kw["mask"]) if "mask" in kw else None
+        if fn == "tl.store" and len(args) == 2 and list(kw) in ([], ["mask"]):
+            return K.Store(K.Expr(args[0]), K.Expr(args[1]), mask)
+        if (fn == "tl.atomic_add" and len(args) == 2 and list(kw) in (["sem"], ["mask", "sem"])
+                and ast.literal_eval(kw["sem"]) == "relaxed"):
+            return K.AtomicAdd(K.Expr(args[0]), K.Expr(args[1]), mask)
+    raise ValueError(f"lines: no kernel IR statement for {ast.unparse(node)!r}")
+
+
+def from_lines(src) -> tuple:
+    """The statements of generated lines (one block, indented by four spaces per level): assignments,
+    `+=`, if/else, `tl.range` / `tl.static_range` loops, `tl.store` and relaxed `tl.atomic_add`."""
+    return tuple(_from_ast(node) for node in ast.parse("\n".join(src)).body)
+
+
+# --- kernel parameters ----------------------------------------------------------------------------------------
+
+def params(args, consts) -> tuple[K.Param, ...]:
+    """Runtime arguments `args` then the constexprs `consts`."""
+    return tuple(K.Param(p) for p in args) + tuple(K.Param(c, constexpr=True) for c in consts)
+
+
+def lane_off(prefix: str, lanes: str = "lane", d3: str = "D3") -> str:
+    """The memory offset of lanes `lanes` in tensor `prefix` (its lane strides)."""
+    return f"lane_offsets({lanes}, D1, D2, {d3}, {prefix}_s0, {prefix}_s1, {prefix}_s2, {prefix}_s3)"
+
+
+# --- program, sequence, time --------------------------------------------------------------------------------
+
+def sequence_bounds() -> tuple:
+    """t0, seq_len: where sequence `seq` starts in memory and its length."""
+    return (when("VARLEN", [a("t0", "tl.load(cu_ptr + seq).to(tl.int64)"),
+                            a("seq_len", "tl.load(cu_ptr + seq + 1).to(tl.int64) - t0")],
+                 [a("t0", "0"), a("seq_len", "T")]),)
+
+
+def prologue() -> tuple:
+    """Program = (lane block, sequence). Packed sequences (VARLEN) start at cu[seq] in memory; the
+    checkpoint slots of sequence `seq` start at t0 // CHUNK + seq (disjoint ranges, no host sync).
+    Every lane block full (EVEN_L): the masks by lane_ok fold away."""
+    return (a("pid", "tl.program_id(0)"), a("seq", "tl.program_id(1)"), a("rows", "tl.arange(0, BLOCK_T)[:, None]"),
+            a("lane", "pid.to(tl.int64) * BLOCK_L + tl.arange(0, BLOCK_L)"),
+            when("EVEN_L", [a("lane_ok", "tl.full([BLOCK_L], 1, tl.int1)")], [a("lane_ok", "lane < L")]),
+            *sequence_bounds(), a("n_tiles", "tl.cdiv(seq_len, BLOCK_T)"), a("slot0", "t0 // CHUNK + seq"))
+
+
+def memory_index() -> tuple:
+    """tt: the memory index of scan step t (backwards in memory when REVERSE), and its step."""
+    return (when("REVERSE", [a("tt", "(t0 + seq_len - 1 - t).to(tl.int64)"), a("step", "-1")],
+                 [a("tt", "(t0 + t).to(tl.int64)"), a("step", "1")]),)
+
+
+def time_index() -> tuple:
+    """t, ok (in the sequence; constant under EVEN_T: the masks fold away), and the memory index."""
+    return (a("t", "k * BLOCK_T + rows"),
+            when("EVEN_T", [a("ok", "tl.full([BLOCK_T, BLOCK_L], 1, tl.int1) & lane_ok[None, :]")],
+                 [a("ok", "(t < seq_len) & lane_ok[None, :]")]),
+            *memory_index())
+
+
+# --- combine calls, tiles -----------------------------------------------------------------------------------
+
+def combine_call(ir: ScanIR, outs, args: str, unpack: bool = False) -> tuple:
+    """`outs = combine(args)`, by `combine_rcp` under RCP_APPROX where the module has one."""
+    call = lambda fn: K.Assign(tuple(outs), K.expr(f"{fn}({args})"), unpack)  # noqa: E731
+    if not has_combine_rcp(ir):
+        return (call("combine"),)
+    return (when("RCP_APPROX", [call("combine_rcp")], [call("combine")]),)
+
+
+def scan_call(ir: ScanIR, outs, args: str) -> tuple:
+    """`outs = tl.associative_scan((args,), 0, combine)`, by `combine_rcp` under RCP_APPROX where the
+    module has one."""
+    call = lambda fn: K.Assign(tuple(outs), K.expr(f"tl.associative_scan(({args},), 0, {fn})"), True)  # noqa: E731
+    if not has_combine_rcp(ir):
+        return (call("combine"),)
+    return (when("RCP_APPROX", [call("combine_rcp")], [call("combine")]),)
+
+
+def load_lift(ir: ScanIR, tag: str = "", shift: int = 0, mask: str = "ok") -> tuple:
+    """Load the inputs `shift` steps later in scan order (memory index tt + shift * step), lift them,
+    and pad with the identity where `mask` is false: u{tag}_<input>, e{tag}_<field>."""
+    at = "tt" if shift == 0 else f"(tt + {shift} * step)"
+    out = [K.Load(f"u{tag}_{n}", K.expr(f"u{i}_ptr + u{i}_off + {at} * u{i}_st"), K.expr(mask), K.expr("1.0"))
+           for i, n in enumerate(ir.inputs)]
+    names = {s: f"u{tag}_{s.name[2:]}" for s in ir.input_symbols}
+    out += assign([f"l{tag}_{f}" for f in ir.fields], ir.lift, names, f"_l{tag}", shape_like=f"u{tag}_{ir.inputs[0]}")
+    out += lines(renormalise_leaf(ir, tag))
+    out += [a(f"e{tag}_{f}", f"tl.where({mask}, l{tag}_{f}, {_num(ident)})") for f, ident in zip(ir.fields, ir.identity)]
+    return tuple(out)
+
+
+def replay(ir: ScanIR, tag: str = "", out: str = "p") -> tuple:
+    """Inclusive prefixes of the tile's elements e{tag}_* from the carry c_*, named {out}_*."""
+    e = ", ".join(f"e{tag}_{f}" for f in ir.fields)
+    c = ", ".join(f"c_{f}[None, :]" for f in ir.fields)
+    s = [f"s{tag}_{f}" for f in ir.fields]
+    return scan_call(ir, s, e) + combine_call(ir, [f"{out}_{f}" for f in ir.fields], f"{c}, {', '.join(s)}")
+
+
+def previous(ir: ScanIR) -> tuple:
+    """q_<field>: the previous prefix of each row (the carry at row 0)."""
+    return (a("prev_rows", "tl.maximum(rows - 1, 0) + tl.zeros([BLOCK_T, BLOCK_L], tl.int32)"),
+            *(a(f"q_{f}", f"tl.where(rows == 0, c_{f}[None, :], tl.gather(p_{f}, prev_rows, 0))") for f in ir.fields))
+
+
+def initial_carry(ir: ScanIR, shape: str = "[BLOCK_L]") -> tuple:
+    """c_<field> (a `shape` lane tensor): the initial element of each lane (of sequence `seq`), else
+    the identity; fields of a specialised carry (`ir.constants`) are their constant."""
+    const = dict(ir.constants)
+    out = [a(f"c_{f}", f"to_acc(tl.full({shape}, {_num(v)}, tl.float64), FP64)") for f, v in ir.constants]
+    free = [(f, name, ident) for f, (name, ident) in enumerate(zip(ir.fields, ir.identity)) if name not in const]
+    if not free:
+        return tuple(out)
+    load = [K.Load(f"c_{name}", K.expr(f"init{f}_ptr + seq * init{f}_sn + lane_offsets(lane, D1, D2, D3, init{f}_s0, "
+                                       f"init{f}_s1, init{f}_s2, init{f}_s3)"), K.expr("lane_ok"), K.expr(_num(ident)))
+            for f, name, ident in free]
+    identity = [a(f"c_{name}", f"to_acc(tl.full({shape}, {_num(ident)}, tl.float64), FP64)") for f, name, ident in free]
+    return (*out, when("HAS_INIT", load, identity))
+
+
+def tile_start_checkpoints(ir: ScanIR, carry: str, lanes: str, mask: str) -> tuple:
+    """Store the carry {carry}_<field> into tile k as a checkpoint: into slot k when CHUNK == BLOCK_T,
+    into slot k // (CHUNK // BLOCK_T) at every CHUNK // BLOCK_T-th tile when CHUNK is a longer multiple of
+    BLOCK_T (a shorter CHUNK stores from inside the tile instead)."""
+    store = lambda slot: [K.Store(K.expr(f"ckpt_ptr + ({f} * n_slots + slot0 + {slot}) * L + {lanes}"),  # noqa: E731
+                                  K.expr(f"{carry}_{name}"), K.expr(mask)) for f, name in enumerate(ir.fields)]
+    return (when("CKPT and CHUNK == BLOCK_T", store("k")),
+            when("CKPT and CHUNK > BLOCK_T", [when("k % (CHUNK // BLOCK_T) == 0", store("k // (CHUNK // BLOCK_T)"))]))
+
+
+# --- the module's small functions ------------------------------------------------------------------------
+
+def leaf_scale_kernel() -> K.Kernel:
+    """`leaf_scale(m)`: the exact power of two bringing a projective leaf's largest field into [1, 2)."""
+    f64, f32 = leaf_scale_lines("tl.float64"), leaf_scale_lines("tl.float32")
+    return K.Kernel("leaf_scale", (K.Param("m"),),
+                    (when("m.dtype == tl.float64", [*lines(f64[:1]), K.Return((K.expr(f64[1]),))],
+                          [*lines(f32[:1]), K.Return((K.expr(f32[1]),))]),), doc=LEAF_SCALE_DOC)
+
+
+def combine_rcp_kernel(ir: ScanIR, origin=()) -> K.Kernel | None:
+    """`combine_rcp`: the combine with every reciprocal (its divisions, the projective rescale) by the
+    hardware instruction; None when the combine inverts nothing."""
+    if not has_combine_rcp(ir):
+        return None
+    xs, ys, names, out = combine_operands(ir)
+    body = list(lines(_assign_inverted(out, ir.combine, names, "_c", shape_like=xs[0], hw="True")))
+    if ir.is_projective:
+        body += assign(["scale"], [ir.scale], dict(zip(ir.scale_symbols, out)), "_s")
+        body += [a("inv_scale", "reciprocal(scale, True)"), K.Return(tuple(K.expr(f"{o} * inv_scale") for o in out))]
+    else:
+        body.append(K.Return(tuple(K.expr(o) for o in out)))
+    return K.Kernel("combine_rcp", tuple(K.Param(p) for p in xs + ys), tuple(body),
+                    doc="combine(x, y) by the hardware reciprocal (float32 on a GPU: RCP_APPROX).", origin=origin)
