@@ -34,8 +34,7 @@ def _mentions(kernel: K.Kernel | K.Source, name: str) -> bool:
 def module(ir: ScanIR, adj: Adjoint) -> K.Module:
     """Both schedules (only the lane-sequential one for a specialised carry, `ir.sequential_only`)."""
     tiles = not ir.sequential_only
-    # no Origin comments: the replay record counts lines, and the module's lines stay those it recorded
-    combine = dataclasses.replace(common.combine_kernel(ir, ()),
+    combine = dataclasses.replace(common.combine_kernel(ir, common.origins(ir)),
                                   doc="combine(x, y) with x the earlier operand, one scalar per field.")
     rcp = B.combine_rcp_kernel(ir) if tiles else None
     adjoint = dataclasses.replace(common.adjoint_combine_kernel(ir, adj), doc=(

@@ -14,6 +14,7 @@ from scanlang.ir import ScanIR
 
 from .codegen import _num, _symbols_named, backward_args, forward_args, scale_leaf_gradient
 from .kernel import builders as B
+from .kernel import common
 from .kernel import ir as K
 from .kernel import runs as R
 from .kernel.builders import GradMode, a, grad_mode_is, when
@@ -77,7 +78,7 @@ def forward_kernel(ir: ScanIR) -> K.Kernel:
     body += _runs_or_tiles(ir, "c", "k", R.forward_loop(ir), True, loop)
     body += [K.Store(K.expr(f"final_ptr + ({f} * n_seq + seq) * L + lane"), K.expr(f"c_{name}"), K.expr("lane_ok"))
              for f, name in enumerate(ir.fields)]
-    return K.Kernel("scan_forward", B.params(forward_args(ir), consts), tuple(body),
+    return K.Kernel("scan_forward", B.params(forward_args(ir), consts), tuple(body), origin=common.origins(ir),
                     doc=f"Forward fused scan of {E.docstring_text(ir.name)}: lift, tile scan with carried prefix, readout.")
 
 
@@ -192,7 +193,7 @@ def backward_kernel(ir: ScanIR, adj: Adjoint) -> K.Kernel:
                     K.expr("lane_ok"))]) for i in range(len(ir.inputs))]
     body.append(when("HAS_INIT", [K.Store(K.expr(f"dinit{f}_ptr + seq * L + lane"), K.expr(f"w0_{name}"), K.expr("lane_ok"))
                                   for f, name in enumerate(ir.fields)]))
-    return K.Kernel("scan_backward", B.params(backward_args(ir), consts), tuple(body),
+    return K.Kernel("scan_backward", B.params(backward_args(ir), consts), tuple(body), origin=common.origins(ir),
                     doc=f"Backward of {E.docstring_text(ir.name)}: replay each tile from its checkpoint, "
                         "reverse affine scan of the adjoint.")
 

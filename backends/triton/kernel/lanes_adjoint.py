@@ -16,6 +16,7 @@ from scanlang.autodiff import Adjoint
 from scanlang.ir import ScanIR
 
 from ..codegen import _num, _symbols_named, backward_args, scale_leaf_gradient
+from . import common
 from . import ir as K
 from .lanes import (SHAPE, advance, assign_rcp, at, block_index, chain, cheapest, composed_step, constexprs, cost,
                     free, guarded, keep, lane_load, lane_store, lanes_flags, let, load_lift, masks, offsets, params,
@@ -329,6 +330,6 @@ def render_backward_lanes(ir: ScanIR, adj: Adjoint) -> K.Kernel:
     body.append(when("HAS_INIT", dinit))
     sig = (params(backward_args(ir) + ["scratch_ptr"]) + constexprs(BACKWARD_CONSTEXPRS)
            + constexprs(f"DU{i}" for i in range(len(ir.inputs))) + lanes_flags(ir, True))
-    return K.Kernel("scan_backward_lanes", sig, tuple(body),
+    return K.Kernel("scan_backward_lanes", sig, tuple(body), origin=common.origins(ir),
                     doc=f"Backward of {ir.name}, lane-sequential: replay each chunk (in registers when "
                         "CHUNK == UNROLL, else into scratch), step the adjoint back.")
