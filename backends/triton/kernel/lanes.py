@@ -62,6 +62,7 @@ import functools
 
 import sympy
 
+from scanlang import expr as E
 from scanlang import tuning
 from scanlang.ir import ScanIR
 
@@ -420,5 +421,5 @@ def render_forward_lanes(ir: ScanIR) -> K.Kernel:
         body.append(lane_store(f"final_ptr + ({f} * n_seq + seq) * L + lane", f"c_{name}", "lane_ok"))
     sig = params(forward_args(ir)) + constexprs(FORWARD_CONSTEXPRS) + lanes_flags(ir, False)
     return K.Kernel("scan_forward_lanes", sig, tuple(body), origin=common.origins(ir),
-                    doc=f"Forward fused scan of {ir.name}, lane-sequential: one combine per step and lane, "
+                    doc=f"Forward fused scan of {E.docstring_text(ir.name)}, lane-sequential: one combine per step and lane, "
                         "in registers.")

@@ -331,5 +331,5 @@ def render_backward_lanes(ir: ScanIR, adj: Adjoint) -> K.Kernel:
     sig = (params(backward_args(ir) + ["scratch_ptr"]) + constexprs(BACKWARD_CONSTEXPRS)
            + constexprs(f"DU{i}" for i in range(len(ir.inputs))) + lanes_flags(ir, True))
     return K.Kernel("scan_backward_lanes", sig, tuple(body), origin=common.origins(ir),
-                    doc=f"Backward of {ir.name}, lane-sequential: replay each chunk (in registers when "
+                    doc=f"Backward of {E.docstring_text(ir.name)}, lane-sequential: replay each chunk (in registers when "
                         "CHUNK == UNROLL, else into scratch), step the adjoint back.")
