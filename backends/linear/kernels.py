@@ -22,6 +22,9 @@ Kernels (one module per declaration; C, K, V, BK, BV are constexprs):
     {name}_fwd            per (sequence, head, value block), chunks in order: the outputs and the
                           final state; with STORE_H (the backward's recomputation) the state
                           entering every chunk instead (slot c + n; slot c_end + n is the final state)
+    {name}_fwd_o          per (chunk, head, value block), every chunk in parallel: the outputs from the
+                          state entering the chunk (stored by {name}_fwd with STORE_H); the forward's
+                          default (tuning linear_parallel_output), in place of STORE_O's sequential pass
     {name}_bwd_dh         per (sequence, head, value block), chunks in reverse: dS_end of every chunk
                           (dS0 = e^(G_L) dS_end + scale (Q * e^G)^T dO) and d(initial state)
     {name}_bwd            per (chunk, head): dq, dk, dv and, with decay, dg_t = dL/dg_t (each pair
@@ -263,18 +266,8 @@ def fwd_kernel(decl: MatrixState) -> K.Kernel:
                      SHAPE_CONSTS + ("HAS_H0", "STORE_O", "STORE_FINAL", "STORE_H"))
     loop = [*_chunk(), K.If(K.expr("STORE_H"), (K.Store(K.expr(f"hs_ptr + {state_off('c + n')}"), K.expr("S"),
                                                          K.expr(S_MASK)),)),
-            load("b_q", "q_ptr", QK_OFF, QK_MASK), load("b_k", "k_ptr", QK_OFF, QK_MASK),
-            load("b_v", "v_ptr", V_OFF, V_MASK), *_decay(d, with_pairwise=False)]
-    out = [*_pairwise(d),
-           K.Comment("A V without a later non-finite row reaching an earlier one (module docstring)"),
-           a("bad", f"(tl.sum(tl.where(tl.abs(b_v) < {INF}, 0, 1), 1) > 0) & ok"),
-           a("first_bad", "tl.min(tl.where(bad, rows, C), 0)"),
-           a("o_inter", dot("q_dec", "S")),
-           a("o_c", f"o_inter + {dot('A', 'tl.where(rows[:, None] < first_bad, b_v, 0.0)')}"),
-           K.If(K.expr("first_bad < n_rows"), (
-               a("o_c", f"tl.where(rows[:, None] < first_bad, o_c, o_inter + {dot('A', 'b_v')})"),)),
-           K.Store(K.expr(f"o_ptr + {V_OFF}"), K.expr("scale * o_c"), K.expr(V_MASK))]
-    loop.append(K.If(K.expr("STORE_O"), tuple(out)))
+            *_chunk_inputs(d)]
+    loop.append(K.If(K.expr("STORE_O"), _outputs(d)))
     update = dot("tl.trans(k_end)", "b_v")
     loop.append(a("S", f"S * s_dec + {update}" if d != "none" else f"S + {update}"))
     body = (a("n", "tl.program_id(0)"), a("h", "tl.program_id(1)"), a("vb", "tl.program_id(2)"), *_axes(True),
@@ -288,6 +281,38 @@ def fwd_kernel(decl: MatrixState) -> K.Kernel:
     return K.Kernel(f"{decl.name}_fwd", params, body,
                     doc="Chunks of sequence n in order: outputs (STORE_O), the state entering each chunk (STORE_H), "
                         "the final state (STORE_FINAL).")
+
+
+def _chunk_inputs(decay: str) -> tuple:
+    """b_q, b_k, b_v of the chunk and what the decay makes of them (`_decay` without A)."""
+    return (load("b_q", "q_ptr", QK_OFF, QK_MASK), load("b_k", "k_ptr", QK_OFF, QK_MASK),
+            load("b_v", "v_ptr", V_OFF, V_MASK), *_decay(decay, with_pairwise=False))
+
+
+def _outputs(decay: str) -> tuple:
+    """O = scale ((Q * e^G) S + A V) of the chunk, stored; S its start state."""
+    return (*_pairwise(decay),
+            K.Comment("A V without a later non-finite row reaching an earlier one (module docstring)"),
+            a("bad", f"(tl.sum(tl.where(tl.abs(b_v) < {INF}, 0, 1), 1) > 0) & ok"),
+            a("first_bad", "tl.min(tl.where(bad, rows, C), 0)"),
+            a("o_inter", dot("q_dec", "S")),
+            a("o_c", f"o_inter + {dot('A', 'tl.where(rows[:, None] < first_bad, b_v, 0.0)')}"),
+            K.If(K.expr("first_bad < n_rows"), (
+                a("o_c", f"tl.where(rows[:, None] < first_bad, o_c, o_inter + {dot('A', 'b_v')})"),)),
+            K.Store(K.expr(f"o_ptr + {V_OFF}"), K.expr("scale * o_c"), K.expr(V_MASK)))
+
+
+def fwd_o_kernel(decl: MatrixState) -> K.Kernel:
+    d = decl.decay
+    g = ["G_ptr"] if d != "none" else []
+    params = _params(["q_ptr", "k_ptr", "v_ptr", *g, "hs_ptr", "o_ptr", "chunk_tok_ptr", "chunk_len_ptr",
+                      "chunk_seq_ptr", "scale", "H"], SHAPE_CONSTS)
+    body = (a("c", "tl.program_id(0)"), a("h", "tl.program_id(1)"), a("vb", "tl.program_id(2)"), *_axes(True),
+            *_origin_comments(decl), *_chunk(), a("n", "tl.load(chunk_seq_ptr + c)"),
+            load("S", "hs_ptr", state_off("c + n"), S_MASK), *_chunk_inputs(d), *_outputs(d))
+    return K.Kernel(f"{decl.name}_fwd_o", params, body,
+                    doc="Chunk c, value block vb, from the state entering it (hs slot c + n, {name}_fwd with "
+                        "STORE_H): the outputs. Every chunk in parallel.".replace("{name}", E.docstring_text(decl.name)))
 
 
 def _pairwise(decay: str) -> tuple:
@@ -409,7 +434,7 @@ def module(decl: MatrixState) -> K.Module:
     kernels = helper_kernels()
     if decl.decay != "none":
         kernels.append(cumsum_kernel(decl))
-    kernels += [fwd_kernel(decl), bwd_dh_kernel(decl), bwd_kernel(decl)]
+    kernels += [fwd_kernel(decl), fwd_o_kernel(decl), bwd_dh_kernel(decl), bwd_kernel(decl)]
     doc = (f"Generated by scanlang from matrix state {E.docstring_text(decl.name)} (declaration {decl.key}): "
            f"decay {decl.decay}, plain write (backends/linear/kernels.py). Do not edit.")
     return K.Module(doc, tuple(kernels))
