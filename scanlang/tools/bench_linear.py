@@ -116,14 +116,22 @@ def main(argv=None) -> int:
         p.add_argument(f"--{name}", type=int, default=default)
     p.add_argument("--members", default=",".join(MEMBERS))
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    p.add_argument("--forward", default="parallel", choices=("parallel", "sequential"),
+                   help="the plain-write forward: state pass then every chunk's outputs at once (default), or "
+                        "one sequential pass writing outputs (tuning linear_parallel_output=False)")
     a = p.parse_args(argv)
+    with tuning.override(linear_parallel_output=a.forward == "parallel"):
+        return _run(a)
+
+
+def _run(a) -> int:
     if a.device == "cuda" and not torch.cuda.is_available():
         print("no CUDA device: this benchmark needs a GPU (or --device cpu)", file=sys.stderr)
         return 2
     device = torch.device(a.device)
     gpu = torch.cuda.get_device_name() if device.type == "cuda" else "cpu (Triton interpreter)"
     print(f"{gpu}, torch {torch.__version__}, Triton {triton.__version__}; "
-          f"bf16 B{a.B} T{a.T} H{a.H} K{a.K} V{a.V} C{a.chunk}")
+          f"bf16 B{a.B} T{a.T} H{a.H} K{a.K} V{a.V} C{a.chunk}; {a.forward} forward")
     failures = []
     for member in a.members.split(","):
         try:
