@@ -106,7 +106,11 @@ def time_anchor(member, B, T, H, K, V, device):
         theirs = op(*ins)[0]
         t_fwd = bench_ms(lambda: op(*ins), device)
     do = torch.randn(B, T, H, V, device=device, dtype=torch.bfloat16)
-    t_all = bench_ms(lambda: torch.autograd.grad(op(*ins)[0], ins, do), device)
+    try:
+        t_all = bench_ms(lambda: torch.autograd.grad(op(*ins)[0], ins, do), device)
+    except RuntimeError as exc:   # fla 0.6 refuses its gated backward under Triton 3.4-3.7.0 on Hopper (its #640)
+        print(f"  {'':17s} fla's backward refuses to run: {str(exc).splitlines()[0][:110]}")
+        t_all = float("nan")
     return t_fwd, t_all, float((theirs.float() - ours).norm() / ours.norm())
 
 
