@@ -7,8 +7,8 @@
     delta rule (delta.DeltaRule)     verify: the delta-rule monoid's proof and the traced hooks
                                      show: the rule, then its generated module at one chunk size
 
-The routing printed is the one recipes/linear/family.py takes: the delta correction in one step with
-decay none or per head runs on the delta-rule kernels (its declaration translated into a DeltaRule by
+The routing printed is the one recipes/linear/family.py takes: the delta correction or n Householder steps
+with decay none or per head run on the delta-rule kernels (its declaration translated into a DeltaRule by
 recipes/linear/delta_form.py); every other structure on the kernels generated from the declaration
 (backends/linear). Backends are reached through the registry (`scanlang.backend.get`).
 """
@@ -89,13 +89,20 @@ def show_delta_rule(rule: DeltaRule, chunk=None) -> str:
     return _delta_header(chunk) + "\n" + registry.get("delta").kernel_source(rule, chunk)
 
 
+def _steps_line(decl: MatrixState) -> str:
+    if decl.steps == 1:
+        return ""
+    return (f"# {decl.steps} Householder steps: a delta rule over the interleaved T*n rows (each token's log-decay on "
+            f"its first row, its query on its last, zeros elsewhere); the chunk counts rows\n")
+
+
 def show_matrix_state(decl: MatrixState, chunk=None) -> str:
     """The generated source of every module backend='triton' runs for `decl`, each under a header."""
     if runs_on_delta(decl):
         chunk = check_chunk(chunk)
         form = delta_form(decl, decl.constants)
         return (f"# backend='triton' runs {decl.name} on the delta-rule kernels (backend=None too, on CUDA with "
-                f"float32 compute and K, V <= {MAX_HEAD_DIM}):\n# {describe(form)}\n"
+                f"float32 compute and K, V <= {MAX_HEAD_DIM}):\n# {describe(form)}\n" + _steps_line(decl) +
                 f"# chunk_size=None is {DELTA_CHUNK}; this is chunk {chunk}\n"
                 + show_delta_rule(form.rule, chunk))
     if chunk is not None:
