@@ -74,7 +74,7 @@ def cotangents(o_shape, S_shape):
 
 def backprop(o, S, leaves):
     do, dS = cotangents(o.shape, S.shape)
-    ((o.double() * do).sum() + (S.double() * dS).sum()).backward()
+    ((o.double() * do.to(o.device)).sum() + (S.double() * dS.to(S.device)).sum()).backward()
     return {name: t.grad for name, t in leaves.items()}
 
 
@@ -82,13 +82,13 @@ def bounds_of(B, T, cu):
     return [(b, 0, T) for b in range(B)] if cu is None else [(0, s, e) for s, e in zip(cu[:-1], cu[1:])]
 
 
-def run_product(x, n, gated, cu=None, grad=True, backend="triton"):
-    """gated_delta_product on fp32 copies of x (g=None when not gated); (o, S, grads or {})."""
+def run_product(x, n, gated, cu=None, grad=True, backend="triton", device="cpu", chunk_size=C):
+    """gated_delta_product on fp32 copies of x on `device` (g=None when not gated); (o, S, grads or {})."""
     names = ["q", "k", "v"] + (["g"] if gated else []) + ["beta", "h0"]
-    ts = {name: x[name].float().clone().requires_grad_(grad) for name in names}
+    ts = {name: x[name].to(device, torch.float32).clone().requires_grad_(grad) for name in names}
     o, S = L.gated_delta_product(ts["q"], ts["k"], ts["v"], ts.get("g"), ts["beta"], n, initial_state=ts["h0"],
-                                 output_final_state=True, backend=backend, chunk_size=C,
-                                 cu_seqlens=None if cu is None else torch.tensor(cu, dtype=torch.int32))
+                                 output_final_state=True, backend=backend, chunk_size=chunk_size,
+                                 cu_seqlens=None if cu is None else torch.tensor(cu, dtype=torch.int32, device=device))
     return o, S, (backprop(o, S, ts) if grad else {})
 
 
@@ -195,3 +195,20 @@ def test_householder_structures_route_to_the_delta_kernels():
     o, S, _ = run_product(x, 2, True, grad=False, backend=None)    # CPU: the reference, bit for bit
     o_ref, S_ref, _ = run_product(x, 2, True, grad=False, backend="reference")
     assert torch.equal(o, o_ref) and torch.equal(S, S_ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n, gated", [(2, True), (3, False)])
+def test_on_cuda_the_default_backend_is_the_delta_kernels(n, gated):
+    """backend=None on CUDA runs the interleaved stream on the delta kernels at their chunk of 64 rows (the GPU rows
+    of the table), equal-length and packed."""
+    x = make(n, 2, 3 * 64 // n + 7, seed=7 + n)
+    check(run_product(x, n, gated, backend=None, device="cuda", chunk_size=None), oracle_product(x, n, gated),
+          f"n={n} (cuda)")
+    decl = L.gated_delta_product_declaration(n, gated=gated)
+    rule = delta_form(decl, decl.constants).rule
+    assert f"{rule.name}_{rule.key}_c64" in delta_ops.PROGRAMS
+    cu = [0, 1, 1, 70, 200]
+    x = make(n, 1, cu[-1], seed=8 + n, N=len(cu) - 1)
+    check(run_product(x, n, gated, cu=cu, backend=None, device="cuda", chunk_size=None),
+          oracle_product(x, n, gated, cu=cu), f"n={n} (cuda, packed)")
