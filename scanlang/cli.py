@@ -15,7 +15,9 @@ MODULE is an importable module (`scanlang.library`) or a path to a .py file (`ex
 NAME names a monoid, a matrix state (sl.matrix_state) or a delta rule (scanlang.delta.DeltaRule); for the
 latter two verify prints the proof and the traced hooks, show the declaration and the generated source
 of the kernels that run for it, each under a header saying when it runs (scanlang/show.py); --chunk C
-(16, 32 or 64, default 64) picks the delta-rule kernels' chunk.
+(16, 32 or 64, default 64) picks the delta-rule kernels' chunk. A matrix state takes --shape B,T,H,K,V:
+then show prints only the modules that a training call and an inference call of that shape run, under
+header lines naming each route.
 """
 from __future__ import annotations
 
@@ -106,14 +108,18 @@ SHOW_SHAPE = "4,2048,256"   # the [B, T, D] `scanlang show` prints the kernels o
 def _show_declaration(decl, args) -> int:
     """`scanlang show` of a matrix state or a delta rule (scanlang/show.py): the scan options are refused."""
     from . import show   # imports the recipes: only for these kinds
-    for flag, given in (("--shape", args.shape is not None), ("--layout", args.layout is not None),
+    matrix = isinstance(decl, MatrixState)
+    for flag, given in (("--shape", args.shape is not None and not matrix), ("--layout", args.layout is not None),
                         ("--all", args.all)):
         if given:
-            raise CliError(f"{flag}: an option of scans (@sl.monoid); {args.target} is a {type(decl).__name__}")
-    matrix = isinstance(decl, MatrixState)
+            kinds = "scans (@sl.monoid) and matrix states" if flag == "--shape" else "scans (@sl.monoid)"
+            raise CliError(f"{flag}: an option of {kinds}; {args.target} is a {type(decl).__name__}")
     try:
-        source = (show.show_matrix_state if matrix else show.show_delta_rule)(decl, args.chunk)
-    except ValueError as exc:   # --chunk, named in the message
+        if matrix and args.shape is not None:
+            source = show.show_matrix_state_at(decl, args.shape, args.chunk)
+        else:
+            source = (show.show_matrix_state if matrix else show.show_delta_rule)(decl, args.chunk)
+    except ValueError as exc:   # --chunk or --shape, named in the message
         raise CliError(str(exc)) from None
     except ImportError as exc:
         source = f"# generated Triton kernels unavailable here: {exc}"
@@ -251,7 +257,8 @@ def build_parser() -> argparse.ArgumentParser:
                                     "generated kernels")
     p.add_argument("target", metavar="MODULE:NAME")
     p.add_argument("--shape", default=None, metavar="B,T,D",
-                   help=f"print the kernels the configs chosen for this shape run (default {SHOW_SHAPE})")
+                   help=f"print the kernels the configs chosen for this shape run (default {SHOW_SHAPE}); for a "
+                        f"matrix state B,T,H,K,V: the modules its training and inference routes take there")
     p.add_argument("--layout", default=None, help="time (T contiguous, the default) or channels (D contiguous)")
     p.add_argument("--all", action="store_true", help="print the whole generated module (every variant)")
     p.add_argument("--chunk", type=int, default=None, metavar="C",

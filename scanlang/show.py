@@ -3,12 +3,14 @@
     matrix state (sl.matrix_state)   verify: the structure's proof and the traced hooks
                                      show: the declaration, then the generated Triton source of every
                                      kernel module backend='triton' runs for it, each under a comment
-                                     header saying when it runs
+                                     header saying when it runs; at a shape (--shape B,T,H,K,V:
+                                     `show_matrix_state_at`) only the modules the training and
+                                     inference routes take there, under lines naming those routes
     delta rule (delta.DeltaRule)     verify: the delta-rule monoid's proof and the traced hooks
                                      show: the rule, then its generated module at one chunk size
 
-The routing printed is the one recipes/linear/family.py takes: the delta correction in one step with
-decay none or per head runs on the delta-rule kernels (its declaration translated into a DeltaRule by
+The routing printed is the one recipes/linear/family.py takes: the delta correction or n Householder steps
+with decay none or per head run on the delta-rule kernels (its declaration translated into a DeltaRule by
 recipes/linear/delta_form.py); every other structure on the kernels generated from the declaration
 (backends/linear). Backends are reached through the registry (`scanlang.backend.get`).
 """
@@ -89,13 +91,21 @@ def show_delta_rule(rule: DeltaRule, chunk=None) -> str:
     return _delta_header(chunk) + "\n" + registry.get("delta").kernel_source(rule, chunk)
 
 
+def _steps_line(decl: MatrixState) -> str:
+    if decl.steps == 1:
+        return ""
+    return (f"# {decl.steps} Householder steps: a delta rule over the interleaved T*n rows (each token's log-decay on "
+            f"its first row, its query on its last, zeros elsewhere); the chunk and delta_recurrent's length limit "
+            f"count rows\n")
+
+
 def show_matrix_state(decl: MatrixState, chunk=None) -> str:
     """The generated source of every module backend='triton' runs for `decl`, each under a header."""
     if runs_on_delta(decl):
         chunk = check_chunk(chunk)
         form = delta_form(decl, decl.constants)
         return (f"# backend='triton' runs {decl.name} on the delta-rule kernels (backend=None too, on CUDA with "
-                f"float32 compute and K, V <= {MAX_HEAD_DIM}):\n# {describe(form)}\n"
+                f"float32 compute and K, V <= {MAX_HEAD_DIM}):\n# {describe(form)}\n" + _steps_line(decl) +
                 f"# chunk_size=None is {DELTA_CHUNK}; this is chunk {chunk}\n"
                 + show_delta_rule(form.rule, chunk))
     if chunk is not None:
@@ -118,5 +128,90 @@ def show_matrix_state(decl: MatrixState, chunk=None) -> str:
     return "\n\n".join(parts)
 
 
+def parse_matrix_shape(text) -> tuple[int, int, int, int, int]:
+    """`B,T,H,K,V` (a string, or a sequence of ints) as five positive integers; a ValueError naming --shape."""
+    parts = str(text).split(",") if isinstance(text, str) else list(text)
+    try:
+        shape = tuple(int(p) for p in parts)
+    except (TypeError, ValueError):
+        shape = ()
+    if len(shape) != 5 or min(shape) < 1:
+        raise ValueError(f"--shape: a matrix state takes B,T,H,K,V (batch, tokens per sequence, heads, key and value "
+                         f"head dims: five positive integers, e.g. 1,4096,16,128,128), got {text!r}")
+    return shape
+
+
+def _delta_at(decl: MatrixState, shape: tuple, chunk: int) -> str:
+    """show_matrix_state at a shape, for a structure on the delta-rule kernels: the routes' kernels, then the module."""
+    B, T, H, K, V = shape
+    n = decl.steps
+    form = delta_form(decl, decl.constants)
+    rows = f"{T} tokens" if n == 1 else f"{T} tokens = {T * n} rows (T*n)"
+    head = [f"# backend='triton' at [B, T, H, K, V] = [{B}, {T}, {H}, {K}, {V}] (float32 inputs): {decl.name} on "
+            f"the delta-rule kernels at chunk {chunk} (backends/delta/codegen.py), {rows} a sequence",
+            f"# {describe(form)}"]
+    if n > 1:
+        head.append(_steps_line(decl).rstrip("\n"))
+    too_wide = [f"{name} = {dim}" for name, dim in (("K", K), ("V", V)) if dim > MAX_HEAD_DIM]
+    if too_wide:
+        head.append(f"# {', '.join(too_wide)} is above {MAX_HEAD_DIM}, the most the delta-rule kernels take: "
+                    f"backend='triton' raises a ValueError and backend=None runs the PyTorch reference; no kernels")
+        return "\n".join(head)
+    kernels = registry.get("delta").route_kernels
+    for what, grad in (("training (with gradients)", True), ("inference (no gradients)", False)):
+        fwd, bwd = kernels(form.rule, chunk, K, V, T * n, grad)
+        launched = f"forward {', '.join(fwd)}" + (f"; backward {', '.join(bwd)}" if bwd else "")
+        why = "" if grad else (f" (every sequence <= {registry.get('delta').RECURRENT_MAX_LEN} rows: the token loop)"
+                               if fwd == ["delta_recurrent"] else " (the chunk forward)")
+        head.append(f"# {what}: {launched}{why}")
+    head.append("# backend=None: the same on CUDA with float32 compute, the PyTorch reference on CPU; below, the one "
+                "module those kernels are in")
+    return "\n".join(head) + "\n" + registry.get("delta").kernel_source(form.rule, chunk)
+
+
+def _linear_at(decl: MatrixState, shape: tuple) -> str:
+    """show_matrix_state at a shape, for a structure on the kernels generated from the declaration (backends/linear):
+    the chunk module when a route takes it, the decode module when T <= decode_max_tokens."""
+    B, T, H, K, V = shape
+    limit = tuning.current().decode_max_tokens
+    sources = registry.get("linear").sources(decl)
+    chunked, decodes = "chunk" in sources, T <= limit
+    head = [f"# backend='triton' at [B, T, H, K, V] = [{B}, {T}, {H}, {K}, {V}]: {decl.name} on the kernels "
+            f"generated from the declaration (backends/linear); backend=None runs the PyTorch reference for it"]
+    head.append("# training (with gradients): " + (
+        "the chunk kernels (backends/linear/kernels.py), forward and backward" if chunked else
+        f"none: no chunk kernels for decay {decl.decay!r} with correction {decl.correction!r} yet, backend='triton' "
+        f"raises a ValueError (use backend='reference')"))
+    cuda = "the chunk forward" if chunked else "a ValueError (use backend='reference')"
+    if decodes:
+        head.append(f"# inference (no gradients): T = {T} <= decode_max_tokens = {limit}: the decode kernel "
+                    f"(backends/linear/decode.py) in Triton's interpreter; on CUDA, where the decode kernel has not "
+                    f"run yet, {cuda}")
+    else:
+        head.append(f"# inference (no gradients): T = {T} > decode_max_tokens = {limit}: "
+                    + ("the chunk forward" if chunked else "a ValueError (use backend='reference')"))
+    if not (chunked or decodes):
+        head.append("# no generated module runs at this shape")
+    parts = ["\n".join(head)]
+    if chunked:
+        parts.append(f"# chunk kernels (backends/linear/kernels.py; chunk_size=None is {REFERENCE_CHUNK})\n"
+                     + sources["chunk"])
+    if decodes:
+        parts.append("# decode (backends/linear/decode.py)\n" + sources["decode"])
+    return "\n\n".join(parts)
+
+
+def show_matrix_state_at(decl: MatrixState, shape, chunk=None) -> str:
+    """The modules backend='triton' runs for `decl` at `shape` (B,T,H,K,V: validated, a ValueError naming --shape),
+    under header lines naming the route a training call (gradients) and an inference call (none) take there."""
+    shape = parse_matrix_shape(shape)
+    if runs_on_delta(decl):
+        return _delta_at(decl, shape, check_chunk(chunk))
+    if chunk is not None:
+        raise ValueError(f"--chunk: matrix state {decl.name!r} (decay {decl.decay}, correction {decl.correction}) "
+                         f"runs on backends/linear, whose chunk is a launch constant (C), not rendered; drop --chunk")
+    return _linear_at(decl, shape)
+
+
 __all__ = ["describe_matrix_state", "verify_matrix_state", "describe_delta_rule", "verify_delta_rule",
-           "check_chunk", "show_delta_rule", "show_matrix_state"]
+           "check_chunk", "show_delta_rule", "show_matrix_state", "show_matrix_state_at", "parse_matrix_shape"]

@@ -351,11 +351,13 @@ def test_delta_rule_and_kaczmarz_are_the_recipes_kaczmarz_functions():
     assert L.delta_rule.declaration.key == DELTA_RULE.key and L.kaczmarz_delta_rule.declaration.key == KACZMARZ.key
 
 
-@pytest.mark.parametrize("name", ["kda", "gated_delta_product", "kaczmarz_kda (new)"])
+@pytest.mark.parametrize("name", ["kda", "kaczmarz_kda (new)"])
 def test_triton_backend_runs_corrections_on_the_decode_kernel_only(name):
-    """Plain writes run on generated chunk kernels (tests/test_linear_family_triton.py); the delta and
-    Householder corrections on the recurrent decode kernel only (no gradients, short sequences:
-    tests/test_linear_decode.py), and with gradients they say the chunk kernels are not built yet."""
+    """Plain writes run on generated chunk kernels (tests/test_linear_family_triton.py); the delta correction
+    with per-key decay on the recurrent decode kernel only (no gradients, short sequences:
+    tests/test_linear_decode.py), and with gradients it says the chunk kernels are not built yet (Householder
+    steps and the delta correction with decay none / per head run on the delta-rule kernels:
+    tests/test_linear_family_householder.py, tests/test_linear_family_delta.py)."""
     x = make(name, B=1, T=3, H=1, K=2, V=2, dtype=torch.float32)
     args = [x["q"], x["k"], x["v"], *[x[a] for a, *_ in MEMBERS[name][0]]]
     o, S = MEMBERS[name][2](*args, initial_state=x["h0"], output_final_state=True, backend="triton")

@@ -492,6 +492,25 @@ def kernel_source(rule: DeltaRule, chunk_size: int) -> str:
     return codegen.kernel_source(rule, chunk_size)
 
 
+def route_kernels(rule: DeltaRule, chunk_size: int, K: int, V: int, rows: int, grad: bool,
+                  dtype: torch.dtype = torch.float32) -> tuple[list[str], list[str]]:
+    """(forward kernels, backward kernels) that `delta_rule` launches for `rule` at this chunk, K, V and input dtype
+    when its longest sequence has `rows` rows, with or without gradients (what `scanlang show --shape` prints):
+    the token loop without gradients up to RECURRENT_MAX_LEN rows, else the chunk kernels, with the backward's
+    choices the plan's configs and tuning.current() make (delta_save_wu, LOCAL_DU, WY) as `_chunk_backward` makes
+    them. The plan is built for the shape (no tensor, no device touched)."""
+    if not grad and rows <= RECURRENT_MAX_LEN:
+        return ["delta_recurrent"], []
+    forward = ["delta_prep", "delta_state_output"]
+    if not grad:
+        return forward, []
+    p = plan(program_key(rule, chunk_size), K, V, dtype, torch.device("cuda"))
+    backward = ([] if tuning.current().delta_save_wu else ["delta_wu"]) + ["delta_state_fwd"]
+    backward += ([] if p.configs["state_bwd"]["LOCAL_DU"] else ["delta_dU_local"]) + ["delta_state_bwd",
+                                                                                        "delta_bwd_dqk"]
+    return forward, backward + ([] if p.configs["bwd_dqk"]["WY"] else ["delta_bwd_wy"])
+
+
 def program_key(rule: DeltaRule, chunk_size: int) -> str:
     """Load (once) the generated module for `rule` at `chunk_size` and return its key in PROGRAMS.
 

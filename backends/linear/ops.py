@@ -4,7 +4,9 @@ under autograd, and the recurrent decode kernel of every structure (backends/lin
 Routing (`run`): when no input requires a gradient and no sequence is longer than
 `scanlang.tuning.current().decode_max_tokens` tokens (of q; default 64, 0 turns it off), the forward is
 the token loop of decode.py, for every decay and correction. Otherwise plain writes take the chunk
-kernels and the delta / Householder corrections raise a ValueError asking for backend='reference'.
+kernels and the delta / Householder corrections raise a ValueError asking for backend='reference'
+(recipes/linear/family.py sends the delta and Householder corrections with decay none or per head to the
+delta-rule kernels instead: what reaches this module with them is per-key decay, or a direct call).
 
 `member_op(declaration)` returns the member's `backend="triton"` op, called by
 `recipes.linear.family.MemberOp` with the member's positional inputs after q, k, v (fla's order) and

@@ -2,15 +2,17 @@
 declared with `scanlang.matrix_state` and run by `op(declaration)`.
 
 `delta_rule` and `kaczmarz_delta_rule` are scanlang.recipes.kaczmarz's ops (the same functions,
-generated Triton kernels by default). With backend="triton", a declaration with the delta correction in
-one step and decay none or per head (deltanet, gated_delta_rule, kaczmarz, or a user's) runs on the
-delta-rule kernels (backends/delta), its hooks translated into a DeltaRule (delta_form.py), on CUDA too,
-and backend=None picks them on CUDA. The other structures run with backend="triton" on kernels
-generated from their declaration (backends/linear): the recurrent decode kernel of every structure
-without gradients for short sequences (`scanlang.tuning` decode_max_tokens; Triton's interpreter only so
-far), else the chunk kernels of plain writes (CPU interpreter and CUDA); per-key decay with the delta
-correction (kda) and Householder steps with gradients say they are not generated yet. By default
-(backend=None) everything but the delta kernels' structures runs on the chunked PyTorch reference.
+generated Triton kernels by default). With backend="triton", a declaration with the delta correction or
+n Householder steps and decay none or per head (deltanet, gated_delta_rule, kaczmarz, gated_delta_product,
+or a user's) runs on the delta-rule kernels (backends/delta) with gradients, its hooks translated into a
+DeltaRule (delta_form.py), on CUDA too, and backend=None picks them on CUDA; Householder steps run as a
+delta rule over the interleaved T*n rows (chunk_size counts those rows). The other structures run with
+backend="triton" on kernels generated from their declaration (backends/linear): the recurrent decode
+kernel of every structure without gradients for short sequences (`scanlang.tuning` decode_max_tokens;
+Triton's interpreter only so far), else the chunk kernels of plain writes (CPU interpreter and CUDA);
+per-key decay with the delta correction (kda) or Householder steps with gradients say they are not
+generated yet. By default (backend=None) everything but the delta kernels' structures runs on the
+chunked PyTorch reference.
 
 `GatedLinearAttention` and `KimiDeltaAttention` are the layers (fla's parametrisation) around `gla` and
 `kda`, with state carry (`LinearLayerState`).

@@ -1,10 +1,13 @@
 """Family members on the delta-rule kernels (backends/delta): a declaration translated into a DeltaRule.
 
-A declaration with correction "delta", one step and decay "none" or "per_head" is the gated delta rule
+A declaration with correction "delta" and decay "none" or "per_head" is the gated delta rule
 
     S_t = exp(g_t) (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T,    o_t = scale S_t^T q_t
 
-which the delta backend runs on its chunked tensor-core kernels. Those take two per-token scalars (s, the
+which the delta backend runs on its chunked tensor-core kernels. So is one with n Householder steps
+(correction "householder", the same decays), over the interleaved stream of T*n rows: row t*n+j has key
+k_tj, value v_tj and beta_tj, log-decay g_t at j = 0 and 0 after, query q_t at j = n-1 and 0 before; o_t is
+that stream's output at row t*n+n-1 (recipes/linear/family.py interleaves and de-interleaves). Those take two per-token scalars (s, the
 step input, and a, the decay input), per-head parameters [H], one runtime float eps, and a
 `scanlang.delta.DeltaRule` whose hooks give beta = step(s, n2, eps) and g = decay(a, *params) inside the
 kernels (n2 = ||k_t||^2, fp32). `delta_form(declaration, constants)` maps the declaration's hooks onto it:
@@ -34,6 +37,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import sympy
 import torch
 
 from scanlang import backend as registry
@@ -42,6 +46,7 @@ from scanlang.delta import DECAY_INPUTS, RULES, STEP_INPUTS, DeltaRule
 from scanlang.linear import MatrixState
 
 DECAYS = ("none", "per_head")
+CORRECTIONS = ("delta", "householder")   # one delta write per token, or n (a delta rule over T*n rows)
 FORMS: dict = {}   # (declaration key, the constants rendered as numbers with their values) -> DeltaForm
 # names a head parameter of the rule must not take: the hooks' fields, and the generated decay hooks' own arguments
 # and locals (backends/delta/codegen.py: decay_hook(a, hp_ptr, h, H), store_decay_grads(dg, ..., mask))
@@ -69,8 +74,9 @@ class DeltaForm:
 
 
 def runs_on_delta(decl: MatrixState) -> bool:
-    """Whether the delta backend's kernels run this structure: correction delta, one step, decay none/per_head."""
-    return decl.correction == "delta" and decl.steps == 1 and decl.decay in DECAYS
+    """Whether the delta backend's kernels run this structure: correction delta or n Householder steps (the
+    interleaved stream, module docstring), decay none/per_head."""
+    return decl.correction in CORRECTIONS and decl.decay in DECAYS
 
 
 def default_backend(decl: MatrixState, device: torch.device, compute: torch.dtype, chunk_size: int, K: int,
@@ -107,6 +113,14 @@ def _param_names(heads: list) -> dict:
     return names
 
 
+def _vanishes(expr, tok: list) -> bool:
+    """Whether the log-decay `expr` is 0 where its one per-token input `tok` is 0, for every value of the other
+    symbols (the rows of the interleaved stream after a token's first take a = 0, module docstring)."""
+    if len(tok) != 1:
+        return False
+    return sympy.simplify(sympy.sympify(expr).xreplace({E.symbol(tok[0]): sympy.S.Zero})) == 0
+
+
 def _plan(decl: MatrixState) -> tuple:
     """The translation that depends on the declaration only: (step input, eps constant, beta's baked constants,
     host_beta, decay input, decay's per-head inputs, decay's constants, host_decay)."""
@@ -118,7 +132,7 @@ def _plan(decl: MatrixState) -> tuple:
     if decl.decay == "none":
         return step, eps, beta_baked, host_beta, None, (), (), False
     tok, head, consts = _split(decl, decl.log_decay)
-    host_decay = len(tok) > 1
+    host_decay = len(tok) > 1 or (decl.steps > 1 and not _vanishes(decl.log_decay.expr, tok))
     if host_decay:
         return step, eps, beta_baked, host_beta, None, (), (), True
     return step, eps, beta_baked, host_beta, (tok[0] if tok else None), tuple(head), tuple(consts), False

@@ -9,15 +9,18 @@ with the declared inputs positional after v, in declaration order (fla's order f
 members). The hooks run as the traced sympy expressions, rendered for torch; their backward is
 the sympy derivative (`Hook.grads`), so the reference also checks the derivatives a generated
 kernel would use. backend: "reference" runs the chunked PyTorch reference (recipes/linear/chunked.py);
-"triton" runs generated kernels: the delta correction in one step with decay none or per head on the
-delta-rule kernels (backends/delta, CUDA or Triton's interpreter; the declaration translated into a
-DeltaRule by recipes/linear/delta_form.py); every other structure on the kernels generated from the
-declaration (backends/linear): without gradients and for sequences of at most
-`tuning.decode_max_tokens` tokens the recurrent decode kernel (Triton's interpreter only so far), else
-the chunk kernels of plain writes, every decay, CUDA or the interpreter (per-key decay with the delta
-correction and Householder steps raise a ValueError saying so). None / "auto": "triton" for the delta
-kernels' structures on CUDA (`scanlang.backend.default`, float32 compute), the reference otherwise.
-chunk_size=None: 64 on the delta-rule kernels (the chunk their launch configs are tuned for), 32 elsewhere.
+"triton" runs generated kernels:
+the delta correction, or n Householder steps, with decay none or per head on the delta-rule kernels
+(backends/delta, CUDA or Triton's interpreter; the declaration translated into a DeltaRule by
+recipes/linear/delta_form.py; Householder steps as a delta rule over the interleaved T*n rows, `_on_delta`);
+every other structure on the kernels generated from the declaration (backends/linear): without gradients
+and for sequences of at most `tuning.decode_max_tokens` tokens the recurrent decode kernel (Triton's
+interpreter only so far), else the chunk kernels of plain writes, every decay, CUDA or the interpreter
+(per-key decay with the delta correction or Householder steps raises a ValueError saying so). None /
+"auto": "triton" for the delta kernels' structures on CUDA (`scanlang.backend.default`, float32 compute),
+the reference otherwise.
+chunk_size=None: 64 on the delta-rule kernels (the chunk their launch configs are tuned for), 32 elsewhere;
+with n Householder steps it counts rows of the interleaved stream on both (C/n tokens a chunk).
 """
 from __future__ import annotations
 
@@ -105,6 +108,15 @@ class _HookFunction(torch.autograd.Function):
                     full = full.sum(axis, keepdim=True)
             out.append(full)
         return tuple(out)
+
+
+def _interleave(x: torch.Tensor, n: int, last: bool) -> torch.Tensor:
+    """[B, T, H, ...] -> [B, T*n, H, ...]: token t's row at t*n + n-1 (`last`, the query) or t*n (the log-decay),
+    zeros on the other n - 1 rows. Differentiable: the gradient of x is that of those rows."""
+    B, T = x.shape[:2]
+    pad = x.new_zeros(B, T, n - 1, *x.shape[2:])
+    rows = [pad, x[:, :, None]] if last else [x[:, :, None], pad]
+    return torch.cat(rows, 2).reshape(B, T * n, *x.shape[2:])
 
 
 def _tensor(name, t, shape, what):
@@ -227,7 +239,11 @@ class MemberOp:
     def _on_delta(self, q, k, v, inputs, constants, scale, initial_state, output_final_state, offsets, chunk_size,
                   compute):
         """backend='triton' for a structure the delta kernels run (recipes/linear/delta_form.py), on CUDA or
-        in Triton's interpreter: the declaration's DeltaForm, its s, a and per-head parameters, one launch."""
+        in Triton's interpreter: the declaration's DeltaForm, its s, a and per-head parameters, one launch.
+        n > 1 Householder steps: q and a interleaved into the T*n rows k, v and s already have (q_t on row
+        t*n+n-1, a_t on row t*n, zeros elsewhere; a = 0 gives g = 0 there, delta_form's _vanishes), cu_seqlens
+        times n, and o_t read from row t*n+n-1. A zero query row only makes a zero output row (q enters the
+        kernels through dot products alone), and its gradient is dropped with it."""
         if q.device.type != "cuda" and not settings.triton_interpret():
             raise ValueError(f"{self.__name__}: backend='triton' needs CUDA tensors, or TRITON_INTERPRET=1 to run "
                              f"the kernels in Triton's interpreter on CPU")
@@ -256,11 +272,16 @@ class MemberOp:
             if self._decay is not None and q.device.type == "cpu" and not torch.compiler.is_compiling():
                 with torch.no_grad():   # g <= 0, checked where it costs no synchronisation (the kernels form g)
                     self._log_decay(values, q)
-        return _backend.get("delta").delta_rule(
-            q, k, v, a, s, form.rule, scale=q.shape[-1] ** -0.5 if scale is None else float(scale),
-            initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=offsets,
-            chunk_size=chunk_size, eps=constants[form.eps] if form.eps else 0.0,
-            decay_params=[inputs[p] for p in form.params])
+        n = self.declaration.steps
+        scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+        if n > 1:   # Householder steps: a delta rule over the interleaved T*n rows (delta_form.py's docstring)
+            q, a = _interleave(q, n, last=True), _interleave(a, n, last=False)
+            offsets = None if offsets is None else tuple(x * n for x in offsets)
+        o, S = _backend.get("delta").delta_rule(
+            q, k, v, a, s, form.rule, scale=scale, initial_state=initial_state,
+            output_final_state=output_final_state, cu_seqlens=offsets, chunk_size=chunk_size,
+            eps=constants[form.eps] if form.eps else 0.0, decay_params=[inputs[p] for p in form.params])
+        return (o if n == 1 else o[:, n - 1::n].contiguous()), S
 
     def _log_decay(self, values: dict, q: torch.Tensor) -> torch.Tensor:
         """g = log_decay(values), [B,T,H] or [B,T,H,K], checked to be <= 0 (CPU tensors)."""

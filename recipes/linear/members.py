@@ -9,7 +9,8 @@ signature (Contract v2; math in docs/spec/linear.md).
     delta_rule, kaczmarz_delta_rule                      scanlang.recipes.kaczmarz's ops, re-exported
 
 Each takes `scale=None, initial_state=None, output_final_state=False, cu_seqlens=None` as fla does,
-then `backend=None` and `chunk_size=32` (the reference's chunk). Outputs are fp32 (float64 for
+then `backend=None` and `chunk_size=32` (the reference's chunk; gated_delta_product: None, its
+backend's own). Outputs are fp32 (float64 for
 float64 inputs); the final state is [N, H, K, V] or None. Log-decays must be <= 0 (-inf resets);
 a positive one raises a ValueError for CPU tensors.
 
@@ -37,6 +38,7 @@ KDA = matrix_state("kda", decay="per_key", correction="delta", inputs={"g": "tok
 KACZMARZ = matrix_state("kaczmarz", decay="per_head", correction="delta", inputs={"g": "token", "eta": "token"},
                         constants={"eps": 1e-6}, beta=lambda t: t.eta / (t.n2 + t.eps), log_decay=lambda t: t.g)
 _PRODUCTS: dict = {}
+_PRODUCT_OPS: dict = {}   # declaration key -> its op, built once (the hooks compiled once)
 
 
 def gated_delta_product_declaration(num_householder: int, gated: bool = True):
@@ -136,10 +138,13 @@ def kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=Fal
 
 
 def gated_delta_product(q, k, v, g, beta, num_householder, scale=None, initial_state=None,
-                        output_final_state=False, cu_seqlens=None, backend=None, chunk_size=32):
+                        output_final_state=False, cu_seqlens=None, backend=None, chunk_size=None):
     """DeltaProduct: per token, decay exp(g_t) once, then n delta writes (k, v, beta rows t*n ..
     t*n+n-1), then the readout. q, g [.., T, ..]; k, v, beta [.., T*n, ..]; g may be None (no
-    decay); cu_seqlens counts tokens of q (chunk_gated_delta_product).
+    decay); cu_seqlens counts tokens of q (chunk_gated_delta_product). It is a delta rule over the
+    interleaved T*n rows (recipes/linear/delta_form.py), run on the delta-rule kernels with
+    backend="triton" (and backend=None on CUDA), else on the reference; chunk_size counts those rows on
+    both (C/n tokens a chunk), None: 64 on the delta-rule kernels, 32 on the reference.
 
     Law: S_t = H_t,n ... H_t,1 exp(g_t) S_{t-1} + sum_j (H_t,n ... H_t,j+1) beta_t,j k_t,j v_t,j^T with
     H_t,j = I - beta_t,j k_t,j k_t,j^T; o_t = scale S_t^T q_t.
@@ -154,7 +159,9 @@ def gated_delta_product(q, k, v, g, beta, num_householder, scale=None, initial_s
     ([3.0], [3.0, 5.0])
     """
     decl = gated_delta_product_declaration(num_householder, gated=g is not None)
-    run = op(decl, "gated_delta_product")
+    run = _PRODUCT_OPS.get(decl.key)
+    if run is None:
+        run = _PRODUCT_OPS[decl.key] = op(decl, "gated_delta_product")
     args = (g, beta) if g is not None else (beta,)
     return run(q, k, v, *args, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
                cu_seqlens=cu_seqlens, backend=backend, chunk_size=chunk_size)
