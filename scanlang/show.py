@@ -117,14 +117,14 @@ def show_matrix_state(decl: MatrixState, chunk=None) -> str:
              f"\n# backend=None runs the PyTorch reference for it."]
     if "chunk" in sources:
         parts.append(f"# chunk kernels (backends/linear/kernels.py): with gradients, or a sequence longer than "
-                     f"decode_max_tokens = {limit} tokens, or on CUDA (chunk_size=None is {REFERENCE_CHUNK})\n"
+                     f"decode_max_tokens = {limit} tokens (chunk_size=None is {REFERENCE_CHUNK})\n"
                      + sources["chunk"])
     else:
         parts.append(f"# no chunk kernels for decay {decl.decay!r} with correction {decl.correction!r} yet: with "
-                     f"gradients, a sequence longer than decode_max_tokens = {limit} tokens or on CUDA,\n"
+                     f"gradients or a sequence longer than decode_max_tokens = {limit} tokens,\n"
                      f"# backend='triton' raises a ValueError (use backend='reference')")
     parts.append(f"# decode: no gradients, every sequence <= decode_max_tokens = {limit} tokens "
-                 f"(backends/linear/decode.py; Triton's interpreter only so far, not on CUDA)\n" + sources["decode"])
+                 f"(backends/linear/decode.py)\n" + sources["decode"])
     return "\n\n".join(parts)
 
 
@@ -182,11 +182,9 @@ def _linear_at(decl: MatrixState, shape: tuple) -> str:
         "the chunk kernels (backends/linear/kernels.py), forward and backward" if chunked else
         f"none: no chunk kernels for decay {decl.decay!r} with correction {decl.correction!r} yet, backend='triton' "
         f"raises a ValueError (use backend='reference')"))
-    cuda = "the chunk forward" if chunked else "a ValueError (use backend='reference')"
     if decodes:
         head.append(f"# inference (no gradients): T = {T} <= decode_max_tokens = {limit}: the decode kernel "
-                    f"(backends/linear/decode.py) in Triton's interpreter; on CUDA, where the decode kernel has not "
-                    f"run yet, {cuda}")
+                    f"(backends/linear/decode.py)")
     else:
         head.append(f"# inference (no gradients): T = {T} > decode_max_tokens = {limit}: "
                     + ("the chunk forward" if chunked else "a ValueError (use backend='reference')"))

@@ -267,10 +267,8 @@ def _needs_grad(tensors) -> bool:
 def decodes(q, tensors, offsets) -> bool:
     """Whether `run` takes the decode kernel: no tensor (q and `tensors`, None allowed) requires a
     gradient and no sequence (`offsets`: cu_seqlens as ints, or None) has more tokens of q than
-    tuning.current().decode_max_tokens; never on CUDA yet."""
+    tuning.current().decode_max_tokens (on CUDA and in the interpreter; H200 runs: BENCHMARKS.md)."""
     B, T = q.shape[:2]
-    if q.device.type == "cuda":   # not run on a GPU yet (session 10 spent its device time on the chunk kernels)
-        return False
     return not _needs_grad((q, *tensors)) and _longest(B, T, offsets) <= tuning.current().decode_max_tokens
 
 
@@ -304,8 +302,7 @@ def run(decl: MatrixState, q, k, v, *xs, scale: float, initial_state, output_fin
     limit = tuning.current().decode_max_tokens
     needs_grad = _needs_grad((q, k, v, initial_state, *xs))
     if decl.correction != "plain":
-        why = ("gradients are needed" if needs_grad else "the decode kernel has not run on a GPU yet"
-               if q.device.type == "cuda" else f"a sequence is longer than decode_max_tokens = {limit}")
+        why = "gradients are needed" if needs_grad else f"a sequence is longer than decode_max_tokens = {limit}"
         raise ValueError(f"backend='triton': matrix state {decl.name!r} has correction {decl.correction!r} and "
                          f"{why}; generated kernels exist for plain writes so far (the recurrent decode kernel "
                          f"runs every structure, forward only, for sequences of at most decode_max_tokens "

@@ -9,7 +9,7 @@ DeltaRule (delta_form.py), on CUDA too, and backend=None picks them on CUDA; Hou
 delta rule over the interleaved T*n rows (chunk_size counts those rows). The other structures run with
 backend="triton" on kernels generated from their declaration (backends/linear): the recurrent decode
 kernel of every structure without gradients for short sequences (`scanlang.tuning` decode_max_tokens;
-Triton's interpreter only so far), else the chunk kernels of plain writes (CPU interpreter and CUDA);
+CUDA and the interpreter), else the chunk kernels of plain writes (CPU interpreter and CUDA);
 per-key decay with the delta correction (kda) or Householder steps with gradients say they are not
 generated yet. By default (backend=None) everything but the delta kernels' structures runs on the
 chunked PyTorch reference.

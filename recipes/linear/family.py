@@ -14,8 +14,8 @@ the delta correction, or n Householder steps, with decay none or per head on the
 (backends/delta, CUDA or Triton's interpreter; the declaration translated into a DeltaRule by
 recipes/linear/delta_form.py; Householder steps as a delta rule over the interleaved T*n rows, `_on_delta`);
 every other structure on the kernels generated from the declaration (backends/linear): without gradients
-and for sequences of at most `tuning.decode_max_tokens` tokens the recurrent decode kernel (Triton's
-interpreter only so far), else the chunk kernels of plain writes, every decay, CUDA or the interpreter
+and for sequences of at most `tuning.decode_max_tokens` tokens the recurrent decode kernel (CUDA and
+the interpreter), else the chunk kernels of plain writes, every decay, CUDA or the interpreter
 (per-key decay with the delta correction or Householder steps raises a ValueError saying so). None /
 "auto": "triton" for the delta kernels' structures on CUDA (`scanlang.backend.default`, float32 compute),
 the reference otherwise.
