@@ -193,17 +193,14 @@ def wy():
 
 
 def _delta_wu():
-    w_blk = ("k", "w", "j * BKS", "K", "BKS")
+    w_blk = ("k", "w", "j * BKS", "K", "BKS")          # program j's block: of w for j < NKB, else of u
     u_blk = ("v", "u", "(j - NKB) * BV", "V", "BV")
 
-    def per_block(kind, factors):
-        x, out, col0, D, BD = w_blk
-        y, out_u, col0_u, D_u, BD_u = u_blk
-        return [call(_wy_call(kind, x, out, factors, col0, D, BD))], [call(_wy_call(kind, y, out_u, factors, col0_u,
-                                                                                   D_u, BD_u))]
+    def w_or_u(kind, factors):
+        """`if j < NKB:` the w block `else:` the u block, by wy_block (kind) or wy_block_split."""
+        return when("j < NKB", [call(_wy_call(kind, *w_blk[:2], factors, *w_blk[2:]))],
+                    [call(_wy_call(kind, *u_blk[:2], factors, *u_blk[2:]))])
 
-    split_w, split_u = per_block("wy_block_split", "Th, Tl")
-    plain_w, plain_u = per_block("wy_block", "Tm, scale")
     blocks = [
         when("j < NKB", [a("G", per_token("gcum_ptr")), a("scale", "beta * tl.where(ok, tl.exp(G), 0.0)")],
              [a("scale", "beta")]),
@@ -211,8 +208,8 @@ def _delta_wu():
             note("as delta_prep computes them (`wy_factors`)"),
             guard("scale"),
             a("Th, Tl", "split_scaled(Tm, scale, UPCAST)"),
-            when("j < NKB", split_w, split_u)], [
-            when("j < NKB", plain_w, plain_u)]),
+            w_or_u("wy_block_split", "Th, Tl")], [
+            w_or_u("wy_block", "Tm, scale")]),
         when("nonfinite", [
             note("as in wy_factors"),
             call("tl.debug_barrier()"),
