@@ -239,7 +239,7 @@ def test_layer_on_triton_state_carry():
 def test_generated_source_is_deterministic_and_cached(tmp_path):
     src = codegen.kernel_source(KACZMARZ, 64)
     assert src == codegen.kernel_source(KACZMARZ, 64)
-    assert "return (s / ((eps + n2)))" in src            # the rendered Kaczmarz step hook
+    assert "return s / (eps + n2)" in src            # the rendered Kaczmarz step hook
     prep = lambda C: codegen.render_prep(C)  # noqa: E731
     # the block merge (I + N)(I + N^2)... Td: log2(C/16) factors, none for a single block
     assert "N1 = mm(N0, N0, PREC, UPCAST)" in prep(64) and "N2 = mm(N1, N1, PREC, UPCAST)" in prep(128)

@@ -55,6 +55,16 @@ def test_augmented_assignment_and_one_value_unpacking():
         render(kernel([K.AugAssign("acc", K.expr("2"), "//")]))
 
 
+def test_constexpr_assignment_prints_annotated():
+    """`NB: tl.constexpr = C // 16`, a compile-time constant inside a kernel (the delta-rule kernels')."""
+    src = render(kernel([K.Assign(("NB",), K.expr("N // 16"), constexpr=True), K.Return((K.expr("NB"),))]))
+    assert "    NB: tl.constexpr = N // 16\n" in src
+    node = ast.parse(src).body[-1].body[1]
+    assert isinstance(node, ast.AnnAssign) and node.simple == 1 and ast.unparse(node.annotation) == "tl.constexpr"
+    with pytest.raises(ValueError, match="kernel k: a constexpr assignment has one target"):
+        render(kernel([K.Assign(("a", "b"), K.expr("(1, 2)"), constexpr=True)]))
+
+
 def test_accumulations_effects_and_loop_forms_print_as_written():
     """AugAssign, Eval and the For forms the lane schedule needs (Python's range, tl.range with
     num_stages, tl.static_range(stop)); render_kernel: one kernel as a text block (no blank lines

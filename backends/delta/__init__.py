@@ -1,8 +1,10 @@
-"""The delta-rule chunk family on Triton: one template, hooks rendered per family member.
+"""The delta-rule chunk family on Triton: one kernel module per family member, built on the kernel IR.
 
-    template.py   the kernel module's source with two slots (hooks, unrolled prep kernel)
-    template_bwd.py  the backward kernels' part of that source
-    codegen.py    renders a `scanlang.delta.DeltaRule` into it, writes it to the cache dir, imports it
+    parts.py        small statement builders and the helper functions every module holds (mm, rnd, guards)
+    kernels_fwd.py  the forward kernels (delta_prep unrolled per chunk size, w/u, the state pass, the token loop)
+    kernels_bwd.py  the backward kernels
+    codegen.py      the hooks of a `scanlang.delta.DeltaRule` from its sympy expressions, the module assembled
+                    and printed, written to the cache dir and imported
     ops.py        launches: torch.library ops `scanlang::delta_chunk_fwd/bwd` with autograd (and an eager path
                   without the dispatcher), per-shape plans, decode path
 

@@ -60,11 +60,13 @@ class Comment:
 
 @dataclass(frozen=True)
 class Assign:
-    """`targets = value` (several targets, or `unpack`: tuple unpacking, `x, = value` for one)."""
+    """`targets = value` (several targets, or `unpack`: tuple unpacking, `x, = value` for one);
+    `constexpr`: one target annotated `target: tl.constexpr = value`, a compile-time constant."""
 
     targets: tuple[str, ...]
     value: Expr
     unpack: bool = False
+    constexpr: bool = False
 
 
 @dataclass(frozen=True)

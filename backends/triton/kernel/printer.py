@@ -61,6 +61,11 @@ def _stmt(s, where: str) -> list[ast.stmt]:
     if isinstance(s, ir.Comment):
         return [_comment(s.text)]
     if isinstance(s, ir.Assign):
+        if s.constexpr:
+            if len(s.targets) != 1 or s.unpack:
+                raise ValueError(f"{where}: a constexpr assignment has one target, got {s.targets}")
+            return [ast.AnnAssign(target=_name(s.targets[0], ast.Store), annotation=_expr(ir.Expr("tl.constexpr"), where),
+                                  value=x(s.value), simple=1, lineno=0)]
         if len(s.targets) == 1 and not s.unpack:
             target = _name(s.targets[0], ast.Store)
         else:
