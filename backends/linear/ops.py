@@ -1,10 +1,14 @@
 """Launch the generated matrix-state kernels: the plain-write chunk kernels (backends/linear/kernels.py)
-under autograd, and the recurrent decode kernel of every structure (backends/linear/decode.py).
+and the per-key delta chunk kernels (backends/linear/kernels_delta.py) under autograd, and the recurrent
+decode kernel of every structure (backends/linear/decode.py).
 
 Routing (`run`): when no input requires a gradient and no sequence is longer than
 `scanlang.tuning.current().decode_max_tokens` tokens (of q; default 64, 0 turns it off), the forward is
 the token loop of decode.py, for every decay and correction. Otherwise plain writes take the chunk
-kernels and the delta / Householder corrections raise a ValueError asking for backend='reference'.
+kernels of kernels.py, per-key decay with the one-step delta correction (KDA's structure) those of
+kernels_delta.py, and the other delta / Householder structures raise a ValueError asking for
+backend='reference' (the delta structures with decay none / per head run on backends/delta, routed
+before this module by recipes/linear/family.py).
 
 `member_op(declaration)` returns the member's `backend="triton"` op, called by
 `recipes.linear.family.MemberOp` with the member's positional inputs after q, k, v (fla's order) and
@@ -16,8 +20,9 @@ chunk (its final state is its initial state).
 Recomputation policy (the backward): the forward keeps nothing but its inputs and the chunk-local
 cumulative log-decay G (one fp32 value per token, or per token and key); the backward recomputes
 the state entering every chunk with the forward kernel (STORE_H, no outputs), then runs the reverse
-state-gradient pass and the per-chunk gradient kernel. Everything the kernels fill is allocated by
-`_empty`, so a test can NaN-fill them.
+state-gradient pass and the per-chunk gradient kernel. The per-key delta forward also keeps its prep
+kernel's beta, Tm, Aqk and w (C + C + K + 1 fp32 values per token and head) for its backward. Everything
+the kernels fill is allocated by `_empty`, so a test can NaN-fill them.
 """
 from __future__ import annotations
 
@@ -271,8 +276,8 @@ def _delta_backward(ctx, q, k, v, h0, G, wy, xs, do, dht):
 
 def member_op(decl: MatrixState):
     """The `backend="triton"` op of a declaration (module docstring). Every structure runs on the recurrent
-    decode kernel without gradients for short sequences (`run`); with gradients or longer sequences only
-    plain writes have kernels, and the rest raise a ValueError there. Inputs of every kind reach the hooks:
+    decode kernel without gradients for short sequences (`run`); with gradients or longer sequences plain
+    writes and per-key decay with the delta correction have chunk kernels, and the rest raise a ValueError there. Inputs of every kind reach the hooks:
     per token [B,T,H] (or [B,T*n,H] rows of beta's inputs), per token and key [B,T,H,K], per head [H]."""
     if not isinstance(decl, MatrixState):
         raise TypeError(f"declaration: expected a MatrixState, got {type(decl).__name__}")
@@ -281,7 +286,8 @@ def member_op(decl: MatrixState):
 
 def sources(decl: MatrixState) -> dict[str, str]:
     """The generated source of each module `run` may launch for `decl` (what `scanlang show` prints):
-    "chunk" (backends/linear/kernels.py; plain writes only) and "decode" (backends/linear/decode.py)."""
+    "chunk" (backends/linear/kernels.py for plain writes, kernels_delta.py for per-key decay with the delta
+    correction; no entry for the other structures) and "decode" (backends/linear/decode.py)."""
     if not isinstance(decl, MatrixState):
         raise TypeError(f"declaration: expected a MatrixState, got {type(decl).__name__}")
     found = ({"chunk": kernels.render(decl)} if decl.correction == "plain" else
@@ -373,7 +379,8 @@ def run(decl: MatrixState, q, k, v, *xs, scale: float, initial_state, output_fin
         why = ("gradients are needed" if needs_grad else "the decode kernel has not run on a GPU yet"
                if q.device.type == "cuda" else f"a sequence is longer than decode_max_tokens = {limit}")
         raise ValueError(f"backend='triton': matrix state {decl.name!r} has correction {decl.correction!r} and "
-                         f"{why}; generated kernels exist for plain writes so far (the recurrent decode kernel "
+                         f"{why}; generated chunk kernels cover plain writes and the one-step delta correction with "
+                         f"per-key decay so far (the recurrent decode kernel "
                          f"runs every structure, forward only, for sequences of at most decode_max_tokens "
                          f"tokens); use backend='reference'")
     V, dev = v.shape[-1], q.device

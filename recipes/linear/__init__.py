@@ -8,8 +8,9 @@ delta-rule kernels (backends/delta), its hooks translated into a DeltaRule (delt
 and backend=None picks them on CUDA. The other structures run with backend="triton" on kernels
 generated from their declaration (backends/linear): the recurrent decode kernel of every structure
 without gradients for short sequences (`scanlang.tuning` decode_max_tokens; Triton's interpreter only so
-far), else the chunk kernels of plain writes (CPU interpreter and CUDA); per-key decay with the delta
-correction (kda) and Householder steps with gradients say they are not generated yet. By default
+far), else the chunk kernels of plain writes (CPU interpreter and CUDA) and of per-key decay with the
+delta correction (kda; backends/linear/kernels_delta.py); Householder steps with gradients say they are
+not generated yet. By default
 (backend=None) everything but the delta kernels' structures runs on the chunked PyTorch reference.
 
 `GatedLinearAttention` and `KimiDeltaAttention` are the layers (fla's parametrisation) around `gla` and
