@@ -17,8 +17,15 @@ H, K, V = 2, 16, 12
 # the README's member no library has: Kaczmarz's step with KDA's per-key decay (examples/new_matrix_state_member.py)
 KACZMARZ_KDA = sl.matrix_state("kaczmarz_kda_test", decay="per_key", correction="delta",
                                inputs={"a": "token_key", "b": "token"}, constants={"eps": 1e-6},
-                               beta=lambda t: sl.sigmoid(t.b) / (t.n2 + t.eps), log_decay=lambda t: sl.logsigmoid(t.a))
+                               beta=lambda t: sl.sigmoid(t.b) / (t.n2 + t.eps),
+                               log_decay=lambda t: sl.logsigmoid(t.a))
 KACZMARZ_KDA_OP = L.op(KACZMARZ_KDA)
+# one per-token input read by both hooks (broadcast over K by the per-key decay) and a per-head parameter in beta
+SHARED = sl.matrix_state("shared_kda_test", decay="per_key", correction="delta",
+                         inputs={"a": "token_key", "b": "token", "w": "head"}, constants={"c": 0.5},
+                         beta=lambda t: sl.sigmoid(t.b * t.w),
+                         log_decay=lambda t: sl.logsigmoid(t.a) * sl.sigmoid(t.b) * t.c)
+SHARED_OP = L.op(SHARED)
 
 
 def token_loop(q, k, v, g, beta, scale=None, h0=None, cu=None):
@@ -146,6 +153,29 @@ def test_kaczmarz_with_per_key_decay_and_zero_keys():
 @pytest.mark.slow
 def test_kaczmarz_eps_zero_zero_keys():
     _kaczmarz(C + 3, 0.0, zero_rows=(0, 5, C), seed=1, cu=[0, 6, C + 3])
+
+
+def test_an_input_read_by_both_hooks_and_a_per_head_parameter_in_beta():
+    """b's gradient sums its share through g (over K) and through beta; w's (per head) sums over every token."""
+    gen = torch.Generator().manual_seed(12)
+    T = C + 3
+    q, k, v = (torch.randn(1, T, H, n, generator=gen, dtype=D64) for n in (K, K, V))
+    k = F.normalize(k, dim=-1)
+    a, b = torch.randn(1, T, H, K, generator=gen, dtype=D64), torch.randn(1, T, H, generator=gen, dtype=D64)
+    w, h0 = torch.randn(H, generator=gen, dtype=D64), torch.randn(1, H, K, V, generator=gen, dtype=D64)
+    x = [t.float().requires_grad_() for t in (q, k, v, a, b, w, h0)]
+    o, S = SHARED_OP(*x[:6], initial_state=x[6], output_final_state=True, backend="triton", chunk_size=C, c=0.7)
+    ref = [t.detach().to(D64).requires_grad_() for t in x]
+    g = F.logsigmoid(ref[3]) * torch.sigmoid(ref[4])[..., None] * 0.7
+    o_ref, S_ref = token_loop(*ref[:3], g, torch.sigmoid(ref[4] * ref[5]), h0=ref[6])
+    assert_close(o, o_ref, "delta_out", torch.float32, name="o")
+    assert_close(S, S_ref, "delta_out", torch.float32, name="S")
+    do = torch.randn(o.shape, generator=gen, dtype=D64)
+    got = torch.autograd.grad((o * do.float()).sum() + S.sum(), x)
+    want = torch.autograd.grad((o_ref * do).sum() + S_ref.sum(), ref)
+    for name, g1, g2 in zip(("dq", "dk", "dv", "da", "db", "dw", "dh0"), got, want):
+        what = {"da": "delta_gate_grad", "db": "delta_gate_grad", "dw": "delta_param_grad"}.get(name, "delta_grad")
+        assert_close(g1, g2, what, torch.float32, name=name)
 
 
 def test_a_later_non_finite_value_does_not_reach_earlier_outputs():

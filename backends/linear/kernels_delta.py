@@ -50,6 +50,7 @@ from .kernels import (INF, QK_MASK, QK_OFF, S_MASK, SHAPE_CONSTS, V_MASK, V_OFF,
 CC_OFF = "(c * H + h).to(tl.int64) * C * C + rows[:, None] * C + cols"
 TOK_OFF = "(tok + rows) * H + h"
 STRICT = "rows[:, None] > cols"
+WY = ["wy_beta_ptr", "wy_tm_ptr", "wy_aqk_ptr", "wy_w_ptr"]   # what the prep kernel stores: beta, Tm, Aqk, w
 
 
 def dot32(x: str, y: str) -> str:
@@ -123,13 +124,13 @@ def _load_cc(target: str, ptr: str) -> K.Assign:
 def prep_kernel(decl: MatrixState) -> K.Kernel:
     ins = [f"{n}_ptr" for n in hook_inputs(decl)]
     consts = [f"c_{c}" for c in decl.constants]
-    params = _params(["q_ptr", "k_ptr", *ins, "G_ptr", "wy_beta_ptr", "wy_tm_ptr", "wy_aqk_ptr", "wy_w_ptr", "chunk_tok_ptr",
-                      "chunk_len_ptr", *consts, "H"], ("K", "BK", "C", "BS", "PREC", "UPCAST"))
+    params = _params(["q_ptr", "k_ptr", *ins, "G_ptr", *WY, "chunk_tok_ptr", "chunk_len_ptr", *consts, "H"],
+                     ("K", "BK", "C", "BS", "PREC", "UPCAST"))
     solve = (a("a_i", "tl.sum(tl.where(rows[:, None] == i, A, 0.0), 0)"),
              a("r", "tl.sum(a_i[:, None] * Tm, 0)"),
              a("Tm", "tl.where(rows[:, None] == i, tl.where(cols == i, 1.0, 0.0) - r[None, :], Tm)"))
-    body = (a("c", "tl.program_id(0)"), a("h", "tl.program_id(1)"), *_axes(False), a("cols", "tl.arange(0, C)[None, :]"),
-            *_origin_comments(decl), *_chunk(),
+    body = (a("c", "tl.program_id(0)"), a("h", "tl.program_id(1)"), *_axes(False),
+            a("cols", "tl.arange(0, C)[None, :]"), *_origin_comments(decl), *_chunk(),
             load("b_q", "q_ptr", QK_OFF, QK_MASK), load("b_k", "k_ptr", QK_OFF, QK_MASK),
             *_load_hook_inputs(decl),
             *common.assign(["g"], [decl.log_decay.expr], _hook_names(decl), "_g", shape_like=_shape_like(decl)),
@@ -156,15 +157,16 @@ def prep_kernel(decl: MatrixState) -> K.Kernel:
 def _chunk_loads(with_do: bool) -> tuple:
     """q, k, G (and what kernels.py's `_decay` forms of them), beta, Tm, Aqk, w of chunk c."""
     out = [load("b_q", "q_ptr", QK_OFF, QK_MASK), load("b_k", "k_ptr", QK_OFF, QK_MASK), *_decay("per_key", False),
-           load("beta", "wy_beta_ptr", TOK_OFF, "ok"), _load_cc("Aqk", "wy_aqk_ptr"), load("w", "wy_w_ptr", QK_OFF, QK_MASK)]
+           load("beta", "wy_beta_ptr", TOK_OFF, "ok"), _load_cc("Aqk", "wy_aqk_ptr"),
+           load("w", "wy_w_ptr", QK_OFF, QK_MASK)]
     if with_do:
         out.append(load("b_do", "do_ptr", V_OFF, V_MASK))
     return tuple(out)
 
 
 def fwd_kernel(decl: MatrixState) -> K.Kernel:
-    params = _params(["q_ptr", "k_ptr", "v_ptr", "G_ptr", "wy_beta_ptr", "wy_tm_ptr", "wy_aqk_ptr", "wy_w_ptr", "h0_ptr", "o_ptr",
-                      "ht_ptr", "hs_ptr", "chunk_tok_ptr", "chunk_len_ptr", "seq_chunk0_ptr", "scale", "H"],
+    params = _params(["q_ptr", "k_ptr", "v_ptr", "G_ptr", *WY, "h0_ptr", "o_ptr", "ht_ptr", "hs_ptr", "chunk_tok_ptr",
+                      "chunk_len_ptr", "seq_chunk0_ptr", "scale", "H"],
                      SHAPE_CONSTS + ("HAS_H0", "STORE_O", "STORE_FINAL", "STORE_H"))
     loop = (*_chunk(), K.If(K.expr("STORE_H"), (K.Store(K.expr(f"hs_ptr + {state_off('c + n')}"), K.expr("S"),
                                                          K.expr(S_MASK)),)),
@@ -244,9 +246,8 @@ def _input_grads(decl: MatrixState) -> tuple:
 def bwd_kernel(decl: MatrixState) -> K.Kernel:
     names = hook_inputs(decl)
     ins = [f"{n}_ptr" for n in names] + [f"d{n}_ptr" for n in names] + [f"c_{c}" for c in decl.constants]
-    params = _params(["q_ptr", "k_ptr", "v_ptr", "G_ptr", "wy_beta_ptr", "wy_tm_ptr", "wy_aqk_ptr", "wy_w_ptr", "hs_ptr",
-                      "dh_ptr", "do_ptr", "dq_ptr", "dk_ptr", "dv_ptr", "chunk_tok_ptr", "chunk_len_ptr",
-                      "chunk_seq_ptr", *ins, "scale", "H"], SHAPE_CONSTS)
+    params = _params(["q_ptr", "k_ptr", "v_ptr", "G_ptr", *WY, "hs_ptr", "dh_ptr", "do_ptr", "dq_ptr", "dk_ptr",
+                      "dv_ptr", "chunk_tok_ptr", "chunk_len_ptr", "chunk_seq_ptr", *ins, "scale", "H"], SHAPE_CONSTS)
     zeros = lambda *ts: tuple(a(t, f"tl.zeros([{s}], dtype=tl.float32)") for t, s in ts)  # noqa: E731
     vloop = (a("vv", "vb * BV + tl.arange(0, BV)"), a("okv", "vv < V"),
              load("b_v", "v_ptr", V_OFF, V_MASK), load("b_do", "do_ptr", V_OFF, V_MASK),

@@ -234,6 +234,10 @@ def _wy(table, TT: int, H: int, K: int, C: int, dev) -> tuple:
 
 
 def _delta_fwd(mod, d, meta, q, k, v, G, wy, h0, o, ht, hs, table, scale, store_o, store_h):
+    """The per-key delta forward pass, one pipeline stage (as the state pass below): compiled offline for
+    sm_90 (scanlang.tools.offline_compile --workload linear --member kda, K = V = 128, C = 64, bf16) the
+    pipelined output-writing pass needs 242 KB of shared memory, over the H200's 227 KB; one stage, 98 KB.
+    Not run on a GPU yet."""
     H, V = q.shape[1], v.shape[-1]
     meta = _wide(meta, q) if store_o else meta
     grid = (table.n_seq, H, triton.cdiv(V, meta["BV"]))
@@ -241,7 +245,7 @@ def _delta_fwd(mod, d, meta, q, k, v, G, wy, h0, o, ht, hs, table, scale, store_
             (q, k, v, G, *wy, h0 if h0 is not None else ht, o, ht, hs, table.chunk_tok, table.chunk_len,
              table.seq_chunk0, scale, H),
             dict(meta, HAS_H0=h0 is not None, STORE_O=store_o, STORE_FINAL=not store_h, STORE_H=store_h,
-                 num_warps=CONFIG["num_warps"]))
+                 num_warps=CONFIG["num_warps"], num_stages=1))
 
 
 def _delta_backward(ctx, q, k, v, h0, G, wy, xs, do, dht):
@@ -259,7 +263,8 @@ def _delta_backward(ctx, q, k, v, h0, G, wy, xs, do, dht):
     _launch(getattr(mod, f"{d.name}_bwd_dh"), grid,
             (q, k, G, beta, aqk, w, do, dht if dht is not None else dh, dh, dh0, table.chunk_tok, table.chunk_len,
              table.seq_chunk0, scale, H),
-            dict(meta, HAS_DHT=dht is not None, STORE_DH0=h0 is not None, num_warps=CONFIG["num_warps"]))
+            dict(meta, HAS_DHT=dht is not None, STORE_DH0=h0 is not None, num_warps=CONFIG["num_warps"],
+                 num_stages=1))   # 222 KB of shared memory pipelined at K = V = 128, C = 64 (_delta_fwd)
     dq, dk = _empty(TT, H, K, device=dev), _empty(TT, H, K, device=dev)
     dv = _empty(TT, H, V, device=dev)
     kinds = [d.inputs[n] for n in kernels_delta.hook_inputs(d)]
@@ -277,7 +282,8 @@ def _delta_backward(ctx, q, k, v, h0, G, wy, xs, do, dht):
 def member_op(decl: MatrixState):
     """The `backend="triton"` op of a declaration (module docstring). Every structure runs on the recurrent
     decode kernel without gradients for short sequences (`run`); with gradients or longer sequences plain
-    writes and per-key decay with the delta correction have chunk kernels, and the rest raise a ValueError there. Inputs of every kind reach the hooks:
+    writes and per-key decay with the delta correction have chunk kernels, and the rest raise a ValueError
+    there. Inputs of every kind reach the hooks:
     per token [B,T,H] (or [B,T*n,H] rows of beta's inputs), per token and key [B,T,H,K], per head [H]."""
     if not isinstance(decl, MatrixState):
         raise TypeError(f"declaration: expected a MatrixState, got {type(decl).__name__}")
@@ -396,7 +402,8 @@ def run(decl: MatrixState, q, k, v, *xs, scale: float, initial_state, output_fin
     h0 = None if initial_state is None else initial_state.float().contiguous()
     meta = _meta(K, V, chunk_size, dt, dev)
     consts = tuple(float(constants[c]) for c in decl.constants)
-    o, S = (_ChunkedDelta if wy else _Chunked).apply(decl, table, meta, float(scale), consts, pack(q), pack(k), pack(v), h0, *hooked)
+    o, S = (_ChunkedDelta if wy else _Chunked).apply(decl, table, meta, float(scale), consts, pack(q), pack(k),
+                                                     pack(v), h0, *hooked)
     return o.reshape(B, T, H, V), (S if output_final_state else None)
 
 
