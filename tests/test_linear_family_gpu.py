@@ -1,4 +1,5 @@
-"""The generated matrix-state chunk kernels (backends/linear: plain writes, and KDA's per-key delta) on a CUDA GPU, against float64.
+"""The generated matrix-state chunk kernels (backends/linear: plain writes, and KDA's per-key delta) on a
+CUDA GPU, against float64.
 
 Shapes include the ones that broke under Triton 3.6 on the H200 before the BV >= C rule of
 backends/linear/ops.py `_meta` (16-bit inputs, C = 64, V = 32 and 48, not multiples of the tile), odd
