@@ -15,8 +15,9 @@ DeltaRule by recipes/linear/delta_form.py); every other structure on the kernels
 declaration (backends/linear): without gradients and for sequences of at most
 `tuning.decode_max_tokens` tokens the recurrent decode kernel (Triton's interpreter only so far), else
 the chunk kernels of plain writes, every decay, CUDA or the interpreter, and of per-key decay with the
-delta correction (backends/linear/kernels_delta.py; Householder steps raise a ValueError saying so). None / "auto": "triton" for the delta
-kernels' structures on CUDA (`scanlang.backend.default`, float32 compute), the reference otherwise.
+delta correction (backends/linear/kernels_delta.py; Householder steps raise a ValueError saying so).
+None / "auto": "triton" for the delta kernels' structures on CUDA (`scanlang.backend.default`, float32
+compute), the reference otherwise.
 chunk_size=None: 64 on the delta-rule kernels (the chunk their launch configs are tuned for), 32 elsewhere.
 """
 from __future__ import annotations
