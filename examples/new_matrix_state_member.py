@@ -2,8 +2,9 @@
 
 Kaczmarz's step beta = eta / (||k||^2 + eps) makes each write solve for v exactly (the residual of
 the current key is projected out), and KDA's per-key gate forgets each key channel at its own rate.
-Declared in ten lines, proved by scanlang, run on the chunked reference backend (generated kernels
-for the family come next) and checked against a plain token loop in float64.
+Declared in ten lines, proved by scanlang, run on the chunked reference backend and checked against a
+plain token loop in float64; backend="triton" runs it on chunk kernels generated from the declaration
+(backends/linear/kernels_delta.py, forward and backward; tests/test_linear_family_kda.py).
 
     python examples/new_matrix_state_member.py
 """

@@ -17,7 +17,8 @@ What a backend provides (attributes of the registered object):
   `prefers_lanes(lanes)`.
 - "delta": the chunked delta-rule kernels, `delta_rule(q, k, v, g, beta, rule, ...)`, and their source,
   `kernel_source(rule, chunk_size)`.
-- "linear": the generated matrix-state kernels, `member_op(declaration)` (plain writes), and their
+- "linear": the generated matrix-state kernels, `member_op(declaration)` (plain writes; per-key decay
+  with the delta correction), and their
   sources, `sources(declaration)` ({"chunk": ..., "decode": ...}).
 """
 from __future__ import annotations

@@ -116,7 +116,8 @@ def show_matrix_state(decl: MatrixState, chunk=None) -> str:
     parts = [f"# backend='triton' runs {decl.name} on the kernels generated from the declaration (backends/linear);"
              f"\n# backend=None runs the PyTorch reference for it."]
     if "chunk" in sources:
-        parts.append(f"# chunk kernels (backends/linear/kernels.py): with gradients, or a sequence longer than "
+        where = "kernels_delta.py" if decl.correction == "delta" else "kernels.py"
+        parts.append(f"# chunk kernels (backends/linear/{where}): with gradients, or a sequence longer than "
                      f"decode_max_tokens = {limit} tokens (chunk_size=None is {REFERENCE_CHUNK})\n"
                      + sources["chunk"])
     else:

@@ -13,9 +13,10 @@ import textwrap
 import pytest
 
 from scanlang.backends.delta import codegen
-from scanlang.backends.linear import decode, kernels
+from scanlang.backends.linear import decode, kernels, kernels_delta
 from scanlang.cli import main
 from scanlang.recipes.linear.delta_form import delta_form
+from scanlang.show import show_matrix_state
 
 
 def run(*args, cwd=None):
@@ -112,12 +113,21 @@ def test_show_a_plain_write_member_prints_its_chunk_and_decode_kernels(capsys):
     assert not DELTA_KERNELS & jitted(source)
 
 
-def test_show_kda_prints_only_its_decode_kernel_and_says_why(capsys):
+def test_show_kda_prints_its_per_key_delta_chunk_kernels_and_decode_kernel(capsys):
     from scanlang.recipes.linear.members import KDA
     text, source = shown(capsys, f"{MEMBERS}:KDA")
     assert "beta(t) = beta" in text and "log_decay(t) = g" in text
-    assert decode.render(KDA) in source and jitted(source) == {"kda_decode"}
-    assert "no chunk kernels for decay 'per_key' with correction 'delta'" in source
+    assert kernels_delta.render(KDA) in source and decode.render(KDA) in source
+    assert {"kda_prep", "kda_fwd", "kda_bwd_dh", "kda_bwd", "kda_decode"} <= jitted(source)
+    assert not DELTA_KERNELS & jitted(source)
+    assert "# chunk kernels (backends/linear/kernels_delta.py): with gradients" in source
+
+
+def test_show_householder_steps_print_only_their_decode_kernel_and_say_why():
+    from scanlang.recipes.linear.members import gated_delta_product_declaration
+    source = show_matrix_state(gated_delta_product_declaration(2))
+    assert "no chunk kernels for decay 'per_head' with correction 'householder'" in source
+    assert jitted(source.partition("\n\n")[2]) == {"gated_delta_product_2_decode"}
 
 
 def test_show_the_kaczmarz_member_prints_the_delta_rule_kernels_it_is_routed_to(capsys):

@@ -157,14 +157,21 @@ def test_routing_follows_gradients_and_the_length_knob():
     assert [name for name, *_ in launches] == ["gla_decay_cumsum", "gla_fwd"]
     kda = make("kda", 1, 5, gen)
     leaves = [t.clone().requires_grad_() for t in kda]
-    with pytest.raises(ValueError, match="gradients are needed.*use backend='reference'"):
+    with ops.recording() as launches:   # with gradients: the per-key delta chunk kernels
         OPS["kda"](*leaves, backend="triton")
+    assert [name for name, *_ in launches] == ["kda_prep", "kda_fwd"]
     with torch.no_grad():   # the same tensors without gradients: the decode kernel
         o, _ = OPS["kda"](*leaves, backend="triton")
     assert torch.isfinite(o).all()
+    with sl.tuning.override(decode_max_tokens=4), ops.recording() as launches:
+        OPS["kda"](*kda, backend="triton")
+    assert [name for name, *_ in launches] == ["kda_prep", "kda_fwd"]
+    gdp = make("gated_delta_product", 1, 5, gen)   # Householder steps: no chunk kernels yet
+    with pytest.raises(ValueError, match="gradients are needed.*use backend='reference'"):
+        OPS["gated_delta_product"](*[t.clone().requires_grad_() for t in gdp], backend="triton")
     with sl.tuning.override(decode_max_tokens=4):
         with pytest.raises(ValueError, match="longer than decode_max_tokens = 4.*use backend='reference'"):
-            OPS["kda"](*kda, backend="triton")
+            OPS["gated_delta_product"](*gdp, backend="triton")
     with pytest.raises(ValueError, match="decode_max_tokens"):
         with sl.tuning.override(decode_max_tokens=-1):
             pass

@@ -352,20 +352,23 @@ def test_delta_rule_and_kaczmarz_are_the_recipes_kaczmarz_functions():
 
 
 @pytest.mark.parametrize("name", ["kda", "kaczmarz_kda (new)"])
-def test_triton_backend_runs_corrections_on_the_decode_kernel_only(name):
-    """Plain writes run on generated chunk kernels (tests/test_linear_family_triton.py); the delta correction
-    with per-key decay on the recurrent decode kernel only (no gradients, short sequences:
-    tests/test_linear_decode.py), and with gradients it says the chunk kernels are not built yet (Householder
-    steps and the delta correction with decay none / per head run on the delta-rule kernels:
-    tests/test_linear_family_householder.py, tests/test_linear_family_delta.py)."""
+def test_triton_backend_runs_corrections_on_the_kernels_that_exist(name):
+    """Plain writes and the delta correction with per-key decay run on generated chunk kernels
+    (tests/test_linear_family_triton.py, tests/test_linear_family_kda.py); every correction on the recurrent
+    decode kernel without gradients for short sequences (tests/test_linear_decode.py); Householder steps and
+    the delta correction with decay none / per head run on the delta-rule kernels
+    (tests/test_linear_family_householder.py, tests/test_linear_family_delta.py)."""
     x = make(name, B=1, T=3, H=1, K=2, V=2, dtype=torch.float32)
     args = [x["q"], x["k"], x["v"], *[x[a] for a, *_ in MEMBERS[name][0]]]
     o, S = MEMBERS[name][2](*args, initial_state=x["h0"], output_final_state=True, backend="triton")
     o_ref, S_ref = oracle(name, {n: t.to(D64) for n, t in x.items()})
     assert_close(o, o_ref, "delta_out", torch.float32, name="o")
     assert_close(S, S_ref, "delta_out", torch.float32, name="S")
-    with pytest.raises(ValueError, match="gradients are needed; generated kernels exist for plain writes so far"):
-        MEMBERS[name][2](*[t.clone().requires_grad_() for t in args], backend="triton")
+    needs_grad = [t.clone().requires_grad_() for t in args]   # the per-key delta chunk kernels (kernels_delta.py)
+    o, S = MEMBERS[name][2](*needs_grad, initial_state=x["h0"], output_final_state=True, backend="triton")
+    assert o.requires_grad
+    assert_close(o, o_ref, "delta_out", torch.float32, name="o (chunk kernels)")
+    assert_close(S, S_ref, "delta_out", torch.float32, name="S (chunk kernels)")
     with pytest.raises(ValueError, match="backend must be"):
         MEMBERS[name][2](*args, backend="cuda")
 

@@ -294,8 +294,11 @@ def test_structures_and_inputs_the_delta_kernels_do_not_take_say_so():
     x = make("gated_delta_rule", B=1, T=4)
     q, k, v, g, beta = (x[n].float() for n in ("q", "k", "v", "g", "beta"))
     qg = q.clone().requires_grad_()   # without gradients a short input takes the decode kernel (every structure)
-    with pytest.raises(ValueError, match="generated kernels exist for plain writes so far"):
-        L.kda(qg, k, v, g[..., None].expand(1, 4, H, K), beta, backend="triton", chunk_size=C)
+    # per-key decay with the delta correction: the generated chunk kernels (tests/test_linear_family_kda.py)
+    gk = g[..., None].expand(1, 4, H, K)
+    o, _ = L.kda(qg, k, v, gk, beta, backend="triton", chunk_size=C)
+    assert o.requires_grad
+    assert_close(o, L.kda(q, k, v, gk, beta, backend="reference", chunk_size=C)[0], "delta_out", torch.float32)
     gdn = OPS["gated_delta_rule"]
     with pytest.raises(ValueError, match="float64"):
         gdn(x["q"], x["k"], x["v"], x["g"], x["beta"], backend="triton", chunk_size=C)

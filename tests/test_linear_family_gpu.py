@@ -1,4 +1,5 @@
-"""The generated plain-write matrix-state kernels (backends/linear) on a CUDA GPU, against float64.
+"""The generated matrix-state chunk kernels (backends/linear: plain writes, and KDA's per-key delta) on a
+CUDA GPU, against float64.
 
 Shapes include the ones that broke under Triton 3.6 on the H200 before the BV >= C rule of
 backends/linear/ops.py `_meta` (16-bit inputs, C = 64, V = 32 and 48, not multiples of the tile), odd
@@ -101,3 +102,30 @@ def test_member_on_gpu_with_cu_seqlens(member):
         if e > s:
             assert_close(o[:, s:e], o_n, "delta_out", torch.bfloat16, f"{member} o of sequence {n}")
         assert_close(S[n:n + 1], S_n, "delta_out", torch.bfloat16, f"{member} S of sequence {n}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("T, K, V, C", CASES)
+def test_kda_on_gpu_against_float64(T, K, V, C, dtype):
+    """Per-key decay with the delta correction (backends/linear/kernels_delta.py, not run on a GPU before
+    this test): every output and gradient against the float64 reference, one row against a token loop."""
+    ins, h0 = inputs("gla", 2, T, 3, K, V, dtype)
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    ins[1] = torch.nn.functional.normalize(ins[1].float(), dim=-1).to(dtype)
+    ins.append(torch.rand(2, T, 3, device="cuda", generator=gen).to(dtype))   # beta
+    got, _ = with_grads(lambda *xs, **kw: linear.kda(*xs, **kw, output_final_state=True, backend="triton",
+                                                     chunk_size=C), ins, h0)
+    ref, _ = with_grads(lambda *xs, **kw: linear.kda(*(x.double() for x in xs),
+                                                     initial_state=kw["initial_state"].double(),
+                                                     output_final_state=True, backend="reference"), ins, h0)
+    names = ("o", "S", "dq", "dk", "dv", "dg", "dbeta", "dh0")
+    kinds = ("delta_out", "delta_out", "delta_grad", "delta_grad", "delta_grad", "delta_gate_grad",
+             "delta_gate_grad", "delta_grad")
+    for name, kind, a, b in zip(names, kinds, got, ref):
+        assert_close(a, b, kind, dtype, f"kda {name}")
+    q, k, v, g, beta = (t[1, :, 2].double() for t in ins)
+    S = h0[1, 2].double().clone()
+    for t in range(T):   # sequence 1, head 2 by the token loop
+        S = torch.exp(g[t])[:, None] * S
+        S = S + beta[t] * torch.outer(k[t], v[t] - S.T @ k[t])
+    assert_close(got[1][1, 2], S, "delta_out", dtype, "kda S row (1, 2) vs the loop")

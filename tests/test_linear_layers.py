@@ -220,7 +220,7 @@ def test_float64_gradcheck(cls, kwargs):
 
 def test_backend_is_passed_through():
     """GLA's generated plain-write kernels (Triton's interpreter here) give the reference's output and
-    gradients; KDA's delta correction has no generated kernels yet, which the member's error says."""
+    gradients, and KDA's layer on the per-key delta kernels (backends/linear/kernels_delta.py) too."""
     layer = GatedLinearAttention(16, num_heads=2, use_short_conv=True, backend="triton", chunk_size=16)
     torch.manual_seed(7)
     x = torch.randn(1, 5, 16, requires_grad=True)
@@ -236,8 +236,17 @@ def test_backend_is_passed_through():
     assert_close(st.recurrent, st_ref.recurrent, "delta_out", name="state")
     assert_close(gx, x.grad, "delta_grad", name="dx")
     assert_close(gw, layer.gk_proj[1].weight.grad, "delta_param_grad", name="dgk_proj")
-    with pytest.raises(ValueError, match="kda.*delta"):
-        KimiDeltaAttention(8, num_heads=1, head_dim=4, backend="triton")(torch.randn(1, 3, 8))
+    kda = KimiDeltaAttention(8, num_heads=1, head_dim=4, backend="triton", chunk_size=16)
+    x = torch.randn(1, 19, 8, requires_grad=True)
+    y = kda(x)
+    y.square().sum().backward()
+    gx = x.grad.clone()
+    x.grad = None
+    kda.backend = "reference"
+    y_ref = kda(x)
+    y_ref.square().sum().backward()
+    assert_close(y, y_ref, "delta_out", name="y (kda)")
+    assert_close(gx, x.grad, "delta_grad", name="dx (kda)")
 
 
 def test_recurrence_runs_without_autocast():

@@ -1,12 +1,15 @@
 """Launch the generated matrix-state kernels: the plain-write chunk kernels (backends/linear/kernels.py)
-under autograd, and the recurrent decode kernel of every structure (backends/linear/decode.py).
+and the per-key delta chunk kernels (backends/linear/kernels_delta.py) under autograd, and the recurrent
+decode kernel of every structure (backends/linear/decode.py).
 
 Routing (`run`): when no input requires a gradient and no sequence is longer than
 `scanlang.tuning.current().decode_max_tokens` tokens (of q; default 64, 0 turns it off), the forward is
 the token loop of decode.py, for every decay and correction. Otherwise plain writes take the chunk
-kernels and the delta / Householder corrections raise a ValueError asking for backend='reference'
-(recipes/linear/family.py sends the delta and Householder corrections with decay none or per head to the
-delta-rule kernels instead: what reaches this module with them is per-key decay, or a direct call).
+kernels of kernels.py, per-key decay with the one-step delta correction (KDA's structure) those of
+kernels_delta.py, and the other delta / Householder structures raise a ValueError asking for
+backend='reference' (recipes/linear/family.py sends the delta and Householder corrections with decay none
+or per head to the delta-rule kernels instead: what reaches this module with them is per-key decay, or a
+direct call).
 
 `member_op(declaration)` returns the member's `backend="triton"` op, called by
 `recipes.linear.family.MemberOp` with the member's positional inputs after q, k, v (fla's order) and
@@ -22,8 +25,9 @@ sequential part does one [K, C] x [C, BV] product per chunk instead of the whole
 Recomputation policy (the backward): the forward keeps nothing but its inputs and the chunk-local
 cumulative log-decay G (one fp32 value per token, or per token and key); the backward recomputes
 the state entering every chunk with the forward kernel (STORE_H, no outputs), then runs the reverse
-state-gradient pass and the per-chunk gradient kernel. Everything the kernels fill is allocated by
-`_empty`, so a test can NaN-fill them.
+state-gradient pass and the per-chunk gradient kernel. The per-key delta forward also keeps its prep
+kernel's beta, Tm, Aqk and w (C + C + K + 1 fp32 values per token and head) for its backward. Everything
+the kernels fill is allocated by `_empty`, so a test can NaN-fill them.
 """
 from __future__ import annotations
 
@@ -39,7 +43,7 @@ from scanlang.linear import MatrixState
 from scanlang.second_order import refuse_second_order
 
 from ..triton.runtime import load
-from . import decode, kernels
+from . import decode, kernels, kernels_delta
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MODULES: dict[str, object] = {}        # declaration key -> the loaded generated module
@@ -80,7 +84,7 @@ def module(decl: MatrixState):
     """The generated module of `decl`, rendered and loaded once (content-addressed, runtime.load)."""
     mod = MODULES.get(decl.key)
     if mod is None:
-        mod = MODULES[decl.key] = load(kernels.render(decl))
+        mod = MODULES[decl.key] = load((kernels_delta if kernels_delta.supports(decl) else kernels).render(decl))
     return mod
 
 
@@ -205,10 +209,97 @@ def _backward(ctx, q, k, v, h0, G, xs, do, dht):
     return (None, None, None, None, None, *grads, *(dx.to(x.dtype) for dx, x in zip(dxs, xs)))
 
 
+class _ChunkedDelta(torch.autograd.Function):
+    """Per-key decay with the delta correction (backends/linear/kernels_delta.py). The forward keeps its
+    inputs and the prep kernel's G, beta, Tm, Aqk and w for the backward, which recomputes the state entering
+    every chunk (STORE_H), runs the reverse state-gradient pass, then the per-chunk gradient kernel."""
+
+    @staticmethod
+    def forward(ctx, decl, table, meta, scale, constants, q, k, v, h0, *xs):
+        mod, d = module(decl), decl
+        TT, H, _ = q.shape
+        V, dev, C = v.shape[-1], q.device, meta["C"]
+        G, wy = _empty(TT, H, meta["K"], device=dev), _wy(table, TT, H, q.shape[-1], C, dev)
+        _launch(getattr(mod, f"{d.name}_prep"), (table.n_chunks, H),
+                (q, k, *xs, G, *wy, table.chunk_tok, table.chunk_len, *constants, H),
+                dict(K=meta["K"], BK=meta["BK"], C=C, BS=meta["BS"], PREC=meta["PREC"], UPCAST=meta["UPCAST"],
+                     num_warps=CONFIG["num_warps"]))
+        o = _empty(TT, H, V, device=dev)
+        ht = _empty(table.n_seq, H, meta["K"], V, device=dev)
+        _delta_fwd(mod, d, meta, q, k, v, G, wy, h0, o, ht, ht, table, scale, store_o=True, store_h=False)
+        ctx.decl, ctx.table, ctx.meta, ctx.scale, ctx.constants = decl, table, meta, scale, constants
+        ctx.save_for_backward(q, k, v, h0, G, *wy, *xs)
+        ctx.set_materialize_grads(False)
+        return o, ht
+
+    @staticmethod
+    def backward(ctx, do, dht):
+        q, k, v, h0, G, *rest = ctx.saved_tensors
+        wy, xs = rest[:4], rest[4:]
+        if torch.is_grad_enabled():
+            with torch.no_grad():
+                grads = _delta_backward(ctx, q, k, v, h0, G, wy, xs, do, dht)
+            return refuse_second_order(f"{ctx.decl.name} (backend='triton')", grads, [q, k, v, do, dht])
+        return _delta_backward(ctx, q, k, v, h0, G, wy, xs, do, dht)
+
+
+def _wy(table, TT: int, H: int, K: int, C: int, dev) -> tuple:
+    """beta [TT, H], Tm and Aqk [NC, H, C, C], w [TT, H, K]: what the prep kernel stores."""
+    return (_empty(TT, H, device=dev), _empty(table.n_chunks, H, C, C, device=dev),
+            _empty(table.n_chunks, H, C, C, device=dev), _empty(TT, H, K, device=dev))
+
+
+def _delta_fwd(mod, d, meta, q, k, v, G, wy, h0, o, ht, hs, table, scale, store_o, store_h):
+    """The per-key delta forward pass, one pipeline stage (as the state pass below): compiled offline for
+    sm_90 (scanlang.tools.offline_compile --workload linear --member kda, K = V = 128, C = 64, bf16) the
+    pipelined output-writing pass needs 242 KB of shared memory, over the H200's 227 KB; one stage, 98 KB.
+    Not run on a GPU yet."""
+    H, V = q.shape[1], v.shape[-1]
+    meta = _wide(meta, q) if store_o else meta
+    grid = (table.n_seq, H, triton.cdiv(V, meta["BV"]))
+    _launch(getattr(mod, f"{d.name}_fwd"), grid,
+            (q, k, v, G, *wy, h0 if h0 is not None else ht, o, ht, hs, table.chunk_tok, table.chunk_len,
+             table.seq_chunk0, scale, H),
+            dict(meta, HAS_H0=h0 is not None, STORE_O=store_o, STORE_FINAL=not store_h, STORE_H=store_h,
+                 num_warps=CONFIG["num_warps"], num_stages=1))
+
+
+def _delta_backward(ctx, q, k, v, h0, G, wy, xs, do, dht):
+    d, table, meta, scale, mod = ctx.decl, ctx.table, ctx.meta, ctx.scale, module(ctx.decl)
+    TT, H, K = q.shape
+    V, dev = v.shape[-1], q.device
+    do = torch.zeros(TT, H, V, device=dev) if do is None else do.contiguous().float()
+    dht = None if dht is None else dht.contiguous().float()
+    hs = _empty(table.n_chunks + table.n_seq, H, K, V, device=dev)
+    _delta_fwd(mod, d, meta, q, k, v, G, wy, h0, hs, hs, hs, table, scale, store_o=False, store_h=True)
+    dh = _empty(max(table.n_chunks, 1), H, K, V, device=dev)
+    dh0 = _empty(table.n_seq, H, K, V, device=dev) if h0 is not None else dh
+    beta, tm, aqk, w = wy
+    grid = (table.n_seq, H, triton.cdiv(V, meta["BV"]))
+    _launch(getattr(mod, f"{d.name}_bwd_dh"), grid,
+            (q, k, G, beta, aqk, w, do, dht if dht is not None else dh, dh, dh0, table.chunk_tok, table.chunk_len,
+             table.seq_chunk0, scale, H),
+            dict(meta, HAS_DHT=dht is not None, STORE_DH0=h0 is not None, num_warps=CONFIG["num_warps"],
+                 num_stages=1))   # 222 KB of shared memory pipelined at K = V = 128, C = 64 (_delta_fwd)
+    dq, dk = _empty(TT, H, K, device=dev), _empty(TT, H, K, device=dev)
+    dv = _empty(TT, H, V, device=dev)
+    kinds = [d.inputs[n] for n in kernels_delta.hook_inputs(d)]
+    dxs = [torch.zeros(x.shape, device=dev) if kind == "head" else _empty(*x.shape, device=dev)   # atomics add
+           for x, kind in zip(xs, kinds)]
+    bwd = _wide(meta, q)
+    bwd = dict(bwd, num_warps=CONFIG["num_warps"], **({"num_stages": 1} if bwd is not meta else {}))
+    _launch(getattr(mod, f"{d.name}_bwd"), (table.n_chunks, H),
+            (q, k, v, G, *wy, hs, dh, do, dq, dk, dv, table.chunk_tok, table.chunk_len, table.chunk_seq, *xs, *dxs,
+             *ctx.constants, scale, H), bwd)
+    grads = [dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dh0 if h0 is not None else None]
+    return (None, None, None, None, None, *grads, *(dx.to(x.dtype) for dx, x in zip(dxs, xs)))
+
+
 def member_op(decl: MatrixState):
     """The `backend="triton"` op of a declaration (module docstring). Every structure runs on the recurrent
-    decode kernel without gradients for short sequences (`run`); with gradients or longer sequences only
-    plain writes have kernels, and the rest raise a ValueError there. Inputs of every kind reach the hooks:
+    decode kernel without gradients for short sequences (`run`); with gradients or longer sequences plain
+    writes and per-key decay with the delta correction have chunk kernels, and the rest raise a ValueError
+    there. Inputs of every kind reach the hooks:
     per token [B,T,H] (or [B,T*n,H] rows of beta's inputs), per token and key [B,T,H,K], per head [H]."""
     if not isinstance(decl, MatrixState):
         raise TypeError(f"declaration: expected a MatrixState, got {type(decl).__name__}")
@@ -217,10 +308,12 @@ def member_op(decl: MatrixState):
 
 def sources(decl: MatrixState) -> dict[str, str]:
     """The generated source of each module `run` may launch for `decl` (what `scanlang show` prints):
-    "chunk" (backends/linear/kernels.py; plain writes only) and "decode" (backends/linear/decode.py)."""
+    "chunk" (backends/linear/kernels.py for plain writes, kernels_delta.py for per-key decay with the delta
+    correction; no entry for the other structures) and "decode" (backends/linear/decode.py)."""
     if not isinstance(decl, MatrixState):
         raise TypeError(f"declaration: expected a MatrixState, got {type(decl).__name__}")
-    found = {"chunk": kernels.render(decl)} if decl.correction == "plain" else {}
+    found = ({"chunk": kernels.render(decl)} if decl.correction == "plain" else
+             {"chunk": kernels_delta.render(decl)} if kernels_delta.supports(decl) else {})
     found["decode"] = decode.render(decl)
     return found
 
@@ -301,10 +394,12 @@ def run(decl: MatrixState, q, k, v, *xs, scale: float, initial_state, output_fin
         return _decode(decl, q, k, v, xs, scale, initial_state, output_final_state, offsets, constants)
     limit = tuning.current().decode_max_tokens
     needs_grad = _needs_grad((q, k, v, initial_state, *xs))
-    if decl.correction != "plain":
+    wy = kernels_delta.supports(decl)
+    if decl.correction != "plain" and not wy:
         why = "gradients are needed" if needs_grad else f"a sequence is longer than decode_max_tokens = {limit}"
         raise ValueError(f"backend='triton': matrix state {decl.name!r} has correction {decl.correction!r} and "
-                         f"{why}; generated kernels exist for plain writes so far (the recurrent decode kernel "
+                         f"{why}; generated chunk kernels cover plain writes and the one-step delta correction with "
+                         f"per-key decay so far (the recurrent decode kernel "
                          f"runs every structure, forward only, for sequences of at most decode_max_tokens "
                          f"tokens); use backend='reference'")
     V, dev = v.shape[-1], q.device
@@ -314,13 +409,14 @@ def run(decl: MatrixState, q, k, v, *xs, scale: float, initial_state, output_fin
         S = initial_state.float() if initial_state is not None else torch.zeros(table.n_seq, H, K, V, device=dev)
         return v.new_zeros(B, T, H, V, dtype=torch.float32), (S if output_final_state else None)
     pack = lambda t: t.to(dt).reshape(B * T, H, *t.shape[3:]).contiguous()  # noqa: E731
-    used = set(decl.used(decl.log_decay))
+    used = set(kernels_delta.hook_inputs(decl)) if wy else set(decl.used(decl.log_decay))
     hooked = [(x if decl.inputs[n] == "head" else x.reshape(B * T, H, *x.shape[3:])).float().contiguous()
               for n, x in zip(decl.inputs, xs) if n in used]
     h0 = None if initial_state is None else initial_state.float().contiguous()
     meta = _meta(K, V, chunk_size, dt, dev)
     consts = tuple(float(constants[c]) for c in decl.constants)
-    o, S = _Chunked.apply(decl, table, meta, float(scale), consts, pack(q), pack(k), pack(v), h0, *hooked)
+    o, S = (_ChunkedDelta if wy else _Chunked).apply(decl, table, meta, float(scale), consts, pack(q), pack(k),
+                                                     pack(v), h0, *hooked)
     return o.reshape(B, T, H, V), (S if output_final_state else None)
 
 

@@ -9,10 +9,10 @@ DeltaRule (delta_form.py), on CUDA too, and backend=None picks them on CUDA; Hou
 delta rule over the interleaved T*n rows (chunk_size counts those rows). The other structures run with
 backend="triton" on kernels generated from their declaration (backends/linear): the recurrent decode
 kernel of every structure without gradients for short sequences (`scanlang.tuning` decode_max_tokens;
-CUDA and the interpreter), else the chunk kernels of plain writes (CPU interpreter and CUDA);
-per-key decay with the delta correction (kda) or Householder steps with gradients say they are not
-generated yet. By default (backend=None) everything but the delta kernels' structures runs on the
-chunked PyTorch reference.
+CUDA and the interpreter), else the chunk kernels of plain writes and of per-key decay with the delta
+correction (kda; backends/linear/kernels_delta.py); per-key decay with Householder steps and gradients
+says it is not generated yet. By default (backend=None) everything but the delta kernels' structures runs
+on the chunked PyTorch reference.
 
 `GatedLinearAttention` and `KimiDeltaAttention` are the layers (fla's parametrisation) around `gla` and
 `kda`, with state carry (`LinearLayerState`).

@@ -15,10 +15,10 @@ the delta correction, or n Householder steps, with decay none or per head on the
 recipes/linear/delta_form.py; Householder steps as a delta rule over the interleaved T*n rows, `_on_delta`);
 every other structure on the kernels generated from the declaration (backends/linear): without gradients
 and for sequences of at most `tuning.decode_max_tokens` tokens the recurrent decode kernel (CUDA and
-the interpreter), else the chunk kernels of plain writes, every decay, CUDA or the interpreter
-(per-key decay with the delta correction or Householder steps raises a ValueError saying so). None /
-"auto": "triton" for the delta kernels' structures on CUDA (`scanlang.backend.default`, float32 compute),
-the reference otherwise.
+the interpreter), else the chunk kernels of plain writes, every decay, and of per-key decay with the delta
+correction (backends/linear/kernels_delta.py), CUDA or the interpreter (per-key decay with Householder
+steps raises a ValueError saying so). None / "auto": "triton" for the delta kernels' structures on CUDA
+(`scanlang.backend.default`, float32 compute), the reference otherwise.
 chunk_size=None: 64 on the delta-rule kernels (the chunk their launch configs are tuned for), 32 elsewhere;
 with n Householder steps it counts rows of the interleaved stream on both (C/n tokens a chunk).
 """

@@ -5,7 +5,7 @@
                                              [--tile BLOCK_T,BLOCK_L,WARPS,STAGES ...]
     python -m scanlang.tools.offline_compile --workload delta [--K 128] [--V 128] [--dtype bf16] [--arch 90]
                                              [--only prep,wu]
-    python -m scanlang.tools.offline_compile --workload linear [--member gla] [--K 128] [--V 128] [--dtype bf16]
+    python -m scanlang.tools.offline_compile --workload linear [--member gla|kda] [--K 128] [--V 128] [--dtype bf16]
 
 Runs one forward and backward of the workload on CPU tensors with the launches captured instead of
 executed, compiles every captured kernel for the target as a launch with those arguments would, and
@@ -359,12 +359,14 @@ def delta_report(kernel, args, constexprs, config, arch: int = 90) -> str:
 
 def capture_linear(member: str, K: int, V: int, dtype: torch.dtype, T: int = 200, H: int = 16, C: int = 64):
     """[(name, kernel, args, constexprs, config)] of one forward and backward of a plain-write member
-    (linear_attention, simple_gla, gla), nothing executed (backends.linear.ops.recording)."""
+    (linear_attention, simple_gla, gla) or of kda (per-key decay, delta correction), nothing executed
+    (backends.linear.ops.recording)."""
     from scanlang.backends.linear import ops as linear_ops
     from scanlang.recipes import linear
     q, k = torch.randn(1, T, H, K).to(dtype), torch.randn(1, T, H, K).to(dtype)
     v = torch.randn(1, T, H, V).to(dtype)
-    extra = {"linear_attention": [], "simple_gla": [-torch.rand(1, T, H)], "gla": [-torch.rand(1, T, H, K)]}[member]
+    extra = {"linear_attention": [], "simple_gla": [-torch.rand(1, T, H)], "gla": [-torch.rand(1, T, H, K)],
+             "kda": [-torch.rand(1, T, H, K), torch.rand(1, T, H)]}[member]
     ins = [t.requires_grad_() for t in (q, k, v, *extra)]
     with linear_ops.recording() as launches:
         o, _ = getattr(linear, member)(*ins, backend="triton", chunk_size=C)
@@ -379,8 +381,8 @@ def capture_linear(member: str, K: int, V: int, dtype: torch.dtype, T: int = 200
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workload", choices=("kalman", "affine", "mobius", "delta", "linear"), default="kalman")
-    parser.add_argument("--member", choices=("linear_attention", "simple_gla", "gla"), default="gla",
-                        help="linear: the plain-write member")
+    parser.add_argument("--member", choices=("linear_attention", "simple_gla", "gla", "kda"), default="gla",
+                        help="linear: the member (kda: the per-key delta kernels)")
     parser.add_argument("--arch", type=int, default=90)
     parser.add_argument("--layout", choices=("time", "channels"), default="time", help="the scans' layout")
     parser.add_argument("--lanes", nargs="*", default=None,

@@ -49,9 +49,11 @@ def programs() -> dict:
         for c in CHUNK_SIZES:
             out[f"delta_{rule_name}_c{c}"] = lambda rule=rule, c=c: kernel_source(rule, c)
     from scanlang.backends.linear import kernels as linear_kernels
-    from scanlang.recipes.linear.members import GLA, LINEAR_ATTENTION, SIMPLE_GLA
+    from scanlang.backends.linear import kernels_delta as linear_delta_kernels
+    from scanlang.recipes.linear.members import GLA, KDA, LINEAR_ATTENTION, SIMPLE_GLA
     for decl in (LINEAR_ATTENTION, SIMPLE_GLA, GLA):
         out[f"linear_{decl.name}"] = lambda decl=decl: linear_kernels.render(decl)
+    out[f"linear_delta_{KDA.name}"] = lambda: linear_delta_kernels.render(KDA)
     from scanlang.backends.linear import decode as linear_decode
     from scanlang.recipes.linear import members as linear_members
     decls = [getattr(linear_members, n) for n in ("LINEAR_ATTENTION", "SIMPLE_GLA", "GLA", "DELTANET", "DELTA_RULE",

@@ -1,0 +1,311 @@
+"""The per-key delta-rule matrix-state kernels (KDA's structure), rendered on the kernel IR from a
+`scanlang.MatrixState` with decay "per_key", correction "delta" and one step.
+
+Token recurrence (docs/spec/linear.md): S_t = diag(e^(g_t)) S_{t-1}, then S_t <- S_t + beta_t k_t (v_t -
+S_t^T k_t)^T, o_t = scale S_t^T q_t, with g_t = log_decay(inputs) and beta_t = beta(inputs, n2 = ||k_t||^2).
+Per chunk of C rows with start state S0 and the chunk-local cumulative log-decay G (the WY / UT form of
+backends/delta/template.py, with the pairwise decay per key column as in kernels.py):
+
+    A_ij  = beta_i sum_k k_ik k_jk e^(G_ik - G_jk)  (i > j, else 0),      Tm = (I + A)^-1
+    w     = Tm diag(beta) (K * e^G),   u = Tm diag(beta) V,   U = u - w S0 = Tm diag(beta) (V - (K * e^G) S0)
+    O     = scale ((Q * e^G) S0 + Aqk U),   Aqk_ij = sum_k q_ik k_jk e^(G_ik - G_jk)  (i >= j, else 0)
+    S_end = diag(e^(G_L)) S0 + (K * e^(G_L - G))^T U
+
+Every exponent is <= 0 for log-decays <= 0 (kernels.py's blocks of BS rows for the pairwise products), so
+g = -20 per token stays finite. The backward, per chunk, with R = diag(beta) (V - (K * e^G) S0), U = Tm R:
+
+    dU    = scale Aqk^T dO + (K * e^(G_L - G)) dS_end          dS0 = e^(G_L) dS_end + scale (Q * e^G)^T dO - w^T dU
+    dR    = Tm^T dU:  dV = diag(beta) dR,  dbeta += rowsum(dR * (V - (K * e^G) S0)),  d(K * e^G) = -diag(beta) dR S0^T
+    dTm   = dU R^T:   dA = -Tm^T dTm Tm^T (i > j),  dbeta += rowsum(dA * P),  dP = diag(beta) dA  (A = diag(beta) P)
+
+then the pairwise gradients of Aqk and P (kernels.py's `pairwise_grads`, whose decay part sums the pairs j < t <= i
+that straddle t rather than cancelling diagonal terms), dg_t = sum_(i >= t) (q dq_S0 + (K e^G) d(K e^G))_i + the
+pairs + e^(G_L) rowsum(S0 dS_end) + the writes j < t into S_end, and the hook inputs' gradients through the hooks'
+sympy derivatives (beta's n2 adds dbeta dbeta/dn2 2 k to dk). A zero key's beta is 0 where the hook is not finite
+for it (0/0 at eps = 0), as on the host (recipes/linear/family.py `_host_beta`).
+
+Kernels (one module per declaration; C, K, V, BK, BV, BS are constexprs):
+    {name}_prep      per (chunk, head): G, beta, Tm, w and Aqk (stored; the forward keeps them for the backward)
+    {name}_fwd       per (sequence, head, value block), chunks in order: outputs and the final state, or
+                     (STORE_H, the backward's recomputation) the state entering every chunk
+    {name}_bwd_dh    per (sequence, head, value block), chunks in reverse: dS_end of every chunk, d(initial state)
+    {name}_bwd       per (chunk, head): dq, dk, dv, dg's hook inputs and beta's hook inputs
+A non-finite key, log-decay, beta or value in row r reaches rows >= r only in the forward: the causal products
+(Tm from A, w, u, Aqk U) take that chunk's rows from the first such row on as 0 and only rows from there on use
+the raw products (kernels.py's rule). The backward does not guard: a non-finite input may make earlier tokens'
+gradients NaN.
+"""
+from __future__ import annotations
+
+from scanlang import expr as E
+from scanlang.linear import KEY_NORM, MatrixState
+
+from ..triton.kernel import common
+from ..triton.kernel import ir as K
+from ..triton.kernel.printer import render as print_module
+from .kernels import (INF, QK_MASK, QK_OFF, S_MASK, SHAPE_CONSTS, V_MASK, V_OFF, _axes, _chunk, _decay,
+                      _hook_names, _load_hook_inputs, _origin_comments, _params, _shape_like, a, dot, helper_kernels,
+                      load, state_off)
+
+CC_OFF = "(c * H + h).to(tl.int64) * C * C + rows[:, None] * C + cols"
+TOK_OFF = "(tok + rows) * H + h"
+STRICT = "rows[:, None] > cols"
+WY = ["wy_beta_ptr", "wy_tm_ptr", "wy_aqk_ptr", "wy_w_ptr"]   # what the prep kernel stores: beta, Tm, Aqk, w
+
+
+def dot32(x: str, y: str) -> str:
+    """x @ y of fp32 operands (Tm, w, U and their gradients): no rounding to the input dtype."""
+    return f"mm({x}, {y}, tl.float32, PREC, UPCAST)"
+
+
+def supports(decl: MatrixState) -> bool:
+    """Whether these kernels run `decl`: per-key decay, the delta correction, one step."""
+    return decl.decay == "per_key" and decl.correction == "delta" and decl.steps == 1
+
+
+def hook_inputs(decl: MatrixState) -> list[str]:
+    """The declared inputs either hook reads, in declaration order (the kernels' input pointers)."""
+    used = set(decl.used(decl.beta)) | set(decl.used(decl.log_decay))
+    return [n for n in decl.inputs if n in used]
+
+
+def _beta_names(decl: MatrixState, n2: str) -> dict:
+    names = {E.symbol(n): f"y_{n}" for n in decl.inputs}
+    names |= {E.symbol(c): f"c_{c}" for c in decl.constants}
+    names[E.symbol(KEY_NORM)] = n2
+    return names
+
+
+def _beta(decl: MatrixState) -> tuple:
+    """beta [C] from the hook (0 past the chunk's end, and for a zero key where the hook is not finite)."""
+    out = [a("zero_c", "tl.zeros([C], dtype=tl.float32)")]
+    for n in (n for n in decl.used(decl.beta) if n in decl.inputs):
+        if decl.inputs[n] == "head":
+            out.append(a(f"y_{n}", f"tl.load({n}_ptr + h).to(tl.float32)"))
+        else:
+            out.append(load(f"y_{n}", f"{n}_ptr", TOK_OFF, "ok"))
+    out.append(K.Comment(f"beta = {E.docstring_text(str(decl.beta.expr))}"))
+    if decl.uses_key_norm:
+        out += [a("n2", f"tl.sum(tl.where({QK_MASK}, b_k * b_k, 0.0), 1)"),
+                *common.assign(["beta0"], [decl.beta.expr], _beta_names(decl, "n2"), "_b0", shape_like="zero_c"),
+                a("dead", f"(n2 == 0) & ~(tl.abs(beta0) < {INF})"), a("n2_safe", "tl.where(dead, 1.0, n2)"),
+                *common.assign(["beta"], [decl.beta.expr], _beta_names(decl, "n2_safe"), "_b", shape_like="zero_c"),
+                a("beta", "tl.where(ok & ~dead, beta, 0.0)")]
+    else:
+        out += [*common.assign(["beta"], [decl.beta.expr], _beta_names(decl, "n2"), "_b", shape_like="zero_c"),
+                a("beta", "tl.where(ok, beta, 0.0)")]
+    return tuple(out)
+
+
+def _first_bad(with_v: bool) -> tuple:
+    """first_bad: the chunk's first row with a non-finite key, log-decay, beta (or value); C if none."""
+    bad = (f"(tl.sum(tl.where((tl.abs(b_k) < {INF}) & (tl.abs(b_G) < {INF}), 0, 1), 1) > 0) "
+           f"| ~(tl.abs(beta) < {INF})")
+    if with_v:
+        bad += f" | (tl.sum(tl.where(tl.abs(b_v) < {INF}, 0, 1), 1) > 0)"
+    return (a("bad", f"({bad}) & ok"), a("first_bad", "tl.min(tl.where(bad, rows, C), 0)"))
+
+
+def _causal_dot(target: str, m: str, x: str) -> tuple:
+    """target = m @ x for a lower-triangular m, rows of x from first_bad on kept from earlier rows."""
+    return (a(target, dot32(m, f"tl.where(rows[:, None] < first_bad, {x}, 0.0)")),
+            K.If(K.expr("first_bad < n_rows"), (
+                a(target, f"tl.where(rows[:, None] < first_bad, {target}, {dot32(m, x)})"),)))
+
+
+def _strict_kk() -> tuple:
+    return (a("P", f"tl.where({STRICT}, pairwise_qk(b_k, b_k, b_G, C, BS, BK, DT, PREC, UPCAST), 0.0)"),)
+
+
+def _load_cc(target: str, ptr: str) -> K.Assign:
+    return a(target, f"tl.load({ptr} + {CC_OFF})")
+
+
+def prep_kernel(decl: MatrixState) -> K.Kernel:
+    ins = [f"{n}_ptr" for n in hook_inputs(decl)]
+    consts = [f"c_{c}" for c in decl.constants]
+    params = _params(["q_ptr", "k_ptr", *ins, "G_ptr", *WY, "chunk_tok_ptr", "chunk_len_ptr", *consts, "H"],
+                     ("K", "BK", "C", "BS", "PREC", "UPCAST"))
+    solve = (a("a_i", "tl.sum(tl.where(rows[:, None] == i, A, 0.0), 0)"),
+             a("r", "tl.sum(a_i[:, None] * Tm, 0)"),
+             a("Tm", "tl.where(rows[:, None] == i, tl.where(cols == i, 1.0, 0.0) - r[None, :], Tm)"))
+    body = (a("c", "tl.program_id(0)"), a("h", "tl.program_id(1)"), *_axes(False),
+            a("cols", "tl.arange(0, C)[None, :]"), *_origin_comments(decl), *_chunk(),
+            load("b_q", "q_ptr", QK_OFF, QK_MASK), load("b_k", "k_ptr", QK_OFF, QK_MASK),
+            *_load_hook_inputs(decl),
+            *common.assign(["g"], [decl.log_decay.expr], _hook_names(decl), "_g", shape_like=_shape_like(decl)),
+            a("b_G", f"tl.cumsum(tl.where({QK_MASK}, g, 0.0), 0)"),
+            K.Store(K.expr(f"G_ptr + {QK_OFF}"), K.expr("b_G"), K.expr(QK_MASK)),
+            a("G_last", "tl.sum(tl.where((rows == n_rows - 1)[:, None], b_G, 0.0), 0)"),
+            a("b_G", "tl.where(ok[:, None], b_G, G_last[None, :])"),
+            *_beta(decl),
+            K.Store(K.expr(f"wy_beta_ptr + {TOK_OFF}"), K.expr("beta"), K.expr("ok")),
+            *_first_bad(False),
+            K.Comment("Tm = (I + A)^-1 by forward substitution, row i from the rows before it"),
+            *_strict_kk(), a("A", f"tl.where({STRICT}, beta[:, None] * P, 0.0)"),
+            a("Tm", "tl.where(rows[:, None] == cols, 1.0, 0.0)"),
+            K.For("i", K.expr("1"), K.expr("C"), solve),
+            K.Store(K.expr(f"wy_tm_ptr + {CC_OFF}"), K.expr("Tm"), None),
+            *_causal_dot("w", "Tm", "beta[:, None] * b_k * tl.exp(b_G)"),
+            K.Store(K.expr(f"wy_w_ptr + {QK_OFF}"), K.expr("w"), K.expr(QK_MASK)),
+            K.Store(K.expr(f"wy_aqk_ptr + {CC_OFF}"),
+                    K.expr("pairwise_qk(b_q, b_k, b_G, C, BS, BK, DT, PREC, UPCAST)"), None))
+    return K.Kernel(f"{decl.name}_prep", params, body,
+                    doc="Chunk c: G (the in-chunk cumsum of the log-decay), beta, Tm = (I + A)^-1, w and Aqk.")
+
+
+def _chunk_loads(with_do: bool) -> tuple:
+    """q, k, G (and what kernels.py's `_decay` forms of them), beta, Tm, Aqk, w of chunk c."""
+    out = [load("b_q", "q_ptr", QK_OFF, QK_MASK), load("b_k", "k_ptr", QK_OFF, QK_MASK), *_decay("per_key", False),
+           load("beta", "wy_beta_ptr", TOK_OFF, "ok"), _load_cc("Aqk", "wy_aqk_ptr"),
+           load("w", "wy_w_ptr", QK_OFF, QK_MASK)]
+    if with_do:
+        out.append(load("b_do", "do_ptr", V_OFF, V_MASK))
+    return tuple(out)
+
+
+def fwd_kernel(decl: MatrixState) -> K.Kernel:
+    params = _params(["q_ptr", "k_ptr", "v_ptr", "G_ptr", *WY, "h0_ptr", "o_ptr", "ht_ptr", "hs_ptr", "chunk_tok_ptr",
+                      "chunk_len_ptr", "seq_chunk0_ptr", "scale", "H"],
+                     SHAPE_CONSTS + ("HAS_H0", "STORE_O", "STORE_FINAL", "STORE_H"))
+    loop = (*_chunk(), K.If(K.expr("STORE_H"), (K.Store(K.expr(f"hs_ptr + {state_off('c + n')}"), K.expr("S"),
+                                                         K.expr(S_MASK)),)),
+            *_chunk_loads(False), load("b_v", "v_ptr", V_OFF, V_MASK), _load_cc("Tm", "wy_tm_ptr"),
+            *_first_bad(True),
+            K.Comment("U = Tm diag(beta) V - w S0, rows from the first non-finite one on kept from earlier rows"),
+            *_causal_dot("u", "Tm", "beta[:, None] * b_v"), a("U", f"u - {dot32('w', 'S')}"),
+            K.If(K.expr("STORE_O"), (
+                *_causal_dot("o_c", "Aqk", "U"),
+                K.Store(K.expr(f"o_ptr + {V_OFF}"), K.expr(f"scale * ({dot('q_dec', 'S')} + o_c)"), K.expr(V_MASK)))),
+            a("S", f"S * s_dec + {dot32('tl.trans(k_end)', 'U')}"))
+    body = (a("n", "tl.program_id(0)"), a("h", "tl.program_id(1)"), a("vb", "tl.program_id(2)"), *_axes(True),
+            a("cols", "tl.arange(0, C)[None, :]"), *_origin_comments(decl),
+            a("c0", "tl.load(seq_chunk0_ptr + n)"), a("c1", "tl.load(seq_chunk0_ptr + n + 1)"),
+            K.If(K.expr("HAS_H0"), (load("S", "h0_ptr", state_off("n"), S_MASK),),
+                 (a("S", "tl.zeros([BK, BV], dtype=tl.float32)"),)),
+            K.For("c", K.expr("c0"), K.expr("c1"), loop),
+            K.If(K.expr("STORE_H"), (K.Store(K.expr(f"hs_ptr + {state_off('c1 + n')}"), K.expr("S"), K.expr(S_MASK)),)),
+            K.If(K.expr("STORE_FINAL"), (K.Store(K.expr(f"ht_ptr + {state_off('n')}"), K.expr("S"), K.expr(S_MASK)),)))
+    return K.Kernel(f"{decl.name}_fwd", params, body,
+                    doc="Chunks of sequence n in order: outputs (STORE_O), the state entering each chunk (STORE_H), "
+                        "the final state (STORE_FINAL).")
+
+
+def bwd_dh_kernel(decl: MatrixState) -> K.Kernel:
+    params = _params(["q_ptr", "k_ptr", "G_ptr", "wy_beta_ptr", "wy_aqk_ptr", "wy_w_ptr", "do_ptr", "dht_ptr", "dh_ptr",
+                      "dh0_ptr", "chunk_tok_ptr", "chunk_len_ptr", "seq_chunk0_ptr", "scale", "H"],
+                     SHAPE_CONSTS + ("HAS_DHT", "STORE_DH0"))
+    loop = (a("c", "c1 - 1 - i"), *_chunk(),
+            K.Store(K.expr(f"dh_ptr + {state_off('c')}"), K.expr("dS"), K.expr(S_MASK)),
+            *_chunk_loads(True),
+            a("dU", f"scale * {dot32('tl.trans(Aqk)', 'b_do')} + {dot32('k_end', 'dS')}"),
+            a("dS", f"dS * s_dec + scale * {dot('tl.trans(q_dec)', 'b_do')} - {dot32('tl.trans(w)', 'dU')}"))
+    body = (a("n", "tl.program_id(0)"), a("h", "tl.program_id(1)"), a("vb", "tl.program_id(2)"), *_axes(True),
+            a("cols", "tl.arange(0, C)[None, :]"), *_origin_comments(decl),
+            a("c0", "tl.load(seq_chunk0_ptr + n)"), a("c1", "tl.load(seq_chunk0_ptr + n + 1)"),
+            K.If(K.expr("HAS_DHT"), (load("dS", "dht_ptr", state_off("n"), S_MASK),),
+                 (a("dS", "tl.zeros([BK, BV], dtype=tl.float32)"),)),
+            K.For("i", K.expr("0"), K.expr("c1 - c0"), loop),
+            K.If(K.expr("STORE_DH0"), (K.Store(K.expr(f"dh0_ptr + {state_off('n')}"), K.expr("dS"), K.expr(S_MASK)),)))
+    return K.Kernel(f"{decl.name}_bwd_dh", params, body,
+                    doc="Chunks of sequence n in reverse: dS_end of each chunk (dh slot c), then d(initial state): "
+                        "dS0 = e^(G_L) dS_end + scale (Q e^G)^T dO - w^T dU.")
+
+
+def _input_grads(decl: MatrixState) -> tuple:
+    """d(input) for every hooked input: dg times the log-decay's derivative (summed over K for a per-token
+    input) plus dbeta times beta's; a per-head parameter's, summed over the chunk, is added atomically."""
+    in_g, in_b = set(decl.used(decl.log_decay)), set(decl.used(decl.beta))
+    g_used = [n for n in hook_inputs(decl) if n in in_g]
+    b_used = [n for n in hook_inputs(decl) if n in in_b]
+    out = [*common.assign([f"dx_{n}" for n in g_used], [decl.log_decay.grads[n] for n in g_used], _hook_names(decl),
+                          "_dg", shape_like=_shape_like(decl))]
+    n2 = "n2_safe" if decl.uses_key_norm else "n2"
+    out += common.assign([f"dy_{n}" for n in b_used], [decl.beta.grads[n] for n in b_used], _beta_names(decl, n2),
+                         "_db", shape_like="zero_c")
+    live = "ok & ~dead" if decl.uses_key_norm else "ok"
+    for n in hook_inputs(decl):
+        kind = decl.inputs[n]
+        parts = []
+        if n in in_g:
+            gsh = f"tl.where({QK_MASK}, dg * dx_{n}, 0.0)"
+            parts.append(gsh if kind == "token_key" else f"tl.sum({gsh}, 1)" if kind == "token" else f"tl.sum({gsh})")
+        if n in in_b:
+            bsh = f"tl.where({live}, dbeta * dy_{n}, 0.0)"
+            parts.append(bsh if kind == "token" else f"tl.sum({bsh})")
+        value = " + ".join(parts)
+        if kind == "head":
+            out.append(K.AtomicAdd(K.expr(f"d{n}_ptr + h"), K.expr(value)))
+        elif kind == "token":
+            out.append(K.Store(K.expr(f"d{n}_ptr + {TOK_OFF}"), K.expr(value), K.expr("ok")))
+        else:
+            out.append(K.Store(K.expr(f"d{n}_ptr + {QK_OFF}"), K.expr(value), K.expr(QK_MASK)))
+    return tuple(out)
+
+
+def bwd_kernel(decl: MatrixState) -> K.Kernel:
+    names = hook_inputs(decl)
+    ins = [f"{n}_ptr" for n in names] + [f"d{n}_ptr" for n in names] + [f"c_{c}" for c in decl.constants]
+    params = _params(["q_ptr", "k_ptr", "v_ptr", "G_ptr", *WY, "hs_ptr", "dh_ptr", "do_ptr", "dq_ptr", "dk_ptr",
+                      "dv_ptr", "chunk_tok_ptr", "chunk_len_ptr", "chunk_seq_ptr", *ins, "scale", "H"], SHAPE_CONSTS)
+    zeros = lambda *ts: tuple(a(t, f"tl.zeros([{s}], dtype=tl.float32)") for t, s in ts)  # noqa: E731
+    vloop = (a("vv", "vb * BV + tl.arange(0, BV)"), a("okv", "vv < V"),
+             load("b_v", "v_ptr", V_OFF, V_MASK), load("b_do", "do_ptr", V_OFF, V_MASK),
+             load("S0", "hs_ptr", state_off("c + n"), S_MASK), load("dSe", "dh_ptr", state_off("c"), S_MASK),
+             a("X0", f"b_v - {dot32('k_dec', 'S0')}"), a("R", "beta[:, None] * X0"), a("U", dot32("Tm", "R")),
+             a("dU", f"scale * {dot32('tl.trans(Aqk)', 'b_do')} + {dot32('k_end', 'dSe')}"),
+             a("dR", dot32("tl.trans(Tm)", "dU")),
+             a("dAqk", f"dAqk + {dot32('b_do', 'tl.trans(U)')}"),
+             a("dk_state", f"dk_state + {dot32('U', 'tl.trans(dSe)')}"),
+             a("dq_inter", f"dq_inter + {dot('b_do', 'tl.trans(S0)')}"),
+             a("dk_dec", f"dk_dec - {dot32('beta[:, None] * dR', 'tl.trans(S0)')}"),
+             a("dTm", f"dTm + {dot32('dU', 'tl.trans(R)')}"),
+             a("dbeta", "dbeta + tl.sum(dR * X0, 1)"),
+             a("dG_S0", "dG_S0 + tl.sum(S0 * dSe, 1)"),
+             K.Store(K.expr(f"dv_ptr + {V_OFF}"), K.expr("beta[:, None] * dR"), K.expr(V_MASK)))
+    body = (a("c", "tl.program_id(0)"), a("h", "tl.program_id(1)"), *_axes(False),
+            a("cols", "tl.arange(0, C)[None, :]"), *_origin_comments(decl), *_chunk(),
+            a("n", "tl.load(chunk_seq_ptr + c)"), *_chunk_loads(False), _load_cc("Tm", "wy_tm_ptr"),
+            a("k_dec", "b_k * tl.exp(b_G)"),
+            *zeros(("dAqk", "C, C"), ("dTm", "C, C"), ("dq_inter", "C, BK"), ("dk_state", "C, BK"),
+                   ("dk_dec", "C, BK"), ("dbeta", "C"), ("dG_S0", "BK")),
+            K.For("vb", K.expr("0"), K.expr("tl.cdiv(V, BV)"), vloop),
+            a("dAqk", "tl.where(causal, scale * dAqk, 0.0)"),
+            K.Comment("through Tm = (I + A)^-1 and A = diag(beta) P"),
+            a("dA", f"tl.where({STRICT}, -{dot32('tl.trans(Tm)', dot32('dTm', 'tl.trans(Tm)'))}, 0.0)"),
+            *_strict_kk(),
+            a("dbeta", f"dbeta + tl.sum(tl.where({STRICT}, dA * P, 0.0), 1)"),
+            a("dP", f"tl.where({STRICT}, beta[:, None] * dA, 0.0)"),
+            a("X, Y, Z", "pairwise_grads(dAqk, b_q, b_k, b_G, k_end * dk_state, C, BS, BK, DT, PREC, UPCAST)"),
+            a("X2, Y2, Z2", "pairwise_grads(dP, b_k, b_k, b_G, tl.zeros_like(b_k), C, BS, BK, DT, PREC, UPCAST)"),
+            a("dq_s0", "scale * tl.exp(b_G) * dq_inter"),
+            a("dk", "Y + X2 + Y2 + tl.exp(G_last[None, :] - b_G) * dk_state + tl.exp(b_G) * dk_dec"),
+            K.Comment("dg_t: the direct terms of rows >= t, the pairs j < t <= i, e^(G_L) rowsum(S0 dS_end)"),
+            a("dg", f"tl.cumsum(tl.where({QK_MASK}, b_q * dq_s0 + k_dec * dk_dec, 0.0), 0, reverse=True) + Z + Z2"),
+            a("dg", f"tl.where({QK_MASK}, dg + tl.exp(G_last)[None, :] * dG_S0[None, :], 0.0)"),
+            *_load_hook_inputs(decl), *_beta(decl))
+    if decl.uses_key_norm:
+        n2 = common.assign(["dbeta_n2"], [decl.beta.grads[KEY_NORM]], _beta_names(decl, "n2_safe"), "_dn",
+                           shape_like="zero_c")
+        body += (*n2, a("dk", "dk + tl.where(ok & ~dead, 2.0 * dbeta * dbeta_n2, 0.0)[:, None] * b_k"))
+    body += (K.Store(K.expr(f"dq_ptr + {QK_OFF}"), K.expr("dq_s0 + X"), K.expr(QK_MASK)),
+             K.Store(K.expr(f"dk_ptr + {QK_OFF}"), K.expr("tl.where(ok[:, None], dk, 0.0)"), K.expr(QK_MASK)),
+             *_input_grads(decl))
+    return K.Kernel(f"{decl.name}_bwd", params, body,
+                    doc="Chunk c: dq, dk, dv and the hook inputs' gradients (module docstring).")
+
+
+def module(decl: MatrixState) -> K.Module:
+    """The per-key delta kernels of `decl` as one IR module."""
+    if not supports(decl):
+        raise ValueError(f"declaration: matrix state {decl.name!r} (decay {decl.decay}, correction {decl.correction}, "
+                         f"{decl.steps} step(s)) is not the per-key delta structure these kernels cover")
+    kernels = helper_kernels() + [prep_kernel(decl), fwd_kernel(decl), bwd_dh_kernel(decl), bwd_kernel(decl)]
+    doc = (f"Generated by scanlang from matrix state {E.docstring_text(decl.name)} (declaration {decl.key}): "
+           f"decay per_key, delta correction (backends/linear/kernels_delta.py). Do not edit.")
+    return K.Module(doc, tuple(kernels))
+
+
+def render(decl: MatrixState) -> str:
+    """The module's source text (deterministic)."""
+    return print_module(module(decl))
