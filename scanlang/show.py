@@ -179,8 +179,9 @@ def _linear_at(decl: MatrixState, shape: tuple) -> str:
     chunked, decodes = "chunk" in sources, T <= limit
     head = [f"# backend='triton' at [B, T, H, K, V] = [{B}, {T}, {H}, {K}, {V}]: {decl.name} on the kernels "
             f"generated from the declaration (backends/linear); backend=None runs the PyTorch reference for it"]
+    where = "kernels_delta.py" if decl.correction == "delta" else "kernels.py"
     head.append("# training (with gradients): " + (
-        "the chunk kernels (backends/linear/kernels.py), forward and backward" if chunked else
+        f"the chunk kernels (backends/linear/{where}), forward and backward" if chunked else
         f"none: no chunk kernels for decay {decl.decay!r} with correction {decl.correction!r} yet, backend='triton' "
         f"raises a ValueError (use backend='reference')"))
     if decodes:
@@ -193,7 +194,7 @@ def _linear_at(decl: MatrixState, shape: tuple) -> str:
         head.append("# no generated module runs at this shape")
     parts = ["\n".join(head)]
     if chunked:
-        parts.append(f"# chunk kernels (backends/linear/kernels.py; chunk_size=None is {REFERENCE_CHUNK})\n"
+        parts.append(f"# chunk kernels (backends/linear/{where}; chunk_size=None is {REFERENCE_CHUNK})\n"
                      + sources["chunk"])
     if decodes:
         parts.append("# decode (backends/linear/decode.py)\n" + sources["decode"])

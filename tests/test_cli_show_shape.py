@@ -95,12 +95,28 @@ def test_a_plain_write_prints_the_decode_module_only_up_to_decode_max_tokens(cap
     assert "gla_decode" not in jitted(off)
 
 
-def test_kda_at_a_shape_says_what_has_no_kernels(capsys):
+def test_kda_at_a_shape_names_its_chunk_kernels(capsys):
     _, short = shown(capsys, f"{MEMBERS}:KDA", "--shape", "1,10,4,32,32")
-    assert jitted(short) == {"kda_decode"} and decode.render(KDA) in short
-    assert any(line.startswith("# training (with gradients): none: no chunk kernels") for line in header(short))
+    assert {"kda_decode", "kda_prep", "kda_fwd", "kda_bwd"} <= jitted(short) and decode.render(KDA) in short
+    assert "# training (with gradients): the chunk kernels (backends/linear/kernels_delta.py), forward and backward" \
+        in header(short)
     _, long = shown(capsys, f"{MEMBERS}:KDA", "--shape", "1,100,4,32,32")
+    assert "kda_decode" not in jitted(long) and "kda_fwd" in jitted(long)
+
+
+PER_KEY_PRODUCT = '''
+import scanlang as sl
+product = sl.matrix_state("cli_per_key_product", decay="per_key", correction="householder", steps=2,
+                          inputs={"g": "token_key", "beta": "token"}, beta=lambda t: t.beta, log_decay=lambda t: t.g)
+'''
+
+
+def test_a_structure_without_chunk_kernels_says_so_at_a_shape(capsys, tmp_path, monkeypatch):
+    (tmp_path / "cli_per_key_product.py").write_text(PER_KEY_PRODUCT)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    _, long = shown(capsys, "cli_per_key_product:product", "--shape", "1,100,4,32,32")
     assert jitted(long) == set() and "# no generated module runs at this shape" in header(long)
+    assert any(line.startswith("# training (with gradients): none: no chunk kernels") for line in header(long))
 
 
 def test_head_dims_above_the_delta_kernels_limit_print_no_module(capsys):
