@@ -16,6 +16,7 @@ from scanlang.backends.delta import codegen
 from scanlang.backends.linear import decode, kernels, kernels_delta
 from scanlang.cli import main
 from scanlang.recipes.linear.delta_form import delta_form
+from scanlang.linear import matrix_state
 from scanlang.show import show_matrix_state
 
 
@@ -123,11 +124,12 @@ def test_show_kda_prints_its_per_key_delta_chunk_kernels_and_decode_kernel(capsy
     assert "# chunk kernels (backends/linear/kernels_delta.py): with gradients" in source
 
 
-def test_show_householder_steps_print_only_their_decode_kernel_and_say_why():
-    from scanlang.recipes.linear.members import gated_delta_product_declaration
-    source = show_matrix_state(gated_delta_product_declaration(2))
-    assert "no chunk kernels for decay 'per_head' with correction 'householder'" in source
-    assert jitted(source.partition("\n\n")[2]) == {"gated_delta_product_2_decode"}
+def test_show_per_key_householder_steps_print_only_their_decode_kernel_and_say_why():
+    decl = matrix_state("show_per_key_product", decay="per_key", correction="householder", steps=2,
+                           inputs={"g": "token_key", "beta": "token"}, beta=lambda t: t.beta, log_decay=lambda t: t.g)
+    source = show_matrix_state(decl)
+    assert "no chunk kernels for decay 'per_key' with correction 'householder'" in source
+    assert jitted(source.partition("\n\n")[2]) == {"show_per_key_product_decode"}
 
 
 def test_show_the_kaczmarz_member_prints_the_delta_rule_kernels_it_is_routed_to(capsys):

@@ -24,6 +24,10 @@ MEMBERS = {
     "kda": (M.KDA, 1),
     "kaczmarz": (M.KACZMARZ, 1),
     "gated_delta_product": (L.gated_delta_product_declaration(2), 2),
+    # per-key decay with Householder steps: the one structure only the decode kernel runs (no chunk kernels)
+    "per_key_product": (sl.matrix_state("per_key_product", decay="per_key", correction="householder", steps=2,
+                                        inputs={"g": "token_key", "beta": "token"}, beta=lambda t: t.beta,
+                                        log_decay=lambda t: t.g), 2),
 }
 OPS = {name: L.op(d) for name, (d, _) in MEMBERS.items()}
 
@@ -166,12 +170,12 @@ def test_routing_follows_gradients_and_the_length_knob():
     with sl.tuning.override(decode_max_tokens=4), ops.recording() as launches:
         OPS["kda"](*kda, backend="triton")
     assert [name for name, *_ in launches] == ["kda_prep", "kda_fwd"]
-    gdp = make("gated_delta_product", 1, 5, gen)   # Householder steps: no chunk kernels yet
+    gdp = make("per_key_product", 1, 5, gen)   # per-key decay with Householder steps: no chunk kernels yet
     with pytest.raises(ValueError, match="gradients are needed.*use backend='reference'"):
-        OPS["gated_delta_product"](*[t.clone().requires_grad_() for t in gdp], backend="triton")
+        OPS["per_key_product"](*[t.clone().requires_grad_() for t in gdp], backend="triton")
     with sl.tuning.override(decode_max_tokens=4):
         with pytest.raises(ValueError, match="longer than decode_max_tokens = 4.*use backend='reference'"):
-            OPS["gated_delta_product"](*gdp, backend="triton")
+            OPS["per_key_product"](*gdp, backend="triton")
     with pytest.raises(ValueError, match="decode_max_tokens"):
         with sl.tuning.override(decode_max_tokens=-1):
             pass
