@@ -1,16 +1,17 @@
-"""Time the generated plain-write matrix-state kernels (backends/linear) on a GPU, checked against the
-float64 chunked reference in the same run.
+"""Time the matrix-state members' generated kernels on a GPU, checked against the float64 chunked
+reference in the same run.
 
     python -m scanlang.tools.bench_linear [--B 8] [--T 4096] [--H 16] [--K 128] [--V 128] [--chunk 64]
 
-Per member (linear_attention, simple_gla, gla), bf16 inputs: first o and every gradient against
+Per member (linear_attention, simple_gla, gla and kda on backends/linear; gated_delta_product with n = 2
+on the delta-rule kernels over the interleaved rows), bf16 inputs (the delta members' keys unit vectors): first o and every gradient against
 backend="reference" in float64 at B1 and T = min(T, 1024) (the reference's per-key pairwise tensor is
 [C, C, K] per chunk), under scanlang.testing's rows (RMS ratio and every element); a member that fails
 its check (or raises) is reported FAIL and not timed, and the run exits 1. Then the median forward and
 forward+backward time (triton.testing.do_bench) at the given shape, both on the chunk kernels (the
 no-grad forward of a short input would otherwise take the decode kernel: tuning.decode_max_tokens = 0),
-next to fla's chunk op (chunk_linear_attn with normalize=False, chunk_simple_gla, chunk_gla) on the same
-inputs when fla-core is installed. `--device cpu` runs the same steps
+next to fla's chunk op (chunk_linear_attn with normalize=False, chunk_simple_gla, chunk_gla, chunk_kda,
+chunk_gated_delta_product) on the same inputs when fla-core is installed. `--device cpu` runs the same steps
 in Triton's interpreter with wall-clock times (tests, tiny shapes).
 """
 from __future__ import annotations
@@ -27,18 +28,42 @@ from scanlang import tuning
 from scanlang.recipes import linear
 from scanlang.testing import check as check_close
 
-MEMBERS = ("linear_attention", "simple_gla", "gla")
-NAMES = ("o", "dq", "dk", "dv", "dg")
-KINDS = ("delta_out", "delta_grad", "delta_grad", "delta_grad", "delta_gate_grad")   # rows of scanlang.testing
+MEMBERS = ("linear_attention", "simple_gla", "gla", "kda", "gated_delta_product")
+N_HOUSEHOLDER = 2   # gated_delta_product's steps per token (DESIGN.md's row)
+# each member's inputs after q, k, v: (name, per-key?, rows per token) and the tolerance row of their gradient
+EXTRA = {"linear_attention": [], "simple_gla": [("g", False, 1)], "gla": [("g", True, 1)],
+         "kda": [("g", True, 1), ("beta", False, 1)],
+         "gated_delta_product": [("g", False, 1), ("beta", False, N_HOUSEHOLDER)]}
+KIND = {"g": "delta_gate_grad", "beta": "delta_grad"}   # rows of scanlang.testing
+
+
+def _names(member):
+    extra = [n for n, *_ in EXTRA[member]]
+    return ("o", "dq", "dk", "dv", *(f"d{n}" for n in extra)), \
+        ("delta_out", "delta_grad", "delta_grad", "delta_grad", *(KIND[n] for n in extra))
 
 
 def _inputs(member, B, T, H, K, V, dtype, device, seed=0):
     gen = torch.Generator(device=device).manual_seed(seed)
-    q, k = (torch.randn(B, T, H, K, generator=gen, device=device) for _ in range(2))
-    v = torch.randn(B, T, H, V, generator=gen, device=device)
-    extra = {"linear_attention": [], "simple_gla": [(B, T, H)], "gla": [(B, T, H, K)]}[member]
-    gs = [torch.nn.functional.logsigmoid(torch.randn(s, generator=gen, device=device) + 3) for s in extra]
-    return [t.to(dtype) for t in (q * K ** -0.5, k * K ** -0.5, v)] + gs
+    n = N_HOUSEHOLDER if member == "gated_delta_product" else 1
+    delta = member in ("kda", "gated_delta_product")
+    q = torch.randn(B, T, H, K, generator=gen, device=device) * K ** -0.5
+    k = torch.randn(B, T * n, H, K, generator=gen, device=device)
+    # the delta rule's keys are unit vectors (fla's use_qk_l2norm), the plain writes' scaled
+    k = torch.nn.functional.normalize(k, dim=-1) if delta else k * K ** -0.5
+    v = torch.randn(B, T * n, H, V, generator=gen, device=device)
+    xs = []
+    for name, per_key, rows in EXTRA[member]:
+        x = torch.randn(B, T * rows, H, *((K,) if per_key else ()), generator=gen, device=device)
+        xs.append(torch.nn.functional.logsigmoid(x + 3) if name == "g" else torch.sigmoid(x))
+    return [t.to(dtype) for t in (q, k, v)] + xs
+
+
+def _call(member, *ins, **kw):
+    fn = getattr(linear, member)
+    if member == "gated_delta_product":
+        return fn(*ins, N_HOUSEHOLDER, **kw)
+    return fn(*ins, **kw)
 
 
 def check(member, T, H, K, V, C, device) -> dict:
@@ -48,13 +73,14 @@ def check(member, T, H, K, V, C, device) -> dict:
     out = {}
     for be in ("triton", "reference"):
         xs = [t.detach().clone().to(torch.float64 if be == "reference" else t.dtype).requires_grad_() for t in ins]
-        o, _ = getattr(linear, member)(*xs, backend=be, chunk_size=C)
+        o, _ = _call(member, *xs, backend=be, chunk_size=C)
         w = torch.randn(o.shape, generator=torch.Generator(device=device).manual_seed(1), device=device,
                         dtype=torch.float64).to(o.dtype)
         (o * w).sum().backward()
         out[be] = [o] + [x.grad for x in xs]
+    names, kinds = _names(member)
     return {n: check_close(a, b, kind, torch.bfloat16)
-            for n, kind, a, b in zip(NAMES, KINDS, out["triton"], out["reference"])}
+            for n, kind, a, b in zip(names, kinds, out["triton"], out["reference"])}
 
 
 def bench_ms(fn, device) -> float:
@@ -68,8 +94,7 @@ def bench_ms(fn, device) -> float:
 
 def time_member(member, B, T, H, K, V, C, device) -> tuple[float, float]:
     ins = [t.requires_grad_() for t in _inputs(member, B, T, H, K, V, torch.bfloat16, device)]
-    fn = getattr(linear, member)
-    fwd = lambda: fn(*ins, backend="triton", chunk_size=C)  # noqa: E731
+    fwd = lambda: _call(member, *ins, backend="triton", chunk_size=C)  # noqa: E731
     with torch.no_grad(), tuning.override(decode_max_tokens=0):   # the chunk kernels, not the decode kernel
         t_fwd = bench_ms(fwd, device)
     do = torch.randn(B, T, H, V, device=device)
@@ -89,8 +114,14 @@ def _fla_op(member):
         if member == "simple_gla":
             from fla.ops.simple_gla import chunk_simple_gla
             return lambda q, k, v, g: chunk_simple_gla(q, k, v, g)
-        from fla.ops.gla import chunk_gla
-        return lambda q, k, v, g: chunk_gla(q, k, v, g)
+        if member == "gla":
+            from fla.ops.gla import chunk_gla
+            return lambda q, k, v, g: chunk_gla(q, k, v, g)
+        if member == "kda":
+            from fla.ops.kda import chunk_kda
+            return lambda q, k, v, g, beta: chunk_kda(q, k, v, g, beta)
+        from fla.ops.gated_delta_product import chunk_gated_delta_product
+        return lambda q, k, v, g, beta: chunk_gated_delta_product(q, k, v, g, beta, N_HOUSEHOLDER)
     except ImportError:
         return None
 
@@ -102,7 +133,7 @@ def time_anchor(member, B, T, H, K, V, device):
         return None
     ins = [t.requires_grad_() for t in _inputs(member, B, T, H, K, V, torch.bfloat16, device)]
     with torch.no_grad():
-        ours, _ = getattr(linear, member)(*ins, backend="triton")
+        ours, _ = _call(member, *ins, backend="triton")
         theirs = op(*ins)[0]
         t_fwd = bench_ms(lambda: op(*ins), device)
     do = torch.randn(B, T, H, V, device=device, dtype=torch.bfloat16)
@@ -120,9 +151,9 @@ def main(argv=None) -> int:
         p.add_argument(f"--{name}", type=int, default=default)
     p.add_argument("--members", default=",".join(MEMBERS))
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
-    p.add_argument("--forward", default="parallel", choices=("parallel", "sequential"),
-                   help="the plain-write forward: state pass then every chunk's outputs at once (default), or "
-                        "one sequential pass writing outputs (tuning linear_parallel_output=False)")
+    p.add_argument("--forward", default="sequential", choices=("parallel", "sequential"),
+                   help="the plain-write forward: one sequential pass writing outputs (the default), or the state "
+                        "pass then every chunk's outputs at once (tuning linear_parallel_output=True)")
     a = p.parse_args(argv)
     with tuning.override(linear_parallel_output=a.forward == "parallel"):
         return _run(a)
