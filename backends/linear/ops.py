@@ -286,8 +286,12 @@ def _delta_backward(ctx, q, k, v, h0, G, wy, xs, do, dht):
     kinds = [d.inputs[n] for n in kernels_delta.hook_inputs(d)]
     dxs = [torch.zeros(x.shape, device=dev) if kind == "head" else _empty(*x.shape, device=dev)   # atomics add
            for x, kind in zip(xs, kinds)]
-    bwd = _wide(meta, q)
-    bwd = dict(bwd, num_warps=CONFIG["num_warps"], **({"num_stages": 1} if bwd is not meta else {}))
+    bwd = dict(meta, num_warps=CONFIG["num_warps"])
+    if q.device.type == "cuda" and q.dtype != torch.float32 and meta["BV"] < meta["C"]:
+        # BV = 16, one stage: _wide's BV >= C needs 278,528 B of shared memory here at K = V = 128, C = 64
+        # (offline sm_90 compile, Triton 3.6; the H200 has 232,448), and BV = 32 < C is the width Triton 3.6
+        # miscompiled in the plain backward; BV = 16 was right there (BENCHMARKS_HISTORY.md, "Session 10")
+        bwd.update(BV=16, num_stages=1)
     _launch(getattr(mod, f"{d.name}_bwd"), (table.n_chunks, H),
             (q, k, v, G, *wy, hs, dh, do, dq, dk, dv, table.chunk_tok, table.chunk_len, table.chunk_seq, *xs, *dxs,
              *ctx.constants, scale, H), bwd)
