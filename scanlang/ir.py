@@ -48,6 +48,9 @@ class ScanIR:
     readout: tuple[sympy.Expr, ...]          # one per output, over prefix/previous/input symbols
     reduce_state: bool                       # outputs summed over the last lane axis
     constants: tuple[tuple[str, float], ...] = ()   # carry fields fixed at every step (`specialize_carry`)
+    # (what, file, line) of the user's lift and readout functions, for the generated code's comments;
+    # not part of the key or of equality: the same expressions are the same program wherever declared
+    declared_at: tuple[tuple[str, str, int], ...] = dataclasses.field(default=(), compare=False)
 
     @property
     def sequential_only(self) -> bool:
@@ -138,7 +141,17 @@ def lower(monoid: Monoid, inputs: Sequence[str] | None = None, lift: Callable | 
                   scale=monoid.scale_expr, earlier=monoid.x_symbols, later=monoid.y_symbols,
                   scale_symbols=monoid.m_symbols, inputs=in_names, input_symbols=u, lift=tuple(lift_exprs),
                   outputs=out_names, prefix_symbols=p, previous_symbols=q, readout=tuple(readout_exprs),
-                  reduce_state=reduce_state)
+                  reduce_state=reduce_state,
+                  declared_at=tuple(w for w in (_declared_at(lift, f"lift of {monoid.name}"),
+                                                _declared_at(readout, f"readout of {monoid.name}")) if w))
+
+
+def _declared_at(fn, what: str):
+    """(what, file, line) of a user function, or None (no function, or Python cannot tell: a builtin)."""
+    code = getattr(fn, "__code__", None)
+    if code is None:
+        return None
+    return what, code.co_filename, code.co_firstlineno
 
 
 def _trace_readout(body, args, n_results: int):

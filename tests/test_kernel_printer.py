@@ -148,3 +148,21 @@ def test_generated_lines_become_the_same_statements():
     assert ast.dump(ast.Module(fn.body[1:], [])) == ast.dump(ast.parse("\n".join(lines)))
     with pytest.raises(ValueError, match="no kernel IR statement"):
         builders.from_lines(["while x:", "    x = x - 1"])
+
+
+def _lift(u):          # a mixer's lift and readout, declared here: the comments must point at these lines
+    return u.a, u.b
+
+
+def _readout(p, u, q):
+    return p.b * u.c
+
+
+def test_mixer_kernels_point_at_the_lift_and_readout():
+    ir = pipeline.lower(sl.Affine, inputs=("a", "b", "c"), lift=_lift, outputs=("y",), readout=_readout)
+    src = pipeline.render(ir, pipeline.differentiate(ir))
+    here = inspect.getsourcefile(_lift)
+    for what, fn in (("lift", _lift), ("readout", _readout)):
+        assert f"# from {what} of Affine: {here}:{fn.__code__.co_firstlineno}" in src
+    assert ir == pipeline.lower(sl.Affine, inputs=("a", "b", "c"), lift=lambda u: (u.a, u.b), outputs=("y",),
+                                readout=lambda p, u, q: p.b * u.c)   # where it is declared is not its identity

@@ -39,18 +39,22 @@ def _where(fn, what: str) -> K.Origin | None:
 
 
 def origins(ir: ScanIR) -> tuple[K.Origin, ...]:
-    """Where the monoid behind `ir` was declared: its combine and (projective) scale functions.
+    """Where the code behind `ir` was declared: the monoid's combine and (projective) scale functions,
+    then a mixer's lift and readout (`ScanIR.declared_at`, recorded when it was lowered).
 
-    The IR holds expressions, not functions; the declaration is found among the declared monoids
-    (`scanlang.monoid.DECLARED`) by name and traced combine. None found (an IR built by hand): ()."""
+    The IR holds expressions, not functions; the monoid is found among the declared monoids
+    (`scanlang.monoid.DECLARED`) by name and traced combine. None found (an IR built by hand): no
+    combine or scale line."""
     from scanlang.monoid import DECLARED
+    found = []
     for m in DECLARED.values():
         if m.name == ir.name and tuple(m.exprs) == tuple(ir.combine):
             found = [_where(m.combine_fn, f"combine of {E.docstring_text(m.name)}")]
             if m.scale_fn is not None:
                 found.append(_where(m.scale_fn, f"scale of {E.docstring_text(m.name)}"))
-            return tuple(o for o in found if o is not None)
-    return ()
+            break
+    found += [K.Origin(E.docstring_text(what), path, line) for what, path, line in ir.declared_at]
+    return tuple(o for o in found if o is not None)
 
 
 def combine_kernel(ir: ScanIR, origin: tuple[K.Origin, ...]) -> K.Kernel:
