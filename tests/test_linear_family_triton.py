@@ -210,9 +210,12 @@ def test_bad_input_errors():
         L.simple_gla(q, k, v, torch.where(g < -0.5, float("-inf"), g), backend="triton", chunk_size=C)
     with pytest.raises(ValueError, match=r"g must have shape \[B, T, H\]"):
         L.simple_gla(q, k, v, g[..., None], backend="triton", chunk_size=C)
+    per_key_product = sl.matrix_state("per_key_product", decay="per_key", correction="householder", steps=2,
+                                      inputs={"g": "token_key", "beta": "token"}, beta=lambda t: t.beta,
+                                      log_decay=lambda t: t.g)   # the structure without chunk kernels
     with pytest.raises(ValueError, match="correction 'householder'"), sl.tuning.override(decode_max_tokens=0):
-        L.gated_delta_product(q, torch.cat([k, k], 1), torch.cat([v, v], 1), g, torch.rand(1, 10, H), 2,
-                              backend="triton")
+        L.op(per_key_product)(q, torch.cat([k, k], 1), torch.cat([v, v], 1), g[..., None].expand(q.shape),
+                              torch.rand(1, 10, H), backend="triton")
     with pytest.raises(ValueError, match="plain writes"):
         kernels.module(L.members.KDA)
 
