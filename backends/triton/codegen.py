@@ -42,10 +42,6 @@ def _num(v: float) -> str:
     return E.TRITON.number(E.constant(v))
 
 
-def _indent(lines, n):
-    return [" " * n + ln if ln else ln for ln in lines]
-
-
 def _piecewise(exprs, names, prefix):
     """Heaviside/sign atoms (derivatives of maximum/minimum/abs) as `tl.where` temporaries.
 
@@ -211,51 +207,9 @@ def _strides(prefix):
     return [f"{prefix}_{s}" for s in STRIDES]
 
 
-def sequence_bounds() -> list[str]:
-    """t0, seq_len: where sequence `seq` starts in memory and its length (both schedules)."""
-    return [
-        "if VARLEN:",
-        "    t0 = tl.load(cu_ptr + seq).to(tl.int64)",
-        "    seq_len = tl.load(cu_ptr + seq + 1).to(tl.int64) - t0",
-        "else:",
-        "    t0 = 0",
-        "    seq_len = T",
-    ]
-
-
-def memory_index() -> list[str]:
-    """tt: the memory index of scan step t (backwards in memory when REVERSE), and its step."""
-    return [
-        "if REVERSE:",
-        "    tt = (t0 + seq_len - 1 - t).to(tl.int64)",
-        "    step = -1",
-        "else:",
-        "    tt = (t0 + t).to(tl.int64)",
-        "    step = 1",
-    ]
-
-
 def static_flags(ir: ScanIR) -> list[str]:
     """The TSTATIC<i> constexpr parameters (default False: every step loads)."""
     return [f"TSTATIC{i}: tl.constexpr = False" for i in range(len(ir.inputs))]
-
-
-def _initial_carry(ir: ScanIR, shape: str = "[BLOCK_L]") -> list[str]:
-    """c_<field> (a `shape` lane tensor): the initial element of each lane (of sequence `seq`), else
-    the identity; fields of a specialised carry (`ir.constants`) are their constant."""
-    const = dict(ir.constants)
-    lines = [f"c_{f} = to_acc(tl.full({shape}, {_num(v)}, tl.float64), FP64)" for f, v in ir.constants]
-    free = [(f, name, ident) for f, (name, ident) in enumerate(zip(ir.fields, ir.identity)) if name not in const]
-    if not free:
-        return lines
-    lines.append("if HAS_INIT:")
-    for f, name, ident in free:
-        lines.append(f"    c_{name} = to_acc(tl.load(init{f}_ptr + seq * init{f}_sn + lane_offsets(lane, D1, D2, D3, init{f}_s0, init{f}_s1, "
-                     f"init{f}_s2, init{f}_s3), mask=lane_ok, other={_num(ident)}), FP64)")
-    lines.append("else:")
-    for f, name, ident in free:
-        lines.append(f"    c_{name} = to_acc(tl.full({shape}, {_num(ident)}, tl.float64), FP64)")
-    return lines
 
 
 def tile_start_checkpoints(ir: ScanIR, carry: str, lanes: str, mask: str) -> list[str]:

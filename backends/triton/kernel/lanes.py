@@ -66,8 +66,7 @@ from scanlang import expr as E
 from scanlang import tuning
 from scanlang.ir import ScanIR
 
-from ..codegen import (_assign_inverted, _initial_carry, _num, _symbols_named, forward_args, memory_index,
-                       renormalise_leaf, sequence_bounds, static_flags)
+from ..codegen import _assign_inverted, _num, _symbols_named, forward_args, renormalise_leaf, static_flags
 from . import builders as B
 from . import common
 from . import ir as K
@@ -144,7 +143,7 @@ def prologue() -> list:
         when("EVEN_L", [let("slot_ok", "tl.full([1, BLOCK_L // R], 1, tl.int1)"),
                        let("lane_ok", f"tl.full({SHAPE}, 1, tl.int1)")],
             [let("slot_ok", "slot < L"), let("lane_ok", "lane < L")]),
-        *B.from_lines(sequence_bounds()),
+        *B.sequence_bounds(),
         let("n_chunks", "tl.cdiv(seq_len, CHUNK)"),
         let("slot0", "t0 // CHUNK + seq"),
         let("first", "(slot % STATE) == 0"),   # the slot that stores its group's sum
@@ -162,7 +161,7 @@ def guarded(j: int, stmts) -> list:
 def block_index(first: str) -> list:
     """tt: the memory index of scan step t = k * CHUNK + `first` (backwards in memory when REVERSE);
     step j of the block is at tt + j * step (forward walk) or tt - j * step (backward walk)."""
-    return [let("t", f"k * CHUNK + {first}"), *B.from_lines(memory_index())]
+    return [let("t", f"k * CHUNK + {first}"), *B.memory_index()]
 
 
 def offsets(prefix: str, per_group: bool = False) -> list:
@@ -409,7 +408,7 @@ def render_forward_lanes(ir: ScanIR) -> K.Kernel:
     if ir.reduce_state:
         body += [let(f"po{o}", f"po{o}g") for o in range(len(ir.outputs))]
     body += static_loads(ir)
-    body += B.from_lines(_initial_carry(ir, SHAPE))
+    body += B.initial_carry(ir, SHAPE)
     ckpt = "ckpt_ptr + ({} * n_slots + slot0 + k) * L + lane"
     chunk = [when("CKPT", [lane_store(ckpt.format(f), f"c_{name}", "lane_ok")
                           for f, name in enumerate(ir.fields) if name in free(ir)])]
