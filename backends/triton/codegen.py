@@ -101,24 +101,6 @@ def has_combine_rcp(ir: ScanIR) -> bool:
                                    for a in sympy.sympify(e).atoms(sympy.Pow))
 
 
-def combine_call(ir: ScanIR, outs: str, args: str, fn: str = "combine") -> list[str]:
-    """`outs = fn(args)` (fn the combine, or tl.associative_scan's combine argument when `args`
-    names it), by `combine_rcp` under RCP_APPROX where the module has one."""
-    if fn != "combine" or not has_combine_rcp(ir):
-        return [f"{outs} = {fn}({args})"]
-    return ["if RCP_APPROX:", f"    {outs} = combine_rcp({args})", "else:", f"    {outs} = combine({args})"]
-
-
-def scan_call(ir: ScanIR, outs: str, args: str, extra: str = "") -> list[str]:
-    """`outs = tl.associative_scan((args,), 0, combine{extra})`, by `combine_rcp` under RCP_APPROX
-    where the module has one."""
-    plain = [f"{outs} = tl.associative_scan(({args},), 0, combine{extra})"]
-    if not has_combine_rcp(ir):
-        return plain
-    return ["if RCP_APPROX:", f"    {outs} = tl.associative_scan(({args},), 0, combine_rcp{extra})",
-            "else:", "    " + plain[0]]
-
-
 def combine_operands(ir: ScanIR) -> tuple[list[str], list[str], dict, list[str]]:
     """The names a generated combine uses: parameters x_<field> (earlier) and y_<field> (later), the
     symbol -> name map for rendering, and the results m_<field>."""
@@ -210,19 +192,6 @@ def _strides(prefix):
 def static_flags(ir: ScanIR) -> list[str]:
     """The TSTATIC<i> constexpr parameters (default False: every step loads)."""
     return [f"TSTATIC{i}: tl.constexpr = False" for i in range(len(ir.inputs))]
-
-
-def tile_start_checkpoints(ir: ScanIR, carry: str, lanes: str, mask: str) -> list[str]:
-    """Store the carry {carry}_<field> into tile k (offsets `lanes`, masked by `mask`) as a checkpoint: into
-    slot k when CHUNK == BLOCK_T, into slot k // (CHUNK // BLOCK_T) at every CHUNK // BLOCK_T-th tile when
-    CHUNK is a longer multiple of BLOCK_T (a shorter CHUNK stores from inside the tile instead)."""
-    lines = ["if CKPT and CHUNK == BLOCK_T:"]
-    lines += [f"    tl.store(ckpt_ptr + ({f} * n_slots + slot0 + k) * L + {lanes}, {carry}_{name}, mask={mask})"
-              for f, name in enumerate(ir.fields)]
-    lines += ["if CKPT and CHUNK > BLOCK_T:", "    if k % (CHUNK // BLOCK_T) == 0:"]
-    lines += [f"        tl.store(ckpt_ptr + ({f} * n_slots + slot0 + k // (CHUNK // BLOCK_T)) * L + {lanes}, "
-              f"{carry}_{name}, mask={mask})" for f, name in enumerate(ir.fields)]
-    return lines
 
 
 def forward_args(ir: ScanIR) -> list[str]:

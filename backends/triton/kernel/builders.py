@@ -165,11 +165,12 @@ def time_index() -> tuple:
 
 # --- combine calls, tiles -----------------------------------------------------------------------------------
 
-def combine_call(ir: ScanIR, outs, args: str, unpack: bool = False) -> tuple:
-    """`outs = combine(args)`, by `combine_rcp` under RCP_APPROX where the module has one."""
-    call = lambda fn: K.Assign(tuple(outs), K.expr(f"{fn}({args})"), unpack)  # noqa: E731
-    if not has_combine_rcp(ir):
-        return (call("combine"),)
+def combine_call(ir: ScanIR, outs, args: str, unpack: bool = False, fn: str = "combine") -> tuple:
+    """`outs = fn(args)` (fn the combine, or another function of the module such as runs.py's
+    `combine_raw`), by `combine_rcp` under RCP_APPROX where fn is the combine and the module has one."""
+    call = lambda f: K.Assign(tuple(outs), K.expr(f"{f}({args})"), unpack)  # noqa: E731
+    if fn != "combine" or not has_combine_rcp(ir):
+        return (call(fn),)
     return (when("RCP_APPROX", [call("combine_rcp")], [call("combine")]),)
 
 

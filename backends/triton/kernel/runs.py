@@ -23,8 +23,8 @@ prefixes, the carry into the next tile) go through one packed 1-D gather each.
 
 Expressions stay source text (`K.Expr`); the monoid's own expressions are printed by the one
 sympy -> Triton printer (codegen._assign / _assign_inverted, wrapped by `common.assign` and
-`inverted`). codegen.py's structured line builders (combine_call, scan_call,
-tile_start_checkpoints) enter the IR at the one seam, `builders.from_lines`.
+`inverted`); the statements the tile schedules share (combine and scan calls, checkpoints) are
+builders.py's.
 """
 from __future__ import annotations
 
@@ -37,8 +37,7 @@ from scanlang import tuning
 from scanlang.autodiff import Adjoint
 from scanlang.ir import ScanIR
 
-from ..codegen import (_assign_inverted, _num, combine_call, combine_operands, renormalise_leaf, scale_leaf_gradient,
-                       scan_call, tile_start_checkpoints)
+from ..codegen import _assign_inverted, _num, combine_operands, renormalise_leaf, scale_leaf_gradient
 from . import builders as B
 from . import common
 from . import ir as K
@@ -214,9 +213,8 @@ def load_lift_after(ir: ScanIR) -> tuple[K.Stmt, ...]:
 
 def combine(ir: ScanIR, out: str, x: str, y: str, fn: str = "combine") -> tuple[K.Stmt, ...]:
     """out_<field> = fn(x_<field>.., y_<field>..) (one field: combine returns the value itself)."""
-    outs = ", ".join(f"{out}_{f}" for f in ir.fields)
     args = f"{', '.join(f'{x}_{f}' for f in ir.fields)}, {', '.join(f'{y}_{f}' for f in ir.fields)}"
-    return B.from_lines(combine_call(ir, outs, args, fn))
+    return B.combine_call(ir, [f"{out}_{f}" for f in ir.fields], args, fn=fn)
 
 
 def replay_runs(ir: ScanIR, raw: bool = False, carry: str = "cr") -> tuple[K.Stmt, ...]:
@@ -229,8 +227,7 @@ def replay_runs(ir: ScanIR, raw: bool = False, carry: str = "cr") -> tuple[K.Stm
     out = [A(f"r0_{f}", f"e0_{f}") for f in ir.fields]
     for j in range(1, RUN):
         out += combine(ir, f"r{j}", f"r{j - 1}", f"e{j}", "combine_raw" if raw and j % 2 == 0 else "combine")
-    s = ", ".join(f"s_{f}" for f in ir.fields) + ("," if len(ir.fields) == 1 else "")
-    out += B.from_lines(scan_call(ir, s, ", ".join(f"r{RUN - 1}_{f}" for f in ir.fields)))
+    out += B.scan_call(ir, [f"s_{f}" for f in ir.fields], ", ".join(f"r{RUN - 1}_{f}" for f in ir.fields))
     out.append(A("prev_run", f"tl.maximum(tl.arange(0, BLOCK_T // {RUN} * BLOCK_L) - BLOCK_L, 0)"))
     out += gather_runs([f"s_{f}" for f in ir.fields], "prev_run", [f"x_{f}" for f in ir.fields])
     out += [A(f"cb_{f}", f"{carry}_{f}") for f in ir.fields]
@@ -351,7 +348,7 @@ def forward_loop(ir: ScanIR) -> tuple[K.Stmt, ...]:
     """The tile loop of `scan_forward` on runs (module docstring); same checkpoints and outputs."""
     RUN, VEC, _ = runs_shape()
     loop = list(run_index() + step_masks())
-    loop += B.from_lines(tile_start_checkpoints(ir, "cr", "lane[None, :] + run * 0", "(run == 0) & lane_ok[None, :]"))
+    loop += B.tile_start_checkpoints(ir, "cr", "lane[None, :] + run * 0", "(run == 0) & lane_ok[None, :]")
     loop += bases([f"u{i}" for i in range(len(ir.inputs))] + [f"o{j}" for j in range(len(ir.outputs))])
     raw = scale_invariant_readout(ir)
     loop += load_lift_runs(ir)
