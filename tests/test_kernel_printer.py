@@ -83,10 +83,10 @@ def test_the_line_seam_and_the_lane_parameters():
     assert stmts == (K.If(K.expr("VARLEN"), (K.assign("t0", "tl.load(cu_ptr + seq)"),), (K.assign("t0", "0"),)),)
     with pytest.raises(ValueError, match="lines: no kernel IR statement for"):
         builders.from_lines(["while i < 3:", "    i = i + 1"])
-    assert lanes.params(["u0_ptr", "R: tl.constexpr", "TSTATIC0: tl.constexpr = False"]) == (
-        K.Param("u0_ptr"), K.Param("R", True), K.Param("TSTATIC0", True, K.expr("False")))
-    with pytest.raises(ValueError, match="texts: expected"):
-        lanes.params(["x: int"])
+    ir = pipeline.lower(sl.Affine)   # inputs a, b; outputs a, b
+    assert lanes.lanes_flags(ir, backward=False) == (
+        *(K.Param(f"TS_{b}", True) for b in ("u0", "u1", "o0", "o1")),
+        *(K.Param(f"{flag}{i}", True, K.expr("False")) for flag in ("TSTATIC", "SLOT") for i in range(2)))
 
 
 def test_bad_input_is_refused_naming_the_kernel():

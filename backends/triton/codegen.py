@@ -189,11 +189,6 @@ def _strides(prefix):
     return [f"{prefix}_{s}" for s in STRIDES]
 
 
-def static_flags(ir: ScanIR) -> list[str]:
-    """The TSTATIC<i> constexpr parameters (default False: every step loads)."""
-    return [f"TSTATIC{i}: tl.constexpr = False" for i in range(len(ir.inputs))]
-
-
 def forward_args(ir: ScanIR) -> list[str]:
     """The forward kernels' runtime arguments (both schedules take the same ones)."""
     args = []

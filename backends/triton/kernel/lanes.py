@@ -66,33 +66,13 @@ from scanlang import expr as E
 from scanlang import tuning
 from scanlang.ir import ScanIR
 
-from ..codegen import _assign_inverted, _num, _symbols_named, forward_args, renormalise_leaf, static_flags
+from ..codegen import _assign_inverted, _num, _symbols_named, forward_args, renormalise_leaf
 from . import builders as B
 from . import common
 from . import ir as K
 
 SHAPE = "[R, BLOCK_L // R]"   # a lane tensor: R lanes per thread slot, BLOCK_L // R slots
 SLOTS = "[1, BLOCK_L // R]"   # a slot tensor: one value per thread slot
-
-
-# --- codegen.py's shared line builders enter through builders.from_lines (the one seam) ---
-
-def params(texts) -> tuple[K.Param, ...]:
-    """Kernel parameters from codegen.py's argument lists: `name`, `name: tl.constexpr` or
-    `name: tl.constexpr = default`."""
-    out = []
-    for text in texts:
-        head, _, default = text.partition("=")
-        name, _, ann = head.partition(":")
-        if ann and ann.strip() != "tl.constexpr":
-            raise ValueError(f"texts: expected 'name[: tl.constexpr][ = default]', got {text!r}")
-        out.append(K.Param(name.strip(), bool(ann), K.expr(default.strip()) if default else None))
-    return tuple(out)
-
-
-def constexprs(names) -> tuple[K.Param, ...]:
-    """Compile-time parameters without defaults."""
-    return tuple(K.Param(n, constexpr=True) for n in names)
 
 
 # --- small statement helpers ---
@@ -243,8 +223,8 @@ def lanes_flags(ir: ScanIR, backward: bool) -> tuple[K.Param, ...]:
     per_step = ([f"u{i}" for i in range(len(ir.inputs))]
                 + ([f"g{o}" for o in range(len(ir.outputs))] + [f"du{i}" for i in range(len(ir.inputs))] if backward
                    else [f"o{o}" for o in range(len(ir.outputs))]))
-    return (constexprs(f"TS_{b}" for b in per_step) + params(static_flags(ir))
-            + tuple(K.Param(f"SLOT{i}", True, K.expr(False)) for i in range(len(ir.inputs))))
+    flags = [f"{flag}{i}" for flag in ("TSTATIC", "SLOT") for i in range(len(ir.inputs))]
+    return B.params((), [f"TS_{b}" for b in per_step]) + tuple(K.Param(f, True, K.expr(False)) for f in flags)
 
 
 def keep(names, live: str) -> list:
@@ -418,7 +398,7 @@ def render_forward_lanes(ir: ScanIR) -> K.Kernel:
     body.append(K.For("k", K.expr(0), K.expr("n_chunks"), tuple(chunk), builtin=True))
     for f, name in enumerate(ir.fields):
         body.append(lane_store(f"final_ptr + ({f} * n_seq + seq) * L + lane", f"c_{name}", "lane_ok"))
-    sig = params(forward_args(ir)) + constexprs(FORWARD_CONSTEXPRS) + lanes_flags(ir, False)
+    sig = B.params(forward_args(ir), FORWARD_CONSTEXPRS) + lanes_flags(ir, False)
     return K.Kernel("scan_forward_lanes", sig, tuple(body), origin=common.origins(ir),
                     doc=f"Forward fused scan of {E.docstring_text(ir.name)}, lane-sequential: one combine per step and lane, "
                         "in registers.")

@@ -16,11 +16,12 @@ from scanlang.autodiff import Adjoint
 from scanlang.ir import ScanIR
 
 from ..codegen import _num, _symbols_named, backward_args, scale_leaf_gradient
+from . import builders as B
 from . import common
 from . import ir as K
-from .lanes import (SHAPE, advance, assign_rcp, at, block_index, chain, cheapest, composed_step, constexprs, cost,
-                    free, guarded, keep, lane_load, lane_store, lanes_flags, let, load_lift, masks, offsets, params,
-                    prologue, split_blocks, state_sum, static_loads, time, when)
+from .lanes import (SHAPE, advance, assign_rcp, at, block_index, chain, cheapest, composed_step, cost, free, guarded,
+                    keep, lane_load, lane_store, lanes_flags, let, load_lift, masks, offsets, prologue, split_blocks,
+                    state_sum, static_loads, time, when)
 
 
 def _warp_groups_sum(value: str) -> str:
@@ -328,8 +329,8 @@ def render_backward_lanes(ir: ScanIR, adj: Adjoint) -> K.Kernel:
     dinit = [lane_store(f"dinit{f}_ptr + seq * L + lane", " + ".join(f"{c}_{name}" for c in carried), "lane_ok")
              for f, name in enumerate(ir.fields)]
     body.append(when("HAS_INIT", dinit))
-    sig = (params(backward_args(ir) + ["scratch_ptr"]) + constexprs(BACKWARD_CONSTEXPRS)
-           + constexprs(f"DU{i}" for i in range(len(ir.inputs))) + lanes_flags(ir, True))
+    consts = [*BACKWARD_CONSTEXPRS, *(f"DU{i}" for i in range(len(ir.inputs)))]
+    sig = B.params(backward_args(ir) + ["scratch_ptr"], consts) + lanes_flags(ir, True)
     return K.Kernel("scan_backward_lanes", sig, tuple(body), origin=common.origins(ir),
                     doc=f"Backward of {E.docstring_text(ir.name)}, lane-sequential: replay each chunk (in registers when "
                         "CHUNK == UNROLL, else into scratch), step the adjoint back.")
