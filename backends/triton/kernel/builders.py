@@ -1,16 +1,13 @@
 """Statement builders the kernel-IR schedules share (kernel/ir.py): the program prologue, sequence
 bounds and memory index, loading and lifting a tile, replaying prefixes from a carry, the initial
-carry, checkpoints, the kernel parameters, the combine calls, and the module's small helpers
-(leaf_scale, combine_rcp). Expressions are printed by the one expression printer
-(codegen._assign / _assign_inverted, over `scanlang.expr.render`); this module only builds statements.
-
-`from_lines` is the one seam for codegen.py's remaining line builders (sequence bounds, memory index,
-initial carry, combine and scan calls, checkpoints: used by every schedule): it turns their lines into
-IR statements; it goes when those builders return statements themselves.
+carry, checkpoints, the kernel parameters, the combine and scan calls, and the module's small helpers
+(leaf_scale, combine_rcp). Every builder returns IR statements (or a `Kernel`); expressions inside
+them are source text (`ir.Expr`), the monoid's own printed by the one expression printer
+(codegen._assign / _assign_inverted, over `scanlang.expr.render`) and turned into assignments by
+`ir.assign_lines`. No schedule writes statements as text lines.
 """
 from __future__ import annotations
 
-import ast
 import enum
 
 from scanlang.ir import ScanIR
@@ -73,49 +70,6 @@ def assign(targets, exprs, names, prefix, shape_like=None) -> tuple:
 def assign_inverted(targets, exprs, names, prefix, shape_like=None, recips=None) -> tuple:
     """`assign` with each reciprocal taken once by `reciprocal(.., RCP_APPROX)` (codegen._assign_inverted)."""
     return K.assign_lines(_assign_inverted(list(targets), list(exprs), names, prefix, shape_like, recips=recips))
-
-
-# --- the seam: codegen.py's line-generated statements as IR --------- --------------------------------------------
-
-def _call_parts(call: ast.Call):
-    return [ast.unparse(x) for x in call.args], {k.arg: k.value for k in call.keywords}
-
-
-def _from_ast(node: ast.stmt):
-    text = lambda e: K.Expr(ast.unparse(e))  # noqa: E731
-    if isinstance(node, ast.Assign) and len(node.targets) == 1:
-        t = node.targets[0]
-        if isinstance(t, ast.Name):
-            return K.Assign((t.id,), text(node.value))
-        if isinstance(t, ast.Tuple) and all(isinstance(e, ast.Name) for e in t.elts):
-            return K.Assign(tuple(e.id for e in t.elts), text(node.value), unpack=len(t.elts) == 1)
-    if isinstance(node, ast.AugAssign) and isinstance(node.op, ast.Add) and isinstance(node.target, ast.Name):
-        return K.AugAssign(node.target.id, text(node.value))
-    if isinstance(node, ast.If):
-        return K.If(text(node.test), tuple(map(_from_ast, node.body)), tuple(map(_from_ast, node.orelse)))
-    if isinstance(node, ast.For) and isinstance(node.target, ast.Name) and isinstance(node.iter, ast.Call):
-        fn = ast.unparse(node.iter.func)
-        args, kw = _call_parts(node.iter)
-        if fn in ("tl.range", "tl.static_range") and len(args) in (2, 3) and set(kw) <= {"num_stages"}:
-            return K.For(node.target.id, K.Expr(args[0]), K.Expr(args[1]), tuple(map(_from_ast, node.body)),
-                         step=K.Expr(args[2]) if len(args) == 3 else None, static=fn == "tl.static_range",
-                         num_stages=text(kw["num_stages"]) if "num_stages" in kw else None)
-    if isinstance(node, ast.Expr) and isinstance(node.value, ast.Call):
-        fn = ast.unparse(node.value.func)
-        args, kw = _call_parts(node.value)
-        mask = text(kw["mask"]) if "mask" in kw else None
-        if fn == "tl.store" and len(args) == 2 and list(kw) in ([], ["mask"]):
-            return K.Store(K.Expr(args[0]), K.Expr(args[1]), mask)
-        if (fn == "tl.atomic_add" and len(args) == 2 and list(kw) in (["sem"], ["mask", "sem"])
-                and ast.literal_eval(kw["sem"]) == "relaxed"):
-            return K.AtomicAdd(K.Expr(args[0]), K.Expr(args[1]), mask)
-    raise ValueError(f"lines: no kernel IR statement for {ast.unparse(node)!r}")
-
-
-def from_lines(src) -> tuple:
-    """The statements of generated lines (one block, indented by four spaces per level): assignments,
-    `+=`, if/else, `tl.range` / `tl.static_range` loops, `tl.store` and relaxed `tl.atomic_add`."""
-    return tuple(_from_ast(node) for node in ast.parse("\n".join(src)).body)
 
 
 # --- kernel parameters ----------------------------------------------------------------------------------------
