@@ -139,52 +139,6 @@ def reciprocal(x, HW: tl.constexpr):
     return r'''
 
 
-# leaf_scale's bit arithmetic, per accumulation dtype: (integer type, exponent mask, the exponent
-# bits of 2^(bias - 1) and the largest exponent used, so that the factor stays a finite normal number).
-# One source for the tile modules' leaf_scale (kernel/builders.py) and the chunk-parallel one (kernel/chunked.py).
-LEAF_SCALE_DOC = """2^-e where 2^e <= m < 2^(e + 1), m >= 0 the largest |field| of a projective leaf: the leaf times it
-    has its largest field in [1, 2), exactly (a power of two). From the exponent bits, clamped to a finite
-    normal factor (m = 0 or subnormal: 2^127 in float32; m = inf or NaN: 2^-126, the leaf stays as it is)."""
-LEAF_SCALE_BITS = {"tl.float64": ("tl.int64", "0x7FF0000000000000", "0x7FE0000000000000", "0x7FD0000000000000"),
-                   "tl.float32": ("tl.int32", "0x7F800000", "0x7F000000", "0x7E800000")}
-
-
-def leaf_scale_lines(dtype: str) -> tuple[str, str]:
-    """leaf_scale's two statements for accumulation dtype `dtype` ("tl.float64" / "tl.float32"):
-    `e = <exponent bits of m>` and the returned factor."""
-    itype, mask, top, clamp = LEAF_SCALE_BITS[dtype]
-    return (f"e = m.to({itype}, bitcast=True) & {mask}",
-            f"({top} - tl.minimum(e, {clamp})).to({dtype}, bitcast=True)")
-
-
-def _max_tree(items: list[str]) -> str:
-    """tl.maximum over `items`, as a balanced tree (independent maxima issue together)."""
-    if len(items) == 1:
-        return items[0]
-    half = len(items) // 2
-    return f"tl.maximum({_max_tree(items[:half])}, {_max_tree(items[half:])})"
-
-
-def renormalise_leaf(ir: ScanIR, tag: str) -> list[str]:
-    """Projective monoids: the lifted leaf l{tag}_<field> scaled by inv_leaf{tag} = leaf_scale(its largest
-    |field|), before any product, as the reference backend renormalises every leaf (there by its scale;
-    any non-zero factor is the same projective element, and every combine result is divided by its scale,
-    so the outputs are those of the raw leaves: leaves near 1e20 no longer overflow float32 in a product).
-    The outputs do not change when a leaf is scaled, so d out / d leaf = inv_leaf * d out / d(scaled
-    leaf): the backward multiplies each dx by its step's inv_leaf. Nothing for other monoids."""
-    if not ir.is_projective:
-        return []
-    largest = _max_tree([f"tl.abs(l{tag}_{f})" for f in ir.fields])
-    return [f"inv_leaf{tag} = leaf_scale({largest})"] + [f"l{tag}_{f} = l{tag}_{f} * inv_leaf{tag}" for f in ir.fields]
-
-
-def scale_leaf_gradient(ir: ScanIR, dx: str, tag: str) -> list[str]:
-    """dx<field> (format `dx`) times the step's inv_leaf{tag} (see `renormalise_leaf`); nothing unless projective."""
-    if not ir.is_projective:
-        return []
-    return [f"{dx.format(f)} = {dx.format(f)} * inv_leaf{tag}" for f in ir.fields]
-
-
 def _strides(prefix):
     return [f"{prefix}_{s}" for s in STRIDES]
 

@@ -12,7 +12,7 @@ from scanlang import expr as E
 from scanlang.autodiff import Adjoint
 from scanlang.ir import ScanIR
 
-from .codegen import _num, _symbols_named, backward_args, forward_args, scale_leaf_gradient
+from .codegen import _num, _symbols_named, backward_args, forward_args
 from .kernel import builders as B
 from .kernel import common
 from .kernel import ir as K
@@ -180,7 +180,7 @@ def backward_kernel(ir: ScanIR, adj: Adjoint) -> K.Kernel:
                | {s: f"e_{f}" for s, f in zip(ir.later, ir.fields)})
     recips = {}
     loop += B.assign_inverted([f"dx_{f}" for f in ir.fields], adj.dx, names_x, "_x", shape_like=shape, recips=recips)
-    loop += B.lines(scale_leaf_gradient(ir, "dx_{}", ""))
+    loop += B.scale_leaf_gradient(ir, "dx_{}", "")
     names_u = here | {s: s.name for s in adj.dx_symbols}
     loop += B.assign_inverted([f"du_{m}" for m in ir.inputs], adj.du, names_u, "_u", shape_like=shape, recips=recips)
     loop += [_du_store(i, name) for i, name in enumerate(ir.inputs)]

@@ -12,8 +12,7 @@ import enum
 
 from scanlang.ir import ScanIR
 
-from ..codegen import (LEAF_SCALE_DOC, _assign, _assign_inverted, _num, combine_operands, has_combine_rcp,
-                       leaf_scale_lines, renormalise_leaf)
+from ..codegen import _assign, _assign_inverted, _num, combine_operands, has_combine_rcp
 from . import ir as K
 
 # the tile kernels' layout constexprs (plan.py): RCP_APPROX (float32 compiled for a GPU: reciprocals by
@@ -117,6 +116,37 @@ def time_index() -> tuple:
             *memory_index())
 
 
+# --- projective leaves ---------------------------------------------------------------------------------------
+
+def _max_tree(items: list[str]) -> str:
+    """tl.maximum over `items`, as a balanced tree (independent maxima issue together)."""
+    if len(items) == 1:
+        return items[0]
+    half = len(items) // 2
+    return f"tl.maximum({_max_tree(items[:half])}, {_max_tree(items[half:])})"
+
+
+def renormalise_leaf(ir: ScanIR, tag: str) -> tuple:
+    """Projective monoids: the lifted leaf l{tag}_<field> scaled by inv_leaf{tag} = leaf_scale(its largest
+    |field|), before any product, as the reference backend renormalises every leaf (there by its scale;
+    any non-zero factor is the same projective element, and every combine result is divided by its scale,
+    so the outputs are those of the raw leaves: leaves near 1e20 no longer overflow float32 in a product).
+    The outputs do not change when a leaf is scaled, so d out / d leaf = inv_leaf * d out / d(scaled
+    leaf): the backward multiplies each dx by its step's inv_leaf. Nothing for other monoids."""
+    if not ir.is_projective:
+        return ()
+    largest = _max_tree([f"tl.abs(l{tag}_{f})" for f in ir.fields])
+    return (a(f"inv_leaf{tag}", f"leaf_scale({largest})"),
+            *(a(f"l{tag}_{f}", f"l{tag}_{f} * inv_leaf{tag}") for f in ir.fields))
+
+
+def scale_leaf_gradient(ir: ScanIR, dx: str, tag: str) -> tuple:
+    """dx<field> (format `dx`) times the step's inv_leaf{tag} (see `renormalise_leaf`); nothing unless projective."""
+    if not ir.is_projective:
+        return ()
+    return tuple(a(dx.format(f), f"{dx.format(f)} * inv_leaf{tag}") for f in ir.fields)
+
+
 # --- combine calls, tiles -----------------------------------------------------------------------------------
 
 def combine_call(ir: ScanIR, outs, args: str, unpack: bool = False, fn: str = "combine") -> tuple:
@@ -145,7 +175,7 @@ def load_lift(ir: ScanIR, tag: str = "", shift: int = 0, mask: str = "ok") -> tu
            for i, n in enumerate(ir.inputs)]
     names = {s: f"u{tag}_{s.name[2:]}" for s in ir.input_symbols}
     out += assign([f"l{tag}_{f}" for f in ir.fields], ir.lift, names, f"_l{tag}", shape_like=f"u{tag}_{ir.inputs[0]}")
-    out += lines(renormalise_leaf(ir, tag))
+    out += renormalise_leaf(ir, tag)
     out += [a(f"e{tag}_{f}", f"tl.where({mask}, l{tag}_{f}, {_num(ident)})") for f, ident in zip(ir.fields, ir.identity)]
     return tuple(out)
 
@@ -191,12 +221,29 @@ def tile_start_checkpoints(ir: ScanIR, carry: str, lanes: str, mask: str) -> tup
 
 # --- the module's small functions ------------------------------------------------------------------------
 
-def leaf_scale_kernel() -> K.Kernel:
-    """`leaf_scale(m)`: the exact power of two bringing a projective leaf's largest field into [1, 2)."""
-    f64, f32 = leaf_scale_lines("tl.float64"), leaf_scale_lines("tl.float32")
+LEAF_SCALE_DOC = """2^-e where 2^e <= m < 2^(e + 1), m >= 0 the largest |field| of a projective leaf: the leaf times it
+    has its largest field in [1, 2), exactly (a power of two). From the exponent bits, clamped to a finite
+    normal factor (m = 0 or subnormal: 2^127 in float32; m = inf or NaN: 2^-126, the leaf stays as it is)."""
+
+# leaf_scale's bit arithmetic, per accumulation dtype: (integer type, exponent mask, the exponent
+# bits of 2^(bias - 1) and the largest exponent used, so that the factor stays a finite normal number).
+LEAF_SCALE_BITS = {"tl.float64": ("tl.int64", "0x7FF0000000000000", "0x7FE0000000000000", "0x7FD0000000000000"),
+                   "tl.float32": ("tl.int32", "0x7F800000", "0x7F000000", "0x7E800000")}
+
+
+def _leaf_scale_body(dtype: str) -> tuple:
+    """leaf_scale's statements for accumulation dtype `dtype`: e = the exponent bits of m; return the factor."""
+    itype, mask, top, clamp = LEAF_SCALE_BITS[dtype]
+    return (a("e", f"m.to({itype}, bitcast=True) & {mask}"),
+            K.Return((K.expr(f"({top} - tl.minimum(e, {clamp})).to({dtype}, bitcast=True)"),)))
+
+
+def leaf_scale_kernel(doc: str = LEAF_SCALE_DOC) -> K.Kernel:
+    """`leaf_scale(m)`: the exact power of two bringing a projective leaf's largest field into [1, 2)
+    (the tile modules' and the chunk-parallel one's: chunked.py gives `doc` on one line)."""
     return K.Kernel("leaf_scale", (K.Param("m"),),
-                    (when("m.dtype == tl.float64", [*lines(f64[:1]), K.Return((K.expr(f64[1]),))],
-                          [*lines(f32[:1]), K.Return((K.expr(f32[1]),))]),), doc=LEAF_SCALE_DOC)
+                    (when("m.dtype == tl.float64", _leaf_scale_body("tl.float64"), _leaf_scale_body("tl.float32")),),
+                    doc=doc)
 
 
 def combine_rcp_kernel(ir: ScanIR, origin=()) -> K.Kernel | None:

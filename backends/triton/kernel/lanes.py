@@ -66,7 +66,7 @@ from scanlang import expr as E
 from scanlang import tuning
 from scanlang.ir import ScanIR
 
-from ..codegen import _assign_inverted, _num, _symbols_named, forward_args, renormalise_leaf
+from ..codegen import _assign_inverted, _num, _symbols_named, forward_args
 from . import builders as B
 from . import common
 from . import ir as K
@@ -197,7 +197,7 @@ def load_lift(ir: ScanIR, tag: str, shift: int, lane_mask: str, slot_mask: str, 
     names = {s: f"u{tag}_{s.name[2:]}" for s in ir.input_symbols}
     body += common.assign([f"l{tag}_{f}" for f in ir.fields], ir.lift, names, f"_l{tag}",
                           shape_like=f"u{tag}_{ir.inputs[0]}")
-    body += K.assign_lines(renormalise_leaf(ir, tag))
+    body += B.renormalise_leaf(ir, tag)
     for f, ident in zip(ir.fields, ir.identity):
         body.append(let(f"e{tag}_{f}", f"tl.where({lane_mask}, l{tag}_{f}, {_num(ident)})" if masked
                         else f"l{tag}_{f}"))

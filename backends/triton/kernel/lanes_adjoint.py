@@ -15,7 +15,7 @@ from scanlang import tuning
 from scanlang.autodiff import Adjoint
 from scanlang.ir import ScanIR
 
-from ..codegen import _num, _symbols_named, backward_args, scale_leaf_gradient
+from ..codegen import _num, _symbols_named, backward_args
 from . import builders as B
 from . import common
 from . import ir as K
@@ -133,7 +133,7 @@ def _adjoint_step(ir: ScanIR, adj: Adjoint, j: int, shift: int, carried: list[st
     names_x = {s: s.name for s in ir.previous_symbols + adj.gbar} | {s: f"e_{f}" for s, f in zip(ir.later, ir.fields)}
     if adj.dx:   # (a composed adjoint has none: its du is over gbar directly)
         part += assign_rcp([f"dx_{f}" for f in ir.fields], cheapest(adj.dx), names_x, "_x", recips, shape_like=shape)
-        part += K.assign_lines(scale_leaf_gradient(ir, "dx_{}", ""))
+        part += B.scale_leaf_gradient(ir, "dx_{}", "")
     part += assign_rcp([f"du_{u}" for u in ir.inputs], cheapest(adj.du),
                        here | {s: s.name for s in adj.dx_symbols + adj.gbar}, "_u", recips, shape_like=shape)
     for i, name in enumerate(ir.inputs):

@@ -37,7 +37,7 @@ from scanlang import tuning
 from scanlang.autodiff import Adjoint
 from scanlang.ir import ScanIR
 
-from ..codegen import _assign_inverted, _num, combine_operands, renormalise_leaf, scale_leaf_gradient
+from ..codegen import _assign_inverted, _num, combine_operands
 from . import builders as B
 from . import common
 from . import ir as K
@@ -178,7 +178,7 @@ def _lift_run(ir: ScanIR, tag: str, mask: str) -> tuple[K.Stmt, ...]:
     out = [A(f"u{tag}_{n}", f"to_acc(u{tag}_{n}, FP64)") for n in ir.inputs]
     out += common.assign([f"l{tag}_{f}" for f in ir.fields], ir.lift, names, f"_l{tag}_",
                          shape_like=f"u{tag}_{ir.inputs[0]}")
-    out += K.assign_lines(renormalise_leaf(ir, tag))
+    out += B.renormalise_leaf(ir, tag)
     # a renormalised padding step is the identity only where every field is selected
     direct = set() if ir.is_projective else {f for f, _ in _direct_fields(ir).values()}
     for f, ident in zip(ir.fields, ir.identity):
@@ -517,7 +517,7 @@ def backward_loop(ir: ScanIR, adj: Adjoint) -> tuple[K.Stmt, ...]:
         names_x = ({s: q(j, s.name[2:]) for s in ir.previous_symbols} | {s: f"gbar{j}_{s.name[5:]}" for s in adj.gbar}
                    | {s: f"e{j}_{f}" for s, f in zip(ir.later, F)})
         loop += inverted([f"dx{j}_{f}" for f in F], adj.dx, names_x, f"_x{j}_", shape_like=shape, recips=recips)
-        loop += K.assign_lines(scale_leaf_gradient(ir, f"dx{j}_" + "{}", str(j)))
+        loop += B.scale_leaf_gradient(ir, f"dx{j}_" + "{}", str(j))
         names_u = ({s: f"p{j}_{s.name[2:]}" for s in ir.prefix_symbols}
                    | {s: q(j, s.name[2:]) for s in ir.previous_symbols}
                    | {g: f"g{j}_{g.name[2:]}" for g in adj.g} | {s: f"u{j}_{s.name[2:]}" for s in ir.input_symbols}
