@@ -12,7 +12,8 @@ import enum
 
 from scanlang.ir import ScanIR
 
-from ..codegen import _assign, _assign_inverted, _num, combine_operands, has_combine_rcp
+from ..codegen import _num, combine_operands, has_combine_rcp
+from . import common
 from . import ir as K
 
 # the tile kernels' layout constexprs (plan.py): RCP_APPROX (float32 compiled for a GPU: reciprocals by
@@ -54,21 +55,6 @@ def a(target: str, value) -> K.Assign:
 
 def when(cond: str, body, orelse=()) -> K.If:
     return K.If(K.expr(cond), tuple(body), tuple(orelse))
-
-
-def lines(src) -> tuple:
-    """Statements (pure assignments) from `name = expression` lines of the expression printer."""
-    return K.assign_lines(src)
-
-
-def assign(targets, exprs, names, prefix, shape_like=None) -> tuple:
-    """`targets[i] = exprs[i]` by the one expression printer (see codegen._assign)."""
-    return K.assign_lines(_assign(list(targets), list(exprs), names, prefix, shape_like))
-
-
-def assign_inverted(targets, exprs, names, prefix, shape_like=None, recips=None) -> tuple:
-    """`assign` with each reciprocal taken once by `reciprocal(.., RCP_APPROX)` (codegen._assign_inverted)."""
-    return K.assign_lines(_assign_inverted(list(targets), list(exprs), names, prefix, shape_like, recips=recips))
 
 
 # --- kernel parameters ----------------------------------------------------------------------------------------
@@ -174,7 +160,7 @@ def load_lift(ir: ScanIR, tag: str = "", shift: int = 0, mask: str = "ok") -> tu
     out = [K.Load(f"u{tag}_{n}", K.expr(f"u{i}_ptr + u{i}_off + {at} * u{i}_st"), K.expr(mask), K.expr("1.0"))
            for i, n in enumerate(ir.inputs)]
     names = {s: f"u{tag}_{s.name[2:]}" for s in ir.input_symbols}
-    out += assign([f"l{tag}_{f}" for f in ir.fields], ir.lift, names, f"_l{tag}", shape_like=f"u{tag}_{ir.inputs[0]}")
+    out += common.assign([f"l{tag}_{f}" for f in ir.fields], ir.lift, names, f"_l{tag}", shape_like=f"u{tag}_{ir.inputs[0]}")
     out += renormalise_leaf(ir, tag)
     out += [a(f"e{tag}_{f}", f"tl.where({mask}, l{tag}_{f}, {_num(ident)})") for f, ident in zip(ir.fields, ir.identity)]
     return tuple(out)
@@ -252,9 +238,9 @@ def combine_rcp_kernel(ir: ScanIR, origin=()) -> K.Kernel | None:
     if not has_combine_rcp(ir):
         return None
     xs, ys, names, out = combine_operands(ir)
-    body = list(lines(_assign_inverted(out, ir.combine, names, "_c", shape_like=xs[0], hw="True")))
+    body = list(common.assign_inverted(out, ir.combine, names, "_c", shape_like=xs[0], hw="True"))
     if ir.is_projective:
-        body += assign(["scale"], [ir.scale], dict(zip(ir.scale_symbols, out)), "_s")
+        body += common.assign(["scale"], [ir.scale], dict(zip(ir.scale_symbols, out)), "_s")
         body += [a("inv_scale", "reciprocal(scale, True)"), K.Return(tuple(K.expr(f"{o} * inv_scale") for o in out))]
     else:
         body.append(K.Return(tuple(K.expr(o) for o in out)))

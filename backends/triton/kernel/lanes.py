@@ -52,7 +52,7 @@ SASS, Kalman forward inner loop: 44 -> 23 instructions per lane-step under 3.6).
 - Both: an input constant in time (a broadcast static parameter, time stride 0: constexpr
   TSTATIC<i>) is loaded once per program; the fields of a specialised carry (`ir.constants`,
   scanlang/ir.py `specialize_carry`) are literals, never stored, loaded or carried. The combine is
-  rendered in place, and every step inverts each distinct denominator once (`assign_rcp`): with
+  rendered in place, and every step inverts each distinct denominator once (`common.assign_inverted`): with
   constexpr RCP_APPROX (float32 on a GPU) by the hardware reciprocal, else by a division. The
   forward stores checkpoints only when a backward will read them (constexpr CKPT).
 """
@@ -66,9 +66,10 @@ from scanlang import expr as E
 from scanlang import tuning
 from scanlang.ir import ScanIR
 
-from ..codegen import _assign_inverted, _num, _symbols_named, forward_args
+from ..codegen import _num, _symbols_named, forward_args
 from . import builders as B
 from . import common
+from .common import assign_inverted
 from . import ir as K
 
 SHAPE = "[R, BLOCK_L // R]"   # a lane tensor: R lanes per thread slot, BLOCK_L // R slots
@@ -240,12 +241,6 @@ def free(ir: ScanIR) -> list[str]:
     return [f for f in ir.fields if f not in const]
 
 
-def assign_rcp(names_out, exprs, names, prefix, recips: dict, shape_like=None) -> tuple[K.Assign, ...]:
-    """codegen._assign_inverted under RCP_APPROX, one `recips` dict per step: each step divides once per
-    distinct denominator."""
-    return K.assign_lines(_assign_inverted(names_out, exprs, names, prefix, shape_like, hw="RCP_APPROX", recips=recips))
-
-
 def _combine_inline(ir: ScanIR, out: str, left: str, right: str, recips: dict) -> list:
     """`out` = combine(`left`, `right`) (formats for one name per field; left the earlier operand)
     rendered in place, renormalised by the scale for projective monoids (the generated `combine`)."""
@@ -253,9 +248,9 @@ def _combine_inline(ir: ScanIR, out: str, left: str, right: str, recips: dict) -
              | {s: right.format(f) for s, f in zip(ir.later, ir.fields)})
     outs = [out.format(f) for f in ir.fields]
     if not ir.is_projective:
-        return list(assign_rcp(outs, ir.combine, names, "_c", recips, shape_like=left.format(ir.fields[0])))
+        return list(assign_inverted(outs, ir.combine, names, "_c", recips=recips, shape_like=left.format(ir.fields[0])))
     raw = [f"_m_{f}" for f in ir.fields]
-    body = list(assign_rcp(raw, ir.combine, names, "_c", recips, shape_like=left.format(ir.fields[0])))
+    body = list(assign_inverted(raw, ir.combine, names, "_c", recips=recips, shape_like=left.format(ir.fields[0])))
     body += common.assign(["_scale"], [ir.scale], dict(zip(ir.scale_symbols, raw)), "_s")
     body.append(let("_inv_scale", "reciprocal(_scale, RCP_APPROX)"))
     return body + [let(o, f"{m} * _inv_scale") for o, m in zip(outs, raw)]
@@ -319,7 +314,8 @@ def advance(ir: ScanIR, inputs: str, elements: str, recips: dict) -> list:
         return _combine_inline(ir, "c_{}_new", "c_{}", elements, recips)
     names = ({x: f"c_{f}" for x, f in zip(ir.earlier, ir.fields)}
              | {s: inputs.format(s.name[2:]) for s in ir.input_symbols})
-    return list(assign_rcp([f"c_{f}_new" for f in free(ir)], step, names, "_c", recips, shape_like=f"c_{ir.fields[0]}"))
+    return list(assign_inverted([f"c_{f}_new" for f in free(ir)], step, names, "_c", recips=recips,
+                                shape_like=f"c_{ir.fields[0]}"))
 
 
 def state_sum(value: str) -> str:
@@ -361,8 +357,8 @@ def _forward_block(ir: ScanIR, masked: bool) -> list:
             part += [let(f"q_{f}", f"c_{f}") for f in ir.fields]
         part += advance(ir, "u_{}", f"e{j}_" + "{}", {})
         part += keep([f"c_{f}" for f in free(ir)], live)
-        part += assign_rcp([f"r{o}" for o in range(len(ir.outputs))], ir.readout, names, "_r", {},
-                           shape_like=f"c_{ir.fields[0]}")
+        part += assign_inverted([f"r{o}" for o in range(len(ir.outputs))], ir.readout, names, "_r", recips={},
+                                shape_like=f"c_{ir.fields[0]}")
         for o in range(len(ir.outputs)):
             cast = f".to(o{o}_ptr.dtype.element_ty)"
             if ir.reduce_state:
