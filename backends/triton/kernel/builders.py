@@ -153,17 +153,29 @@ def scan_call(ir: ScanIR, outs, args: str) -> tuple:
     return (when("RCP_APPROX", [call("combine_rcp")], [call("combine")]),)
 
 
+def lift(ir: ScanIR, tag: str, mask: str | None, prefix: str | None = None, unpadded=()) -> tuple:
+    """l{tag}_<field>: the inputs u{tag}_<input> lifted (projective: renormalised, `renormalise_leaf`);
+    e{tag}_<field>: the lifted leaf, the identity where `mask` is false (as lifted for the fields in
+    `unpadded`, and for every field when `mask` is None). The lift's temporaries are `prefix`<k>
+    (default _l{tag}). Every schedule lifts by this."""
+    names = {s: f"u{tag}_{s.name[2:]}" for s in ir.input_symbols}
+    prefix = f"_l{tag}" if prefix is None else prefix
+    out = list(common.assign([f"l{tag}_{f}" for f in ir.fields], ir.lift, names, prefix, shape_like=f"u{tag}_{ir.inputs[0]}"))
+    out += renormalise_leaf(ir, tag)
+    for f, ident in zip(ir.fields, ir.identity):
+        padded = mask is not None and f not in unpadded
+        out.append(a(f"e{tag}_{f}", f"tl.where({mask}, l{tag}_{f}, {_num(ident)})" if padded else f"l{tag}_{f}"))
+    return tuple(out)
+
+
 def load_lift(ir: ScanIR, tag: str = "", shift: int = 0, mask: str = "ok") -> tuple:
     """Load the inputs `shift` steps later in scan order (memory index tt + shift * step), lift them,
-    and pad with the identity where `mask` is false: u{tag}_<input>, e{tag}_<field>."""
+    and pad with the identity where `mask` is false: u{tag}_<input>, e{tag}_<field> (the tile and
+    chunk-parallel schedules)."""
     at = "tt" if shift == 0 else f"(tt + {shift} * step)"
-    out = [K.Load(f"u{tag}_{n}", K.expr(f"u{i}_ptr + u{i}_off + {at} * u{i}_st"), K.expr(mask), K.expr("1.0"))
-           for i, n in enumerate(ir.inputs)]
-    names = {s: f"u{tag}_{s.name[2:]}" for s in ir.input_symbols}
-    out += common.assign([f"l{tag}_{f}" for f in ir.fields], ir.lift, names, f"_l{tag}", shape_like=f"u{tag}_{ir.inputs[0]}")
-    out += renormalise_leaf(ir, tag)
-    out += [a(f"e{tag}_{f}", f"tl.where({mask}, l{tag}_{f}, {_num(ident)})") for f, ident in zip(ir.fields, ir.identity)]
-    return tuple(out)
+    loads = tuple(K.Load(f"u{tag}_{n}", K.expr(f"u{i}_ptr + u{i}_off + {at} * u{i}_st"), K.expr(mask), K.expr("1.0"))
+                  for i, n in enumerate(ir.inputs))
+    return loads + lift(ir, tag, mask)
 
 
 def replay(ir: ScanIR, tag: str = "", out: str = "p") -> tuple:

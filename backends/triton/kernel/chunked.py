@@ -89,20 +89,6 @@ def _prologue(tensors) -> tuple:
     return tuple(body)
 
 
-def _load_lift(ir: ScanIR, tag: str = "", shift: int = 0, mask: str = "ok") -> tuple:
-    """Inputs `shift` steps later in scan order as u{tag}_<input>, lifted (l{tag}_<field>; projective:
-    scaled by inv_leaf{tag}) and padded with the identity where `mask` is false (e{tag}_<field>)."""
-    at = "tt" if shift == 0 else f"(tt + {shift} * step)"
-    body = [K.Load(f"u{tag}_{n}", K.expr(f"u{i}_ptr + u{i}_off + {at} * u{i}_st"), K.expr(mask), K.expr("1.0"))
-            for i, n in enumerate(ir.inputs)]
-    names = {s: f"u{tag}_{n}" for s, n in zip(ir.input_symbols, ir.inputs)}
-    body += common.assign([f"l{tag}_{f}" for f in ir.fields], ir.lift, names, f"_l{tag}",
-                          shape_like=f"u{tag}_{ir.inputs[0]}")
-    body += B.renormalise_leaf(ir, tag)   # projective: inv_leaf{tag}, the leaf scaled by it
-    body += [_a(f"e{tag}_{f}", f"tl.where({mask}, l{tag}_{f}, {common.number(i)})") for f, i in zip(ir.fields, ir.identity)]
-    return tuple(body)
-
-
 def _scan_from(ir: ScanIR, elems: str, out: str, carry: str, reverse_note: str = "") -> tuple:
     """{out}_<field> = carry (+) the inclusive scan of {elems}_<field> down the rows."""
     scanned = tuple(f"s{out}_{f}" for f in ir.fields)
@@ -146,7 +132,7 @@ def _forward_kernels(ir: ScanIR, origin) -> list[K.Kernel]:
     params = _params(forward_args(ir) + ["agg_ptr"], FWD_CONSTS)
     ins = [f"u{i}" for i in range(len(ir.inputs))]
     name = E.docstring_text(ir.name)
-    reduce = _prologue(ins) + _load_lift(ir) + (
+    reduce = _prologue(ins) + B.load_lift(ir) + (
         K.Comment("the chunk's aggregate: the inclusive scan's last valid row"),
         K.Assign(tuple(f"s_{f}" for f in ir.fields),
                  K.expr(f"tl.associative_scan(({_fields(ir, 'e_{}')}), 0, combine)" if len(ir.fields) > 1
@@ -173,7 +159,7 @@ def _forward_kernels(ir: ScanIR, origin) -> list[K.Kernel]:
     outs = [f"o{j}" for j in range(len(ir.outputs))]
     names = {s: f"p_{f}" for s, f in zip(ir.prefix_symbols, ir.fields)} | {
         s: f"u_{n}" for s, n in zip(ir.input_symbols, ir.inputs)}
-    rescan = (_prologue(ins + outs) + _carry_from(ir, "ckpt_ptr", "chunk") + _load_lift(ir) + _scan_from(ir, "e", "p", "c")
+    rescan = (_prologue(ins + outs) + _carry_from(ir, "ckpt_ptr", "chunk") + B.load_lift(ir) + _scan_from(ir, "e", "p", "c")
               + common.assign([f"r{j}" for j in range(len(outs))], ir.readout, names, "_r", shape_like=f"p_{ir.fields[0]}")
               + tuple(K.Store(K.expr(f"o{j}_ptr + o{j}_off + tt * o{j}_st"),
                               K.expr(f"r{j}.to(o{j}_ptr.dtype.element_ty)"), K.expr("ok")) for j in range(len(outs))))
@@ -190,7 +176,7 @@ def _adjoint_elements(ir: ScanIR, adj: Adjoint) -> tuple:
     and the adjoint scan's elements (a_k = A_t's entries, v_* = the direct gradient of y_t)."""
     n_out, nb = len(ir.outputs), len(adj.b_entries)
     shape = f"p_{ir.fields[0]}"
-    body = [_a("ok_next", "(t + 1 < T) & lane_ok[None, :]"), *_load_lift(ir, tag="n", shift=1, mask="ok_next")]
+    body = [_a("ok_next", "(t + 1 < T) & lane_ok[None, :]"), *B.load_lift(ir, tag="n", shift=1, mask="ok_next")]
     body += [K.Load(f"g_{o}", K.expr(f"g{j}_ptr + g{j}_off + tt * g{j}_st"), K.expr("ok"), K.expr("0.0"))
              for j, o in enumerate(ir.outputs)][:n_out]
     here = ({s: f"p_{f}" for s, f in zip(ir.prefix_symbols, ir.fields)}
@@ -251,7 +237,7 @@ def _backward_kernels(ir: ScanIR, adj: Adjoint, origin) -> list[K.Kernel]:
     ins = [f"u{i}" for i in range(len(ir.inputs))]
     grads = [f"g{j}" for j in range(len(ir.outputs))]
     name = E.docstring_text(ir.name)
-    replay = _carry_from(ir, "ckpt_ptr", "chunk") + _load_lift(ir) + _scan_from(ir, "e", "p", "c")
+    replay = _carry_from(ir, "ckpt_ptr", "chunk") + B.load_lift(ir) + _scan_from(ir, "e", "p", "c")
     reduce = (_prologue(ins + grads) + _dfinal(ir) + replay + _adjoint_elements(ir, adj)
               + (K.Comment("(M_c, V_c): the chunk's adjoint aggregate, row 0 of the reverse scan"),)
               + tuple(K.Store(K.expr(f"agg_ptr + ({k} * n_chunks + chunk) * L + lane"), K.expr(_row(r, "0")),
@@ -279,7 +265,7 @@ def _backward_kernels(ir: ScanIR, adj: Adjoint, origin) -> list[K.Kernel]:
     shape = f"p_{ir.fields[0]}"
     rescan = list(_prologue(ins + grads + [f"du{i}" for i in range(len(ir.inputs))]) + _dfinal(ir) + replay)
     rescan.append(_a("ok_prev", "ok & (rows > 0)"))
-    rescan += _load_lift(ir, tag="v", shift=-1, mask="ok_prev") + _scan_from(ir, "ev", "qs", "c")
+    rescan += B.load_lift(ir, tag="v", shift=-1, mask="ok_prev") + _scan_from(ir, "ev", "qs", "c")
     rescan.append(K.Comment("q_t = y_{t-1}; row 0: the carry itself (a raw initial element is not renormalised)"))
     rescan += [_a(f"q_{f}", f"tl.where(rows == 0, c_{f}[None, :], qs_{f})") for f in ir.fields]
     rescan += _adjoint_elements(ir, adj)

@@ -66,7 +66,7 @@ from scanlang import expr as E
 from scanlang import tuning
 from scanlang.ir import ScanIR
 
-from ..codegen import _num, _symbols_named, forward_args
+from ..codegen import _symbols_named, forward_args
 from . import builders as B
 from . import common
 from .common import assign_inverted
@@ -195,14 +195,7 @@ def load_lift(ir: ScanIR, tag: str, shift: int, lane_mask: str, slot_mask: str, 
                           [let(u, f"to_acc({per_lane}, FP64)")]))
     if not lift:
         return body
-    names = {s: f"u{tag}_{s.name[2:]}" for s in ir.input_symbols}
-    body += common.assign([f"l{tag}_{f}" for f in ir.fields], ir.lift, names, f"_l{tag}",
-                          shape_like=f"u{tag}_{ir.inputs[0]}")
-    body += B.renormalise_leaf(ir, tag)
-    for f, ident in zip(ir.fields, ir.identity):
-        body.append(let(f"e{tag}_{f}", f"tl.where({lane_mask}, l{tag}_{f}, {_num(ident)})" if masked
-                        else f"l{tag}_{f}"))
-    return body
+    return body + list(B.lift(ir, tag, lane_mask if masked else None))
 
 
 def static_loads(ir: ScanIR) -> list:

@@ -169,16 +169,10 @@ def _direct_fields(ir: ScanIR) -> dict[int, tuple[str, float]]:
 
 def _lift_run(ir: ScanIR, tag: str, mask: str) -> tuple[K.Stmt, ...]:
     """e{tag}_<field>: the lifted inputs u{tag}_<input>, the identity where `mask` is false."""
-    names = {s: f"u{tag}_{s.name[2:]}" for s in ir.input_symbols}
-    out = [A(f"u{tag}_{n}", f"to_acc(u{tag}_{n}, FP64)") for n in ir.inputs]
-    out += common.assign([f"l{tag}_{f}" for f in ir.fields], ir.lift, names, f"_l{tag}_",
-                         shape_like=f"u{tag}_{ir.inputs[0]}")
-    out += B.renormalise_leaf(ir, tag)
     # a renormalised padding step is the identity only where every field is selected
     direct = set() if ir.is_projective else {f for f, _ in _direct_fields(ir).values()}
-    for f, ident in zip(ir.fields, ir.identity):
-        out.append(A(f"e{tag}_{f}", f"l{tag}_{f}" if f in direct else f"tl.where({mask}, l{tag}_{f}, {_num(ident)})"))
-    return tuple(out)
+    return (tuple(A(f"u{tag}_{n}", f"to_acc(u{tag}_{n}, FP64)") for n in ir.inputs)
+            + B.lift(ir, tag, mask, prefix=f"_l{tag}_", unpadded=direct))
 
 
 def _pad(ir: ScanIR, i: int) -> str:
