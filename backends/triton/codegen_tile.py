@@ -12,7 +12,7 @@ from scanlang import expr as E
 from scanlang.autodiff import Adjoint
 from scanlang.ir import ScanIR
 
-from .codegen import _num, _symbols_named, backward_args, forward_args
+from .codegen import _symbols_named, backward_args, forward_args
 from .kernel import builders as B
 from .kernel import common
 from .kernel.common import assign, assign_inverted
@@ -53,14 +53,11 @@ def forward_kernel(ir: ScanIR) -> K.Kernel:
     # are stored from inside the tile (a masked store, one row in CHUNK active); a longer CHUNK (a
     # multiple of BLOCK_T) stores the carry at the start of every CHUNK // BLOCK_T-th tile.
     loop = list(B.time_index() + B.tile_start_checkpoints(ir, "c", "lane", "lane_ok") + B.load_lift(ir) + B.replay(ir))
-    ckpt = lambda slot, lanes, value, mask: [  # noqa: E731
-        K.Store(K.expr(f"ckpt_ptr + ({f} * n_slots + {slot}) * L + {lanes}"), K.expr(f"{value}_{name}"), K.expr(mask))
-        for f, name in enumerate(ir.fields)]
     loop.append(when("CHUNK < BLOCK_T", [
         a("chunk", "t // CHUNK + 1"),
         a("chunk_end", "((t % CHUNK) == CHUNK - 1) & (chunk < tl.cdiv(seq_len, CHUNK)) & lane_ok[None, :]"),
-        *ckpt("slot0 + chunk", "lane[None, :]", "p", "chunk_end")]))
-    body.append(when("CHUNK < BLOCK_T", ckpt("slot0", "lane", "c", "lane_ok")))
+        *B.checkpoint_store(ir, "slot0 + chunk", "lane[None, :]", "p", "chunk_end")]))
+    body.append(when("CHUNK < BLOCK_T", B.checkpoint_store(ir, "slot0", "lane", "c", "lane_ok")))
     if ir.uses_previous:
         loop += B.previous(ir)
     names = {s: s.name for s in ir.prefix_symbols + ir.previous_symbols + ir.input_symbols}
@@ -122,8 +119,7 @@ def backward_kernel(ir: ScanIR, adj: Adjoint) -> K.Kernel:
         body += [a(f"gc_{name}", zeros), a(f"w0_{name}", f"dfin_{name}")]
     shape = f"p_{ir.fields[0]}"
     loop = [a("k", "n_tiles - 1 - kk"), *B.time_index()]
-    loop += [K.Load(f"c_{name}", K.expr(f"ckpt_ptr + ({f} * n_slots + slot0 + k) * L + lane"), K.expr("lane_ok"),
-                    K.expr(_num(ident))) for f, (name, ident) in enumerate(zip(ir.fields, ir.identity))]
+    loop += B.checkpoint_load(ir)
     loop += B.load_lift(ir) + B.replay(ir)
     loop.append(a("ok_prev", "ok & (rows > 0)"))
     loop += B.load_lift(ir, tag="v", shift=-1, mask="ok_prev") + B.replay(ir, tag="v", out="qs")

@@ -211,10 +211,22 @@ def tile_start_checkpoints(ir: ScanIR, carry: str, lanes: str, mask: str) -> tup
     """Store the carry {carry}_<field> into tile k as a checkpoint: into slot k when CHUNK == BLOCK_T,
     into slot k // (CHUNK // BLOCK_T) at every CHUNK // BLOCK_T-th tile when CHUNK is a longer multiple of
     BLOCK_T (a shorter CHUNK stores from inside the tile instead)."""
-    store = lambda slot: [K.Store(K.expr(f"ckpt_ptr + ({f} * n_slots + slot0 + {slot}) * L + {lanes}"),  # noqa: E731
-                                  K.expr(f"{carry}_{name}"), K.expr(mask)) for f, name in enumerate(ir.fields)]
-    return (when("CKPT and CHUNK == BLOCK_T", store("k")),
-            when("CKPT and CHUNK > BLOCK_T", [when("k % (CHUNK // BLOCK_T) == 0", store("k // (CHUNK // BLOCK_T)"))]))
+    every = checkpoint_store(ir, "slot0 + k // (CHUNK // BLOCK_T)", lanes, carry, mask)
+    return (when("CKPT and CHUNK == BLOCK_T", checkpoint_store(ir, "slot0 + k", lanes, carry, mask)),
+            when("CKPT and CHUNK > BLOCK_T", [when("k % (CHUNK // BLOCK_T) == 0", every)]))
+
+
+def checkpoint_store(ir: ScanIR, slot: str, lanes: str, value: str, mask: str) -> tuple:
+    """{value}_<field> stored as checkpoint `slot` of lanes `lanes` (masked by `mask`): field f of slot s
+    at ckpt_ptr + (f * n_slots + s) * L + lane (the tile schedules' layout, read by `checkpoint_load`)."""
+    return tuple(K.Store(K.expr(f"ckpt_ptr + ({f} * n_slots + {slot}) * L + {lanes}"), K.expr(f"{value}_{name}"),
+                         K.expr(mask)) for f, name in enumerate(ir.fields))
+
+
+def checkpoint_load(ir: ScanIR) -> tuple:
+    """c_<field> [BLOCK_L]: the carry into tile k, from checkpoint slot0 + k (the identity on lanes past L)."""
+    return tuple(K.Load(f"c_{name}", K.expr(f"ckpt_ptr + ({f} * n_slots + slot0 + k) * L + lane"), K.expr("lane_ok"),
+                        K.expr(_num(ident))) for f, (name, ident) in enumerate(zip(ir.fields, ir.identity)))
 
 
 # --- the module's small functions ------------------------------------------------------------------------

@@ -352,8 +352,7 @@ def forward_loop(ir: ScanIR) -> tuple[K.Stmt, ...]:
             saved = f"n{j}"
             store.append(K.Assign(tuple(f"n{j}_{f}" for f in ir.fields),
                                   X(f"normalise({', '.join(f'p{j}_{f}' for f in ir.fields)}, RCP_APPROX)")))
-        store += [K.Store(X(f"ckpt_ptr + ({f} * n_slots + slot0 + chunk{j}) * L + lane[None, :]"), X(f"{saved}_{name}"),
-                          X(f"end{j}")) for f, name in enumerate(ir.fields)]
+        store += B.checkpoint_store(ir, f"slot0 + chunk{j}", "lane[None, :]", saved, f"end{j}")
         # a chunk that is a multiple of RUN ends only on a run's last step
         cond = "CHUNK < BLOCK_T" if j == RUN - 1 else f"CHUNK < BLOCK_T and CHUNK % {RUN} != 0"
         loop.append(K.If(X(cond), tuple(store)))
@@ -416,9 +415,7 @@ def backward_loop(ir: ScanIR, adj: Adjoint) -> tuple[K.Stmt, ...]:
     F = ir.fields
     loop = [A("k", "n_tiles - 1 - kk"), *run_index(), *step_masks()]
     loop.append(A("okn", f"(ts + {RUN} < seq_len) & lane_ok[None, :]"))
-    for f, (name, ident) in enumerate(zip(F, ir.identity)):
-        loop.append(K.Load(f"c_{name}", X(f"ckpt_ptr + ({f} * n_slots + slot0 + k) * L + lane"), X("lane_ok"),
-                           X(_num(ident))))
+    loop += B.checkpoint_load(ir)
     loop += bases([f"u{i}" for i in range(len(ir.inputs))] + [f"g{j}" for j in range(len(ir.outputs))]
                   + [f"du{i}" for i in range(len(ir.inputs))])
     loop += [A(f"cr_{f}", f"c_{f}[None, :] + tl.zeros([BLOCK_T // {RUN}, BLOCK_L], c_{f}.dtype)") for f in F]
