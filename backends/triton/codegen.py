@@ -1,6 +1,10 @@
-"""The shared parts of the Triton source for a lowered scan (`ScanIR`) and its adjoint (`Adjoint`):
-printing helpers, prologues, arguments and the combine expressions (the kernel-IR builders the tile
-schedule uses: kernel/builders.py, kernel/common.py). `codegen_module.render` assembles
+"""The expression side of the Triton source for a lowered scan (`ScanIR`) and its adjoint (`Adjoint`):
+the one sympy -> Triton printer of the monoid's expressions (`_assign`, `_assign_inverted`, over
+`scanlang.expr.render`), the names the kernels share (argument lists, combine operands), the adjoint
+combine's expressions and the inline-PTX `reciprocal`. No statements are written here: every kernel
+is built as statement IR (kernel/ir.py) by the schedules and their shared builders (kernel/builders.py,
+kernel/common.py; printed expressions become assignments through `common.assign` /
+`common.assign_inverted`) and printed once by kernel/printer.py. `codegen_module.render` assembles
 one module per program, deterministic text, holding:
 - `combine(x.., y..)`: the monoid's combine on one scalar per field (x earlier), renormalised by the
   scale expression for projective monoids; `combine_rcp`, where the combine divides or rescales: the
@@ -8,7 +12,7 @@ one module per program, deterministic text, holding:
   instead under constexpr RCP_APPROX (float32 compiled for a GPU; plan.py). Their readouts and
   adjoint expressions multiply by `reciprocal(d, RCP_APPROX)` instead of dividing by d;
 - `leaf_scale`, for projective monoids: every schedule scales each lifted leaf by a power of two that brings
-  its largest field into [1, 2) before any product (`renormalise_leaf`), and its backward scales the leaf's
+  its largest field into [1, 2) before any product (`builders.renormalise_leaf`), and its backward scales the leaf's
   gradient by the same factor;
 - `adjoint_combine`: the reverse affine scan's combine over (B entries, vector) pairs;
 - `scan_forward`: lanes = every index but time, flattened over up to four lane dims with arbitrary
