@@ -54,6 +54,7 @@ def a(target: str, value) -> K.Assign:
 
 
 def when(cond: str, body, orelse=()) -> K.If:
+    """`if cond: body else: orelse` (constexpr conditions fold away when Triton compiles)."""
     return K.If(K.expr(cond), tuple(body), tuple(orelse))
 
 

@@ -68,6 +68,7 @@ from scanlang.ir import ScanIR
 
 from ..codegen import _symbols_named, forward_args
 from . import builders as B
+from .builders import when
 from . import common
 from .common import assign_inverted
 from . import ir as K
@@ -81,11 +82,6 @@ SLOTS = "[1, BLOCK_L // R]"   # a slot tensor: one value per thread slot
 def let(target: str, value) -> K.Assign:
     """`target = value`."""
     return K.assign(target, value)
-
-
-def when(cond: str, body, orelse=()) -> K.If:
-    """`if cond: body else: orelse` (constexpr conditions fold away when Triton compiles)."""
-    return K.If(K.expr(cond), tuple(body), tuple(orelse))
 
 
 def chain(branches, orelse=()) -> K.If:

@@ -17,12 +17,13 @@ from scanlang.ir import ScanIR
 
 from ..codegen import _num, _symbols_named, backward_args
 from . import builders as B
+from .builders import when
 from . import common
 from .common import assign_inverted
 from . import ir as K
 from .lanes import (SHAPE, advance, at, block_index, chain, cheapest, composed_step, cost, free, guarded, keep,
                     lane_load, lane_store, lanes_flags, let, load_lift, masks, offsets, prologue, split_blocks, state_sum,
-                    static_loads, time, when)
+                    static_loads, time)
 
 
 def _warp_groups_sum(value: str) -> str:
