@@ -1,7 +1,7 @@
 """The expression side of the Triton source for a lowered scan (`ScanIR`) and its adjoint (`Adjoint`):
 the one sympy -> Triton printer of the monoid's expressions (`_assign`, `_assign_inverted`, over
-`scanlang.expr.render`), the names the kernels share (argument lists, combine operands), the adjoint
-combine's expressions and the inline-PTX `reciprocal`. No statements are written here: every kernel
+`scanlang.expr.render`), the names the kernels share (argument lists, combine operands) and the adjoint
+combine's expressions. No statements are written here: every kernel
 is built as statement IR (kernel/ir.py) by the schedules and their shared builders (kernel/builders.py,
 kernel/common.py; printed expressions become assignments through `common.assign` /
 `common.assign_inverted`) and printed once by kernel/printer.py. `codegen_module.render` assembles
@@ -128,19 +128,6 @@ def adjoint_combine_exprs(ir: ScanIR, adj: Adjoint):
     b_out = [prod[0][0]] if adj.scalar else [prod[i][j] for i, j in adj.pattern]
     e_out = [sum((my[i][k] * xe[k] for k in range(n)), sympy.Integer(0)) + ye[i] for i in range(n)]
     return (xb, yb, xe, ye), (b_out, e_out)
-
-
-RECIPROCAL = '''@triton.jit
-def reciprocal(x, HW: tl.constexpr):
-    """1 / x. HW (RCP_APPROX: float32 compiled for a GPU): the hardware reciprocal rcp.approx.ftz.f32,
-    within 1 ulp, |x| > 2^126 flushed to 0 (one MUFU.RCP; the division is that plus range fixes);
-    otherwise a division (float32: Triton's div.full.f32, 2 ulp; float64: IEEE)."""
-    if HW:
-        r = tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True,
-                                      pack=1)
-    else:
-        r = 1.0 / x
-    return r'''
 
 
 def _strides(prefix):

@@ -1,7 +1,7 @@
 """Statement builders the kernel-IR schedules share (kernel/ir.py): the program prologue, sequence
 bounds and memory index, loading and lifting a tile, replaying prefixes from a carry, the initial
 carry, checkpoints, the kernel parameters, the combine and scan calls, and the module's small helpers
-(leaf_scale, combine_rcp). Every builder returns IR statements (or a `Kernel`); expressions inside
+(leaf_scale, reciprocal, combine_rcp). Every builder returns IR statements (or a `Kernel`); expressions inside
 them are source text (`ir.Expr`), the monoid's own printed by the one expression printer
 (codegen._assign / _assign_inverted, over `scanlang.expr.render`) and turned into assignments by
 `ir.assign_lines`. No schedule writes statements as text lines.
@@ -255,6 +255,18 @@ def leaf_scale_kernel(doc: str = LEAF_SCALE_DOC) -> K.Kernel:
     return K.Kernel("leaf_scale", (K.Param("m"),),
                     (when("m.dtype == tl.float64", _leaf_scale_body("tl.float64"), _leaf_scale_body("tl.float32")),),
                     doc=doc)
+
+
+RECIPROCAL_DOC = """1 / x. HW (RCP_APPROX: float32 compiled for a GPU): the hardware reciprocal rcp.approx.ftz.f32,
+    within 1 ulp, |x| > 2^126 flushed to 0 (one MUFU.RCP; the division is that plus range fixes);
+    otherwise a division (float32: Triton's div.full.f32, 2 ulp; float64: IEEE)."""
+
+
+def reciprocal_kernel() -> K.Kernel:
+    """`reciprocal(x, HW)`: 1 / x, by the hardware instruction (inline PTX) when HW."""
+    rcp = 'tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True, pack=1)'
+    return K.Kernel("reciprocal", (K.Param("x"), K.Param("HW", constexpr=True)),
+                    (when("HW", [a("r", rcp)], [a("r", "1.0 / x")]), K.Return((K.expr("r"),))), doc=RECIPROCAL_DOC)
 
 
 def combine_rcp_kernel(ir: ScanIR, origin=()) -> K.Kernel | None:
