@@ -1,10 +1,11 @@
 """Statement builders the kernel-IR schedules share (kernel/ir.py): the program prologue, sequence
-bounds and memory index, loading and lifting a tile, replaying prefixes from a carry, the initial
-carry, checkpoints, the kernel parameters, the combine and scan calls, and the module's small helpers
-(leaf_scale, reciprocal, combine_rcp). Every builder returns IR statements (or a `Kernel`); expressions inside
-them are source text (`ir.Expr`), the monoid's own printed by the one expression printer
-(codegen._assign / _assign_inverted, over `scanlang.expr.render`) and turned into assignments by
-`ir.assign_lines`. No schedule writes statements as text lines.
+bounds and memory index, lifting a leaf (and renormalising a projective one), loading and lifting a
+tile, replaying prefixes from a carry, the initial carry, checkpoint stores and loads, the kernel
+parameters, the combine and scan calls, and the module's small functions (leaf_scale, reciprocal,
+combine_rcp). Every builder returns IR statements (or a `Kernel`); expressions inside them are
+source text (`ir.Expr`), the monoid's own printed by the one expression printer (codegen._assign /
+_assign_inverted, over `scanlang.expr.render`) and made assignments by `common.assign` /
+`common.assign_inverted`. No schedule writes statements as text lines.
 """
 from __future__ import annotations
 
@@ -50,6 +51,7 @@ def grad_mode_is(i: int, mode: GradMode) -> K.Expr:
 
 
 def a(target: str, value) -> K.Assign:
+    """`target = value`."""
     return K.assign(target, value)
 
 
