@@ -7,7 +7,7 @@ import pytest
 
 import scanlang as sl
 from scanlang import pipeline
-from scanlang.backends.triton.kernel import builders, chunked, common
+from scanlang.backends.triton.kernel import chunked, common
 from scanlang.backends.triton.kernel import ir as K
 from scanlang.backends.triton.kernel import lanes
 from scanlang.backends.triton.kernel.printer import render, render_kernel
@@ -88,15 +88,11 @@ def test_accumulations_effects_and_loop_forms_print_as_written():
         render(kernel([K.For("i", K.expr(0), K.expr(2), (), static=True, builtin=True)]))
 
 
-def test_the_line_seam_and_the_lane_parameters():
-    stmts = builders.from_lines(["if VARLEN:", "    t0 = tl.load(cu_ptr + seq)", "else:", "    t0 = 0"])
-    assert stmts == (K.If(K.expr("VARLEN"), (K.assign("t0", "tl.load(cu_ptr + seq)"),), (K.assign("t0", "0"),)),)
-    with pytest.raises(ValueError, match="lines: no kernel IR statement for"):
-        builders.from_lines(["while i < 3:", "    i = i + 1"])
-    assert lanes.params(["u0_ptr", "R: tl.constexpr", "TSTATIC0: tl.constexpr = False"]) == (
-        K.Param("u0_ptr"), K.Param("R", True), K.Param("TSTATIC0", True, K.expr("False")))
-    with pytest.raises(ValueError, match="texts: expected"):
-        lanes.params(["x: int"])
+def test_the_lane_parameters():
+    ir = pipeline.lower(sl.Affine)   # inputs a, b; outputs a, b
+    assert lanes.lanes_flags(ir, backward=False) == (
+        *(K.Param(f"TS_{b}", True) for b in ("u0", "u1", "o0", "o1")),
+        *(K.Param(f"{flag}{i}", True, K.expr("False")) for flag in ("TSTATIC", "SLOT") for i in range(2)))
 
 
 def test_bad_input_is_refused_naming_the_kernel():
@@ -138,16 +134,18 @@ def test_unpacking_add_assign_staged_loops_and_spliced_sources():
         render(K.Module("d", (K.Source("other", "@triton.jit\ndef helper(y):\n    return y\n"),)))
 
 
-def test_generated_lines_become_the_same_statements():
+def test_statements_print_as_the_python_they_stand_for():
+    x = K.expr
+    stmts = [K.If(x("DU0 == 0"), (K.Store(x("p"), x("v"), x("ok")),),
+                  (K.If(x("DU0 == 1"), (K.AtomicAdd(x("p"), x("v"), x("ok")),), (K.AugAssign("acc0", x("tl.sum(v, 0)")),)),)),
+             K.Assign(("a",), x("f(x)"), unpack=True),
+             K.For("k", x(0), x("n"), (K.assign("b", "k * 2"),), num_stages=x("S"))]
     lines = ["if DU0 == 0:", "    tl.store(p, v, mask=ok)", "elif DU0 == 1:",
              "    tl.atomic_add(p, v, mask=ok, sem='relaxed')", "else:", "    acc0 += tl.sum(v, 0)",
              "a, = f(x)", "for k in tl.range(0, n, num_stages=S):", "    b = k * 2"]
-    stmts = builders.from_lines(lines)
     printed = render(kernel(stmts))
     fn = next(n for n in ast.parse(printed).body if isinstance(n, ast.FunctionDef))
     assert ast.dump(ast.Module(fn.body[1:], [])) == ast.dump(ast.parse("\n".join(lines)))
-    with pytest.raises(ValueError, match="no kernel IR statement"):
-        builders.from_lines(["while x:", "    x = x - 1"])
 
 
 def _lift(u):          # a mixer's lift and readout, declared here: the comments must point at these lines

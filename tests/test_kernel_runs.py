@@ -1,11 +1,10 @@
-"""The run-based tile bodies on the kernel IR (backends/triton/kernel/runs.py) and the one seam where
-codegen.py's line builders enter the IR (kernel/builders.py from_lines)."""
+"""The run-based tile bodies on the kernel IR (backends/triton/kernel/runs.py) and the statement
+builders they share with the other tile bodies (kernel/builders.py)."""
 
 import pytest
 
 import scanlang as sl
 from scanlang import pipeline
-from scanlang.backends.triton.codegen import combine_call, tile_start_checkpoints
 from scanlang.backends.triton.kernel import builders
 from scanlang.backends.triton.kernel import ir as K
 from scanlang.backends.triton.kernel import runs
@@ -49,15 +48,18 @@ def test_kernels_of_the_runs():
     assert render_kernel(k).splitlines()[-1] == "    return (x_a + y_a, x_b + y_b)"
 
 
-def test_codegen_lines_enter_at_one_seam():
+def test_shared_builders_are_ir_statements():
     mobius = pipeline.lower(sl.Mobius)   # projective: the combine by combine_rcp under RCP_APPROX
-    (branch,) = builders.from_lines(combine_call(mobius, "p_a, p_b", "x_a, x_b, y_a, y_b"))
+    (branch,) = builders.combine_call(mobius, ["p_a", "p_b"], "x_a, x_b, y_a, y_b")
     assert isinstance(branch, K.If) and branch.cond.text == "RCP_APPROX"
     assert branch.body == (K.Assign(("p_a", "p_b"), K.expr("combine_rcp(x_a, x_b, y_a, y_b)")),)
-    (one,) = builders.from_lines(["s_a, = tl.associative_scan((r_a,), 0, combine)"])
-    assert one == K.Assign(("s_a",), K.expr("tl.associative_scan((r_a,), 0, combine)"), unpack=True)
-    stores = [s for s in _walk(builders.from_lines(tile_start_checkpoints(mobius, "c", "lane", "lane_ok")))
+    assert branch.orelse == (K.Assign(("p_a", "p_b"), K.expr("combine(x_a, x_b, y_a, y_b)")),)
+    # another function of the module (runs.py's combine_raw) is called as it is, under any RCP_APPROX
+    assert builders.combine_call(mobius, ["p_a", "p_b"], "x_a, x_b, y_a, y_b", fn="combine_raw") == (
+        K.Assign(("p_a", "p_b"), K.expr("combine_raw(x_a, x_b, y_a, y_b)")),)
+    (one,) = builders.scan_call(pipeline.lower(sl.Add), ["p_s"], "e_s")   # one field: `p_s, = ...`
+    assert one == K.Assign(("p_s",), K.expr("tl.associative_scan((e_s,), 0, combine)"), unpack=True)
+    stores = [s for s in _walk(builders.tile_start_checkpoints(mobius, "c", "lane", "lane_ok"))
               if isinstance(s, K.Store)]
     assert len(stores) == 2 * len(mobius.fields) and all(s.mask.text == "lane_ok" for s in stores)
-    with pytest.raises(ValueError, match="lines: no kernel IR statement for 'for i in x:"):
-        builders.from_lines(["for i in x:", "    y = i"])
+    assert [s.value.text for s in stores] == [f"c_{f}" for f in mobius.fields] * 2

@@ -55,7 +55,7 @@ def test_projective_programs_keep_the_generic_adjoint():
 def test_memory_goes_through_flat_tensors():
     """Every load, store and atomic of the time loops takes a pointer tensor reshaped to 1-D (so
     Triton 3.6 keeps the [R, G] layout; module docstring, "Memory"). The exceptions: the sequence
-    bounds (scalars) and the initial carry (codegen._initial_carry, once per program)."""
+    bounds (scalars) and the initial carry (builders.initial_carry, once per program)."""
     ir = _programs()[0][1]
     source = "\n".join(printer.render_kernel(k) for k in (lanes.render_forward_lanes(ir),
                                                           lanes_adjoint.render_backward_lanes(ir, differentiate(ir))))

@@ -1,6 +1,10 @@
-"""The shared parts of the Triton source for a lowered scan (`ScanIR`) and its adjoint (`Adjoint`):
-printing helpers, prologues, arguments and the combine expressions (the kernel-IR builders the tile
-schedule uses: kernel/builders.py, kernel/common.py). `codegen_module.render` assembles
+"""The expression side of the Triton source for a lowered scan (`ScanIR`) and its adjoint (`Adjoint`):
+the one sympy -> Triton printer of the monoid's expressions (`_assign`, `_assign_inverted`, over
+`scanlang.expr.render`), the names the kernels share (argument lists, combine operands) and the adjoint
+combine's expressions. No statements are written here: every kernel
+is built as statement IR (kernel/ir.py) by the schedules and their shared builders (kernel/builders.py,
+kernel/common.py; printed expressions become assignments through `common.assign` /
+`common.assign_inverted`) and printed once by kernel/printer.py. `codegen_module.render` assembles
 one module per program, deterministic text, holding:
 - `combine(x.., y..)`: the monoid's combine on one scalar per field (x earlier), renormalised by the
   scale expression for projective monoids; `combine_rcp`, where the combine divides or rescales: the
@@ -8,7 +12,7 @@ one module per program, deterministic text, holding:
   instead under constexpr RCP_APPROX (float32 compiled for a GPU; plan.py). Their readouts and
   adjoint expressions multiply by `reciprocal(d, RCP_APPROX)` instead of dividing by d;
 - `leaf_scale`, for projective monoids: every schedule scales each lifted leaf by a power of two that brings
-  its largest field into [1, 2) before any product (`renormalise_leaf`), and its backward scales the leaf's
+  its largest field into [1, 2) before any product (`builders.renormalise_leaf`), and its backward scales the leaf's
   gradient by the same factor;
 - `adjoint_combine`: the reverse affine scan's combine over (B entries, vector) pairs;
 - `scan_forward`: lanes = every index but time, flattened over up to four lane dims with arbitrary
@@ -40,10 +44,6 @@ STRIDES = ("st", "s0", "s1", "s2", "s3")
 
 def _num(v: float) -> str:
     return E.TRITON.number(E.constant(v))
-
-
-def _indent(lines, n):
-    return [" " * n + ln if ln else ln for ln in lines]
 
 
 def _piecewise(exprs, names, prefix):
@@ -105,24 +105,6 @@ def has_combine_rcp(ir: ScanIR) -> bool:
                                    for a in sympy.sympify(e).atoms(sympy.Pow))
 
 
-def combine_call(ir: ScanIR, outs: str, args: str, fn: str = "combine") -> list[str]:
-    """`outs = fn(args)` (fn the combine, or tl.associative_scan's combine argument when `args`
-    names it), by `combine_rcp` under RCP_APPROX where the module has one."""
-    if fn != "combine" or not has_combine_rcp(ir):
-        return [f"{outs} = {fn}({args})"]
-    return ["if RCP_APPROX:", f"    {outs} = combine_rcp({args})", "else:", f"    {outs} = combine({args})"]
-
-
-def scan_call(ir: ScanIR, outs: str, args: str, extra: str = "") -> list[str]:
-    """`outs = tl.associative_scan((args,), 0, combine{extra})`, by `combine_rcp` under RCP_APPROX
-    where the module has one."""
-    plain = [f"{outs} = tl.associative_scan(({args},), 0, combine{extra})"]
-    if not has_combine_rcp(ir):
-        return plain
-    return ["if RCP_APPROX:", f"    {outs} = tl.associative_scan(({args},), 0, combine_rcp{extra})",
-            "else:", "    " + plain[0]]
-
-
 def combine_operands(ir: ScanIR) -> tuple[list[str], list[str], dict, list[str]]:
     """The names a generated combine uses: parameters x_<field> (earlier) and y_<field> (later), the
     symbol -> name map for rendering, and the results m_<field>."""
@@ -148,127 +130,8 @@ def adjoint_combine_exprs(ir: ScanIR, adj: Adjoint):
     return (xb, yb, xe, ye), (b_out, e_out)
 
 
-RECIPROCAL = '''@triton.jit
-def reciprocal(x, HW: tl.constexpr):
-    """1 / x. HW (RCP_APPROX: float32 compiled for a GPU): the hardware reciprocal rcp.approx.ftz.f32,
-    within 1 ulp, |x| > 2^126 flushed to 0 (one MUFU.RCP; the division is that plus range fixes);
-    otherwise a division (float32: Triton's div.full.f32, 2 ulp; float64: IEEE)."""
-    if HW:
-        r = tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True,
-                                      pack=1)
-    else:
-        r = 1.0 / x
-    return r'''
-
-
-# leaf_scale's bit arithmetic, per accumulation dtype: (integer type, exponent mask, the exponent
-# bits of 2^(bias - 1) and the largest exponent used, so that the factor stays a finite normal number).
-# One source for the tile modules' leaf_scale (kernel/builders.py) and the chunk-parallel one (kernel/chunked.py).
-LEAF_SCALE_DOC = """2^-e where 2^e <= m < 2^(e + 1), m >= 0 the largest |field| of a projective leaf: the leaf times it
-    has its largest field in [1, 2), exactly (a power of two). From the exponent bits, clamped to a finite
-    normal factor (m = 0 or subnormal: 2^127 in float32; m = inf or NaN: 2^-126, the leaf stays as it is)."""
-LEAF_SCALE_BITS = {"tl.float64": ("tl.int64", "0x7FF0000000000000", "0x7FE0000000000000", "0x7FD0000000000000"),
-                   "tl.float32": ("tl.int32", "0x7F800000", "0x7F000000", "0x7E800000")}
-
-
-def leaf_scale_lines(dtype: str) -> tuple[str, str]:
-    """leaf_scale's two statements for accumulation dtype `dtype` ("tl.float64" / "tl.float32"):
-    `e = <exponent bits of m>` and the returned factor."""
-    itype, mask, top, clamp = LEAF_SCALE_BITS[dtype]
-    return (f"e = m.to({itype}, bitcast=True) & {mask}",
-            f"({top} - tl.minimum(e, {clamp})).to({dtype}, bitcast=True)")
-
-
-def _max_tree(items: list[str]) -> str:
-    """tl.maximum over `items`, as a balanced tree (independent maxima issue together)."""
-    if len(items) == 1:
-        return items[0]
-    half = len(items) // 2
-    return f"tl.maximum({_max_tree(items[:half])}, {_max_tree(items[half:])})"
-
-
-def renormalise_leaf(ir: ScanIR, tag: str) -> list[str]:
-    """Projective monoids: the lifted leaf l{tag}_<field> scaled by inv_leaf{tag} = leaf_scale(its largest
-    |field|), before any product, as the reference backend renormalises every leaf (there by its scale;
-    any non-zero factor is the same projective element, and every combine result is divided by its scale,
-    so the outputs are those of the raw leaves: leaves near 1e20 no longer overflow float32 in a product).
-    The outputs do not change when a leaf is scaled, so d out / d leaf = inv_leaf * d out / d(scaled
-    leaf): the backward multiplies each dx by its step's inv_leaf. Nothing for other monoids."""
-    if not ir.is_projective:
-        return []
-    largest = _max_tree([f"tl.abs(l{tag}_{f})" for f in ir.fields])
-    return [f"inv_leaf{tag} = leaf_scale({largest})"] + [f"l{tag}_{f} = l{tag}_{f} * inv_leaf{tag}" for f in ir.fields]
-
-
-def scale_leaf_gradient(ir: ScanIR, dx: str, tag: str) -> list[str]:
-    """dx<field> (format `dx`) times the step's inv_leaf{tag} (see `renormalise_leaf`); nothing unless projective."""
-    if not ir.is_projective:
-        return []
-    return [f"{dx.format(f)} = {dx.format(f)} * inv_leaf{tag}" for f in ir.fields]
-
-
 def _strides(prefix):
     return [f"{prefix}_{s}" for s in STRIDES]
-
-
-def sequence_bounds() -> list[str]:
-    """t0, seq_len: where sequence `seq` starts in memory and its length (both schedules)."""
-    return [
-        "if VARLEN:",
-        "    t0 = tl.load(cu_ptr + seq).to(tl.int64)",
-        "    seq_len = tl.load(cu_ptr + seq + 1).to(tl.int64) - t0",
-        "else:",
-        "    t0 = 0",
-        "    seq_len = T",
-    ]
-
-
-def memory_index() -> list[str]:
-    """tt: the memory index of scan step t (backwards in memory when REVERSE), and its step."""
-    return [
-        "if REVERSE:",
-        "    tt = (t0 + seq_len - 1 - t).to(tl.int64)",
-        "    step = -1",
-        "else:",
-        "    tt = (t0 + t).to(tl.int64)",
-        "    step = 1",
-    ]
-
-
-def static_flags(ir: ScanIR) -> list[str]:
-    """The TSTATIC<i> constexpr parameters (default False: every step loads)."""
-    return [f"TSTATIC{i}: tl.constexpr = False" for i in range(len(ir.inputs))]
-
-
-def _initial_carry(ir: ScanIR, shape: str = "[BLOCK_L]") -> list[str]:
-    """c_<field> (a `shape` lane tensor): the initial element of each lane (of sequence `seq`), else
-    the identity; fields of a specialised carry (`ir.constants`) are their constant."""
-    const = dict(ir.constants)
-    lines = [f"c_{f} = to_acc(tl.full({shape}, {_num(v)}, tl.float64), FP64)" for f, v in ir.constants]
-    free = [(f, name, ident) for f, (name, ident) in enumerate(zip(ir.fields, ir.identity)) if name not in const]
-    if not free:
-        return lines
-    lines.append("if HAS_INIT:")
-    for f, name, ident in free:
-        lines.append(f"    c_{name} = to_acc(tl.load(init{f}_ptr + seq * init{f}_sn + lane_offsets(lane, D1, D2, D3, init{f}_s0, init{f}_s1, "
-                     f"init{f}_s2, init{f}_s3), mask=lane_ok, other={_num(ident)}), FP64)")
-    lines.append("else:")
-    for f, name, ident in free:
-        lines.append(f"    c_{name} = to_acc(tl.full({shape}, {_num(ident)}, tl.float64), FP64)")
-    return lines
-
-
-def tile_start_checkpoints(ir: ScanIR, carry: str, lanes: str, mask: str) -> list[str]:
-    """Store the carry {carry}_<field> into tile k (offsets `lanes`, masked by `mask`) as a checkpoint: into
-    slot k when CHUNK == BLOCK_T, into slot k // (CHUNK // BLOCK_T) at every CHUNK // BLOCK_T-th tile when
-    CHUNK is a longer multiple of BLOCK_T (a shorter CHUNK stores from inside the tile instead)."""
-    lines = ["if CKPT and CHUNK == BLOCK_T:"]
-    lines += [f"    tl.store(ckpt_ptr + ({f} * n_slots + slot0 + k) * L + {lanes}, {carry}_{name}, mask={mask})"
-              for f, name in enumerate(ir.fields)]
-    lines += ["if CKPT and CHUNK > BLOCK_T:", "    if k % (CHUNK // BLOCK_T) == 0:"]
-    lines += [f"        tl.store(ckpt_ptr + ({f} * n_slots + slot0 + k // (CHUNK // BLOCK_T)) * L + {lanes}, "
-              f"{carry}_{name}, mask={mask})" for f, name in enumerate(ir.fields)]
-    return lines
 
 
 def forward_args(ir: ScanIR) -> list[str]:

@@ -12,9 +12,10 @@ from scanlang import expr as E
 from scanlang.autodiff import Adjoint
 from scanlang.ir import ScanIR
 
-from .codegen import _num, _symbols_named, backward_args, forward_args, scale_leaf_gradient
+from .codegen import _symbols_named, backward_args, forward_args
 from .kernel import builders as B
 from .kernel import common
+from .kernel.common import assign, assign_inverted
 from .kernel import ir as K
 from .kernel import runs as R
 from .kernel.builders import GradMode, a, grad_mode_is, when
@@ -52,18 +53,15 @@ def forward_kernel(ir: ScanIR) -> K.Kernel:
     # are stored from inside the tile (a masked store, one row in CHUNK active); a longer CHUNK (a
     # multiple of BLOCK_T) stores the carry at the start of every CHUNK // BLOCK_T-th tile.
     loop = list(B.time_index() + B.tile_start_checkpoints(ir, "c", "lane", "lane_ok") + B.load_lift(ir) + B.replay(ir))
-    ckpt = lambda slot, lanes, value, mask: [  # noqa: E731
-        K.Store(K.expr(f"ckpt_ptr + ({f} * n_slots + {slot}) * L + {lanes}"), K.expr(f"{value}_{name}"), K.expr(mask))
-        for f, name in enumerate(ir.fields)]
     loop.append(when("CHUNK < BLOCK_T", [
         a("chunk", "t // CHUNK + 1"),
         a("chunk_end", "((t % CHUNK) == CHUNK - 1) & (chunk < tl.cdiv(seq_len, CHUNK)) & lane_ok[None, :]"),
-        *ckpt("slot0 + chunk", "lane[None, :]", "p", "chunk_end")]))
-    body.append(when("CHUNK < BLOCK_T", ckpt("slot0", "lane", "c", "lane_ok")))
+        *B.checkpoint_store(ir, "slot0 + chunk", "lane[None, :]", "p", "chunk_end")]))
+    body.append(when("CHUNK < BLOCK_T", B.checkpoint_store(ir, "slot0", "lane", "c", "lane_ok")))
     if ir.uses_previous:
         loop += B.previous(ir)
     names = {s: s.name for s in ir.prefix_symbols + ir.previous_symbols + ir.input_symbols}
-    loop += B.assign_inverted([f"r{j}" for j in outs], ir.readout, names, "_r", shape_like=f"p_{ir.fields[0]}")
+    loop += assign_inverted([f"r{j}" for j in outs], ir.readout, names, "_r", shape_like=f"p_{ir.fields[0]}")
     for j in outs:
         value = K.expr(f"r{j}.to(o{j}_ptr.dtype.element_ty)")
         ptr = K.expr(f"o{j}_ptr + o{j}_off + tt * o{j}_st")
@@ -121,8 +119,7 @@ def backward_kernel(ir: ScanIR, adj: Adjoint) -> K.Kernel:
         body += [a(f"gc_{name}", zeros), a(f"w0_{name}", f"dfin_{name}")]
     shape = f"p_{ir.fields[0]}"
     loop = [a("k", "n_tiles - 1 - kk"), *B.time_index()]
-    loop += [K.Load(f"c_{name}", K.expr(f"ckpt_ptr + ({f} * n_slots + slot0 + k) * L + lane"), K.expr("lane_ok"),
-                    K.expr(_num(ident))) for f, (name, ident) in enumerate(zip(ir.fields, ir.identity))]
+    loop += B.checkpoint_load(ir)
     loop += B.load_lift(ir) + B.replay(ir)
     loop.append(a("ok_prev", "ok & (rows > 0)"))
     loop += B.load_lift(ir, tag="v", shift=-1, mask="ok_prev") + B.replay(ir, tag="v", out="qs")
@@ -135,7 +132,7 @@ def backward_kernel(ir: ScanIR, adj: Adjoint) -> K.Kernel:
     here = ({s: s.name for s in ir.prefix_symbols + ir.previous_symbols + adj.g}
             | _symbols_named(ir.input_symbols, "u_{}"))
     recips = {}   # divisions by reciprocals, each inverted once (another set after the adjoint scan)
-    loop += B.assign_inverted([f"dy_{f}" for f in ir.fields], adj.dy, here, "_d", shape_like=shape, recips=recips)
+    loop += assign_inverted([f"dy_{f}" for f in ir.fields], adj.dy, here, "_d", shape_like=shape, recips=recips)
     if ir.uses_previous:   # c_{s+1}: the next step's readout differentiated in its previous prefix (= p_s)
         loop += [K.Load(f"gn_{o}", K.expr(f"g{j}_ptr + g{j}_off + (tt + step) * g{j}_st"), K.expr("ok_next"),
                         K.expr("0.0")) for j, o in enumerate(ir.outputs)]
@@ -143,12 +140,12 @@ def backward_kernel(ir: ScanIR, adj: Adjoint) -> K.Kernel:
                                f"{', '.join(f'en_{f}' for f in ir.fields)}", unpack=True)
         nxt = ({s: f"pn_{s.name[2:]}" for s in ir.prefix_symbols} | {s: f"p_{s.name[2:]}" for s in ir.previous_symbols}
                | {g: f"gn_{g.name[2:]}" for g in adj.g} | _symbols_named(ir.input_symbols, "un_{}"))
-        loop += B.assign_inverted([f"cn_{f}" for f in ir.fields], adj.c, nxt, "_n", shape_like=shape, recips=recips)
+        loop += assign_inverted([f"cn_{f}" for f in ir.fields], adj.c, nxt, "_n", shape_like=shape, recips=recips)
     else:
         loop += [a(f"cn_{f}", "0.0") for f in ir.fields]
     a_names = ({s: f"p_{s.name[2:]}" for s in ir.previous_symbols}
                | {s: f"en_{f}" for s, f in zip(ir.later, ir.fields)})
-    loop += B.assign_inverted([f"a{k}" for k in range(nb)], adj.b_entries, a_names, "_a", shape_like=shape, recips=recips)
+    loop += assign_inverted([f"a{k}" for k in range(nb)], adj.b_entries, a_names, "_a", shape_like=shape, recips=recips)
     # the last step has no successor: A = 0 (its padding may not be finite)
     loop += [a(f"a{k}", f"tl.where(ok_next, a{k}, 0.0)") for k in range(nb)]
     loop.append(a("is_last", "t == seq_len - 1"))
@@ -156,7 +153,7 @@ def backward_kernel(ir: ScanIR, adj: Adjoint) -> K.Kernel:
     loop += [a(f"d_{f}", f"dy_{f} + tl.where(ok_next, cn_{f}, 0.0) + tl.where(is_last, dfin_{f}[None, :], 0.0)")
              for f in ir.fields]
     names_v = {s: s.name for s in ir.prefix_symbols + adj.d}
-    loop += B.assign_inverted([f"v_{f}" for f in ir.fields], adj.direct, names_v, "_v", shape_like=shape, recips=recips)
+    loop += assign_inverted([f"v_{f}" for f in ir.fields], adj.direct, names_v, "_v", shape_like=shape, recips=recips)
     loop += [a(f"v_{f}", f"tl.where(ok, v_{f}, 0.0)") for f in ir.fields]
     ra, rv = [f"ra{k}" for k in range(nb)], [f"rv{i}" for i in range(n)]
     scanned = [f"a{k}" for k in range(nb)] + [f"v_{f}" for f in ir.fields]
@@ -175,14 +172,14 @@ def backward_kernel(ir: ScanIR, adj: Adjoint) -> K.Kernel:
     gc = [E.symbol(f"gc_{f}") for f in ir.fields]
     g_exprs = [E.symbol(rv[i]) + sum((rmat[i][j] * gc[j] for j in range(n)), sympy.Integer(0)) for i in range(n)]
     names_g = {E.symbol(r): r for r in ra + rv} | {s: f"{s.name}[None, :]" for s in gc}
-    loop += B.assign([f"gbar_{f}" for f in ir.fields], g_exprs, names_g, "_g")
+    loop += assign([f"gbar_{f}" for f in ir.fields], g_exprs, names_g, "_g")
     names_x = ({s: s.name for s in ir.previous_symbols + adj.gbar}
                | {s: f"e_{f}" for s, f in zip(ir.later, ir.fields)})
     recips = {}
-    loop += B.assign_inverted([f"dx_{f}" for f in ir.fields], adj.dx, names_x, "_x", shape_like=shape, recips=recips)
-    loop += B.lines(scale_leaf_gradient(ir, "dx_{}", ""))
+    loop += assign_inverted([f"dx_{f}" for f in ir.fields], adj.dx, names_x, "_x", shape_like=shape, recips=recips)
+    loop += B.scale_leaf_gradient(ir, "dx_{}", "")
     names_u = here | {s: s.name for s in adj.dx_symbols}
-    loop += B.assign_inverted([f"du_{m}" for m in ir.inputs], adj.du, names_u, "_u", shape_like=shape, recips=recips)
+    loop += assign_inverted([f"du_{m}" for m in ir.inputs], adj.du, names_u, "_u", shape_like=shape, recips=recips)
     loop += [_du_store(i, name) for i, name in enumerate(ir.inputs)]
     loop += [a(f"gc_{f}", f"tl.sum(tl.where(rows == 0, gbar_{f}, 0.0), 0)") for f in ir.fields]
     # dL/d(initial) = J1(q_0, x_0)^T gbar_0 + c_0, taken from the first tile (the loop's last)
@@ -202,14 +199,14 @@ def _initial_gradient(ir: ScanIR, adj: Adjoint, here: dict, shape: str) -> list:
     """w0_<field> = dL/d(initial): J1(q_0, x_0)^T gbar_0 + c_0 at row 0 of the first tile."""
     n, nb = len(ir.fields), len(adj.b_entries)
     recips = {}
-    out = list(B.assign_inverted([f"cq_{f}" for f in ir.fields], adj.c, here, "_i", shape_like=shape, recips=recips))
+    out = list(assign_inverted([f"cq_{f}" for f in ir.fields], adj.c, here, "_i", shape_like=shape, recips=recips))
     b_names = ({s: s.name for s in ir.previous_symbols} | {s: f"e_{f}" for s, f in zip(ir.later, ir.fields)})
-    out += B.assign_inverted([f"b{k}" for k in range(nb)], adj.b_entries, b_names, "_b", shape_like=shape, recips=recips)
+    out += assign_inverted([f"b{k}" for k in range(nb)], adj.b_entries, b_names, "_b", shape_like=shape, recips=recips)
     bmat = adj.matrix([E.symbol(f"b{k}") for k in range(nb)])
     gb = [E.symbol(f"gbar_{f}") for f in ir.fields]
     w_exprs = [E.symbol(f"cq_{ir.fields[i]}") + sum((bmat[i][j] * gb[j] for j in range(n)), sympy.Integer(0))
                for i in range(n)]
     names_w = {E.symbol(f"cq_{f}"): f"cq_{f}" for f in ir.fields} | {s: s.name for s in gb} | {
         E.symbol(f"b{k}"): f"b{k}" for k in range(nb)}
-    out += B.assign([f"w_{f}" for f in ir.fields], w_exprs, names_w, "_w", shape_like=shape)
+    out += assign([f"w_{f}" for f in ir.fields], w_exprs, names_w, "_w", shape_like=shape)
     return out + [a(f"w0_{f}", f"tl.sum(tl.where(rows == 0, w_{f}, 0.0), 0)") for f in ir.fields]

@@ -1,22 +1,20 @@
 """Statement builders the kernel-IR schedules share (kernel/ir.py): the program prologue, sequence
-bounds and memory index, loading and lifting a tile, replaying prefixes from a carry, the initial
-carry, checkpoints, the kernel parameters, the combine calls, and the module's small helpers
-(leaf_scale, combine_rcp). Expressions are printed by the one expression printer
-(codegen._assign / _assign_inverted, over `scanlang.expr.render`); this module only builds statements.
-
-`from_lines` is the one seam for codegen.py's remaining line builders (sequence bounds, memory index,
-initial carry, combine and scan calls, checkpoints: used by every schedule): it turns their lines into
-IR statements; it goes when those builders return statements themselves.
+bounds and memory index, lifting a leaf (and renormalising a projective one), loading and lifting a
+tile, replaying prefixes from a carry, the initial carry, checkpoint stores and loads, the kernel
+parameters, the combine and scan calls, and the module's small functions (leaf_scale, reciprocal,
+combine_rcp). Every builder returns IR statements (or a `Kernel`); expressions inside them are
+source text (`ir.Expr`), the monoid's own printed by the one expression printer (codegen._assign /
+_assign_inverted, over `scanlang.expr.render`) and made assignments by `common.assign` /
+`common.assign_inverted`. No schedule writes statements as text lines.
 """
 from __future__ import annotations
 
-import ast
 import enum
 
 from scanlang.ir import ScanIR
 
-from ..codegen import (LEAF_SCALE_DOC, _assign, _assign_inverted, _num, combine_operands, has_combine_rcp,
-                       leaf_scale_lines, renormalise_leaf)
+from ..codegen import _num, combine_operands, has_combine_rcp
+from . import common
 from . import ir as K
 
 # the tile kernels' layout constexprs (plan.py): RCP_APPROX (float32 compiled for a GPU: reciprocals by
@@ -53,69 +51,13 @@ def grad_mode_is(i: int, mode: GradMode) -> K.Expr:
 
 
 def a(target: str, value) -> K.Assign:
+    """`target = value`."""
     return K.assign(target, value)
 
 
 def when(cond: str, body, orelse=()) -> K.If:
+    """`if cond: body else: orelse` (constexpr conditions fold away when Triton compiles)."""
     return K.If(K.expr(cond), tuple(body), tuple(orelse))
-
-
-def lines(src) -> tuple:
-    """Statements (pure assignments) from `name = expression` lines of the expression printer."""
-    return K.assign_lines(src)
-
-
-def assign(targets, exprs, names, prefix, shape_like=None) -> tuple:
-    """`targets[i] = exprs[i]` by the one expression printer (see codegen._assign)."""
-    return K.assign_lines(_assign(list(targets), list(exprs), names, prefix, shape_like))
-
-
-def assign_inverted(targets, exprs, names, prefix, shape_like=None, recips=None) -> tuple:
-    """`assign` with each reciprocal taken once by `reciprocal(.., RCP_APPROX)` (codegen._assign_inverted)."""
-    return K.assign_lines(_assign_inverted(list(targets), list(exprs), names, prefix, shape_like, recips=recips))
-
-
-# --- the seam: codegen.py's line-generated statements as IR --------- --------------------------------------------
-
-def _call_parts(call: ast.Call):
-    return [ast.unparse(x) for x in call.args], {k.arg: k.value for k in call.keywords}
-
-
-def _from_ast(node: ast.stmt):
-    text = lambda e: K.Expr(ast.unparse(e))  # noqa: E731
-    if isinstance(node, ast.Assign) and len(node.targets) == 1:
-        t = node.targets[0]
-        if isinstance(t, ast.Name):
-            return K.Assign((t.id,), text(node.value))
-        if isinstance(t, ast.Tuple) and all(isinstance(e, ast.Name) for e in t.elts):
-            return K.Assign(tuple(e.id for e in t.elts), text(node.value), unpack=len(t.elts) == 1)
-    if isinstance(node, ast.AugAssign) and isinstance(node.op, ast.Add) and isinstance(node.target, ast.Name):
-        return K.AugAssign(node.target.id, text(node.value))
-    if isinstance(node, ast.If):
-        return K.If(text(node.test), tuple(map(_from_ast, node.body)), tuple(map(_from_ast, node.orelse)))
-    if isinstance(node, ast.For) and isinstance(node.target, ast.Name) and isinstance(node.iter, ast.Call):
-        fn = ast.unparse(node.iter.func)
-        args, kw = _call_parts(node.iter)
-        if fn in ("tl.range", "tl.static_range") and len(args) in (2, 3) and set(kw) <= {"num_stages"}:
-            return K.For(node.target.id, K.Expr(args[0]), K.Expr(args[1]), tuple(map(_from_ast, node.body)),
-                         step=K.Expr(args[2]) if len(args) == 3 else None, static=fn == "tl.static_range",
-                         num_stages=text(kw["num_stages"]) if "num_stages" in kw else None)
-    if isinstance(node, ast.Expr) and isinstance(node.value, ast.Call):
-        fn = ast.unparse(node.value.func)
-        args, kw = _call_parts(node.value)
-        mask = text(kw["mask"]) if "mask" in kw else None
-        if fn == "tl.store" and len(args) == 2 and list(kw) in ([], ["mask"]):
-            return K.Store(K.Expr(args[0]), K.Expr(args[1]), mask)
-        if (fn == "tl.atomic_add" and len(args) == 2 and list(kw) in (["sem"], ["mask", "sem"])
-                and ast.literal_eval(kw["sem"]) == "relaxed"):
-            return K.AtomicAdd(K.Expr(args[0]), K.Expr(args[1]), mask)
-    raise ValueError(f"lines: no kernel IR statement for {ast.unparse(node)!r}")
-
-
-def from_lines(src) -> tuple:
-    """The statements of generated lines (one block, indented by four spaces per level): assignments,
-    `+=`, if/else, `tl.range` / `tl.static_range` loops, `tl.store` and relaxed `tl.atomic_add`."""
-    return tuple(_from_ast(node) for node in ast.parse("\n".join(src)).body)
 
 
 # --- kernel parameters ----------------------------------------------------------------------------------------
@@ -163,13 +105,45 @@ def time_index() -> tuple:
             *memory_index())
 
 
+# --- projective leaves ---------------------------------------------------------------------------------------
+
+def _max_tree(items: list[str]) -> str:
+    """tl.maximum over `items`, as a balanced tree (independent maxima issue together)."""
+    if len(items) == 1:
+        return items[0]
+    half = len(items) // 2
+    return f"tl.maximum({_max_tree(items[:half])}, {_max_tree(items[half:])})"
+
+
+def renormalise_leaf(ir: ScanIR, tag: str) -> tuple:
+    """Projective monoids: the lifted leaf l{tag}_<field> scaled by inv_leaf{tag} = leaf_scale(its largest
+    |field|), before any product, as the reference backend renormalises every leaf (there by its scale;
+    any non-zero factor is the same projective element, and every combine result is divided by its scale,
+    so the outputs are those of the raw leaves: leaves near 1e20 no longer overflow float32 in a product).
+    The outputs do not change when a leaf is scaled, so d out / d leaf = inv_leaf * d out / d(scaled
+    leaf): the backward multiplies each dx by its step's inv_leaf. Nothing for other monoids."""
+    if not ir.is_projective:
+        return ()
+    largest = _max_tree([f"tl.abs(l{tag}_{f})" for f in ir.fields])
+    return (a(f"inv_leaf{tag}", f"leaf_scale({largest})"),
+            *(a(f"l{tag}_{f}", f"l{tag}_{f} * inv_leaf{tag}") for f in ir.fields))
+
+
+def scale_leaf_gradient(ir: ScanIR, dx: str, tag: str) -> tuple:
+    """dx<field> (format `dx`) times the step's inv_leaf{tag} (see `renormalise_leaf`); nothing unless projective."""
+    if not ir.is_projective:
+        return ()
+    return tuple(a(dx.format(f), f"{dx.format(f)} * inv_leaf{tag}") for f in ir.fields)
+
+
 # --- combine calls, tiles -----------------------------------------------------------------------------------
 
-def combine_call(ir: ScanIR, outs, args: str, unpack: bool = False) -> tuple:
-    """`outs = combine(args)`, by `combine_rcp` under RCP_APPROX where the module has one."""
-    call = lambda fn: K.Assign(tuple(outs), K.expr(f"{fn}({args})"), unpack)  # noqa: E731
-    if not has_combine_rcp(ir):
-        return (call("combine"),)
+def combine_call(ir: ScanIR, outs, args: str, unpack: bool = False, fn: str = "combine") -> tuple:
+    """`outs = fn(args)` (fn the combine, or another function of the module such as runs.py's
+    `combine_raw`), by `combine_rcp` under RCP_APPROX where fn is the combine and the module has one."""
+    call = lambda f: K.Assign(tuple(outs), K.expr(f"{f}({args})"), unpack)  # noqa: E731
+    if fn != "combine" or not has_combine_rcp(ir):
+        return (call(fn),)
     return (when("RCP_APPROX", [call("combine_rcp")], [call("combine")]),)
 
 
@@ -182,17 +156,29 @@ def scan_call(ir: ScanIR, outs, args: str) -> tuple:
     return (when("RCP_APPROX", [call("combine_rcp")], [call("combine")]),)
 
 
+def lift(ir: ScanIR, tag: str, mask: str | None, prefix: str | None = None, unpadded=()) -> tuple:
+    """l{tag}_<field>: the inputs u{tag}_<input> lifted (projective: renormalised, `renormalise_leaf`);
+    e{tag}_<field>: the lifted leaf, the identity where `mask` is false (as lifted for the fields in
+    `unpadded`, and for every field when `mask` is None). The lift's temporaries are `prefix`<k>
+    (default _l{tag}). Every schedule lifts by this."""
+    names = {s: f"u{tag}_{s.name[2:]}" for s in ir.input_symbols}
+    prefix = f"_l{tag}" if prefix is None else prefix
+    out = list(common.assign([f"l{tag}_{f}" for f in ir.fields], ir.lift, names, prefix, shape_like=f"u{tag}_{ir.inputs[0]}"))
+    out += renormalise_leaf(ir, tag)
+    for f, ident in zip(ir.fields, ir.identity):
+        padded = mask is not None and f not in unpadded
+        out.append(a(f"e{tag}_{f}", f"tl.where({mask}, l{tag}_{f}, {_num(ident)})" if padded else f"l{tag}_{f}"))
+    return tuple(out)
+
+
 def load_lift(ir: ScanIR, tag: str = "", shift: int = 0, mask: str = "ok") -> tuple:
     """Load the inputs `shift` steps later in scan order (memory index tt + shift * step), lift them,
-    and pad with the identity where `mask` is false: u{tag}_<input>, e{tag}_<field>."""
+    and pad with the identity where `mask` is false: u{tag}_<input>, e{tag}_<field> (the tile and
+    chunk-parallel schedules)."""
     at = "tt" if shift == 0 else f"(tt + {shift} * step)"
-    out = [K.Load(f"u{tag}_{n}", K.expr(f"u{i}_ptr + u{i}_off + {at} * u{i}_st"), K.expr(mask), K.expr("1.0"))
-           for i, n in enumerate(ir.inputs)]
-    names = {s: f"u{tag}_{s.name[2:]}" for s in ir.input_symbols}
-    out += assign([f"l{tag}_{f}" for f in ir.fields], ir.lift, names, f"_l{tag}", shape_like=f"u{tag}_{ir.inputs[0]}")
-    out += lines(renormalise_leaf(ir, tag))
-    out += [a(f"e{tag}_{f}", f"tl.where({mask}, l{tag}_{f}, {_num(ident)})") for f, ident in zip(ir.fields, ir.identity)]
-    return tuple(out)
+    loads = tuple(K.Load(f"u{tag}_{n}", K.expr(f"u{i}_ptr + u{i}_off + {at} * u{i}_st"), K.expr(mask), K.expr("1.0"))
+                  for i, n in enumerate(ir.inputs))
+    return loads + lift(ir, tag, mask)
 
 
 def replay(ir: ScanIR, tag: str = "", out: str = "p") -> tuple:
@@ -228,20 +214,61 @@ def tile_start_checkpoints(ir: ScanIR, carry: str, lanes: str, mask: str) -> tup
     """Store the carry {carry}_<field> into tile k as a checkpoint: into slot k when CHUNK == BLOCK_T,
     into slot k // (CHUNK // BLOCK_T) at every CHUNK // BLOCK_T-th tile when CHUNK is a longer multiple of
     BLOCK_T (a shorter CHUNK stores from inside the tile instead)."""
-    store = lambda slot: [K.Store(K.expr(f"ckpt_ptr + ({f} * n_slots + slot0 + {slot}) * L + {lanes}"),  # noqa: E731
-                                  K.expr(f"{carry}_{name}"), K.expr(mask)) for f, name in enumerate(ir.fields)]
-    return (when("CKPT and CHUNK == BLOCK_T", store("k")),
-            when("CKPT and CHUNK > BLOCK_T", [when("k % (CHUNK // BLOCK_T) == 0", store("k // (CHUNK // BLOCK_T)"))]))
+    every = checkpoint_store(ir, "slot0 + k // (CHUNK // BLOCK_T)", lanes, carry, mask)
+    return (when("CKPT and CHUNK == BLOCK_T", checkpoint_store(ir, "slot0 + k", lanes, carry, mask)),
+            when("CKPT and CHUNK > BLOCK_T", [when("k % (CHUNK // BLOCK_T) == 0", every)]))
+
+
+def checkpoint_store(ir: ScanIR, slot: str, lanes: str, value: str, mask: str) -> tuple:
+    """{value}_<field> stored as checkpoint `slot` of lanes `lanes` (masked by `mask`): field f of slot s
+    at ckpt_ptr + (f * n_slots + s) * L + lane (the tile schedules' layout, read by `checkpoint_load`)."""
+    return tuple(K.Store(K.expr(f"ckpt_ptr + ({f} * n_slots + {slot}) * L + {lanes}"), K.expr(f"{value}_{name}"),
+                         K.expr(mask)) for f, name in enumerate(ir.fields))
+
+
+def checkpoint_load(ir: ScanIR) -> tuple:
+    """c_<field> [BLOCK_L]: the carry into tile k, from checkpoint slot0 + k (the identity on lanes past L)."""
+    return tuple(K.Load(f"c_{name}", K.expr(f"ckpt_ptr + ({f} * n_slots + slot0 + k) * L + lane"), K.expr("lane_ok"),
+                        K.expr(_num(ident))) for f, (name, ident) in enumerate(zip(ir.fields, ir.identity)))
 
 
 # --- the module's small functions ------------------------------------------------------------------------
 
-def leaf_scale_kernel() -> K.Kernel:
-    """`leaf_scale(m)`: the exact power of two bringing a projective leaf's largest field into [1, 2)."""
-    f64, f32 = leaf_scale_lines("tl.float64"), leaf_scale_lines("tl.float32")
+LEAF_SCALE_DOC = """2^-e where 2^e <= m < 2^(e + 1), m >= 0 the largest |field| of a projective leaf: the leaf times it
+    has its largest field in [1, 2), exactly (a power of two). From the exponent bits, clamped to a finite
+    normal factor (m = 0 or subnormal: 2^127 in float32; m = inf or NaN: 2^-126, the leaf stays as it is)."""
+
+# leaf_scale's bit arithmetic, per accumulation dtype: (integer type, exponent mask, the exponent
+# bits of 2^(bias - 1) and the largest exponent used, so that the factor stays a finite normal number).
+LEAF_SCALE_BITS = {"tl.float64": ("tl.int64", "0x7FF0000000000000", "0x7FE0000000000000", "0x7FD0000000000000"),
+                   "tl.float32": ("tl.int32", "0x7F800000", "0x7F000000", "0x7E800000")}
+
+
+def _leaf_scale_body(dtype: str) -> tuple:
+    """leaf_scale's statements for accumulation dtype `dtype`: e = the exponent bits of m; return the factor."""
+    itype, mask, top, clamp = LEAF_SCALE_BITS[dtype]
+    return (a("e", f"m.to({itype}, bitcast=True) & {mask}"),
+            K.Return((K.expr(f"({top} - tl.minimum(e, {clamp})).to({dtype}, bitcast=True)"),)))
+
+
+def leaf_scale_kernel(doc: str = LEAF_SCALE_DOC) -> K.Kernel:
+    """`leaf_scale(m)`: the exact power of two bringing a projective leaf's largest field into [1, 2)
+    (the tile modules' and the chunk-parallel one's: chunked.py gives `doc` on one line)."""
     return K.Kernel("leaf_scale", (K.Param("m"),),
-                    (when("m.dtype == tl.float64", [*lines(f64[:1]), K.Return((K.expr(f64[1]),))],
-                          [*lines(f32[:1]), K.Return((K.expr(f32[1]),))]),), doc=LEAF_SCALE_DOC)
+                    (when("m.dtype == tl.float64", _leaf_scale_body("tl.float64"), _leaf_scale_body("tl.float32")),),
+                    doc=doc)
+
+
+RECIPROCAL_DOC = """1 / x. HW (RCP_APPROX: float32 compiled for a GPU): the hardware reciprocal rcp.approx.ftz.f32,
+    within 1 ulp, |x| > 2^126 flushed to 0 (one MUFU.RCP; the division is that plus range fixes);
+    otherwise a division (float32: Triton's div.full.f32, 2 ulp; float64: IEEE)."""
+
+
+def reciprocal_kernel() -> K.Kernel:
+    """`reciprocal(x, HW)`: 1 / x, by the hardware instruction (inline PTX) when HW."""
+    rcp = 'tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True, pack=1)'
+    return K.Kernel("reciprocal", (K.Param("x"), K.Param("HW", constexpr=True)),
+                    (when("HW", [a("r", rcp)], [a("r", "1.0 / x")]), K.Return((K.expr("r"),))), doc=RECIPROCAL_DOC)
 
 
 def combine_rcp_kernel(ir: ScanIR, origin=()) -> K.Kernel | None:
@@ -250,9 +277,9 @@ def combine_rcp_kernel(ir: ScanIR, origin=()) -> K.Kernel | None:
     if not has_combine_rcp(ir):
         return None
     xs, ys, names, out = combine_operands(ir)
-    body = list(lines(_assign_inverted(out, ir.combine, names, "_c", shape_like=xs[0], hw="True")))
+    body = list(common.assign_inverted(out, ir.combine, names, "_c", shape_like=xs[0], hw="True"))
     if ir.is_projective:
-        body += assign(["scale"], [ir.scale], dict(zip(ir.scale_symbols, out)), "_s")
+        body += common.assign(["scale"], [ir.scale], dict(zip(ir.scale_symbols, out)), "_s")
         body += [a("inv_scale", "reciprocal(scale, True)"), K.Return(tuple(K.expr(f"{o} * inv_scale") for o in out))]
     else:
         body.append(K.Return(tuple(K.expr(o) for o in out)))

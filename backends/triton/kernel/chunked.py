@@ -27,8 +27,8 @@ same in every schedule: the carry into each chunk of BLOCK_T steps.
 
 Projective monoids: every lifted leaf (x_t, and the next and previous steps' leaves the backward
 reloads) is scaled by leaf_scale, an exact power of two bringing its largest field into [1, 2),
-before any product, as in the other schedules (codegen.renormalise_leaf); the outputs do not change,
-and the backward multiplies each step's dx by the same factor (codegen.scale_leaf_gradient).
+before any product, as in the other schedules (builders.renormalise_leaf); the outputs do not change,
+and the backward multiplies each step's dx by the same factor (builders.scale_leaf_gradient).
 
 Supported: plain scans (`supports`; the kernels take any lift and a readout that neither uses the
 previous prefix nor sums over state lanes), one sequence (no cu_seqlens), T >= 1; other programs
@@ -42,8 +42,8 @@ from scanlang import expr as E
 from scanlang.autodiff import Adjoint
 from scanlang.ir import ScanIR
 
-from ..codegen import (LEAF_SCALE_DOC, backward_args, forward_args, leaf_scale_lines, renormalise_leaf,
-                       scale_leaf_gradient)
+from ..codegen import backward_args, forward_args
+from . import builders as B
 from . import common
 from .builders import GradMode, grad_mode_is
 from . import ir as K
@@ -86,20 +86,6 @@ def _prologue(tensors) -> tuple:
             _a("ok", "(t < T) & lane_ok[None, :]"),
             K.If(K.expr("REVERSE"), (_a("tt", "T - 1 - t"), _a("step", "-1")), (_a("tt", "t"), _a("step", "1")))]
     body += [_a(f"{n}_off", f"{_offsets(n)}[None, :]") for n in tensors]
-    return tuple(body)
-
-
-def _load_lift(ir: ScanIR, tag: str = "", shift: int = 0, mask: str = "ok") -> tuple:
-    """Inputs `shift` steps later in scan order as u{tag}_<input>, lifted (l{tag}_<field>; projective:
-    scaled by inv_leaf{tag}) and padded with the identity where `mask` is false (e{tag}_<field>)."""
-    at = "tt" if shift == 0 else f"(tt + {shift} * step)"
-    body = [K.Load(f"u{tag}_{n}", K.expr(f"u{i}_ptr + u{i}_off + {at} * u{i}_st"), K.expr(mask), K.expr("1.0"))
-            for i, n in enumerate(ir.inputs)]
-    names = {s: f"u{tag}_{n}" for s, n in zip(ir.input_symbols, ir.inputs)}
-    body += common.assign([f"l{tag}_{f}" for f in ir.fields], ir.lift, names, f"_l{tag}",
-                          shape_like=f"u{tag}_{ir.inputs[0]}")
-    body += K.assign_lines(renormalise_leaf(ir, tag))   # projective: inv_leaf{tag}, the leaf scaled by it
-    body += [_a(f"e{tag}_{f}", f"tl.where({mask}, l{tag}_{f}, {common.number(i)})") for f, i in zip(ir.fields, ir.identity)]
     return tuple(body)
 
 
@@ -146,7 +132,7 @@ def _forward_kernels(ir: ScanIR, origin) -> list[K.Kernel]:
     params = _params(forward_args(ir) + ["agg_ptr"], FWD_CONSTS)
     ins = [f"u{i}" for i in range(len(ir.inputs))]
     name = E.docstring_text(ir.name)
-    reduce = _prologue(ins) + _load_lift(ir) + (
+    reduce = _prologue(ins) + B.load_lift(ir) + (
         K.Comment("the chunk's aggregate: the inclusive scan's last valid row"),
         K.Assign(tuple(f"s_{f}" for f in ir.fields),
                  K.expr(f"tl.associative_scan(({_fields(ir, 'e_{}')}), 0, combine)" if len(ir.fields) > 1
@@ -173,7 +159,7 @@ def _forward_kernels(ir: ScanIR, origin) -> list[K.Kernel]:
     outs = [f"o{j}" for j in range(len(ir.outputs))]
     names = {s: f"p_{f}" for s, f in zip(ir.prefix_symbols, ir.fields)} | {
         s: f"u_{n}" for s, n in zip(ir.input_symbols, ir.inputs)}
-    rescan = (_prologue(ins + outs) + _carry_from(ir, "ckpt_ptr", "chunk") + _load_lift(ir) + _scan_from(ir, "e", "p", "c")
+    rescan = (_prologue(ins + outs) + _carry_from(ir, "ckpt_ptr", "chunk") + B.load_lift(ir) + _scan_from(ir, "e", "p", "c")
               + common.assign([f"r{j}" for j in range(len(outs))], ir.readout, names, "_r", shape_like=f"p_{ir.fields[0]}")
               + tuple(K.Store(K.expr(f"o{j}_ptr + o{j}_off + tt * o{j}_st"),
                               K.expr(f"r{j}.to(o{j}_ptr.dtype.element_ty)"), K.expr("ok")) for j in range(len(outs))))
@@ -190,7 +176,7 @@ def _adjoint_elements(ir: ScanIR, adj: Adjoint) -> tuple:
     and the adjoint scan's elements (a_k = A_t's entries, v_* = the direct gradient of y_t)."""
     n_out, nb = len(ir.outputs), len(adj.b_entries)
     shape = f"p_{ir.fields[0]}"
-    body = [_a("ok_next", "(t + 1 < T) & lane_ok[None, :]"), *_load_lift(ir, tag="n", shift=1, mask="ok_next")]
+    body = [_a("ok_next", "(t + 1 < T) & lane_ok[None, :]"), *B.load_lift(ir, tag="n", shift=1, mask="ok_next")]
     body += [K.Load(f"g_{o}", K.expr(f"g{j}_ptr + g{j}_off + tt * g{j}_st"), K.expr("ok"), K.expr("0.0"))
              for j, o in enumerate(ir.outputs)][:n_out]
     here = ({s: f"p_{f}" for s, f in zip(ir.prefix_symbols, ir.fields)}
@@ -251,7 +237,7 @@ def _backward_kernels(ir: ScanIR, adj: Adjoint, origin) -> list[K.Kernel]:
     ins = [f"u{i}" for i in range(len(ir.inputs))]
     grads = [f"g{j}" for j in range(len(ir.outputs))]
     name = E.docstring_text(ir.name)
-    replay = _carry_from(ir, "ckpt_ptr", "chunk") + _load_lift(ir) + _scan_from(ir, "e", "p", "c")
+    replay = _carry_from(ir, "ckpt_ptr", "chunk") + B.load_lift(ir) + _scan_from(ir, "e", "p", "c")
     reduce = (_prologue(ins + grads) + _dfinal(ir) + replay + _adjoint_elements(ir, adj)
               + (K.Comment("(M_c, V_c): the chunk's adjoint aggregate, row 0 of the reverse scan"),)
               + tuple(K.Store(K.expr(f"agg_ptr + ({k} * n_chunks + chunk) * L + lane"), K.expr(_row(r, "0")),
@@ -279,7 +265,7 @@ def _backward_kernels(ir: ScanIR, adj: Adjoint, origin) -> list[K.Kernel]:
     shape = f"p_{ir.fields[0]}"
     rescan = list(_prologue(ins + grads + [f"du{i}" for i in range(len(ir.inputs))]) + _dfinal(ir) + replay)
     rescan.append(_a("ok_prev", "ok & (rows > 0)"))
-    rescan += _load_lift(ir, tag="v", shift=-1, mask="ok_prev") + _scan_from(ir, "ev", "qs", "c")
+    rescan += B.load_lift(ir, tag="v", shift=-1, mask="ok_prev") + _scan_from(ir, "ev", "qs", "c")
     rescan.append(K.Comment("q_t = y_{t-1}; row 0: the carry itself (a raw initial element is not renormalised)"))
     rescan += [_a(f"q_{f}", f"tl.where(rows == 0, c_{f}[None, :], qs_{f})") for f in ir.fields]
     rescan += _adjoint_elements(ir, adj)
@@ -289,7 +275,7 @@ def _backward_kernels(ir: ScanIR, adj: Adjoint, origin) -> list[K.Kernel]:
     names_x = ({s: f"q_{f}" for s, f in zip(ir.previous_symbols, ir.fields)} | {s: s.name for s in adj.gbar}
                | {s: f"e_{f}" for s, f in zip(ir.later, ir.fields)})
     rescan += common.assign([f"dx_{f}" for f in ir.fields], adj.dx, names_x, "_x", shape_like=shape)
-    rescan += K.assign_lines(scale_leaf_gradient(ir, "dx_{}", ""))   # d/d(raw leaf) = inv_leaf d/d(scaled leaf)
+    rescan += B.scale_leaf_gradient(ir, "dx_{}", "")   # d/d(raw leaf) = inv_leaf d/d(scaled leaf)
     names_u = ({s: f"p_{f}" for s, f in zip(ir.prefix_symbols, ir.fields)}
                | {s: f"q_{f}" for s, f in zip(ir.previous_symbols, ir.fields)}
                | {s: f"u_{m}" for s, m in zip(ir.input_symbols, ir.inputs)} | {g: g.name for g in adj.g}
@@ -320,22 +306,15 @@ def _backward_kernels(ir: ScanIR, adj: Adjoint, origin) -> list[K.Kernel]:
                      doc=f"Backward of {name}, phase 3 of 3: the adjoint rescanned from G_(c+1); input gradients.")]
 
 
-def _leaf_scale_kernel() -> K.Kernel:
-    """`leaf_scale(m)`: the exact power of two the tile modules' leaf_scale is (builders.leaf_scale_kernel)."""
-    f64, f32 = leaf_scale_lines("tl.float64"), leaf_scale_lines("tl.float32")
-    body = K.If(K.expr("m.dtype == tl.float64"), (*K.assign_lines(f64[:1]), K.Return((K.expr(f64[1]),))),
-                (*K.assign_lines(f32[:1]), K.Return((K.expr(f32[1]),))))
-    return K.Kernel("leaf_scale", (K.Param("m"),), (body,), doc=" ".join(LEAF_SCALE_DOC.split()))
-
-
 def module(ir: ScanIR, adj: Adjoint) -> K.Module:
     """The chunk-parallel kernels of `ir` (forward and backward) as one IR module."""
     if not supports(ir):
         raise ValueError(f"ir: program {E.docstring_text(ir.name)} cannot run chunk-parallel (a readout of the "
                          "previous prefix, a sum over state lanes, or a specialised carry)")
     origin = common.origins(ir)
+    leaf_scale = [B.leaf_scale_kernel(" ".join(B.LEAF_SCALE_DOC.split()))] if ir.is_projective else []
     kernels = [common.combine_kernel(ir, origin), common.adjoint_combine_kernel(ir, adj), common.to_acc_kernel(),
-               common.lane_offsets_kernel(), *([_leaf_scale_kernel()] if ir.is_projective else []),
+               common.lane_offsets_kernel(), *leaf_scale,
                *_forward_kernels(ir, origin), *_backward_kernels(ir, adj, origin)]
     doc = (f"Generated by scanlang from monoid {E.docstring_text(ir.name)} (program {ir.key}): the chunk-parallel "
            "schedule (backends/triton/kernel/chunked.py). Do not edit.")

@@ -13,7 +13,7 @@ from scanlang import expr as E
 from scanlang.autodiff import Adjoint
 from scanlang.ir import ScanIR
 
-from ..codegen import _assign, _num, adjoint_combine_exprs
+from ..codegen import _assign, _assign_inverted, _num, adjoint_combine_exprs
 from . import ir as K
 
 
@@ -26,6 +26,13 @@ def assign(targets, exprs, names: dict, prefix: str, shape_like: str | None = No
     """`targets[i] = exprs[i]` as statements, printed by the one expression printer (shared
     subexpressions named `prefix<k>` first); constants become full tiles shaped like `shape_like`."""
     return K.assign_lines(_assign(list(targets), list(exprs), names, prefix, shape_like))
+
+
+def assign_inverted(targets, exprs, names: dict, prefix: str, *, shape_like: str | None = None,
+                    recips: dict | None = None, hw: str = "RCP_APPROX") -> tuple[K.Assign, ...]:
+    """`assign` with every reciprocal taken once by `reciprocal(base, hw)` (codegen._assign_inverted);
+    `recips` shares them across the assignments of one scope (a step, a tile)."""
+    return K.assign_lines(_assign_inverted(list(targets), list(exprs), names, prefix, shape_like, hw=hw, recips=recips))
 
 
 def _where(fn, what: str) -> K.Origin | None:

@@ -52,7 +52,7 @@ SASS, Kalman forward inner loop: 44 -> 23 instructions per lane-step under 3.6).
 - Both: an input constant in time (a broadcast static parameter, time stride 0: constexpr
   TSTATIC<i>) is loaded once per program; the fields of a specialised carry (`ir.constants`,
   scanlang/ir.py `specialize_carry`) are literals, never stored, loaded or carried. The combine is
-  rendered in place, and every step inverts each distinct denominator once (`assign_rcp`): with
+  rendered in place, and every step inverts each distinct denominator once (`common.assign_inverted`): with
   constexpr RCP_APPROX (float32 on a GPU) by the hardware reciprocal, else by a division. The
   forward stores checkpoints only when a backward will read them (constexpr CKPT).
 """
@@ -66,34 +66,15 @@ from scanlang import expr as E
 from scanlang import tuning
 from scanlang.ir import ScanIR
 
-from ..codegen import (_assign_inverted, _initial_carry, _num, _symbols_named, forward_args, memory_index,
-                       renormalise_leaf, sequence_bounds, static_flags)
+from ..codegen import _symbols_named, forward_args
 from . import builders as B
+from .builders import when
 from . import common
+from .common import assign_inverted
 from . import ir as K
 
 SHAPE = "[R, BLOCK_L // R]"   # a lane tensor: R lanes per thread slot, BLOCK_L // R slots
 SLOTS = "[1, BLOCK_L // R]"   # a slot tensor: one value per thread slot
-
-
-# --- codegen.py's shared line builders enter through builders.from_lines (the one seam) ---
-
-def params(texts) -> tuple[K.Param, ...]:
-    """Kernel parameters from codegen.py's argument lists: `name`, `name: tl.constexpr` or
-    `name: tl.constexpr = default`."""
-    out = []
-    for text in texts:
-        head, _, default = text.partition("=")
-        name, _, ann = head.partition(":")
-        if ann and ann.strip() != "tl.constexpr":
-            raise ValueError(f"texts: expected 'name[: tl.constexpr][ = default]', got {text!r}")
-        out.append(K.Param(name.strip(), bool(ann), K.expr(default.strip()) if default else None))
-    return tuple(out)
-
-
-def constexprs(names) -> tuple[K.Param, ...]:
-    """Compile-time parameters without defaults."""
-    return tuple(K.Param(n, constexpr=True) for n in names)
 
 
 # --- small statement helpers ---
@@ -101,11 +82,6 @@ def constexprs(names) -> tuple[K.Param, ...]:
 def let(target: str, value) -> K.Assign:
     """`target = value`."""
     return K.assign(target, value)
-
-
-def when(cond: str, body, orelse=()) -> K.If:
-    """`if cond: body else: orelse` (constexpr conditions fold away when Triton compiles)."""
-    return K.If(K.expr(cond), tuple(body), tuple(orelse))
 
 
 def chain(branches, orelse=()) -> K.If:
@@ -144,7 +120,7 @@ def prologue() -> list:
         when("EVEN_L", [let("slot_ok", "tl.full([1, BLOCK_L // R], 1, tl.int1)"),
                        let("lane_ok", f"tl.full({SHAPE}, 1, tl.int1)")],
             [let("slot_ok", "slot < L"), let("lane_ok", "lane < L")]),
-        *B.from_lines(sequence_bounds()),
+        *B.sequence_bounds(),
         let("n_chunks", "tl.cdiv(seq_len, CHUNK)"),
         let("slot0", "t0 // CHUNK + seq"),
         let("first", "(slot % STATE) == 0"),   # the slot that stores its group's sum
@@ -162,7 +138,7 @@ def guarded(j: int, stmts) -> list:
 def block_index(first: str) -> list:
     """tt: the memory index of scan step t = k * CHUNK + `first` (backwards in memory when REVERSE);
     step j of the block is at tt + j * step (forward walk) or tt - j * step (backward walk)."""
-    return [let("t", f"k * CHUNK + {first}"), *B.from_lines(memory_index())]
+    return [let("t", f"k * CHUNK + {first}"), *B.memory_index()]
 
 
 def offsets(prefix: str, per_group: bool = False) -> list:
@@ -215,14 +191,7 @@ def load_lift(ir: ScanIR, tag: str, shift: int, lane_mask: str, slot_mask: str, 
                           [let(u, f"to_acc({per_lane}, FP64)")]))
     if not lift:
         return body
-    names = {s: f"u{tag}_{s.name[2:]}" for s in ir.input_symbols}
-    body += common.assign([f"l{tag}_{f}" for f in ir.fields], ir.lift, names, f"_l{tag}",
-                          shape_like=f"u{tag}_{ir.inputs[0]}")
-    body += K.assign_lines(renormalise_leaf(ir, tag))
-    for f, ident in zip(ir.fields, ir.identity):
-        body.append(let(f"e{tag}_{f}", f"tl.where({lane_mask}, l{tag}_{f}, {_num(ident)})" if masked
-                        else f"l{tag}_{f}"))
-    return body
+    return body + list(B.lift(ir, tag, lane_mask if masked else None))
 
 
 def static_loads(ir: ScanIR) -> list:
@@ -244,8 +213,8 @@ def lanes_flags(ir: ScanIR, backward: bool) -> tuple[K.Param, ...]:
     per_step = ([f"u{i}" for i in range(len(ir.inputs))]
                 + ([f"g{o}" for o in range(len(ir.outputs))] + [f"du{i}" for i in range(len(ir.inputs))] if backward
                    else [f"o{o}" for o in range(len(ir.outputs))]))
-    return (constexprs(f"TS_{b}" for b in per_step) + params(static_flags(ir))
-            + tuple(K.Param(f"SLOT{i}", True, K.expr(False)) for i in range(len(ir.inputs))))
+    flags = [f"{flag}{i}" for flag in ("TSTATIC", "SLOT") for i in range(len(ir.inputs))]
+    return B.params((), [f"TS_{b}" for b in per_step]) + tuple(K.Param(f, True, K.expr(False)) for f in flags)
 
 
 def keep(names, live: str) -> list:
@@ -261,12 +230,6 @@ def free(ir: ScanIR) -> list[str]:
     return [f for f in ir.fields if f not in const]
 
 
-def assign_rcp(names_out, exprs, names, prefix, recips: dict, shape_like=None) -> tuple[K.Assign, ...]:
-    """codegen._assign_inverted under RCP_APPROX, one `recips` dict per step: each step divides once per
-    distinct denominator."""
-    return K.assign_lines(_assign_inverted(names_out, exprs, names, prefix, shape_like, hw="RCP_APPROX", recips=recips))
-
-
 def _combine_inline(ir: ScanIR, out: str, left: str, right: str, recips: dict) -> list:
     """`out` = combine(`left`, `right`) (formats for one name per field; left the earlier operand)
     rendered in place, renormalised by the scale for projective monoids (the generated `combine`)."""
@@ -274,9 +237,9 @@ def _combine_inline(ir: ScanIR, out: str, left: str, right: str, recips: dict) -
              | {s: right.format(f) for s, f in zip(ir.later, ir.fields)})
     outs = [out.format(f) for f in ir.fields]
     if not ir.is_projective:
-        return list(assign_rcp(outs, ir.combine, names, "_c", recips, shape_like=left.format(ir.fields[0])))
+        return list(assign_inverted(outs, ir.combine, names, "_c", recips=recips, shape_like=left.format(ir.fields[0])))
     raw = [f"_m_{f}" for f in ir.fields]
-    body = list(assign_rcp(raw, ir.combine, names, "_c", recips, shape_like=left.format(ir.fields[0])))
+    body = list(assign_inverted(raw, ir.combine, names, "_c", recips=recips, shape_like=left.format(ir.fields[0])))
     body += common.assign(["_scale"], [ir.scale], dict(zip(ir.scale_symbols, raw)), "_s")
     body.append(let("_inv_scale", "reciprocal(_scale, RCP_APPROX)"))
     return body + [let(o, f"{m} * _inv_scale") for o, m in zip(outs, raw)]
@@ -340,7 +303,8 @@ def advance(ir: ScanIR, inputs: str, elements: str, recips: dict) -> list:
         return _combine_inline(ir, "c_{}_new", "c_{}", elements, recips)
     names = ({x: f"c_{f}" for x, f in zip(ir.earlier, ir.fields)}
              | {s: inputs.format(s.name[2:]) for s in ir.input_symbols})
-    return list(assign_rcp([f"c_{f}_new" for f in free(ir)], step, names, "_c", recips, shape_like=f"c_{ir.fields[0]}"))
+    return list(assign_inverted([f"c_{f}_new" for f in free(ir)], step, names, "_c", recips=recips,
+                                shape_like=f"c_{ir.fields[0]}"))
 
 
 def state_sum(value: str) -> str:
@@ -382,8 +346,8 @@ def _forward_block(ir: ScanIR, masked: bool) -> list:
             part += [let(f"q_{f}", f"c_{f}") for f in ir.fields]
         part += advance(ir, "u_{}", f"e{j}_" + "{}", {})
         part += keep([f"c_{f}" for f in free(ir)], live)
-        part += assign_rcp([f"r{o}" for o in range(len(ir.outputs))], ir.readout, names, "_r", {},
-                           shape_like=f"c_{ir.fields[0]}")
+        part += assign_inverted([f"r{o}" for o in range(len(ir.outputs))], ir.readout, names, "_r", recips={},
+                                shape_like=f"c_{ir.fields[0]}")
         for o in range(len(ir.outputs)):
             cast = f".to(o{o}_ptr.dtype.element_ty)"
             if ir.reduce_state:
@@ -409,7 +373,7 @@ def render_forward_lanes(ir: ScanIR) -> K.Kernel:
     if ir.reduce_state:
         body += [let(f"po{o}", f"po{o}g") for o in range(len(ir.outputs))]
     body += static_loads(ir)
-    body += B.from_lines(_initial_carry(ir, SHAPE))
+    body += B.initial_carry(ir, SHAPE)
     ckpt = "ckpt_ptr + ({} * n_slots + slot0 + k) * L + lane"
     chunk = [when("CKPT", [lane_store(ckpt.format(f), f"c_{name}", "lane_ok")
                           for f, name in enumerate(ir.fields) if name in free(ir)])]
@@ -419,7 +383,7 @@ def render_forward_lanes(ir: ScanIR) -> K.Kernel:
     body.append(K.For("k", K.expr(0), K.expr("n_chunks"), tuple(chunk), builtin=True))
     for f, name in enumerate(ir.fields):
         body.append(lane_store(f"final_ptr + ({f} * n_seq + seq) * L + lane", f"c_{name}", "lane_ok"))
-    sig = params(forward_args(ir)) + constexprs(FORWARD_CONSTEXPRS) + lanes_flags(ir, False)
+    sig = B.params(forward_args(ir), FORWARD_CONSTEXPRS) + lanes_flags(ir, False)
     return K.Kernel("scan_forward_lanes", sig, tuple(body), origin=common.origins(ir),
                     doc=f"Forward fused scan of {E.docstring_text(ir.name)}, lane-sequential: one combine per step and lane, "
                         "in registers.")

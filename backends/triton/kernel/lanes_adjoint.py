@@ -15,12 +15,15 @@ from scanlang import tuning
 from scanlang.autodiff import Adjoint
 from scanlang.ir import ScanIR
 
-from ..codegen import _num, _symbols_named, backward_args, scale_leaf_gradient
+from ..codegen import _num, _symbols_named, backward_args
+from . import builders as B
+from .builders import when
 from . import common
+from .common import assign_inverted
 from . import ir as K
-from .lanes import (SHAPE, advance, assign_rcp, at, block_index, chain, cheapest, composed_step, constexprs, cost,
-                    free, guarded, keep, lane_load, lane_store, lanes_flags, let, load_lift, masks, offsets, params,
-                    prologue, split_blocks, state_sum, static_loads, time, when)
+from .lanes import (SHAPE, advance, at, block_index, chain, cheapest, composed_step, cost, free, guarded, keep,
+                    lane_load, lane_store, lanes_flags, let, load_lift, masks, offsets, prologue, split_blocks, state_sum,
+                    static_loads, time)
 
 
 def _warp_groups_sum(value: str) -> str:
@@ -124,26 +127,31 @@ def _adjoint_step(ir: ScanIR, adj: Adjoint, j: int, shift: int, carried: list[st
     gb = [E.symbol(f"gbar_{f}") for f in ir.fields]
     bd = [sum((bmat[i][k] * gb[k] for k in range(n)), sympy.Integer(0)) for i in range(n)]
     recips: dict = {}   # one reciprocal per distinct denominator of the step
-    part = list(assign_rcp([f"dy_{f}" for f in ir.fields], cheapest(adj.dy), here, "_d", recips, shape_like=shape))
+    part = list(assign_inverted([f"dy_{f}" for f in ir.fields], cheapest(adj.dy), here, "_d", recips=recips,
+                                shape_like=shape))
     part += [let(f"d_{f}", f"dy_{f} + cd_{f}" if _hands_down_c(adj) else f"dy_{f}") for f in ir.fields]
-    part += assign_rcp([f"v_{f}" for f in ir.fields], cheapest(adj.direct),
-                       {s: s.name for s in ir.prefix_symbols + adj.d}, "_v", recips, shape_like=shape)
+    part += assign_inverted([f"v_{f}" for f in ir.fields], cheapest(adj.direct),
+                            {s: s.name for s in ir.prefix_symbols + adj.d}, "_v", recips=recips, shape_like=shape)
     part += [let(f"gbar_{f}", f"v_{f} + bd_{f}") for f in ir.fields]
     names_x = {s: s.name for s in ir.previous_symbols + adj.gbar} | {s: f"e_{f}" for s, f in zip(ir.later, ir.fields)}
     if adj.dx:   # (a composed adjoint has none: its du is over gbar directly)
-        part += assign_rcp([f"dx_{f}" for f in ir.fields], cheapest(adj.dx), names_x, "_x", recips, shape_like=shape)
-        part += K.assign_lines(scale_leaf_gradient(ir, "dx_{}", ""))
-    part += assign_rcp([f"du_{u}" for u in ir.inputs], cheapest(adj.du),
-                       here | {s: s.name for s in adj.dx_symbols + adj.gbar}, "_u", recips, shape_like=shape)
+        part += assign_inverted([f"dx_{f}" for f in ir.fields], cheapest(adj.dx), names_x, "_x", recips=recips,
+                                shape_like=shape)
+        part += B.scale_leaf_gradient(ir, "dx_{}", "")
+    part += assign_inverted([f"du_{u}" for u in ir.inputs], cheapest(adj.du),
+                            here | {s: s.name for s in adj.dx_symbols + adj.gbar}, "_u", recips=recips,
+                            shape_like=shape)
     for i, name in enumerate(ir.inputs):
         part += _du_store_lanes(i, name, shift, lmask, smask, masked)
     # hand down to step t - 1: c_t, B_t gbar_t (B_t = J1(y_{t-1}, x_t)^T) and its prefix y_{t-1}
     if _hands_down_c(adj):
-        part += assign_rcp([f"cd_{f}_new" for f in ir.fields], cheapest(adj.c), here, "_i", recips, shape_like=shape)
-    part += assign_rcp([f"b{k}" for k in range(nb)], cheapest(adj.b_entries), b_names, "_b", recips, shape_like=shape)
-    part += assign_rcp([f"bd_{f}_new" for f in ir.fields], bd,
-                       {s: s.name for s in gb} | {E.symbol(f"b{k}"): f"b{k}" for k in range(nb)}, "_w", recips,
-                       shape_like=shape)
+        part += assign_inverted([f"cd_{f}_new" for f in ir.fields], cheapest(adj.c), here, "_i", recips=recips,
+                                shape_like=shape)
+    part += assign_inverted([f"b{k}" for k in range(nb)], cheapest(adj.b_entries), b_names, "_b", recips=recips,
+                            shape_like=shape)
+    part += assign_inverted([f"bd_{f}_new" for f in ir.fields], bd,
+                            {s: s.name for s in gb} | {E.symbol(f"b{k}"): f"b{k}" for k in range(nb)}, "_w",
+                            recips=recips, shape_like=shape)
     part += [let(f"nq_{f}_new", f"q_{f}") for f in ir.fields]
     return part + keep(carried, live)
 
@@ -328,8 +336,8 @@ def render_backward_lanes(ir: ScanIR, adj: Adjoint) -> K.Kernel:
     dinit = [lane_store(f"dinit{f}_ptr + seq * L + lane", " + ".join(f"{c}_{name}" for c in carried), "lane_ok")
              for f, name in enumerate(ir.fields)]
     body.append(when("HAS_INIT", dinit))
-    sig = (params(backward_args(ir) + ["scratch_ptr"]) + constexprs(BACKWARD_CONSTEXPRS)
-           + constexprs(f"DU{i}" for i in range(len(ir.inputs))) + lanes_flags(ir, True))
+    consts = [*BACKWARD_CONSTEXPRS, *(f"DU{i}" for i in range(len(ir.inputs)))]
+    sig = B.params(backward_args(ir) + ["scratch_ptr"], consts) + lanes_flags(ir, True)
     return K.Kernel("scan_backward_lanes", sig, tuple(body), origin=common.origins(ir),
                     doc=f"Backward of {E.docstring_text(ir.name)}, lane-sequential: replay each chunk (in registers when "
                         "CHUNK == UNROLL, else into scratch), step the adjoint back.")

@@ -23,8 +23,8 @@ prefixes, the carry into the next tile) go through one packed 1-D gather each.
 
 Expressions stay source text (`K.Expr`); the monoid's own expressions are printed by the one
 sympy -> Triton printer (codegen._assign / _assign_inverted, wrapped by `common.assign` and
-`inverted`). codegen.py's structured line builders (combine_call, scan_call,
-tile_start_checkpoints) enter the IR at the one seam, `builders.from_lines`.
+`common.assign_inverted`); the statements the tile schedules share (combine and scan calls, checkpoints) are
+builders.py's.
 """
 from __future__ import annotations
 
@@ -37,10 +37,10 @@ from scanlang import tuning
 from scanlang.autodiff import Adjoint
 from scanlang.ir import ScanIR
 
-from ..codegen import (_assign_inverted, _num, combine_call, combine_operands, renormalise_leaf, scale_leaf_gradient,
-                       scan_call, tile_start_checkpoints)
+from ..codegen import _num, combine_operands
 from . import builders as B
 from . import common
+from .common import assign_inverted
 from . import ir as K
 
 X = K.expr
@@ -53,12 +53,6 @@ def runs_shape() -> tuple[int, int, int]:
     load/store where time is contiguous, and the smallest tile that takes the run-based bodies."""
     t = tuning.current()
     return t.run, t.vec, t.run_tile
-
-
-def inverted(names_out, exprs, names, prefix, shape_like=None, recips=None) -> tuple[K.Assign, ...]:
-    """codegen._assign_inverted (divisions by shared reciprocals) as statements."""
-    return K.assign_lines(_assign_inverted(list(names_out), list(exprs), names, prefix, shape_like=shape_like,
-                                           recips=recips))
 
 
 def prologue(ir: ScanIR, carried: str) -> tuple[K.Stmt, ...]:
@@ -175,16 +169,10 @@ def _direct_fields(ir: ScanIR) -> dict[int, tuple[str, float]]:
 
 def _lift_run(ir: ScanIR, tag: str, mask: str) -> tuple[K.Stmt, ...]:
     """e{tag}_<field>: the lifted inputs u{tag}_<input>, the identity where `mask` is false."""
-    names = {s: f"u{tag}_{s.name[2:]}" for s in ir.input_symbols}
-    out = [A(f"u{tag}_{n}", f"to_acc(u{tag}_{n}, FP64)") for n in ir.inputs]
-    out += common.assign([f"l{tag}_{f}" for f in ir.fields], ir.lift, names, f"_l{tag}_",
-                         shape_like=f"u{tag}_{ir.inputs[0]}")
-    out += K.assign_lines(renormalise_leaf(ir, tag))
     # a renormalised padding step is the identity only where every field is selected
     direct = set() if ir.is_projective else {f for f, _ in _direct_fields(ir).values()}
-    for f, ident in zip(ir.fields, ir.identity):
-        out.append(A(f"e{tag}_{f}", f"l{tag}_{f}" if f in direct else f"tl.where({mask}, l{tag}_{f}, {_num(ident)})"))
-    return tuple(out)
+    return (tuple(A(f"u{tag}_{n}", f"to_acc(u{tag}_{n}, FP64)") for n in ir.inputs)
+            + B.lift(ir, tag, mask, prefix=f"_l{tag}_", unpadded=direct))
 
 
 def _pad(ir: ScanIR, i: int) -> str:
@@ -214,9 +202,8 @@ def load_lift_after(ir: ScanIR) -> tuple[K.Stmt, ...]:
 
 def combine(ir: ScanIR, out: str, x: str, y: str, fn: str = "combine") -> tuple[K.Stmt, ...]:
     """out_<field> = fn(x_<field>.., y_<field>..) (one field: combine returns the value itself)."""
-    outs = ", ".join(f"{out}_{f}" for f in ir.fields)
     args = f"{', '.join(f'{x}_{f}' for f in ir.fields)}, {', '.join(f'{y}_{f}' for f in ir.fields)}"
-    return B.from_lines(combine_call(ir, outs, args, fn))
+    return B.combine_call(ir, [f"{out}_{f}" for f in ir.fields], args, fn=fn)
 
 
 def replay_runs(ir: ScanIR, raw: bool = False, carry: str = "cr") -> tuple[K.Stmt, ...]:
@@ -229,8 +216,7 @@ def replay_runs(ir: ScanIR, raw: bool = False, carry: str = "cr") -> tuple[K.Stm
     out = [A(f"r0_{f}", f"e0_{f}") for f in ir.fields]
     for j in range(1, RUN):
         out += combine(ir, f"r{j}", f"r{j - 1}", f"e{j}", "combine_raw" if raw and j % 2 == 0 else "combine")
-    s = ", ".join(f"s_{f}" for f in ir.fields) + ("," if len(ir.fields) == 1 else "")
-    out += B.from_lines(scan_call(ir, s, ", ".join(f"r{RUN - 1}_{f}" for f in ir.fields)))
+    out += B.scan_call(ir, [f"s_{f}" for f in ir.fields], ", ".join(f"r{RUN - 1}_{f}" for f in ir.fields))
     out.append(A("prev_run", f"tl.maximum(tl.arange(0, BLOCK_T // {RUN} * BLOCK_L) - BLOCK_L, 0)"))
     out += gather_runs([f"s_{f}" for f in ir.fields], "prev_run", [f"x_{f}" for f in ir.fields])
     out += [A(f"cb_{f}", f"{carry}_{f}") for f in ir.fields]
@@ -351,7 +337,7 @@ def forward_loop(ir: ScanIR) -> tuple[K.Stmt, ...]:
     """The tile loop of `scan_forward` on runs (module docstring); same checkpoints and outputs."""
     RUN, VEC, _ = runs_shape()
     loop = list(run_index() + step_masks())
-    loop += B.from_lines(tile_start_checkpoints(ir, "cr", "lane[None, :] + run * 0", "(run == 0) & lane_ok[None, :]"))
+    loop += B.tile_start_checkpoints(ir, "cr", "lane[None, :] + run * 0", "(run == 0) & lane_ok[None, :]")
     loop += bases([f"u{i}" for i in range(len(ir.inputs))] + [f"o{j}" for j in range(len(ir.outputs))])
     raw = scale_invariant_readout(ir)
     loop += load_lift_runs(ir)
@@ -366,8 +352,7 @@ def forward_loop(ir: ScanIR) -> tuple[K.Stmt, ...]:
             saved = f"n{j}"
             store.append(K.Assign(tuple(f"n{j}_{f}" for f in ir.fields),
                                   X(f"normalise({', '.join(f'p{j}_{f}' for f in ir.fields)}, RCP_APPROX)")))
-        store += [K.Store(X(f"ckpt_ptr + ({f} * n_slots + slot0 + chunk{j}) * L + lane[None, :]"), X(f"{saved}_{name}"),
-                          X(f"end{j}")) for f, name in enumerate(ir.fields)]
+        store += B.checkpoint_store(ir, f"slot0 + chunk{j}", "lane[None, :]", saved, f"end{j}")
         # a chunk that is a multiple of RUN ends only on a run's last step
         cond = "CHUNK < BLOCK_T" if j == RUN - 1 else f"CHUNK < BLOCK_T and CHUNK % {RUN} != 0"
         loop.append(K.If(X(cond), tuple(store)))
@@ -376,7 +361,7 @@ def forward_loop(ir: ScanIR) -> tuple[K.Stmt, ...]:
                  | {s: (f"P_{s.name[2:]}" if j == 0 else f"p{j - 1}_{s.name[2:]}") for s in ir.previous_symbols}
                  | {s: f"u{j}_{s.name[2:]}" for s in ir.input_symbols})
         outs = [f"y{j}_{o}" for o in range(len(ir.outputs))]
-        loop += inverted(outs, ir.readout, names, f"_r{j}_", shape_like=f"p{j}_{ir.fields[0]}")
+        loop += assign_inverted(outs, ir.readout, names, f"_r{j}_", shape_like=f"p{j}_{ir.fields[0]}")
         if ir.reduce_state:
             loop += [A(f"y{j}_{o}", f"tl.sum(tl.reshape(y{j}_{o}, (BLOCK_T // {RUN}, BLOCK_L // STATE, STATE)), 2)")
                      for o in range(len(ir.outputs))]
@@ -430,9 +415,7 @@ def backward_loop(ir: ScanIR, adj: Adjoint) -> tuple[K.Stmt, ...]:
     F = ir.fields
     loop = [A("k", "n_tiles - 1 - kk"), *run_index(), *step_masks()]
     loop.append(A("okn", f"(ts + {RUN} < seq_len) & lane_ok[None, :]"))
-    for f, (name, ident) in enumerate(zip(F, ir.identity)):
-        loop.append(K.Load(f"c_{name}", X(f"ckpt_ptr + ({f} * n_slots + slot0 + k) * L + lane"), X("lane_ok"),
-                           X(_num(ident))))
+    loop += B.checkpoint_load(ir)
     loop += bases([f"u{i}" for i in range(len(ir.inputs))] + [f"g{j}" for j in range(len(ir.outputs))]
                   + [f"du{i}" for i in range(len(ir.inputs))])
     loop += [A(f"cr_{f}", f"c_{f}[None, :] + tl.zeros([BLOCK_T // {RUN}, BLOCK_L], c_{f}.dtype)") for f in F]
@@ -463,28 +446,29 @@ def backward_loop(ir: ScanIR, adj: Adjoint) -> tuple[K.Stmt, ...]:
         here = ({s: f"p{j}_{s.name[2:]}" for s in ir.prefix_symbols}
                 | {s: q(j, s.name[2:]) for s in ir.previous_symbols}
                 | {g: f"g{j}_{g.name[2:]}" for g in adj.g} | {s: f"u{j}_{s.name[2:]}" for s in ir.input_symbols})
-        loop += inverted([f"dy{j}_{f}" for f in F], adj.dy, here, f"_d{j}_", shape_like=shape, recips=recips)
+        loop += assign_inverted([f"dy{j}_{f}" for f in F], adj.dy, here, f"_d{j}_", shape_like=shape, recips=recips)
         if ir.uses_previous:   # c_{t+1}: the next readout differentiated in its previous prefix (= p_t)
             last = j == RUN - 1
             names = ({s: (f"pn_{s.name[2:]}" if last else f"p{j + 1}_{s.name[2:]}") for s in ir.prefix_symbols}
                      | {s: f"p{j}_{s.name[2:]}" for s in ir.previous_symbols}
                      | {g: (f"gn_{g.name[2:]}" if last else f"g{j + 1}_{g.name[2:]}") for g in adj.g}
                      | {s: (f"un_{s.name[2:]}" if last else f"u{j + 1}_{s.name[2:]}") for s in ir.input_symbols})
-            loop += inverted([f"cn{j}_{f}" for f in F], adj.c, names, f"_n{j}_", shape_like=shape, recips=recips)
+            loop += assign_inverted([f"cn{j}_{f}" for f in F], adj.c, names, f"_n{j}_", shape_like=shape, recips=recips)
             cn = [f" + tl.where({ok_next(j)}, cn{j}_{f}, 0.0)" for f in F]
         else:
             cn = [""] * n
         a_names = ({s: f"p{j}_{s.name[2:]}" for s in ir.previous_symbols}
                    | {s: nxt(j, f) for s, f in zip(ir.later, F)})
-        loop += inverted([f"a{j}_{b}" for b in range(nb)], adj.b_entries, a_names, f"_a{j}_", shape_like=shape,
-                         recips=recips)
+        loop += assign_inverted([f"a{j}_{b}" for b in range(nb)], adj.b_entries, a_names, f"_a{j}_", shape_like=shape,
+                                recips=recips)
         # the last step has no successor: A = 0 (its padding may not be finite)
         loop += [A(f"a{j}_{b}", f"tl.where({ok_next(j)}, a{j}_{b}, 0.0)") for b in range(nb)]
         loop.append(A(f"last{j}", f"ts + {j} == seq_len - 1"))
         loop += [A(f"d{j}_{f}", f"dy{j}_{f}{cn[i]} + tl.where(last{j}, dfin_{f}[None, :], 0.0)")
                  for i, f in enumerate(F)]
         names_v = {s: f"p{j}_{s.name[2:]}" for s in ir.prefix_symbols} | {s: f"d{j}_{s.name[2:]}" for s in adj.d}
-        loop += inverted([f"v{j}_{f}" for f in F], adj.direct, names_v, f"_v{j}_", shape_like=shape, recips=recips)
+        loop += assign_inverted([f"v{j}_{f}" for f in F], adj.direct, names_v, f"_v{j}_", shape_like=shape,
+                                recips=recips)
         loop += [A(f"v{j}_{f}", f"tl.where(ok{j}, v{j}_{f}, 0.0)") for f in F]
     # per run: the map gbar_{run end + 1} -> gbar_{run start}, composed from the last step backwards
     last = RUN - 1
@@ -519,14 +503,14 @@ def backward_loop(ir: ScanIR, adj: Adjoint) -> tuple[K.Stmt, ...]:
         recips = {}
         names_x = ({s: q(j, s.name[2:]) for s in ir.previous_symbols} | {s: f"gbar{j}_{s.name[5:]}" for s in adj.gbar}
                    | {s: f"e{j}_{f}" for s, f in zip(ir.later, F)})
-        loop += inverted([f"dx{j}_{f}" for f in F], adj.dx, names_x, f"_x{j}_", shape_like=shape, recips=recips)
-        loop += K.assign_lines(scale_leaf_gradient(ir, f"dx{j}_" + "{}", str(j)))
+        loop += assign_inverted([f"dx{j}_{f}" for f in F], adj.dx, names_x, f"_x{j}_", shape_like=shape, recips=recips)
+        loop += B.scale_leaf_gradient(ir, f"dx{j}_" + "{}", str(j))
         names_u = ({s: f"p{j}_{s.name[2:]}" for s in ir.prefix_symbols}
                    | {s: q(j, s.name[2:]) for s in ir.previous_symbols}
                    | {g: f"g{j}_{g.name[2:]}" for g in adj.g} | {s: f"u{j}_{s.name[2:]}" for s in ir.input_symbols}
                    | {s: f"dx{j}_{s.name[3:]}" for s in adj.dx_symbols})
-        loop += inverted([f"du{j}_{name}" for name in ir.inputs], adj.du, names_u, f"_u{j}_", shape_like=shape,
-                         recips=recips)
+        loop += assign_inverted([f"du{j}_{name}" for name in ir.inputs], adj.du, names_u, f"_u{j}_", shape_like=shape,
+                                recips=recips)
     loop += [_du_store_runs(i, name) for i, name in enumerate(ir.inputs)]
     loop.append(A("first_run_lane", f"tl.arange(0, BLOCK_T // {RUN} * BLOCK_L) % BLOCK_L"))
     loop += gather_runs([f"gbar0_{f}" for f in F], "first_run_lane", [f"gcr_{f}" for f in F])
@@ -534,9 +518,9 @@ def backward_loop(ir: ScanIR, adj: Adjoint) -> tuple[K.Stmt, ...]:
     here0 = ({s: f"p0_{s.name[2:]}" for s in ir.prefix_symbols} | {s: f"P_{s.name[2:]}" for s in ir.previous_symbols}
              | {g: f"g0_{g.name[2:]}" for g in adj.g} | {s: f"u0_{s.name[2:]}" for s in ir.input_symbols})
     recips = {}
-    init = inverted([f"cq_{f}" for f in F], adj.c, here0, "_i", shape_like=shape, recips=recips)
+    init = assign_inverted([f"cq_{f}" for f in F], adj.c, here0, "_i", shape_like=shape, recips=recips)
     b_names = {s: f"P_{s.name[2:]}" for s in ir.previous_symbols} | {s: f"e0_{f}" for s, f in zip(ir.later, F)}
-    init += inverted([f"b{k}" for k in range(nb)], adj.b_entries, b_names, "_b", shape_like=shape, recips=recips)
+    init += assign_inverted([f"b{k}" for k in range(nb)], adj.b_entries, b_names, "_b", shape_like=shape, recips=recips)
     w = _matvec(adj, [f"b{k}" for k in range(nb)], [f"gbar0_{f}" for f in F], [f"cq_{f}" for f in F])
     names_w = ({E.symbol(f"cq_{f}"): f"cq_{f}" for f in F} | {E.symbol(f"gbar0_{f}"): f"gbar0_{f}" for f in F}
                | {E.symbol(f"b{k}"): f"b{k}" for k in range(nb)})
