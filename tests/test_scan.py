@@ -1,4 +1,6 @@
 """sl.scan on the reference backend against float64 sequential loops (CPU)."""
+import math
+
 import pytest
 import torch
 
@@ -223,10 +225,11 @@ def test_front_end_broadcast_rule_is_torchs():
         assert got == want, (a, b)
 
 
-# Lengths around the blocked schedule's chunk boundaries: for these step sizes `layout` gives C = 32
-# (narrow steps: N = T // 32, a tail of T mod N) or C = 66 with N = 3 (wide steps, where N is capped so
-# that one combine over all chunks stays below reference.SERIAL elements).
-LAYOUT_CASES = [((3, 2), T) for T in (1, 2, 31, 32, 33, 63, 64, 65, 97, 1025)] + [((2, 4096), 200)]
+# Lengths around the blocked schedule's chunk boundaries: `layout` gives N about sqrt(T) chunks (narrow
+# steps: one chunk, several, tails of T mod N), capped where a step of all chunks would pass
+# reference.SERIAL elements (wide steps: N = 4 and the fix-up split inside chunks; the demo's step of
+# 4 x 256: several chunks per fix-up block, and a remainder block).
+LAYOUT_CASES = [((3, 2), T) for T in (1, 2, 31, 32, 33, 63, 64, 65, 97, 1025)] + [((2, 4096), 200), ((4, 256), 300)]
 
 
 @pytest.mark.parametrize("step, T", LAYOUT_CASES, ids=[f"{s[0]}x{s[1]}-T{T}" for s, T in LAYOUT_CASES])
@@ -235,8 +238,8 @@ LAYOUT_CASES = [((3, 2), T) for T in (1, 2, 31, 32, 33, 63, 64, 65, 97, 1025)] +
 def test_blocked_schedule_equals_the_float64_loop_at_chunk_boundaries(step, T, reverse, with_initial):
     from scanlang.backends import reference
     n_chunks, chunk = reference.layout(T, step[0] * step[1])
-    assert n_chunks * chunk <= T < n_chunks * (chunk + 1) and (chunk >= reference.CHUNK or n_chunks == 1)
-    assert n_chunks == 1 or n_chunks * step[0] * step[1] < reference.SERIAL
+    assert n_chunks * chunk <= T < n_chunks * (chunk + 1) and n_chunks <= math.isqrt(T)
+    assert n_chunks == 1 or n_chunks * step[0] * step[1] <= reference.SERIAL
     a = (0.5 + 0.6 * torch.rand(step[0], T, step[1], dtype=torch.float64)).requires_grad_()
     b = torch.randn(step[0], T, step[1], dtype=torch.float64, requires_grad=True)
     h0 = torch.randn(step[0], step[1], dtype=torch.float64, requires_grad=True) if with_initial else None
