@@ -63,19 +63,16 @@ def layout(length: int, step_numel: int) -> tuple[int, int]:
     return n_chunks, length // n_chunks
 
 
-def blocks(outer: int, n: int, c: int, inner: int) -> list[tuple[slice, slice, slice]]:
-    """Index blocks (rows, chunks, steps) of an [outer, n, c, inner] tensor, each at most SERIAL elements
-    (one step's `inner` if that is more), as few as that allows: whole chunks, several side by side
-    when they fit, else pieces of one."""
+def block_sizes(outer: int, n: int, c: int, inner: int) -> tuple[int, int, int]:
+    """(rows, chunks, steps) of the fix-up's blocks of an [outer, n, c, inner] tensor: each block at most
+    SERIAL elements (one step's `inner` if that is more), as few blocks as that allows: whole chunks,
+    several side by side when they fit (and several rows when all chunks do), else pieces of one."""
     if c * inner > SERIAL:
-        piece = max(1, SERIAL // max(inner, 1))
-        return [(slice(r, r + 1), slice(k, k + 1), slice(s, min(s + piece, c)))
-                for r in range(outer) for k in range(n) for s in range(0, c, piece)]
-    per = max(1, SERIAL // max(c * inner, 1))   # chunks per block
+        return 1, 1, max(1, SERIAL // max(inner, 1))
+    per = max(1, SERIAL // max(c * inner, 1))
     if per < n:
-        return [(slice(r, r + 1), slice(k, min(k + per, n)), slice(0, c)) for r in range(outer) for k in range(0, n, per)]
-    rows = max(1, SERIAL // max(n * c * inner, 1))
-    return [(slice(r, min(r + rows, outer)), slice(0, n), slice(0, c)) for r in range(0, outer, rows)]
+        return 1, per, c
+    return max(1, min(outer, SERIAL // max(n * c * inner, 1))), n, c
 
 
 def _put(value, out):
@@ -150,8 +147,8 @@ def _build_combiner(m: Monoid) -> Callable:
         k = ready[0] if ready else pending[0]
         if ready:
             body.append(ast.Assign([ast.Name(f"_r{k}")], last_op(fields[k], out_k(k))))
-        else:   # a cycle: evaluate now, write after the others have read
-            body.append(ast.Assign([ast.Name(f"_r{k}")], fields[k]))
+        else:   # a cycle: evaluate now into a fresh tensor, write it after the others have read
+            body.append(ast.Assign([ast.Name(f"_r{k}")], last_op(fields[k], ast.Constant(None))))
             tail.append(ast.Assign([ast.Name(f"_r{k}")], ast.Call(ast.Name("_put"), [ast.Name(f"_r{k}"), out_k(k)], [])))
         pending.remove(k)
     body += tail
@@ -218,21 +215,23 @@ def _in_place(combine, xs, dim, start):
     outer, inner = math.prod(shape[:dim]), math.prod(shape[dim + 1:])
     if n_chunks > 1 or start is not None:   # 2. carry_n: the prefix before chunk n (n >= 1, or n >= 0 with start)
         carry = tuple(torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in totals)
-        at = lambda ts, n: tuple(t.narrow(dim, n, 1) for t in ts)  # noqa: E731
-        if start is None:
-            c = tuple(d.copy_(t) for d, t in zip(at(carry, 1), at(totals, 0))) if n_chunks > 1 else None
-        else:
-            c = tuple(d.copy_(s) for d, s in zip(at(carry, 0), start))
-            c = combine(c, at(totals, 0), at(carry, 1)) if n_chunks > 1 else c
-        for n in range(2, n_chunks):
-            c = combine(c, at(totals, n - 1), at(carry, n))
-        first = 0 if start is not None else 1   # 3. fix up chunks first.. from their carries, in place
-        out4 = [o.narrow(dim, 0, main).view(outer, n_chunks, chunk, inner).narrow(1, first, n_chunks - first)
+        # per chunk, views without `dim` (one unbind each: this phase is all small ops, and view calls count)
+        total_n, carry_n = (list(zip(*(t.unbind(dim) for t in ts))) for ts in (totals, carry))
+        first = 0 if start is not None else 1
+        c = tuple(d.copy_(s.squeeze(dim)) for d, s in zip(carry_n[0], start)) if first == 0 else None
+        for n in range(1, n_chunks):
+            c = tuple(d.copy_(t) for d, t in zip(carry_n[1], total_n[0])) if c is None else \
+                combine(c, total_n[n - 1], carry_n[n])
+        # 3. chunks first.. from their carries, in place, block by block (views made by split, in bulk)
+        rows, per, piece = block_sizes(outer, n_chunks - first, chunk, inner)
+        pieces = -(-chunk // piece)
+        grid = lambda t: [b for u in t.split(rows, 0) for v in u.split(per, 1) for b in v.split(piece, 2)]  # noqa: E731
+        out4 = [grid(o.narrow(dim, 0, main).view(outer, n_chunks, chunk, inner).narrow(1, first, n_chunks - first))
                 for o in outs]
-        carry4 = [t.view(outer, n_chunks, 1, inner).narrow(1, first, n_chunks - first) for t in carry]
-        for r, k, s in blocks(outer, n_chunks - first, chunk, inner):
-            block = tuple(o[r, k, s] for o in out4)
-            combine(tuple(t[r, k] for t in carry4), block, block)
+        carry4 = [[v for u in t.view(outer, n_chunks, 1, inner).narrow(1, first, n_chunks - first).split(rows, 0)
+                   for v in u.split(per, 1) for _ in range(pieces)] for t in carry]
+        for x, y in zip(zip(*carry4), zip(*out4)):
+            combine(x, y, y)
     last = tuple(o.narrow(dim, main - 1, 1) for o in outs)
     for t in range(main, length):   # the tail: fewer than n_chunks steps, each from the previous output
         last = combine(last, tuple(x.narrow(dim, t, 1) for x in xs), tuple(o.narrow(dim, t, 1) for o in outs))

@@ -266,3 +266,86 @@ def test_blocked_schedule_projective_equals_the_oracle(T):
         got = sl.scan(sl.Mobius, [e.to(dtype) for e in elems], dim=1, backend="reference")
         for g, r in zip(got, want):
             assert_close(g, r.to(dtype), "scan")
+
+
+@pytest.mark.parametrize("outer, n, c, inner", [(3, 31, 32, 2), (4, 31, 64, 256), (4, 16, 17, 256), (2, 3, 50, 4096),
+                                                (1, 2, 5, 40000), (5, 1, 1, 1)])
+def test_fix_up_blocks_stay_serial_and_are_as_large_as_that_allows(outer, n, c, inner):
+    from scanlang.backends import reference
+    rows, chunks, steps = reference.block_sizes(outer, n, c, inner)
+    assert 1 <= rows <= outer and 1 <= chunks <= n and 1 <= steps <= c
+    assert rows * chunks * steps * inner <= max(reference.SERIAL, inner)
+    grown = [(min(rows + 1, outer), chunks, steps)] if chunks == n and steps == c else []
+    grown += [(rows, min(chunks + 1, n), steps)] if steps == c else [(rows, chunks, min(steps + 1, c))]
+    for r, k, s in grown:   # one more row, chunk or step would pass the serial size (or there is none)
+        assert (r, k, s) == (rows, chunks, steps) or r * k * s * inner > max(reference.SERIAL, inner)
+
+
+@sl.monoid(fields=("a", "b", "c", "d"), identity=(1, 0, 0, 1))
+def matmul2(x, y):
+    """2x2 matrices, y @ x (x earlier): every field reads two fields of y, a cycle for the in-place fix-up."""
+    return (y.a * x.a + y.b * x.c, y.a * x.b + y.b * x.d, y.c * x.a + y.d * x.c, y.c * x.b + y.d * x.d)
+
+
+@sl.monoid(fields=("p",), identity=(0,))
+def either(x, y):
+    """P(x or y) for independent events: x + y - x y (its last op a subtraction)."""
+    return (x.p + y.p - x.p * y.p,)
+
+
+@sl.monoid(fields=("m", "n"), identity=(float("-inf"), 0))
+def max_and_count(x, y):
+    """A running maximum and a count: one field's last op is a function call (no `out=` form)."""
+    return (sl.maximum(x.m, y.m), x.n + y.n)
+
+
+def _loop(monoid, elems, initial=None, reverse=False):
+    """The scan written out by hand in float64, stepping the declaration's own body (`combine_direct`)."""
+    xs = [e.double().flip(1) if reverse else e.double() for e in elems]
+    p = None if initial is None else tuple(torch.as_tensor(i, dtype=torch.float64).expand_as(xs[0][:, 0])
+                                            for i in initial)
+    outs = []
+    for t in range(xs[0].shape[1]):
+        x_t = tuple(x[:, t] for x in xs)
+        p = x_t if p is None else tuple(monoid.combine_direct(p, x_t))
+        outs.append(p)
+    out = [torch.stack([o[f] for o in outs], 1) for f in range(len(xs))]
+    return [o.flip(1) for o in out] if reverse else out
+
+
+@pytest.mark.parametrize("monoid", [matmul2, either, max_and_count], ids=lambda m: m.name)
+@pytest.mark.parametrize("T", [5, 97, 300])
+@pytest.mark.parametrize("reverse, with_initial", [(False, False), (True, True)])
+def test_generated_combiner_in_place_and_recorded_equal_the_loop(monoid, T, reverse, with_initial):
+    """Monoids whose combiner takes the other forms (a cycle through y, a subtraction, a call),
+    over several chunks, fix-up blocks and a tail; the in-place path equals the recorded one bit for bit."""
+    gen = torch.Generator().manual_seed(T)
+    elems = [(torch.rand(3, T, 40, generator=gen, dtype=torch.float64) * 0.5 + 0.5).requires_grad_()
+             for _ in monoid.fields]
+    initial = tuple(torch.rand(3, 40, generator=gen, dtype=torch.float64) + 0.5 for _ in monoid.fields) \
+        if with_initial else None
+    got = sl.scan(monoid, elems, dim=1, reverse=reverse, initial=initial, backend="reference")
+    for g, w in zip(got, _loop(monoid, elems, initial, reverse)):
+        assert_close(g, w, "scan")
+    with torch.no_grad():
+        again = sl.scan(monoid, elems, dim=1, reverse=reverse, initial=initial, backend="reference")
+    for g, w in zip(again, got):
+        assert torch.equal(g, w.detach())
+    weights = [torch.randn(g.shape, generator=gen, dtype=torch.float64) for g in got]
+    loss = lambda outs: sum((o * w).sum() for o, w in zip(outs, weights))  # noqa: E731
+    grads = torch.autograd.grad(loss(got), elems, allow_unused=True, materialize_grads=True)
+    want = torch.autograd.grad(loss(_loop(monoid, elems, initial, reverse)), elems, materialize_grads=True)
+    for g, w in zip(grads, want):
+        assert_close(g, w, "scan_grad")
+
+
+def test_generated_combiner_writes_into_the_given_outputs():
+    from scanlang.backends import reference
+    x, y = (torch.rand(2, 3), torch.rand(2, 3)), (torch.rand(2, 3), torch.rand(2, 3))
+    out = (torch.empty(2, 3), torch.empty(2, 3))
+    got = reference.combiner(sl.Affine)(x, y, out)
+    assert got[0] is out[0] and got[1] is out[1]
+    want = sl.Affine.combine(x, y)
+    assert_close(got[0], want[0], "scan", torch.float32) and assert_close(got[1], want[1], "scan", torch.float32)
+    fresh = reference.combiner(sl.Affine)(x, y, (None, None))
+    assert all(torch.equal(f, g) for f, g in zip(fresh, got))
