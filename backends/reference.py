@@ -7,27 +7,31 @@ Two executors of the same law, `out_t = x_0 (+) ... (+) x_t`:
   the sympy trace), in float64. Tests use it as the independent oracle.
 
 The blocked schedule (scan the chunks, carry across them, fix them up): cut time into N chunks of
-C steps (`layout`: N about sqrt(T), and few enough that a step of all chunks stays a serial op; the
-last T mod N steps are a tail);
+C steps (`layout`: N about sqrt(T), and few enough that one step of all chunks is a serial op, see
+SERIAL; the last T mod N steps are a tail);
 1. every chunk's own scan, all chunks side by side: local_i = local_{i-1} (+) x_i, written straight
    into the output (C - 1 combines, each over one step of every chunk);
-2. the carries, one chunk after the other: carry_n = carry_{n-1} (+) local total_{n-1} (N combines of
-   one time step's size);
-3. every chunk but the first from its carry: out = carry_n (+) local, in place, in blocks of
-   contiguous output (`blocks`); the tail continues step by step from the last output.
-About C + N + T * step / SERIAL combine calls against T for a loop over time; only phase 1 reads
-the inputs, and the strided reads of "step i of every chunk" happen once (phase 3 reads and writes
-the output contiguously, which is several times faster than strided reads from memory).
+2. the carries, one chunk after the other: carry_n = carry_{n-1} (+) total_{n-1}, a chunk's total
+   being its last local prefix (N combines of one time step's size);
+3. every chunk but the first from its carry, in place: out = carry_n (+) local, over blocks of
+   contiguous output (`block_sizes`); the tail continues step by step from the last output.
+That is about C + N + T * step / SERIAL combine calls, against T for a loop over time. The time goes
+to memory traffic: "step i of every chunk" is N * (rows before `dim`) short strided runs, read
+(inputs) and written (outputs) once, in phase 1 only; phase 3 reads and writes contiguous blocks,
+which streams much faster. Without autograd every combine writes into preallocated outputs (no copies).
 
 Each combine is `combiner(monoid)`: the traced expressions printed as torch calls whose last op per
-field writes into a given output (`out=`), with `a + b * c` as one `addcmul` (one rounding, as a
-fused multiply-add; Triton fuses the same way). The autograd path calls the same function with no
-outputs (fresh tensors), so both paths round alike and agree bit for bit.
+field writes into a given output (`out=`), with `a + b * c` as one `addcmul` (one rounding, a fused
+multiply-add, as Triton also emits). The autograd path calls the same function without outputs
+(fresh tensors), so the two paths round alike and agree bit for bit. Under torch.compile the scan
+runs the recorded path on `monoid.combine` (a trace cannot build the combiner, and the compiler
+fuses elementwise ops itself).
 
 Why not a log-depth tree over the whole sequence: its later operands are products of up to T / 2
 elements, which overflow where the loop's never do (Affine with a = 2: 2^150 is inf in float32, and
-b = inf * 0 is NaN where the answer is 0). Here no operand is a product of more than C consecutive
-elements (a chunk's local prefix or total); Affine overflows there only for |a| > 2^(128 / C).
+b = inf * 0 is NaN where the answer is 0). Here the later operand of every combine is one element
+(phase 1, the tail) or a product of at most C consecutive elements (a chunk's total or local prefix,
+phases 2 and 3), so an Affine b meets an overflowed product only for |a| > 2^(128 / C) in float32.
 """
 from __future__ import annotations
 
@@ -44,7 +48,8 @@ from scanlang.monoid import Monoid
 
 # torch runs an elementwise op over at most this many elements in the calling thread; above it the op
 # is split over torch's thread pool, whose threads on a busy machine wait for the other processes
-# (the loop over time, all ops of one step, never does). Every op of the schedule stays at or below.
+# (the loop over time, all ops of one step, never does). Every op of the schedule stays at or below,
+# where one time step is not already larger.
 SERIAL = 32768
 _FUSED = {ast.Add: "add", ast.Sub: "sub", ast.Mult: "mul", ast.Div: "div"}
 _COMBINERS: dict[str, Callable] = {}   # by monoid digest (the traced expressions' hash)
@@ -147,8 +152,11 @@ def _build_combiner(m: Monoid) -> Callable:
         k = ready[0] if ready else pending[0]
         if ready:
             body.append(ast.Assign([ast.Name(f"_r{k}")], last_op(fields[k], out_k(k))))
-        else:   # a cycle: evaluate now into a fresh tensor, write it after the others have read
-            body.append(ast.Assign([ast.Name(f"_r{k}")], last_op(fields[k], ast.Constant(None))))
+        else:   # a cycle: evaluate now into a fresh tensor (a bare field is copied), write it after the others read
+            value = last_op(fields[k], ast.Constant(None))
+            if isinstance(fields[k], ast.Subscript):
+                value = ast.Call(ast.Attribute(fields[k], "clone"), [], [])
+            body.append(ast.Assign([ast.Name(f"_r{k}")], value))
             tail.append(ast.Assign([ast.Name(f"_r{k}")], ast.Call(ast.Name("_put"), [ast.Name(f"_r{k}"), out_k(k)], [])))
         pending.remove(k)
     body += tail
