@@ -32,18 +32,22 @@ def gated_rnn_typo(x, y):
     return y.a * x.a, y.a * x.b + y.b + x.a * y.b
 
 
-def _timed(fn, device: str, repeat: int = 3) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(repeat):
-        if device == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
+def _timed(fns, device: str, repeat: int = 3) -> list[float]:
+    """Best of `repeat` wall-clock ms for each of `fns`, taking turns (one run of each per round), so
+    that a busy machine's slow moments fall on all of them alike."""
+    for fn in fns:
         fn()
-        if device == "cuda":
-            torch.cuda.synchronize()
-        best = min(best, time.perf_counter() - start)
-    return best * 1e3
+    best = [float("inf")] * len(fns)
+    for _ in range(repeat):
+        for i, fn in enumerate(fns):
+            if device == "cuda":
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            fn()
+            if device == "cuda":
+                torch.cuda.synchronize()
+            best[i] = min(best[i], time.perf_counter() - start)
+    return [b * 1e3 for b in best]
 
 
 def run(device: str | None = None, length: int | None = None, train: bool = True) -> int:
@@ -78,15 +82,18 @@ def run(device: str | None = None, length: int | None = None, train: bool = True
         out = sl.scan(gated_rnn, (a, b), dim=1, backend=backend)
         err = max(float((o.double().cpu() - r).abs().max() / r.abs().max()) for o, r in zip(out, ref))
         worst = max(worst, err)
-        ms = _timed(lambda: sl.scan(gated_rnn, (a, b), dim=1, backend=backend), device)
+        scan = lambda: sl.scan(gated_rnn, (a, b), dim=1, backend=backend)  # noqa: E731
+        if backend == "reference":   # timed in turns with the loop over time, on the same inputs
+            ms, loop_ms = _timed([scan, lambda: _python_loop(a, b)], device)
+        else:
+            ms, = _timed([scan], device)
         gbytes = 4 * a.numel() * 4 / 1e9           # read a, b; write out.a, out.b (fp32)
         print(f"   {backend:9s}  max rel. error {err:.1e}   {ms:8.2f} ms   {gbytes / ms * 1e3:7.1f} GB/s")
         if backend == "reference":
             ref_ms = ms
-    loop_ms = _timed(lambda: _python_loop(a, b), device)
     print(f"   python loop over time (torch ops): {loop_ms:8.2f} ms")
-    print(f"   reference scan vs the loop: {loop_ms / ref_ms:.1f}x faster (best of 3, {torch.get_num_threads()} torch "
-          f"threads; `scanlang bench` times the generated kernels on a GPU)")
+    print(f"   reference scan vs the loop: {loop_ms / ref_ms:.1f}x faster (best of 3 in turns, {torch.get_num_threads()} "
+          f"torch threads; `scanlang bench` times the generated kernels on a GPU)")
     if device == "cpu":
         worst = max(worst, _interpreted_kernels())
 

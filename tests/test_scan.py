@@ -1,4 +1,6 @@
 """sl.scan on the reference backend against float64 sequential loops (CPU)."""
+import math
+
 import pytest
 import torch
 
@@ -223,10 +225,11 @@ def test_front_end_broadcast_rule_is_torchs():
         assert got == want, (a, b)
 
 
-# Lengths around the blocked schedule's chunk boundaries: for these step sizes `layout` gives C = 32
-# (narrow steps: N = T // 32, a tail of T mod N) or C = 66 with N = 3 (wide steps, where N is capped so
-# that one combine over all chunks stays below reference.SERIAL elements).
-LAYOUT_CASES = [((3, 2), T) for T in (1, 2, 31, 32, 33, 63, 64, 65, 97, 1025)] + [((2, 4096), 200)]
+# Lengths around the blocked schedule's chunk boundaries: `layout` gives N about sqrt(T) chunks (narrow
+# steps: one chunk, several, tails of T mod N), capped where a step of all chunks would pass
+# reference.SERIAL elements (wide steps: N = 4 and the fix-up split inside chunks; the demo's step of
+# 4 x 256: several chunks per fix-up block, and a remainder block).
+LAYOUT_CASES = [((3, 2), T) for T in (1, 2, 31, 32, 33, 63, 64, 65, 97, 1025)] + [((2, 4096), 200), ((4, 256), 300)]
 
 
 @pytest.mark.parametrize("step, T", LAYOUT_CASES, ids=[f"{s[0]}x{s[1]}-T{T}" for s, T in LAYOUT_CASES])
@@ -235,8 +238,8 @@ LAYOUT_CASES = [((3, 2), T) for T in (1, 2, 31, 32, 33, 63, 64, 65, 97, 1025)] +
 def test_blocked_schedule_equals_the_float64_loop_at_chunk_boundaries(step, T, reverse, with_initial):
     from scanlang.backends import reference
     n_chunks, chunk = reference.layout(T, step[0] * step[1])
-    assert n_chunks * chunk <= T < n_chunks * (chunk + 1) and (chunk >= reference.CHUNK or n_chunks == 1)
-    assert n_chunks == 1 or n_chunks * step[0] * step[1] < reference.SERIAL
+    assert n_chunks * chunk <= T < n_chunks * (chunk + 1) and n_chunks <= math.isqrt(T)
+    assert n_chunks == 1 or n_chunks * step[0] * step[1] <= reference.SERIAL
     a = (0.5 + 0.6 * torch.rand(step[0], T, step[1], dtype=torch.float64)).requires_grad_()
     b = torch.randn(step[0], T, step[1], dtype=torch.float64, requires_grad=True)
     h0 = torch.randn(step[0], step[1], dtype=torch.float64, requires_grad=True) if with_initial else None
@@ -263,3 +266,86 @@ def test_blocked_schedule_projective_equals_the_oracle(T):
         got = sl.scan(sl.Mobius, [e.to(dtype) for e in elems], dim=1, backend="reference")
         for g, r in zip(got, want):
             assert_close(g, r.to(dtype), "scan")
+
+
+@pytest.mark.parametrize("outer, n, c, inner", [(3, 31, 32, 2), (4, 31, 64, 256), (4, 16, 17, 256), (2, 3, 50, 4096),
+                                                (1, 2, 5, 40000), (5, 1, 1, 1)])
+def test_fix_up_blocks_stay_serial_and_are_as_large_as_that_allows(outer, n, c, inner):
+    from scanlang.backends import reference
+    rows, chunks, steps = reference.block_sizes(outer, n, c, inner)
+    assert 1 <= rows <= outer and 1 <= chunks <= n and 1 <= steps <= c
+    assert rows * chunks * steps * inner <= max(reference.SERIAL, inner)
+    grown = [(min(rows + 1, outer), chunks, steps)] if chunks == n and steps == c else []
+    grown += [(rows, min(chunks + 1, n), steps)] if steps == c else [(rows, chunks, min(steps + 1, c))]
+    for r, k, s in grown:   # one more row, chunk or step would pass the serial size (or there is none)
+        assert (r, k, s) == (rows, chunks, steps) or r * k * s * inner > max(reference.SERIAL, inner)
+
+
+@sl.monoid(fields=("a", "b", "c", "d"), identity=(1, 0, 0, 1))
+def matmul2(x, y):
+    """2x2 matrices, y @ x (x earlier): every field reads two fields of y, a cycle for the in-place fix-up."""
+    return (y.a * x.a + y.b * x.c, y.a * x.b + y.b * x.d, y.c * x.a + y.d * x.c, y.c * x.b + y.d * x.d)
+
+
+@sl.monoid(fields=("p",), identity=(0,))
+def either(x, y):
+    """P(x or y) for independent events: x + y - x y (its last op a subtraction)."""
+    return (x.p + y.p - x.p * y.p,)
+
+
+@sl.monoid(fields=("m", "n"), identity=(float("-inf"), 0))
+def max_and_count(x, y):
+    """A running maximum and a count: one field's last op is a function call (no `out=` form)."""
+    return (sl.maximum(x.m, y.m), x.n + y.n)
+
+
+def _loop(monoid, elems, initial=None, reverse=False):
+    """The scan written out by hand in float64, stepping the declaration's own body (`combine_direct`)."""
+    xs = [e.double().flip(1) if reverse else e.double() for e in elems]
+    p = None if initial is None else tuple(torch.as_tensor(i, dtype=torch.float64).expand_as(xs[0][:, 0])
+                                            for i in initial)
+    outs = []
+    for t in range(xs[0].shape[1]):
+        x_t = tuple(x[:, t] for x in xs)
+        p = x_t if p is None else tuple(monoid.combine_direct(p, x_t))
+        outs.append(p)
+    out = [torch.stack([o[f] for o in outs], 1) for f in range(len(xs))]
+    return [o.flip(1) for o in out] if reverse else out
+
+
+@pytest.mark.parametrize("monoid", [matmul2, either, max_and_count], ids=lambda m: m.name)
+@pytest.mark.parametrize("T", [5, 97, 300])
+@pytest.mark.parametrize("reverse, with_initial", [(False, False), (True, True)])
+def test_generated_combiner_in_place_and_recorded_equal_the_loop(monoid, T, reverse, with_initial):
+    """Monoids whose combiner takes the other forms (a cycle through y, a subtraction, a call),
+    over several chunks, fix-up blocks and a tail; the in-place path equals the recorded one bit for bit."""
+    gen = torch.Generator().manual_seed(T)
+    elems = [(torch.rand(3, T, 40, generator=gen, dtype=torch.float64) * 0.5 + 0.5).requires_grad_()
+             for _ in monoid.fields]
+    initial = tuple(torch.rand(3, 40, generator=gen, dtype=torch.float64) + 0.5 for _ in monoid.fields) \
+        if with_initial else None
+    got = sl.scan(monoid, elems, dim=1, reverse=reverse, initial=initial, backend="reference")
+    for g, w in zip(got, _loop(monoid, elems, initial, reverse)):
+        assert_close(g, w, "scan")
+    with torch.no_grad():
+        again = sl.scan(monoid, elems, dim=1, reverse=reverse, initial=initial, backend="reference")
+    for g, w in zip(again, got):
+        assert torch.equal(g, w.detach())
+    weights = [torch.randn(g.shape, generator=gen, dtype=torch.float64) for g in got]
+    loss = lambda outs: sum((o * w).sum() for o, w in zip(outs, weights))  # noqa: E731
+    grads = torch.autograd.grad(loss(got), elems, allow_unused=True, materialize_grads=True)
+    want = torch.autograd.grad(loss(_loop(monoid, elems, initial, reverse)), elems, materialize_grads=True)
+    for g, w in zip(grads, want):
+        assert_close(g, w, "scan_grad")
+
+
+def test_generated_combiner_writes_into_the_given_outputs():
+    from scanlang.backends import reference
+    x, y = (torch.rand(2, 3), torch.rand(2, 3)), (torch.rand(2, 3), torch.rand(2, 3))
+    out = (torch.empty(2, 3), torch.empty(2, 3))
+    got = reference.combiner(sl.Affine)(x, y, out)
+    assert got[0] is out[0] and got[1] is out[1]
+    want = sl.Affine.combine(x, y)
+    assert_close(got[0], want[0], "scan", torch.float32) and assert_close(got[1], want[1], "scan", torch.float32)
+    fresh = reference.combiner(sl.Affine)(x, y, (None, None))
+    assert all(torch.equal(f, g) for f, g in zip(fresh, got))
