@@ -116,22 +116,22 @@ def test_chunked_module_points_at_the_declaration_and_is_deterministic():
     assert common.origins(pipeline.lower(sl.Mobius))[1].what == "scale of Mobius"
 
 
-def test_unpacking_add_assign_staged_loops_and_spliced_sources():
+def test_unpacking_add_assign_and_staged_loops():
     body = [K.Assign(("s",), K.expr("tl.associative_scan((x,), 0, combine)"), unpack=True),
             K.AugAssign("acc", K.expr("tl.sum(s, 0)")),
             K.For("k", K.expr(0), K.expr("N"), (K.Assign(("t",), K.expr("k + 1")),), num_stages=K.expr("STAGES"))]
-    helper = K.Source("helper", "@triton.jit\ndef helper(y):\n    # kept as written\n    return y + 1\n")
+    helper = K.Kernel("helper", (K.Param("y"),), (K.Comment("kept"), K.Return((K.expr("y + 1"),))))
     mod = kernel(body)
     src = render(K.Module(mod.doc, (helper,) + mod.kernels))
     lines = src.splitlines()
     assert "    s, = tl.associative_scan((x,), 0, combine)" in lines
     assert "    acc += tl.sum(s, 0)" in lines and "    for k in tl.range(0, N, num_stages=STAGES):" in lines
-    assert "    # kept as written" in lines   # a Source is spliced as written, its comments kept
+    assert "    # kept" in lines
     fns = [n for n in ast.parse(src).body if isinstance(n, ast.FunctionDef)]
     assert [f.name for f in fns] == ["helper", "k"]
     assert isinstance(fns[1].body[1].targets[0], ast.Tuple) and len(fns[1].body[1].targets[0].elts) == 1
-    with pytest.raises(ValueError, match="kernel other"):
-        render(K.Module("d", (K.Source("other", "@triton.jit\ndef helper(y):\n    return y\n"),)))
+    with pytest.raises(ValueError, match="kernel names repeat"):
+        render(K.Module("d", (helper, helper)))
 
 
 def test_statements_print_as_the_python_they_stand_for():

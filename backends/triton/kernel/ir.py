@@ -168,20 +168,11 @@ class Kernel:
 
 
 @dataclass(frozen=True)
-class Source:
-    """A `@triton.jit` function written as source text, not on this IR (the inline-PTX `reciprocal` of
-    codegen.py): the printer parses it as a check and inserts its text as written (comments kept)."""
-
-    name: str
-    text: str
-
-
-@dataclass(frozen=True)
 class Module:
     """A generated source file: a docstring, `import triton` / `triton.language as tl`, the kernels."""
 
     doc: str
-    kernels: tuple[Kernel | Source, ...]
+    kernels: tuple[Kernel, ...]
 
 
 def assign(target: str, value) -> Assign:

@@ -5,8 +5,7 @@ expression fails here, naming the kernel) and unparses it once with `ast.unparse
 parentheses and quoting are the standard library's, the text is deterministic, and what is printed
 parses by construction. Comments (`ir.Comment`, the kernels' `Origin`s) are not part of Python's
 AST: they travel as placeholder calls `__comment__('text')` that the single unparsed text turns
-back into `# text` lines. An `ir.Source` (a function not yet on the IR) is parsed as a check and
-spliced into the text as written.
+back into `# text` lines. Every generated function is on the IR; no source text is spliced in.
 """
 from __future__ import annotations
 
@@ -18,8 +17,6 @@ from . import ir
 _COMMENT = "__comment__"
 _COMMENT_LINE = re.compile(rf"^(\s*){_COMMENT}\((.*)\)$")
 _AUG_OPS = {"+": ast.Add, "-": ast.Sub, "*": ast.Mult}
-_SOURCE = "__source__"
-_SOURCE_LINE = re.compile(rf"^{_SOURCE}\((\d+)\)$")
 
 
 def _expr(e: ir.Expr, where: str) -> ast.expr:
@@ -147,27 +144,10 @@ def render(module: ir.Module) -> str:
         raise ValueError(f"module: kernel names repeat: {names}")
     body = [ast.Expr(ast.Constant(module.doc)), ast.Import([ast.alias("triton")]),
             ast.Import([ast.alias("triton.language", "tl")])]
-    sources = []
     for k in module.kernels:
-        if isinstance(k, ir.Source):
-            try:
-                defs = ast.parse(k.text).body
-            except SyntaxError as exc:
-                raise ValueError(f"kernel {k.name}: its source does not parse ({exc.msg})") from None
-            if [type(d) for d in defs] != [ast.FunctionDef] or defs[0].name != k.name:
-                raise ValueError(f"kernel {k.name}: its source is not one function named {k.name}")
-            body.append(ast.Expr(_call(_SOURCE, [ast.Constant(len(sources))])))
-            sources.append(k.text.strip("\n"))
-        else:
-            body += _function(k)
+        body += _function(k)
     lines = []
     for line in _lines(body):
-        m = _SOURCE_LINE.match(line)
-        if m:                                            # an ir.Source, as written (its comments kept)
-            while lines and lines[-1] == "":
-                lines.pop()
-            lines += ["", ""] + sources[int(m.group(1))].split("\n")
-            continue
         starts = line.startswith(("# ", "@", "def "))   # a top-level function or the comments above it
         while starts and lines and lines[-1] == "":
             lines.pop()                                  # unparse's own blank lines, replaced below
