@@ -8,7 +8,7 @@
 """
 from __future__ import annotations
 
-from .parts import (STATE_BLOCK, TOK, a, aug, call, chunk_from_bounds, chunk_rows, const, fp32, g_last,
+from .parts import (STATE_BLOCK, TOK, Hooks, a, aug, call, chunk_from_bounds, chunk_rows, const, fp32, g_last,
                     jit, load_tm, loop, mm, nan_after, note, per_token, ret, rnd, seq_bounds, state_program,
                     store, store_final, tile, tile_off, when)
 
@@ -215,7 +215,17 @@ def _through_A():
     return [a("PA", "E * KK * beta[:, None]"), aug("dG", "tl.sum(PA, 1) - tl.sum(PA, 0)")]
 
 
-def through():
+def _step_grads(hooks: Hooks) -> list:
+    """Store d(step input) and return d||k||^2, zero where `step_beta` took beta as 0 (a rule that needs the
+    guard)."""
+    if not hooks.guard:
+        return [store(f"ds_ptr + {TOK}", "dbeta * dbeta_ds", "ok"), ret("2.0 * dbeta * dbeta_dn2")]
+    return [a("_, dead", "step_beta(s, n2, eps)"),
+            store(f"ds_ptr + {TOK}", "tl.where(dead, 0.0, dbeta * dbeta_ds)", "ok"),
+            ret("tl.where(dead, 0.0, 2.0 * dbeta * dbeta_dn2)")]
+
+
+def through(hooks: Hooks = Hooks()):
     mm_lowp = jit("mm_lowp", "a, b, dtype:, LOWP:, PREC:, IN_PREC:, UPCAST:", [
         when("LOWP", [ret(mm(rnd("a", "dtype"), rnd("b", "dtype")))], [ret(mm("a", "b", "PREC"))])], """
         a @ b of fp32 operands: at PREC, or with LOWP both rounded to `dtype` (the input dtype: for fp32 inputs
@@ -259,9 +269,7 @@ def through():
         call(f"store_decay_grads(dg, a, hp_ptr, h, H, da_ptr, dhp_ptr, {TOK}, TTH, ok)"),
         a("s", per_token("s_ptr") + ".to(tl.float32)"),
         a("dbeta_ds, dbeta_dn2", "step_hook_grad(s, n2, eps)"),
-        a("_, dead", "step_beta(s, n2, eps)"),
-        store(f"ds_ptr + {TOK}", "tl.where(dead, 0.0, dbeta * dbeta_ds)", "ok"),
-        ret("tl.where(dead, 0.0, 2.0 * dbeta * dbeta_dn2)")], """
+        *_step_grads(hooks)], """
         From dG (G = cumsum(g) in the chunk: dg_t = sum over i >= t of dG_i) and dbeta through the hooks' chain
         rule: stores the decay input's and parameters' gradients and the step input's; returns d||k||^2. Row `bad_row`
         (C if none) holds the chunk's first non-finite token: the token loop's decay gradients are NaN after it (the
@@ -323,6 +331,6 @@ def wy():
     (nonfinite_ptr) as in delta_bwd_dqk: V's non-finite entries as 0, dk and the hooks' gradients NaN from its row.""")
 
 
-def kernels() -> list:
-    """The backward kernels in module order."""
-    return [*local(), state_bwd(), dqk(), *through(), wy()]
+def kernels(hooks: Hooks = Hooks()) -> list:
+    """The backward kernels in module order, for a rule whose hooks need `hooks`."""
+    return [*local(), state_bwd(), dqk(), *through(hooks), wy()]

@@ -9,9 +9,9 @@
 """
 from __future__ import annotations
 
-from .parts import (CHUNK_MAT, STATE_BLOCK, TOK, a, aug, call, chunk_from_bounds, chunk_rows, const, fp32, g_last,
-                    guard, jit, load_tm, loop, mm, note, per_token, ret, rnd, seq_bounds, state_program, store,
-                    store_final, tile, tile_off, when)
+from .parts import (CHUNK_MAT, STATE_BLOCK, TOK, Hooks, a, aug, call, chunk_from_bounds, chunk_rows, const, fp32,
+                    g_last, guard, jit, load_tm, loop, mm, note, per_token, ret, rnd, seq_bounds, state_program,
+                    step_to_beta, store, store_final, tile, tile_off, when)
 
 BLOCK = 16
 # exp(-200) underflows to 0 in float32 (below about -103.9), and 200 per reset keeps the cumsum's rounding
@@ -22,8 +22,8 @@ PRECS = "PREC:, IN_PREC:, UPCAST:"
 KEY_TILE = "ok[:, None] & (kk[None, :] < K)"
 
 
-def prep(chunk_size: int):
-    """The prep kernel for C = chunk_size.
+def prep(chunk_size: int, hooks: Hooks = Hooks()):
+    """The prep kernel for C = chunk_size, for a rule whose hooks need `hooks`.
 
     Tm = (I + A)^-1 with A = Ad + Ao (Ad: the 16x16 diagonal blocks, Ao: strictly below them). With
     Td = (I + Ad)^-1 (`inv_unit_lower_blocks`), I + A = (I + Ad)(I - N) for N = -Td Ao, strictly block-lower
@@ -67,7 +67,7 @@ def prep(chunk_size: int):
         note("||k_i||^2 (fp32) read off the diagonal of K K^T, the product A needs anyway"),
         a("KK", mm("k", "tl.trans(k)")),
         a("n2", "tl.sum(tl.where(rows[:, None] == rows[None, :], KK, 0.0), 1)"),
-        a("beta, _", "step_beta(s, n2, eps)"),
+        step_to_beta(hooks, "s, n2, eps"),
         store(f"beta_ptr + {TOK}", "beta", "ok"),
         a("A", "tl.where(strict, beta[:, None] * KK * Dec, 0.0)"),
         note("and the first whose decay, key (||k||^2) or step is not: Tm is formed with A's rows from it on as 0, "
@@ -304,7 +304,7 @@ def state():
     return [state_pass, fwd, output]
 
 
-def recurrent():
+def recurrent(hooks: Hooks = Hooks()):
     def vec(name, ptr, D, cols, mask):
         return a(name, f"tl.load({ptr} + (t * H + h) * {D} + {cols}, mask={mask}, other=0.0).to(tl.float32)")
 
@@ -313,7 +313,7 @@ def recurrent():
         vec("v", "v_ptr", "V", "vv", "vmask"),
         a("a", "tl.load(a_ptr + t * H + h).to(tl.float32)"), a("s", "tl.load(s_ptr + t * H + h).to(tl.float32)"),
         a("n2", "tl.sum(k * k, 0)"),
-        a("beta, _", "step_beta(s, n2, eps)"),
+        step_to_beta(hooks, "s, n2, eps"),
         a("S", "S * tl.exp(decay_hook(a, hp_ptr, h, H))"),
         a("e", "v - tl.sum(S * k[:, None], 0)"),
         aug("S", "(beta * k)[:, None] * e[None, :]"),

@@ -8,6 +8,7 @@ scalar at `TOK`, one of a chunk's [C, C] matrices ([NC, H, C, C]) at `CHUNK_MAT`
 from __future__ import annotations
 
 import textwrap
+from dataclasses import dataclass
 
 from ..triton.kernel import ir as K
 
@@ -15,6 +16,17 @@ TOK = "tok * H + h"                                                  # per-token
 CHUNK_MAT = "((c * H + h) * C + rows[:, None]).to(tl.int64) * C + rows[None, :]"   # [NC, H, C, C]
 STATE_BLOCK = "((c * H + h) * K + kk[:, None]).to(tl.int64) * V + vv[None, :]"     # [NC, H, K, V]
 FP64_NOTE = "torch.compile types a Python float as fp64"
+
+
+@dataclass(frozen=True)
+class Hooks:
+    """What a rule's hooks need, which decides the stages the kernels hold (codegen.hooks(rule); the default:
+    every stage).
+
+    guard: the step can be non-finite at a zero key (n2 = 0; 0/0 at eps = 0): `step_beta` takes beta there
+    as 0, and its mask zeroes the step's gradients."""
+
+    guard: bool = True
 
 
 def doc(text: str) -> str:
@@ -159,6 +171,11 @@ def store_final(flag: str, ptr: str, value: str):
 
 # ---- helpers every module holds ------------------------------------------------------------------
 
+def step_to_beta(hooks: Hooks, args: str) -> K.Assign:
+    """beta = the step of `args`: through `step_beta` (the zero-key guard) where the rule needs it."""
+    return a("beta, _", f"step_beta({args})") if hooks.guard else a("beta", f"step_hook({args})")
+
+
 def step_beta() -> K.Kernel:
     return jit("step_beta", "s, n2, eps", [
         a("b", "step_hook(s, n2, eps)"),
@@ -168,7 +185,7 @@ def step_beta() -> K.Kernel:
         non-finite beta for one (0/0 at eps = 0) it becomes 0; returns (beta, that mask).""")
 
 
-def helpers_before_prep() -> list[K.Kernel]:
+def helpers_before_prep(hooks: Hooks = Hooks()) -> list[K.Kernel]:
     mm_ = jit("mm", "a, b, precision:, upcast:", [
         when("upcast", [ret("tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision='ieee')")],
              [ret("tl.dot(a, b, input_precision=precision)")])], """
@@ -225,4 +242,5 @@ def helpers_before_prep() -> list[K.Kernel]:
         operand split into two tf32 parts, three tensor-core products: about fp32's accuracy) on tensor cores,
         which for half inputs' prep halves the shared-memory traffic and cuts 219 registers to 161 (Triton 3.6,
         sm_90a, K = 128).""")
-    return [step_beta(), mm_, finite, finite_or_zero, nan_from, chunk_tokens, state_offsets, initial_state, rnd_, inv]
+    return [*([step_beta()] if hooks.guard else []), mm_, finite, finite_or_zero, nan_from, chunk_tokens,
+            state_offsets, initial_state, rnd_, inv]
