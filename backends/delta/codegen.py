@@ -106,11 +106,11 @@ def _render(exprs: list, args: tuple[str, ...], tensors: tuple[str, ...] | None 
 
 
 def hooks(rule: DeltaRule) -> Hooks:
-    """What `rule`'s hooks need (parts.Hooks), from its sympy expressions: the zero-key guard unless the step is
-    finite at n2 = 0 for every finite s and eps (sympy's symbols are real and finite; a step that does not read n2
-    is)."""
+    """What `rule`'s hooks need (parts.Hooks), from its sympy expressions: n2 where the step reads it; the zero-key
+    guard unless the step is finite at n2 = 0 for every finite s and eps (sympy's symbols are real and finite; a
+    step that does not read n2 is)."""
     at_zero_key = rule.step.expr.subs(E.symbol("n2"), 0)
-    return Hooks(guard=at_zero_key.is_finite is not True)
+    return Hooks(guard=at_zero_key.is_finite is not True, n2=rule.uses_key_norm)
 
 
 def _param_loads(rule: DeltaRule) -> list:
@@ -119,13 +119,15 @@ def _param_loads(rule: DeltaRule) -> list:
 
 def hook_kernels(rule: DeltaRule) -> list:
     """step_hook, step_hook_grad, decay_hook and store_decay_grads on the kernel IR."""
-    step, decay = rule.step, rule.decay
+    step, decay, need = rule.step, rule.decay, hooks(rule)
     origin = note(f"delta rule '{rule.name}': {rule!r}")
-    lines, outs = _render([step.expr], ("s", "n2", "eps"), tensors=("s", "n2"))
-    out = [jit("step_hook", "s, n2, eps", [origin, *K.assign_lines(lines), ret(outs[0])], f"beta = {step.expr}")]
-    lines, outs = _render([step.grads["s"], step.grads["n2"]], ("s", "n2", "eps"), tensors=("s", "n2"))
-    out.append(jit("step_hook_grad", "s, n2, eps", [*K.assign_lines(lines), ret(*outs)],
-                   "(d beta / d s, d beta / d n2)"))
+    args = need.step_inputs                   # s, n2 where the step reads it, eps
+    per_token = tuple(n for n in args if n != "eps")
+    lines, outs = _render([step.expr], args, tensors=per_token)
+    out = [jit("step_hook", need.step_args, [origin, *K.assign_lines(lines), ret(outs[0])], f"beta = {step.expr}")]
+    lines, outs = _render([step.grads[n] for n in per_token], args, tensors=per_token)
+    out.append(jit("step_hook_grad", need.step_args, [*K.assign_lines(lines), ret(*outs)],
+                   "(d beta / d s, d beta / d n2)" if need.n2 else "d beta / d s (the step does not read n2)"))
     inputs = ("a",) + rule.head_params
     lines, outs = _render([decay.expr], inputs)
     out.append(jit("decay_hook", "a, hp_ptr, h, H", [*_param_loads(rule), *K.assign_lines(lines), ret(outs[0])],

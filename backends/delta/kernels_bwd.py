@@ -103,7 +103,14 @@ def _store_dk():
     return store("dk_ptr + " + tile_off("K", "kk"), rnd("dk", "dk_ptr.dtype.element_ty"), "km")
 
 
-def dqk():
+def _hook_grads_call(hooks: Hooks, n2: str):
+    """dn2 = hook_grads(...) (d||k||^2, `n2` the keys' squared norms), or the call alone for a step without n2."""
+    args = f"dG, dbeta, {n2 + ', ' if hooks.n2 else ''}a_ptr, hp_ptr, s_ptr, eps, da_ptr, dhp_ptr, ds_ptr, tok, h, " \
+           "H, TTH, ok, rows, bad_row"
+    return a("dn2", f"hook_grads({args})") if hooks.n2 else call(f"hook_grads({args})")
+
+
+def dqk(hooks: Hooks = Hooks()):
     value_loop = [
         a("vv", "iv * BV + tl.arange(0, BV)"), a("vm", VALUE_TILE), a("sm", "(kk[:, None] < K) & (vv[None, :] < V)"),
         a("S0", f"tl.load(h_ptr + {STATE_BLOCK}, mask=sm, other=0.0)"),
@@ -166,10 +173,9 @@ def dqk():
             a("KK", mm("k", "tl.trans(k)")),
             aug("dbeta", "tl.sum(E * KK, 1)"),
             *_through_A(),
-            a("dn2", "hook_grads(dG, dbeta, tl.sum(kf * kf, 1), a_ptr, hp_ptr, s_ptr, eps, da_ptr, dhp_ptr, ds_ptr, "
-                     "tok, h, H, TTH, ok, rows, bad_row)"),
+            _hook_grads_call(hooks, "tl.sum(kf * kf, 1)"),
             aug("dk", "through_keys(E, k, beta, LOWP, PREC, IN_PREC, UPCAST)"),
-            aug("dk", "dn2[:, None] * kf"),
+            *([aug("dk", "dn2[:, None] * kf")] if hooks.n2 else []),
             nan_after("dk"),
             _store_dk()], [
             store(f"dbeta_ptr + kb * TTH + {TOK}", "eG * sx", "ok"),
@@ -216,11 +222,13 @@ def _through_A():
 
 
 def _step_grads(hooks: Hooks) -> list:
-    """Store d(step input) and return d||k||^2, zero where `step_beta` took beta as 0 (a rule that needs the
-    guard)."""
+    """Store d(step input) and return d||k||^2 (a step that reads n2), zero where `step_beta` took beta as 0 (a
+    rule that needs the guard)."""
+    grads = a("dbeta_ds, dbeta_dn2" if hooks.n2 else "dbeta_ds", f"step_hook_grad({hooks.step_args})")
     if not hooks.guard:
-        return [store(f"ds_ptr + {TOK}", "dbeta * dbeta_ds", "ok"), ret("2.0 * dbeta * dbeta_dn2")]
-    return [a("_, dead", "step_beta(s, n2, eps)"),
+        return [grads, store(f"ds_ptr + {TOK}", "dbeta * dbeta_ds", "ok"),
+                *([ret("2.0 * dbeta * dbeta_dn2")] if hooks.n2 else [])]
+    return [grads, a("_, dead", f"step_beta({hooks.step_args})"),
             store(f"ds_ptr + {TOK}", "tl.where(dead, 0.0, dbeta * dbeta_ds)", "ok"),
             ret("tl.where(dead, 0.0, 2.0 * dbeta * dbeta_dn2)")]
 
@@ -260,24 +268,24 @@ def through(hooks: Hooks = Hooks()):
             a("kf", "k.to(tl.float32)"),
             ret(f"beta[:, None] * {mm('E', 'kf', 'PREC')} + {mm('tl.trans(E)', 'beta[:, None] * kf', 'PREC')}")])],
         "dk's part through A = strictly_lower(diag(beta) K K^T * D), given E: diag(beta) E K + E^T diag(beta) K.")
-    hook_grads = jit("hook_grads", "dG, dbeta, n2, a_ptr, hp_ptr, s_ptr, eps, da_ptr, dhp_ptr, ds_ptr, tok, h, H, TTH, "
-                                   "ok, rows, bad_row", [
+    returns = "; returns d||k||^2" if hooks.n2 else " (the step does not read ||k||^2)"
+    hook_grads = jit("hook_grads", f"dG, dbeta, {'n2, ' if hooks.n2 else ''}a_ptr, hp_ptr, s_ptr, eps, da_ptr, "
+                                   "dhp_ptr, ds_ptr, tok, h, H, TTH, ok, rows, bad_row", [
         a("dg", "tl.sum(dG, 0) - tl.cumsum(dG, 0) + dG"),
         a("dg", "tl.where(rows > bad_row, float('nan'), dg)"),
         a("dbeta", "tl.where(rows < bad_row, dbeta, float('nan'))"),
         a("a", per_token("a_ptr") + ".to(tl.float32)"),
         call(f"store_decay_grads(dg, a, hp_ptr, h, H, da_ptr, dhp_ptr, {TOK}, TTH, ok)"),
         a("s", per_token("s_ptr") + ".to(tl.float32)"),
-        a("dbeta_ds, dbeta_dn2", "step_hook_grad(s, n2, eps)"),
-        *_step_grads(hooks)], """
+        *_step_grads(hooks)], f"""
         From dG (G = cumsum(g) in the chunk: dg_t = sum over i >= t of dG_i) and dbeta through the hooks' chain
-        rule: stores the decay input's and parameters' gradients and the step input's; returns d||k||^2. Row `bad_row`
+        rule: stores the decay input's and parameters' gradients and the step input's{returns}. Row `bad_row`
         (C if none) holds the chunk's first non-finite token: the token loop's decay gradients are NaN after it (the
         decay acts before the token's value), its step gradients from it on.""")
     return [mm_lowp, u_grads, through_inverse, through_keys, hook_grads]
 
 
-def wy():
+def wy(hooks: Hooks = Hooks()):
     k_block = [a("kk", "kb * BKS + tl.arange(0, BKS)")]
     body = [
         *fp32("eps"),
@@ -301,22 +309,21 @@ def wy():
             a("dbeta, dTm", "u_grads(v_ptr, dv_ptr, Tm, dU, beta, dbeta, dTm, tok, vv, vm, h, H, V, LOWP, PREC, "
                             "IN_PREC, UPCAST, bad_row < nv)")]),
         a("E", "through_inverse(Tm, dTm, G, ok, rows, k_ptr.dtype.element_ty, LOWP, PREC, IN_PREC, UPCAST)"),
-        _zeros("n2", "C"), _zeros("KK", "C, C"),
+        *([_zeros("n2", "C")] if hooks.n2 else []), _zeros("KK", "C, C"),
         loop("kb", "tl.cdiv(K, BKS)", [
             *k_block,
             a("k", tile("k_ptr", "K", "kk", "ok[:, None] & (kk[None, :] < K)")),
-            aug("n2", "tl.sum(k.to(tl.float32) * k.to(tl.float32), 1)"),
+            *([aug("n2", "tl.sum(k.to(tl.float32) * k.to(tl.float32), 1)")] if hooks.n2 else []),
             aug("KK", mm("k", "tl.trans(k)"))]),
         aug("dbeta", "tl.sum(E * KK, 1)"),
         *_through_A(),
-        a("dn2", "hook_grads(dG, dbeta, n2, a_ptr, hp_ptr, s_ptr, eps, da_ptr, dhp_ptr, ds_ptr, tok, h, H, TTH, ok, "
-                 "rows, bad_row)"),
+        _hook_grads_call(hooks, "n2"),
         loop("kb", "tl.cdiv(K, BKS)", [
             *k_block, a("km", KEY_TILE),
             a("k", tile("k_ptr", "K", "kk", "km")),
             a("dk", tile("dk_part_ptr", "K", "kk", "km") + ".to(tl.float32)"),
             aug("dk", "through_keys(E, k, beta, LOWP, PREC, IN_PREC, UPCAST)"),
-            aug("dk", "dn2[:, None] * k.to(tl.float32)"),
+            *([aug("dk", "dn2[:, None] * k.to(tl.float32)")] if hooks.n2 else []),
             nan_after("dk"),
             _store_dk()])]
     return jit("delta_bwd_wy", "k_ptr, v_ptr, a_ptr, hp_ptr, s_ptr, eps, gcum_ptr, beta_ptr, tm_ptr, nonfinite_ptr, "
@@ -333,4 +340,4 @@ def wy():
 
 def kernels(hooks: Hooks = Hooks()) -> list:
     """The backward kernels in module order, for a rule whose hooks need `hooks`."""
-    return [*local(), state_bwd(), dqk(), *through(hooks), wy()]
+    return [*local(), state_bwd(), dqk(hooks), *through(hooks), wy(hooks)]

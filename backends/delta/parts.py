@@ -24,9 +24,21 @@ class Hooks:
     every stage).
 
     guard: the step can be non-finite at a zero key (n2 = 0; 0/0 at eps = 0): `step_beta` takes beta there
-    as 0, and its mask zeroes the step's gradients."""
+    as 0, and its mask zeroes the step's gradients (only a step that reads n2 can need it).
+    n2: the step reads ||k||^2: the step hooks take it, and the backward forms d beta / d n2 and dk's term
+    through it (2 dbeta dbeta_dn2 k)."""
 
     guard: bool = True
+    n2: bool = True
+
+    @property
+    def step_inputs(self) -> tuple[str, ...]:
+        """The step hooks' arguments."""
+        return ("s",) + (("n2",) if self.n2 else ()) + ("eps",)
+
+    @property
+    def step_args(self) -> str:
+        return ", ".join(self.step_inputs)
 
 
 def doc(text: str) -> str:
@@ -171,14 +183,16 @@ def store_final(flag: str, ptr: str, value: str):
 
 # ---- helpers every module holds ------------------------------------------------------------------
 
-def step_to_beta(hooks: Hooks, args: str) -> K.Assign:
-    """beta = the step of `args`: through `step_beta` (the zero-key guard) where the rule needs it."""
+def step_to_beta(hooks: Hooks) -> K.Assign:
+    """beta = the step (of s, n2, eps as the rule reads them): through `step_beta` (the zero-key guard) where the
+    rule needs it."""
+    args = hooks.step_args
     return a("beta, _", f"step_beta({args})") if hooks.guard else a("beta", f"step_hook({args})")
 
 
-def step_beta() -> K.Kernel:
-    return jit("step_beta", "s, n2, eps", [
-        a("b", "step_hook(s, n2, eps)"),
+def step_beta(hooks: Hooks) -> K.Kernel:
+    return jit("step_beta", hooks.step_args, [
+        a("b", f"step_hook({hooks.step_args})"),
         a("dead", "(n2 == 0) & ((b != b) | (tl.abs(b) == float('inf')))"),
         ret("tl.where(dead, 0.0, b)", "dead")], """
         beta from the step hook. A zero key writes nothing whatever beta is, so where the rule gives a
@@ -242,5 +256,5 @@ def helpers_before_prep(hooks: Hooks = Hooks()) -> list[K.Kernel]:
         operand split into two tf32 parts, three tensor-core products: about fp32's accuracy) on tensor cores,
         which for half inputs' prep halves the shared-memory traffic and cuts 219 registers to 161 (Triton 3.6,
         sm_90a, K = 128).""")
-    return [*([step_beta()] if hooks.guard else []), mm_, finite, finite_or_zero, nan_from, chunk_tokens,
+    return [*([step_beta(hooks)] if hooks.guard else []), mm_, finite, finite_or_zero, nan_from, chunk_tokens,
             state_offsets, initial_state, rnd_, inv]
