@@ -106,11 +106,12 @@ def _render(exprs: list, args: tuple[str, ...], tensors: tuple[str, ...] | None 
 
 
 def hooks(rule: DeltaRule) -> Hooks:
-    """What `rule`'s hooks need (parts.Hooks), from its sympy expressions: n2 where the step reads it; the zero-key
-    guard unless the step is finite at n2 = 0 for every finite s and eps (sympy's symbols are real and finite; a
-    step that does not read n2 is)."""
+    """What `rule`'s hooks need (parts.Hooks), from its sympy expressions: n2 and eps where the step reads them;
+    the zero-key guard unless the step is finite at n2 = 0 for every finite s and eps (sympy's symbols are real
+    and finite; a step that does not read n2 is)."""
     at_zero_key = rule.step.expr.subs(E.symbol("n2"), 0)
-    return Hooks(guard=at_zero_key.is_finite is not True, n2=rule.uses_key_norm)
+    return Hooks(guard=at_zero_key.is_finite is not True, n2=rule.uses_key_norm,
+                 eps=E.symbol("eps") in rule.step.expr.free_symbols)
 
 
 def _param_loads(rule: DeltaRule) -> list:

@@ -105,8 +105,8 @@ def _store_dk():
 
 def _hook_grads_call(hooks: Hooks, n2: str):
     """dn2 = hook_grads(...) (d||k||^2, `n2` the keys' squared norms), or the call alone for a step without n2."""
-    args = f"dG, dbeta, {n2 + ', ' if hooks.n2 else ''}a_ptr, hp_ptr, s_ptr, eps, da_ptr, dhp_ptr, ds_ptr, tok, h, " \
-           "H, TTH, ok, rows, bad_row"
+    args = f"dG, dbeta, {n2 + ', ' if hooks.n2 else ''}a_ptr, hp_ptr, s_ptr, {hooks.eps_param}da_ptr, dhp_ptr, " \
+           "ds_ptr, tok, h, H, TTH, ok, rows, bad_row"
     return a("dn2", f"hook_grads({args})") if hooks.n2 else call(f"hook_grads({args})")
 
 
@@ -184,7 +184,7 @@ def dqk(hooks: Hooks = Hooks()):
             _store_dk(),
             store(f"dG_ptr + kb * TTH + {TOK}", "dG", "ok")])]
     body = [
-        *fp32("eps", "scale"),
+        *fp32(*hooks.eps_cast, "scale"),
         note("a chunk's key blocks run back to back: U, dU, dO from L2"),
         const("NKB", "(K + BKS - 1) // BKS"),
         a("c", "tl.program_id(0) // NKB"), a("h", "tl.program_id(1)"), a("kb", "tl.program_id(0) % NKB"),
@@ -200,7 +200,8 @@ def dqk(hooks: Hooks = Hooks()):
                          "it all"), load_tm()]),
         loop("iv", "tl.cdiv(V, BV)", value_loop),
         *epilogue]
-    return jit("delta_bwd_dqk", "q_ptr, k_ptr, v_ptr, a_ptr, hp_ptr, s_ptr, eps, gcum_ptr, beta_ptr, tm_ptr, "
+    return jit("delta_bwd_dqk", f"q_ptr, k_ptr, v_ptr, a_ptr, hp_ptr, s_ptr, {hooks.eps_param}gcum_ptr, beta_ptr, "
+                                "tm_ptr, "
                                 "nonfinite_ptr, h_ptr, dh_ptr, U_ptr, dU_ptr, do_ptr, dq_ptr, dk_ptr, dv_ptr, dTm_ptr, "
                                 "dG_ptr, dbeta_ptr, da_ptr, dhp_ptr, ds_ptr, chunk_tok, chunk_len, scale, TTH, "
                                 f"{SHAPE}, BKS:, WY:, {PRECS}, DG_SUMS:=False, LOWP:=False", body, """
@@ -269,8 +270,8 @@ def through(hooks: Hooks = Hooks()):
             ret(f"beta[:, None] * {mm('E', 'kf', 'PREC')} + {mm('tl.trans(E)', 'beta[:, None] * kf', 'PREC')}")])],
         "dk's part through A = strictly_lower(diag(beta) K K^T * D), given E: diag(beta) E K + E^T diag(beta) K.")
     returns = "; returns d||k||^2" if hooks.n2 else " (the step does not read ||k||^2)"
-    hook_grads = jit("hook_grads", f"dG, dbeta, {'n2, ' if hooks.n2 else ''}a_ptr, hp_ptr, s_ptr, eps, da_ptr, "
-                                   "dhp_ptr, ds_ptr, tok, h, H, TTH, ok, rows, bad_row", [
+    hook_grads = jit("hook_grads", f"dG, dbeta, {'n2, ' if hooks.n2 else ''}a_ptr, hp_ptr, s_ptr, "
+                                   f"{hooks.eps_param}da_ptr, dhp_ptr, ds_ptr, tok, h, H, TTH, ok, rows, bad_row", [
         a("dg", "tl.sum(dG, 0) - tl.cumsum(dG, 0) + dG"),
         a("dg", "tl.where(rows > bad_row, float('nan'), dg)"),
         a("dbeta", "tl.where(rows < bad_row, dbeta, float('nan'))"),
@@ -288,7 +289,7 @@ def through(hooks: Hooks = Hooks()):
 def wy(hooks: Hooks = Hooks()):
     k_block = [a("kk", "kb * BKS + tl.arange(0, BKS)")]
     body = [
-        *fp32("eps"),
+        *fp32(*hooks.eps_cast),
         a("c", "tl.program_id(0)"), a("h", "tl.program_id(1)"),
         *chunk_rows(),
         a("G", per_token("gcum_ptr")), a("beta", per_token("beta_ptr")),
@@ -326,10 +327,10 @@ def wy(hooks: Hooks = Hooks()):
             *([aug("dk", "dn2[:, None] * k.to(tl.float32)")] if hooks.n2 else []),
             nan_after("dk"),
             _store_dk()])]
-    return jit("delta_bwd_wy", "k_ptr, v_ptr, a_ptr, hp_ptr, s_ptr, eps, gcum_ptr, beta_ptr, tm_ptr, nonfinite_ptr, "
-                               "dU_ptr, dTm_part_ptr, dk_part_ptr, dG_part_ptr, dbeta_part_ptr, dk_ptr, dv_ptr, "
-                               f"da_ptr, dhp_ptr, ds_ptr, chunk_tok, chunk_len, TTH, {SHAPE}, BKS:, NKQ:, {PRECS}, "
-                               "LOWP:=False",
+    return jit("delta_bwd_wy", f"k_ptr, v_ptr, a_ptr, hp_ptr, s_ptr, {hooks.eps_param}gcum_ptr, beta_ptr, tm_ptr, "
+                               "nonfinite_ptr, dU_ptr, dTm_part_ptr, dk_part_ptr, dG_part_ptr, dbeta_part_ptr, dk_ptr, "
+                               f"dv_ptr, da_ptr, dhp_ptr, ds_ptr, chunk_tok, chunk_len, TTH, {SHAPE}, BKS:, NKQ:, "
+                               f"{PRECS}, LOWP:=False",
                body, """
     Per chunk, through u = Tm diag(beta) V, Tm = (I + A)^-1 and the hooks: dv, dk (final), d decay input,
     d step input. The w = Tm diag(beta e^G) K terms arrive from delta_bwd_dqk as NKQ key-block shares of dTm,

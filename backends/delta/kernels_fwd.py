@@ -39,7 +39,7 @@ def prep(chunk_size: int, hooks: Hooks = Hooks()):
         merge += [a(f"N{j}", mm(f"N{j - 1}", f"N{j - 1}", "PREC")) for j in range(1, powers)]
         merge += [a("Tm", "Tm + " + mm(f"N{j}", "Tm", "PREC")) for j in reversed(range(powers))]
     body = [
-        *fp32("eps"),
+        *fp32(*hooks.eps_cast),
         a("c", "tl.program_id(0)"), a("h", "tl.program_id(1)"),
         a("rows", "tl.arange(0, C)"), a("kk", "tl.arange(0, BK)"),
         a("t0, nv, tok, ok", "chunk_tokens(chunk_tok, chunk_len, c, rows)"),
@@ -87,7 +87,8 @@ def prep(chunk_size: int, hooks: Hooks = Hooks()):
         a("first_v", "wy_factors(k_ptr, v_ptr, w_ptr, u_ptr, Tm, beta, beta * tl.exp(G), tok, ok, h, H, K, V, BKS, "
                      "BV, PREC, UPCAST, nonfinite, C, True)"),
         store("nonfinite_ptr + c * H + h", "tl.minimum(first, first_v)")]
-    return jit("delta_prep", "q_ptr, k_ptr, v_ptr, a_ptr, hp_ptr, s_ptr, eps, chunk_tok, chunk_len, w_ptr, u_ptr, "
+    return jit("delta_prep", f"q_ptr, k_ptr, v_ptr, a_ptr, hp_ptr, s_ptr, {hooks.eps_param}chunk_tok, chunk_len, "
+                             "w_ptr, u_ptr, "
                              f"tm_ptr, gcum_ptr, beta_ptr, mq_ptr, nonfinite_ptr, {SHAPE}, BKS:, {PRECS}", body, f"""
         gcum, beta, Tm = (I + A)^-1, w, u and the output's in-chunk matrix (Q K^T * Dec, causal) for one chunk
         of {chunk_size} tokens ({nb} blocks of {BLOCK} rows), and the chunk's first row whose key, step, decay
@@ -318,9 +319,9 @@ def recurrent(hooks: Hooks = Hooks()):
         a("e", "v - tl.sum(S * k[:, None], 0)"),
         aug("S", "(beta * k)[:, None] * e[None, :]"),
         store("o_ptr + (t * H + h) * V + vv", "scale * tl.sum(S * q[:, None], 0)", "vmask")]
-    return jit("delta_recurrent", "q_ptr, k_ptr, v_ptr, a_ptr, hp_ptr, s_ptr, eps, h0_ptr, o_ptr, ht_ptr, cu_ptr, "
-                                  "scale, H, K:, V:, BK:, BV:, HAS_H0:, STORE_FINAL:", [
-        *fp32("eps", "scale"),
+    return jit("delta_recurrent", f"q_ptr, k_ptr, v_ptr, a_ptr, hp_ptr, s_ptr, {hooks.eps_param}h0_ptr, o_ptr, ht_ptr, "
+                                  "cu_ptr, scale, H, K:, V:, BK:, BV:, HAS_H0:, STORE_FINAL:", [
+        *fp32(*hooks.eps_cast, "scale"),
         *state_program(),
         a("kmask", "kk < K"), a("vmask", "vv < V"), a("sm", "kmask[:, None] & vmask[None, :]"),
         a("S", "initial_state(h0_ptr, n, h, H, kk, vv, sm, HAS_H0, K, V, BK, BV)"),

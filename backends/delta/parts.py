@@ -26,19 +26,32 @@ class Hooks:
     guard: the step can be non-finite at a zero key (n2 = 0; 0/0 at eps = 0): `step_beta` takes beta there
     as 0, and its mask zeroes the step's gradients (only a step that reads n2 can need it).
     n2: the step reads ||k||^2: the step hooks take it, and the backward forms d beta / d n2 and dk's term
-    through it (2 dbeta dbeta_dn2 k)."""
+    through it (2 dbeta dbeta_dn2 k).
+    eps: the step reads eps: the kernels that evaluate the step (delta_prep, delta_bwd_dqk, delta_bwd_wy,
+    delta_recurrent) take it as a scalar argument (cast to fp32)."""
 
     guard: bool = True
     n2: bool = True
+    eps: bool = True
 
     @property
     def step_inputs(self) -> tuple[str, ...]:
         """The step hooks' arguments."""
-        return ("s",) + (("n2",) if self.n2 else ()) + ("eps",)
+        return ("s",) + (("n2",) if self.n2 else ()) + (("eps",) if self.eps else ())
 
     @property
     def step_args(self) -> str:
         return ", ".join(self.step_inputs)
+
+    @property
+    def eps_param(self) -> str:
+        """The kernels' eps parameter ("eps, "), or nothing."""
+        return "eps, " if self.eps else ""
+
+    @property
+    def eps_cast(self) -> tuple[str, ...]:
+        """The scalars of eps to cast to fp32 (`fp32`)."""
+        return ("eps",) if self.eps else ()
 
 
 def doc(text: str) -> str:
