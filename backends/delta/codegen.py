@@ -106,12 +106,13 @@ def _render(exprs: list, args: tuple[str, ...], tensors: tuple[str, ...] | None 
 
 
 def hooks(rule: DeltaRule) -> Hooks:
-    """What `rule`'s hooks need (parts.Hooks), from its sympy expressions: n2 and eps where the step reads them;
-    the zero-key guard unless the step is finite at n2 = 0 for every finite s and eps (sympy's symbols are real
-    and finite; a step that does not read n2 is)."""
+    """What `rule`'s hooks need (parts.Hooks), from its sympy expressions and per-head parameters: n2 and eps
+    where the step reads them, the parameters' pointers where the decay has any, the zero-key guard unless the
+    step is finite at n2 = 0 for every finite s and eps (sympy's symbols are real and finite; a step that does
+    not read n2 is)."""
     at_zero_key = rule.step.expr.subs(E.symbol("n2"), 0)
     return Hooks(guard=at_zero_key.is_finite is not True, n2=rule.uses_key_norm,
-                 eps=E.symbol("eps") in rule.step.expr.free_symbols)
+                 eps=E.symbol("eps") in rule.step.expr.free_symbols, params=bool(rule.head_params))
 
 
 def _param_loads(rule: DeltaRule) -> list:
@@ -131,14 +132,19 @@ def hook_kernels(rule: DeltaRule) -> list:
                    "(d beta / d s, d beta / d n2)" if need.n2 else "d beta / d s (the step does not read n2)"))
     inputs = ("a",) + rule.head_params
     lines, outs = _render([decay.expr], inputs)
-    out.append(jit("decay_hook", "a, hp_ptr, h, H", [*_param_loads(rule), *K.assign_lines(lines), ret(outs[0])],
-                   f"g = {decay.expr}; per-head parameters {rule.head_params} from hp_ptr [P, H]"))
+    out.append(jit("decay_hook", need.decay_args, [*_param_loads(rule), *K.assign_lines(lines), ret(outs[0])],
+                   f"g = {decay.expr}; per-head parameters {rule.head_params} from hp_ptr [P, H]" if need.params
+                   else f"g = {decay.expr}"))
     lines, outs = _render([decay.grads[n] for n in inputs], inputs)
     stores = [store("da_ptr + offs", f"dg * ({outs[0]})", "mask")]
     stores += [store(f"dhp_ptr + {i} * TTH + offs", f"dg * ({o})", "mask") for i, o in enumerate(outs[1:])]
-    out.append(jit("store_decay_grads", "dg, a, hp_ptr, h, H, da_ptr, dhp_ptr, offs, TTH, mask",
-                   [*_param_loads(rule), *K.assign_lines(lines), *stores],
-                   "dL/da = dg dg/da per token; dL/d(parameter) per token into dhp_ptr [P, TT, H] (summed later)."))
+    if need.params:
+        out.append(jit("store_decay_grads", "dg, a, hp_ptr, h, H, da_ptr, dhp_ptr, offs, TTH, mask",
+                       [*_param_loads(rule), *K.assign_lines(lines), *stores],
+                       "dL/da = dg dg/da per token; dL/d(parameter) per token into dhp_ptr [P, TT, H] (summed later)."))
+    else:
+        out.append(jit("store_decay_grads", "dg, a, da_ptr, offs, mask", [*K.assign_lines(lines), *stores],
+                       "dL/da = dg dg/da per token."))
     return out
 
 

@@ -105,8 +105,8 @@ def _store_dk():
 
 def _hook_grads_call(hooks: Hooks, n2: str):
     """dn2 = hook_grads(...) (d||k||^2, `n2` the keys' squared norms), or the call alone for a step without n2."""
-    args = f"dG, dbeta, {n2 + ', ' if hooks.n2 else ''}a_ptr, hp_ptr, s_ptr, {hooks.eps_param}da_ptr, dhp_ptr, " \
-           "ds_ptr, tok, h, H, TTH, ok, rows, bad_row"
+    args = f"dG, dbeta, {n2 + ', ' if hooks.n2 else ''}a_ptr, {hooks.hp_param}s_ptr, {hooks.eps_param}da_ptr, " \
+           f"{hooks.dhp_param}ds_ptr, tok, h, H, {'TTH, ' if hooks.params else ''}ok, rows, bad_row"
     return a("dn2", f"hook_grads({args})") if hooks.n2 else call(f"hook_grads({args})")
 
 
@@ -200,11 +200,11 @@ def dqk(hooks: Hooks = Hooks()):
                          "it all"), load_tm()]),
         loop("iv", "tl.cdiv(V, BV)", value_loop),
         *epilogue]
-    return jit("delta_bwd_dqk", f"q_ptr, k_ptr, v_ptr, a_ptr, hp_ptr, s_ptr, {hooks.eps_param}gcum_ptr, beta_ptr, "
-                                "tm_ptr, "
-                                "nonfinite_ptr, h_ptr, dh_ptr, U_ptr, dU_ptr, do_ptr, dq_ptr, dk_ptr, dv_ptr, dTm_ptr, "
-                                "dG_ptr, dbeta_ptr, da_ptr, dhp_ptr, ds_ptr, chunk_tok, chunk_len, scale, TTH, "
-                                f"{SHAPE}, BKS:, WY:, {PRECS}, DG_SUMS:=False, LOWP:=False", body, """
+    return jit("delta_bwd_dqk", f"q_ptr, k_ptr, v_ptr, a_ptr, {hooks.hp_param}s_ptr, {hooks.eps_param}gcum_ptr, "
+                                "beta_ptr, tm_ptr, nonfinite_ptr, h_ptr, dh_ptr, U_ptr, dU_ptr, do_ptr, dq_ptr, "
+                                f"dk_ptr, dv_ptr, dTm_ptr, dG_ptr, dbeta_ptr, da_ptr, {hooks.dhp_param}ds_ptr, "
+                                f"chunk_tok, chunk_len, scale, TTH, {SHAPE}, BKS:, WY:, {PRECS}, DG_SUMS:=False, "
+                                "LOWP:=False", body, """
     Per chunk and block of BKS key columns, through O = scale (e^G Q S0 + (Q K^T * D) U), S_end,
     U = u - w S0 and w = Tm X, X = diag(beta e^G) K: dq (final); this block's shares (fp32) of dk, of dTm
     = dw X^T, of dG and of dbeta. dw = -dU S0^T is used where it is formed (dX = Tm^T dw), never stored.
@@ -270,13 +270,15 @@ def through(hooks: Hooks = Hooks()):
             ret(f"beta[:, None] * {mm('E', 'kf', 'PREC')} + {mm('tl.trans(E)', 'beta[:, None] * kf', 'PREC')}")])],
         "dk's part through A = strictly_lower(diag(beta) K K^T * D), given E: diag(beta) E K + E^T diag(beta) K.")
     returns = "; returns d||k||^2" if hooks.n2 else " (the step does not read ||k||^2)"
-    hook_grads = jit("hook_grads", f"dG, dbeta, {'n2, ' if hooks.n2 else ''}a_ptr, hp_ptr, s_ptr, "
-                                   f"{hooks.eps_param}da_ptr, dhp_ptr, ds_ptr, tok, h, H, TTH, ok, rows, bad_row", [
+    hook_grads = jit("hook_grads", f"dG, dbeta, {'n2, ' if hooks.n2 else ''}a_ptr, {hooks.hp_param}s_ptr, "
+                                   f"{hooks.eps_param}da_ptr, {hooks.dhp_param}ds_ptr, tok, h, H, "
+                                   f"{'TTH, ' if hooks.params else ''}ok, rows, bad_row", [
         a("dg", "tl.sum(dG, 0) - tl.cumsum(dG, 0) + dG"),
         a("dg", "tl.where(rows > bad_row, float('nan'), dg)"),
         a("dbeta", "tl.where(rows < bad_row, dbeta, float('nan'))"),
         a("a", per_token("a_ptr") + ".to(tl.float32)"),
-        call(f"store_decay_grads(dg, a, hp_ptr, h, H, da_ptr, dhp_ptr, {TOK}, TTH, ok)"),
+        call(f"store_decay_grads(dg, a, hp_ptr, h, H, da_ptr, dhp_ptr, {TOK}, TTH, ok)" if hooks.params
+             else f"store_decay_grads(dg, a, da_ptr, {TOK}, ok)"),
         a("s", per_token("s_ptr") + ".to(tl.float32)"),
         *_step_grads(hooks)], f"""
         From dG (G = cumsum(g) in the chunk: dg_t = sum over i >= t of dG_i) and dbeta through the hooks' chain
@@ -327,10 +329,10 @@ def wy(hooks: Hooks = Hooks()):
             *([aug("dk", "dn2[:, None] * k.to(tl.float32)")] if hooks.n2 else []),
             nan_after("dk"),
             _store_dk()])]
-    return jit("delta_bwd_wy", f"k_ptr, v_ptr, a_ptr, hp_ptr, s_ptr, {hooks.eps_param}gcum_ptr, beta_ptr, tm_ptr, "
-                               "nonfinite_ptr, dU_ptr, dTm_part_ptr, dk_part_ptr, dG_part_ptr, dbeta_part_ptr, dk_ptr, "
-                               f"dv_ptr, da_ptr, dhp_ptr, ds_ptr, chunk_tok, chunk_len, TTH, {SHAPE}, BKS:, NKQ:, "
-                               f"{PRECS}, LOWP:=False",
+    return jit("delta_bwd_wy", f"k_ptr, v_ptr, a_ptr, {hooks.hp_param}s_ptr, {hooks.eps_param}gcum_ptr, beta_ptr, "
+                               "tm_ptr, nonfinite_ptr, dU_ptr, dTm_part_ptr, dk_part_ptr, dG_part_ptr, dbeta_part_ptr, "
+                               f"dk_ptr, dv_ptr, da_ptr, {hooks.dhp_param}ds_ptr, chunk_tok, chunk_len, TTH, {SHAPE}, "
+                               f"BKS:, NKQ:, {PRECS}, LOWP:=False",
                body, """
     Per chunk, through u = Tm diag(beta) V, Tm = (I + A)^-1 and the hooks: dv, dk (final), d decay input,
     d step input. The w = Tm diag(beta e^G) K terms arrive from delta_bwd_dqk as NKQ key-block shares of dTm,

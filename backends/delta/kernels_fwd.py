@@ -48,7 +48,7 @@ def prep(chunk_size: int, hooks: Hooks = Hooks()):
         a("a", per_token("a_ptr") + ".to(tl.float32)"),
         # log-decays floored at LOG_DECAY_FLOOR: exp of it is 0 in float32 (a reset stays exact) and G stays
         # finite, so G_i - G_j is never -inf - (-inf) for g = -inf (a hard reset)
-        a("g", "decay_hook(a, hp_ptr, h, H)"),
+        a("g", f"decay_hook({hooks.decay_args})"),
         note("the first row whose decay is NaN or +inf (not a reset: -inf), before the floor hides a NaN (on the GPU)"),
         a("first", "tl.min(tl.where(ok & ~(g < float('inf')), rows, C))"),
         a("G", f"tl.cumsum(tl.where(ok, tl.maximum(g, {LOG_DECAY_FLOOR}), 0.0), 0)"),
@@ -87,9 +87,9 @@ def prep(chunk_size: int, hooks: Hooks = Hooks()):
         a("first_v", "wy_factors(k_ptr, v_ptr, w_ptr, u_ptr, Tm, beta, beta * tl.exp(G), tok, ok, h, H, K, V, BKS, "
                      "BV, PREC, UPCAST, nonfinite, C, True)"),
         store("nonfinite_ptr + c * H + h", "tl.minimum(first, first_v)")]
-    return jit("delta_prep", f"q_ptr, k_ptr, v_ptr, a_ptr, hp_ptr, s_ptr, {hooks.eps_param}chunk_tok, chunk_len, "
-                             "w_ptr, u_ptr, "
-                             f"tm_ptr, gcum_ptr, beta_ptr, mq_ptr, nonfinite_ptr, {SHAPE}, BKS:, {PRECS}", body, f"""
+    return jit("delta_prep", f"q_ptr, k_ptr, v_ptr, a_ptr, {hooks.hp_param}s_ptr, {hooks.eps_param}chunk_tok, "
+                             "chunk_len, w_ptr, u_ptr, tm_ptr, gcum_ptr, beta_ptr, mq_ptr, nonfinite_ptr, "
+                             f"{SHAPE}, BKS:, {PRECS}", body, f"""
         gcum, beta, Tm = (I + A)^-1, w, u and the output's in-chunk matrix (Q K^T * Dec, causal) for one chunk
         of {chunk_size} tokens ({nb} blocks of {BLOCK} rows), and the chunk's first row whose key, step, decay
         or value is not finite (C if none; a decay of -inf is a reset), which the later kernels read.""")
@@ -315,11 +315,12 @@ def recurrent(hooks: Hooks = Hooks()):
         a("a", "tl.load(a_ptr + t * H + h).to(tl.float32)"), a("s", "tl.load(s_ptr + t * H + h).to(tl.float32)"),
         *([a("n2", "tl.sum(k * k, 0)")] if hooks.n2 else []),
         step_to_beta(hooks),
-        a("S", "S * tl.exp(decay_hook(a, hp_ptr, h, H))"),
+        a("S", f"S * tl.exp(decay_hook({hooks.decay_args}))"),
         a("e", "v - tl.sum(S * k[:, None], 0)"),
         aug("S", "(beta * k)[:, None] * e[None, :]"),
         store("o_ptr + (t * H + h) * V + vv", "scale * tl.sum(S * q[:, None], 0)", "vmask")]
-    return jit("delta_recurrent", f"q_ptr, k_ptr, v_ptr, a_ptr, hp_ptr, s_ptr, {hooks.eps_param}h0_ptr, o_ptr, ht_ptr, "
+    return jit("delta_recurrent", f"q_ptr, k_ptr, v_ptr, a_ptr, {hooks.hp_param}s_ptr, {hooks.eps_param}h0_ptr, o_ptr, "
+                                  "ht_ptr, "
                                   "cu_ptr, scale, H, K:, V:, BK:, BV:, HAS_H0:, STORE_FINAL:", [
         *fp32(*hooks.eps_cast, "scale"),
         *state_program(),

@@ -28,11 +28,14 @@ class Hooks:
     n2: the step reads ||k||^2: the step hooks take it, and the backward forms d beta / d n2 and dk's term
     through it (2 dbeta dbeta_dn2 k).
     eps: the step reads eps: the kernels that evaluate the step (delta_prep, delta_bwd_dqk, delta_bwd_wy,
-    delta_recurrent) take it as a scalar argument (cast to fp32)."""
+    delta_recurrent) take it as a scalar argument (cast to fp32).
+    params: the decay reads per-head parameters: the kernels that evaluate it take hp_ptr [P, H] (and the backward's
+    dhp_ptr [P, TT, H], with TTH its per-parameter stride), and the decay hooks load them per head."""
 
     guard: bool = True
     n2: bool = True
     eps: bool = True
+    params: bool = True
 
     @property
     def step_inputs(self) -> tuple[str, ...]:
@@ -47,6 +50,21 @@ class Hooks:
     def eps_param(self) -> str:
         """The kernels' eps parameter ("eps, "), or nothing."""
         return "eps, " if self.eps else ""
+
+    @property
+    def hp_param(self) -> str:
+        """The kernels' per-head parameter pointer ("hp_ptr, "), or nothing."""
+        return "hp_ptr, " if self.params else ""
+
+    @property
+    def dhp_param(self) -> str:
+        """The backward kernels' parameter gradient pointer ("dhp_ptr, "), or nothing."""
+        return "dhp_ptr, " if self.params else ""
+
+    @property
+    def decay_args(self) -> str:
+        """decay_hook's arguments: the decay input, and the parameters' pointer and head where it has them."""
+        return "a, hp_ptr, h, H" if self.params else "a"
 
     @property
     def eps_cast(self) -> tuple[str, ...]:
