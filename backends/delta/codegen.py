@@ -135,9 +135,12 @@ def hook_kernels(rule: DeltaRule) -> list:
     out.append(jit("decay_hook", need.decay_args, [*_param_loads(rule), *K.assign_lines(lines), ret(outs[0])],
                    f"g = {decay.expr}; per-head parameters {rule.head_params} from hp_ptr [P, H]" if need.params
                    else f"g = {decay.expr}"))
-    lines, outs = _render([decay.grads[n] for n in inputs], inputs)
-    stores = [store("da_ptr + offs", f"dg * ({outs[0]})", "mask")]
-    stores += [store(f"dhp_ptr + {i} * TTH + offs", f"dg * ({o})", "mask") for i, o in enumerate(outs[1:])]
+    grads = [decay.grads[n] for n in inputs]
+    lines, outs = _render(grads, inputs)
+    # dg times each derivative; dg itself where the derivative is the constant 1 (g = a: dL/da = dg)
+    prods = ["dg" if grad == 1 else f"dg * ({o})" for grad, o in zip(grads, outs)]
+    stores = [store("da_ptr + offs", prods[0], "mask")]
+    stores += [store(f"dhp_ptr + {i} * TTH + offs", p, "mask") for i, p in enumerate(prods[1:])]
     if need.params:
         out.append(jit("store_decay_grads", "dg, a, hp_ptr, h, H, da_ptr, dhp_ptr, offs, TTH, mask",
                        [*_param_loads(rule), *K.assign_lines(lines), *stores],
