@@ -107,9 +107,9 @@ def _render(exprs: list, args: tuple[str, ...], tensors: tuple[str, ...] | None 
 
 def hooks(rule: DeltaRule) -> Hooks:
     """What `rule`'s hooks need (parts.Hooks), from its sympy expressions and per-head parameters: n2 and eps
-    where the step reads them, the parameters' pointers where the decay has any, the zero-key guard unless the
-    step is finite at n2 = 0 for every finite s and eps (sympy's symbols are real and finite; a step that does
-    not read n2 is)."""
+    where the step reads them, the parameters' pointers where the decay has any, the zero-key guard unless sympy
+    shows the step finite at n2 = 0 for every finite s and eps (its symbols are real and finite): s and
+    sigmoid(s) are, s / (n2 + eps) and s / (s + eps) are not (a zero key's beta stays 0 there, as before)."""
     at_zero_key = rule.step.expr.subs(E.symbol("n2"), 0)
     return Hooks(guard=at_zero_key.is_finite is not True, n2=rule.uses_key_norm,
                  eps=E.symbol("eps") in rule.step.expr.free_symbols, params=bool(rule.head_params))
@@ -123,11 +123,11 @@ def hook_kernels(rule: DeltaRule) -> list:
     """step_hook, step_hook_grad, decay_hook and store_decay_grads on the kernel IR."""
     step, decay, need = rule.step, rule.decay, hooks(rule)
     origin = note(f"delta rule '{rule.name}': {rule!r}")
-    args = need.step_inputs                   # s, n2 where the step reads it, eps
+    args = need.step_inputs                   # s, n2 where the step reads it (or the guard tests it), eps
     per_token = tuple(n for n in args if n != "eps")
     lines, outs = _render([step.expr], args, tensors=per_token)
     out = [jit("step_hook", need.step_args, [origin, *K.assign_lines(lines), ret(outs[0])], f"beta = {step.expr}")]
-    lines, outs = _render([step.grads[n] for n in per_token], args, tensors=per_token)
+    lines, outs = _render([step.grads[n] for n in ("s", "n2")[:1 + need.n2]], args, tensors=per_token)
     out.append(jit("step_hook_grad", need.step_args, [*K.assign_lines(lines), ret(*outs)],
                    "(d beta / d s, d beta / d n2)" if need.n2 else "d beta / d s (the step does not read n2)"))
     inputs = ("a",) + rule.head_params

@@ -104,8 +104,9 @@ def _store_dk():
 
 
 def _hook_grads_call(hooks: Hooks, n2: str):
-    """dn2 = hook_grads(...) (d||k||^2, `n2` the keys' squared norms), or the call alone for a step without n2."""
-    args = f"dG, dbeta, {n2 + ', ' if hooks.n2 else ''}a_ptr, {hooks.hp_param}s_ptr, {hooks.eps_param}da_ptr, " \
+    """dn2 = hook_grads(...) (d||k||^2, `n2` the keys' squared norms), or the call alone for a step without n2 (which
+    still passes `n2` for the zero-key guard where the rule needs it)."""
+    args = f"dG, dbeta, {n2 + ', ' if hooks.takes_n2 else ''}a_ptr, {hooks.hp_param}s_ptr, {hooks.eps_param}da_ptr, " \
            f"{hooks.dhp_param}ds_ptr, tok, h, H, {'TTH, ' if hooks.params else ''}ok, rows, bad_row"
     return a("dn2", f"hook_grads({args})") if hooks.n2 else call(f"hook_grads({args})")
 
@@ -231,7 +232,7 @@ def _step_grads(hooks: Hooks) -> list:
                 *([ret("2.0 * dbeta * dbeta_dn2")] if hooks.n2 else [])]
     return [grads, a("_, dead", f"step_beta({hooks.step_args})"),
             store(f"ds_ptr + {TOK}", "tl.where(dead, 0.0, dbeta * dbeta_ds)", "ok"),
-            ret("tl.where(dead, 0.0, 2.0 * dbeta * dbeta_dn2)")]
+            *([ret("tl.where(dead, 0.0, 2.0 * dbeta * dbeta_dn2)")] if hooks.n2 else [])]
 
 
 def through(hooks: Hooks = Hooks()):
@@ -270,7 +271,7 @@ def through(hooks: Hooks = Hooks()):
             ret(f"beta[:, None] * {mm('E', 'kf', 'PREC')} + {mm('tl.trans(E)', 'beta[:, None] * kf', 'PREC')}")])],
         "dk's part through A = strictly_lower(diag(beta) K K^T * D), given E: diag(beta) E K + E^T diag(beta) K.")
     returns = "; returns d||k||^2" if hooks.n2 else " (the step does not read ||k||^2)"
-    hook_grads = jit("hook_grads", f"dG, dbeta, {'n2, ' if hooks.n2 else ''}a_ptr, {hooks.hp_param}s_ptr, "
+    hook_grads = jit("hook_grads", f"dG, dbeta, {'n2, ' if hooks.takes_n2 else ''}a_ptr, {hooks.hp_param}s_ptr, "
                                    f"{hooks.eps_param}da_ptr, {hooks.dhp_param}ds_ptr, tok, h, H, "
                                    f"{'TTH, ' if hooks.params else ''}ok, rows, bad_row", [
         a("dg", "tl.sum(dG, 0) - tl.cumsum(dG, 0) + dG"),
@@ -312,11 +313,11 @@ def wy(hooks: Hooks = Hooks()):
             a("dbeta, dTm", "u_grads(v_ptr, dv_ptr, Tm, dU, beta, dbeta, dTm, tok, vv, vm, h, H, V, LOWP, PREC, "
                             "IN_PREC, UPCAST, bad_row < nv)")]),
         a("E", "through_inverse(Tm, dTm, G, ok, rows, k_ptr.dtype.element_ty, LOWP, PREC, IN_PREC, UPCAST)"),
-        *([_zeros("n2", "C")] if hooks.n2 else []), _zeros("KK", "C, C"),
+        *([_zeros("n2", "C")] if hooks.takes_n2 else []), _zeros("KK", "C, C"),
         loop("kb", "tl.cdiv(K, BKS)", [
             *k_block,
             a("k", tile("k_ptr", "K", "kk", "ok[:, None] & (kk[None, :] < K)")),
-            *([aug("n2", "tl.sum(k.to(tl.float32) * k.to(tl.float32), 1)")] if hooks.n2 else []),
+            *([aug("n2", "tl.sum(k.to(tl.float32) * k.to(tl.float32), 1)")] if hooks.takes_n2 else []),
             aug("KK", mm("k", "tl.trans(k)"))]),
         aug("dbeta", "tl.sum(E * KK, 1)"),
         *_through_A(),

@@ -313,7 +313,7 @@ def recurrent(hooks: Hooks = Hooks()):
         vec("k", "k_ptr", "K", "kk", "kmask"), vec("q", "q_ptr", "K", "kk", "kmask"),
         vec("v", "v_ptr", "V", "vv", "vmask"),
         a("a", "tl.load(a_ptr + t * H + h).to(tl.float32)"), a("s", "tl.load(s_ptr + t * H + h).to(tl.float32)"),
-        *([a("n2", "tl.sum(k * k, 0)")] if hooks.n2 else []),
+        *([a("n2", "tl.sum(k * k, 0)")] if hooks.takes_n2 else []),
         step_to_beta(hooks),
         a("S", f"S * tl.exp(decay_hook({hooks.decay_args}))"),
         a("e", "v - tl.sum(S * k[:, None], 0)"),

@@ -24,7 +24,7 @@ class Hooks:
     every stage).
 
     guard: the step can be non-finite at a zero key (n2 = 0; 0/0 at eps = 0): `step_beta` takes beta there
-    as 0, and its mask zeroes the step's gradients (only a step that reads n2 can need it).
+    as 0, and its mask zeroes the step's gradients (the step stages then take n2, whether the step reads it or not).
     n2: the step reads ||k||^2: the step hooks take it, and the backward forms d beta / d n2 and dk's term
     through it (2 dbeta dbeta_dn2 k).
     eps: the step reads eps: the kernels that evaluate the step (delta_prep, delta_bwd_dqk, delta_bwd_wy,
@@ -38,9 +38,14 @@ class Hooks:
     params: bool = True
 
     @property
+    def takes_n2(self) -> bool:
+        """Whether the step stages take ||k||^2: the step reads it, or the zero-key guard tests it."""
+        return self.n2 or self.guard
+
+    @property
     def step_inputs(self) -> tuple[str, ...]:
         """The step hooks' arguments."""
-        return ("s",) + (("n2",) if self.n2 else ()) + (("eps",) if self.eps else ())
+        return ("s",) + (("n2",) if self.takes_n2 else ()) + (("eps",) if self.eps else ())
 
     @property
     def step_args(self) -> str:
