@@ -320,8 +320,7 @@ def recurrent(hooks: Hooks = Hooks()):
         aug("S", "(beta * k)[:, None] * e[None, :]"),
         store("o_ptr + (t * H + h) * V + vv", "scale * tl.sum(S * q[:, None], 0)", "vmask")]
     return jit("delta_recurrent", f"q_ptr, k_ptr, v_ptr, a_ptr, {hooks.hp_param}s_ptr, {hooks.eps_param}h0_ptr, o_ptr, "
-                                  "ht_ptr, "
-                                  "cu_ptr, scale, H, K:, V:, BK:, BV:, HAS_H0:, STORE_FINAL:", [
+                                  "ht_ptr, cu_ptr, scale, H, K:, V:, BK:, BV:, HAS_H0:, STORE_FINAL:", [
         *fp32(*hooks.eps_cast, "scale"),
         *state_program(),
         a("kmask", "kk < K"), a("vmask", "vv < V"), a("sm", "kmask[:, None] & vmask[None, :]"),
