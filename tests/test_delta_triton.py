@@ -15,7 +15,7 @@ import torch  # noqa: E402
 
 from scanlang.backends.delta import codegen  # noqa: E402
 from scanlang.backends.delta import ops as delta_ops  # noqa: E402
-from scanlang.delta import GDN_SIGMOID, KACZMARZ, KACZMARZ_MAMBA2  # noqa: E402
+from scanlang.delta import GDN_SIGMOID, GIVEN, GIVEN_MAMBA2, KACZMARZ, KACZMARZ_MAMBA2, DeltaRule  # noqa: E402
 from scanlang.recipes.kaczmarz import KaczmarzLinearAttention, delta_rule, kaczmarz_delta_rule  # noqa: E402
 from scanlang.recipes.kaczmarz.naive import delta_rule_naive, kaczmarz_beta  # noqa: E402
 from scanlang.testing import assert_close, ratio  # noqa: E402
@@ -217,6 +217,82 @@ def test_sigmoid_step_rule_chain_rule():
     ref = run_with_grads(reference_fn, (q, k, v, g, s), torch.float64)
     for name, a, b in zip(("o", "S", "dq", "dk", "dv", "dg", "ds"), got, ref):
         assert_close(a, b, kind(name), torch.float32, name)
+
+
+def test_the_rule_decides_which_stages_exist():
+    """The kernels take eps where the step reads it, hp_ptr / dhp_ptr where the decay has per-head parameters, form
+    d||k||^2 where the step reads n2, and hold the zero-key guard (step_beta) unless sympy shows the step finite at
+    n2 = 0; dL/da is dg itself for g = a."""
+    import ast
+    from scanlang.backends.delta.parts import Hooks
+    unproven = DeltaRule("unproven_step", step=lambda t: t.s / (1 - t.s))     # no n2, not finite at s = 1
+    want = {GIVEN: Hooks(guard=False, n2=False, eps=False, params=False),
+            GDN_SIGMOID: Hooks(guard=False, n2=False, eps=False, params=False),
+            KACZMARZ: Hooks(guard=True, n2=True, eps=True, params=False),
+            GIVEN_MAMBA2: Hooks(guard=False, n2=False, eps=False, params=True),
+            KACZMARZ_MAMBA2: Hooks(guard=True, n2=True, eps=True, params=True),
+            unproven: Hooks(guard=True, n2=False, eps=False, params=False)}
+    for rule, hooks in want.items():
+        assert codegen.hooks(rule) == hooks, rule.name
+        src = codegen.kernel_source(rule, 16)
+        params = {f.name: [a.arg for a in f.args.args] for f in ast.parse(src).body if isinstance(f, ast.FunctionDef)}
+        for name in ("delta_prep", "delta_bwd_dqk", "delta_bwd_wy", "delta_recurrent"):
+            assert ("eps" in params[name]) == hooks.eps and ("hp_ptr" in params[name]) == hooks.params, (rule, name)
+        for name in ("delta_bwd_dqk", "delta_bwd_wy"):
+            assert ("dhp_ptr" in params[name]) == hooks.params, (rule, name)
+        assert ("step_beta" in params) == hooks.guard and ("dn2" in src) == hooks.n2, rule.name
+        assert ("tl.store(da_ptr + offs, dg, mask=mask)" in src) == (not rule.head_params), rule.name
+
+
+def test_given_mamba2_rule_matches_float64():
+    """beta = s as given (no eps, no n2: none of their stages) with Mamba2's decay hook and its per-head parameters,
+    zero keys among the tokens: every gradient against the float64 reference."""
+    q, k, v, _, s, h0 = make_inputs(1, 37, 2, 16, 16, seed=14)
+    gen = torch.Generator().manual_seed(15)
+    a = torch.randn(1, 37, 2, generator=gen) * 2
+    A_log, dt_bias = torch.tensor([-1.0, 0.5]), torch.tensor([0.5, -1.0])
+
+    def triton_fn(q, k, v, a, s, h0, A_log, dt_bias):
+        return delta_ops.delta_rule(q, k, v, a, s, GIVEN_MAMBA2, scale=0.25, initial_state=h0,
+                                    output_final_state=True, chunk_size=16, decay_params=(A_log, dt_bias))
+
+    def reference_fn(q, k, v, a, s, h0, A_log, dt_bias):
+        g = -torch.exp(A_log) * torch.nn.functional.softplus(a + dt_bias, threshold=1e9)
+        return delta_rule(q, k, v, g, s, scale=0.25, initial_state=h0, output_final_state=True, backend="reference")
+
+    inputs = (q, torch.nn.functional.normalize(k, dim=-1), v, a, s, h0, A_log, dt_bias)
+    got = run_with_grads(triton_fn, inputs, torch.float32)
+    ref = run_with_grads(reference_fn, inputs, torch.float64)
+    for name, x, y in zip(("o", "S", "dq", "dk", "dv", "da", "ds", "dh0", "dA_log", "ddt_bias"), got, ref):
+        assert_close(x, y, kind(name), torch.float32, name)
+
+
+def test_a_step_without_n2_that_can_be_non_finite_keeps_the_zero_key_guard():
+    """beta = s / (1 - s) reads no n2 but is not finite everywhere: at a zero key with s = 1 (beta = inf) the
+    kernels still take beta as 0 and its step gradient as 0 (the key writes nothing); elsewhere every gradient
+    against the float64 reference."""
+    rule = DeltaRule("step_without_n2", step=lambda t: t.s / (1 - t.s))
+    q, k, v, g, s, h0 = make_inputs(1, 21, 2, 16, 16, seed=16)       # k[:, 2] = 0
+    k = torch.nn.functional.normalize(k, dim=-1)
+    s = s * 0.5
+    s[:, 2] = 1.0
+
+    def triton_fn(q, k, v, g, s, h0):
+        return delta_ops.delta_rule(q, k, v, g, s, rule, scale=0.25, initial_state=h0, output_final_state=True,
+                                    chunk_size=16)
+
+    def reference_fn(q, k, v, g, s, h0):
+        dead = (k * k).sum(-1) == 0
+        safe = torch.where(dead, torch.zeros_like(s), s)
+        beta = torch.where(dead, torch.zeros_like(s), safe / (1 - safe))
+        return delta_rule(q, k, v, g, beta, scale=0.25, initial_state=h0, output_final_state=True,
+                          backend="reference")
+
+    got = run_with_grads(triton_fn, (q, k, v, g, s, h0), torch.float32)
+    ref = run_with_grads(reference_fn, (q, k, v, g, s, h0), torch.float64)
+    assert torch.equal(got[6][:, 2], torch.zeros_like(got[6][:, 2]))      # no step gradient through the zero key
+    for name, x, y in zip(("o", "S", "dq", "dk", "dv", "dg", "ds", "dh0"), got, ref):
+        assert_close(x, y, kind(name), torch.float32, name)
 
 
 def test_layer_on_triton_state_carry():

@@ -65,7 +65,7 @@ from ..triton.kernel import ir as K
 from ..triton.kernel.printer import render, render_kernel
 from . import kernels_bwd, kernels_fwd, parts
 from .kernels_fwd import BLOCK
-from .parts import jit, note, ret, store
+from .parts import Hooks, jit, note, ret, store
 
 _LOADED: dict = {}
 
@@ -105,29 +105,49 @@ def _render(exprs: list, args: tuple[str, ...], tensors: tuple[str, ...] | None 
     return lines + body, outs
 
 
+def hooks(rule: DeltaRule) -> Hooks:
+    """What `rule`'s hooks need (parts.Hooks), from its sympy expressions and per-head parameters: n2 and eps
+    where the step reads them, the parameters' pointers where the decay has any, the zero-key guard unless sympy
+    shows the step finite at n2 = 0 for every finite s and eps (its symbols are real and finite): s and
+    sigmoid(s) are, s / (n2 + eps) and s / (s + eps) are not (a zero key's beta stays 0 there, as before)."""
+    at_zero_key = rule.step.expr.subs(E.symbol("n2"), 0)
+    return Hooks(guard=at_zero_key.is_finite is not True, n2=rule.uses_key_norm,
+                 eps=E.symbol("eps") in rule.step.expr.free_symbols, params=bool(rule.head_params))
+
+
 def _param_loads(rule: DeltaRule) -> list:
     return [K.Assign((p,), K.expr(f"tl.load(hp_ptr + {i} * H + h)")) for i, p in enumerate(rule.head_params)]
 
 
 def hook_kernels(rule: DeltaRule) -> list:
     """step_hook, step_hook_grad, decay_hook and store_decay_grads on the kernel IR."""
-    step, decay = rule.step, rule.decay
+    step, decay, need = rule.step, rule.decay, hooks(rule)
     origin = note(f"delta rule '{rule.name}': {rule!r}")
-    lines, outs = _render([step.expr], ("s", "n2", "eps"), tensors=("s", "n2"))
-    out = [jit("step_hook", "s, n2, eps", [origin, *K.assign_lines(lines), ret(outs[0])], f"beta = {step.expr}")]
-    lines, outs = _render([step.grads["s"], step.grads["n2"]], ("s", "n2", "eps"), tensors=("s", "n2"))
-    out.append(jit("step_hook_grad", "s, n2, eps", [*K.assign_lines(lines), ret(*outs)],
-                   "(d beta / d s, d beta / d n2)"))
+    args = need.step_inputs                   # s, n2 where the step reads it (or the guard tests it), eps
+    per_token = tuple(n for n in args if n != "eps")
+    lines, outs = _render([step.expr], args, tensors=per_token)
+    out = [jit("step_hook", need.step_args, [origin, *K.assign_lines(lines), ret(outs[0])], f"beta = {step.expr}")]
+    lines, outs = _render([step.grads[n] for n in ("s", "n2")[:1 + need.n2]], args, tensors=per_token)
+    out.append(jit("step_hook_grad", need.step_args, [*K.assign_lines(lines), ret(*outs)],
+                   "(d beta / d s, d beta / d n2)" if need.n2 else "d beta / d s (the step does not read n2)"))
     inputs = ("a",) + rule.head_params
     lines, outs = _render([decay.expr], inputs)
-    out.append(jit("decay_hook", "a, hp_ptr, h, H", [*_param_loads(rule), *K.assign_lines(lines), ret(outs[0])],
-                   f"g = {decay.expr}; per-head parameters {rule.head_params} from hp_ptr [P, H]"))
-    lines, outs = _render([decay.grads[n] for n in inputs], inputs)
-    stores = [store("da_ptr + offs", f"dg * ({outs[0]})", "mask")]
-    stores += [store(f"dhp_ptr + {i} * TTH + offs", f"dg * ({o})", "mask") for i, o in enumerate(outs[1:])]
-    out.append(jit("store_decay_grads", "dg, a, hp_ptr, h, H, da_ptr, dhp_ptr, offs, TTH, mask",
-                   [*_param_loads(rule), *K.assign_lines(lines), *stores],
-                   "dL/da = dg dg/da per token; dL/d(parameter) per token into dhp_ptr [P, TT, H] (summed later)."))
+    out.append(jit("decay_hook", need.decay_args, [*_param_loads(rule), *K.assign_lines(lines), ret(outs[0])],
+                   f"g = {decay.expr}; per-head parameters {rule.head_params} from hp_ptr [P, H]" if need.params
+                   else f"g = {decay.expr}"))
+    grads = [decay.grads[n] for n in inputs]
+    lines, outs = _render(grads, inputs)
+    # dg times each derivative; dg itself where the derivative is the constant 1 (g = a: dL/da = dg)
+    prods = ["dg" if grad == 1 else f"dg * ({o})" for grad, o in zip(grads, outs)]
+    stores = [store("da_ptr + offs", prods[0], "mask")]
+    stores += [store(f"dhp_ptr + {i} * TTH + offs", p, "mask") for i, p in enumerate(prods[1:])]
+    if need.params:
+        out.append(jit("store_decay_grads", "dg, a, hp_ptr, h, H, da_ptr, dhp_ptr, offs, TTH, mask",
+                       [*_param_loads(rule), *K.assign_lines(lines), *stores],
+                       "dL/da = dg dg/da per token; dL/d(parameter) per token into dhp_ptr [P, TT, H] (summed later)."))
+    else:
+        out.append(jit("store_decay_grads", "dg, a, da_ptr, offs, mask", [*K.assign_lines(lines), *stores],
+                       "dL/da = dg dg/da per token."))
     return out
 
 
@@ -145,8 +165,9 @@ def module(rule: DeltaRule, chunk_size: int) -> K.Module:
     """The kernel module of `rule` at `chunk_size`: the hooks, the helpers, the forward and backward kernels."""
     if chunk_size % BLOCK or chunk_size < BLOCK:
         raise ValueError(f"chunk_size must be a positive multiple of {BLOCK}, got {chunk_size}")
-    kernels = [*hook_kernels(rule), *parts.helpers_before_prep(), kernels_fwd.prep(chunk_size), *kernels_fwd.wy(),
-               *kernels_fwd.state(), *kernels_bwd.kernels(), kernels_fwd.recurrent()]
+    need = hooks(rule)
+    kernels = [*hook_kernels(rule), *parts.helpers_before_prep(need), kernels_fwd.prep(chunk_size, need),
+               *kernels_fwd.wy(), *kernels_fwd.state(), *kernels_bwd.kernels(need), kernels_fwd.recurrent(need)]
     return K.Module("Generated by scanlang (backends/delta): chunkwise gated delta rule kernels. Do not edit.",
                     tuple(kernels))
 

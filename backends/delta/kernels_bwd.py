@@ -8,7 +8,7 @@
 """
 from __future__ import annotations
 
-from .parts import (STATE_BLOCK, TOK, a, aug, call, chunk_from_bounds, chunk_rows, const, fp32, g_last,
+from .parts import (STATE_BLOCK, TOK, Hooks, a, aug, call, chunk_from_bounds, chunk_rows, const, fp32, g_last,
                     jit, load_tm, loop, mm, nan_after, note, per_token, ret, rnd, seq_bounds, state_program,
                     store, store_final, tile, tile_off, when)
 
@@ -103,7 +103,15 @@ def _store_dk():
     return store("dk_ptr + " + tile_off("K", "kk"), rnd("dk", "dk_ptr.dtype.element_ty"), "km")
 
 
-def dqk():
+def _hook_grads_call(hooks: Hooks, n2: str):
+    """dn2 = hook_grads(...) (d||k||^2, `n2` the keys' squared norms), or the call alone for a step without n2 (which
+    still passes `n2` for the zero-key guard where the rule needs it)."""
+    args = f"dG, dbeta, {n2 + ', ' if hooks.takes_n2 else ''}a_ptr, {hooks.hp_param}s_ptr, {hooks.eps_param}da_ptr, " \
+           f"{hooks.dhp_param}ds_ptr, tok, h, H, {'TTH, ' if hooks.params else ''}ok, rows, bad_row"
+    return a("dn2", f"hook_grads({args})") if hooks.n2 else call(f"hook_grads({args})")
+
+
+def dqk(hooks: Hooks = Hooks()):
     value_loop = [
         a("vv", "iv * BV + tl.arange(0, BV)"), a("vm", VALUE_TILE), a("sm", "(kk[:, None] < K) & (vv[None, :] < V)"),
         a("S0", f"tl.load(h_ptr + {STATE_BLOCK}, mask=sm, other=0.0)"),
@@ -166,10 +174,9 @@ def dqk():
             a("KK", mm("k", "tl.trans(k)")),
             aug("dbeta", "tl.sum(E * KK, 1)"),
             *_through_A(),
-            a("dn2", "hook_grads(dG, dbeta, tl.sum(kf * kf, 1), a_ptr, hp_ptr, s_ptr, eps, da_ptr, dhp_ptr, ds_ptr, "
-                     "tok, h, H, TTH, ok, rows, bad_row)"),
+            _hook_grads_call(hooks, "tl.sum(kf * kf, 1)"),
             aug("dk", "through_keys(E, k, beta, LOWP, PREC, IN_PREC, UPCAST)"),
-            aug("dk", "dn2[:, None] * kf"),
+            *([aug("dk", "dn2[:, None] * kf")] if hooks.n2 else []),
             nan_after("dk"),
             _store_dk()], [
             store(f"dbeta_ptr + kb * TTH + {TOK}", "eG * sx", "ok"),
@@ -178,7 +185,7 @@ def dqk():
             _store_dk(),
             store(f"dG_ptr + kb * TTH + {TOK}", "dG", "ok")])]
     body = [
-        *fp32("eps", "scale"),
+        *fp32(*hooks.eps_cast, "scale"),
         note("a chunk's key blocks run back to back: U, dU, dO from L2"),
         const("NKB", "(K + BKS - 1) // BKS"),
         a("c", "tl.program_id(0) // NKB"), a("h", "tl.program_id(1)"), a("kb", "tl.program_id(0) % NKB"),
@@ -194,10 +201,11 @@ def dqk():
                          "it all"), load_tm()]),
         loop("iv", "tl.cdiv(V, BV)", value_loop),
         *epilogue]
-    return jit("delta_bwd_dqk", "q_ptr, k_ptr, v_ptr, a_ptr, hp_ptr, s_ptr, eps, gcum_ptr, beta_ptr, tm_ptr, "
-                                "nonfinite_ptr, h_ptr, dh_ptr, U_ptr, dU_ptr, do_ptr, dq_ptr, dk_ptr, dv_ptr, dTm_ptr, "
-                                "dG_ptr, dbeta_ptr, da_ptr, dhp_ptr, ds_ptr, chunk_tok, chunk_len, scale, TTH, "
-                                f"{SHAPE}, BKS:, WY:, {PRECS}, DG_SUMS:=False, LOWP:=False", body, """
+    return jit("delta_bwd_dqk", f"q_ptr, k_ptr, v_ptr, a_ptr, {hooks.hp_param}s_ptr, {hooks.eps_param}gcum_ptr, "
+                                "beta_ptr, tm_ptr, nonfinite_ptr, h_ptr, dh_ptr, U_ptr, dU_ptr, do_ptr, dq_ptr, "
+                                f"dk_ptr, dv_ptr, dTm_ptr, dG_ptr, dbeta_ptr, da_ptr, {hooks.dhp_param}ds_ptr, "
+                                f"chunk_tok, chunk_len, scale, TTH, {SHAPE}, BKS:, WY:, {PRECS}, DG_SUMS:=False, "
+                                "LOWP:=False", body, """
     Per chunk and block of BKS key columns, through O = scale (e^G Q S0 + (Q K^T * D) U), S_end,
     U = u - w S0 and w = Tm X, X = diag(beta e^G) K: dq (final); this block's shares (fp32) of dk, of dTm
     = dw X^T, of dG and of dbeta. dw = -dU S0^T is used where it is formed (dX = Tm^T dw), never stored.
@@ -215,7 +223,19 @@ def _through_A():
     return [a("PA", "E * KK * beta[:, None]"), aug("dG", "tl.sum(PA, 1) - tl.sum(PA, 0)")]
 
 
-def through():
+def _step_grads(hooks: Hooks) -> list:
+    """Store d(step input) and return d||k||^2 (a step that reads n2), zero where `step_beta` took beta as 0 (a
+    rule that needs the guard)."""
+    grads = a("dbeta_ds, dbeta_dn2" if hooks.n2 else "dbeta_ds", f"step_hook_grad({hooks.step_args})")
+    if not hooks.guard:
+        return [grads, store(f"ds_ptr + {TOK}", "dbeta * dbeta_ds", "ok"),
+                *([ret("2.0 * dbeta * dbeta_dn2")] if hooks.n2 else [])]
+    return [grads, a("_, dead", f"step_beta({hooks.step_args})"),
+            store(f"ds_ptr + {TOK}", "tl.where(dead, 0.0, dbeta * dbeta_ds)", "ok"),
+            *([ret("tl.where(dead, 0.0, 2.0 * dbeta * dbeta_dn2)")] if hooks.n2 else [])]
+
+
+def through(hooks: Hooks = Hooks()):
     mm_lowp = jit("mm_lowp", "a, b, dtype:, LOWP:, PREC:, IN_PREC:, UPCAST:", [
         when("LOWP", [ret(mm(rnd("a", "dtype"), rnd("b", "dtype")))], [ret(mm("a", "b", "PREC"))])], """
         a @ b of fp32 operands: at PREC, or with LOWP both rounded to `dtype` (the input dtype: for fp32 inputs
@@ -250,29 +270,29 @@ def through():
             a("kf", "k.to(tl.float32)"),
             ret(f"beta[:, None] * {mm('E', 'kf', 'PREC')} + {mm('tl.trans(E)', 'beta[:, None] * kf', 'PREC')}")])],
         "dk's part through A = strictly_lower(diag(beta) K K^T * D), given E: diag(beta) E K + E^T diag(beta) K.")
-    hook_grads = jit("hook_grads", "dG, dbeta, n2, a_ptr, hp_ptr, s_ptr, eps, da_ptr, dhp_ptr, ds_ptr, tok, h, H, TTH, "
-                                   "ok, rows, bad_row", [
+    returns = "; returns d||k||^2" if hooks.n2 else " (the step does not read ||k||^2)"
+    hook_grads = jit("hook_grads", f"dG, dbeta, {'n2, ' if hooks.takes_n2 else ''}a_ptr, {hooks.hp_param}s_ptr, "
+                                   f"{hooks.eps_param}da_ptr, {hooks.dhp_param}ds_ptr, tok, h, H, "
+                                   f"{'TTH, ' if hooks.params else ''}ok, rows, bad_row", [
         a("dg", "tl.sum(dG, 0) - tl.cumsum(dG, 0) + dG"),
         a("dg", "tl.where(rows > bad_row, float('nan'), dg)"),
         a("dbeta", "tl.where(rows < bad_row, dbeta, float('nan'))"),
         a("a", per_token("a_ptr") + ".to(tl.float32)"),
-        call(f"store_decay_grads(dg, a, hp_ptr, h, H, da_ptr, dhp_ptr, {TOK}, TTH, ok)"),
+        call(f"store_decay_grads(dg, a, hp_ptr, h, H, da_ptr, dhp_ptr, {TOK}, TTH, ok)" if hooks.params
+             else f"store_decay_grads(dg, a, da_ptr, {TOK}, ok)"),
         a("s", per_token("s_ptr") + ".to(tl.float32)"),
-        a("dbeta_ds, dbeta_dn2", "step_hook_grad(s, n2, eps)"),
-        a("_, dead", "step_beta(s, n2, eps)"),
-        store(f"ds_ptr + {TOK}", "tl.where(dead, 0.0, dbeta * dbeta_ds)", "ok"),
-        ret("tl.where(dead, 0.0, 2.0 * dbeta * dbeta_dn2)")], """
+        *_step_grads(hooks)], f"""
         From dG (G = cumsum(g) in the chunk: dg_t = sum over i >= t of dG_i) and dbeta through the hooks' chain
-        rule: stores the decay input's and parameters' gradients and the step input's; returns d||k||^2. Row `bad_row`
+        rule: stores the decay input's and parameters' gradients and the step input's{returns}. Row `bad_row`
         (C if none) holds the chunk's first non-finite token: the token loop's decay gradients are NaN after it (the
         decay acts before the token's value), its step gradients from it on.""")
     return [mm_lowp, u_grads, through_inverse, through_keys, hook_grads]
 
 
-def wy():
+def wy(hooks: Hooks = Hooks()):
     k_block = [a("kk", "kb * BKS + tl.arange(0, BKS)")]
     body = [
-        *fp32("eps"),
+        *fp32(*hooks.eps_cast),
         a("c", "tl.program_id(0)"), a("h", "tl.program_id(1)"),
         *chunk_rows(),
         a("G", per_token("gcum_ptr")), a("beta", per_token("beta_ptr")),
@@ -293,28 +313,27 @@ def wy():
             a("dbeta, dTm", "u_grads(v_ptr, dv_ptr, Tm, dU, beta, dbeta, dTm, tok, vv, vm, h, H, V, LOWP, PREC, "
                             "IN_PREC, UPCAST, bad_row < nv)")]),
         a("E", "through_inverse(Tm, dTm, G, ok, rows, k_ptr.dtype.element_ty, LOWP, PREC, IN_PREC, UPCAST)"),
-        _zeros("n2", "C"), _zeros("KK", "C, C"),
+        *([_zeros("n2", "C")] if hooks.takes_n2 else []), _zeros("KK", "C, C"),
         loop("kb", "tl.cdiv(K, BKS)", [
             *k_block,
             a("k", tile("k_ptr", "K", "kk", "ok[:, None] & (kk[None, :] < K)")),
-            aug("n2", "tl.sum(k.to(tl.float32) * k.to(tl.float32), 1)"),
+            *([aug("n2", "tl.sum(k.to(tl.float32) * k.to(tl.float32), 1)")] if hooks.takes_n2 else []),
             aug("KK", mm("k", "tl.trans(k)"))]),
         aug("dbeta", "tl.sum(E * KK, 1)"),
         *_through_A(),
-        a("dn2", "hook_grads(dG, dbeta, n2, a_ptr, hp_ptr, s_ptr, eps, da_ptr, dhp_ptr, ds_ptr, tok, h, H, TTH, ok, "
-                 "rows, bad_row)"),
+        _hook_grads_call(hooks, "n2"),
         loop("kb", "tl.cdiv(K, BKS)", [
             *k_block, a("km", KEY_TILE),
             a("k", tile("k_ptr", "K", "kk", "km")),
             a("dk", tile("dk_part_ptr", "K", "kk", "km") + ".to(tl.float32)"),
             aug("dk", "through_keys(E, k, beta, LOWP, PREC, IN_PREC, UPCAST)"),
-            aug("dk", "dn2[:, None] * k.to(tl.float32)"),
+            *([aug("dk", "dn2[:, None] * k.to(tl.float32)")] if hooks.n2 else []),
             nan_after("dk"),
             _store_dk()])]
-    return jit("delta_bwd_wy", "k_ptr, v_ptr, a_ptr, hp_ptr, s_ptr, eps, gcum_ptr, beta_ptr, tm_ptr, nonfinite_ptr, "
-                               "dU_ptr, dTm_part_ptr, dk_part_ptr, dG_part_ptr, dbeta_part_ptr, dk_ptr, dv_ptr, "
-                               f"da_ptr, dhp_ptr, ds_ptr, chunk_tok, chunk_len, TTH, {SHAPE}, BKS:, NKQ:, {PRECS}, "
-                               "LOWP:=False",
+    return jit("delta_bwd_wy", f"k_ptr, v_ptr, a_ptr, {hooks.hp_param}s_ptr, {hooks.eps_param}gcum_ptr, beta_ptr, "
+                               "tm_ptr, nonfinite_ptr, dU_ptr, dTm_part_ptr, dk_part_ptr, dG_part_ptr, dbeta_part_ptr, "
+                               f"dk_ptr, dv_ptr, da_ptr, {hooks.dhp_param}ds_ptr, chunk_tok, chunk_len, TTH, {SHAPE}, "
+                               f"BKS:, NKQ:, {PRECS}, LOWP:=False",
                body, """
     Per chunk, through u = Tm diag(beta) V, Tm = (I + A)^-1 and the hooks: dv, dk (final), d decay input,
     d step input. The w = Tm diag(beta e^G) K terms arrive from delta_bwd_dqk as NKQ key-block shares of dTm,
@@ -323,6 +342,6 @@ def wy():
     (nonfinite_ptr) as in delta_bwd_dqk: V's non-finite entries as 0, dk and the hooks' gradients NaN from its row.""")
 
 
-def kernels() -> list:
-    """The backward kernels in module order."""
-    return [*local(), state_bwd(), dqk(), *through(), wy()]
+def kernels(hooks: Hooks = Hooks()) -> list:
+    """The backward kernels in module order, for a rule whose hooks need `hooks`."""
+    return [*local(), state_bwd(), dqk(hooks), *through(hooks), wy(hooks)]

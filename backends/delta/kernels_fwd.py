@@ -9,9 +9,9 @@
 """
 from __future__ import annotations
 
-from .parts import (CHUNK_MAT, STATE_BLOCK, TOK, a, aug, call, chunk_from_bounds, chunk_rows, const, fp32, g_last,
-                    guard, jit, load_tm, loop, mm, note, per_token, ret, rnd, seq_bounds, state_program, store,
-                    store_final, tile, tile_off, when)
+from .parts import (CHUNK_MAT, STATE_BLOCK, TOK, Hooks, a, aug, call, chunk_from_bounds, chunk_rows, const, fp32,
+                    g_last, guard, jit, load_tm, loop, mm, note, per_token, ret, rnd, seq_bounds, state_program,
+                    step_to_beta, store, store_final, tile, tile_off, when)
 
 BLOCK = 16
 # exp(-200) underflows to 0 in float32 (below about -103.9), and 200 per reset keeps the cumsum's rounding
@@ -22,8 +22,8 @@ PRECS = "PREC:, IN_PREC:, UPCAST:"
 KEY_TILE = "ok[:, None] & (kk[None, :] < K)"
 
 
-def prep(chunk_size: int):
-    """The prep kernel for C = chunk_size.
+def prep(chunk_size: int, hooks: Hooks = Hooks()):
+    """The prep kernel for C = chunk_size, for a rule whose hooks need `hooks`.
 
     Tm = (I + A)^-1 with A = Ad + Ao (Ad: the 16x16 diagonal blocks, Ao: strictly below them). With
     Td = (I + Ad)^-1 (`inv_unit_lower_blocks`), I + A = (I + Ad)(I - N) for N = -Td Ao, strictly block-lower
@@ -39,7 +39,7 @@ def prep(chunk_size: int):
         merge += [a(f"N{j}", mm(f"N{j - 1}", f"N{j - 1}", "PREC")) for j in range(1, powers)]
         merge += [a("Tm", "Tm + " + mm(f"N{j}", "Tm", "PREC")) for j in reversed(range(powers))]
     body = [
-        *fp32("eps"),
+        *fp32(*hooks.eps_cast),
         a("c", "tl.program_id(0)"), a("h", "tl.program_id(1)"),
         a("rows", "tl.arange(0, C)"), a("kk", "tl.arange(0, BK)"),
         a("t0, nv, tok, ok", "chunk_tokens(chunk_tok, chunk_len, c, rows)"),
@@ -48,7 +48,7 @@ def prep(chunk_size: int):
         a("a", per_token("a_ptr") + ".to(tl.float32)"),
         # log-decays floored at LOG_DECAY_FLOOR: exp of it is 0 in float32 (a reset stays exact) and G stays
         # finite, so G_i - G_j is never -inf - (-inf) for g = -inf (a hard reset)
-        a("g", "decay_hook(a, hp_ptr, h, H)"),
+        a("g", f"decay_hook({hooks.decay_args})"),
         note("the first row whose decay is NaN or +inf (not a reset: -inf), before the floor hides a NaN (on the GPU)"),
         a("first", "tl.min(tl.where(ok & ~(g < float('inf')), rows, C))"),
         a("G", f"tl.cumsum(tl.where(ok, tl.maximum(g, {LOG_DECAY_FLOOR}), 0.0), 0)"),
@@ -67,7 +67,7 @@ def prep(chunk_size: int):
         note("||k_i||^2 (fp32) read off the diagonal of K K^T, the product A needs anyway"),
         a("KK", mm("k", "tl.trans(k)")),
         a("n2", "tl.sum(tl.where(rows[:, None] == rows[None, :], KK, 0.0), 1)"),
-        a("beta, _", "step_beta(s, n2, eps)"),
+        step_to_beta(hooks),
         store(f"beta_ptr + {TOK}", "beta", "ok"),
         a("A", "tl.where(strict, beta[:, None] * KK * Dec, 0.0)"),
         note("and the first whose decay, key (||k||^2) or step is not: Tm is formed with A's rows from it on as 0, "
@@ -87,8 +87,9 @@ def prep(chunk_size: int):
         a("first_v", "wy_factors(k_ptr, v_ptr, w_ptr, u_ptr, Tm, beta, beta * tl.exp(G), tok, ok, h, H, K, V, BKS, "
                      "BV, PREC, UPCAST, nonfinite, C, True)"),
         store("nonfinite_ptr + c * H + h", "tl.minimum(first, first_v)")]
-    return jit("delta_prep", "q_ptr, k_ptr, v_ptr, a_ptr, hp_ptr, s_ptr, eps, chunk_tok, chunk_len, w_ptr, u_ptr, "
-                             f"tm_ptr, gcum_ptr, beta_ptr, mq_ptr, nonfinite_ptr, {SHAPE}, BKS:, {PRECS}", body, f"""
+    return jit("delta_prep", f"q_ptr, k_ptr, v_ptr, a_ptr, {hooks.hp_param}s_ptr, {hooks.eps_param}chunk_tok, "
+                             "chunk_len, w_ptr, u_ptr, tm_ptr, gcum_ptr, beta_ptr, mq_ptr, nonfinite_ptr, "
+                             f"{SHAPE}, BKS:, {PRECS}", body, f"""
         gcum, beta, Tm = (I + A)^-1, w, u and the output's in-chunk matrix (Q K^T * Dec, causal) for one chunk
         of {chunk_size} tokens ({nb} blocks of {BLOCK} rows), and the chunk's first row whose key, step, decay
         or value is not finite (C if none; a decay of -inf is a reset), which the later kernels read.""")
@@ -304,7 +305,7 @@ def state():
     return [state_pass, fwd, output]
 
 
-def recurrent():
+def recurrent(hooks: Hooks = Hooks()):
     def vec(name, ptr, D, cols, mask):
         return a(name, f"tl.load({ptr} + (t * H + h) * {D} + {cols}, mask={mask}, other=0.0).to(tl.float32)")
 
@@ -312,15 +313,15 @@ def recurrent():
         vec("k", "k_ptr", "K", "kk", "kmask"), vec("q", "q_ptr", "K", "kk", "kmask"),
         vec("v", "v_ptr", "V", "vv", "vmask"),
         a("a", "tl.load(a_ptr + t * H + h).to(tl.float32)"), a("s", "tl.load(s_ptr + t * H + h).to(tl.float32)"),
-        a("n2", "tl.sum(k * k, 0)"),
-        a("beta, _", "step_beta(s, n2, eps)"),
-        a("S", "S * tl.exp(decay_hook(a, hp_ptr, h, H))"),
+        *([a("n2", "tl.sum(k * k, 0)")] if hooks.takes_n2 else []),
+        step_to_beta(hooks),
+        a("S", f"S * tl.exp(decay_hook({hooks.decay_args}))"),
         a("e", "v - tl.sum(S * k[:, None], 0)"),
         aug("S", "(beta * k)[:, None] * e[None, :]"),
         store("o_ptr + (t * H + h) * V + vv", "scale * tl.sum(S * q[:, None], 0)", "vmask")]
-    return jit("delta_recurrent", "q_ptr, k_ptr, v_ptr, a_ptr, hp_ptr, s_ptr, eps, h0_ptr, o_ptr, ht_ptr, cu_ptr, "
-                                  "scale, H, K:, V:, BK:, BV:, HAS_H0:, STORE_FINAL:", [
-        *fp32("eps", "scale"),
+    return jit("delta_recurrent", f"q_ptr, k_ptr, v_ptr, a_ptr, {hooks.hp_param}s_ptr, {hooks.eps_param}h0_ptr, o_ptr, "
+                                  "ht_ptr, cu_ptr, scale, H, K:, V:, BK:, BV:, HAS_H0:, STORE_FINAL:", [
+        *fp32(*hooks.eps_cast, "scale"),
         *state_program(),
         a("kmask", "kk < K"), a("vmask", "vv < V"), a("sm", "kmask[:, None] & vmask[None, :]"),
         a("S", "initial_state(h0_ptr, n, h, H, kk, vv, sm, HAS_H0, K, V, BK, BV)"),

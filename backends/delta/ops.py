@@ -84,7 +84,8 @@ HOST_KEYS = ("LOWP_DU", "LOWP_DK", "LOWP_DTM")
 # activations the size of k and v (fla recomputes them to save that memory); delta_eager_fast_path, eager calls
 # skip the dispatcher (off: every chunked call goes through the torch.library ops; tests compare the two).
 _RULES = {"beta": GIVEN, "kaczmarz": KACZMARZ}
-PROGRAMS: dict[str, tuple] = {}     # key -> (generated module, chunk size); keys name rule, hooks and C
+PROGRAMS: dict[str, tuple] = {}     # key -> (generated module, chunk size, codegen.hooks(rule)); keys name rule,
+#                                     hooks and C
 PLANS: dict = {}                    # (program key, K, V, dtype, device, key block, delta configs) -> Plan
 TABLES: dict = {}                   # (B, T, chunk size, device) or (offsets, chunk size, device) -> ChunkTable
 _NO_PARAMS: dict = {}               # (H, device) -> the empty [0, H] parameter tensor
@@ -198,6 +199,7 @@ class Plan:
     NK: int             # key blocks
     configs: dict
     host: dict          # HOST_KEYS found in any kernel's config -> bool (absent: False)
+    hooks: object       # codegen.hooks(rule): which of the hooks' inputs the kernels take (eps, hp_ptr / dhp_ptr)
 
 
 def plan(key: str, K: int, V: int, dtype: torch.dtype, device: torch.device) -> Plan:
@@ -207,7 +209,7 @@ def plan(key: str, K: int, V: int, dtype: torch.dtype, device: torch.device) -> 
     pk = (key, K, V, dtype, device, key_block, knobs.delta_configs)
     found = PLANS.get(pk)
     if found is None:
-        mod, C = PROGRAMS[key]
+        mod, C, hooks = PROGRAMS[key]
         meta = _meta(K, V, C, dtype, device)
         BKS = min(key_block, meta["BK"])
         if len(PLANS) >= _CACHE_LIMIT:
@@ -226,7 +228,7 @@ def plan(key: str, K: int, V: int, dtype: torch.dtype, device: torch.device) -> 
             host = {}
             for name in ("bwd_dqk", "bwd_wy"):
                 configs[name]["LOWP"] = False
-        found = PLANS[pk] = Plan(mod, C, meta, BKS, triton.cdiv(K, BKS), configs, host)
+        found = PLANS[pk] = Plan(mod, C, meta, BKS, triton.cdiv(K, BKS), configs, host, hooks)
     return found
 
 
@@ -263,9 +265,15 @@ def _defaults(kernel) -> dict:
     return {name: p.default for name, p in params.items() if p.default is not inspect.Parameter.empty}
 
 
-def _ptr(t: torch.Tensor, fallback: torch.Tensor) -> torch.Tensor:
-    """A kernel pointer argument: `t`, or any valid tensor when `t` is empty (the kernel never reads it)."""
-    return t if t.numel() else fallback
+def _eps(p: Plan, eps) -> tuple:
+    """The kernels' eps argument where the rule's step reads eps (they declare it then only)."""
+    return (eps,) if p.hooks.eps else ()
+
+
+def _hp(p: Plan, hp: torch.Tensor) -> tuple:
+    """The kernels' per-head parameter pointer (hp [P, H] or dhp [P, TT, H]) where the rule's decay has parameters
+    (they declare it then only)."""
+    return (hp,) if p.hooks.params else ()
 
 
 def _fake(t: torch.Tensor) -> bool:
@@ -321,7 +329,8 @@ def _chunk_forward(p: Plan, q, k, v, a, hp, s, h0, chunk_tok, chunk_len, seq_chu
     if direct or not _fake(k):
         meta, cfgs = p.meta, p.configs
         _launch("prep", p.mod.delta_prep, lambda cfg: (NC, H),
-                (q, k, v, a, _ptr(hp, k), s, eps, chunk_tok, chunk_len, w, u, tm, gcum, beta, mq, nonfinite, H),
+                (q, k, v, a, *_hp(p, hp), s, *_eps(p, eps), chunk_tok, chunk_len, w, u, tm, gcum, beta, mq, nonfinite,
+                 H),
                 dict(meta, BKS=p.BKS, BV=min(PREP_VALUE_BLOCK, max(16, triton.next_power_of_2(V)))), V, cfgs, direct)
         _launch("state_output", p.mod.delta_state_output, lambda cfg: (N, H, triton.cdiv(V, cfg["BV"])),
                 (q, k, w, u, gcum, h0 if h0 is not None else ht, chunk_tok, chunk_len, seq_chunk0, ht, o, mq, nonfinite,
@@ -359,7 +368,7 @@ def _chunk_backward(p: Plan, q, k, v, a, hp, s, h0, chunk_tok, chunk_len, seq_ch
                           dtype=k.dtype if p.host.get("LOWP_DTM") else torch.float32)
         dG_part = _empty(NKQ, TT, H, device=dev, dtype=torch.float32)
         dbeta_part = _empty(NKQ, TT, H, device=dev, dtype=torch.float32)
-    dhp_tok = _empty(max(hp.shape[0], 1), TT, H, device=dev, dtype=torch.float32)
+    dhp_tok = _empty(hp.shape[0], TT, H, device=dev, dtype=torch.float32) if p.hooks.params else None
     if not direct and _fake(k):
         return [dq, dk, dv, da, ds, dh0, hp.new_empty(hp.shape)]
     meta, cfgs, mod = p.meta, p.configs, p.mod
@@ -371,17 +380,17 @@ def _chunk_backward(p: Plan, q, k, v, a, hp, s, h0, chunk_tok, chunk_len, seq_ch
             (q, k, w, gcum, doq, dul, dht if dht is not None else dh, chunk_tok, chunk_len, seq_chunk0, dh, dU,
              dh0 if h0 is not None else dh, scale, H),
             dict(meta, HAS_DHT=dht is not None, STORE_DH0=h0 is not None), V, cfgs, direct)
-    hp_ = _ptr(hp, k)
     # with WY the shares' pointers are placeholders, never touched; without it, dv, da, dhp, ds are
     _launch("bwd_dqk", mod.delta_bwd_dqk, lambda cfg: (NC * NKQ, H),
-            (q, k, v, a, hp_, s, eps, gcum, beta, tm, nonfinite, h, dh, U, dU, doq, dq, dk if wy else dk_part, dv,
-             *((dU, dU, dU) if wy else (dTm_part, dG_part, dbeta_part)), da, dhp_tok, ds, chunk_tok, chunk_len, scale,
-             TT * H, H), meta, V, cfgs, direct)
+            (q, k, v, a, *_hp(p, hp), s, *_eps(p, eps), gcum, beta, tm, nonfinite, h, dh, U, dU, doq, dq,
+             dk if wy else dk_part, dv, *((dU, dU, dU) if wy else (dTm_part, dG_part, dbeta_part)), da,
+             *_hp(p, dhp_tok), ds, chunk_tok, chunk_len, scale, TT * H, H), meta, V, cfgs, direct)
     if not wy:
         _launch("bwd_wy", mod.delta_bwd_wy, lambda cfg: (NC, H),
-                (k, v, a, hp_, s, eps, gcum, beta, tm, nonfinite, dU, dTm_part, dk_part, dG_part, dbeta_part, dk, dv,
-                 da, dhp_tok, ds, chunk_tok, chunk_len, TT * H, H), dict(meta, BKS=p.BKS, NKQ=NKQ), V, cfgs, direct)
-    return [dq, dk, dv, da, ds, dh0, dhp_tok[:hp.shape[0]].sum(1)]
+                (k, v, a, *_hp(p, hp), s, *_eps(p, eps), gcum, beta, tm, nonfinite, dU, dTm_part, dk_part, dG_part,
+                 dbeta_part, dk, dv, da, *_hp(p, dhp_tok), ds, chunk_tok, chunk_len, TT * H, H),
+                dict(meta, BKS=p.BKS, NKQ=NKQ), V, cfgs, direct)
+    return [dq, dk, dv, da, ds, dh0, dhp_tok.sum(1) if p.hooks.params else hp.new_zeros(hp.shape)]
 
 
 @triton_op("scanlang::delta_chunk_fwd", mutates_args=())
@@ -482,7 +491,7 @@ def recurrent_forward(p: Plan, q, k, v, a, hp, s, h0, eps, scale, table: ChunkTa
     o = _empty(*v.shape, device=k.device, dtype=torch.float32)
     ht = _empty(table.n_seq, H, K, V, device=k.device, dtype=torch.float32)
     _launch("recurrent", p.mod.delta_recurrent, lambda cfg: (table.n_seq, H, triton.cdiv(V, cfg["BV"])),
-            (q, k, v, a, _ptr(hp, k), s, eps, h0 if h0 is not None else ht, o, ht, table.seq_tok, scale, H),
+            (q, k, v, a, *_hp(p, hp), s, *_eps(p, eps), h0 if h0 is not None else ht, o, ht, table.seq_tok, scale, H),
             dict(K=K, V=V, BK=p.meta["BK"], HAS_H0=h0 is not None, STORE_FINAL=True), V, p.configs, direct=True)
     return o, ht
 
@@ -524,7 +533,8 @@ def _built(name: str, rule_key: str, chunk_size: int) -> str:
     in `scanlang.delta.DECLARED`."""
     key = f"{name}_{rule_key}_c{chunk_size}"
     if key not in PROGRAMS:
-        PROGRAMS[key] = (codegen.load(DECLARED[(name, rule_key)], chunk_size), chunk_size)
+        rule = DECLARED[(name, rule_key)]
+        PROGRAMS[key] = (codegen.load(rule, chunk_size), chunk_size, codegen.hooks(rule))
     return key
 
 

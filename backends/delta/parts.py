@@ -8,6 +8,7 @@ scalar at `TOK`, one of a chunk's [C, C] matrices ([NC, H, C, C]) at `CHUNK_MAT`
 from __future__ import annotations
 
 import textwrap
+from dataclasses import dataclass
 
 from ..triton.kernel import ir as K
 
@@ -15,6 +16,65 @@ TOK = "tok * H + h"                                                  # per-token
 CHUNK_MAT = "((c * H + h) * C + rows[:, None]).to(tl.int64) * C + rows[None, :]"   # [NC, H, C, C]
 STATE_BLOCK = "((c * H + h) * K + kk[:, None]).to(tl.int64) * V + vv[None, :]"     # [NC, H, K, V]
 FP64_NOTE = "torch.compile types a Python float as fp64"
+
+
+@dataclass(frozen=True)
+class Hooks:
+    """What a rule's hooks need, which decides the stages the kernels hold (codegen.hooks(rule); the default:
+    every stage).
+
+    guard: the step can be non-finite at a zero key (n2 = 0; 0/0 at eps = 0): `step_beta` takes beta there
+    as 0, and its mask zeroes the step's gradients (the step stages then take n2, whether the step reads it or not).
+    n2: the step reads ||k||^2: the step hooks take it, and the backward forms d beta / d n2 and dk's term
+    through it (2 dbeta dbeta_dn2 k).
+    eps: the step reads eps: the kernels that evaluate the step (delta_prep, delta_bwd_dqk, delta_bwd_wy,
+    delta_recurrent) take it as a scalar argument (cast to fp32).
+    params: the decay reads per-head parameters: the kernels that evaluate it take hp_ptr [P, H] (and the backward's
+    dhp_ptr [P, TT, H], with TTH its per-parameter stride), and the decay hooks load them per head."""
+
+    guard: bool = True
+    n2: bool = True
+    eps: bool = True
+    params: bool = True
+
+    @property
+    def takes_n2(self) -> bool:
+        """Whether the step stages take ||k||^2: the step reads it, or the zero-key guard tests it."""
+        return self.n2 or self.guard
+
+    @property
+    def step_inputs(self) -> tuple[str, ...]:
+        """The step hooks' arguments."""
+        return ("s",) + (("n2",) if self.takes_n2 else ()) + (("eps",) if self.eps else ())
+
+    @property
+    def step_args(self) -> str:
+        return ", ".join(self.step_inputs)
+
+    @property
+    def eps_param(self) -> str:
+        """The kernels' eps parameter ("eps, "), or nothing."""
+        return "eps, " if self.eps else ""
+
+    @property
+    def hp_param(self) -> str:
+        """The kernels' per-head parameter pointer ("hp_ptr, "), or nothing."""
+        return "hp_ptr, " if self.params else ""
+
+    @property
+    def dhp_param(self) -> str:
+        """The backward kernels' parameter gradient pointer ("dhp_ptr, "), or nothing."""
+        return "dhp_ptr, " if self.params else ""
+
+    @property
+    def decay_args(self) -> str:
+        """decay_hook's arguments: the decay input, and the parameters' pointer and head where it has them."""
+        return "a, hp_ptr, h, H" if self.params else "a"
+
+    @property
+    def eps_cast(self) -> tuple[str, ...]:
+        """The scalars of eps to cast to fp32 (`fp32`)."""
+        return ("eps",) if self.eps else ()
 
 
 def doc(text: str) -> str:
@@ -159,16 +219,23 @@ def store_final(flag: str, ptr: str, value: str):
 
 # ---- helpers every module holds ------------------------------------------------------------------
 
-def step_beta() -> K.Kernel:
-    return jit("step_beta", "s, n2, eps", [
-        a("b", "step_hook(s, n2, eps)"),
+def step_to_beta(hooks: Hooks) -> K.Assign:
+    """beta = the step (of s, n2, eps as the rule reads them): through `step_beta` (the zero-key guard) where the
+    rule needs it."""
+    args = hooks.step_args
+    return a("beta, _", f"step_beta({args})") if hooks.guard else a("beta", f"step_hook({args})")
+
+
+def step_beta(hooks: Hooks) -> K.Kernel:
+    return jit("step_beta", hooks.step_args, [
+        a("b", f"step_hook({hooks.step_args})"),
         a("dead", "(n2 == 0) & ((b != b) | (tl.abs(b) == float('inf')))"),
         ret("tl.where(dead, 0.0, b)", "dead")], """
         beta from the step hook. A zero key writes nothing whatever beta is, so where the rule gives a
         non-finite beta for one (0/0 at eps = 0) it becomes 0; returns (beta, that mask).""")
 
 
-def helpers_before_prep() -> list[K.Kernel]:
+def helpers_before_prep(hooks: Hooks = Hooks()) -> list[K.Kernel]:
     mm_ = jit("mm", "a, b, precision:, upcast:", [
         when("upcast", [ret("tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision='ieee')")],
              [ret("tl.dot(a, b, input_precision=precision)")])], """
@@ -225,4 +292,5 @@ def helpers_before_prep() -> list[K.Kernel]:
         operand split into two tf32 parts, three tensor-core products: about fp32's accuracy) on tensor cores,
         which for half inputs' prep halves the shared-memory traffic and cuts 219 registers to 161 (Triton 3.6,
         sm_90a, K = 128).""")
-    return [step_beta(), mm_, finite, finite_or_zero, nan_from, chunk_tokens, state_offsets, initial_state, rnd_, inv]
+    return [*([step_beta(hooks)] if hooks.guard else []), mm_, finite, finite_or_zero, nan_from, chunk_tokens,
+            state_offsets, initial_state, rnd_, inv]
