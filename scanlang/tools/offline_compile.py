@@ -4,7 +4,7 @@
                                              [--layout time|channels] [--lanes BLOCK_L,WARPS,CHUNK,UNROLL ...]
                                              [--tile BLOCK_T,BLOCK_L,WARPS,STAGES ...]
     python -m scanlang.tools.offline_compile --workload delta [--K 128] [--V 128] [--dtype bf16] [--arch 90]
-                                             [--only prep,wu]
+                                             [--rule kaczmarz|given] [--only prep,wu]
     python -m scanlang.tools.offline_compile --workload linear [--member gla|kda] [--K 128] [--V 128] [--dtype bf16]
 
 Runs one forward and backward of the workload on CPU tensors with the launches captured instead of
@@ -43,7 +43,7 @@ from triton.runtime.jit import JITFunction
 
 from scanlang import tuning
 from scanlang.backends.delta import ops as delta_ops
-from scanlang.delta import KACZMARZ
+from scanlang.delta import GIVEN, KACZMARZ
 
 _TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.float64: "fp64",
           torch.int32: "i32", torch.int64: "i64"}
@@ -273,13 +273,13 @@ def _recording():
         delta_ops._launch = saved
 
 
-def capture_launches(K: int, V: int, dtype: torch.dtype, T: int = 200, H: int = 16, C: int = 64):
-    """[(name, kernel, args, constexprs, config)] of one forward and backward, nothing executed."""
+def capture_launches(K: int, V: int, dtype: torch.dtype, T: int = 200, H: int = 16, C: int = 64, rule=KACZMARZ):
+    """[(name, kernel, args, constexprs, config)] of one forward and backward of `rule`, nothing executed."""
     with _recording() as launches:
         q, k = torch.randn(1, T, H, K).to(dtype), torch.randn(1, T, H, K).to(dtype)
         v = torch.randn(1, T, H, V).to(dtype)
         ins = [t.requires_grad_() for t in (q, k, v, -torch.rand(1, T, H), torch.rand(1, T, H))]
-        o, _ = delta_ops.delta_rule(*ins, KACZMARZ, scale=K ** -0.5, chunk_size=C, eps=1e-6)
+        o, _ = delta_ops.delta_rule(*ins, rule, scale=K ** -0.5, chunk_size=C, eps=1e-6)
         torch.autograd.grad(o.sum(), ins)
     return launches
 
@@ -392,6 +392,8 @@ def main(argv=None):
     parser.add_argument("--K", type=int, default=128, help="delta: key size")
     parser.add_argument("--V", type=int, default=128, help="delta: value size")
     parser.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16", help="delta: input dtype")
+    parser.add_argument("--rule", choices=("kaczmarz", "given"), default="kaczmarz",
+                        help="delta: the rule (the Kaczmarz step, or GDN's given beta)")
     parser.add_argument("--only", default="", help="delta: comma-separated kernel names (default: all)")
     args = parser.parse_args(argv)
     if args.lanes and args.tile:
@@ -409,12 +411,14 @@ def main(argv=None):
 def _delta_main(args):
     only = set(filter(None, args.only.split(",")))
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
-    print(f"delta-rule kernels, K={args.K} V={args.V} {args.dtype}, sm_{args.arch}, Triton {triton.__version__}")
+    rule = {"kaczmarz": KACZMARZ, "given": GIVEN}[args.rule]
+    print(f"delta-rule kernels of {rule.name}, K={args.K} V={args.V} {args.dtype}, sm_{args.arch}, "
+          f"Triton {triton.__version__}")
     knobs = tuning.current()
     configs = list(knobs.delta_launch_configs().values())   # as delta_ops.plan
     host = {key: cfg[key] for cfg in configs for key in delta_ops.HOST_KEYS if key in cfg}
     print(f"  host keys (buffers, not launch options): {host}; SAVE_WU={knobs.delta_save_wu}")
-    for name, kernel, kargs, meta, cfg in capture_launches(args.K, args.V, dtype):
+    for name, kernel, kargs, meta, cfg in capture_launches(args.K, args.V, dtype, rule=rule):
         if only and name not in only:
             continue
         print(f"  {name:10s} {str(cfg):52s} {delta_report(kernel, kargs, meta, cfg, args.arch)}", flush=True)
