@@ -221,17 +221,20 @@ def test_sigmoid_step_rule_chain_rule():
 
 def test_the_rule_decides_which_stages_exist():
     """The kernels take eps where the step reads it, hp_ptr / dhp_ptr where the decay has per-head parameters, form
-    d||k||^2 where the step reads n2, and hold the zero-key guard (step_beta) unless sympy shows the step finite at
-    n2 = 0; dL/da is dg itself for g = a."""
+    d||k||^2 where the step reads n2, and hold the zero-key guard (step_beta) for every rule (`guard_needed` says
+    where sympy cannot show the step finite at n2 = 0); dL/da is dg itself for g = a."""
     import ast
     from scanlang.backends.delta.parts import Hooks
     unproven = DeltaRule("unproven_step", step=lambda t: t.s / (1 - t.s))     # no n2, not finite at s = 1
-    want = {GIVEN: Hooks(guard=False, n2=False, eps=False, params=False),
-            GDN_SIGMOID: Hooks(guard=False, n2=False, eps=False, params=False),
+    want = {GIVEN: Hooks(guard=True, n2=False, eps=False, params=False),
+            GDN_SIGMOID: Hooks(guard=True, n2=False, eps=False, params=False),
             KACZMARZ: Hooks(guard=True, n2=True, eps=True, params=False),
-            GIVEN_MAMBA2: Hooks(guard=False, n2=False, eps=False, params=True),
+            GIVEN_MAMBA2: Hooks(guard=True, n2=False, eps=False, params=True),
             KACZMARZ_MAMBA2: Hooks(guard=True, n2=True, eps=True, params=True),
             unproven: Hooks(guard=True, n2=False, eps=False, params=False)}
+    needed = {GIVEN: False, GDN_SIGMOID: False, KACZMARZ: True, GIVEN_MAMBA2: False, KACZMARZ_MAMBA2: True,
+              unproven: True}
+    assert {rule: codegen.guard_needed(rule) for rule in needed} == needed
     for rule, hooks in want.items():
         assert codegen.hooks(rule) == hooks, rule.name
         src = codegen.kernel_source(rule, 16)

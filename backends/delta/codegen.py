@@ -107,12 +107,18 @@ def _render(exprs: list, args: tuple[str, ...], tensors: tuple[str, ...] | None 
 
 def hooks(rule: DeltaRule) -> Hooks:
     """What `rule`'s hooks need (parts.Hooks), from its sympy expressions and per-head parameters: n2 and eps
-    where the step reads them, the parameters' pointers where the decay has any, the zero-key guard unless sympy
-    shows the step finite at n2 = 0 for every finite s and eps (its symbols are real and finite): s and
-    sigmoid(s) are, s / (n2 + eps) and s / (s + eps) are not (a zero key's beta stays 0 there, as before)."""
-    at_zero_key = rule.step.expr.subs(E.symbol("n2"), 0)
-    return Hooks(guard=at_zero_key.is_finite is not True, n2=rule.uses_key_norm,
-                 eps=E.symbol("eps") in rule.step.expr.free_symbols, params=bool(rule.head_params))
+    where the step reads them, the parameters' pointers where the decay has any, and the zero-key guard
+    (a zero key's non-finite beta is 0) for every rule: `guard_needed` says where sympy shows it is needed,
+    but dropping it where it is not costs delta_prep 45 registers under Triton 3.6 (162 -> 207 for GDN at
+    K = V = 128 bf16, offline sm_90: BENCHMARKS_HISTORY.md, "Session 11"), more than it saves elsewhere."""
+    return Hooks(guard=True, n2=rule.uses_key_norm, eps=E.symbol("eps") in rule.step.expr.free_symbols,
+                 params=bool(rule.head_params))
+
+
+def guard_needed(rule: DeltaRule) -> bool:
+    """Whether the step can be non-finite at a zero key (n2 = 0) for finite s and eps (its symbols are real and
+    finite): s and sigmoid(s) cannot, s / (n2 + eps) and s / (1 - s) can."""
+    return rule.step.expr.subs(E.symbol("n2"), 0).is_finite is not True
 
 
 def _param_loads(rule: DeltaRule) -> list:
