@@ -58,6 +58,13 @@ def dot32(x: str, y: str) -> str:
     return f"mm({x}, {y}, tl.float32, PREC, UPCAST)"
 
 
+# Whether these kernels have been checked against float64 on a GPU: until then `ops.run` refuses them for
+# CUDA tensors with a ValueError rather than risk a wrong answer (Triton 3.6 on sm_90 miscompiled the plain
+# chunk kernels at some tile widths, BENCHMARKS_HISTORY.md "Session 10"). The GPU tests
+# (tests/test_linear_family_gpu.py) set it to run them; set it True once they pass.
+CUDA_VERIFIED = False
+
+
 def supports(decl: MatrixState) -> bool:
     """Whether these kernels run `decl`: per-key decay, the delta correction, one step."""
     return decl.decay == "per_key" and decl.correction == "delta" and decl.steps == 1
