@@ -28,7 +28,8 @@ backend = "triton" if device == "cuda" else "reference"
 print(verify_delta_monoid(2, 2))
 print(KACZMARZ, "| d beta/d n2 =", KACZMARZ.step.grads["n2"])
 src = codegen.kernel_source(KACZMARZ, 64)
-print("rendered step hook:", next(line.strip() for line in src.splitlines() if line.strip().startswith("return (s /")))
+step_hook = src[src.index("def step_hook("):]
+print("rendered step hook:", next(line.strip() for line in step_hook.splitlines() if line.strip().startswith("return ")))
 
 # ---- 2. associative recall with raw keys --------------------------------------------------------
 N, K, V = 16, 64, 8
