@@ -58,10 +58,6 @@ class Tuning:
       decode_max_tokens: the matrix-state family's backend='triton' runs the recurrent decode kernel
         (backends/linear/decode.py) when no input requires a gradient and no sequence has more
         tokens than this (0: never); longer inputs take the chunk kernels.
-      linear_parallel_output: the plain-write chunk forward (backends/linear) runs the sequential
-        state pass storing the state entering every chunk, then the outputs of every chunk in
-        parallel ({name}_fwd_o); False (the default: 1.8x faster on the H200, BENCHMARKS.md): one
-        sequential pass that writes the outputs as it goes.
       delta_save_wu: the delta forward stores w, u for the backward (else the backward recomputes them).
       delta_eager_fast_path: eager delta calls skip the torch.library dispatcher.
       delta_key_block: key columns per program / loop step of the delta backward kernels.
@@ -82,7 +78,6 @@ class Tuning:
     sum_groups_before_atomics: bool = False
     sum_warp_groups_before_atomics: bool = True
     decode_max_tokens: int = 64
-    linear_parallel_output: bool = False
     delta_save_wu: bool = True
     delta_eager_fast_path: bool = True
     delta_key_block: int = 64
@@ -105,7 +100,7 @@ class Tuning:
                 or self.decode_max_tokens < 0:
             raise ValueError(f"decode_max_tokens: expected an int >= 0, got {self.decode_max_tokens!r}")
         for name in ("sum_groups_before_atomics", "sum_warp_groups_before_atomics", "delta_save_wu",
-                     "delta_eager_fast_path", "linear_parallel_output"):
+                     "delta_eager_fast_path"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name}: expected a bool, got {getattr(self, name)!r}")
         if self.vec != 4:

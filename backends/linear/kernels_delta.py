@@ -45,7 +45,7 @@ from ..triton.kernel import ir as K
 from ..triton.kernel.printer import render as print_module
 from .kernels import (INF, QK_MASK, QK_OFF, S_MASK, SHAPE_CONSTS, V_MASK, V_OFF, _axes, _chunk, _decay,
                       _hook_names, _load_hook_inputs, _origin_comments, _params, _shape_like, a, dot, helper_kernels,
-                      load, state_off)
+                      load, reverse_state_pass, state_off)
 
 CC_OFF = "(c * H + h).to(tl.int64) * C * C + rows[:, None] * C + cols"
 TOK_OFF = "(tok + rows) * H + h"
@@ -207,13 +207,7 @@ def bwd_dh_kernel(decl: MatrixState) -> K.Kernel:
             *_chunk_loads(True),
             a("dU", f"scale * {dot32('tl.trans(Aqk)', 'b_do')} + {dot32('k_end', 'dS')}"),
             a("dS", f"dS * s_dec + scale * {dot('tl.trans(q_dec)', 'b_do')} - {dot32('tl.trans(w)', 'dU')}"))
-    body = (a("n", "tl.program_id(0)"), a("h", "tl.program_id(1)"), a("vb", "tl.program_id(2)"), *_axes(True),
-            a("cols", "tl.arange(0, C)[None, :]"), *_origin_comments(decl),
-            a("c0", "tl.load(seq_chunk0_ptr + n)"), a("c1", "tl.load(seq_chunk0_ptr + n + 1)"),
-            K.If(K.expr("HAS_DHT"), (load("dS", "dht_ptr", state_off("n"), S_MASK),),
-                 (a("dS", "tl.zeros([BK, BV], dtype=tl.float32)"),)),
-            K.For("i", K.expr("0"), K.expr("c1 - c0"), loop),
-            K.If(K.expr("STORE_DH0"), (K.Store(K.expr(f"dh0_ptr + {state_off('n')}"), K.expr("dS"), K.expr(S_MASK)),)))
+    body = reverse_state_pass(decl, loop, setup=(a("cols", "tl.arange(0, C)[None, :]"),))
     return K.Kernel(f"{decl.name}_bwd_dh", params, body,
                     doc="Chunks of sequence n in reverse: dS_end of each chunk (dh slot c), then d(initial state): "
                         "dS0 = e^(G_L) dS_end + scale (Q e^G)^T dO - w^T dU.")

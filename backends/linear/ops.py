@@ -18,10 +18,6 @@ packed stream with offsets 0, T, 2T, ...) and a chunk table lists every chunk's 
 and sequence, so equal-length and `cu_seqlens` inputs run the same kernels; an empty sequence has no
 chunk (its final state is its initial state).
 
-The forward (tuning linear_parallel_output, the default) runs the state pass in chunk order storing the
-state entering every chunk (STORE_H), then the outputs of every chunk in parallel ({name}_fwd_o): the
-sequential part does one [K, C] x [C, BV] product per chunk instead of the whole chunk's outputs.
-
 Recomputation policy (the backward): the forward keeps nothing but its inputs and the chunk-local
 cumulative log-decay G (one fp32 value per token, or per token and key); the backward recomputes
 the state entering every chunk with the forward kernel (STORE_H, no outputs), then runs the reverse
@@ -139,19 +135,8 @@ class _Chunked(torch.autograd.Function):
                     (*xs, G, table.chunk_tok, table.chunk_len, *constants, H),
                     dict(K=meta["K"], BK=meta["BK"], C=meta["C"]))
         o = _empty(TT, H, V, device=dev)
-        if tuning.current().linear_parallel_output:   # states in order, then every chunk's outputs at once
-            hs = _empty(table.n_chunks + table.n_seq, H, meta["K"], V, device=dev)
-            _fwd(mod, d, meta, q, k, v, G, h0, hs, hs, hs, table, scale, store_o=False, store_h=True)
-            wide = _wide(meta, q)
-            g = (G,) if G is not None else ()
-            _launch(getattr(mod, f"{d.name}_fwd_o"), (table.n_chunks, H, triton.cdiv(V, wide["BV"])),
-                    (q, k, v, *g, hs, o, table.chunk_tok, table.chunk_len, table.chunk_seq, scale, H),
-                    dict(wide, num_warps=CONFIG["num_warps"]))
-            # the final state of sequence n is hs slot seq_chunk0[n + 1] + n
-            ht = hs[table.seq_chunk0[1:].long() + torch.arange(table.n_seq, device=dev)]
-        else:
-            ht = _empty(table.n_seq, H, meta["K"], V, device=dev)
-            _fwd(mod, d, meta, q, k, v, G, h0, o, ht, ht, table, scale, store_o=True, store_h=False)
+        ht = _empty(table.n_seq, H, meta["K"], V, device=dev)
+        _fwd(mod, d, meta, q, k, v, G, h0, o, ht, ht, table, scale, store_o=True, store_h=False)
         ctx.decl, ctx.table, ctx.meta, ctx.scale, ctx.constants = decl, table, meta, scale, constants
         ctx.save_for_backward(q, k, v, h0, G, *xs)
         ctx.set_materialize_grads(False)
@@ -178,16 +163,25 @@ def _fwd(mod, d, meta, q, k, v, G, h0, o, ht, hs, table, scale, store_o, store_h
                              num_warps=CONFIG["num_warps"]))
 
 
-def _backward(ctx, q, k, v, h0, G, xs, do, dht):
-    d, table, meta, scale, mod = ctx.decl, ctx.table, ctx.meta, ctx.scale, module(ctx.decl)
+def _backward_buffers(table, q, v, h0, do, dht):
+    """(do fp32 (zeros when None), dht fp32 or None, hs: the state entering every chunk (slot c + n; filled by
+    the caller's recomputation), dh: dS_end per chunk, dh0: d(initial state), or dh when there is none)."""
     TT, H, K = q.shape
     V, dev = v.shape[-1], q.device
     do = torch.zeros(TT, H, V, device=dev) if do is None else do.contiguous().float()
     dht = None if dht is None else dht.contiguous().float()
     hs = _empty(table.n_chunks + table.n_seq, H, K, V, device=dev)
-    _fwd(mod, d, meta, q, k, v, G, h0, hs, hs, hs, table, scale, store_o=False, store_h=True)
     dh = _empty(max(table.n_chunks, 1), H, K, V, device=dev)
     dh0 = _empty(table.n_seq, H, K, V, device=dev) if h0 is not None else dh
+    return do, dht, hs, dh, dh0
+
+
+def _backward(ctx, q, k, v, h0, G, xs, do, dht):
+    d, table, meta, scale, mod = ctx.decl, ctx.table, ctx.meta, ctx.scale, module(ctx.decl)
+    TT, H, K = q.shape
+    V, dev = v.shape[-1], q.device
+    do, dht, hs, dh, dh0 = _backward_buffers(table, q, v, h0, do, dht)
+    _fwd(mod, d, meta, q, k, v, G, h0, hs, hs, hs, table, scale, store_o=False, store_h=True)
     g = (G,) if G is not None else ()
     grid = (table.n_seq, H, triton.cdiv(V, meta["BV"]))
     _launch(getattr(mod, f"{d.name}_bwd_dh"), grid,
@@ -268,12 +262,8 @@ def _delta_backward(ctx, q, k, v, h0, G, wy, xs, do, dht):
     d, table, meta, scale, mod = ctx.decl, ctx.table, ctx.meta, ctx.scale, module(ctx.decl)
     TT, H, K = q.shape
     V, dev = v.shape[-1], q.device
-    do = torch.zeros(TT, H, V, device=dev) if do is None else do.contiguous().float()
-    dht = None if dht is None else dht.contiguous().float()
-    hs = _empty(table.n_chunks + table.n_seq, H, K, V, device=dev)
+    do, dht, hs, dh, dh0 = _backward_buffers(table, q, v, h0, do, dht)
     _delta_fwd(mod, d, meta, q, k, v, G, wy, h0, hs, hs, hs, table, scale, store_o=False, store_h=True)
-    dh = _empty(max(table.n_chunks, 1), H, K, V, device=dev)
-    dh0 = _empty(table.n_seq, H, K, V, device=dev) if h0 is not None else dh
     beta, tm, aqk, w = wy
     grid = (table.n_seq, H, triton.cdiv(V, meta["BV"]))
     _launch(getattr(mod, f"{d.name}_bwd_dh"), grid,

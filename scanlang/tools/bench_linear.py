@@ -152,15 +152,11 @@ def main(argv=None) -> int:
         p.add_argument(f"--{name}", type=int, default=default)
     p.add_argument("--members", default=",".join(MEMBERS))
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
-    p.add_argument("--forward", default="sequential", choices=("parallel", "sequential"),
-                   help="the plain-write forward: one sequential pass writing outputs (the default), or the state "
-                        "pass then every chunk's outputs at once (tuning linear_parallel_output=True)")
     a = p.parse_args(argv)
     # kda's chunk kernels are refused on CUDA until checked on a GPU (kernels_delta.CUDA_VERIFIED): this run checks
     # every member against float64 before timing it, so it lets them run
     kernels_delta.CUDA_VERIFIED = True
-    with tuning.override(linear_parallel_output=a.forward == "parallel"):
-        return _run(a)
+    return _run(a)
 
 
 def _run(a) -> int:
@@ -170,7 +166,7 @@ def _run(a) -> int:
     device = torch.device(a.device)
     gpu = torch.cuda.get_device_name() if device.type == "cuda" else "cpu (Triton interpreter)"
     print(f"{gpu}, torch {torch.__version__}, Triton {triton.__version__}; "
-          f"bf16 B{a.B} T{a.T} H{a.H} K{a.K} V{a.V} C{a.chunk}; {a.forward} forward")
+          f"bf16 B{a.B} T{a.T} H{a.H} K{a.K} V{a.V} C{a.chunk}")
     failures = []
     for member in a.members.split(","):
         try:
