@@ -29,27 +29,43 @@ def _alarm_usable(seconds: float | None) -> bool:
             and signal.getitimer(signal.ITIMER_REAL)[0] == 0)
 
 
+def _run_body(fn, deadline):
+    """The one frame inside which the alarm may raise: fn's work, and nothing of the set-up or
+    clean-up around it."""
+    return fn(deadline)
+
+
+def _inside_body(frame) -> bool:
+    while frame is not None:
+        if frame.f_code is _run_body.__code__:
+            return True
+        frame = frame.f_back
+    return False
+
+
 @contextmanager
 def _alarm(seconds: float | None):
-    """SIGALRM after `seconds` raising ProofTimeout, in the main thread when no other timer runs."""
+    """SIGALRM after `seconds` raising ProofTimeout, in the main thread when no other timer runs.
+
+    The handler raises only while `_run_body` is on the stack. An alarm that lands in the set-up or
+    the clean-up (the clean-up cancels the timer; a ProofTimeout raised there would skip it and leave
+    a repeating timer behind, which once killed a test process at exit) is ignored; the next one,
+    50 ms on, comes while the body runs or never."""
     if not _alarm_usable(seconds):
         yield False
         return
 
-    armed = [True]
-
     def on_alarm(signum, frame):
-        if armed[0]:
+        if _inside_body(frame):
             raise A.ProofTimeout()
 
     previous = signal.signal(signal.SIGALRM, on_alarm)
     # the alarm repeats: a ProofTimeout raised where Python ignores exceptions (a weakref or GC
     # callback that sympy's work triggered) is lost, and the next one still ends the step
-    signal.setitimer(signal.ITIMER_REAL, max(seconds, 1e-4), 0.05)
     try:
+        signal.setitimer(signal.ITIMER_REAL, max(seconds, 1e-4), 0.05)
         yield True
     finally:
-        armed[0] = False
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
 
@@ -61,7 +77,7 @@ def symbolic(fn, seconds: float | None):
     running) signals cannot be used, so the work runs in a forked child process, where the forking
     thread is the main thread and the alarm works; the parent waits at most the budget plus a second
     and kills the child past it. Without fork the deadline is checked between steps only."""
-    if seconds is not None and not _alarm_usable(seconds):
+    if seconds is not None and seconds > 0 and not _alarm_usable(seconds):
         forked = _in_child(fn, seconds)
         if forked is not None:
             return forked
@@ -69,11 +85,13 @@ def symbolic(fn, seconds: float | None):
 
 
 def _symbolic_here(fn, seconds: float | None):
+    if seconds is not None and seconds <= 0:   # nothing to try: no timer, no fork
+        return None, _timeout(seconds)
     try:
         deadline = A.Deadline(seconds)
         with _alarm(seconds) as armed:
             deadline.interruptible = armed or seconds is None
-            return fn(deadline), None
+            return _run_body(fn, deadline), None
     except A.ProofTimeout:
         return None, _timeout(seconds)
     except (RecursionError, sympy.SympifyError, sympy.PolynomialError, TypeError, ValueError) as exc:

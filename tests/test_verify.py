@@ -3,6 +3,7 @@ the proof cache, and the analyses later stages use (commutativity, Jacobians, sp
 import doctest
 import importlib
 import json
+import signal
 import threading
 import time
 
@@ -275,6 +276,35 @@ def test_verify_off_the_main_thread_uses_the_cooperative_deadline():
     thread.join(60)
     assert results["zero"].associativity.method == "numeric"
     assert results["full"].symbolic
+
+
+def test_alarm_outside_the_proof_body_never_escapes():
+    """An alarm landing in the budget's set-up or clean-up must not raise: a ProofTimeout there
+    would skip the clean-up and leave a repeating timer that later kills the process (it did, once,
+    at the end of a CI run). Inside the body it ends the attempt; afterwards no timer is left."""
+    if not hasattr(signal, "setitimer"):
+        pytest.skip("no interval timers on this platform")
+    from scanlang import budget
+    before = signal.getsignal(signal.SIGALRM)
+    with budget._alarm(30) as armed:
+        assert armed
+        signal.raise_signal(signal.SIGALRM)   # outside the body: ignored
+        with pytest.raises(analysis.ProofTimeout):
+            budget._run_body(lambda deadline: signal.raise_signal(signal.SIGALRM), None)
+        signal.raise_signal(signal.SIGALRM)   # back outside: ignored again
+    assert signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)
+    assert signal.getsignal(signal.SIGALRM) is before
+
+
+def test_tiny_budgets_leave_no_timer_behind():
+    from scanlang import budget
+    before = signal.getsignal(signal.SIGALRM)
+    squares = sum(i * i for i in range(20000))
+    for seconds in (0, 1e-9, 1e-5, 1e-3):
+        out, why = budget.symbolic(lambda deadline: sum(i * i for i in range(20000)), seconds)
+        assert (out, why) == (squares, None) or (out is None and "budget" in why)
+        assert signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)
+        assert signal.getsignal(signal.SIGALRM) is before
 
 
 def test_bad_budget():
