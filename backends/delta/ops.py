@@ -23,16 +23,12 @@ chunk tables of equal-length batches and the empty parameter tensor are cached p
 """
 from __future__ import annotations
 
-import functools
-import inspect
 import sys
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 import triton
-from torch._subclasses.fake_tensor import is_fake
-from torch.fx.experimental.proxy_tensor import get_proxy_mode
 from torch.library import triton_op, wrap_triton
 from triton.runtime.errors import OutOfResources
 
@@ -40,7 +36,7 @@ from scanlang import backend, tuning
 from scanlang.delta import DECLARED, GIVEN, KACZMARZ, DeltaRule
 from scanlang.second_order import refuse_second_order
 
-from ..triton.runtime import fit_launch
+from ..triton.runtime import fit_launch, kernel_defaults, shapes_only
 from . import codegen
 
 
@@ -238,7 +234,7 @@ def _launch(name: str, kernel, grid, args: tuple, meta: dict, V: int, configs: d
     Triton backend's runtime.fit_launch. `direct` launches the kernel itself (eager); otherwise through
     wrap_triton, which torch.compile traces."""
     if not direct:   # wrap_triton's mutation analysis needs every parameter, the defaulted variant flags too
-        meta = {**_defaults(kernel), **meta}
+        meta = {**kernel_defaults(kernel), **meta}
     cfg = configs[name]              # the common case first, without fit_launch's bookkeeping
     try:
         (kernel if direct else wrap_triton(kernel))[grid(cfg)](*args, **{**meta, **cfg})
@@ -254,17 +250,6 @@ def _launch(name: str, kernel, grid, args: tuple, meta: dict, V: int, configs: d
     fit_launch(name, configs[name], attempt, _smaller, remembered=configs)
 
 
-@functools.lru_cache(maxsize=None)
-def _defaults(kernel) -> dict:
-    """The kernel's parameters that have a default (the backward's variant flags), by name (none for a stand-in
-    that is not a function)."""
-    fn = getattr(kernel, "fn", kernel)
-    if not callable(fn):
-        return {}
-    params = inspect.signature(fn).parameters
-    return {name: p.default for name, p in params.items() if p.default is not inspect.Parameter.empty}
-
-
 def _eps(p: Plan, eps) -> tuple:
     """The kernels' eps argument where the rule's step reads eps (they declare it then only)."""
     return (eps,) if p.hooks.eps else ()
@@ -275,10 +260,6 @@ def _hp(p: Plan, hp: torch.Tensor) -> tuple:
     (they declare it then only)."""
     return (hp,) if p.hooks.params else ()
 
-
-def _fake(t: torch.Tensor) -> bool:
-    """Shape propagation only (meta or FakeTensor outside graph recording): allocate, launch nothing."""
-    return t.device.type == "meta" or (is_fake(t) and get_proxy_mode() is None)
 
 
 def _states(p: Plan, k, v, hp, h0, chunk_tok, chunk_len, seq_chunk0, tm, gcum, beta, nonfinite, direct=False, w=None,
@@ -295,7 +276,7 @@ def _states(p: Plan, k, v, hp, h0, chunk_tok, chunk_len, seq_chunk0, tm, gcum, b
         u = _empty(TT, H, V, device=dev, dtype=k.dtype)
     h = _empty(NC, H, K, V, device=dev, dtype=k.dtype)
     U = _empty(TT, H, V, device=dev, dtype=k.dtype)
-    if not direct and _fake(k):
+    if not direct and shapes_only(k):
         return w, h, U
     meta, cfgs = p.meta, p.configs
     if recompute:
@@ -326,7 +307,7 @@ def _chunk_forward(p: Plan, q, k, v, a, hp, s, h0, chunk_tok, chunk_len, seq_chu
     ht = _empty(N, H, K, V, device=dev, dtype=torch.float32)
     mq = _empty(NC, H, C, C, device=dev, dtype=k.dtype)     # Q K^T * Dec per chunk, from prep to state_output
     nonfinite = _empty(NC, H, device=dev, dtype=torch.int32)  # per chunk its first non-finite token's row, or C
-    if direct or not _fake(k):
+    if direct or not shapes_only(k):
         meta, cfgs = p.meta, p.configs
         _launch("prep", p.mod.delta_prep, lambda cfg: (NC, H),
                 (q, k, v, a, *_hp(p, hp), s, *_eps(p, eps), chunk_tok, chunk_len, w, u, tm, gcum, beta, mq, nonfinite,
@@ -369,7 +350,7 @@ def _chunk_backward(p: Plan, q, k, v, a, hp, s, h0, chunk_tok, chunk_len, seq_ch
         dG_part = _empty(NKQ, TT, H, device=dev, dtype=torch.float32)
         dbeta_part = _empty(NKQ, TT, H, device=dev, dtype=torch.float32)
     dhp_tok = _empty(hp.shape[0], TT, H, device=dev, dtype=torch.float32) if p.hooks.params else None
-    if not direct and _fake(k):
+    if not direct and shapes_only(k):
         return [dq, dk, dv, da, ds, dh0, hp.new_empty(hp.shape)]
     meta, cfgs, mod = p.meta, p.configs, p.mod
     if not local_du:

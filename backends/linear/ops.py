@@ -30,15 +30,17 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import sys
+from typing import Optional
 
 import torch
 import triton
+from torch.library import triton_op, wrap_triton
 
 from scanlang import backend, tuning
 from scanlang.linear import MatrixState
 from scanlang.second_order import refuse_second_order
 
-from ..triton.runtime import load
+from ..triton.runtime import kernel_defaults, load, shapes_only
 from . import decode, kernels, kernels_delta
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -63,12 +65,16 @@ def recording():
         _RECORDING.reset(token)
 
 
-def _launch(kernel, grid, args, meta):
+def _launch(kernel, grid, args, meta, direct: bool = True):
+    """`kernel[grid](*args, **meta)`; `direct=False` through wrap_triton (which torch.compile traces; its mutation
+    analysis needs every parameter, defaulted ones too), and not at all in a shape-only (fake tensor) pass."""
     launches = _RECORDING.get()
     if launches is not None:
         launches.append((kernel.fn.__name__, kernel, grid, tuple(args), dict(meta)))
-    else:
+    elif direct:
         kernel[grid](*args, **meta)
+    elif not shapes_only(next(a for a in args if isinstance(a, torch.Tensor))):
+        wrap_triton(kernel)[grid](*args, **{**kernel_defaults(kernel), **meta})
 
 
 def _empty(*shape, device, dtype=torch.float32):
@@ -122,37 +128,152 @@ def _wide(meta: dict, q: torch.Tensor) -> dict:
     return meta
 
 
-class _Chunked(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, decl, table, meta, scale, constants, q, k, v, h0, *xs):
-        mod, d = module(decl), decl
-        TT, H, _ = q.shape
-        V, dev = v.shape[-1], q.device
-        G = None
-        if d.decay != "none":
-            G = _empty(TT, H, *((meta["K"],) if d.decay == "per_key" else ()), device=dev)
-            _launch(getattr(mod, f"{d.name}_decay_cumsum"), (table.n_chunks, H),
-                    (*xs, G, table.chunk_tok, table.chunk_len, *constants, H),
-                    dict(K=meta["K"], BK=meta["BK"], C=meta["C"]))
-        o = _empty(TT, H, V, device=dev)
-        ht = _empty(table.n_seq, H, meta["K"], V, device=dev)
-        _fwd(mod, d, meta, q, k, v, G, h0, o, ht, ht, table, scale, store_o=True, store_h=False)
-        ctx.decl, ctx.table, ctx.meta, ctx.scale, ctx.constants = decl, table, meta, scale, constants
-        ctx.save_for_backward(q, k, v, h0, G, *xs)
-        ctx.set_materialize_grads(False)
-        return o, ht
+# ---- the chunk path: two torch.library ops with registered autograd ------------------------------
+#
+# `scanlang::linear_chunk_fwd` / `linear_chunk_bwd` take the declaration by its key (DECLS) and the chunk
+# table as tensors, so torch.compile traces a member call whole (fullgraph) and its kernels launch through
+# wrap_triton. Outside a trace `_EagerChunk`, a torch.autograd.Function, runs the same two bodies with the
+# kernels launched directly (no dispatcher): both paths give identical bits.
+
+DECLS: dict[str, MatrixState] = {}   # declaration key -> declaration, for the ops (which take strings)
+
+
+class _Table:
+    """A ChunkTable rebuilt from its four tensors inside an op (counts from their shapes, no device read)."""
+
+    def __init__(self, chunk_tok, chunk_len, chunk_seq, seq_chunk0):
+        self.chunk_tok, self.chunk_len, self.chunk_seq, self.seq_chunk0 = chunk_tok, chunk_len, chunk_seq, seq_chunk0
+        self.n_chunks, self.n_seq = chunk_tok.shape[0], seq_chunk0.shape[0] - 1
+
+
+def _forward(d: MatrixState, q, k, v, h0, xs, table, constants, scale: float, C: int, direct: bool) -> list:
+    """[o [TT,H,V], final state [N,H,K,V], then what the backward keeps: G (with decay), and for the per-key
+    delta correction beta, Tm, Aqk, w] (fp32)."""
+    mod, meta = module(d), _meta(q.shape[-1], v.shape[-1], C, q.dtype, q.device)
+    TT, H, _ = q.shape
+    V, dev = v.shape[-1], q.device
+    o = _empty(TT, H, V, device=dev)
+    ht = _empty(table.n_seq, H, meta["K"], V, device=dev)
+    if kernels_delta.supports(d):
+        G, wy = _empty(TT, H, meta["K"], device=dev), _wy(table, TT, H, q.shape[-1], C, dev)
+        _launch(getattr(mod, f"{d.name}_prep"), (table.n_chunks, H),
+                (q, k, *xs, G, *wy, table.chunk_tok, table.chunk_len, *constants, H),
+                dict(K=meta["K"], BK=meta["BK"], C=C, BS=meta["BS"], PREC=meta["PREC"], UPCAST=meta["UPCAST"],
+                     num_warps=CONFIG["num_warps"]), direct)
+        _delta_fwd(mod, d, meta, q, k, v, G, wy, h0, o, ht, ht, table, scale, True, False, direct)
+        return [o, ht, G, *wy]
+    G = None
+    if d.decay != "none":
+        G = _empty(TT, H, *((meta["K"],) if d.decay == "per_key" else ()), device=dev)
+        _launch(getattr(mod, f"{d.name}_decay_cumsum"), (table.n_chunks, H),
+                (*xs, G, table.chunk_tok, table.chunk_len, *constants, H),
+                dict(K=meta["K"], BK=meta["BK"], C=C), direct)
+    _fwd(mod, d, meta, q, k, v, G, h0, o, ht, ht, table, scale, True, False, direct)
+    return [o, ht] + ([G] if G is not None else [])
+
+
+def _backward(d: MatrixState, q, k, v, h0, xs, saved, do, dht, table, constants, scale: float, C: int,
+              direct: bool) -> list:
+    """[dq, dk, dv (fp32), d(initial state) (empty without one), d(hook inputs) (fp32)]."""
+    meta = _meta(q.shape[-1], v.shape[-1], C, q.dtype, q.device)
+    do, dht, hs, dh, dh0 = _backward_buffers(table, q, v, h0, do, dht)
+    if kernels_delta.supports(d):
+        dq, dk, dv, dxs = _delta_backward(d, meta, q, k, v, h0, saved[0], saved[1:], xs, do, dht, hs, dh, dh0,
+                                          table, constants, scale, direct)
+    else:
+        dq, dk, dv, dxs = _plain_backward(d, meta, q, k, v, h0, saved[0] if saved else None, xs, do, dht, hs, dh,
+                                          dh0, table, constants, scale, direct)
+    return [dq, dk, dv, dh0 if h0 is not None else dh.new_empty(0), *dxs]
+
+
+@triton_op("scanlang::linear_chunk_fwd", mutates_args=())
+def linear_chunk_fwd(key: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, h0: Optional[torch.Tensor],
+                     xs: list[torch.Tensor], chunk_tok: torch.Tensor, chunk_len: torch.Tensor, chunk_seq: torch.Tensor,
+                     seq_chunk0: torch.Tensor, constants: list[float], scale: float, C: int) -> list[torch.Tensor]:
+    """Packed [TT, H, *] inputs of the declaration DECLS[key] -> `_forward`'s list."""
+    return _forward(DECLS[key], q, k, v, h0, xs, _Table(chunk_tok, chunk_len, chunk_seq, seq_chunk0), constants,
+                    scale, C, direct=False)
+
+
+@triton_op("scanlang::linear_chunk_bwd", mutates_args=())
+def linear_chunk_bwd(key: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, h0: Optional[torch.Tensor],
+                     xs: list[torch.Tensor], saved: list[torch.Tensor], do: Optional[torch.Tensor],
+                     dht: Optional[torch.Tensor], chunk_tok: torch.Tensor, chunk_len: torch.Tensor,
+                     chunk_seq: torch.Tensor, seq_chunk0: torch.Tensor, constants: list[float], scale: float,
+                     C: int) -> list[torch.Tensor]:
+    """The gradients of linear_chunk_fwd's tensor inputs (`_backward`'s list) from those of (o, final state)."""
+    return _backward(DECLS[key], q, k, v, h0, xs, saved, do, dht, _Table(chunk_tok, chunk_len, chunk_seq, seq_chunk0),
+                     constants, scale, C, direct=False)
+
+
+def _setup_context(ctx, inputs, output):
+    key, q, k, v, h0, xs, chunk_tok, chunk_len, chunk_seq, seq_chunk0, constants, scale, C = inputs
+    saved = output[2:]
+    ctx.mark_non_differentiable(*saved)
+    ctx.set_materialize_grads(False)   # no zero-filled gradient for an unused o or final state
+    ctx.save_for_backward(q, k, v, h0, chunk_tok, chunk_len, chunk_seq, seq_chunk0, *xs, *saved)
+    ctx.key, ctx.constants, ctx.scale, ctx.C, ctx.n_xs = key, constants, scale, C, len(xs)
+
+
+def _input_grads(ctx, do, dht, backward) -> tuple:
+    """(dq, dk, dv, d(initial state) or None, *d(hook inputs)) from the gradients of (o, final state); `backward`
+    is the op or the eager body. Under create_graph=True they are refused a second differentiation (the
+    kernels' gradients have no history)."""
+    q, k, v, h0, chunk_tok, chunk_len, chunk_seq, seq_chunk0, *rest = ctx.saved_tensors
+    xs, saved = rest[:ctx.n_xs], rest[ctx.n_xs:]
+    if torch.is_grad_enabled():
+        with torch.no_grad():
+            grads = _input_grads(ctx, do, dht, backward)
+        return refuse_second_order(f"{DECLS[ctx.key].name} (backend='triton')", grads, [q, k, v, do, dht])
+    dq, dk, dv, dh0, *dxs = backward(ctx.key, q, k, v, h0, list(xs), list(saved), do, dht, chunk_tok, chunk_len,
+                                     chunk_seq, seq_chunk0, ctx.constants, ctx.scale, ctx.C)
+    return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dh0 if h0 is not None else None,
+            *(dx.to(x.dtype) for dx, x in zip(dxs, xs)))
+
+
+def _op_backward(ctx, grads):
+    dq, dk, dv, dh0, *dxs = _input_grads(ctx, grads[0], grads[1], linear_chunk_bwd)
+    # the float list of constants: None, or [] when empty (torch's pytree takes an empty list for a list of tensors)
+    return (None, dq, dk, dv, dh0, list(dxs), None, None, None, None, None if ctx.constants else [], None, None)
+
+
+linear_chunk_fwd.register_autograd(_op_backward, setup_context=_setup_context)
+
+
+def _eager_backward(key, q, k, v, h0, xs, saved, do, dht, chunk_tok, chunk_len, chunk_seq, seq_chunk0, constants,
+                    scale, C):
+    return _backward(DECLS[key], q, k, v, h0, xs, saved, do, dht, _Table(chunk_tok, chunk_len, chunk_seq, seq_chunk0),
+                     constants, scale, C, direct=True)
+
+
+class _EagerChunk(torch.autograd.Function):
+    """linear_chunk_fwd with its registered autograd, minus the dispatcher: same bodies, kernels launched directly.
+    The hook inputs come last, unpacked (an autograd.Function's gradients are per argument)."""
 
     @staticmethod
-    def backward(ctx, do, dht):
-        q, k, v, h0, G, *xs = ctx.saved_tensors
-        if torch.is_grad_enabled():
-            with torch.no_grad():
-                grads = _backward(ctx, q, k, v, h0, G, xs, do, dht)
-            return refuse_second_order(f"{ctx.decl.name} (backend='triton')", grads, [q, k, v, do, dht])
-        return _backward(ctx, q, k, v, h0, G, xs, do, dht)
+    def forward(ctx, key, q, k, v, h0, chunk_tok, chunk_len, chunk_seq, seq_chunk0, constants, scale, C, *xs):
+        table = _Table(chunk_tok, chunk_len, chunk_seq, seq_chunk0)
+        out = _forward(DECLS[key], q, k, v, h0, list(xs), table, constants, scale, C, direct=True)
+        _setup_context(ctx, (key, q, k, v, h0, list(xs), chunk_tok, chunk_len, chunk_seq, seq_chunk0, constants,
+                             scale, C), out)
+        return tuple(out)
+
+    @staticmethod
+    def backward(ctx, do, dht, *_):
+        dq, dk, dv, dh0, *dxs = _input_grads(ctx, do, dht, _eager_backward)
+        return (None, dq, dk, dv, dh0) + (None,) * 7 + tuple(dxs)
 
 
-def _fwd(mod, d, meta, q, k, v, G, h0, o, ht, hs, table, scale, store_o, store_h):
+def _eager(*tensors) -> bool:
+    """Whether the dispatcher can be skipped: not compiling, no dispatch mode (fake, proxy) and no functorch
+    transform active, plain tensors."""
+    if (torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack()
+            or torch._C._functorch.peek_interpreter_stack() is not None):
+        return False
+    return all(type(t) is torch.Tensor for t in tensors if t is not None)
+
+
+def _fwd(mod, d, meta, q, k, v, G, h0, o, ht, hs, table, scale, store_o, store_h, direct):
     H, V = q.shape[1], v.shape[-1]
     g = (G,) if G is not None else ()
     meta = _wide(meta, q) if store_o else meta
@@ -160,7 +281,7 @@ def _fwd(mod, d, meta, q, k, v, G, h0, o, ht, hs, table, scale, store_o, store_h
     _launch(getattr(mod, f"{d.name}_fwd"), grid,
             (q, k, v, *g, h0 if h0 is not None else ht, o, ht, hs, table.chunk_tok, table.chunk_len, table.seq_chunk0,
              scale, H), dict(meta, HAS_H0=h0 is not None, STORE_O=store_o, STORE_FINAL=not store_h, STORE_H=store_h,
-                             num_warps=CONFIG["num_warps"]))
+                             num_warps=CONFIG["num_warps"]), direct)
 
 
 def _backward_buffers(table, q, v, h0, do, dht):
@@ -176,65 +297,31 @@ def _backward_buffers(table, q, v, h0, do, dht):
     return do, dht, hs, dh, dh0
 
 
-def _backward(ctx, q, k, v, h0, G, xs, do, dht):
-    d, table, meta, scale, mod = ctx.decl, ctx.table, ctx.meta, ctx.scale, module(ctx.decl)
+def _plain_backward(d, meta, q, k, v, h0, G, xs, do, dht, hs, dh, dh0, table, constants, scale, direct):
+    """Plain writes: recompute the chunk states, the reverse state-gradient pass, the per-chunk gradients."""
+    mod = module(d)
     TT, H, K = q.shape
     V, dev = v.shape[-1], q.device
-    do, dht, hs, dh, dh0 = _backward_buffers(table, q, v, h0, do, dht)
-    _fwd(mod, d, meta, q, k, v, G, h0, hs, hs, hs, table, scale, store_o=False, store_h=True)
+    _fwd(mod, d, meta, q, k, v, G, h0, hs, hs, hs, table, scale, False, True, direct)
     g = (G,) if G is not None else ()
     grid = (table.n_seq, H, triton.cdiv(V, meta["BV"]))
     _launch(getattr(mod, f"{d.name}_bwd_dh"), grid,
             (q, *g, do, dht if dht is not None else dh, dh, dh0, table.chunk_tok, table.chunk_len, table.seq_chunk0,
-             scale, H), dict(meta, HAS_DHT=dht is not None, STORE_DH0=h0 is not None, num_warps=CONFIG["num_warps"]))
+             scale, H), dict(meta, HAS_DHT=dht is not None, STORE_DH0=h0 is not None, num_warps=CONFIG["num_warps"]),
+            direct)
     dq, dk = _empty(TT, H, K, device=dev), _empty(TT, H, K, device=dev)
     dv = _empty(TT, H, V, device=dev)
     kinds = [d.inputs[n] for n in d.used(d.log_decay) if n in d.inputs] if d.decay != "none" else []
     dxs = [torch.zeros(x.shape, device=dev) if kind == "head" else _empty(*x.shape, device=dev)   # atomics add
            for x, kind in zip(xs, kinds)]
-    hook = [*xs, *dxs, *ctx.constants] if d.decay != "none" else []
+    hook = [*xs, *dxs, *constants] if d.decay != "none" else []
     if table.n_chunks:
         bwd = _wide(meta, q)
         bwd = dict(bwd, num_warps=CONFIG["num_warps"], **({"num_stages": 1} if bwd is not meta else {}))
         _launch(getattr(mod, f"{d.name}_bwd"), (table.n_chunks, H),
                 (q, k, v, *g, hs, dh, do, dq, dk, dv, table.chunk_tok, table.chunk_len, table.chunk_seq, *hook,
-                 scale, H), bwd)
-    grads = [dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dh0 if h0 is not None else None]
-    return (None, None, None, None, None, *grads, *(dx.to(x.dtype) for dx, x in zip(dxs, xs)))
-
-
-class _ChunkedDelta(torch.autograd.Function):
-    """Per-key decay with the delta correction (backends/linear/kernels_delta.py). The forward keeps its
-    inputs and the prep kernel's G, beta, Tm, Aqk and w for the backward, which recomputes the state entering
-    every chunk (STORE_H), runs the reverse state-gradient pass, then the per-chunk gradient kernel."""
-
-    @staticmethod
-    def forward(ctx, decl, table, meta, scale, constants, q, k, v, h0, *xs):
-        mod, d = module(decl), decl
-        TT, H, _ = q.shape
-        V, dev, C = v.shape[-1], q.device, meta["C"]
-        G, wy = _empty(TT, H, meta["K"], device=dev), _wy(table, TT, H, q.shape[-1], C, dev)
-        _launch(getattr(mod, f"{d.name}_prep"), (table.n_chunks, H),
-                (q, k, *xs, G, *wy, table.chunk_tok, table.chunk_len, *constants, H),
-                dict(K=meta["K"], BK=meta["BK"], C=C, BS=meta["BS"], PREC=meta["PREC"], UPCAST=meta["UPCAST"],
-                     num_warps=CONFIG["num_warps"]))
-        o = _empty(TT, H, V, device=dev)
-        ht = _empty(table.n_seq, H, meta["K"], V, device=dev)
-        _delta_fwd(mod, d, meta, q, k, v, G, wy, h0, o, ht, ht, table, scale, store_o=True, store_h=False)
-        ctx.decl, ctx.table, ctx.meta, ctx.scale, ctx.constants = decl, table, meta, scale, constants
-        ctx.save_for_backward(q, k, v, h0, G, *wy, *xs)
-        ctx.set_materialize_grads(False)
-        return o, ht
-
-    @staticmethod
-    def backward(ctx, do, dht):
-        q, k, v, h0, G, *rest = ctx.saved_tensors
-        wy, xs = rest[:4], rest[4:]
-        if torch.is_grad_enabled():
-            with torch.no_grad():
-                grads = _delta_backward(ctx, q, k, v, h0, G, wy, xs, do, dht)
-            return refuse_second_order(f"{ctx.decl.name} (backend='triton')", grads, [q, k, v, do, dht])
-        return _delta_backward(ctx, q, k, v, h0, G, wy, xs, do, dht)
+                 scale, H), bwd, direct)
+    return dq, dk, dv, dxs
 
 
 def _wy(table, TT: int, H: int, K: int, C: int, dev) -> tuple:
@@ -243,7 +330,7 @@ def _wy(table, TT: int, H: int, K: int, C: int, dev) -> tuple:
             _empty(table.n_chunks, H, C, C, device=dev), _empty(TT, H, K, device=dev))
 
 
-def _delta_fwd(mod, d, meta, q, k, v, G, wy, h0, o, ht, hs, table, scale, store_o, store_h):
+def _delta_fwd(mod, d, meta, q, k, v, G, wy, h0, o, ht, hs, table, scale, store_o, store_h, direct):
     """The per-key delta forward pass, one pipeline stage (as the state pass below): compiled offline for
     sm_90 (scanlang.tools.offline_compile --workload linear --member kda, K = V = 128, C = 64, bf16) the
     pipelined output-writing pass needs 242 KB of shared memory, over the H200's 227 KB; one stage, 98 KB.
@@ -255,22 +342,24 @@ def _delta_fwd(mod, d, meta, q, k, v, G, wy, h0, o, ht, hs, table, scale, store_
             (q, k, v, G, *wy, h0 if h0 is not None else ht, o, ht, hs, table.chunk_tok, table.chunk_len,
              table.seq_chunk0, scale, H),
             dict(meta, HAS_H0=h0 is not None, STORE_O=store_o, STORE_FINAL=not store_h, STORE_H=store_h,
-                 num_warps=CONFIG["num_warps"], num_stages=1))
+                 num_warps=CONFIG["num_warps"], num_stages=1), direct)
 
 
-def _delta_backward(ctx, q, k, v, h0, G, wy, xs, do, dht):
-    d, table, meta, scale, mod = ctx.decl, ctx.table, ctx.meta, ctx.scale, module(ctx.decl)
+def _delta_backward(d, meta, q, k, v, h0, G, wy, xs, do, dht, hs, dh, dh0, table, constants, scale, direct):
+    """Per-key decay with the delta correction (kernels_delta.py): the forward kept G and the prep kernel's beta,
+    Tm, Aqk and w; recompute the state entering every chunk (STORE_H), the reverse state-gradient pass, then the
+    per-chunk gradient kernel."""
+    mod = module(d)
     TT, H, K = q.shape
     V, dev = v.shape[-1], q.device
-    do, dht, hs, dh, dh0 = _backward_buffers(table, q, v, h0, do, dht)
-    _delta_fwd(mod, d, meta, q, k, v, G, wy, h0, hs, hs, hs, table, scale, store_o=False, store_h=True)
+    _delta_fwd(mod, d, meta, q, k, v, G, wy, h0, hs, hs, hs, table, scale, False, True, direct)
     beta, tm, aqk, w = wy
     grid = (table.n_seq, H, triton.cdiv(V, meta["BV"]))
     _launch(getattr(mod, f"{d.name}_bwd_dh"), grid,
             (q, k, G, beta, aqk, w, do, dht if dht is not None else dh, dh, dh0, table.chunk_tok, table.chunk_len,
              table.seq_chunk0, scale, H),
             dict(meta, HAS_DHT=dht is not None, STORE_DH0=h0 is not None, num_warps=CONFIG["num_warps"],
-                 num_stages=1))   # 222 KB of shared memory pipelined at K = V = 128, C = 64 (_delta_fwd)
+                 num_stages=1), direct)   # 222 KB of shared memory pipelined at K = V = 128, C = 64 (_delta_fwd)
     dq, dk = _empty(TT, H, K, device=dev), _empty(TT, H, K, device=dev)
     dv = _empty(TT, H, V, device=dev)
     kinds = [d.inputs[n] for n in kernels_delta.hook_inputs(d)]
@@ -284,9 +373,8 @@ def _delta_backward(ctx, q, k, v, h0, G, wy, xs, do, dht):
         bwd.update(BV=16, num_stages=1)
     _launch(getattr(mod, f"{d.name}_bwd"), (table.n_chunks, H),
             (q, k, v, G, *wy, hs, dh, do, dq, dk, dv, table.chunk_tok, table.chunk_len, table.chunk_seq, *xs, *dxs,
-             *ctx.constants, scale, H), bwd)
-    grads = [dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dh0 if h0 is not None else None]
-    return (None, None, None, None, None, *grads, *(dx.to(x.dtype) for dx, x in zip(dxs, xs)))
+             *constants, scale, H), bwd, direct)
+    return dq, dk, dv, dxs
 
 
 def member_op(decl: MatrixState):
@@ -297,6 +385,7 @@ def member_op(decl: MatrixState):
     per token [B,T,H] (or [B,T*n,H] rows of beta's inputs), per token and key [B,T,H,K], per head [H]."""
     if not isinstance(decl, MatrixState):
         raise TypeError(f"declaration: expected a MatrixState, got {type(decl).__name__}")
+    DECLS[decl.key] = decl   # the torch.library ops find it by key, also inside a torch.compile trace
     return lambda *args, **kwargs: run(decl, *args, **kwargs)
 
 
@@ -326,25 +415,45 @@ def _decode(decl: MatrixState, q, k, v, xs, scale, initial_state, output_final_s
     V, dev = v.shape[-1], q.device
     bounds = [b * T for b in range(B + 1)] if offsets is None else list(offsets)
     N = len(bounds) - 1
-    o = _empty(B * T, H, V, device=dev)
     h0 = None if initial_state is None else initial_state.float().contiguous()
     if B * T == 0 or N == 0:   # no token: every final state is its initial state
         S = h0.clone() if h0 is not None else torch.zeros(N, H, K, V, device=dev)   # not the caller's tensor
-        return o.reshape(B, T, H, V), (S if output_final_state else None)
+        return torch.zeros(B, T, H, V, device=dev), (S if output_final_state else None)
     dt = torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype)
     pack = lambda t: t.to(dt).reshape(-1, H, *t.shape[3:]).contiguous()  # noqa: E731
     used = set(decode.hook_inputs(decl))
     hooked = [(x if decl.inputs[m] == "head" else x.reshape(-1, H, *x.shape[3:])).float().contiguous()
               for m, x in zip(decl.inputs, xs) if m in used]
-    ht = _empty(N, H, K, V, device=dev)
     cu = torch.tensor(bounds, dtype=torch.int32, device=dev)
-    BV = min(DECODE_CONFIG["BV"], triton.next_power_of_2(V))
-    consts = tuple(float(constants[c]) for c in decl.constants)
-    _launch(getattr(decode_module(decl), f"{decl.name}_decode"), (N, H, triton.cdiv(V, BV)),
-            (pack(q), pack(k), pack(v), *hooked, h0 if h0 is not None else ht, o, ht, cu, *consts, float(scale), H),
-            dict(K=K, V=V, BK=triton.next_power_of_2(K), BV=BV, HAS_H0=h0 is not None,
-                 STORE_FINAL=bool(output_final_state), num_warps=DECODE_CONFIG["num_warps"]))
+    consts = [float(constants[c]) for c in decl.constants]
+    args = (pack(q), pack(k), pack(v), hooked, h0, cu, consts, float(scale), bool(output_final_state))
+    if _eager(*args[:3], h0, *hooked):
+        o, ht = _decode_launch(decl, *args, direct=True)
+    else:
+        o, ht = linear_decode(decl.key, *args)
     return o.reshape(B, T, H, V), (ht if output_final_state else None)
+
+
+def _decode_launch(d: MatrixState, q, k, v, hooked, h0, cu, constants, scale: float, store_final: bool,
+                   direct: bool) -> list:
+    """[o [TT,H,V], final states [N,H,K,V]] (fp32) of packed inputs; cu: the sequences' bounds [N + 1]."""
+    TT, H, K = q.shape
+    V, N = v.shape[-1], cu.shape[0] - 1
+    o, ht = _empty(TT, H, V, device=q.device), _empty(N, H, K, V, device=q.device)
+    BV = min(DECODE_CONFIG["BV"], triton.next_power_of_2(V))
+    _launch(getattr(decode_module(d), f"{d.name}_decode"), (N, H, triton.cdiv(V, BV)),
+            (q, k, v, *hooked, h0 if h0 is not None else ht, o, ht, cu, *constants, scale, H),
+            dict(K=K, V=V, BK=triton.next_power_of_2(K), BV=BV, HAS_H0=h0 is not None, STORE_FINAL=store_final,
+                 num_warps=DECODE_CONFIG["num_warps"]), direct)
+    return [o, ht]
+
+
+@triton_op("scanlang::linear_decode", mutates_args=())
+def linear_decode(key: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, hooked: list[torch.Tensor],
+                  h0: Optional[torch.Tensor], cu: torch.Tensor, constants: list[float], scale: float,
+                  store_final: bool) -> list[torch.Tensor]:
+    """The decode kernel of DECLS[key] (no autograd: taken only when no input needs a gradient)."""
+    return _decode_launch(DECLS[key], q, k, v, hooked, h0, cu, constants, scale, store_final, direct=False)
 
 
 def _needs_grad(tensors) -> bool:
@@ -366,14 +475,13 @@ def _longest(B: int, T: int, offsets) -> int:
     return max((e - s for s, e in zip(offsets, offsets[1:])), default=0)
 
 
-@torch.compiler.disable
 def run(decl: MatrixState, q, k, v, *xs, scale: float, initial_state, output_final_state: bool, offsets,
         chunk_size: int, constants: dict, cu_seqlens=None):
     """Validated inputs (recipes.linear.family) -> (o [B,T,H,V] fp32, final state [N,H,K,V] fp32 or None).
 
     `offsets`: cu_seqlens as ints, or None (then read from `cu_seqlens` here: while torch.compile traces,
-    the caller cannot read them). torch.compile runs this eagerly (a graph break): the chunk table is
-    built on the host from the offsets."""
+    the caller cannot read them: a packed batch under torch.compile breaks the graph there). torch.compile
+    traces the rest, the kernels included (the torch.library ops above)."""
     if offsets is None and cu_seqlens is not None:
         offsets = tuple(int(x) for x in cu_seqlens.tolist())
     if chunk_size < 16 or chunk_size & (chunk_size - 1):
@@ -384,12 +492,13 @@ def run(decl: MatrixState, q, k, v, *xs, scale: float, initial_state, output_fin
             raise ValueError(f"{name}: backend='triton' takes float16, bfloat16 or float32, got {t.dtype} "
                              "(use backend='reference' for float64)")
     B, T, H, K = q.shape
+    compiling = torch.compiler.is_compiling()
     if decodes(q, (k, v, initial_state, *xs), offsets):
         return _decode(decl, q, k, v, xs, scale, initial_state, output_final_state, offsets, constants)
-    limit = tuning.current().decode_max_tokens
-    needs_grad = _needs_grad((q, k, v, initial_state, *xs))
     wy = kernels_delta.supports(decl)
     if decl.correction != "plain" and not wy:
+        limit = tuning.current().decode_max_tokens
+        needs_grad = _needs_grad((q, k, v, initial_state, *xs))
         why = "gradients are needed" if needs_grad else f"a sequence is longer than decode_max_tokens = {limit}"
         raise ValueError(f"backend='triton': matrix state {decl.name!r} has correction {decl.correction!r} and "
                          f"{why}; generated chunk kernels cover plain writes and the one-step delta correction with "
@@ -400,7 +509,8 @@ def run(decl: MatrixState, q, k, v, *xs, scale: float, initial_state, output_fin
         raise ValueError(f"backend='triton': the chunk kernels of matrix state {decl.name!r} (per-key decay with the "
                          f"delta correction, backends/linear/kernels_delta.py) have not been checked on a GPU yet "
                          f"(only in Triton's interpreter); use backend='reference' on CUDA (the decode kernel runs "
-                         f"sequences of at most decode_max_tokens = {limit} tokens without gradients)")
+                         f"sequences of at most decode_max_tokens = {tuning.current().decode_max_tokens} tokens "
+                         f"without gradients)")
     V, dev = v.shape[-1], q.device
     dt = torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype)
     table = ChunkTable(B, T, offsets, chunk_size, dev)
@@ -412,10 +522,15 @@ def run(decl: MatrixState, q, k, v, *xs, scale: float, initial_state, output_fin
     hooked = [(x if decl.inputs[n] == "head" else x.reshape(B * T, H, *x.shape[3:])).float().contiguous()
               for n, x in zip(decl.inputs, xs) if n in used]
     h0 = None if initial_state is None else initial_state.float().contiguous()
-    meta = _meta(K, V, chunk_size, dt, dev)
-    consts = tuple(float(constants[c]) for c in decl.constants)
-    o, S = (_ChunkedDelta if wy else _Chunked).apply(decl, table, meta, float(scale), consts, pack(q), pack(k),
-                                                     pack(v), h0, *hooked)
+    consts = [float(constants[c]) for c in decl.constants]
+    if not compiling:   # (a trace cannot add it: member_op did, outside the trace)
+        DECLS.setdefault(decl.key, decl)
+    qp, kp, vp = pack(q), pack(k), pack(v)
+    tables = (table.chunk_tok, table.chunk_len, table.chunk_seq, table.seq_chunk0)
+    if _eager(qp, kp, vp, h0, *hooked):
+        o, S, *_ = _EagerChunk.apply(decl.key, qp, kp, vp, h0, *tables, consts, float(scale), chunk_size, *hooked)
+    else:
+        o, S, *_ = linear_chunk_fwd(decl.key, qp, kp, vp, h0, hooked, *tables, consts, float(scale), chunk_size)
     return o.reshape(B, T, H, V), (S if output_final_state else None)
 
 

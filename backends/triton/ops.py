@@ -24,8 +24,6 @@ import collections
 from typing import Optional
 
 import torch
-from torch._subclasses.fake_tensor import is_fake
-from torch.fx.experimental.proxy_tensor import get_proxy_mode
 from torch.library import triton_op, wrap_triton
 from triton.runtime.errors import OutOfResources
 
@@ -35,7 +33,7 @@ from scanlang.second_order import refuse_second_order
 
 from . import chunked_launch, launcher, runtime
 from .plan import PLANS, BackwardPlan, ForwardPlan, chunk_of, overrides
-from .runtime import fit_launch, fitted
+from .runtime import fit_launch, fitted, shapes_only
 
 
 def _empty(shape, dtype, device) -> torch.Tensor:
@@ -44,13 +42,6 @@ def _empty(shape, dtype, device) -> torch.Tensor:
         return torch.full(shape, float("nan"), dtype=dtype, device=device)
     return torch.empty(shape, dtype=dtype, device=device)
 
-
-def _fake(t: torch.Tensor) -> bool:
-    """Shape propagation only (FakeTensor or meta, not recording a graph): allocate, launch nothing.
-
-    While a graph is being recorded (torch.compile, make_fx) the launch must run: it records the kernel.
-    """
-    return t.device.type == "meta" or (is_fake(t) and get_proxy_mode() is None)
 
 
 def _sequences(cu_seqlens) -> tuple[bool, int]:
@@ -110,7 +101,7 @@ def _forward(key: str, inputs, initial, cu_seqlens, dim: int, reverse: bool, fp6
     final = _empty(plan.final_shape, acc, device)
     if plan.copy_shape is not None:
         inputs = [t.expand(plan.copy_shape).contiguous() for t in inputs]
-    if not plan.launches or (not eager and _fake(inputs[0])):
+    if not plan.launches or (not eager and shapes_only(inputs[0])):
         ckpt = _empty(plan.checkpoint_shape(fitted(plan.fwd_fit_key, plan.fwd_chosen)), acc, device)
         return outs + [ckpt, final]
     args = _fill(plan, [*inputs, *outs, *(initial or [inputs[0]] * len(prog.ir.fields))])
@@ -152,7 +143,7 @@ def _backward_pass(key: str, inputs, initial, cu_seqlens, ckpt, grads, dfinal, d
     dus = [torch.zeros(s, dtype=acc, device=device) if zeroed else _empty(s, acc, device)
            for s, zeroed in zip(plan.du_shapes, plan.du_zeroed)]
     dinit = [_empty((n_seq, L), acc, device) for _ in range(n)] if initial else []
-    if plan.launches and (eager or not _fake(inputs[0])):
+    if plan.launches and (eager or not shapes_only(inputs[0])):
         chunk = chunk_of(fitted(plan.fwd_fit_key, plan.fwd_chosen))   # the forward's checkpoint interval
         cfg, fit_key = plan.config(chunk)
         args = _fill(plan, [*inputs, *grads, *dus])

@@ -10,9 +10,11 @@ backward whatever the gradients' strides are.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import importlib.machinery
 import importlib.util
+import inspect
 import linecache
 import sys
 from dataclasses import dataclass
@@ -20,6 +22,8 @@ from pathlib import Path
 
 import torch
 import triton
+from torch._subclasses.fake_tensor import is_fake
+from torch.fx.experimental.proxy_tensor import get_proxy_mode
 from triton.runtime.errors import OutOfResources
 
 import scanlang
@@ -294,6 +298,25 @@ def _symbolic(key) -> bool:
 def fitted(key, chosen: Config) -> Config:
     """The config remembered for `key` by `fit_launch`, else `chosen` (always `chosen` for a symbolic key)."""
     return chosen if _symbolic(key) else FITTED.get(key, chosen)
+
+
+def shapes_only(t: torch.Tensor) -> bool:
+    """Shape propagation only (FakeTensor or meta, not recording a graph): allocate, launch nothing.
+
+    While a graph is being recorded (torch.compile, make_fx) the launch must run: it records the kernel.
+    """
+    return t.device.type == "meta" or (is_fake(t) and get_proxy_mode() is None)
+
+
+@functools.lru_cache(maxsize=None)
+def kernel_defaults(kernel) -> dict:
+    """The kernel's parameters that have a default (variant flags), by name (none for a stand-in that is not a
+    function): wrap_triton's mutation analysis needs every parameter passed."""
+    fn = getattr(kernel, "fn", kernel)
+    if not callable(fn):
+        return {}
+    params = inspect.signature(fn).parameters
+    return {name: p.default for name, p in params.items() if p.default is not inspect.Parameter.empty}
 
 
 def fit_launch(key, cfg, attempt, smaller, remembered: dict | None = None):

@@ -144,7 +144,8 @@ class MemberOp:
             raise TypeError(f"op() takes a declaration from sl.matrix_state, got {type(declaration).__name__}")
         self.declaration = declaration
         self.__name__ = name or declaration.name
-        self.triton = triton
+        # the generated-kernel op, made here, outside any torch.compile trace (it registers the declaration)
+        self.triton = triton if triton is not None else _backend.get("linear").member_op(declaration)
         d = declaration
         self._beta = None if d.beta is None else _TorchHook(d.beta, d.used(d.beta))
         self._decay = None if d.log_decay is None else _TorchHook(d.log_decay, d.used(d.log_decay))
@@ -191,8 +192,6 @@ class MemberOp:
             return self._on_delta(q, k, v, inputs, constants, scale, initial_state, output_final_state, offsets,
                                   chunk_size, compute)
         if backend == "triton":
-            if self.triton is None:   # generated once per declaration; a structure without kernels says so
-                self.triton = _backend.get("linear").member_op(d)
             if self._decay is not None and q.device.type == "cpu" and not torch.compiler.is_compiling():
                 # g <= 0 and finite, checked where it costs no synchronisation; the decode kernel's
                 # token loop takes -inf (a hard reset: exp(-inf) = 0), the chunk kernels do not
