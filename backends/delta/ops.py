@@ -36,7 +36,7 @@ from scanlang import backend, tuning
 from scanlang.delta import DECLARED, GIVEN, KACZMARZ, DeltaRule
 from scanlang.second_order import refuse_second_order
 
-from ..triton.runtime import fit_launch, kernel_defaults, shapes_only
+from ..triton.runtime import eager, fit_launch, kernel_defaults, shapes_only
 from . import codegen
 
 
@@ -456,12 +456,8 @@ class _EagerChunk(torch.autograd.Function):
 
 
 def _eager(*tensors) -> bool:
-    """Whether the dispatcher can be skipped: not compiling, no dispatch mode (fake, proxy) and no functorch
-    transform active, plain tensors (no fake or other subclasses)."""
-    if (not tuning.current().delta_eager_fast_path or torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack()
-            or torch._C._functorch.peek_interpreter_stack() is not None):
-        return False
-    return all(type(t) is torch.Tensor for t in tensors)
+    """Whether the dispatcher can be skipped (runtime.eager), unless tuning turns the fast path off."""
+    return tuning.current().delta_eager_fast_path and eager(tensors)
 
 
 def recurrent_forward(p: Plan, q, k, v, a, hp, s, h0, eps, scale, table: ChunkTable):

@@ -1,6 +1,7 @@
 """Launch the generated matrix-state kernels: the plain-write chunk kernels (backends/linear/kernels.py)
 and the per-key delta chunk kernels (backends/linear/kernels_delta.py) under autograd, and the recurrent
-decode kernel of every structure (backends/linear/decode.py).
+decode kernel of every structure (backends/linear/decode.py), as torch.library ops (torch.compile traces
+them, fullgraph) that plain eager calls bypass (runtime.eager: same bodies, same bits).
 
 Routing (`run`): when no input requires a gradient and no sequence is longer than
 `scanlang.tuning.current().decode_max_tokens` tokens (of q; default 64, 0 turns it off), the forward is
@@ -40,7 +41,7 @@ from scanlang import backend, tuning
 from scanlang.linear import MatrixState
 from scanlang.second_order import refuse_second_order
 
-from ..triton.runtime import kernel_defaults, load, shapes_only
+from ..triton.runtime import eager, kernel_defaults, load, shapes_only
 from . import decode, kernels, kernels_delta
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -264,15 +265,6 @@ class _EagerChunk(torch.autograd.Function):
         return (None, dq, dk, dv, dh0) + (None,) * 7 + tuple(dxs)
 
 
-def _eager(*tensors) -> bool:
-    """Whether the dispatcher can be skipped: not compiling, no dispatch mode (fake, proxy) and no functorch
-    transform active, plain tensors."""
-    if (torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack()
-            or torch._C._functorch.peek_interpreter_stack() is not None):
-        return False
-    return all(type(t) is torch.Tensor for t in tensors if t is not None)
-
-
 def _fwd(mod, d, meta, q, k, v, G, h0, o, ht, hs, table, scale, store_o, store_h, direct):
     H, V = q.shape[1], v.shape[-1]
     g = (G,) if G is not None else ()
@@ -427,7 +419,7 @@ def _decode(decl: MatrixState, q, k, v, xs, scale, initial_state, output_final_s
     cu = torch.tensor(bounds, dtype=torch.int32, device=dev)
     consts = [float(constants[c]) for c in decl.constants]
     args = (pack(q), pack(k), pack(v), hooked, h0, cu, consts, float(scale), bool(output_final_state))
-    if _eager(*args[:3], h0, *hooked):
+    if eager([t for t in (*args[:3], h0, *hooked) if t is not None]):
         o, ht = _decode_launch(decl, *args, direct=True)
     else:
         o, ht = linear_decode(decl.key, *args)
@@ -527,7 +519,7 @@ def run(decl: MatrixState, q, k, v, *xs, scale: float, initial_state, output_fin
         DECLS.setdefault(decl.key, decl)
     qp, kp, vp = pack(q), pack(k), pack(v)
     tables = (table.chunk_tok, table.chunk_len, table.chunk_seq, table.seq_chunk0)
-    if _eager(qp, kp, vp, h0, *hooked):
+    if eager([t for t in (qp, kp, vp, h0, *hooked) if t is not None]):
         o, S, *_ = _EagerChunk.apply(decl.key, qp, kp, vp, h0, *tables, consts, float(scale), chunk_size, *hooked)
     else:
         o, S, *_ = linear_chunk_fwd(decl.key, qp, kp, vp, h0, hooked, *tables, consts, float(scale), chunk_size)

@@ -33,7 +33,7 @@ from scanlang.second_order import refuse_second_order
 
 from . import chunked_launch, launcher, runtime
 from .plan import PLANS, BackwardPlan, ForwardPlan, chunk_of, overrides
-from .runtime import fit_launch, fitted, shapes_only
+from .runtime import eager, fit_launch, fitted, shapes_only
 
 
 def _empty(shape, dtype, device) -> torch.Tensor:
@@ -253,20 +253,6 @@ class _EagerScan(torch.autograd.Function):
                 res = _gradients(ctx, grads, eager=True)
             return (None, *refuse_second_order(_OP, res, [*ctx.saved_tensors, *grads]))
         return (None, *_gradients(ctx, grads, eager=True))
-
-
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
-
-
-def eager(tensors) -> bool:
-    """True for plain tensors outside torch.compile, graph tracing (FakeTensor, proxy and other dispatch
-    modes, torch.jit.trace) and functorch transforms: the calls that may skip the registered ops."""
-    if torch.compiler.is_compiling():
-        return False
-    if (torch._C._len_torch_dispatch_stack() or torch._C._functorch.peek_interpreter_stack() is not None
-            or torch._C._get_tracing_state() is not None):
-        return False
-    return all(type(t) in _PLAIN and not t.is_meta for t in tensors)
 
 
 def launch(prog: Program, inputs, initial, dim: int, reverse: bool, fp64: bool, cu_seqlens=None,

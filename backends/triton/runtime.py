@@ -308,6 +308,21 @@ def shapes_only(t: torch.Tensor) -> bool:
     return t.device.type == "meta" or (is_fake(t) and get_proxy_mode() is None)
 
 
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def eager(tensors) -> bool:
+    """Whether a call may skip the registered torch.library ops (every backend's eager fast path): plain
+    tensors outside torch.compile, graph tracing (FakeTensor, proxy and other dispatch modes,
+    torch.jit.trace) and functorch transforms."""
+    if torch.compiler.is_compiling():
+        return False
+    if (torch._C._len_torch_dispatch_stack() or torch._C._functorch.peek_interpreter_stack() is not None
+            or torch._C._get_tracing_state() is not None):
+        return False
+    return all(type(t) in _PLAIN and not t.is_meta for t in tensors)
+
+
 @functools.lru_cache(maxsize=None)
 def kernel_defaults(kernel) -> dict:
     """The kernel's parameters that have a default (variant flags), by name (none for a stand-in that is not a
