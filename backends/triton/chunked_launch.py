@@ -1,16 +1,18 @@
-"""Launching the chunk-parallel schedule (kernel/chunked.py): three kernels per pass.
+"""Launching the chunk-parallel schedule (kernel/chunked.py): one kernel per pass.
 
 The chunked kernels live in their own generated module (one per program, rendered and loaded the
 first time a config picks the schedule), so the tile and lane modules stay as they are. Each pass
 takes the same leading arguments as the tile kernels (the plan's `head` filled by `ops`) plus its
-aggregate buffers, allocated here by the allocator `ops` passes in (NaN-filled under
-settings.POISON_OUTPUTS, so an aggregate a kernel forgot to write shows in the tests).
+look-back buffers: the published aggregates, allocated by the allocator `ops` passes in (NaN-filled
+under settings.POISON_OUTPUTS, so a value read before it was written shows in the tests), and the
+tickets and flags, one zeroed int32 buffer per pass.
 """
 from __future__ import annotations
 
 import collections
 import types
 
+import torch
 from torch.library import wrap_triton
 
 from . import launcher
@@ -39,9 +41,9 @@ def module(prog):
     return mod
 
 
-def carry_tile(n_chunks: int, cfg: Config) -> int:
-    """Chunks per tile of the carry kernels: all of them up to one time tile's size (a power of two)."""
-    return min(1 << max(0, (n_chunks - 1).bit_length()), cfg.block_t)
+def _sync(lanes: int, n_chunks: int, device) -> torch.Tensor:
+    """Per lane block: the ticket counter and one flag per chunk (0: nothing published yet)."""
+    return torch.zeros(lanes * (n_chunks + 1), dtype=torch.int32, device=device)
 
 
 def _run(plan, cfg: Config, kernel, grid, args, meta, eager: bool) -> None:
@@ -59,13 +61,12 @@ def _run(plan, cfg: Config, kernel, grid, args, meta, eager: bool) -> None:
         wrap_triton(kernel)[grid](*args, **meta)
 
 
-def _meta(plan, cfg: Config, n_chunks: int, names) -> dict:
-    return dict({k: plan.common[k] for k in names}, BLOCK_T=cfg.block_t, BLOCK_L=cfg.block_l,
-                BLOCK_C=carry_tile(n_chunks, cfg), num_warps=cfg.num_warps)
+def _meta(plan, cfg: Config, names) -> dict:
+    return dict({k: plan.common[k] for k in names}, BLOCK_T=cfg.block_t, BLOCK_L=cfg.block_l, num_warps=cfg.num_warps)
 
 
 def forward(plan, cfg: Config, args, final, eager: bool, empty):
-    """Run the forward (reduce, carry, rescan) for a `plan.ForwardPlan`; returns the checkpoints.
+    """Run the forward (one look-back scan) for a `plan.ForwardPlan`; returns the checkpoints.
 
     `args`: the plan's leading arguments (inputs, outputs, initial elements); `final` the final
     prefix buffer; `empty(shape, dtype, device)` the allocator."""
@@ -73,7 +74,8 @@ def forward(plan, cfg: Config, args, final, eager: bool, empty):
     n_chunks = _cdiv(layout.T, cfg.block_t)
     ckpt = empty(plan.checkpoint_shape(cfg), plan.acc, final.device)
     agg = empty((len(prog.ir.fields), n_chunks, layout.L), plan.acc, final.device)
-    full = [*args, ckpt, final, ckpt, *plan.tail, ckpt.shape[1], agg]
+    sync = _sync(_cdiv(layout.L, cfg.block_l), n_chunks, final.device)
+    full = [*args, ckpt, final, ckpt, *plan.tail, ckpt.shape[1], agg, sync]
     mod = module(prog)
     for name, grid, meta in forward_launches(plan, cfg):
         _run(plan, cfg, getattr(mod, name), grid, full, meta, eager)
@@ -83,13 +85,11 @@ def forward(plan, cfg: Config, args, final, eager: bool, empty):
 def forward_launches(plan, cfg: Config) -> list[tuple[str, tuple, dict]]:
     """The forward's kernels in launch order as (name, grid, constexpr/meta kwargs) (`forward` runs these)."""
     n_chunks, lanes = _cdiv(plan.layout.T, cfg.block_t), _cdiv(plan.layout.L, cfg.block_l)
-    meta = _meta(plan, cfg, n_chunks, ("REVERSE", "HAS_INIT", "FP64"))
-    return [("chunk_reduce", (n_chunks, lanes), meta), ("chunk_carry", (lanes,), meta),
-            ("chunk_rescan", (n_chunks, lanes), meta)]
+    return [("chunk_scan", (n_chunks, lanes), _meta(plan, cfg, ("REVERSE", "HAS_INIT", "FP64")))]
 
 
 def backward(plan, cfg: Config, args, eager: bool, empty) -> None:
-    """Run the backward (reduce, carry, rescan of the adjoint) for a `plan.BackwardPlan` whose
+    """Run the backward (one look-back scan of the adjoint) for a `plan.BackwardPlan` whose
     forward checkpointed every cfg.block_t steps; `args` as `ops` built them for the tile kernel."""
     prog, layout = plan.prog, plan.layout
     launches = backward_launches(plan, cfg)
@@ -97,8 +97,8 @@ def backward(plan, cfg: Config, args, eager: bool, empty) -> None:
     n_chunks = _cdiv(layout.T, cfg.block_t)
     device = args[0].device
     agg = empty((nb + n, n_chunks, layout.L), plan.acc, device)
-    gc = empty((n, n_chunks + 1, layout.L), plan.acc, device)
-    full = [*args, agg, gc]
+    gc = empty((n, n_chunks, layout.L), plan.acc, device)
+    full = [*args, agg, gc, _sync(_cdiv(layout.L, cfg.block_l), n_chunks, device)]
     mod = module(prog)
     for name, grid, meta in launches:
         _run(plan, cfg, getattr(mod, name), grid, full, meta, eager)
@@ -110,6 +110,5 @@ def backward_launches(plan, cfg: Config) -> list[tuple[str, tuple, dict]]:
     if any(m not in (0, 1, 2) for m in du.values()):
         raise ValueError(f"plan: gradient modes {du} need the state-lane kernels, not the chunk-parallel ones")
     n_chunks, lanes = _cdiv(plan.layout.T, cfg.block_t), _cdiv(plan.layout.L, cfg.block_l)
-    meta = dict(_meta(plan, cfg, n_chunks, ("REVERSE", "HAS_INIT", "HAS_DFINAL", "FP64")), **du)
-    return [("chunk_bwd_reduce", (n_chunks, lanes), meta), ("chunk_bwd_carry", (lanes,), meta),
-            ("chunk_bwd_rescan", (n_chunks, lanes), meta)]
+    meta = dict(_meta(plan, cfg, ("REVERSE", "HAS_INIT", "HAS_DFINAL", "FP64")), **du)
+    return [("chunk_bwd_scan", (n_chunks, lanes), meta)]

@@ -1,8 +1,8 @@
 """A small statement IR for generated Triton kernels.
 
 A kernel is a tree of frozen dataclasses: `Kernel(name, params, body, doc, origin)` whose body is a
-tuple of statements (`Assign`, `AugAssign`, `Load`, `Store`, `AtomicAdd`, `Eval`, `If`, `For`, `Return`,
-`Comment`).
+tuple of statements (`Assign`, `AugAssign`, `Load`, `Store`, `AtomicAdd`, `Eval`, `If`, `For`, `While`,
+`Return`, `Comment`).
 Expressions are `Expr` nodes holding one Python expression in Triton's dialect: either printed by the
 symbolic layer (`scanlang.expr.render`, the one sympy -> Triton printer) or written by a schedule
 (`tl.arange(0, BLOCK_T)[:, None]`). Nothing here knows Triton beyond names; `printer.py` turns a
@@ -80,13 +80,15 @@ class AugAssign:
 
 @dataclass(frozen=True)
 class Load:
-    """`target = tl.load(pointer, mask=mask, other=other)`, optionally cast by `to_acc(..., FP64)`."""
+    """`target = tl.load(pointer, mask=mask, other=other)`, optionally cast by `to_acc(..., FP64)`;
+    `cache`: a cache modifier (".cg": past L1, for data another program wrote during this launch)."""
 
     target: str
     pointer: Expr
     mask: Expr | None = None
     other: Expr | None = None
     to_acc: bool = True
+    cache: str | None = None
 
 
 @dataclass(frozen=True)
@@ -140,11 +142,19 @@ class For:
 
 
 @dataclass(frozen=True)
+class While:
+    """`while cond: body` (a loop whose trip count is known only at run time)."""
+
+    cond: Expr
+    body: tuple["Stmt", ...]
+
+
+@dataclass(frozen=True)
 class Return:
     values: tuple[Expr, ...]
 
 
-Stmt = Union[Comment, Assign, AugAssign, Load, Store, AtomicAdd, Eval, If, For, Return]
+Stmt = Union[Comment, Assign, AugAssign, Load, Store, AtomicAdd, Eval, If, For, While, Return]
 
 
 @dataclass(frozen=True)

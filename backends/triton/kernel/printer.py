@@ -70,7 +70,8 @@ def _stmt(s, where: str) -> list[ast.stmt]:
         return [ast.Assign(targets=[target], value=x(s.value), lineno=0)]
     if isinstance(s, ir.Load):
         kw = ([("mask", x(s.mask))] if s.mask is not None else []) + (
-            [("other", x(s.other))] if s.other is not None else [])
+            [("other", x(s.other))] if s.other is not None else []) + (
+            [("cache_modifier", ast.Constant(s.cache))] if s.cache is not None else [])
         value = _call("tl.load", [x(s.pointer)], kw)
         if s.to_acc:
             value = _call("to_acc", [value, _name("FP64")])
@@ -97,6 +98,8 @@ def _stmt(s, where: str) -> list[ast.stmt]:
         fn = "tl.static_range" if s.static else "range" if s.builtin else "tl.range"
         it = _call(fn, bounds, [("num_stages", x(s.num_stages))] if s.num_stages is not None else [])
         return [ast.For(target=_name(s.var, ast.Store), iter=it, body=_block(s.body, where), orelse=[], lineno=0)]
+    if isinstance(s, ir.While):
+        return [ast.While(test=x(s.cond), body=_block(s.body, where), orelse=[])]
     if isinstance(s, ir.Return):
         values = [x(v) for v in s.values]
         value = values[0] if len(values) == 1 else ast.Tuple(elts=values, ctx=ast.Load())
