@@ -118,15 +118,19 @@ def _checked_then_timed(B: int, D: int, T: int) -> int:
         o = sl.scan(sl.Affine, (al, bl), dim=2, backend="triton")
         return torch.autograd.grad(o.b, (al, bl), g)
     add("scanlang chunked fwd+bwd", _bench(fwd_bwd), 9 * n * 4, copy_gbs)
-    try:
-        from accelerated_scan.triton import scan as accelerated
-    except ImportError as exc:
-        print(f"accelerated-scan unavailable: {exc}")
-    else:
+    try:   # its Triton kernel: accelerated_scan.scalar in 0.3, .triton in earlier releases
+        from accelerated_scan.scalar import scan as accelerated
+    except ImportError:
+        try:
+            from accelerated_scan.triton import scan as accelerated
+        except ImportError as exc:
+            accelerated = None
+            print(f"accelerated-scan unavailable: {exc}")
+    if accelerated is not None:
         ac, bc = a.contiguous(), b.contiguous()
-        add("accelerated-scan.triton fwd", _bench(lambda: accelerated(ac, bc)), 3 * n * 4, copy_gbs)
+        add("accelerated-scan (Triton) fwd", _bench(lambda: accelerated(ac, bc)), 3 * n * 4, copy_gbs)
         aa, ba = ac.clone().requires_grad_(), bc.clone().requires_grad_()
-        add("accelerated-scan.triton fwd+bwd",
+        add("accelerated-scan (Triton) fwd+bwd",
             _bench(lambda: torch.autograd.grad(accelerated(aa, ba), (aa, ba), g)), 8 * n * 4, copy_gbs)
     import triton
     print(f"\naffine scan fp32 [{B}, {D}, {T}], T contiguous; {torch.cuda.get_device_name()}, torch "
