@@ -58,6 +58,8 @@ class Tuning:
       decode_max_tokens: the matrix-state family's backend='triton' runs the recurrent decode kernel
         (backends/linear/decode.py) when no input requires a gradient and no sequence has more
         tokens than this (0: never); longer inputs take the chunk kernels.
+      chunk_lookback: chunks a look-back of the chunk-parallel schedule reads at a time (one poll
+        of their flags, one scan of their published values; a power of two).
       delta_save_wu: the delta forward stores w, u for the backward (else the backward recomputes them).
       delta_eager_fast_path: eager delta calls skip the torch.library dispatcher.
       delta_key_block: key columns per program / loop step of the delta backward kernels.
@@ -78,6 +80,7 @@ class Tuning:
     sum_groups_before_atomics: bool = False
     sum_warp_groups_before_atomics: bool = True
     decode_max_tokens: int = 64
+    chunk_lookback: int = 32
     delta_save_wu: bool = True
     delta_eager_fast_path: bool = True
     delta_key_block: int = 64
@@ -103,6 +106,9 @@ class Tuning:
                      "delta_eager_fast_path"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name}: expected a bool, got {getattr(self, name)!r}")
+        if isinstance(self.chunk_lookback, bool) or not isinstance(self.chunk_lookback, int) \
+                or self.chunk_lookback < 1 or self.chunk_lookback & (self.chunk_lookback - 1):
+            raise ValueError(f"chunk_lookback: expected a power of two >= 1, got {self.chunk_lookback!r}")
         if self.vec != 4:
             raise ValueError(f"vec: the run bodies split 16-byte vectors into 4 steps; got {self.vec}")
         if self.run % self.vec:

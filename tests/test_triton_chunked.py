@@ -287,7 +287,7 @@ def test_kalman_filter_with_huge_precisions(chunked):
     y, y_var, _ = kalman_filter(*ins, a_bar.float().to(DEVICE), p_bar.float().to(DEVICE), backend="triton",
                                 form="two_scans")
     ins64 = [t.detach().double().requires_grad_() for t in ins]
-    want, want_var, _ = kalman_filter_loop(*ins64, a_bar, p_bar)
+    want, want_var, _ = kalman_filter_loop(*ins64, a_bar.to(DEVICE), p_bar.to(DEVICE))
     assert_close(y, want.float(), "kalman_out")
     assert_close(y_var, want_var.float(), "kalman_out")
     ran = {k: n - before.get(k, 0) for k, n in chunked_launch.LAUNCHED.items()}
@@ -295,11 +295,10 @@ def test_kalman_filter_with_huge_precisions(chunked):
     w, w_var = torch.randn(y.shape, generator=gen, dtype=torch.float64), torch.randn(y.shape, generator=gen,
                                                                                     dtype=torch.float64)
     got = torch.autograd.grad((y * w.float().to(DEVICE)).sum() + (y_var * w_var.float().to(DEVICE)).sum(), ins)
-    ref = torch.autograd.grad((want * w).sum() + (want_var * w_var).sum(), ins64)
+    ref = torch.autograd.grad((want * w.to(DEVICE)).sum() + (want_var * w_var.to(DEVICE)).sum(), ins64)
     for name, g, r in zip(["dv", "dprec", "dk", "dq"], got, ref):
         if name != "dk":
             assert_close(g, r.float(), "kalman_grad", name=name)
-
 
 
 # ---- the look-back's fold ----------------------------------------------------------------------------
@@ -307,35 +306,39 @@ def test_kalman_filter_with_huge_precisions(chunked):
 # inclusive value published (flag 2) and never folds an aggregate. This test makes it fold: after the
 # normal launch (which publishes every aggregate and inclusive value), each pass is launched again for
 # ONE chunk per lane block (the last in the forward, the first in the backward) with the flags saying
-# that every chunk in between published only its aggregate (flag 1) and the far end its inclusive value
-# (flag 2). The inclusive values in between and that chunk's own results are overwritten with NaN
-# first, so reading a wrong value or leaving a result unwritten shows in the comparison with the loop.
+# that the chunks in between published only their aggregates (flag 1) and the three at the far end
+# their inclusive values (flag 2). The inclusive values in between and that chunk's own results are
+# overwritten with NaN first, so reading a wrong value, folding a chunk twice or leaving a result
+# unwritten shows in the comparison with the loop.
 
 def _relaunch_one_chunk(real_run, n_in: int, n_out: int, n_fields: int, block_t: int, relaunched: list):
     def run(plan, cfg, kernel, grid, args, meta, eager):
         real_run(plan, cfg, kernel, grid, args, meta, eager)
-        n_chunks, lanes = grid
+        lanes = args[-1].numel() - grid[0]              # the grid: n_chunks x lanes programs; sync: n_chunks + 1 per lane block
+        n_chunks = grid[0] // lanes
         backward = kernel.fn.__name__ == "chunk_bwd_scan"
         sync = args[-1].view(lanes, n_chunks + 1)
         sync.zero_()
         sync[:, 0] = n_chunks - 1                        # the next ticket: chunk n-1 (forward), 0 (backward)
-        sync[:, 2:n_chunks] = 1                          # chunks 1 .. n-2 published only their aggregates
-        sync[:, n_chunks if backward else 1] = 2         # the far end: its inclusive value
+        if backward:   # chunks n-3 .. n-1 published their inclusive values, 1 .. n-4 only their aggregates
+            sync[:, 2:n_chunks - 2], sync[:, n_chunks - 2:] = 1, 2
+        else:          # chunks 0 .. 2 published their inclusive values, 3 .. n-2 only their aggregates
+            sync[:, 1:4], sync[:, 4:n_chunks] = 2, 1
         if backward:
-            args[-2][:, 1:n_chunks - 1] = float("nan")   # G_1 .. G_(n-2)
+            args[-2][:, 1:n_chunks - 3] = float("nan")   # G_1 .. G_(n-4)
             for j in range(n_in):                        # chunk 0's input gradients (stored, one per step)
                 args[6 * (n_in + n_out + j)][..., :block_t] = float("nan")
             if meta["HAS_INIT"]:
                 for k in range(n_fields):
                     args[6 * (2 * n_in + n_out) + k].fill_(float("nan"))
-            real_run(plan, cfg, kernel, (1, lanes), args, meta, eager)
+            real_run(plan, cfg, kernel, (lanes,), args, meta, eager)
         else:
             ckpt = next(a for a in args if torch.is_tensor(a) and a.shape == (n_fields, n_chunks + 1, a.shape[-1]))
             kept = ckpt.clone()
-            ckpt[:, 2:n_chunks] = float("nan")           # P_2 .. P_(n-1): the inclusive values in between
+            ckpt[:, 4:n_chunks] = float("nan")           # P_4 .. P_(n-1): the inclusive values of chunks 3 .. n-2
             for j in range(n_out):                       # the last chunk's outputs
                 args[6 * (n_in + j)][..., (n_chunks - 1) * block_t:] = float("nan")
-            real_run(plan, cfg, kernel, (1, lanes), args, meta, eager)
+            real_run(plan, cfg, kernel, (lanes,), args, meta, eager)
             ckpt[:, :n_chunks] = kept[:, :n_chunks]      # the backward replays from every checkpoint
         chunked_launch.LAUNCHED[kernel.fn.__name__] -= 1   # check() counts the pass's launches
         relaunched.append(kernel.fn.__name__)
@@ -343,9 +346,12 @@ def _relaunch_one_chunk(real_run, n_in: int, n_out: int, n_fields: int, block_t:
 
 
 @pytest.mark.parametrize("chunked", [4], indirect=True)
+@pytest.mark.parametrize("lookback", [32, 4, 1], ids=lambda w: f"window{w}")
 @pytest.mark.parametrize("with_initial", [False, True], ids=["identity", "initial"])
 @pytest.mark.parametrize("kind", ["Affine", "Mobius"])
-def test_look_back_folds_published_aggregates(chunked, kind, with_initial, monkeypatch):
+def test_look_back_folds_published_aggregates(chunked, kind, with_initial, lookback, monkeypatch, knobs):
+    """Windows of 32 chunks (all in one), 4 (three windows, the last reaching before chunk 0) and 1."""
+    knobs(chunk_lookback=lookback)
     monoid = {"Affine": sl.Affine, "Mobius": sl.Mobius}[kind]
     relaunched = []
     n = len(monoid.fields)

@@ -15,6 +15,8 @@ import types
 import torch
 from torch.library import wrap_triton
 
+from scanlang import tuning
+
 from . import launcher
 from .kernel import chunked
 from .runtime import Config, load
@@ -62,7 +64,8 @@ def _run(plan, cfg: Config, kernel, grid, args, meta, eager: bool) -> None:
 
 
 def _meta(plan, cfg: Config, names) -> dict:
-    return dict({k: plan.common[k] for k in names}, BLOCK_T=cfg.block_t, BLOCK_L=cfg.block_l, num_warps=cfg.num_warps)
+    return dict({k: plan.common[k] for k in names}, BLOCK_T=cfg.block_t, BLOCK_L=cfg.block_l,
+                LOOKBACK=tuning.current().chunk_lookback, num_warps=cfg.num_warps)
 
 
 def forward(plan, cfg: Config, args, final, eager: bool, empty):
@@ -85,7 +88,7 @@ def forward(plan, cfg: Config, args, final, eager: bool, empty):
 def forward_launches(plan, cfg: Config) -> list[tuple[str, tuple, dict]]:
     """The forward's kernels in launch order as (name, grid, constexpr/meta kwargs) (`forward` runs these)."""
     n_chunks, lanes = _cdiv(plan.layout.T, cfg.block_t), _cdiv(plan.layout.L, cfg.block_l)
-    return [("chunk_scan", (n_chunks, lanes), _meta(plan, cfg, ("REVERSE", "HAS_INIT", "FP64")))]
+    return [("chunk_scan", (n_chunks * lanes,), _meta(plan, cfg, ("REVERSE", "HAS_INIT", "FP64")))]
 
 
 def backward(plan, cfg: Config, args, eager: bool, empty) -> None:
@@ -111,4 +114,4 @@ def backward_launches(plan, cfg: Config) -> list[tuple[str, tuple, dict]]:
         raise ValueError(f"plan: gradient modes {du} need the state-lane kernels, not the chunk-parallel ones")
     n_chunks, lanes = _cdiv(plan.layout.T, cfg.block_t), _cdiv(plan.layout.L, cfg.block_l)
     meta = dict(_meta(plan, cfg, ("REVERSE", "HAS_INIT", "HAS_DFINAL", "FP64")), **du)
-    return [("chunk_bwd_scan", (n_chunks, lanes), meta)]
+    return [("chunk_bwd_scan", (n_chunks * lanes,), meta)]

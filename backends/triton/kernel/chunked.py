@@ -80,11 +80,13 @@ def _offsets(name: str, lanes: str = "lane") -> str:
 
 
 def _prologue(tensors, backward: bool) -> tuple:
-    """Program (lane block pid, ticket): its chunk (in scan order from the first chunk, or from the last
+    """Program (lane block pid, ticket) of the 1-D grid: its chunk (in scan order from the first chunk, or from the last
     in the backward), rows of the tile, t (scan step), ok, tt (memory index), step, the lane offsets
     of `tensors`, and `sync`: the lane block's ticket counter, followed by one flag per chunk."""
     chunk = "n_chunks - 1 - ticket" if backward else "ticket"
-    body = [K.assign("pid", "tl.program_id(1)"), K.assign("lane", "pid.to(tl.int64) * BLOCK_L + tl.arange(0, BLOCK_L)"),
+    body = [K.Comment("lane blocks vary fastest over the grid, so the programs running at once spread over them"),
+            K.assign("pid", "tl.program_id(0) % tl.cdiv(L, BLOCK_L)"),
+            K.assign("lane", "pid.to(tl.int64) * BLOCK_L + tl.arange(0, BLOCK_L)"),
             K.assign("lane_ok", "lane < L"), K.assign("n_chunks", "tl.cdiv(T, BLOCK_T)"),
             K.assign("sync", "sync_ptr + pid * (n_chunks + 1)"),
             K.Comment("a ticket in start order: a program waits only on programs that started before it"),
@@ -122,9 +124,10 @@ def _row(src: str, row: str, rows: str = "rows") -> str:
     return f"tl.sum(tl.where({rows} == {row}, {src}, 0.0), 0)"
 
 
-def _slot(ptr: str, k: int, n: str, slot: str) -> str:
-    """Address of lane vector `slot` of entry `k` in a [entries, n, L] buffer."""
-    return f"{ptr} + ({k} * {n} + {slot}) * L + lane"
+def _slot(ptr: str, k: int, n: str, slot: str, lane: str = "lane") -> str:
+    """Address of lane vector `slot` of entry `k` in a [entries, n, L] buffer (`slot` and `lane` may be a
+    column and a row: a [window, BLOCK_L] tile of addresses)."""
+    return f"{ptr} + ({k} * {n} + {slot}) * L + {lane}"
 
 
 def _carry_from(ir: ScanIR, ptr: str, slot: str, mask: str = "lane_ok") -> tuple:
@@ -152,22 +155,34 @@ def _publish(stores, flag: int) -> tuple:
             K.Eval(K.expr(f"tl.atomic_xchg(sync + 1 + chunk, {flag}, sem='release')")))
 
 
-def _look_back(step: int, load, fold) -> tuple:
-    """The look-back loop over chunks j = chunk + step, chunk + 2 step, ...: wait for chunk j's flag,
-    `load(mask_of_aggregate)` its published value (statements), `fold` it into the running value
-    (statements; the first one is taken as it is), and stop at the first chunk whose flag is 2 (an
-    inclusive value)."""
-    def wait():
-        poll = "tl.atomic_add(sync + 1 + j, 0, sem='acquire')"
-        return (K.assign("f", poll), K.While(K.expr("f == 0"), (K.assign("f", poll),)))
-    return (K.Comment("look back: fold published aggregates (flag 1) until an inclusive value (flag 2)"),
-            K.assign("j", f"chunk {'-' if step < 0 else '+'} 1"), *wait(), *load(first=True),
-            K.assign("done", "(f == 2).to(tl.int32)"),
-            K.While(K.expr("done == 0"), (K.assign("j", f"j {'-' if step < 0 else '+'} 1"), *wait(), *load(first=False), *fold,
-                                           K.assign("done", "(f == 2).to(tl.int32)"))))
+def _look_back(forward: bool, fold) -> tuple:
+    """The look-back, LOOKBACK chunks at a time: poll the window's flags (acquire); once no chunk
+    between this one and the nearest inclusive value (flag 2) in the window is unpublished (flag 0),
+    `fold(term)` folds the window's published values up to that one (statements), and the loop ends if
+    it found one; else the window moves on. The forward looks at earlier chunks (the window's
+    newest first in distance, its rows in time order), the backward at later ones."""
+    if forward:
+        window = (K.assign("js", "j0 - (LOOKBACK - 1) + w"), K.assign("valid", "js >= 0"))
+        find = (K.Comment("term: the newest row with an inclusive value (-1: none)"),
+                K.assign("term", "tl.max(tl.where(fl == 2, w, -1), 0)"),
+                K.assign("pending", "tl.sum(tl.where((fl == 0) & (w > term), 1, 0), 0)"))
+        found, move = "(term >= 0).to(tl.int32)", "j0 - LOOKBACK"
+    else:
+        window = (K.assign("js", "j0 + w"), K.assign("valid", "js < n_chunks"))
+        find = (K.Comment("term: the nearest row with an inclusive value (LOOKBACK: none)"),
+                K.assign("term", "tl.min(tl.where(fl == 2, w, LOOKBACK), 0)"),
+                K.assign("pending", "tl.sum(tl.where((fl == 0) & (w < term), 1, 0), 0)"))
+        found, move = "(term < LOOKBACK).to(tl.int32)", "j0 + LOOKBACK"
+    poll = (*window, K.assign("fl", "tl.atomic_add(sync + 1 + js, 0, mask=valid, sem='acquire')"),
+            K.assign("fl", "tl.where(valid, fl, 1)"), *find)
+    return (K.Comment("look back: fold published aggregates (flag 1) up to an inclusive value (flag 2)"),
+            K.assign("j0", f"chunk {'-' if forward else '+'} 1"), K.assign("w", "tl.arange(0, LOOKBACK)"),
+            K.assign("wrows", "w[:, None]"), K.assign("done", "tl.full([], 0, tl.int32)"),
+            K.While(K.expr("done == 0"), poll + (
+                K.If(K.expr("pending == 0"), (*fold, K.assign("done", found), K.assign("j0", move))),)))
 
 
-FWD_CONSTS = ("BLOCK_T", "BLOCK_L", "REVERSE", "HAS_INIT", "FP64")
+FWD_CONSTS = ("BLOCK_T", "BLOCK_L", "LOOKBACK", "REVERSE", "HAS_INIT", "FP64")
 
 
 def _forward_kernel(ir: ScanIR, origin) -> K.Kernel:
@@ -176,16 +191,19 @@ def _forward_kernel(ir: ScanIR, origin) -> K.Kernel:
     outs = [f"o{j}" for j in range(len(ir.outputs))]
     fields = list(ir.fields)
 
-    def load(first: bool):
-        """The value chunk j published: its inclusive prefix (checkpoint j + 1) or its aggregate."""
-        to = "c" if first else "v"
-        return tuple(K.Load(f"{to}_{f}", K.expr(f"tl.where(f == 2, {_slot('ckpt_ptr', k, 'n_slots', 'j + 1')}, "
-                                                f"{_slot('agg_ptr', k, 'n_chunks', 'j')})"),
-                            K.expr("lane_ok"), K.expr(common.number(i)), cache=".cg")
-                     for k, (f, i) in enumerate(zip(fields, ir.identity)))
-    fold = (K.Assign(tuple(f"c_{f}" for f in fields), K.expr(f"combine({_fields(ir, 'v_{}')}, {_fields(ir, 'c_{}')})")),)
-    look = _publish([K.Store(K.expr(_slot("agg_ptr", k, "n_chunks", "chunk")), K.expr(f"a_{f}"), K.expr("lane_ok"))
-                     for k, f in enumerate(fields)], 1) + _look_back(-1, load, fold)
+    window = "lane_ok[None, :] & ((w >= term) & valid)[:, None]"   # the inclusive value and newer
+    fold = tuple(K.Load(f"v_{f}", K.expr(f"tl.where((fl == 2)[:, None], {_slot('ckpt_ptr', k, 'n_slots', 'js[:, None] + 1', 'lane[None, :]')}, "
+                                         f"{_slot('agg_ptr', k, 'n_chunks', 'js[:, None]', 'lane[None, :]')})"),
+                        K.expr(window), K.expr(common.number(i)), cache=".cg")
+                 for k, (f, i) in enumerate(zip(fields, ir.identity)))
+    fold += (*_tile_scan(ir, "v", "v"), *(K.assign(f"t_{f}", _row(f"sv_{f}", "LOOKBACK - 1", "wrows")) for f in fields),
+             K.Comment("the window is earlier than the chunks folded so far"),
+             K.Assign(tuple(f"c_{f}" for f in fields), K.expr(f"combine({_fields(ir, 't_{}')}, {_fields(ir, 'c_{}')})")))
+    look = (_publish([K.Store(K.expr(_slot("agg_ptr", k, "n_chunks", "chunk")), K.expr(f"a_{f}"), K.expr("lane_ok"))
+                      for k, f in enumerate(fields)], 1)
+            + tuple(K.assign(f"c_{f}", f"to_acc(tl.full([BLOCK_L], {common.number(i)}, tl.float64), FP64)")
+                    for f, i in zip(fields, ir.identity))
+            + _look_back(True, fold))
     names = {s: f"p_{f}" for s, f in zip(ir.prefix_symbols, ir.fields)} | {
         s: f"u_{n}" for s, n in zip(ir.input_symbols, ir.inputs)}
     body = (_prologue(ins + outs, backward=False) + B.load_lift(ir)
@@ -275,32 +293,38 @@ def _du_store(i: int, name: str) -> K.If:
 
 def _gradient_from_later_chunks(ir: ScanIR, adj: Adjoint) -> tuple:
     """gin_*: G_{c+1}, the adjoint entering this chunk from the later ones (0 for the last chunk), by
-    publishing (M_c, V_c) and looking forward. A published G_j is taken as the element (0, G_j), so
-    the folded pairs (B, e) end with B = 0 and e = G_{c+1}."""
+    publishing (M_c, V_c) and looking forward. A published G_j is taken as the element (0, G_j) and
+    the rows after it as (0, 0), so the folded pair (B, e) ends with B = 0 and e = G_{c+1}."""
     n, nb = len(ir.fields), len(adj.b_entries)
     entries = [f"m{k}" for k in range(nb)] + [f"w{i}" for i in range(n)]
-
-    def load(first: bool):
-        to = "x" if not first else "y"
-        ms = tuple(K.Load(f"{to}b{k}", K.expr(_slot("agg_ptr", k, "n_chunks", "j")), K.expr("lane_ok"),
-                          K.expr("0.0"), cache=".cg") for k in range(nb))
-        ms += tuple(K.assign(f"{to}b{k}", f"tl.where(f == 2, 0.0, {to}b{k})") for k in range(nb))
-        es = tuple(K.Load(f"{to}e{i}", K.expr(f"tl.where(f == 2, {_slot('gc_ptr', i, 'n_chunks', 'j')}, "
-                                              f"{_slot('agg_ptr', nb + i, 'n_chunks', 'j')})"),
-                          K.expr("lane_ok"), K.expr("0.0"), cache=".cg") for i in range(n))
-        return ms + es
-    ys = [f"yb{k}" for k in range(nb)] + [f"ye{i}" for i in range(n)]
+    window = "lane_ok[None, :] & ((w <= term) & valid)[:, None]"   # up to the inclusive value
+    fold = tuple(K.Load(f"xb{k}", K.expr(_slot("agg_ptr", k, "n_chunks", "js[:, None]", "lane[None, :]")),
+                        K.expr(window), K.expr("0.0"), cache=".cg") for k in range(nb))
+    fold += tuple(K.assign(f"xb{k}", f"tl.where((fl == 2)[:, None], 0.0, xb{k})") for k in range(nb))
+    fold += tuple(K.Load(f"xe{i}", K.expr(f"tl.where((fl == 2)[:, None], {_slot('gc_ptr', i, 'n_chunks', 'js[:, None]', 'lane[None, :]')}, "
+                                          f"{_slot('agg_ptr', nb + i, 'n_chunks', 'js[:, None]', 'lane[None, :]')})"),
+                         K.expr(window), K.expr("0.0"), cache=".cg") for i in range(n))
     xs = [f"xb{k}" for k in range(nb)] + [f"xe{i}" for i in range(n)]
-    fold = (K.Comment("chunk j is later than the folded ones: applied first"),
-            K.Assign(tuple(ys), K.expr(f"adjoint_combine({', '.join(xs[:nb] + xs[nb:] + ys[:nb] + ys[nb:])})")),)
+    rs = [f"rb{k}" for k in range(nb)] + [f"re{i}" for i in range(n)]
+    ts = [f"tb{k}" for k in range(nb)] + [f"te{i}" for i in range(n)]
+    ys = [f"yb{k}" for k in range(nb)] + [f"ye{i}" for i in range(n)]
+    cs = [f"cb{k}" for k in range(nb)] + [f"ce{i}" for i in range(n)]
+    fold += (K.Assign(tuple(rs), K.expr(f"tl.associative_scan(({', '.join(xs)}), 0, adjoint_combine, reverse=True)")),
+             *(K.assign(t, _row(r, "0", "wrows")) for t, r in zip(ts, rs)),
+             K.Comment("the window is later than the chunks folded so far: applied first"),
+             K.Assign(tuple(cs), K.expr(f"adjoint_combine({', '.join(ts + ys)})")),
+             *(K.assign(y, f"tl.where(started == 1, {c}, {t})") for y, c, t in zip(ys, cs, ts)),
+             K.assign("started", "tl.full([], 1, tl.int32)"))
     publish = _publish([K.Store(K.expr(_slot("agg_ptr", k, "n_chunks", "chunk")), K.expr(e), K.expr("lane_ok"))
                         for k, e in enumerate(entries)], 1)
-    last = tuple(K.assign(f"gin_{f}", "to_acc(tl.zeros([BLOCK_L], tl.float32), FP64)") for f in ir.fields)
+    zeros = "to_acc(tl.zeros([BLOCK_L], tl.float32), FP64)"
+    start = (K.assign("started", "tl.full([], 0, tl.int32)"), *(K.assign(y, zeros) for y in ys))
+    last = tuple(K.assign(f"gin_{f}", zeros) for f in ir.fields)
     found = tuple(K.assign(f"gin_{f}", f"ye{i}") for i, f in enumerate(ir.fields))
     return ((K.Comment("(M_c, V_c): the chunk's adjoint aggregate, row 0 of the reverse scan"),)
             + tuple(K.assign(f"m{k}", _row(f"ra{k}", "0")) for k in range(nb))
             + tuple(K.assign(f"w{i}", _row(f"rv{i}", "0")) for i in range(n))
-            + (K.If(K.expr("chunk == n_chunks - 1"), last, publish + _look_back(1, load, fold) + found),
+            + (K.If(K.expr("chunk == n_chunks - 1"), last, publish + start + _look_back(False, fold) + found),
                K.Comment("publish G_c = V_c + M_c G_(c+1), the gradient entering chunk c"))
             + _apply_carry(ir, adj, "G", "gin", ra="m{}", rv="w{}", lanes="")
             + _publish([K.Store(K.expr(_slot("gc_ptr", i, "n_chunks", "chunk")), K.expr(f"G_{f}"), K.expr("lane_ok"))
@@ -309,7 +333,7 @@ def _gradient_from_later_chunks(ir: ScanIR, adj: Adjoint) -> tuple:
 
 def _backward_kernel(ir: ScanIR, adj: Adjoint, origin) -> K.Kernel:
     n, nb = len(ir.fields), len(adj.b_entries)
-    consts = ("BLOCK_T", "BLOCK_L", "REVERSE", "HAS_INIT", "HAS_DFINAL", "FP64") + tuple(
+    consts = ("BLOCK_T", "BLOCK_L", "LOOKBACK", "REVERSE", "HAS_INIT", "HAS_DFINAL", "FP64") + tuple(
         f"DU{i}" for i in range(len(ir.inputs)))
     params = _params(backward_args(ir) + ["agg_ptr", "gc_ptr", "sync_ptr"], consts)
     ins = [f"u{i}" for i in range(len(ir.inputs))]
