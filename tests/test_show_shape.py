@@ -1,7 +1,6 @@
 """`scanlang show MODULE:NAME --shape B,T,D --layout time|channels`: the configs chosen for the shape
 and the kernels they run (the chunk-parallel module for few lanes and long T), with comments that
 point at the monoid's declaration; bad options are refused naming the option."""
-import inspect
 
 import pytest
 
@@ -24,7 +23,7 @@ def test_few_lanes_long_time_prints_the_chunked_kernels_with_origins(capsys):
                  "chunk_bwd_rescan"):
         assert f"def {name}(" in out
     assert "def scan_forward(" not in out   # only the kernels that run
-    where = f"{inspect.getsourcefile(sl.Affine.combine_fn)}:{sl.Affine.combine_fn.__code__.co_firstlineno}"
+    where = f"scanlang/library.py:{sl.Affine.combine_fn.__code__.co_firstlineno}"
     assert f"# from combine of Affine: {where}" in out
 
 
