@@ -41,6 +41,13 @@ STEP_INPUTS = ("s", "n2", "eps")
 # kernel build (backends/delta/ops.py `program_key`), which finds the object here
 DECLARED: "dict[tuple[str, str], DeltaRule]" = {}   # a declaration lives as long as its compiled kernels
 DECAY_INPUTS = ("a",)
+# What the generated delta-rule kernels take (backends/delta): their chunk sizes (each rendered as its own
+# module), the default one (their launch configs are tuned at 64) and the largest head dim K, V. Here, with
+# the rule, so the recipes that launch them and `scanlang show` read one definition without the core
+# importing a recipe.
+CHUNK_SIZES = (16, 32, 64)
+DELTA_CHUNK = 64
+MAX_HEAD_DIM = 256
 
 
 @dataclass(frozen=True)

@@ -47,6 +47,7 @@ DECAYS = ("none", "per_head", "per_key")
 CORRECTIONS = ("plain", "delta", "householder")
 INPUT_KINDS = {"token": "[B, T, H]", "token_key": "[B, T, H, K]", "head": "[H]"}
 KEY_NORM = "n2"   # ||k_t||^2, a built-in field of the beta hook
+REFERENCE_CHUNK = 32   # chunk_size=None: the reference's chunk (and the plain-write kernels')
 RESERVED = ("q", "k", "v", KEY_NORM, "scale", "initial_state", "output_final_state", "cu_seqlens",
             "backend", "chunk_size", "cp_group", "num_householder")
 _PROOFS: "dict[tuple, str]" = {}   # (decay, correction, steps) -> report: the proof depends on the structure only

@@ -15,7 +15,7 @@ import pytest
 from scanlang.backends.delta import codegen
 from scanlang.backends.linear import decode, kernels, kernels_delta
 from scanlang.cli import main
-from scanlang.recipes.linear.delta_form import delta_form
+from scanlang.delta_form import delta_form
 from scanlang.linear import matrix_state
 from scanlang.show import show_matrix_state
 

@@ -13,7 +13,7 @@ from scanlang.backends.delta import codegen
 from scanlang.backends.delta import ops as delta_ops
 from scanlang.backends.linear import decode, kernels
 from scanlang.cli import main
-from scanlang.recipes.linear.delta_form import delta_form
+from scanlang.delta_form import delta_form
 from scanlang.recipes.linear.members import GLA, KACZMARZ, KDA
 
 MEMBERS = "scanlang.recipes.linear.members"

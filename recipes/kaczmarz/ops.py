@@ -26,13 +26,12 @@ import torch
 from scanlang import backend as registry
 from scanlang import context_parallel, settings
 from scanlang._checks import check_cu_seqlens, check_log_decay
+from scanlang.delta import CHUNK_SIZES, MAX_HEAD_DIM  # noqa: F401  (also read as ops.CHUNK_SIZES)
 
 from .chunk_reference import chunk_delta_rule_reference, chunk_delta_rule_reference_varlen
 from .context_parallel import delta_rule_sharded
 from .naive import kaczmarz_beta
 
-MAX_HEAD_DIM = 256
-CHUNK_SIZES = (16, 32, 64)
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
