@@ -188,3 +188,23 @@ def test_mixer_kernels_point_at_the_lift_and_readout():
         assert f"# from {what} of Affine: {here}:{fn.__code__.co_firstlineno}" in src
     assert ir == pipeline.lower(sl.Affine, inputs=("a", "b", "c"), lift=lambda u: (u.a, u.b), outputs=("y",),
                                 readout=lambda p, u, q: p.b * u.c)   # where it is declared is not its identity
+
+
+def test_a_name_that_needs_escaping_is_escaped_once_in_every_docstring():
+    """Kernel and module docs hold docstring text (the name escaped by E.docstring_text); the printer
+    writes it between triple quotes as it is, so the docstrings Python reads hold the name itself."""
+    name = 'say "hi" \\ to\n\'them\'"""'
+    m = sl.monoid(fields=("esc",), identity=(0,), name=name)(lambda x, y: (x.esc + y.esc,))
+    ir = pipeline.lower(m)
+    adj = pipeline.differentiate(ir)
+    for src in (pipeline.render(ir, adj), chunked.render(ir, adj)):
+        tree = ast.parse(src)
+        docs = [ast.get_docstring(n, clean=False) for n in [tree, *ast.walk(tree)]
+                if isinstance(n, (ast.Module, ast.FunctionDef)) and ast.get_docstring(n, clean=False)]
+        named = [d for d in docs if "say" in d]
+        assert named and all(name in d for d in named), named
+        assert "\\\\" + '"' not in src   # no escaped backslash before a quote: nothing escaped twice
+    with pytest.raises(ValueError, match=r"kernel k: docstring .* cannot stand between triple quotes"):
+        render(K.Module("d", (K.Kernel("k", (), (), doc='ends in a quote"'),)))
+    with pytest.raises(ValueError, match="module: docstring"):
+        render(K.Module('a """ b', ()))
