@@ -33,7 +33,7 @@ import torch
 from scanlang import backend as _backend
 from scanlang import expr as E
 from scanlang import settings
-from scanlang._checks import check_cu_seqlens, check_log_decay
+from scanlang._checks import check_log_decay, check_scale, packed_offsets
 from scanlang.delta import CHUNK_SIZES, DELTA_CHUNK, MAX_HEAD_DIM
 from scanlang.delta_form import default_backend, delta_form, runs_on_delta
 from scanlang.linear import KEY_NORM, REFERENCE_CHUNK, MatrixState
@@ -318,18 +318,11 @@ class MemberOp:
         for name, t in (("k", k), ("v", v), *inputs.items()):
             if t.device != device:
                 raise ValueError(f"{name} is on {t.device} but q is on {device}; all inputs must share a device")
-        if scale is not None and (isinstance(scale, bool) or not isinstance(scale, numbers.Real)):
-            raise TypeError(f"scale must be a real number or None (default K**-0.5), got {scale!r}")
+        check_scale(scale)
         if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
             raise ValueError(f"chunk_size must be an int >= 1, got {chunk_size!r}")
-        offsets, N = None, B
-        if cu_seqlens is not None:
-            if B != 1:
-                raise ValueError(f"cu_seqlens packs sequences along T and needs B == 1, got B = {B}")
-            offsets = check_cu_seqlens(cu_seqlens, T, device)
-            if offsets is None:
-                offsets = tuple(int(x) for x in cu_seqlens.tolist())
-            N = len(offsets) - 1
+        offsets = packed_offsets(cu_seqlens, B, T, device)
+        N = B if offsets is None else len(offsets) - 1
         tensors = (q, k, v, *inputs.values())
         compute = torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
         if initial_state is not None:
