@@ -93,6 +93,22 @@ def _seed():
 
 
 @pytest.fixture
+def shown(capsys):
+    """shown(target, *argv) -> (description, source): what `scanlang show TARGET ARGV...` printed, split
+    at the first blank line; the command must exit 0 and the source must parse."""
+    import ast
+
+    from scanlang.cli import main
+
+    def show(target, *argv):
+        assert main(["show", target, *argv]) == 0
+        text, _, source = capsys.readouterr().out.partition("\n\n")
+        ast.parse(source)
+        return text, source
+    return show
+
+
+@pytest.fixture
 def knobs():
     """knobs(**kw): `scanlang.tuning.override(**kw)` until the test ends (a later call overrides an
     earlier one's knobs); the tests' way to change a tuning knob, never by assigning a module global."""

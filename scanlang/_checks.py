@@ -6,6 +6,8 @@ read and write out of bounds, and decreasing ones give negative lengths.
 """
 from __future__ import annotations
 
+import numbers
+
 import torch
 
 
@@ -38,6 +40,28 @@ def check_cu_seqlens(cu_seqlens, total: int, device=None, arg: str = "cu_seqlens
         raise ValueError(f"{arg}: offsets must not decrease, from 0 to the packed length T = {total} "
                          f"(length N + 1 >= 2); got {shown}")
     return tuple(cu)
+
+
+def check_scale(scale) -> None:
+    """scale: a real number, or None (the ops' default K**-0.5)."""
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, numbers.Real)):
+        raise TypeError(f"scale must be a real number or None (default K**-0.5), got {scale!r}")
+
+
+def packed_offsets(cu_seqlens, B: int, T: int, device) -> tuple[int, ...] | None:
+    """None without `cu_seqlens`; else its checked offsets (`check_cu_seqlens`) of sequences packed along
+    T, which needs B == 1. Read on the host even while torch.compile traces: the kernels' chunk table
+    is built from them.
+
+    >>> packed_offsets(torch.tensor([0, 2, 5]), 1, 5, "cpu")
+    (0, 2, 5)
+    """
+    if cu_seqlens is None:
+        return None
+    if B != 1:
+        raise ValueError(f"cu_seqlens packs sequences along T and needs B == 1, got B = {B}")
+    offsets = check_cu_seqlens(cu_seqlens, T, device)
+    return offsets if offsets is not None else tuple(int(x) for x in cu_seqlens.tolist())
 
 
 def check_log_decay(g: torch.Tensor) -> None:

@@ -27,7 +27,7 @@ import importlib.util
 import sys
 from pathlib import Path
 
-from . import pipeline
+from . import pipeline, show
 from .delta import DeltaRule
 from .errors import IdentityError, NotAssociativeError
 from .linear import MatrixState
@@ -92,7 +92,6 @@ def _verified(monoid):
 def cmd_verify(args) -> int:
     decl = load_declaration(args.target)
     if not isinstance(decl, Monoid):   # proved when declared (a failing structure raises there)
-        from . import show   # imports the recipes: only for these kinds
         print(show.verify_matrix_state(decl) if isinstance(decl, MatrixState) else show.verify_delta_rule(decl))
         return 0
     proof = _verified(decl)
@@ -107,7 +106,6 @@ SHOW_SHAPE = "4,2048,256"   # the [B, T, D] `scanlang show` prints the kernels o
 
 def _show_declaration(decl, args) -> int:
     """`scanlang show` of a matrix state or a delta rule (scanlang/show.py): the scan options are refused."""
-    from . import show   # imports the recipes: only for these kinds
     matrix = isinstance(decl, MatrixState)
     for flag, given in (("--shape", args.shape is not None and not matrix), ("--layout", args.layout is not None),
                         ("--all", args.all)):

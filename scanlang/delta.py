@@ -41,6 +41,18 @@ STEP_INPUTS = ("s", "n2", "eps")
 # kernel build (backends/delta/ops.py `program_key`), which finds the object here
 DECLARED: "dict[tuple[str, str], DeltaRule]" = {}   # a declaration lives as long as its compiled kernels
 DECAY_INPUTS = ("a",)
+# Names a head parameter must not take: the generated decay hooks (backends/delta/codegen.py: decay_hook(a,
+# hp_ptr, h, H) and store_decay_grads(dg, a, hp_ptr, h, H, da_ptr, dhp_ptr, offs, TTH, mask)) load each
+# parameter into a local of its own name beside these arguments and read `tl`. tests/test_delta_dsl.py
+# derives the set from the rendered hooks and checks it is exactly this one.
+HOOK_NAMES = ("H", "TTH", "da_ptr", "dg", "dhp_ptr", "h", "hp_ptr", "mask", "offs", "tl")
+# What the generated delta-rule kernels take (backends/delta): their chunk sizes (each rendered as its own
+# module), the default one (their launch configs are tuned at 64) and the largest head dim K, V. Here, with
+# the rule, so the recipes that launch them and `scanlang show` read one definition without the core
+# importing a recipe.
+CHUNK_SIZES = (16, 32, 64)
+DELTA_CHUNK = 64
+MAX_HEAD_DIM = 256
 
 
 @dataclass(frozen=True)
@@ -89,8 +101,11 @@ class DeltaRule(BuiltOutsideTheTrace):
             raise ValueError(f"name must be an identifier (it names generated kernels), got {name!r}")
         head_params = tuple(head_params)
         for p in head_params:
-            if not p.isidentifier() or p in STEP_INPUTS + DECAY_INPUTS or p.startswith("_"):
+            if not isinstance(p, str) or not p.isidentifier() or p in STEP_INPUTS + DECAY_INPUTS or p.startswith("_"):
                 raise ValueError(f"head_params: {p!r} is not a usable parameter name")
+            if p in HOOK_NAMES:
+                raise ValueError(f"head_params: {p!r} would shadow a name of the generated decay hooks; choose "
+                                 f"another name (the taken ones: {', '.join(HOOK_NAMES)})")
         self.name = name
         self.head_params = head_params
         self.step = trace_hook(step, f"step hook of delta rule '{name}'", STEP_INPUTS, ("s", "n2"))

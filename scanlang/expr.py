@@ -74,10 +74,10 @@ class Traced:
     def __pos__(self): return self
     def __abs__(self): return Traced(sympy.Abs(self.expr))
 
-    def _refuse(name):  # noqa: N805 - builds methods below
+    def _refuse(name, kind="operation", why=""):  # noqa: N805 - builds methods below
         def method(self, *args, **kwargs):
             raise UnsupportedOperationError(
-                f"operation '{name}' is not supported in a traced body (supported: {SUPPORTED})")
+                f"{kind} '{name}' is not supported in a traced body{why} (supported: {SUPPORTED})")
         method.__name__ = name
         return method
 
@@ -89,19 +89,13 @@ class Traced:
     __rmod__ = _refuse("%")
     __matmul__ = _refuse("@")
     __rmatmul__ = _refuse("@")
-    def _compare(name):  # noqa: N805 - builds methods below
-        def method(self, *args, **kwargs):
-            raise UnsupportedOperationError(
-                f"comparison '{name}' is not supported in a traced body: the builtin max() and min() (and "
-                f"`if` on values) compare; use sl.maximum(a, b) / sl.minimum(a, b) instead (supported: {SUPPORTED})")
-        method.__name__ = name
-        return method
-
-    __lt__ = _compare("<")
-    __le__ = _compare("<=")
-    __gt__ = _compare(">")
-    __ge__ = _compare(">=")
-    del _compare
+    _COMPARES = (": the builtin max() and min() (and `if` on values) compare; use sl.maximum(a, b) / "
+                 "sl.minimum(a, b) instead")
+    __lt__ = _refuse("<", "comparison", _COMPARES)
+    __le__ = _refuse("<=", "comparison", _COMPARES)
+    __gt__ = _refuse(">", "comparison", _COMPARES)
+    __ge__ = _refuse(">=", "comparison", _COMPARES)
+    del _COMPARES
     __bool__ = _refuse("bool() (data-dependent control flow such as `if`, `and`, `or`; use sl.maximum/sl.minimum)")
     __float__ = _refuse("float() (math.* functions need concrete numbers; use sl.exp, sl.log, ...)")
     __int__ = _refuse("int()")

@@ -47,8 +47,18 @@ DECAYS = ("none", "per_head", "per_key")
 CORRECTIONS = ("plain", "delta", "householder")
 INPUT_KINDS = {"token": "[B, T, H]", "token_key": "[B, T, H, K]", "head": "[H]"}
 KEY_NORM = "n2"   # ||k_t||^2, a built-in field of the beta hook
+REFERENCE_CHUNK = 32   # chunk_size=None: the reference's chunk (and the plain-write kernels')
 RESERVED = ("q", "k", "v", KEY_NORM, "scale", "initial_state", "output_final_state", "cu_seqlens",
             "backend", "chunk_size", "cp_group", "num_householder")
+# Names an input or constant must not take because the generated kernels (backends/linear) already use what
+# they derive from it: input n becomes x_n, dx_n, y_n, dy_n and the pointers n_ptr, dn_ptr, constant c
+# becomes c_c, and these are the n whose n_ptr / dn_ptr / x_n is one of the kernels' own (q_ptr, dh0_ptr,
+# x_j, ...). The decode module (decode.py) is generated for every structure, the chunk module (kernels.py,
+# kernels_delta.py) for those `has_chunk_kernels` names (the delta-rule kernels never see these names).
+# tests/test_linear_family.py derives both sets from the rendered modules and checks they are exactly these.
+DECODE_NAMES = ("cu", "h0", "ht", "k", "o", "q", "v")
+CHUNK_NAMES = ("G", "chunk_len", "chunk_seq", "chunk_tok", "dh", "dh0", "dht", "dk", "do", "dq", "dv", "h",
+               "h0", "hs", "ht", "j", "k", "o", "q", "seq_chunk0", "v", "wy_aqk", "wy_beta", "wy_tm", "wy_w")
 _PROOFS: "dict[tuple, str]" = {}   # (decay, correction, steps) -> report: the proof depends on the structure only
 
 
@@ -167,6 +177,7 @@ class MatrixState(BuiltOutsideTheTrace):
         self.name, self.decay, self.correction, self.steps = name, decay, correction, steps
         self.inputs = _check_inputs(inputs)
         self.constants = _check_constants(constants, self.inputs)
+        _check_not_generated(self)
         self.beta = self._hook("beta", beta, needed=correction != "plain", extra=(KEY_NORM,))
         self.log_decay = self._hook("log_decay", log_decay, needed=decay != "none", extra=())
         self.rows = self._rows()
@@ -260,6 +271,24 @@ def _check_inputs(inputs) -> dict:
             raise ValueError(f"inputs: {n!r} has kind {kind!r}; kinds are "
                              + ", ".join(f"{k!r} {s}" for k, s in INPUT_KINDS.items()))
     return dict(inputs)
+
+
+def has_chunk_kernels(decay: str, correction: str, steps: int) -> bool:
+    """Whether backends/linear generates chunk kernels for the structure: plain writes, and per-key decay with
+    the delta correction (the delta correction and Householder steps with decay none or per head run on the
+    delta-rule kernels instead, scanlang/delta_form.py)."""
+    return correction == "plain" or (decay == "per_key" and correction == "delta" and steps == 1)
+
+
+def _check_not_generated(decl: "MatrixState") -> None:
+    """A ValueError naming the argument when an input or constant would shadow a generated kernel's name."""
+    taken = DECODE_NAMES + tuple(n for n in CHUNK_NAMES if n not in DECODE_NAMES) if has_chunk_kernels(
+        decl.decay, decl.correction, decl.steps) else DECODE_NAMES
+    for arg, names in (("inputs", decl.inputs), ("constants", decl.constants)):
+        for n in names:
+            if n in taken:
+                raise ValueError(f"{arg}: {n!r} would shadow a name of the generated kernels (their own {n}_ptr, "
+                                 f"d{n}_ptr or x_{n}); choose another name (the taken ones: {', '.join(taken)})")
 
 
 def _check_constants(constants, inputs) -> dict:

@@ -11,18 +11,16 @@
 
 The routing printed is the one recipes/linear/family.py takes: the delta correction or n Householder steps
 with decay none or per head run on the delta-rule kernels (its declaration translated into a DeltaRule by
-recipes/linear/delta_form.py); every other structure on the kernels generated from the declaration
+scanlang/delta_form.py); every other structure on the kernels generated from the declaration
 (backends/linear). Backends are reached through the registry (`scanlang.backend.get`).
 """
 from __future__ import annotations
 
 from . import backend as registry
 from . import tuning
-from .delta import DeltaRule, verify_delta_monoid
-from .linear import INPUT_KINDS, MatrixState
-from .recipes.kaczmarz.ops import CHUNK_SIZES, MAX_HEAD_DIM
-from .recipes.linear.delta_form import delta_form, describe, runs_on_delta
-from .recipes.linear.family import DELTA_CHUNK, REFERENCE_CHUNK
+from .delta import CHUNK_SIZES, DELTA_CHUNK, MAX_HEAD_DIM, DeltaRule, verify_delta_monoid
+from .delta_form import delta_form, describe, runs_on_delta
+from .linear import INPUT_KINDS, REFERENCE_CHUNK, MatrixState
 
 
 def _hook_lines(role: str, hook, names) -> list[str]:

@@ -1,4 +1,5 @@
-"""The one tolerance table, and the comparison helpers every test and benchmark uses.
+"""The one tolerance table, and the comparison helpers every test and benchmark uses (and `jitted`,
+the kernels a generated source defines).
 
 Errors are ratios RMS(out - ref) / RMS(ref) against a float64 reference (the metric
 flash-linear-attention uses; docs/spec/kaczmarz.md gives its values), and, next to the ratio, an
@@ -31,6 +32,7 @@ session when a CPU row is more than `MARGIN_LIMIT` times above its measured wors
 """
 from __future__ import annotations
 
+import ast
 import contextlib
 import json
 import os
@@ -348,3 +350,14 @@ def planted_gradient_error(x: torch.Tensor) -> torch.Tensor:
     """`x` unchanged, but every gradient through it 1% too large: the planted backward bug with which
     the benchmark tests prove that a wrong gradient makes a benchmark fail."""
     return _ScaleGrad.apply(x)
+
+
+def jitted(source: str) -> set[str]:
+    """The names of the `@triton.jit` functions `source` defines (a generated module, or what
+    `scanlang show` printed): what a test of the printed kernels compares.
+
+    >>> sorted(jitted("import triton\\n@triton.jit\\ndef k(x):\\n    pass\\ndef helper():\\n    pass\\n"))
+    ['k']
+    """
+    return {n.name for n in ast.walk(ast.parse(source)) if isinstance(n, ast.FunctionDef)
+            and any(ast.unparse(d) == "triton.jit" for d in n.decorator_list)}

@@ -4,7 +4,6 @@ states and delta rules (show: the generated kernels that run for them).
 One test runs the real command (`python -m scanlang` in a subprocess: the entry point, the exit
 status through sys.exit); the others call `scanlang.cli.main` in this process, which returns the
 same exit status and prints the same text (a subprocess per case only re-imports torch)."""
-import ast
 import importlib
 import subprocess
 import sys
@@ -15,9 +14,10 @@ import pytest
 from scanlang.backends.delta import codegen
 from scanlang.backends.linear import decode, kernels, kernels_delta
 from scanlang.cli import main
-from scanlang.recipes.linear.delta_form import delta_form
+from scanlang.delta_form import delta_form
 from scanlang.linear import matrix_state
 from scanlang.show import show_matrix_state
+from scanlang.testing import jitted
 
 
 def run(*args, cwd=None):
@@ -85,27 +85,13 @@ def declared(tmp_path, monkeypatch):
     return importlib.import_module("cli_declared")
 
 
-def shown(capsys, target, *argv):
-    """(description, source) printed by `scanlang show`; the source must parse."""
-    assert main(["show", target, *argv]) == 0
-    text, _, source = capsys.readouterr().out.partition("\n\n")
-    ast.parse(source)
-    return text, source
-
-
-def jitted(source: str) -> set[str]:
-    """The names of the @triton.jit functions the source defines."""
-    return {n.name for n in ast.walk(ast.parse(source)) if isinstance(n, ast.FunctionDef)
-            and any(ast.unparse(d) == "triton.jit" for d in n.decorator_list)}
-
-
 DELTA_KERNELS = {"delta_prep", "delta_state_output", "delta_wu", "delta_state_fwd", "delta_dU_local",
                  "delta_state_bwd", "delta_bwd_dqk", "delta_bwd_wy", "delta_recurrent"}
 
 
-def test_show_a_plain_write_member_prints_its_chunk_and_decode_kernels(capsys):
+def test_show_a_plain_write_member_prints_its_chunk_and_decode_kernels(shown):
     from scanlang.recipes.linear.members import GLA
-    text, source = shown(capsys, f"{MEMBERS}:GLA")
+    text, source = shown(f"{MEMBERS}:GLA")
     assert text.startswith("matrix state gla: decay per_key, correction plain") and "input g: token_key" in text
     assert kernels.render(GLA) in source and decode.render(GLA) in source
     assert {"gla_decay_cumsum", "gla_fwd", "gla_bwd_dh", "gla_bwd", "gla_decode"} <= jitted(source)
@@ -114,9 +100,9 @@ def test_show_a_plain_write_member_prints_its_chunk_and_decode_kernels(capsys):
     assert not DELTA_KERNELS & jitted(source)
 
 
-def test_show_kda_prints_its_per_key_delta_chunk_kernels_and_decode_kernel(capsys):
+def test_show_kda_prints_its_per_key_delta_chunk_kernels_and_decode_kernel(shown):
     from scanlang.recipes.linear.members import KDA
-    text, source = shown(capsys, f"{MEMBERS}:KDA")
+    text, source = shown(f"{MEMBERS}:KDA")
     assert "beta(t) = beta" in text and "log_decay(t) = g" in text
     assert kernels_delta.render(KDA) in source and decode.render(KDA) in source
     assert {"kda_prep", "kda_fwd", "kda_bwd_dh", "kda_bwd", "kda_decode"} <= jitted(source)
@@ -132,41 +118,41 @@ def test_show_per_key_householder_steps_print_only_their_decode_kernel_and_say_w
     assert jitted(source.partition("\n\n")[2]) == {"show_per_key_product_decode"}
 
 
-def test_show_the_kaczmarz_member_prints_the_delta_rule_kernels_it_is_routed_to(capsys):
+def test_show_the_kaczmarz_member_prints_the_delta_rule_kernels_it_is_routed_to(shown):
     from scanlang.recipes.linear.members import KACZMARZ
-    text, source = shown(capsys, f"{MEMBERS}:KACZMARZ")
+    text, source = shown(f"{MEMBERS}:KACZMARZ")
     assert "beta(t) = eta/(eps + n2)" in text and "constant eps = 1e-06" in text
     rule = delta_form(KACZMARZ, KACZMARZ.constants).rule
     assert rule.name == "kaczmarz" and codegen.kernel_source(rule, 64) in source
     assert jitted(source) >= DELTA_KERNELS and "kaczmarz_decode" not in jitted(source)
     assert "# delta rule kaczmarz (beta = s/(eps + n2), g = a); s = eta, a = g" in source
     assert "# delta_recurrent: no gradients, every sequence <= 16 tokens" in source
-    _, at16 = shown(capsys, f"{MEMBERS}:KACZMARZ", "--chunk", "16")
+    _, at16 = shown(f"{MEMBERS}:KACZMARZ", "--chunk", "16")
     assert codegen.kernel_source(rule, 16) in at16 and at16 != source
 
 
-def test_show_user_declared_matrix_states(declared, capsys):
-    text, source = shown(capsys, "cli_declared:retention")
+def test_show_user_declared_matrix_states(declared, shown):
+    text, source = shown("cli_declared:retention")
     assert "log_decay(t) = LogSigmoid(a)\n    d/da = Sigmoid(-a)" in text
     assert kernels.render(declared.retention) in source and decode.render(declared.retention) in source
     assert {"cli_retention_decay_cumsum", "cli_retention_fwd", "cli_retention_decode"} <= jitted(source)
     # a delta structure whose beta is no shipped rule's: a rule of its own, named after the declaration
-    _, source = shown(capsys, "cli_declared:soft_delta", "--chunk", "32")
+    _, source = shown("cli_declared:soft_delta", "--chunk", "32")
     rule = delta_form(declared.soft_delta, {}).rule
     assert rule.name == "cli_soft_delta" and codegen.kernel_source(rule, 32) in source
     assert DELTA_KERNELS <= jitted(source)
-    text, source = shown(capsys, "cli_declared:product")
+    text, source = shown("cli_declared:product")
     assert "correction householder, 2 steps" in text and "(T*n rows, with k and v)" in text
     assert "2 Householder steps: a delta rule over the interleaved T*n rows" in source
     assert DELTA_KERNELS <= jitted(source)   # the delta-rule kernels, forward and backward
 
 
-def test_show_and_verify_a_delta_rule(declared, capsys):
-    text, source = shown(capsys, "cli_declared:halved", "--chunk", "32")
+def test_show_and_verify_a_delta_rule(declared, capsys, shown):
+    text, source = shown("cli_declared:halved", "--chunk", "32")
     assert text.startswith("delta rule cli_halved") and "per-head parameters rate" in text
     assert "beta = step(t) = s/2" in text and "d/drate = a" in text
     assert codegen.kernel_source(declared.halved, 32) in source and DELTA_KERNELS <= jitted(source)
-    _, default = shown(capsys, "scanlang.delta:KACZMARZ")
+    _, default = shown("scanlang.delta:KACZMARZ")
     from scanlang.delta import KACZMARZ
     assert codegen.kernel_source(KACZMARZ, 64) in default
     assert main(["verify", "cli_declared:halved"]) == 0

@@ -90,3 +90,29 @@ def test_a_new_family_member_in_one_line_and_bad_declarations():
         DeltaRule("bad", step=lambda t: t.beta)
     with pytest.raises(UnsupportedOperationError):
         DeltaRule("bad", step=lambda t: t.s ** 2)
+
+
+def test_the_head_parameter_names_refused_are_the_ones_the_generated_hooks_use():
+    """delta.HOOK_NAMES, derived: every name the rendered decay hooks read, bind or take, but the head
+    parameters themselves (loaded into locals of their own names) and the printer's _-temporaries."""
+    import ast
+
+    from scanlang.backends.delta.codegen import hook_kernels
+    from scanlang.backends.triton.kernel.printer import render_kernel
+    from scanlang.delta import HOOK_NAMES
+    rule = DeltaRule("names_rule", step=lambda t: t.s / (t.n2 + t.eps),
+                     decay=lambda t: -sl.exp(t.A) * sl.softplus(t.a + t.bias) + sl.abs(t.a), head_params=("A", "bias"))
+    used = set()
+    for k in hook_kernels(rule):
+        if k.name in ("decay_hook", "store_decay_grads"):
+            fn = ast.parse(render_kernel(k)).body[0]
+            used |= {n.id for stmt in fn.body for n in ast.walk(stmt) if isinstance(n, ast.Name)}
+            used |= {a.arg for a in fn.args.args}
+    assert {n for n in used if not n.startswith("_")} - set(rule.head_params) - {"a"} == set(HOOK_NAMES)
+
+
+@pytest.mark.parametrize("name", ["h", "H", "hp_ptr", "mask", "tl"])
+def test_a_head_parameter_that_would_shadow_a_generated_name_is_refused(name):
+    with pytest.raises(ValueError, match=rf"head_params: '{name}' would shadow a name of the generated decay hooks"):
+        DeltaRule("shadowing", step=lambda t: t.s, decay=lambda t: t.a * getattr(t, name), head_params=(name,))
+

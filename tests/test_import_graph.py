@@ -119,3 +119,13 @@ def test_nothing_imports_a_tool():
     edges = graph()
     bad = sorted((m, t) for m, targets in edges.items() if not is_tool(m) for t in targets if is_tool(t))
     assert not bad, f"modules importing a tool: {bad}"
+
+
+def test_the_core_imports_no_recipe():
+    """A recipe builds on the core, never the other way round. The core: scanlang/ but its tools and
+    scanlang.models (the tasks' sequence models, a floor above the recipes whose layers they stack)."""
+    edges = graph()
+    above = ("scanlang.backends", "scanlang.recipes", "scanlang.models")
+    core = [m for m in edges if not m.startswith(above) and not is_tool(m)]
+    bad = sorted((m, t) for m in core for t in edges[m] if t.startswith("scanlang.recipes"))
+    assert not bad, f"core modules importing a recipe: {bad}"

@@ -2,6 +2,7 @@
 unparsed once; comments and origins as `#` lines; bad input refused naming the kernel."""
 import ast
 import inspect
+import pathlib
 
 import pytest
 
@@ -111,9 +112,32 @@ def test_chunked_module_points_at_the_declaration_and_is_deterministic():
         ir = pipeline.lower(m)
         src = chunked.render(ir, pipeline.differentiate(ir))
         fn = m.combine_fn
-        assert f"# from combine of {m.name}: {inspect.getsourcefile(fn)}:{fn.__code__.co_firstlineno}" in src
+        assert f"# from combine of {m.name}: scanlang/library.py:{fn.__code__.co_firstlineno}" in src
         assert all(f"def {name}(" in src for name in chunked.KERNELS)
     assert common.origins(pipeline.lower(sl.Mobius))[1].what == "scale of Mobius"
+
+
+def test_origins_print_the_same_path_from_any_working_directory(tmp_path, monkeypatch):
+    """Origin comments name the declaring file relative to the working directory when it is under it,
+    else to its package's root, else by file name: never an absolute path, so the source is the same
+    wherever the checkout lives."""
+    ir = pipeline.lower(sl.Affine)
+    adj = pipeline.differentiate(ir)
+    root = pathlib.Path(inspect.getsourcefile(sl.Affine.combine_fn)).resolve().parents[1]
+    monkeypatch.chdir(root)
+    here = chunked.render(ir, adj), pipeline.render(ir, adj)
+    monkeypatch.chdir(tmp_path)
+    assert (chunked.render(ir, adj), pipeline.render(ir, adj)) == here   # byte for byte
+    assert str(root) not in here[0] and "# from combine of Affine: scanlang/library.py:" in here[0]
+    loose = tmp_path / "sub" / "decl.py"
+    loose.parent.mkdir()
+    loose.write_text("")
+    assert common.source_path(str(loose)) == "sub/decl.py"        # under the working directory
+    monkeypatch.chdir(loose.parent.parent.parent)
+    assert common.source_path(str(loose)) == f"{tmp_path.name}/sub/decl.py"
+    monkeypatch.chdir(root)
+    assert common.source_path(str(loose)) == "decl.py"            # neither: the file name
+    assert common.source_path("<stdin>") == "<stdin>"
 
 
 def test_unpacking_add_assign_and_staged_loops():
@@ -159,8 +183,28 @@ def _readout(p, u, q):
 def test_mixer_kernels_point_at_the_lift_and_readout():
     ir = pipeline.lower(sl.Affine, inputs=("a", "b", "c"), lift=_lift, outputs=("y",), readout=_readout)
     src = pipeline.render(ir, pipeline.differentiate(ir))
-    here = inspect.getsourcefile(_lift)
+    here = common.source_path(inspect.getsourcefile(_lift))   # tests/test_kernel_printer.py from the root
     for what, fn in (("lift", _lift), ("readout", _readout)):
         assert f"# from {what} of Affine: {here}:{fn.__code__.co_firstlineno}" in src
     assert ir == pipeline.lower(sl.Affine, inputs=("a", "b", "c"), lift=lambda u: (u.a, u.b), outputs=("y",),
                                 readout=lambda p, u, q: p.b * u.c)   # where it is declared is not its identity
+
+
+def test_a_name_that_needs_escaping_is_escaped_once_in_every_docstring():
+    """Kernel and module docs hold docstring text (the name escaped by E.docstring_text); the printer
+    writes it between triple quotes as it is, so the docstrings Python reads hold the name itself."""
+    name = 'say "hi" \\ to\n\'them\'"""'
+    m = sl.monoid(fields=("esc",), identity=(0,), name=name)(lambda x, y: (x.esc + y.esc,))
+    ir = pipeline.lower(m)
+    adj = pipeline.differentiate(ir)
+    for src in (pipeline.render(ir, adj), chunked.render(ir, adj)):
+        tree = ast.parse(src)
+        docs = [ast.get_docstring(n, clean=False) for n in [tree, *ast.walk(tree)]
+                if isinstance(n, (ast.Module, ast.FunctionDef)) and ast.get_docstring(n, clean=False)]
+        named = [d for d in docs if "say" in d]
+        assert named and all(name in d for d in named), named
+        assert "\\\\" + '"' not in src   # no escaped backslash before a quote: nothing escaped twice
+    with pytest.raises(ValueError, match=r"kernel k: docstring .* cannot stand between triple quotes"):
+        render(K.Module("d", (K.Kernel("k", (), (), doc='ends in a quote"'),)))
+    with pytest.raises(ValueError, match="module: docstring"):
+        render(K.Module('a """ b', ()))

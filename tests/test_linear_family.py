@@ -10,6 +10,7 @@ import torch.nn.functional as F
 import scanlang as sl
 from scanlang import expr as E
 from scanlang.errors import UnsupportedOperationError
+from scanlang.linear import DECODE_NAMES
 from scanlang.recipes import kaczmarz
 from scanlang.recipes import linear as L
 from scanlang.recipes.linear.members import _OPS, DELTA_RULE, KACZMARZ
@@ -221,6 +222,68 @@ def test_the_proof_catches_a_wrong_token_element(monkeypatch):
 def test_bad_declarations_raise_typed_errors(kwargs, error, match):
     with pytest.raises(error, match=match):
         sl.matrix_state("bad", **kwargs)
+
+
+# what the generated kernels (backends/linear) make of a declared name n: locals and pointer parameters
+_FROM_A_NAME = ("x_{}", "dx_{}", "y_{}", "dy_{}", "{}_ptr", "d{}_ptr", "c_{}")
+
+
+def _bound_names(source: str) -> set:
+    """Every name a generated module's functions read, bind or take as a parameter."""
+    import ast
+    return {n.id for n in ast.walk(ast.parse(source)) if isinstance(n, ast.Name)} | {
+        n.arg for n in ast.walk(ast.parse(source)) if isinstance(n, ast.arg)}
+
+
+def _derived(taken: set) -> set:
+    """Each n whose x_n, n_ptr, dn_ptr, ... is among the names `taken`."""
+    out = set()
+    for t in _FROM_A_NAME:
+        pre, post = t.split("{}")
+        out |= {b[len(pre):len(b) - len(post)] for b in taken
+                if b.startswith(pre) and b.endswith(post) and b[len(pre):len(b) - len(post)].isidentifier()}
+    return out
+
+
+def test_the_names_a_declaration_may_not_take_are_the_ones_the_generated_kernels_use():
+    """linear.DECODE_NAMES and CHUNK_NAMES, derived: render the decode and chunk modules of declarations of
+    every structure (with every input kind and a constant), take the names that are the kernels' own (not made
+    from the declaration's names), and collect each n whose x_n, n_ptr, dn_ptr, ... is among them."""
+    from scanlang.backends.linear import decode, ops
+    from scanlang.linear import CHUNK_NAMES, DECODE_NAMES, has_chunk_kernels
+    from scanlang.recipes.linear import members as M
+    gate = dict(inputs={"a": "token", "A": "head", "u": "token_key", "b": "token"}, constants={"eps": 1.0})
+    decls = [getattr(M, n) for n in ("LINEAR_ATTENTION", "SIMPLE_GLA", "GLA", "DELTANET", "DELTA_RULE", "KDA",
+                                     "KACZMARZ")]
+    decls += [M.gated_delta_product_declaration(2, True), KACZMARZ_KDA, MAMBA2_GDN]
+    decls += [sl.matrix_state(f"names_{decay}_{correction}", decay=decay, correction=correction, **gate,
+                              beta=(lambda t: t.b / (t.n2 + t.eps)) if correction == "delta" else None,
+                              log_decay=lambda t: -sl.exp(t.A) * sl.softplus(t.u + t.a))
+              for decay, correction in (("per_key", "plain"), ("per_key", "delta"))]
+    decoded, chunked = set(), set()
+    for d in decls:
+        own = {t.format(n) for n in [*d.inputs, *d.constants] for t in _FROM_A_NAME}
+        sources = ops.sources(d)
+        assert ("chunk" in sources) == has_chunk_kernels(d.decay, d.correction, d.steps), d.name
+        decoded |= _bound_names(decode.render(d)) - own
+        chunked |= _bound_names(sources.get("chunk", "")) - own
+    assert _derived(decoded) == set(DECODE_NAMES)
+    assert _derived(chunked) == set(CHUNK_NAMES)
+
+
+@pytest.mark.parametrize("arg", ["inputs", "constants"])
+@pytest.mark.parametrize("name", ["h0", "dq", "o", "j", "chunk_tok", "h"])
+def test_a_name_that_would_shadow_a_generated_one_is_refused(arg, name):
+    kwargs = {"inputs": {name: "token"}} if arg == "inputs" else {"constants": {name: 1.0}}
+    with pytest.raises(ValueError, match=rf"{arg}: '{name}' would shadow a name of the generated kernels"):
+        sl.matrix_state("shadowing", decay="per_head", **kwargs)   # plain writes: chunk kernels generated
+    # on the delta-rule kernels only the decode module sees the name: "h" is free there (its own x_h, h_ptr)
+    delta = dict(correction="delta", beta=lambda t: t.n2)
+    if name in DECODE_NAMES:
+        with pytest.raises(ValueError, match=rf"{arg}: '{name}'"):
+            sl.matrix_state("shadowing", **delta, **kwargs)
+    else:
+        sl.matrix_state("not_shadowing", **delta, **kwargs)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -1,5 +1,5 @@
 """Family members of the delta structure (correction delta, one step, decay none / per head) on the delta-rule
-kernels with backend="triton" (recipes/linear/delta_form.py; Triton's interpreter on CPU): outputs, final
+kernels with backend="triton" (scanlang/delta_form.py; Triton's interpreter on CPU): outputs, final
 states and the gradients of q, k, v, every hook input and the initial state against an independent float64
 token loop written here, and against backend="reference"."""
 from __future__ import annotations
@@ -14,7 +14,7 @@ import scanlang as sl
 from scanlang.backends.delta import ops as delta_ops
 from scanlang.delta import GIVEN, KACZMARZ as KACZMARZ_RULE
 from scanlang.recipes import linear as L
-from scanlang.recipes.linear.delta_form import default_backend, delta_form
+from scanlang.delta_form import default_backend, delta_form
 from scanlang.recipes.linear.members import DELTA_RULE, DELTANET, KACZMARZ, KDA
 from scanlang.testing import assert_close
 

@@ -1,5 +1,5 @@
 """gated_delta_product (n Householder steps per token) on the delta-rule kernels with backend="triton": a delta rule
-over the interleaved T*n rows (recipes/linear/delta_form.py, family.py; Triton's interpreter on CPU). Outputs, final
+over the interleaved T*n rows (scanlang/delta_form.py, family.py; Triton's interpreter on CPU). Outputs, final
 states and the gradients of q, k, v, g, beta, the per-head inputs and the initial state against an independent
 float64 token loop written here, differentiated by autograd."""
 from __future__ import annotations
@@ -11,7 +11,7 @@ import torch.nn.functional as F
 import scanlang as sl
 from scanlang.backends.delta import ops as delta_ops
 from scanlang.recipes import linear as L
-from scanlang.recipes.linear.delta_form import default_backend, delta_form, runs_on_delta
+from scanlang.delta_form import default_backend, delta_form, runs_on_delta
 from scanlang.testing import assert_close
 
 C = 16                # the delta kernels' chunk here: it counts rows of the interleaved stream (T*n)

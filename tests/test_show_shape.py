@@ -1,7 +1,6 @@
 """`scanlang show MODULE:NAME --shape B,T,D --layout time|channels`: the configs chosen for the shape
 and the kernels they run (the chunk-parallel module for few lanes and long T), with comments that
 point at the monoid's declaration; bad options are refused naming the option."""
-import inspect
 
 import pytest
 
@@ -10,25 +9,25 @@ from scanlang import cli
 from scanlang.backends.triton import show_shape as show
 
 
-def shown(capsys, *argv):
+def show_affine(capsys, *argv):
     code = cli.main(["show", "scanlang.library:Affine", *argv])
     out = capsys.readouterr()
     return code, out.out, out.err
 
 
 def test_few_lanes_long_time_prints_the_chunked_kernels_with_origins(capsys):
-    code, out, _ = shown(capsys, "--shape", "1,1048576,16", "--layout", "time")
+    code, out, _ = show_affine(capsys, "--shape", "1,1048576,16", "--layout", "time")
     assert code == 0
     assert "forward config:  Config(" in out and "schedule='chunked'" in out
     for name in ("chunk_scan", "chunk_bwd_scan"):
         assert f"def {name}(" in out
     assert "def scan_forward(" not in out   # only the kernels that run
-    where = f"{inspect.getsourcefile(sl.Affine.combine_fn)}:{sl.Affine.combine_fn.__code__.co_firstlineno}"
+    where = f"scanlang/library.py:{sl.Affine.combine_fn.__code__.co_firstlineno}"
     assert f"# from combine of Affine: {where}" in out
 
 
 def test_many_lanes_print_the_tile_module(capsys):
-    code, out, _ = shown(capsys, "--shape", "8,4096,1536", "--layout", "channels")
+    code, out, _ = show_affine(capsys, "--shape", "8,4096,1536", "--layout", "channels")
     assert code == 0
     assert "schedule: tile" in out and "def scan_forward(" in out and "def chunk_scan(" not in out
 
@@ -38,7 +37,7 @@ def test_many_lanes_print_the_tile_module(capsys):
                                          (["--shape", "1,8,2", "--layout", "rows"], "--layout"),
                                          (["--layout", "channels"], "--layout")])
 def test_bad_options_exit_two_naming_the_option(capsys, argv, option):
-    code, _, err = shown(capsys, *argv)
+    code, _, err = show_affine(capsys, *argv)
     assert code == 2
     assert option in err
 

@@ -8,7 +8,8 @@
 """
 from __future__ import annotations
 
-from .parts import (STATE_BLOCK, TOK, Hooks, a, aug, call, chunk_from_bounds, chunk_rows, const, fp32, g_last,
+from ..triton.kernel import ir as K
+from .parts import (STATE_BLOCK, TOK, Hooks, aug, call, chunk_from_bounds, chunk_rows, const, fp32, g_last,
                     jit, load_tm, loop, mm, nan_after, note, per_token, ret, rnd, seq_bounds, state_program,
                     store, store_final, tile, tile_off, when)
 
@@ -25,23 +26,23 @@ def local():
         *fp32("scale"),
         note("a chunk's value blocks run back to back: q, k from L2"),
         const("NVB", "(V + BV - 1) // BV"),
-        a("c", "tl.program_id(0) // NVB"), a("h", "tl.program_id(1)"),
-        a("vv", "tl.program_id(0) % NVB * BV + tl.arange(0, BV)"), a("kk", "tl.arange(0, BK)"),
+        K.assign("c", "tl.program_id(0) // NVB"), K.assign("h", "tl.program_id(1)"),
+        K.assign("vv", "tl.program_id(0) % NVB * BV + tl.arange(0, BV)"), K.assign("kk", "tl.arange(0, BK)"),
         *chunk_rows(),
-        a("km", KEY_TILE), a("vm", VALUE_TILE),
-        a("q", tile("q_ptr", "K", "kk", "km")), a("k", tile("k_ptr", "K", "kk", "km")),
-        a("G", per_token("gcum_ptr")),
-        a("do", tile("do_ptr", "V", "vv", "vm")),
+        K.assign("km", KEY_TILE), K.assign("vm", VALUE_TILE),
+        K.assign("q", tile("q_ptr", "K", "kk", "km")), K.assign("k", tile("k_ptr", "K", "kk", "km")),
+        K.assign("G", per_token("gcum_ptr")),
+        K.assign("do", tile("do_ptr", "V", "vv", "vm")),
         when("STORE_DO", [store("doq_ptr + " + tile_off("V", "vv"), rnd("do", "doq_ptr.dtype.element_ty"), "vm")]),
-        a("dU", "local_dU(q, k, G, do, ok, rows, scale, IN_PREC, UPCAST)"),
+        K.assign("dU", "local_dU(q, k, G, do, ok, rows, scale, IN_PREC, UPCAST)"),
         store("dul_ptr + " + tile_off("V", "vv"), "dU", "vm")], """
         dU from the outputs within each chunk, scale (Q K^T * D)^T dO (fp32), for delta_state_bwd without
         LOCAL_DU: per chunk and block of BV value columns, in parallel. With STORE_DO, also dO rounded to doq's
         dtype (the input dtype, to which every later use of dO rounds it: the same bits, half the reads).""")
     local_dU = jit("local_dU", "q, k, G, do, ok, rows, scale, IN_PREC:, UPCAST:", [
-        a("causal_t", "(rows[None, :] >= rows[:, None]) & ok[None, :]"),
-        a("Dt", "tl.where(causal_t, tl.exp(tl.where(causal_t, G[None, :] - G[:, None], 0.0)), 0.0)"),
-        a("Mt", mm("k", "tl.trans(q)") + " * Dt"),
+        K.assign("causal_t", "(rows[None, :] >= rows[:, None]) & ok[None, :]"),
+        K.assign("Dt", "tl.where(causal_t, tl.exp(tl.where(causal_t, G[None, :] - G[:, None], 0.0)), 0.0)"),
+        K.assign("Mt", mm("k", "tl.trans(q)") + " * Dt"),
         ret(mm(rnd("Mt", "q.dtype"), rnd("do", "q.dtype")) + " * scale")],
         "scale (Q K^T * D)^T dO for one chunk (row j: key, column i: query of the causal mask's transpose).")
     return [dU_local, local_dU]
@@ -49,40 +50,40 @@ def local():
 
 def state_bwd():
     loop_body = [
-        a("c", "c1 - 1 - i"),
+        K.assign("c", "c1 - 1 - i"),
         when("SEQ_BOUNDS", [note("no address in the loop waits on a load"), *chunk_from_bounds()],
-             [a("t0, nv, tok, ok", "chunk_tokens(chunk_tok, chunk_len, c, rows)")]),
+             [K.assign("t0, nv, tok, ok", "chunk_tokens(chunk_tok, chunk_len, c, rows)")]),
         store(f"dh_ptr + {STATE_BLOCK}", rnd("dS", "dh_ptr.dtype.element_ty"), "sm"),
-        a("km", KEY_TILE), a("vm", VALUE_TILE),
-        a("q", tile("q_ptr", "K", "kk", "km")), a("k", tile("k_ptr", "K", "kk", "km")),
-        a("w", tile("w_ptr", "K", "kk", "km")),
-        a("G", per_token("gcum_ptr")), g_last(),
-        a("do", tile("do_ptr", "V", "vv", "vm")),
+        K.assign("km", KEY_TILE), K.assign("vm", VALUE_TILE),
+        K.assign("q", tile("q_ptr", "K", "kk", "km")), K.assign("k", tile("k_ptr", "K", "kk", "km")),
+        K.assign("w", tile("w_ptr", "K", "kk", "km")),
+        K.assign("G", per_token("gcum_ptr")), g_last(),
+        K.assign("do", tile("do_ptr", "V", "vv", "vm")),
         when("LOCAL_DU", [note("off the loop's dependency chain (it does not depend on dS)"),
-                          a("dU", "local_dU(q, k, G, do, ok, rows, scale, IN_PREC, UPCAST)")],
-             [a("dU", tile("dul_ptr", "V", "vv", "vm"))]),
-        a("tail", "tl.where(ok, tl.exp(G_last - G), 0.0)"),
+                          K.assign("dU", "local_dU(q, k, G, do, ok, rows, scale, IN_PREC, UPCAST)")],
+             [K.assign("dU", tile("dul_ptr", "V", "vv", "vm"))]),
+        K.assign("tail", "tl.where(ok, tl.exp(G_last - G), 0.0)"),
         when("DECAY_V", [
             note("the decays scale [C, BV] tiles (dU's rows, dO's rows); q and k enter the dots as loaded"),
             aug("dU", "tail[:, None] * " + mm("k", rnd("dS", "k.dtype")))], [
-            a("kt", rnd("k.to(tl.float32) * tail[:, None]", "k.dtype")),
+            K.assign("kt", rnd("k.to(tl.float32) * tail[:, None]", "k.dtype")),
             aug("dU", mm("kt", rnd("dS", "k.dtype")))]),
         store("dU_ptr + " + tile_off("V", "vv"), rnd("dU", "dU_ptr.dtype.element_ty"), "vm"),
-        a("eG", "tl.where(ok, tl.exp(G), 0.0)"),
+        K.assign("eG", "tl.where(ok, tl.exp(G), 0.0)"),
         when("DECAY_V", [
-            a("dS", "dS * tl.exp(G_last) + scale * " + mm("tl.trans(q)", rnd("do * eG[:, None]", "q.dtype")))], [
-            a("qg", rnd("q.to(tl.float32) * eG[:, None]", "q.dtype")),
-            a("dS", "dS * tl.exp(G_last) + scale * " + mm("tl.trans(qg)", rnd("do", "q.dtype")))]),
+            K.assign("dS", "dS * tl.exp(G_last) + scale * " + mm("tl.trans(q)", rnd("do * eG[:, None]", "q.dtype")))], [
+            K.assign("qg", rnd("q.to(tl.float32) * eG[:, None]", "q.dtype")),
+            K.assign("dS", "dS * tl.exp(G_last) + scale * " + mm("tl.trans(qg)", rnd("do", "q.dtype")))]),
         aug("dS", mm("tl.trans(w)", rnd("dU", "w.dtype")), "-")]
     return jit("delta_state_bwd", "q_ptr, k_ptr, w_ptr, gcum_ptr, do_ptr, dul_ptr, dht_ptr, chunk_tok, chunk_len, "
                                   f"seq_chunk0, dh_ptr, dU_ptr, dh0_ptr, scale, {SHAPE}, HAS_DHT:, STORE_DH0:, "
                                   f"LOCAL_DU:, {PRECS}, SEQ_BOUNDS:=False, DECAY_V:=False", [
         *fp32("scale"),
         *state_program(),
-        a("rows", "tl.arange(0, C)"),
-        a("sm", "(kk[:, None] < K) & (vv[None, :] < V)"),
-        a("dS", "initial_state(dht_ptr, n, h, H, kk, vv, sm, HAS_DHT, K, V, BK, BV)"),
-        a("c0", "tl.load(seq_chunk0 + n)"), a("c1", "tl.load(seq_chunk0 + n + 1)"),
+        K.assign("rows", "tl.arange(0, C)"),
+        K.assign("sm", "(kk[:, None] < K) & (vv[None, :] < V)"),
+        K.assign("dS", "initial_state(dht_ptr, n, h, H, kk, vv, sm, HAS_DHT, K, V, BK, BV)"),
+        K.assign("c0", "tl.load(seq_chunk0 + n)"), K.assign("c1", "tl.load(seq_chunk0 + n + 1)"),
         when("SEQ_BOUNDS", [note("chunks' first tokens and lengths from the sequence's bounds, as in the forward's "
                                  "state_pass"), *seq_bounds()]),
         loop("i", "c1 - c0", loop_body),
@@ -96,7 +97,7 @@ def state_bwd():
 
 
 def _zeros(name: str, shape: str):
-    return a(name, f"tl.zeros([{shape}], dtype=tl.float32)")
+    return K.assign(name, f"tl.zeros([{shape}], dtype=tl.float32)")
 
 
 def _store_dk():
@@ -108,70 +109,70 @@ def _hook_grads_call(hooks: Hooks, n2: str):
     still passes `n2` for the zero-key guard where the rule needs it)."""
     args = f"dG, dbeta, {n2 + ', ' if hooks.takes_n2 else ''}a_ptr, {hooks.hp_param}s_ptr, {hooks.eps_param}da_ptr, " \
            f"{hooks.dhp_param}ds_ptr, tok, h, H, {'TTH, ' if hooks.params else ''}ok, rows, bad_row"
-    return a("dn2", f"hook_grads({args})") if hooks.n2 else call(f"hook_grads({args})")
+    return K.assign("dn2", f"hook_grads({args})") if hooks.n2 else call(f"hook_grads({args})")
 
 
 def dqk(hooks: Hooks = Hooks()):
     value_loop = [
-        a("vv", "iv * BV + tl.arange(0, BV)"), a("vm", VALUE_TILE), a("sm", "(kk[:, None] < K) & (vv[None, :] < V)"),
-        a("S0", f"tl.load(h_ptr + {STATE_BLOCK}, mask=sm, other=0.0)"),
-        a("dSe", f"tl.load(dh_ptr + {STATE_BLOCK}, mask=sm, other=0.0)"),
+        K.assign("vv", "iv * BV + tl.arange(0, BV)"), K.assign("vm", VALUE_TILE), K.assign("sm", "(kk[:, None] < K) & (vv[None, :] < V)"),
+        K.assign("S0", f"tl.load(h_ptr + {STATE_BLOCK}, mask=sm, other=0.0)"),
+        K.assign("dSe", f"tl.load(dh_ptr + {STATE_BLOCK}, mask=sm, other=0.0)"),
         note("h, dh and U are stored in the input dtype; dU and dO (fp32) are rounded to it for the dots"),
-        a("U", tile("U_ptr", "V", "vv", "vm")),
+        K.assign("U", tile("U_ptr", "V", "vv", "vm")),
         when("bad_row < nv", [
             note("else 0 * NaN through the causal mask and the chunk end's sums (terms that cancel in dg)"),
-            a("U", "finite_or_zero(U)")]),
-        a("dU", tile("dU_ptr", "V", "vv", "vm")),
-        a("do", rnd(tile("do_ptr", "V", "vv", "vm"), "S0.dtype")),
+            K.assign("U", "finite_or_zero(U)")]),
+        K.assign("dU", tile("dU_ptr", "V", "vv", "vm")),
+        K.assign("do", rnd(tile("do_ptr", "V", "vv", "vm"), "S0.dtype")),
         aug("dOU", mm("do", "tl.trans(U)")),
         aug("dq1", mm("do", "tl.trans(S0)")),
         aug("dks", mm("U", "tl.trans(dSe)")),
         aug("dw", mm(rnd("dU", "S0.dtype"), "tl.trans(S0)"), "-"),
         aug("dlast", "tl.sum(S0.to(tl.float32) * dSe.to(tl.float32), 1)"),
-        when("WY", [a("dbeta, dTm", "u_grads(v_ptr, dv_ptr, Tm, dU, beta, dbeta, dTm, tok, vv, vm, h, H, V, LOWP, "
+        when("WY", [K.assign("dbeta, dTm", "u_grads(v_ptr, dv_ptr, Tm, dU, beta, dbeta, dTm, tok, vv, vm, h, H, V, LOWP, "
                                     "PREC, IN_PREC, UPCAST, bad_row < nv)")])]
     epilogue = [
         note("the epilogue consumes the loop's tiles one by one: dOU, dq1, dks, dw"),
-        a("G", per_token("gcum_ptr")), g_last(),
-        a("eG", "tl.where(ok, tl.exp(G), 0.0)"),
-        a("q", tile("q_ptr", "K", "kk", "km")), a("k", tile("k_ptr", "K", "kk", "km")),
-        a("kf", "k.to(tl.float32)"),
+        K.assign("G", per_token("gcum_ptr")), g_last(),
+        K.assign("eG", "tl.where(ok, tl.exp(G), 0.0)"),
+        K.assign("q", tile("q_ptr", "K", "kk", "km")), K.assign("k", tile("k_ptr", "K", "kk", "km")),
+        K.assign("kf", "k.to(tl.float32)"),
         note("outputs (every dG term below is a sum over key columns: each block adds its share)"),
-        a("dM", "dOU * tl.where(causal, tl.exp(tl.where(causal, G[:, None] - G[None, :], 0.0)), 0.0) * scale"),
-        a("dMq", rnd("dM", "q.dtype")),
-        a("dq1", "dq1 * (scale * eG)[:, None]"),
-        when("DG_SUMS", [a("dq", "dq1 + " + mm("dMq", "k")), a("dG", "tl.sum(dq * q.to(tl.float32), 1)")], [
-            a("PM", "dM * " + mm("q", "tl.trans(k)")),
-            a("dG", "tl.sum(PM, 1) - tl.sum(PM, 0)"),
+        K.assign("dM", "dOU * tl.where(causal, tl.exp(tl.where(causal, G[:, None] - G[None, :], 0.0)), 0.0) * scale"),
+        K.assign("dMq", rnd("dM", "q.dtype")),
+        K.assign("dq1", "dq1 * (scale * eG)[:, None]"),
+        when("DG_SUMS", [K.assign("dq", "dq1 + " + mm("dMq", "k")), K.assign("dG", "tl.sum(dq * q.to(tl.float32), 1)")], [
+            K.assign("PM", "dM * " + mm("q", "tl.trans(k)")),
+            K.assign("dG", "tl.sum(PM, 1) - tl.sum(PM, 0)"),
             aug("dG", "tl.sum(dq1 * q.to(tl.float32), 1)"),
-            a("dq", "dq1 + " + mm("dMq", "k"))]),
+            K.assign("dq", "dq1 + " + mm("dMq", "k"))]),
         nan_after("dq"),
         store("dq_ptr + " + tile_off("K", "kk"), rnd("dq", "dq_ptr.dtype.element_ty"), "km"),
         note("w = Tm X on this block's columns: dTm += dw X^T, dX = Tm^T dw (fp32 operands: PREC)"),
-        a("bG", "beta * eG"),
+        K.assign("bG", "beta * eG"),
         when("LOWP", [note("dw X^T = (dw K^T) diag(bG): the keys enter as loaded"),
-                      a("dTm_blk", mm(rnd("dw", "k.dtype"), "tl.trans(k)") + " * bG[None, :]")],
-             [a("dTm_blk", mm("dw", "tl.trans(bG[:, None] * kf)", "PREC"))]),
+                      K.assign("dTm_blk", mm(rnd("dw", "k.dtype"), "tl.trans(k)") + " * bG[None, :]")],
+             [K.assign("dTm_blk", mm("dw", "tl.trans(bG[:, None] * kf)", "PREC"))]),
         when("WY", [aug("dTm", "dTm_blk")], [
             store("dTm_ptr + (((c * H + h) * NKB + kb) * C + rows[:, None]).to(tl.int64) * C + rows[None, :]",
                   rnd("dTm_blk", "dTm_ptr.dtype.element_ty")),
             load_tm()]),
-        a("dX", "mm_lowp(tl.trans(Tm), dw, k.dtype, LOWP, PREC, IN_PREC, UPCAST)"),
-        a("sx", "tl.sum(dX * kf, 1)"),
+        K.assign("dX", "mm_lowp(tl.trans(Tm), dw, k.dtype, LOWP, PREC, IN_PREC, UPCAST)"),
+        K.assign("sx", "tl.sum(dX * kf, 1)"),
         aug("dG", "bG * sx"),
         note("chunk end state: S_end = e^G_last S0 + (K e^(G_last - G))^T U"),
-        a("dk", "dks * tl.where(ok, tl.exp(G_last - G), 0.0)[:, None]"),
-        a("cj", "tl.sum(dk * kf, 1)"),
+        K.assign("dk", "dks * tl.where(ok, tl.exp(G_last - G), 0.0)[:, None]"),
+        K.assign("cj", "tl.sum(dk * kf, 1)"),
         aug("dG", "cj", "-"),
         aug("dG", "tl.where(rows == nv - 1, tl.sum(dlast, 0) * tl.exp(G_last) + tl.sum(cj, 0), 0.0)"),
-        when("DG_SUMS", [a("dkM", mm("tl.trans(dMq)", "q")), aug("dG", "tl.sum(dkM * kf, 1)", "-"),
+        when("DG_SUMS", [K.assign("dkM", mm("tl.trans(dMq)", "q")), aug("dG", "tl.sum(dkM * kf, 1)", "-"),
                          aug("dk", "dkM")],
              [aug("dk", mm("tl.trans(dMq)", "q"))]),
         aug("dk", "bG[:, None] * dX"),
         when("WY", [
             aug("dbeta", "eG * sx"),
-            a("E", "through_inverse(Tm, dTm, G, ok, rows, k.dtype, LOWP, PREC, IN_PREC, UPCAST)"),
-            a("KK", mm("k", "tl.trans(k)")),
+            K.assign("E", "through_inverse(Tm, dTm, G, ok, rows, k.dtype, LOWP, PREC, IN_PREC, UPCAST)"),
+            K.assign("KK", mm("k", "tl.trans(k)")),
             aug("dbeta", "tl.sum(E * KK, 1)"),
             *_through_A(),
             _hook_grads_call(hooks, "tl.sum(kf * kf, 1)"),
@@ -188,15 +189,15 @@ def dqk(hooks: Hooks = Hooks()):
         *fp32(*hooks.eps_cast, "scale"),
         note("a chunk's key blocks run back to back: U, dU, dO from L2"),
         const("NKB", "(K + BKS - 1) // BKS"),
-        a("c", "tl.program_id(0) // NKB"), a("h", "tl.program_id(1)"), a("kb", "tl.program_id(0) % NKB"),
-        a("kk", "kb * BKS + tl.arange(0, BKS)"),
+        K.assign("c", "tl.program_id(0) // NKB"), K.assign("h", "tl.program_id(1)"), K.assign("kb", "tl.program_id(0) % NKB"),
+        K.assign("kk", "kb * BKS + tl.arange(0, BKS)"),
         *chunk_rows(),
-        a("km", KEY_TILE), a("causal", CAUSAL),
+        K.assign("km", KEY_TILE), K.assign("causal", CAUSAL),
         _zeros("dq1", "C, BKS"), _zeros("dks", "C, BKS"), _zeros("dw", "C, BKS"), _zeros("dOU", "C, C"),
         _zeros("dlast", "BKS"),
-        a("beta", per_token("beta_ptr")),
+        K.assign("beta", per_token("beta_ptr")),
         _zeros("dTm", "C, C"), _zeros("dbeta", "C"),
-        a("bad_row", "tl.load(nonfinite_ptr + c * H + h)"),
+        K.assign("bad_row", "tl.load(nonfinite_ptr + c * H + h)"),
         when("WY", [note("Tm is needed in the value loop (u = Tm diag(beta) V); an unmasked load: delta_prep wrote "
                          "it all"), load_tm()]),
         loop("iv", "tl.cdiv(V, BV)", value_loop),
@@ -220,17 +221,17 @@ def dqk(hooks: Hooks = Hooks()):
 
 def _through_A():
     """dG's part through A = strictly_lower(diag(beta) K K^T * D), given E and K K^T."""
-    return [a("PA", "E * KK * beta[:, None]"), aug("dG", "tl.sum(PA, 1) - tl.sum(PA, 0)")]
+    return [K.assign("PA", "E * KK * beta[:, None]"), aug("dG", "tl.sum(PA, 1) - tl.sum(PA, 0)")]
 
 
 def _step_grads(hooks: Hooks) -> list:
     """Store d(step input) and return d||k||^2 (a step that reads n2), zero where `step_beta` took beta as 0 (a
     rule that needs the guard)."""
-    grads = a("dbeta_ds, dbeta_dn2" if hooks.n2 else "dbeta_ds", f"step_hook_grad({hooks.step_args})")
+    grads = K.assign("dbeta_ds, dbeta_dn2" if hooks.n2 else "dbeta_ds", f"step_hook_grad({hooks.step_args})")
     if not hooks.guard:
         return [grads, store(f"ds_ptr + {TOK}", "dbeta * dbeta_ds", "ok"),
                 *([ret("2.0 * dbeta * dbeta_dn2")] if hooks.n2 else [])]
-    return [grads, a("_, dead", f"step_beta({hooks.step_args})"),
+    return [grads, K.assign("_, dead", f"step_beta({hooks.step_args})"),
             store(f"ds_ptr + {TOK}", "tl.where(dead, 0.0, dbeta * dbeta_ds)", "ok"),
             *([ret("tl.where(dead, 0.0, 2.0 * dbeta * dbeta_dn2)")] if hooks.n2 else [])]
 
@@ -242,11 +243,11 @@ def through(hooks: Hooks = Hooks()):
         the same product) and multiplied at IN_PREC.""")
     u_grads = jit("u_grads", "v_ptr, dv_ptr, Tm, dU, beta, dbeta, dTm, tok, vv, vm, h, H, V:, LOWP:, PREC:, IN_PREC:, "
                              "UPCAST:, nonfinite", [
-        a("v", tile("v_ptr", "V", "vv", "vm")),
-        when("nonfinite", [a("v", "finite_or_zero(v)")]),
-        a("dY", "mm_lowp(tl.trans(Tm), dU.to(tl.float32), v.dtype, LOWP, PREC, IN_PREC, UPCAST)"),
+        K.assign("v", tile("v_ptr", "V", "vv", "vm")),
+        when("nonfinite", [K.assign("v", "finite_or_zero(v)")]),
+        K.assign("dY", "mm_lowp(tl.trans(Tm), dU.to(tl.float32), v.dtype, LOWP, PREC, IN_PREC, UPCAST)"),
         store("dv_ptr + " + tile_off("V", "vv"), rnd("beta[:, None] * dY", "dv_ptr.dtype.element_ty"), "vm"),
-        a("vf", "v.to(tl.float32)"),
+        K.assign("vf", "v.to(tl.float32)"),
         when("LOWP", [note("dU (diag(beta) V)^T = (dU V^T) diag(beta): the values enter as loaded"),
                       aug("dTm", mm(rnd("dU", "v.dtype"), "tl.trans(v)") + " * beta[None, :]")],
              [aug("dTm", mm("dU.to(tl.float32)", "tl.trans(beta[:, None] * vf)", "PREC"))]),
@@ -256,9 +257,9 @@ def through(hooks: Hooks = Hooks()):
         entries enter as 0 (a NaN in dTm's column j would reach every row of dA through Tm's zeros).""")
     lowp = "dtype, LOWP, PREC, IN_PREC, UPCAST"
     through_inverse = jit("through_inverse", "Tm, dTm, G, ok, rows, dtype:, LOWP:, PREC:, IN_PREC:, UPCAST:", [
-        a("strict", "(rows[:, None] > rows[None, :]) & ok[:, None] & ok[None, :]"),
-        a("inner", f"mm_lowp(dTm, tl.trans(Tm), {lowp})"),
-        a("dA", f"-mm_lowp(tl.trans(Tm), inner, {lowp})"),
+        K.assign("strict", "(rows[:, None] > rows[None, :]) & ok[:, None] & ok[None, :]"),
+        K.assign("inner", f"mm_lowp(dTm, tl.trans(Tm), {lowp})"),
+        K.assign("dA", f"-mm_lowp(tl.trans(Tm), inner, {lowp})"),
         ret("tl.where(strict, dA * tl.exp(tl.where(strict, G[:, None] - G[None, :], 0.0)), 0.0)")], """
         Tm = (I + A)^-1, A = strictly_lower(diag(beta) K K^T * D): E = dA * D = -(Tm^T dTm Tm^T) * D, strictly
         lower (dA's part that reaches beta K K^T).""")
@@ -267,20 +268,20 @@ def through(hooks: Hooks = Hooks()):
             note("E^T diag(beta) K: beta scales E's columns; the keys enter as loaded"),
             ret(f"beta[:, None] * {mm(rnd('E', 'k.dtype'), 'k')} + "
                 + mm(rnd("tl.trans(E) * beta[None, :]", "k.dtype"), "k"))], [
-            a("kf", "k.to(tl.float32)"),
+            K.assign("kf", "k.to(tl.float32)"),
             ret(f"beta[:, None] * {mm('E', 'kf', 'PREC')} + {mm('tl.trans(E)', 'beta[:, None] * kf', 'PREC')}")])],
         "dk's part through A = strictly_lower(diag(beta) K K^T * D), given E: diag(beta) E K + E^T diag(beta) K.")
     returns = "; returns d||k||^2" if hooks.n2 else " (the step does not read ||k||^2)"
     hook_grads = jit("hook_grads", f"dG, dbeta, {'n2, ' if hooks.takes_n2 else ''}a_ptr, {hooks.hp_param}s_ptr, "
                                    f"{hooks.eps_param}da_ptr, {hooks.dhp_param}ds_ptr, tok, h, H, "
                                    f"{'TTH, ' if hooks.params else ''}ok, rows, bad_row", [
-        a("dg", "tl.sum(dG, 0) - tl.cumsum(dG, 0) + dG"),
-        a("dg", "tl.where(rows > bad_row, float('nan'), dg)"),
-        a("dbeta", "tl.where(rows < bad_row, dbeta, float('nan'))"),
-        a("a", per_token("a_ptr") + ".to(tl.float32)"),
+        K.assign("dg", "tl.sum(dG, 0) - tl.cumsum(dG, 0) + dG"),
+        K.assign("dg", "tl.where(rows > bad_row, float('nan'), dg)"),
+        K.assign("dbeta", "tl.where(rows < bad_row, dbeta, float('nan'))"),
+        K.assign("a", per_token("a_ptr") + ".to(tl.float32)"),
         call(f"store_decay_grads(dg, a, hp_ptr, h, H, da_ptr, dhp_ptr, {TOK}, TTH, ok)" if hooks.params
              else f"store_decay_grads(dg, a, da_ptr, {TOK}, ok)"),
-        a("s", per_token("s_ptr") + ".to(tl.float32)"),
+        K.assign("s", per_token("s_ptr") + ".to(tl.float32)"),
         *_step_grads(hooks)], f"""
         From dG (G = cumsum(g) in the chunk: dg_t = sum over i >= t of dG_i) and dbeta through the hooks' chain
         rule: stores the decay input's and parameters' gradients and the step input's{returns}. Row `bad_row`
@@ -290,16 +291,16 @@ def through(hooks: Hooks = Hooks()):
 
 
 def wy(hooks: Hooks = Hooks()):
-    k_block = [a("kk", "kb * BKS + tl.arange(0, BKS)")]
+    k_block = [K.assign("kk", "kb * BKS + tl.arange(0, BKS)")]
     body = [
         *fp32(*hooks.eps_cast),
-        a("c", "tl.program_id(0)"), a("h", "tl.program_id(1)"),
+        K.assign("c", "tl.program_id(0)"), K.assign("h", "tl.program_id(1)"),
         *chunk_rows(),
-        a("G", per_token("gcum_ptr")), a("beta", per_token("beta_ptr")),
-        a("causal", CAUSAL),
+        K.assign("G", per_token("gcum_ptr")), K.assign("beta", per_token("beta_ptr")),
+        K.assign("causal", CAUSAL),
         note("an unmasked (vectorised) load: delta_prep wrote every element"),
         load_tm(),
-        a("bad_row", "tl.load(nonfinite_ptr + c * H + h)"),
+        K.assign("bad_row", "tl.load(nonfinite_ptr + c * H + h)"),
         _zeros("dTm", "C, C"), _zeros("dbeta", "C"), _zeros("dG", "C"),
         loop("kb", "NKQ", [
             aug("dTm", "tl.load(dTm_part_ptr + (((c * H + h) * NKQ + kb) * C + rows[:, None]).to(tl.int64) * C "
@@ -308,24 +309,24 @@ def wy(hooks: Hooks = Hooks()):
             aug("dbeta", f"tl.load(dbeta_part_ptr + kb * TTH + {TOK}, mask=ok, other=0.0)")]),
         note("u = Tm diag(beta) V"),
         loop("iv", "tl.cdiv(V, BV)", [
-            a("vv", "iv * BV + tl.arange(0, BV)"), a("vm", VALUE_TILE),
-            a("dU", tile("dU_ptr", "V", "vv", "vm")),
-            a("dbeta, dTm", "u_grads(v_ptr, dv_ptr, Tm, dU, beta, dbeta, dTm, tok, vv, vm, h, H, V, LOWP, PREC, "
+            K.assign("vv", "iv * BV + tl.arange(0, BV)"), K.assign("vm", VALUE_TILE),
+            K.assign("dU", tile("dU_ptr", "V", "vv", "vm")),
+            K.assign("dbeta, dTm", "u_grads(v_ptr, dv_ptr, Tm, dU, beta, dbeta, dTm, tok, vv, vm, h, H, V, LOWP, PREC, "
                             "IN_PREC, UPCAST, bad_row < nv)")]),
-        a("E", "through_inverse(Tm, dTm, G, ok, rows, k_ptr.dtype.element_ty, LOWP, PREC, IN_PREC, UPCAST)"),
+        K.assign("E", "through_inverse(Tm, dTm, G, ok, rows, k_ptr.dtype.element_ty, LOWP, PREC, IN_PREC, UPCAST)"),
         *([_zeros("n2", "C")] if hooks.takes_n2 else []), _zeros("KK", "C, C"),
         loop("kb", "tl.cdiv(K, BKS)", [
             *k_block,
-            a("k", tile("k_ptr", "K", "kk", "ok[:, None] & (kk[None, :] < K)")),
+            K.assign("k", tile("k_ptr", "K", "kk", "ok[:, None] & (kk[None, :] < K)")),
             *([aug("n2", "tl.sum(k.to(tl.float32) * k.to(tl.float32), 1)")] if hooks.takes_n2 else []),
             aug("KK", mm("k", "tl.trans(k)"))]),
         aug("dbeta", "tl.sum(E * KK, 1)"),
         *_through_A(),
         _hook_grads_call(hooks, "n2"),
         loop("kb", "tl.cdiv(K, BKS)", [
-            *k_block, a("km", KEY_TILE),
-            a("k", tile("k_ptr", "K", "kk", "km")),
-            a("dk", tile("dk_part_ptr", "K", "kk", "km") + ".to(tl.float32)"),
+            *k_block, K.assign("km", KEY_TILE),
+            K.assign("k", tile("k_ptr", "K", "kk", "km")),
+            K.assign("dk", tile("dk_part_ptr", "K", "kk", "km") + ".to(tl.float32)"),
             aug("dk", "through_keys(E, k, beta, LOWP, PREC, IN_PREC, UPCAST)"),
             *([aug("dk", "dn2[:, None] * k.to(tl.float32)")] if hooks.n2 else []),
             nan_after("dk"),

@@ -9,7 +9,8 @@
 """
 from __future__ import annotations
 
-from .parts import (CHUNK_MAT, STATE_BLOCK, TOK, Hooks, a, aug, call, chunk_from_bounds, chunk_rows, const, fp32,
+from ..triton.kernel import ir as K
+from .parts import (CHUNK_MAT, STATE_BLOCK, TOK, Hooks, aug, call, chunk_from_bounds, chunk_rows, const, fp32,
                     g_last, guard, jit, load_tm, loop, mm, note, per_token, ret, rnd, seq_bounds, state_program,
                     step_to_beta, store, store_final, tile, tile_off, when)
 
@@ -34,57 +35,57 @@ def prep(chunk_size: int, hooks: Hooks = Hooks()):
     merge = []
     if nb > 1:
         powers = (nb - 1).bit_length()             # N, N^2, ..., N^(2^(powers-1)); N^nb = 0
-        merge = [a("below", f"(rows[:, None] // {BLOCK}) > (rows[None, :] // {BLOCK})"),
-                 a("N0", "-" + mm("Tm", "tl.where(below, A, 0.0)", "PREC"))]
-        merge += [a(f"N{j}", mm(f"N{j - 1}", f"N{j - 1}", "PREC")) for j in range(1, powers)]
-        merge += [a("Tm", "Tm + " + mm(f"N{j}", "Tm", "PREC")) for j in reversed(range(powers))]
+        merge = [K.assign("below", f"(rows[:, None] // {BLOCK}) > (rows[None, :] // {BLOCK})"),
+                 K.assign("N0", "-" + mm("Tm", "tl.where(below, A, 0.0)", "PREC"))]
+        merge += [K.assign(f"N{j}", mm(f"N{j - 1}", f"N{j - 1}", "PREC")) for j in range(1, powers)]
+        merge += [K.assign("Tm", "Tm + " + mm(f"N{j}", "Tm", "PREC")) for j in reversed(range(powers))]
     body = [
         *fp32(*hooks.eps_cast),
-        a("c", "tl.program_id(0)"), a("h", "tl.program_id(1)"),
-        a("rows", "tl.arange(0, C)"), a("kk", "tl.arange(0, BK)"),
-        a("t0, nv, tok, ok", "chunk_tokens(chunk_tok, chunk_len, c, rows)"),
-        a("km", KEY_TILE),
-        a("k", tile("k_ptr", "K", "kk", "km")),
-        a("a", per_token("a_ptr") + ".to(tl.float32)"),
+        K.assign("c", "tl.program_id(0)"), K.assign("h", "tl.program_id(1)"),
+        K.assign("rows", "tl.arange(0, C)"), K.assign("kk", "tl.arange(0, BK)"),
+        K.assign("t0, nv, tok, ok", "chunk_tokens(chunk_tok, chunk_len, c, rows)"),
+        K.assign("km", KEY_TILE),
+        K.assign("k", tile("k_ptr", "K", "kk", "km")),
+        K.assign("a", per_token("a_ptr") + ".to(tl.float32)"),
         # log-decays floored at LOG_DECAY_FLOOR: exp of it is 0 in float32 (a reset stays exact) and G stays
         # finite, so G_i - G_j is never -inf - (-inf) for g = -inf (a hard reset)
-        a("g", f"decay_hook({hooks.decay_args})"),
+        K.assign("g", f"decay_hook({hooks.decay_args})"),
         note("the first row whose decay is NaN or +inf (not a reset: -inf), before the floor hides a NaN (on the GPU)"),
-        a("first", "tl.min(tl.where(ok & ~(g < float('inf')), rows, C))"),
-        a("G", f"tl.cumsum(tl.where(ok, tl.maximum(g, {LOG_DECAY_FLOOR}), 0.0), 0)"),
-        a("s", per_token("s_ptr") + ".to(tl.float32)"),
+        K.assign("first", "tl.min(tl.where(ok & ~(g < float('inf')), rows, C))"),
+        K.assign("G", f"tl.cumsum(tl.where(ok, tl.maximum(g, {LOG_DECAY_FLOOR}), 0.0), 0)"),
+        K.assign("s", per_token("s_ptr") + ".to(tl.float32)"),
         store(f"gcum_ptr + {TOK}", "G", "ok"),
         note("A_ij = beta_i (k_i . k_j) Dec_ij, strictly lower; Dec_ij = exp(G_i - G_j) for j <= i"),
-        a("causal", "rows[:, None] >= rows[None, :]"),
-        a("strict", "rows[:, None] > rows[None, :]"),
-        a("Dec", "tl.exp(tl.where(causal, G[:, None] - G[None, :], 0.0))"),
+        K.assign("causal", "rows[:, None] >= rows[None, :]"),
+        K.assign("strict", "rows[:, None] > rows[None, :]"),
+        K.assign("Dec", "tl.exp(tl.where(causal, G[:, None] - G[None, :], 0.0))"),
         note("the state pass's (Q K^T * Dec) over rows < nv, in the input dtype as its product reads it; every "
              "element"),
         note("(before K K^T: 168 registers, against 207 with A live across it; Triton 3.6, K = 128)"),
-        a("q", tile("q_ptr", "K", "kk", "km")),
-        a("Mq", f"tl.where(causal & ok[:, None], {mm('q', 'tl.trans(k)')} * Dec, 0.0)"),
+        K.assign("q", tile("q_ptr", "K", "kk", "km")),
+        K.assign("Mq", f"tl.where(causal & ok[:, None], {mm('q', 'tl.trans(k)')} * Dec, 0.0)"),
         store(f"mq_ptr + {CHUNK_MAT}", rnd("Mq", "mq_ptr.dtype.element_ty")),
         note("||k_i||^2 (fp32) read off the diagonal of K K^T, the product A needs anyway"),
-        a("KK", mm("k", "tl.trans(k)")),
-        a("n2", "tl.sum(tl.where(rows[:, None] == rows[None, :], KK, 0.0), 1)"),
+        K.assign("KK", mm("k", "tl.trans(k)")),
+        K.assign("n2", "tl.sum(tl.where(rows[:, None] == rows[None, :], KK, 0.0), 1)"),
         step_to_beta(hooks),
         store(f"beta_ptr + {TOK}", "beta", "ok"),
-        a("A", "tl.where(strict, beta[:, None] * KK * Dec, 0.0)"),
+        K.assign("A", "tl.where(strict, beta[:, None] * KK * Dec, 0.0)"),
         note("and the first whose decay, key (||k||^2) or step is not: Tm is formed with A's rows from it on as 0, "
              "then is"),
         note("NaN there (row i of (I + A)^-1 depends on A's rows <= i only; the products below would carry 0 * NaN "
              "into"),
         note("the earlier rows)"),
-        a("first", "tl.minimum(first, tl.min(tl.where(ok & ~(finite(n2) & finite(beta) & finite(G)), rows, C)))"),
-        a("nonfinite", "first < nv"),
-        when("nonfinite", [a("A", "tl.where(rows[:, None] < first, A, 0.0)")]),
+        K.assign("first", "tl.minimum(first, tl.min(tl.where(ok & ~(finite(n2) & finite(beta) & finite(G)), rows, C)))"),
+        K.assign("nonfinite", "first < nv"),
+        when("nonfinite", [K.assign("A", "tl.where(rows[:, None] < first, A, 0.0)")]),
         note("diagonal blocks in fp32 (\"ieee\") for fp32 inputs, on tensor cores at about fp32's accuracy otherwise"),
-        when("PREC == 'ieee'", [a("Tm", "inv_unit_lower_blocks(A, C, 'ieee')")],
-             [a("Tm", "inv_unit_lower_blocks(A, C, 'tf32x3')")]),
+        when("PREC == 'ieee'", [K.assign("Tm", "inv_unit_lower_blocks(A, C, 'ieee')")],
+             [K.assign("Tm", "inv_unit_lower_blocks(A, C, 'tf32x3')")]),
         *merge,
-        when("nonfinite", [a("Tm", "tl.where(rows[:, None] < first, Tm, float('nan'))")]),
+        when("nonfinite", [K.assign("Tm", "tl.where(rows[:, None] < first, Tm, float('nan'))")]),
         store(f"tm_ptr + {CHUNK_MAT}", "Tm"),
-        a("first_v", "wy_factors(k_ptr, v_ptr, w_ptr, u_ptr, Tm, beta, beta * tl.exp(G), tok, ok, h, H, K, V, BKS, "
+        K.assign("first_v", "wy_factors(k_ptr, v_ptr, w_ptr, u_ptr, Tm, beta, beta * tl.exp(G), tok, ok, h, H, K, V, BKS, "
                      "BV, PREC, UPCAST, nonfinite, C, True)"),
         store("nonfinite_ptr + c * H + h", "tl.minimum(first, first_v)")]
     return jit("delta_prep", f"q_ptr, k_ptr, v_ptr, a_ptr, {hooks.hp_param}s_ptr, {hooks.eps_param}chunk_tok, "
@@ -99,15 +100,15 @@ def prep(chunk_size: int, hooks: Hooks = Hooks()):
 
 def _col_block():
     """Columns col0 .. col0 + BD of the chunk's rows of a [TT, H, D] tensor: mask m, offsets offs."""
-    return [a("cols", "col0 + tl.arange(0, BD)"), a("rows", "tl.arange(0, C)"),
-            a("m", "ok[:, None] & (cols[None, :] < D)"), a("offs", tile_off("D", "cols"))]
+    return [K.assign("cols", "col0 + tl.arange(0, BD)"), K.assign("rows", "tl.arange(0, C)"),
+            K.assign("m", "ok[:, None] & (cols[None, :] < D)"), K.assign("offs", tile_off("D", "cols"))]
 
 
 def _detect_and_guard():
     """DETECT: x's own first non-finite row (C if none) joins `nonfinite`; then x's guard."""
-    return [a("found", "C"),
-            when("DETECT", [a("found", "tl.min(tl.where(finite(x), C, rows[:, None]))"),
-                            a("nonfinite", "nonfinite | (found < C)")]),
+    return [K.assign("found", "C"),
+            when("DETECT", [K.assign("found", "tl.min(tl.where(finite(x), C, rows[:, None]))"),
+                            K.assign("nonfinite", "nonfinite | (found < C)")]),
             guard("x")]
 
 
@@ -127,9 +128,9 @@ def _nan_rows_call(x: str, out: str, col0: str, D: str, BD: str) -> str:
 def wy():
     wy_block = jit("wy_block", f"x_ptr, out_ptr, Tm, scale, {BLOCK_ARGS}", [
         *_col_block(),
-        a("x", "scale[:, None] * tl.load(x_ptr + offs, mask=m, other=0.0).to(tl.float32)"),
+        K.assign("x", "scale[:, None] * tl.load(x_ptr + offs, mask=m, other=0.0).to(tl.float32)"),
         *_detect_and_guard(),
-        a("y", mm("Tm", "x", "PREC")),
+        K.assign("y", mm("Tm", "x", "PREC")),
         store("out_ptr + offs", rnd("y", "out_ptr.dtype.element_ty"), "m"),
         ret("found")], """
         out = Tm diag(scale) x on columns col0 .. col0 + BD of one chunk's rows `tok` (valid where `ok`) of the
@@ -139,17 +140,17 @@ def wy():
         (delta_prep) also finds x's own non-finite rows here, and returns the first (C if none). Only the guard
         branches, not the product (one copy of its code).""")
     split_scaled = jit("split_scaled", "Tm, scale, UPCAST:", [
-        a("Ts", "Tm * scale[None, :]"),
-        a("hi", rnd("Ts", "tl.bfloat16")),
+        K.assign("Ts", "Tm * scale[None, :]"),
+        K.assign("hi", rnd("Ts", "tl.bfloat16")),
         ret("hi", rnd("Ts - hi.to(tl.float32)", "tl.bfloat16"))], """
         Tm diag(scale) as hi + lo, two bf16 matrices (hi the rounded product, lo the rounded remainder): together
         about 16 significant bits (tf32 keeps 11), multiplied by bf16 inputs as stored in two bf16 tensor-core
         products, which cost what one tf32 product of the same shape costs.""")
     wy_block_split = jit("wy_block_split", f"x_ptr, out_ptr, Th, Tl, {BLOCK_ARGS}", [
         *_col_block(),
-        a("x", "tl.load(x_ptr + offs, mask=m, other=0.0)"),
+        K.assign("x", "tl.load(x_ptr + offs, mask=m, other=0.0)"),
         *_detect_and_guard(),
-        a("y", f"{mm('Th', 'x', 'PREC')} + {mm('Tl', 'x', 'PREC')}"),
+        K.assign("y", f"{mm('Th', 'x', 'PREC')} + {mm('Tl', 'x', 'PREC')}"),
         store("out_ptr + offs", rnd("y", "out_ptr.dtype.element_ty"), "m"),
         ret("found")], """
         `wy_block` for bf16 x: out = (Th + Tl) x with (Th, Tl) = split_scaled(Tm, scale); x enters the tensor
@@ -157,7 +158,7 @@ def wy():
         non-finite entries are 0 in Th and Tl, and their rows NaN through Tm's).""")
     nan_rows = jit("nan_rows", "x_ptr, out_ptr, tok, ok, h, H, col0, D:, BD:, C:", [
         *_col_block(),
-        a("y", "nan_from(tl.load(out_ptr + offs, mask=m, other=0.0), tl.load(x_ptr + offs, mask=m, other=0.0), rows, "
+        K.assign("y", "nan_from(tl.load(out_ptr + offs, mask=m, other=0.0), tl.load(x_ptr + offs, mask=m, other=0.0), rows, "
                "C)"),
         store("out_ptr + offs", "y", "m")], """
         After a block of w or u was stored from x's finite entries (`wy_block`): its columns NaN from x's first
@@ -167,18 +168,18 @@ def wy():
     key_blocks, value_blocks = "tl.cdiv(K, BKS)", "tl.cdiv(V, BV)"
     wy_factors = jit("wy_factors", "k_ptr, v_ptr, w_ptr, u_ptr, Tm, beta, bG, tok, ok, h, H, K:, V:, BKS:, BV:, "
                                    "PREC:, UPCAST:, nonfinite, C:, DETECT:", [
-        a("found", "tl.full([], C, tl.int32)"),
+        K.assign("found", "tl.full([], C, tl.int32)"),
         when("k_ptr.dtype.element_ty == tl.bfloat16", [
             when("nonfinite", [
                 note("a non-finite scale would reach the rows before its own through Tm's zeros"),
-                a("bG", "finite_or_zero(bG)"), a("beta", "finite_or_zero(beta)")]),
-            a("Wh, Wl", "split_scaled(Tm, bG, UPCAST)"),
+                K.assign("bG", "finite_or_zero(bG)"), K.assign("beta", "finite_or_zero(beta)")]),
+            K.assign("Wh, Wl", "split_scaled(Tm, bG, UPCAST)"),
             loop("kb", key_blocks, [call(_wy_call("wy_block_split", "k", "w", "Wh, Wl", "kb * BKS", "K", "BKS"))]),
-            a("Uh, Ul", "split_scaled(Tm, beta, UPCAST)"),
-            loop("iv", value_blocks, [a("found", "tl.minimum(found, " + _wy_call(
+            K.assign("Uh, Ul", "split_scaled(Tm, beta, UPCAST)"),
+            loop("iv", value_blocks, [K.assign("found", "tl.minimum(found, " + _wy_call(
                 "wy_block_split", "v", "u", "Uh, Ul", "iv * BV", "V", "BV", "DETECT") + ")")])], [
             loop("kb", key_blocks, [call(_wy_call("wy_block", "k", "w", "Tm, bG", "kb * BKS", "K", "BKS"))]),
-            loop("iv", value_blocks, [a("found", "tl.minimum(found, " + _wy_call(
+            loop("iv", value_blocks, [K.assign("found", "tl.minimum(found, " + _wy_call(
                 "wy_block", "v", "u", "Tm, beta", "iv * BV", "V", "BV", "DETECT") + ")")])]),
         when("nonfinite | (found < C)", [
             note("the blocks are read back by other threads than those that stored them"),
@@ -203,12 +204,12 @@ def _delta_wu():
                     [call(_wy_call(kind, *u_blk[:2], factors, *u_blk[2:]))])
 
     blocks = [
-        when("j < NKB", [a("G", per_token("gcum_ptr")), a("scale", "beta * tl.where(ok, tl.exp(G), 0.0)")],
-             [a("scale", "beta")]),
+        when("j < NKB", [K.assign("G", per_token("gcum_ptr")), K.assign("scale", "beta * tl.where(ok, tl.exp(G), 0.0)")],
+             [K.assign("scale", "beta")]),
         when("k_ptr.dtype.element_ty == tl.bfloat16", [
             note("as delta_prep computes them (`wy_factors`)"),
             guard("scale"),
-            a("Th, Tl", "split_scaled(Tm, scale, UPCAST)"),
+            K.assign("Th, Tl", "split_scaled(Tm, scale, UPCAST)"),
             w_or_u("wy_block_split", "Th, Tl")], [
             w_or_u("wy_block", "Tm, scale")]),
         when("nonfinite", [
@@ -217,15 +218,15 @@ def _delta_wu():
             when("j < NKB", [call(_nan_rows_call(*w_blk))], [call(_nan_rows_call(*u_blk))])])]
     body = [
         const("NKB", "(K + BKS - 1) // BKS"), const("NJ", "1 if PER_CHUNK else NKB + (V + BV - 1) // BV"),
-        a("c", "tl.program_id(0) // NJ"), a("j", "tl.program_id(0) % NJ"), a("h", "tl.program_id(1)"),
+        K.assign("c", "tl.program_id(0) // NJ"), K.assign("j", "tl.program_id(0) % NJ"), K.assign("h", "tl.program_id(1)"),
         *chunk_rows(),
-        a("beta", per_token("beta_ptr")),
-        a("causal", "(rows[:, None] >= rows[None, :]) & ok[:, None] & ok[None, :]"),
+        K.assign("beta", per_token("beta_ptr")),
+        K.assign("causal", "(rows[:, None] >= rows[None, :]) & ok[:, None] & ok[None, :]"),
         note("an unmasked (vectorised) load: delta_prep wrote every element"),
         load_tm(),
-        a("nonfinite", "tl.load(nonfinite_ptr + c * H + h) < nv"),
+        K.assign("nonfinite", "tl.load(nonfinite_ptr + c * H + h) < nv"),
         when("PER_CHUNK", [
-            a("G", per_token("gcum_ptr")),
+            K.assign("G", per_token("gcum_ptr")),
             call("wy_factors(k_ptr, v_ptr, w_ptr, u_ptr, Tm, beta, beta * tl.where(ok, tl.exp(G), 0.0), tok, ok, h, H, "
                  "K, V, BKS, BV, PREC, UPCAST, nonfinite, C, False)")], blocks)]
     return jit("delta_wu", f"k_ptr, v_ptr, gcum_ptr, beta_ptr, tm_ptr, w_ptr, u_ptr, nonfinite_ptr, chunk_tok, "
@@ -244,40 +245,40 @@ def state():
     loop_body = [
         *chunk_from_bounds(),
         when("not OUTPUT", [store(f"h_ptr + {STATE_BLOCK}", rnd("S", "h_ptr.dtype.element_ty"), "sm")]),
-        a("km", KEY_TILE), a("vm", "ok[:, None] & (vv[None, :] < V)"),
-        a("w", tile("w_ptr", "K", "kk", "km")),
-        a("k", tile("k_ptr", "K", "kk", "km")),
-        a("u", tile("u_ptr", "V", "vv", "vm") + ".to(tl.float32)"),
-        a("G", per_token("gcum_ptr")),
+        K.assign("km", KEY_TILE), K.assign("vm", "ok[:, None] & (vv[None, :] < V)"),
+        K.assign("w", tile("w_ptr", "K", "kk", "km")),
+        K.assign("k", tile("k_ptr", "K", "kk", "km")),
+        K.assign("u", tile("u_ptr", "V", "vv", "vm") + ".to(tl.float32)"),
+        K.assign("G", per_token("gcum_ptr")),
         g_last(),
-        a("Sq", rnd("S", "w.dtype")),
-        a("U", "u - " + mm("w", "Sq")),
-        a("Uq", rnd("U", "k.dtype")),
+        K.assign("Sq", rnd("S", "w.dtype")),
+        K.assign("U", "u - " + mm("w", "Sq")),
+        K.assign("Uq", rnd("U", "k.dtype")),
         when("OUTPUT", [
-            a("q", tile("q_ptr", "K", "kk", "km")),
+            K.assign("q", tile("q_ptr", "K", "kk", "km")),
             note("an unmasked (vectorised) load: delta_prep wrote every element"),
-            a("M", f"tl.load(mq_ptr + {CHUNK_MAT})"),
+            K.assign("M", f"tl.load(mq_ptr + {CHUNK_MAT})"),
             note("U is not finite from some rows on (a non-finite S0: all of them); only the guards branch (U is live"),
             note("for the state's update anyway), the products are shared"),
-            a("nonfinite", "tl.load(nonfinite_ptr + c * H + h) < nv"),
+            K.assign("nonfinite", "tl.load(nonfinite_ptr + c * H + h) < nv"),
             guard("Uq"),
-            a("o", mm("q", "Sq") + " * tl.exp(G)[:, None]"),
+            K.assign("o", mm("q", "Sq") + " * tl.exp(G)[:, None]"),
             aug("o", mm("M", "Uq")),
-            when("nonfinite", [a("o", "nan_from(o, U, rows, C)")]),
+            when("nonfinite", [K.assign("o", "nan_from(o, U, rows, C)")]),
             store("o_ptr + " + tile_off("V", "vv"), "o * scale", "vm")], [
             store("U_ptr + " + tile_off("V", "vv"), rnd("U", "U_ptr.dtype.element_ty"), "vm")]),
         note("(K e^(G_last - G))^T U as K^T (e^(G_last - G) U): the decay scales the [C, BV] innovations, not the"),
         note("[C, K] keys, which enter the tensor cores as loaded"),
-        a("tail", "tl.where(ok, tl.exp(G_last - G), 0.0)"),
-        a("S", "S * tl.exp(G_last) + " + mm("tl.trans(k)", rnd("U * tail[:, None]", "k.dtype")))]
+        K.assign("tail", "tl.where(ok, tl.exp(G_last - G), 0.0)"),
+        K.assign("S", "S * tl.exp(G_last) + " + mm("tl.trans(k)", rnd("U * tail[:, None]", "k.dtype")))]
     state_pass = jit("state_pass", "q_ptr, k_ptr, w_ptr, u_ptr, gcum_ptr, h0_ptr, chunk_tok, chunk_len, seq_chunk0, "
                                    "h_ptr, U_ptr, ht_ptr, o_ptr, mq_ptr, nonfinite_ptr, scale, "
                                    f"{SHAPE}, HAS_H0:, STORE_FINAL:, OUTPUT:, {PRECS}", [
         *state_program(),
-        a("rows", "tl.arange(0, C)"),
-        a("sm", "(kk[:, None] < K) & (vv[None, :] < V)"),
-        a("S", "initial_state(h0_ptr, n, h, H, kk, vv, sm, HAS_H0, K, V, BK, BV)"),
-        a("c0", "tl.load(seq_chunk0 + n)"), a("c1", "tl.load(seq_chunk0 + n + 1)"),
+        K.assign("rows", "tl.arange(0, C)"),
+        K.assign("sm", "(kk[:, None] < K) & (vv[None, :] < V)"),
+        K.assign("S", "initial_state(h0_ptr, n, h, H, kk, vv, sm, HAS_H0, K, V, BK, BV)"),
+        K.assign("c0", "tl.load(seq_chunk0 + n)"), K.assign("c1", "tl.load(seq_chunk0 + n + 1)"),
         note("A sequence's chunks are consecutive runs of C tokens: their first tokens and lengths follow from the"),
         note("sequence's bounds, so no address in the loop waits on a load and the next chunk's loads can be issued "
              "early."),
@@ -307,24 +308,24 @@ def state():
 
 def recurrent(hooks: Hooks = Hooks()):
     def vec(name, ptr, D, cols, mask):
-        return a(name, f"tl.load({ptr} + (t * H + h) * {D} + {cols}, mask={mask}, other=0.0).to(tl.float32)")
+        return K.assign(name, f"tl.load({ptr} + (t * H + h) * {D} + {cols}, mask={mask}, other=0.0).to(tl.float32)")
 
     body = [
         vec("k", "k_ptr", "K", "kk", "kmask"), vec("q", "q_ptr", "K", "kk", "kmask"),
         vec("v", "v_ptr", "V", "vv", "vmask"),
-        a("a", "tl.load(a_ptr + t * H + h).to(tl.float32)"), a("s", "tl.load(s_ptr + t * H + h).to(tl.float32)"),
-        *([a("n2", "tl.sum(k * k, 0)")] if hooks.takes_n2 else []),
+        K.assign("a", "tl.load(a_ptr + t * H + h).to(tl.float32)"), K.assign("s", "tl.load(s_ptr + t * H + h).to(tl.float32)"),
+        *([K.assign("n2", "tl.sum(k * k, 0)")] if hooks.takes_n2 else []),
         step_to_beta(hooks),
-        a("S", f"S * tl.exp(decay_hook({hooks.decay_args}))"),
-        a("e", "v - tl.sum(S * k[:, None], 0)"),
+        K.assign("S", f"S * tl.exp(decay_hook({hooks.decay_args}))"),
+        K.assign("e", "v - tl.sum(S * k[:, None], 0)"),
         aug("S", "(beta * k)[:, None] * e[None, :]"),
         store("o_ptr + (t * H + h) * V + vv", "scale * tl.sum(S * q[:, None], 0)", "vmask")]
     return jit("delta_recurrent", f"q_ptr, k_ptr, v_ptr, a_ptr, {hooks.hp_param}s_ptr, {hooks.eps_param}h0_ptr, o_ptr, "
                                   "ht_ptr, cu_ptr, scale, H, K:, V:, BK:, BV:, HAS_H0:, STORE_FINAL:", [
         *fp32(*hooks.eps_cast, "scale"),
         *state_program(),
-        a("kmask", "kk < K"), a("vmask", "vv < V"), a("sm", "kmask[:, None] & vmask[None, :]"),
-        a("S", "initial_state(h0_ptr, n, h, H, kk, vv, sm, HAS_H0, K, V, BK, BV)"),
-        a("bos", "tl.load(cu_ptr + n).to(tl.int64)"), a("eos", "tl.load(cu_ptr + n + 1).to(tl.int64)"),
+        K.assign("kmask", "kk < K"), K.assign("vmask", "vv < V"), K.assign("sm", "kmask[:, None] & vmask[None, :]"),
+        K.assign("S", "initial_state(h0_ptr, n, h, H, kk, vv, sm, HAS_H0, K, V, BK, BV)"),
+        K.assign("bos", "tl.load(cu_ptr + n).to(tl.int64)"), K.assign("eos", "tl.load(cu_ptr + n + 1).to(tl.int64)"),
         loop("t", "eos", body, start="bos"),
         store_final("STORE_FINAL", "ht_ptr", "S")])

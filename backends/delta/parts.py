@@ -101,13 +101,6 @@ def jit(name: str, spec: str, body, text: str = "") -> K.Kernel:
     return K.Kernel(name, params(spec), tuple(body), doc=doc(text) if text else "")
 
 
-def a(target: str, value: str) -> K.Assign:
-    """`target = value`; a target with commas unpacks (`beta, _ = ...`)."""
-    if "," in target:
-        return K.Assign(tuple(t.strip() for t in target.split(",")), K.expr(value))
-    return K.assign(target, value)
-
-
 def const(target: str, value: str) -> K.Assign:
     return K.Assign((target,), K.expr(value), constexpr=True)
 
@@ -166,50 +159,50 @@ def per_token(ptr: str) -> str:
 
 def fp32(*names: str) -> list[K.Stmt]:
     """Scalar arguments cast to fp32 (a comment before each: why)."""
-    return [s for n in names for s in (note(FP64_NOTE), a(n, f"tl.cast({n}, tl.float32)"))]
+    return [s for n in names for s in (note(FP64_NOTE), K.assign(n, f"tl.cast({n}, tl.float32)"))]
 
 
 def chunk_rows() -> list[K.Stmt]:
     """The chunk's rows and its entry in the chunk table (program c)."""
-    return [a("rows", "tl.arange(0, C)"), a("t0, nv, tok, ok", "chunk_tokens(chunk_tok, chunk_len, c, rows)")]
+    return [K.assign("rows", "tl.arange(0, C)"), K.assign("t0, nv, tok, ok", "chunk_tokens(chunk_tok, chunk_len, c, rows)")]
 
 
 def load_tm() -> K.Assign:
     """Tm of chunk c, zero outside the causal mask; unmasked: delta_prep wrote every element."""
-    return a("Tm", f"tl.where(causal, tl.load(tm_ptr + {CHUNK_MAT}), 0.0)")
+    return K.assign("Tm", f"tl.where(causal, tl.load(tm_ptr + {CHUNK_MAT}), 0.0)")
 
 
 def guard(x: str, cond: str = "nonfinite") -> K.If:
     """x's non-finite entries as 0 in a chunk with a non-finite token."""
-    return when(cond, [a(x, f"finite_or_zero({x})")])
+    return when(cond, [K.assign(x, f"finite_or_zero({x})")])
 
 
 def nan_after(x: str, bad: str = "bad_row") -> K.If:
     """x NaN from the chunk's first non-finite row on, in a chunk that has one."""
-    return when(f"{bad} < nv", [a(x, f"tl.where(rows[:, None] < {bad}, {x}, float('nan'))")])
+    return when(f"{bad} < nv", [K.assign(x, f"tl.where(rows[:, None] < {bad}, {x}, float('nan'))")])
 
 
 def g_last() -> K.Assign:
-    return a("G_last", "tl.load(gcum_ptr + (t0 + nv - 1) * H + h)")
+    return K.assign("G_last", "tl.load(gcum_ptr + (t0 + nv - 1) * H + h)")
 
 
 def seq_bounds() -> list[K.Stmt]:
     """A sequence's first token and end, from the chunk table at its chunks c0 and c1 - 1."""
-    return [a("some", "c1 > c0"), a("first", "tl.load(chunk_tok + c0, mask=some, other=0).to(tl.int64)"),
-            a("end", "tl.load(chunk_tok + c1 - 1, mask=some, other=0).to(tl.int64) + "
+    return [K.assign("some", "c1 > c0"), K.assign("first", "tl.load(chunk_tok + c0, mask=some, other=0).to(tl.int64)"),
+            K.assign("end", "tl.load(chunk_tok + c1 - 1, mask=some, other=0).to(tl.int64) + "
                      "tl.load(chunk_len + c1 - 1, mask=some, other=0)")]
 
 
 def chunk_from_bounds() -> list[K.Stmt]:
     """Chunk c's tokens from its sequence's bounds: consecutive runs of C tokens (no table load)."""
-    return [a("t0", "first + (c - c0) * C"), a("nv", "tl.minimum(end - t0, C).to(tl.int32)"), a("ok", "rows < nv"),
-            a("tok", "t0 + rows")]
+    return [K.assign("t0", "first + (c - c0) * C"), K.assign("nv", "tl.minimum(end - t0, C).to(tl.int32)"), K.assign("ok", "rows < nv"),
+            K.assign("tok", "t0 + rows")]
 
 
 def state_program() -> list[K.Stmt]:
     """Program (sequence n, head h, value block): the state block's rows kk, columns vv and mask."""
-    return [a("n", "tl.program_id(0)"), a("h", "tl.program_id(1)"), a("vv", "tl.program_id(2) * BV + tl.arange(0, BV)"),
-            a("kk", "tl.arange(0, BK)")]
+    return [K.assign("n", "tl.program_id(0)"), K.assign("h", "tl.program_id(1)"), K.assign("vv", "tl.program_id(2) * BV + tl.arange(0, BV)"),
+            K.assign("kk", "tl.arange(0, BK)")]
 
 
 def store_final(flag: str, ptr: str, value: str):
@@ -223,13 +216,13 @@ def step_to_beta(hooks: Hooks) -> K.Assign:
     """beta = the step (of s, n2, eps as the rule reads them): through `step_beta` (the zero-key guard) where the
     rule needs it."""
     args = hooks.step_args
-    return a("beta, _", f"step_beta({args})") if hooks.guard else a("beta", f"step_hook({args})")
+    return K.assign("beta, _", f"step_beta({args})") if hooks.guard else K.assign("beta", f"step_hook({args})")
 
 
 def step_beta(hooks: Hooks) -> K.Kernel:
     return jit("step_beta", hooks.step_args, [
-        a("b", f"step_hook({hooks.step_args})"),
-        a("dead", "(n2 == 0) & ((b != b) | (tl.abs(b) == float('inf')))"),
+        K.assign("b", f"step_hook({hooks.step_args})"),
+        K.assign("dead", "(n2 == 0) & ((b != b) | (tl.abs(b) == float('inf')))"),
         ret("tl.where(dead, 0.0, b)", "dead")], """
         beta from the step hook. A zero key writes nothing whatever beta is, so where the rule gives a
         non-finite beta for one (0/0 at eps = 0) it becomes 0; returns (beta, that mask).""")
@@ -247,43 +240,43 @@ def helpers_before_prep(hooks: Hooks = Hooks()) -> list[K.Kernel]:
         x with its NaN and inf entries as 0: the right operand of a causal product L @ x (L lower triangular over a
         chunk's rows), whose exact zeros above the diagonal would carry 0 * NaN into the rows before them.""")
     nan_from = jit("nan_from", "y, x, rows, C:", [
-        a("first", "tl.min(tl.where(finite(x), C, rows[:, None]), 0)"),
+        K.assign("first", "tl.min(tl.where(finite(x), C, rows[:, None]), 0)"),
         ret("tl.where(rows[:, None] < first[None, :], y, float('nan'))")], """
         The causal product y = L @ finite_or_zero(x) with each column NaN from x's first non-finite row in it on, as
         the token loop's state is after a NaN or inf (a min-reduction of row indices).""")
     chunk_tokens = jit("chunk_tokens", "chunk_tok, chunk_len, c, rows", [
-        a("t0", "tl.load(chunk_tok + c).to(tl.int64)"), a("nv", "tl.load(chunk_len + c)"),
+        K.assign("t0", "tl.load(chunk_tok + c).to(tl.int64)"), K.assign("nv", "tl.load(chunk_len + c)"),
         ret("t0", "nv", "t0 + rows", "rows < nv")],
         "Chunk c of the chunk table: its first token (int64), its length, its rows' tokens and which exist.")
     state_offsets = jit("state_offsets", "n, h, H, kk, vv, K:, V:", [
         ret("((n * H + h) * K + kk[:, None]).to(tl.int64) * V + vv[None, :]")],
         "Offsets of rows kk and columns vv of sequence n's head-h state in a [N, H, K, V] tensor.")
     initial_state = jit("initial_state", "ptr, n, h, H, kk, vv, sm, PRESENT:, K:, V:, BK:, BV:", [
-        when("PRESENT", [a("state", "tl.load(ptr + state_offsets(n, h, H, kk, vv, K, V), mask=sm, other=0.0)"
+        when("PRESENT", [K.assign("state", "tl.load(ptr + state_offsets(n, h, H, kk, vv, K, V), mask=sm, other=0.0)"
                                     ".to(tl.float32)")],
-             [a("state", "tl.zeros([BK, BV], dtype=tl.float32)")]),
+             [K.assign("state", "tl.zeros([BK, BV], dtype=tl.float32)")]),
         ret("state")], """
         The [BK, BV] block of a state (or state gradient) a sequence starts from, in fp32: loaded when
         PRESENT, else zeros.""")
     rnd_ = jit("rnd", "x, dtype:, emulate:", [
         when("x.dtype == dtype", [ret("x")], [
             when("emulate and dtype == tl.bfloat16", [
-                a("bits", "x.to(tl.float32).to(tl.uint32, bitcast=True)"),
-                a("bits", "(bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000"),
+                K.assign("bits", "x.to(tl.float32).to(tl.uint32, bitcast=True)"),
+                K.assign("bits", "(bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000"),
                 ret("bits.to(tl.float32, bitcast=True).to(dtype)")],
                 [ret("x.to(dtype)")])])], """
         x in `dtype`. With `emulate` (Triton's CPU interpreter, which truncates fp32 -> bf16), bf16 is
         rounded to nearest even by hand, as the GPU does.""")
     inv = jit("inv_unit_lower_blocks", "A, C:, PRECISION:", [
         const("NB", "C // 16"),
-        a("rows", "tl.arange(0, C)"),
-        a("same", "(rows[:, None] // 16) == (rows[None, :] // 16)"),
-        a("M", "-tl.sum(tl.reshape(tl.where(same, A, 0.0), (NB, 16, NB, 16)), 2)"),
-        a("r", "tl.arange(0, 16)"),
-        a("P", "tl.where(r[None, :, None] == r[None, None, :], 1.0, 0.0) + M"),
-        K.For("_", None, K.expr("3"), (a("M", "tl.dot(M, M, input_precision=PRECISION)"),
-                                       a("P", "tl.dot(P, M, P, input_precision=PRECISION)")), static=True),
-        a("T", "tl.reshape(tl.broadcast_to(P[:, :, None, :], (NB, 16, NB, 16)), (C, C))"),
+        K.assign("rows", "tl.arange(0, C)"),
+        K.assign("same", "(rows[:, None] // 16) == (rows[None, :] // 16)"),
+        K.assign("M", "-tl.sum(tl.reshape(tl.where(same, A, 0.0), (NB, 16, NB, 16)), 2)"),
+        K.assign("r", "tl.arange(0, 16)"),
+        K.assign("P", "tl.where(r[None, :, None] == r[None, None, :], 1.0, 0.0) + M"),
+        K.For("_", None, K.expr("3"), (K.assign("M", "tl.dot(M, M, input_precision=PRECISION)"),
+                                       K.assign("P", "tl.dot(P, M, P, input_precision=PRECISION)")), static=True),
+        K.assign("T", "tl.reshape(tl.broadcast_to(P[:, :, None, :], (NB, 16, NB, 16)), (C, C))"),
         ret("tl.where(same, T, 0.0)")], """
         The 16x16 diagonal blocks of (I + A)^-1 for a strictly lower [C, C] A, as a block-diagonal [C, C]
         matrix. Per block, M = -A_bb is nilpotent (M^16 = 0), so (I + A_bb)^-1 = sum_{j<16} M^j

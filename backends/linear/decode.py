@@ -36,13 +36,9 @@ from ..triton.kernel.printer import render as print_module
 STATE_MASK = "okk[:, None] & okv[None, :]"
 
 
-def a(target: str, value: str) -> K.Assign:
-    return K.assign(target, value)
-
-
 def _load(target: str, ptr: str, off: str, mask: str | None = None) -> K.Assign:
     masked = f", mask={mask}, other=0.0" if mask else ""
-    return a(target, f"tl.load({ptr} + {off}{masked}).to(tl.float32)")
+    return K.assign(target, f"tl.load({ptr} + {off}{masked}).to(tl.float32)")
 
 
 def _state_off(slot: str) -> str:
@@ -85,9 +81,9 @@ def _decay(decl: MatrixState) -> tuple:
            K.Comment(f"log_decay = {E.docstring_text(str(decl.log_decay.expr))}"),
            *common.assign(["g"], [decl.log_decay.expr], _names(decl), "_g", shape_like=like)]
     if per_key:   # a column of exp(g_k), 1 past K (those state rows are 0)
-        out += [a("g", "tl.where(okk, g + zero_k, 0.0)"), a("S", "S * tl.exp(g)[:, None]")]
+        out += [K.assign("g", "tl.where(okk, g + zero_k, 0.0)"), K.assign("S", "S * tl.exp(g)[:, None]")]
     else:
-        out.append(a("S", "S * tl.exp(g)"))
+        out.append(K.assign("S", "S * tl.exp(g)"))
     return tuple(out)
 
 
@@ -96,19 +92,19 @@ def _write(decl: MatrixState, row: str, loaded: set) -> tuple:
     out = [_load("b_k", "k_ptr", f"({row} * H + h) * K + kk", "okk"),
            _load("b_v", "v_ptr", f"({row} * H + h) * V + vv", "okv")]
     if decl.correction == "plain":
-        return tuple(out) + (a("S", "S + b_k[:, None] * b_v[None, :]"),)
+        return tuple(out) + (K.assign("S", "S + b_k[:, None] * b_v[None, :]"),)
     beta_row = {n: row if decl.rows.get(n) == "sub" else "t" for n in decl.used(decl.beta) if n in decl.inputs}
     fresh = [n for n in beta_row if n not in loaded or beta_row[n] != "t"]
     for n in fresh:
         out += _load_inputs(decl, [n], beta_row[n], False)
     if decl.uses_key_norm:
-        out += [a("n2", "tl.sum(b_k * b_k, 0)"), a("n2_safe", "tl.where(n2 > 0, n2, 1.0)")]
+        out += [K.assign("n2", "tl.sum(b_k * b_k, 0)"), K.assign("n2_safe", "tl.where(n2 > 0, n2, 1.0)")]
     out += [K.Comment(f"beta = {E.docstring_text(str(decl.beta.expr))}"),
             *common.assign(["beta"], [decl.beta.expr], _names(decl), "_b", shape_like="zero")]
     if decl.uses_key_norm:   # a zero key writes nothing whatever beta is
-        out.append(a("beta", "tl.where(n2 > 0, beta, 0.0)"))
-    out += [a("e", "b_v - tl.sum(S * b_k[:, None], 0)"),
-            a("S", "S + (beta * b_k)[:, None] * e[None, :]")]
+        out.append(K.assign("beta", "tl.where(n2 > 0, beta, 0.0)"))
+    out += [K.assign("e", "b_v - tl.sum(S * b_k[:, None], 0)"),
+            K.assign("S", "S + (beta * b_k)[:, None] * e[None, :]")]
     return tuple(out)
 
 
@@ -123,9 +119,9 @@ def _zeros(decl: MatrixState) -> tuple:
     constant = [h for h in (decl.beta, decl.log_decay) if h is not None and not h.expr.free_symbols]
     out = []
     if decl.decay == "per_key" or constant:
-        out.append(a("zero_k", "tl.zeros([BK], dtype=tl.float32)"))
+        out.append(K.assign("zero_k", "tl.zeros([BK], dtype=tl.float32)"))
     if constant:
-        out.append(a("zero", "tl.sum(zero_k, 0)"))
+        out.append(K.assign("zero", "tl.sum(zero_k, 0)"))
     return tuple(out)
 
 
@@ -140,7 +136,7 @@ def decode_kernel(decl: MatrixState) -> K.Kernel:
     if n == 1:
         writes = _write(decl, "t", loaded)
     else:
-        writes = (K.For("j", K.expr("0"), K.expr(str(n)), (a("r", f"t * {n} + j"), *_write(decl, "r", loaded)),
+        writes = (K.For("j", K.expr("0"), K.expr(str(n)), (K.assign("r", f"t * {n} + j"), *_write(decl, "r", loaded)),
                         static=True),)
     token = (*_decay(decl), *writes,
              _load("b_q", "q_ptr", "(t * H + h) * K + kk", "okk"),
@@ -148,13 +144,13 @@ def decode_kernel(decl: MatrixState) -> K.Kernel:
                      K.expr("okv")))
     text = (f"from matrix state {E.docstring_text(decl.name)}: decay {decl.decay}, correction {decl.correction}"
             + (f", {n} steps" if n > 1 else ""))
-    body = (a("s", "tl.program_id(0)"), a("h", "tl.program_id(1)"), a("vb", "tl.program_id(2)"),
-            a("kk", "tl.arange(0, BK)"), a("okk", "kk < K"),
-            a("vv", "vb * BV + tl.arange(0, BV)"), a("okv", "vv < V"),
+    body = (K.assign("s", "tl.program_id(0)"), K.assign("h", "tl.program_id(1)"), K.assign("vb", "tl.program_id(2)"),
+            K.assign("kk", "tl.arange(0, BK)"), K.assign("okk", "kk < K"),
+            K.assign("vv", "vb * BV + tl.arange(0, BV)"), K.assign("okv", "vv < V"),
             *_zeros(decl), K.Comment(text), *_head_inputs(decl),
             K.If(K.expr("HAS_H0"), (_load("S", "h0_ptr", _state_off("s"), STATE_MASK),),
-                 (a("S", "tl.zeros([BK, BV], dtype=tl.float32)"),)),
-            a("bos", "tl.load(cu_ptr + s).to(tl.int64)"), a("eos", "tl.load(cu_ptr + s + 1).to(tl.int64)"),
+                 (K.assign("S", "tl.zeros([BK, BV], dtype=tl.float32)"),)),
+            K.assign("bos", "tl.load(cu_ptr + s).to(tl.int64)"), K.assign("eos", "tl.load(cu_ptr + s + 1).to(tl.int64)"),
             K.For("t", K.expr("bos"), K.expr("eos"), token),
             K.If(K.expr("STORE_FINAL"), (K.Store(K.expr(f"ht_ptr + {_state_off('s')}"), K.expr("S"),
                                                  K.expr(STATE_MASK)),)))

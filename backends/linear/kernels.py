@@ -51,10 +51,6 @@ S_MASK = "okk[:, None] & okv[None, :]"
 SHAPE_CONSTS = ("K", "V", "BK", "BV", "C", "BS", "PREC", "UPCAST")
 
 
-def a(target: str, value: str) -> K.Assign:
-    return K.assign(target, value)
-
-
 def dot(x: str, y: str) -> str:
     """x @ y with fp32 accumulation, operands rounded to the input dtype DT (`mm`)."""
     return f"mm({x}, {y}, DT, PREC, UPCAST)"
@@ -66,7 +62,7 @@ def state_off(slot: str) -> str:
 
 
 def load(target: str, ptr: str, off: str, mask: str) -> K.Assign:
-    return a(target, f"tl.load({ptr} + {off}, mask={mask}, other=0.0).to(tl.float32)")
+    return K.assign(target, f"tl.load({ptr} + {off}, mask={mask}, other=0.0).to(tl.float32)")
 
 
 def g_off(decay: str) -> tuple[str, str]:
@@ -78,14 +74,14 @@ def g_off(decay: str) -> tuple[str, str]:
 def helper_kernels() -> list[K.Kernel]:
     rnd = K.Kernel("rnd", (K.Param("x"), K.Param("DT", constexpr=True), K.Param("EMULATE", constexpr=True)), (
         K.If(K.expr("EMULATE and DT == tl.bfloat16"), (
-            a("bits", "x.to(tl.float32).to(tl.uint32, bitcast=True)"),
-            a("bits", "(bits + 32767 + (bits >> 16 & 1)) & 4294901760"),
+            K.assign("bits", "x.to(tl.float32).to(tl.uint32, bitcast=True)"),
+            K.assign("bits", "(bits + 32767 + (bits >> 16 & 1)) & 4294901760"),
             K.Return((K.expr("bits.to(tl.float32, bitcast=True).to(DT)"),))),
             (K.Return((K.expr("x.to(DT)"),)),)),),
         doc="x rounded to DT. EMULATE: Triton's CPU interpreter truncates fp32 -> bf16; round to nearest even.")
     mm = K.Kernel("mm", tuple(K.Param(p) for p in ("x", "y")) + tuple(
         K.Param(p, constexpr=True) for p in ("DT", "PREC", "UPCAST")), (
-        a("xr", "rnd(x, DT, UPCAST)"), a("yr", "rnd(y, DT, UPCAST)"),
+        K.assign("xr", "rnd(x, DT, UPCAST)"), K.assign("yr", "rnd(y, DT, UPCAST)"),
         K.If(K.expr("UPCAST"), (K.Return((K.expr(
             "tl.dot(xr.to(tl.float32), yr.to(tl.float32), input_precision='ieee')"),)),),
              (K.Return((K.expr("tl.dot(xr, yr, input_precision=PREC)"),)),)),),
@@ -101,42 +97,42 @@ def pairwise_kernels() -> list[K.Kernel]:
     one block is formed exactly, column jj of every block at once (BS steps over [C, BK] tiles), the
     exponent selected to 0 where i < j before exp and the term selected to 0 after."""
     blocks = tuple(K.Param(p, constexpr=True) for p in ("C", "BS", "BK", "DT", "PREC", "UPCAST"))
-    pre = (a("rows", "tl.arange(0, C)"), a("cols", "tl.arange(0, C)[None, :]"), a("j0", "rows // BS * BS"))
-    ref = (a("G_r", "tl.sum(tl.where(rows[:, None] == b * BS - 1, G, 0.0), 0)"),
-           a("in_b", "((rows >= b * BS) & (rows < b * BS + BS))[:, None]"), a("before", "(rows < b * BS)[:, None]"),
-           a("e_q", "tl.where(in_b, tl.exp(tl.where(in_b, G - G_r[None, :], 0.0)), 0.0)"),
-           a("e_k", "tl.where(before, tl.exp(tl.where(before, G_r[None, :] - G, 0.0)), 0.0)"))
-    col_j = (a("j", "j0 + jj"), a("live", "(rows >= j)[:, None]"), a("G_j", "block_row(G, jj, C, BS, BK)"),
-             a("k_j", "block_row(k, jj, C, BS, BK)"), a("e", "tl.exp(tl.where(live, G - G_j, 0.0))"))
+    pre = (K.assign("rows", "tl.arange(0, C)"), K.assign("cols", "tl.arange(0, C)[None, :]"), K.assign("j0", "rows // BS * BS"))
+    ref = (K.assign("G_r", "tl.sum(tl.where(rows[:, None] == b * BS - 1, G, 0.0), 0)"),
+           K.assign("in_b", "((rows >= b * BS) & (rows < b * BS + BS))[:, None]"), K.assign("before", "(rows < b * BS)[:, None]"),
+           K.assign("e_q", "tl.where(in_b, tl.exp(tl.where(in_b, G - G_r[None, :], 0.0)), 0.0)"),
+           K.assign("e_k", "tl.where(before, tl.exp(tl.where(before, G_r[None, :] - G, 0.0)), 0.0)"))
+    col_j = (K.assign("j", "j0 + jj"), K.assign("live", "(rows >= j)[:, None]"), K.assign("G_j", "block_row(G, jj, C, BS, BK)"),
+             K.assign("k_j", "block_row(k, jj, C, BS, BK)"), K.assign("e", "tl.exp(tl.where(live, G - G_j, 0.0))"))
     qk = K.Kernel("pairwise_qk", (K.Param("q"), K.Param("k"), K.Param("G")) + blocks, (
-        *pre, a("A", "tl.zeros([C, C], dtype=tl.float32)"),
+        *pre, K.assign("A", "tl.zeros([C, C], dtype=tl.float32)"),
         K.For("b", K.expr("1"), K.expr("C // BS"), (
-            *ref, a("A", "A + tl.where(in_b & (cols < b * BS), "
+            *ref, K.assign("A", "A + tl.where(in_b & (cols < b * BS), "
                         "mm(q * e_q, tl.trans(k * e_k), DT, PREC, UPCAST), 0.0)")),
             static=True),
         K.For("jj", K.expr("0"), K.expr("BS"), (
-            *col_j, a("col", "tl.sum(tl.where(live, q * e * k_j, 0.0), 1)"),
-            a("A", "tl.where(cols == j[:, None], col[:, None], A)"))),
+            *col_j, K.assign("col", "tl.sum(tl.where(live, q * e * k_j, 0.0), 1)"),
+            K.assign("A", "tl.where(cols == j[:, None], col[:, None], A)"))),
         K.Return((K.expr("A"),))),
         doc="A_ij = sum_k q_ik k_jk exp(G_ik - G_jk) for i >= j, else 0.")
     dqk = K.Kernel("pairwise_grads", tuple(K.Param(p) for p in ("dA", "q", "k", "G", "W")) + blocks, (
-        *pre, a("X", "tl.zeros_like(q)"), a("Y", "tl.zeros_like(k)"), a("Z", "tl.zeros_like(q)"),
-        a("W_c", "tl.cumsum(W, 0)"),
+        *pre, K.assign("X", "tl.zeros_like(q)"), K.assign("Y", "tl.zeros_like(k)"), K.assign("Z", "tl.zeros_like(q)"),
+        K.assign("W_c", "tl.cumsum(W, 0)"),
         K.For("b", K.expr("1"), K.expr("C // BS"), (
-            *ref, a("dA_b", "tl.where(in_b & (cols < b * BS), dA, 0.0)"),
-            a("X", "X + e_q * mm(dA_b, k * e_k, DT, PREC, UPCAST)"),
-            a("Y", "Y + e_k * mm(tl.trans(dA_b), q * e_q, DT, PREC, UPCAST)"),
-            a("Z", "Z + tl.where(in_b, tl.sum(tl.where(rows[:, None] == b * BS - 1, W_c, 0.0), 0)[None, :], 0.0)")),
+            *ref, K.assign("dA_b", "tl.where(in_b & (cols < b * BS), dA, 0.0)"),
+            K.assign("X", "X + e_q * mm(dA_b, k * e_k, DT, PREC, UPCAST)"),
+            K.assign("Y", "Y + e_k * mm(tl.trans(dA_b), q * e_q, DT, PREC, UPCAST)"),
+            K.assign("Z", "Z + tl.where(in_b, tl.sum(tl.where(rows[:, None] == b * BS - 1, W_c, 0.0), 0)[None, :], 0.0)")),
             static=True),
         K.Comment("the pairs of different blocks, j < t <= i: no diagonal term is among them"),
-        a("Z", "Z + tl.cumsum(q * X - k * Y, 0, reverse=True)"),
+        K.assign("Z", "Z + tl.cumsum(q * X - k * Y, 0, reverse=True)"),
         K.For("jj", K.expr("0"), K.expr("BS"), (
-            *col_j, a("W_j", "block_row(W, jj, C, BS, BK)"),
-            a("dA_j", "tl.sum(tl.where(cols == j[:, None], dA, 0.0), 1)"),
-            a("x_j", "tl.where(live, dA_j[:, None] * k_j * e, 0.0)"), a("X", "X + x_j"),
-            a("Y", "Y + tl.where((rows % BS == jj)[:, None], "
+            *col_j, K.assign("W_j", "block_row(W, jj, C, BS, BK)"),
+            K.assign("dA_j", "tl.sum(tl.where(cols == j[:, None], dA, 0.0), 1)"),
+            K.assign("x_j", "tl.where(live, dA_j[:, None] * k_j * e, 0.0)"), K.assign("X", "X + x_j"),
+            K.assign("Y", "Y + tl.where((rows % BS == jj)[:, None], "
                    "block_sum(tl.where(live, dA_j[:, None] * q * e, 0.0), C, BS, BK), 0.0)"),
-            a("Z", "Z + tl.where((rows > j)[:, None], block_rcumsum(x_j * q, C, BS, BK) + W_j, 0.0)"))),
+            K.assign("Z", "Z + tl.where((rows > j)[:, None], block_rcumsum(x_j * q, C, BS, BK) + W_j, 0.0)"))),
         K.Return((K.expr("X"), K.expr("Y"), K.expr("Z")))),
         doc="X_ik = sum_(j <= i) dA_ij k_jk exp(G_ik - G_jk) (dq's part), Y_jk = sum_(i >= j) dA_ij q_ik "
             "exp(G_ik - G_jk) (dk's part) and Z_tk = sum_(j < t <= i) q_ik X's term_ijk + sum_(j < t) W_jk: the "
@@ -144,12 +140,12 @@ def pairwise_kernels() -> list[K.Kernel]:
     three = lambda body: (K.Param("x"),) + (() if body else (K.Param("jj"),)) + tuple(  # noqa: E731
         K.Param(p, constexpr=True) for p in ("C", "BS", "BK"))
     row = K.Kernel("block_row", three(False), (
-        a("x3", "tl.reshape(x, (C // BS, BS, BK))"),
-        a("pick", "tl.sum(tl.where(tl.arange(0, BS)[None, :, None] == jj, x3, 0.0), 1)"),
+        K.assign("x3", "tl.reshape(x, (C // BS, BS, BK))"),
+        K.assign("pick", "tl.sum(tl.where(tl.arange(0, BS)[None, :, None] == jj, x3, 0.0), 1)"),
         K.Return((K.expr("tl.reshape(tl.broadcast_to(pick[:, None, :], (C // BS, BS, BK)), (C, BK))"),))),
         doc="[C, BK]: row i holds x's row jj of i's block of BS rows.")
     total = K.Kernel("block_sum", three(True), (
-        a("s", "tl.sum(tl.reshape(x, (C // BS, BS, BK)), 1)"),
+        K.assign("s", "tl.sum(tl.reshape(x, (C // BS, BS, BK)), 1)"),
         K.Return((K.expr("tl.reshape(tl.broadcast_to(s[:, None, :], (C // BS, BS, BK)), (C, BK))"),))),
         doc="[C, BK]: row i holds the sum of x over i's block of BS rows.")
     rcum = K.Kernel("block_rcumsum", three(True), (
@@ -161,15 +157,15 @@ def pairwise_kernels() -> list[K.Kernel]:
 # ---- shared statement groups ---------------------------------------------------------------------
 
 def _chunk(c: str = "c") -> tuple:
-    return (a("tok", f"tl.load(chunk_tok_ptr + {c}).to(tl.int64)"), a("n_rows", f"tl.load(chunk_len_ptr + {c})"),
-            a("ok", "rows < n_rows"))
+    return (K.assign("tok", f"tl.load(chunk_tok_ptr + {c}).to(tl.int64)"), K.assign("n_rows", f"tl.load(chunk_len_ptr + {c})"),
+            K.assign("ok", "rows < n_rows"))
 
 
 def _axes(values: bool) -> tuple:
-    out = [a("rows", "tl.arange(0, C)"), a("kk", "tl.arange(0, BK)"), a("okk", "kk < K"),
-           a("causal", "rows[:, None] >= rows[None, :]"), a("DT", "q_ptr.dtype.element_ty")]
+    out = [K.assign("rows", "tl.arange(0, C)"), K.assign("kk", "tl.arange(0, BK)"), K.assign("okk", "kk < K"),
+           K.assign("causal", "rows[:, None] >= rows[None, :]"), K.assign("DT", "q_ptr.dtype.element_ty")]
     if values:
-        out += [a("vv", "vb * BV + tl.arange(0, BV)"), a("okv", "vv < V")]
+        out += [K.assign("vv", "vb * BV + tl.arange(0, BV)"), K.assign("okv", "vv < V")]
     return tuple(out)
 
 
@@ -177,22 +173,22 @@ def _decay(decay: str, with_pairwise: bool = True) -> tuple:
     """G and what the chunk formulas need of it: q_dec = Q * e^G, k_end = K * e^(G_L - G),
     s_dec = e^(G_L) and (with_pairwise) the masked intra-chunk matrix A; b_q, b_k loaded."""
     if decay == "none":
-        out = [a("q_dec", "b_q"), a("k_end", "b_k")]
+        out = [K.assign("q_dec", "b_q"), K.assign("k_end", "b_k")]
     else:
         off, mask = g_off(decay)
         out = [load("b_G", "G_ptr", off, mask)]
     if decay == "per_head":
-        out += [a("G_last", "tl.sum(tl.where(rows == n_rows - 1, b_G, 0.0), 0)"),
-                a("b_G", "tl.where(ok, b_G, G_last)"),   # rows past the end: no decay, so no exponent > 0
-                a("q_dec", "b_q * tl.exp(b_G)[:, None]"),
-                a("k_end", "tl.where(ok[:, None], b_k * tl.exp(G_last - b_G)[:, None], 0.0)"),
-                a("s_dec", "tl.exp(G_last)")]
+        out += [K.assign("G_last", "tl.sum(tl.where(rows == n_rows - 1, b_G, 0.0), 0)"),
+                K.assign("b_G", "tl.where(ok, b_G, G_last)"),   # rows past the end: no decay, so no exponent > 0
+                K.assign("q_dec", "b_q * tl.exp(b_G)[:, None]"),
+                K.assign("k_end", "tl.where(ok[:, None], b_k * tl.exp(G_last - b_G)[:, None], 0.0)"),
+                K.assign("s_dec", "tl.exp(G_last)")]
     elif decay == "per_key":
-        out += [a("G_last", "tl.sum(tl.where((rows == n_rows - 1)[:, None], b_G, 0.0), 0)"),
-                a("b_G", "tl.where(ok[:, None], b_G, G_last[None, :])"),   # rows past the end: as per head
-                a("q_dec", "b_q * tl.exp(b_G)"),
-                a("k_end", "tl.where(ok[:, None], b_k * tl.exp(G_last[None, :] - b_G), 0.0)"),
-                a("s_dec", "tl.exp(G_last)[:, None]")]
+        out += [K.assign("G_last", "tl.sum(tl.where((rows == n_rows - 1)[:, None], b_G, 0.0), 0)"),
+                K.assign("b_G", "tl.where(ok[:, None], b_G, G_last[None, :])"),   # rows past the end: as per head
+                K.assign("q_dec", "b_q * tl.exp(b_G)"),
+                K.assign("k_end", "tl.where(ok[:, None], b_k * tl.exp(G_last[None, :] - b_G), 0.0)"),
+                K.assign("s_dec", "tl.exp(G_last)[:, None]")]
     return tuple(out) + (_pairwise(decay) if with_pairwise else ())
 
 
@@ -213,11 +209,11 @@ def _load_hook_inputs(decl: MatrixState) -> tuple:
     out = []
     for n, kind in _hook_inputs(decl, decl.decay):
         if kind == "head":
-            out.append(a(f"x_{n}", f"tl.load({n}_ptr + h).to(tl.float32)"))
+            out.append(K.assign(f"x_{n}", f"tl.load({n}_ptr + h).to(tl.float32)"))
         elif kind == "token":
             out.append(load(f"x_{n}", f"{n}_ptr", "(tok + rows) * H + h", "ok"))
             if decl.decay == "per_key":
-                out.append(a(f"x_{n}", f"x_{n}[:, None] + tl.zeros([C, BK], dtype=tl.float32)"))
+                out.append(K.assign(f"x_{n}", f"x_{n}[:, None] + tl.zeros([C, BK], dtype=tl.float32)"))
         else:
             out.append(load(f"x_{n}", f"{n}_ptr", QK_OFF, QK_MASK))
     return tuple(out)
@@ -245,11 +241,11 @@ def cumsum_kernel(decl: MatrixState) -> K.Kernel:
     consts = [f"c_{c}" for c in decl.constants]
     params = _params(inputs + ["G_ptr", "chunk_tok_ptr", "chunk_len_ptr", *consts, "H"], ("K", "BK", "C"))
     off, mask = g_off(decl.decay)
-    rows = (a("rows", "tl.arange(0, C)"), a("kk", "tl.arange(0, BK)"), a("okk", "kk < K"))
-    body = (a("c", "tl.program_id(0)"), a("h", "tl.program_id(1)"), *rows, *_chunk(), *_load_hook_inputs(decl),
+    rows = (K.assign("rows", "tl.arange(0, C)"), K.assign("kk", "tl.arange(0, BK)"), K.assign("okk", "kk < K"))
+    body = (K.assign("c", "tl.program_id(0)"), K.assign("h", "tl.program_id(1)"), *rows, *_chunk(), *_load_hook_inputs(decl),
             *_origin_comments(decl),
             *common.assign(["g"], [decl.log_decay.expr], _hook_names(decl), "_g", shape_like=_shape_like(decl)),
-            a("g", f"tl.where({mask}, g, 0.0)"),
+            K.assign("g", f"tl.where({mask}, g, 0.0)"),
             K.Store(K.expr(f"G_ptr + {off}"), K.expr("tl.cumsum(g, 0)"), K.expr(mask)))
     return K.Kernel(f"{decl.name}_decay_cumsum", params, body,
                     doc="G = the cumulative sum, inside each chunk, of g = log_decay(inputs) (0 past the chunk's end).")
@@ -266,12 +262,12 @@ def fwd_kernel(decl: MatrixState) -> K.Kernel:
             *_chunk_inputs(d)]
     loop.append(K.If(K.expr("STORE_O"), _outputs(d)))
     update = dot("tl.trans(k_end)", "b_v")
-    loop.append(a("S", f"S * s_dec + {update}" if d != "none" else f"S + {update}"))
-    body = (a("n", "tl.program_id(0)"), a("h", "tl.program_id(1)"), a("vb", "tl.program_id(2)"), *_axes(True),
+    loop.append(K.assign("S", f"S * s_dec + {update}" if d != "none" else f"S + {update}"))
+    body = (K.assign("n", "tl.program_id(0)"), K.assign("h", "tl.program_id(1)"), K.assign("vb", "tl.program_id(2)"), *_axes(True),
             *_origin_comments(decl),
-            a("c0", "tl.load(seq_chunk0_ptr + n)"), a("c1", "tl.load(seq_chunk0_ptr + n + 1)"),
+            K.assign("c0", "tl.load(seq_chunk0_ptr + n)"), K.assign("c1", "tl.load(seq_chunk0_ptr + n + 1)"),
             K.If(K.expr("HAS_H0"), (load("S", "h0_ptr", state_off("n"), S_MASK),),
-                 (a("S", "tl.zeros([BK, BV], dtype=tl.float32)"),)),
+                 (K.assign("S", "tl.zeros([BK, BV], dtype=tl.float32)"),)),
             K.For("c", K.expr("c0"), K.expr("c1"), tuple(loop)),
             K.If(K.expr("STORE_H"), (K.Store(K.expr(f"hs_ptr + {state_off('c1 + n')}"), K.expr("S"), K.expr(S_MASK)),)),
             K.If(K.expr("STORE_FINAL"), (K.Store(K.expr(f"ht_ptr + {state_off('n')}"), K.expr("S"), K.expr(S_MASK)),)))
@@ -290,23 +286,23 @@ def _outputs(decay: str) -> tuple:
     """O = scale ((Q * e^G) S + A V) of the chunk, stored; S its start state."""
     return (*_pairwise(decay),
             K.Comment("A V without a later non-finite row reaching an earlier one (module docstring)"),
-            a("bad", f"(tl.sum(tl.where(tl.abs(b_v) < {INF}, 0, 1), 1) > 0) & ok"),
-            a("first_bad", "tl.min(tl.where(bad, rows, C), 0)"),
-            a("o_inter", dot("q_dec", "S")),
-            a("o_c", f"o_inter + {dot('A', 'tl.where(rows[:, None] < first_bad, b_v, 0.0)')}"),
+            K.assign("bad", f"(tl.sum(tl.where(tl.abs(b_v) < {INF}, 0, 1), 1) > 0) & ok"),
+            K.assign("first_bad", "tl.min(tl.where(bad, rows, C), 0)"),
+            K.assign("o_inter", dot("q_dec", "S")),
+            K.assign("o_c", f"o_inter + {dot('A', 'tl.where(rows[:, None] < first_bad, b_v, 0.0)')}"),
             K.If(K.expr("first_bad < n_rows"), (
-                a("o_c", f"tl.where(rows[:, None] < first_bad, o_c, o_inter + {dot('A', 'b_v')})"),)),
+                K.assign("o_c", f"tl.where(rows[:, None] < first_bad, o_c, o_inter + {dot('A', 'b_v')})"),)),
             K.Store(K.expr(f"o_ptr + {V_OFF}"), K.expr("scale * o_c"), K.expr(V_MASK)))
 
 
 def _pairwise(decay: str) -> tuple:
     """A, the masked intra-chunk matrix, once G and b_q, b_k are loaded (`_decay` without it first)."""
     if decay == "none":
-        return (a("A", f"tl.where(causal, {dot('b_q', 'tl.trans(b_k)')}, 0.0)"),)
+        return (K.assign("A", f"tl.where(causal, {dot('b_q', 'tl.trans(b_k)')}, 0.0)"),)
     if decay == "per_head":
-        return (a("D", "tl.where(causal, tl.exp(tl.where(causal, b_G[:, None] - b_G[None, :], 0.0)), 0.0)"),
-                a("A", f"tl.where(causal, {dot('b_q', 'tl.trans(b_k)')} * D, 0.0)"))
-    return (a("A", "pairwise_qk(b_q, b_k, b_G, C, BS, BK, DT, PREC, UPCAST)"),)
+        return (K.assign("D", "tl.where(causal, tl.exp(tl.where(causal, b_G[:, None] - b_G[None, :], 0.0)), 0.0)"),
+                K.assign("A", f"tl.where(causal, {dot('b_q', 'tl.trans(b_k)')} * D, 0.0)"))
+    return (K.assign("A", "pairwise_qk(b_q, b_k, b_G, C, BS, BK, DT, PREC, UPCAST)"),)
 
 
 def bwd_dh_kernel(decl: MatrixState) -> K.Kernel:
@@ -314,13 +310,13 @@ def bwd_dh_kernel(decl: MatrixState) -> K.Kernel:
     g = ["G_ptr"] if d != "none" else []
     params = _params(["q_ptr", *g, "do_ptr", "dht_ptr", "dh_ptr", "dh0_ptr", "chunk_tok_ptr", "chunk_len_ptr",
                       "seq_chunk0_ptr", "scale", "H"], SHAPE_CONSTS + ("HAS_DHT", "STORE_DH0"))
-    b_k = (a("b_k", "tl.zeros_like(b_q)"),)   # k_end is unused here; a zero tile keeps _decay's shapes
+    b_k = (K.assign("b_k", "tl.zeros_like(b_q)"),)   # k_end is unused here; a zero tile keeps _decay's shapes
     step = dot("tl.trans(q_dec)", "b_do")
-    loop = (a("c", "c1 - 1 - i"), *_chunk(),
+    loop = (K.assign("c", "c1 - 1 - i"), *_chunk(),
             K.Store(K.expr(f"dh_ptr + {state_off('c')}"), K.expr("dS"), K.expr(S_MASK)),
             load("b_q", "q_ptr", QK_OFF, QK_MASK), *b_k, load("b_do", "do_ptr", V_OFF, V_MASK),
             *_decay(d, with_pairwise=False),
-            a("dS", f"dS * s_dec + scale * {step}" if d != "none" else f"dS + scale * {step}"))
+            K.assign("dS", f"dS * s_dec + scale * {step}" if d != "none" else f"dS + scale * {step}"))
     return K.Kernel(f"{decl.name}_bwd_dh", params, reverse_state_pass(decl, loop),
                     doc="Chunks of sequence n in reverse: dS_end of each chunk (dh slot c), then d(initial state).")
 
@@ -329,11 +325,11 @@ def reverse_state_pass(decl: MatrixState, loop: tuple, setup: tuple = ()) -> tup
     """The body of a `{name}_bwd_dh` kernel: per (sequence n, head, value block), dS from dht (or 0), `loop`
     over the sequence's chunks in reverse (i = 0 .. c1 - c0 - 1; it stores dS_end and steps dS back), then
     d(initial state) under STORE_DH0. `setup`: statements after the axes."""
-    return (a("n", "tl.program_id(0)"), a("h", "tl.program_id(1)"), a("vb", "tl.program_id(2)"), *_axes(True),
+    return (K.assign("n", "tl.program_id(0)"), K.assign("h", "tl.program_id(1)"), K.assign("vb", "tl.program_id(2)"), *_axes(True),
             *setup, *_origin_comments(decl),
-            a("c0", "tl.load(seq_chunk0_ptr + n)"), a("c1", "tl.load(seq_chunk0_ptr + n + 1)"),
+            K.assign("c0", "tl.load(seq_chunk0_ptr + n)"), K.assign("c1", "tl.load(seq_chunk0_ptr + n + 1)"),
             K.If(K.expr("HAS_DHT"), (load("dS", "dht_ptr", state_off("n"), S_MASK),),
-                 (a("dS", "tl.zeros([BK, BV], dtype=tl.float32)"),)),
+                 (K.assign("dS", "tl.zeros([BK, BV], dtype=tl.float32)"),)),
             K.For("i", K.expr("0"), K.expr("c1 - c0"), loop),
             K.If(K.expr("STORE_DH0"), (K.Store(K.expr(f"dh0_ptr + {state_off('n')}"), K.expr("dS"), K.expr(S_MASK)),)))
 
@@ -369,33 +365,33 @@ def bwd_kernel(decl: MatrixState) -> K.Kernel:
                                                                                 if d != "none"]
     params = _params(["q_ptr", "k_ptr", "v_ptr", *g, "hs_ptr", "dh_ptr", "do_ptr", "dq_ptr", "dk_ptr", "dv_ptr",
                       "chunk_tok_ptr", "chunk_len_ptr", "chunk_seq_ptr", *ins, "scale", "H"], SHAPE_CONSTS)
-    vloop = (a("vv", "vb * BV + tl.arange(0, BV)"), a("okv", "vv < V"),
+    vloop = (K.assign("vv", "vb * BV + tl.arange(0, BV)"), K.assign("okv", "vv < V"),
              load("b_v", "v_ptr", V_OFF, V_MASK), load("b_do", "do_ptr", V_OFF, V_MASK),
              load("S0", "hs_ptr", state_off("c + n"), S_MASK), load("dSe", "dh_ptr", state_off("c"), S_MASK),
-             a("dA", f"dA + {dot('b_do', 'tl.trans(b_v)')}"),
-             a("dq_inter", f"dq_inter + {dot('b_do', 'tl.trans(S0)')}"),
-             a("dk_state", f"dk_state + {dot('b_v', 'tl.trans(dSe)')}"),
-             *((a("dG_S0", "dG_S0 + tl.sum(S0 * dSe, 1)"),) if d != "none" else ()),
+             K.assign("dA", f"dA + {dot('b_do', 'tl.trans(b_v)')}"),
+             K.assign("dq_inter", f"dq_inter + {dot('b_do', 'tl.trans(S0)')}"),
+             K.assign("dk_state", f"dk_state + {dot('b_v', 'tl.trans(dSe)')}"),
+             *((K.assign("dG_S0", "dG_S0 + tl.sum(S0 * dSe, 1)"),) if d != "none" else ()),
              K.Store(K.expr(f"dv_ptr + {V_OFF}"),
                      K.expr(f"scale * {dot('tl.trans(A)', 'b_do')} + {dot('k_end', 'dSe')}"), K.expr(V_MASK)))
-    body = [a("c", "tl.program_id(0)"), a("h", "tl.program_id(1)"), *_axes(False), *_origin_comments(decl),
-            *_chunk(), a("n", "tl.load(chunk_seq_ptr + c)"),
+    body = [K.assign("c", "tl.program_id(0)"), K.assign("h", "tl.program_id(1)"), *_axes(False), *_origin_comments(decl),
+            *_chunk(), K.assign("n", "tl.load(chunk_seq_ptr + c)"),
             load("b_q", "q_ptr", QK_OFF, QK_MASK), load("b_k", "k_ptr", QK_OFF, QK_MASK), *_decay(d),
-            a("dA", "tl.zeros([C, C], dtype=tl.float32)"), a("dq_inter", "tl.zeros([C, BK], dtype=tl.float32)"),
-            a("dk_state", "tl.zeros([C, BK], dtype=tl.float32)"), a("dG_S0", "tl.zeros([BK], dtype=tl.float32)"),
+            K.assign("dA", "tl.zeros([C, C], dtype=tl.float32)"), K.assign("dq_inter", "tl.zeros([C, BK], dtype=tl.float32)"),
+            K.assign("dk_state", "tl.zeros([C, BK], dtype=tl.float32)"), K.assign("dG_S0", "tl.zeros([BK], dtype=tl.float32)"),
             K.For("vb", K.expr("0"), K.expr("tl.cdiv(V, BV)"), vloop),
-            a("dA", "tl.where(causal, scale * dA, 0.0)")]
+            K.assign("dA", "tl.where(causal, scale * dA, 0.0)")]
     if d == "none":
-        body += [a("dq", f"scale * dq_inter + {dot('dA', 'b_k')}"),
-                 a("dk", f"{dot('tl.trans(dA)', 'b_q')} + dk_state")]
+        body += [K.assign("dq", f"scale * dq_inter + {dot('dA', 'b_k')}"),
+                 K.assign("dk", f"{dot('tl.trans(dA)', 'b_q')} + dk_state")]
     elif d == "per_head":
-        body += [a("dAD", "tl.where(causal, dA * D, 0.0)"), a("dq_s0", "scale * tl.exp(b_G)[:, None] * dq_inter"),
-                 a("dq", f"dq_s0 + {dot('dAD', 'b_k')}"),
-                 a("dk", f"{dot('tl.trans(dAD)', 'b_q')} + tl.exp(G_last - b_G)[:, None] * dk_state")]
+        body += [K.assign("dAD", "tl.where(causal, dA * D, 0.0)"), K.assign("dq_s0", "scale * tl.exp(b_G)[:, None] * dq_inter"),
+                 K.assign("dq", f"dq_s0 + {dot('dAD', 'b_k')}"),
+                 K.assign("dk", f"{dot('tl.trans(dAD)', 'b_q')} + tl.exp(G_last - b_G)[:, None] * dk_state")]
     else:
-        body += [a("X, Y, Z", "pairwise_grads(dA, b_q, b_k, b_G, k_end * dk_state, C, BS, BK, DT, PREC, UPCAST)"),
-                 a("dq_s0", "scale * tl.exp(b_G) * dq_inter"), a("dq", "dq_s0 + X"),
-                 a("dk", "Y + tl.exp(G_last[None, :] - b_G) * dk_state")]
+        body += [K.assign("X, Y, Z", "pairwise_grads(dA, b_q, b_k, b_G, k_end * dk_state, C, BS, BK, DT, PREC, UPCAST)"),
+                 K.assign("dq_s0", "scale * tl.exp(b_G) * dq_inter"), K.assign("dq", "dq_s0 + X"),
+                 K.assign("dk", "Y + tl.exp(G_last[None, :] - b_G) * dk_state")]
     body += [K.Store(K.expr(f"dq_ptr + {QK_OFF}"), K.expr("dq"), K.expr(QK_MASK)),
              K.Store(K.expr(f"dk_ptr + {QK_OFF}"), K.expr("tl.where(ok[:, None], dk, 0.0)"), K.expr(QK_MASK))]
     if d != "none":
@@ -403,14 +399,14 @@ def bwd_kernel(decl: MatrixState) -> K.Kernel:
                  K.Comment("state's own last row drop out of q dq - k dk exactly): the readout of S0 at rows >= t,"),
                  K.Comment("the pairs j < t <= i, e^(G_L) rowsum(S0 dS_end) and the writes j < t into S_end")]
         if d == "per_head":
-            body += [a("P", "tl.cumsum(tl.where(causal, A * dA, 0.0), 0, reverse=True)"),
-                     a("W", f"tl.sum(tl.where({QK_MASK}, k_end * dk_state, 0.0), 1)"),
-                     a("dg", f"tl.cumsum(tl.sum(tl.where({QK_MASK}, b_q * dq_s0, 0.0), 1), 0, reverse=True)"),
-                     a("dg", "dg + tl.sum(tl.where(rows[None, :] < rows[:, None], P + W[None, :], 0.0), 1)"),
-                     a("dg", "tl.where(ok, dg + tl.exp(G_last) * tl.sum(dG_S0, 0), 0.0)")]
+            body += [K.assign("P", "tl.cumsum(tl.where(causal, A * dA, 0.0), 0, reverse=True)"),
+                     K.assign("W", f"tl.sum(tl.where({QK_MASK}, k_end * dk_state, 0.0), 1)"),
+                     K.assign("dg", f"tl.cumsum(tl.sum(tl.where({QK_MASK}, b_q * dq_s0, 0.0), 1), 0, reverse=True)"),
+                     K.assign("dg", "dg + tl.sum(tl.where(rows[None, :] < rows[:, None], P + W[None, :], 0.0), 1)"),
+                     K.assign("dg", "tl.where(ok, dg + tl.exp(G_last) * tl.sum(dG_S0, 0), 0.0)")]
         else:
-            body += [a("dg", f"tl.cumsum(tl.where({QK_MASK}, b_q * dq_s0, 0.0), 0, reverse=True) + Z"),
-                     a("dg", f"tl.where({QK_MASK}, dg + tl.exp(G_last)[None, :] * dG_S0[None, :], 0.0)")]
+            body += [K.assign("dg", f"tl.cumsum(tl.where({QK_MASK}, b_q * dq_s0, 0.0), 0, reverse=True) + Z"),
+                     K.assign("dg", f"tl.where({QK_MASK}, dg + tl.exp(G_last)[None, :] * dG_S0[None, :], 0.0)")]
         body += [*_load_hook_inputs(decl), *_hook_grads(decl)]
     return K.Kernel(f"{decl.name}_bwd", params, tuple(body),
                     doc="Chunk c: dq, dk, dv" + (" and the hook inputs' gradients" if d != "none" else "") + ".")

@@ -44,7 +44,7 @@ from ..triton.kernel import common
 from ..triton.kernel import ir as K
 from ..triton.kernel.printer import render as print_module
 from .kernels import (INF, QK_MASK, QK_OFF, S_MASK, SHAPE_CONSTS, V_MASK, V_OFF, _axes, _chunk, _decay,
-                      _hook_names, _load_hook_inputs, _origin_comments, _params, _shape_like, a, dot, helper_kernels,
+                      _hook_names, _load_hook_inputs, _origin_comments, _params, _shape_like, dot, helper_kernels,
                       load, reverse_state_pass, state_off)
 
 CC_OFF = "(c * H + h).to(tl.int64) * C * C + rows[:, None] * C + cols"
@@ -85,22 +85,22 @@ def _beta_names(decl: MatrixState, n2: str) -> dict:
 
 def _beta(decl: MatrixState) -> tuple:
     """beta [C] from the hook (0 past the chunk's end, and for a zero key where the hook is not finite)."""
-    out = [a("zero_c", "tl.zeros([C], dtype=tl.float32)")]
+    out = [K.assign("zero_c", "tl.zeros([C], dtype=tl.float32)")]
     for n in (n for n in decl.used(decl.beta) if n in decl.inputs):
         if decl.inputs[n] == "head":
-            out.append(a(f"y_{n}", f"tl.load({n}_ptr + h).to(tl.float32)"))
+            out.append(K.assign(f"y_{n}", f"tl.load({n}_ptr + h).to(tl.float32)"))
         else:
             out.append(load(f"y_{n}", f"{n}_ptr", TOK_OFF, "ok"))
     out.append(K.Comment(f"beta = {E.docstring_text(str(decl.beta.expr))}"))
     if decl.uses_key_norm:
-        out += [a("n2", f"tl.sum(tl.where({QK_MASK}, b_k * b_k, 0.0), 1)"),
+        out += [K.assign("n2", f"tl.sum(tl.where({QK_MASK}, b_k * b_k, 0.0), 1)"),
                 *common.assign(["beta0"], [decl.beta.expr], _beta_names(decl, "n2"), "_b0", shape_like="zero_c"),
-                a("dead", f"(n2 == 0) & ~(tl.abs(beta0) < {INF})"), a("n2_safe", "tl.where(dead, 1.0, n2)"),
+                K.assign("dead", f"(n2 == 0) & ~(tl.abs(beta0) < {INF})"), K.assign("n2_safe", "tl.where(dead, 1.0, n2)"),
                 *common.assign(["beta"], [decl.beta.expr], _beta_names(decl, "n2_safe"), "_b", shape_like="zero_c"),
-                a("beta", "tl.where(ok & ~dead, beta, 0.0)")]
+                K.assign("beta", "tl.where(ok & ~dead, beta, 0.0)")]
     else:
         out += [*common.assign(["beta"], [decl.beta.expr], _beta_names(decl, "n2"), "_b", shape_like="zero_c"),
-                a("beta", "tl.where(ok, beta, 0.0)")]
+                K.assign("beta", "tl.where(ok, beta, 0.0)")]
     return tuple(out)
 
 
@@ -110,22 +110,22 @@ def _first_bad(with_v: bool) -> tuple:
            f"| ~(tl.abs(beta) < {INF})")
     if with_v:
         bad += f" | (tl.sum(tl.where(tl.abs(b_v) < {INF}, 0, 1), 1) > 0)"
-    return (a("bad", f"({bad}) & ok"), a("first_bad", "tl.min(tl.where(bad, rows, C), 0)"))
+    return (K.assign("bad", f"({bad}) & ok"), K.assign("first_bad", "tl.min(tl.where(bad, rows, C), 0)"))
 
 
 def _causal_dot(target: str, m: str, x: str) -> tuple:
     """target = m @ x for a lower-triangular m, rows of x from first_bad on kept from earlier rows."""
-    return (a(target, dot32(m, f"tl.where(rows[:, None] < first_bad, {x}, 0.0)")),
+    return (K.assign(target, dot32(m, f"tl.where(rows[:, None] < first_bad, {x}, 0.0)")),
             K.If(K.expr("first_bad < n_rows"), (
-                a(target, f"tl.where(rows[:, None] < first_bad, {target}, {dot32(m, x)})"),)))
+                K.assign(target, f"tl.where(rows[:, None] < first_bad, {target}, {dot32(m, x)})"),)))
 
 
 def _strict_kk() -> tuple:
-    return (a("P", f"tl.where({STRICT}, pairwise_qk(b_k, b_k, b_G, C, BS, BK, DT, PREC, UPCAST), 0.0)"),)
+    return (K.assign("P", f"tl.where({STRICT}, pairwise_qk(b_k, b_k, b_G, C, BS, BK, DT, PREC, UPCAST), 0.0)"),)
 
 
 def _load_cc(target: str, ptr: str) -> K.Assign:
-    return a(target, f"tl.load({ptr} + {CC_OFF})")
+    return K.assign(target, f"tl.load({ptr} + {CC_OFF})")
 
 
 def prep_kernel(decl: MatrixState) -> K.Kernel:
@@ -133,24 +133,24 @@ def prep_kernel(decl: MatrixState) -> K.Kernel:
     consts = [f"c_{c}" for c in decl.constants]
     params = _params(["q_ptr", "k_ptr", *ins, "G_ptr", *WY, "chunk_tok_ptr", "chunk_len_ptr", *consts, "H"],
                      ("K", "BK", "C", "BS", "PREC", "UPCAST"))
-    solve = (a("a_i", "tl.sum(tl.where(rows[:, None] == i, A, 0.0), 0)"),
-             a("r", "tl.sum(a_i[:, None] * Tm, 0)"),
-             a("Tm", "tl.where(rows[:, None] == i, tl.where(cols == i, 1.0, 0.0) - r[None, :], Tm)"))
-    body = (a("c", "tl.program_id(0)"), a("h", "tl.program_id(1)"), *_axes(False),
-            a("cols", "tl.arange(0, C)[None, :]"), *_origin_comments(decl), *_chunk(),
+    solve = (K.assign("a_i", "tl.sum(tl.where(rows[:, None] == i, A, 0.0), 0)"),
+             K.assign("r", "tl.sum(a_i[:, None] * Tm, 0)"),
+             K.assign("Tm", "tl.where(rows[:, None] == i, tl.where(cols == i, 1.0, 0.0) - r[None, :], Tm)"))
+    body = (K.assign("c", "tl.program_id(0)"), K.assign("h", "tl.program_id(1)"), *_axes(False),
+            K.assign("cols", "tl.arange(0, C)[None, :]"), *_origin_comments(decl), *_chunk(),
             load("b_q", "q_ptr", QK_OFF, QK_MASK), load("b_k", "k_ptr", QK_OFF, QK_MASK),
             *_load_hook_inputs(decl),
             *common.assign(["g"], [decl.log_decay.expr], _hook_names(decl), "_g", shape_like=_shape_like(decl)),
-            a("b_G", f"tl.cumsum(tl.where({QK_MASK}, g, 0.0), 0)"),
+            K.assign("b_G", f"tl.cumsum(tl.where({QK_MASK}, g, 0.0), 0)"),
             K.Store(K.expr(f"G_ptr + {QK_OFF}"), K.expr("b_G"), K.expr(QK_MASK)),
-            a("G_last", "tl.sum(tl.where((rows == n_rows - 1)[:, None], b_G, 0.0), 0)"),
-            a("b_G", "tl.where(ok[:, None], b_G, G_last[None, :])"),
+            K.assign("G_last", "tl.sum(tl.where((rows == n_rows - 1)[:, None], b_G, 0.0), 0)"),
+            K.assign("b_G", "tl.where(ok[:, None], b_G, G_last[None, :])"),
             *_beta(decl),
             K.Store(K.expr(f"wy_beta_ptr + {TOK_OFF}"), K.expr("beta"), K.expr("ok")),
             *_first_bad(False),
             K.Comment("Tm = (I + A)^-1 by forward substitution, row i from the rows before it"),
-            *_strict_kk(), a("A", f"tl.where({STRICT}, beta[:, None] * P, 0.0)"),
-            a("Tm", "tl.where(rows[:, None] == cols, 1.0, 0.0)"),
+            *_strict_kk(), K.assign("A", f"tl.where({STRICT}, beta[:, None] * P, 0.0)"),
+            K.assign("Tm", "tl.where(rows[:, None] == cols, 1.0, 0.0)"),
             K.For("i", K.expr("1"), K.expr("C"), solve),
             K.Store(K.expr(f"wy_tm_ptr + {CC_OFF}"), K.expr("Tm"), None),
             *_causal_dot("w", "Tm", "beta[:, None] * b_k * tl.exp(b_G)"),
@@ -180,16 +180,16 @@ def fwd_kernel(decl: MatrixState) -> K.Kernel:
             *_chunk_loads(False), load("b_v", "v_ptr", V_OFF, V_MASK), _load_cc("Tm", "wy_tm_ptr"),
             *_first_bad(True),
             K.Comment("U = Tm diag(beta) V - w S0, rows from the first non-finite one on kept from earlier rows"),
-            *_causal_dot("u", "Tm", "beta[:, None] * b_v"), a("U", f"u - {dot32('w', 'S')}"),
+            *_causal_dot("u", "Tm", "beta[:, None] * b_v"), K.assign("U", f"u - {dot32('w', 'S')}"),
             K.If(K.expr("STORE_O"), (
                 *_causal_dot("o_c", "Aqk", "U"),
                 K.Store(K.expr(f"o_ptr + {V_OFF}"), K.expr(f"scale * ({dot('q_dec', 'S')} + o_c)"), K.expr(V_MASK)))),
-            a("S", f"S * s_dec + {dot32('tl.trans(k_end)', 'U')}"))
-    body = (a("n", "tl.program_id(0)"), a("h", "tl.program_id(1)"), a("vb", "tl.program_id(2)"), *_axes(True),
-            a("cols", "tl.arange(0, C)[None, :]"), *_origin_comments(decl),
-            a("c0", "tl.load(seq_chunk0_ptr + n)"), a("c1", "tl.load(seq_chunk0_ptr + n + 1)"),
+            K.assign("S", f"S * s_dec + {dot32('tl.trans(k_end)', 'U')}"))
+    body = (K.assign("n", "tl.program_id(0)"), K.assign("h", "tl.program_id(1)"), K.assign("vb", "tl.program_id(2)"), *_axes(True),
+            K.assign("cols", "tl.arange(0, C)[None, :]"), *_origin_comments(decl),
+            K.assign("c0", "tl.load(seq_chunk0_ptr + n)"), K.assign("c1", "tl.load(seq_chunk0_ptr + n + 1)"),
             K.If(K.expr("HAS_H0"), (load("S", "h0_ptr", state_off("n"), S_MASK),),
-                 (a("S", "tl.zeros([BK, BV], dtype=tl.float32)"),)),
+                 (K.assign("S", "tl.zeros([BK, BV], dtype=tl.float32)"),)),
             K.For("c", K.expr("c0"), K.expr("c1"), loop),
             K.If(K.expr("STORE_H"), (K.Store(K.expr(f"hs_ptr + {state_off('c1 + n')}"), K.expr("S"), K.expr(S_MASK)),)),
             K.If(K.expr("STORE_FINAL"), (K.Store(K.expr(f"ht_ptr + {state_off('n')}"), K.expr("S"), K.expr(S_MASK)),)))
@@ -202,12 +202,12 @@ def bwd_dh_kernel(decl: MatrixState) -> K.Kernel:
     params = _params(["q_ptr", "k_ptr", "G_ptr", "wy_beta_ptr", "wy_aqk_ptr", "wy_w_ptr", "do_ptr", "dht_ptr", "dh_ptr",
                       "dh0_ptr", "chunk_tok_ptr", "chunk_len_ptr", "seq_chunk0_ptr", "scale", "H"],
                      SHAPE_CONSTS + ("HAS_DHT", "STORE_DH0"))
-    loop = (a("c", "c1 - 1 - i"), *_chunk(),
+    loop = (K.assign("c", "c1 - 1 - i"), *_chunk(),
             K.Store(K.expr(f"dh_ptr + {state_off('c')}"), K.expr("dS"), K.expr(S_MASK)),
             *_chunk_loads(True),
-            a("dU", f"scale * {dot32('tl.trans(Aqk)', 'b_do')} + {dot32('k_end', 'dS')}"),
-            a("dS", f"dS * s_dec + scale * {dot('tl.trans(q_dec)', 'b_do')} - {dot32('tl.trans(w)', 'dU')}"))
-    body = reverse_state_pass(decl, loop, setup=(a("cols", "tl.arange(0, C)[None, :]"),))
+            K.assign("dU", f"scale * {dot32('tl.trans(Aqk)', 'b_do')} + {dot32('k_end', 'dS')}"),
+            K.assign("dS", f"dS * s_dec + scale * {dot('tl.trans(q_dec)', 'b_do')} - {dot32('tl.trans(w)', 'dU')}"))
+    body = reverse_state_pass(decl, loop, setup=(K.assign("cols", "tl.arange(0, C)[None, :]"),))
     return K.Kernel(f"{decl.name}_bwd_dh", params, body,
                     doc="Chunks of sequence n in reverse: dS_end of each chunk (dh slot c), then d(initial state): "
                         "dS0 = e^(G_L) dS_end + scale (Q e^G)^T dO - w^T dU.")
@@ -249,46 +249,46 @@ def bwd_kernel(decl: MatrixState) -> K.Kernel:
     ins = [f"{n}_ptr" for n in names] + [f"d{n}_ptr" for n in names] + [f"c_{c}" for c in decl.constants]
     params = _params(["q_ptr", "k_ptr", "v_ptr", "G_ptr", *WY, "hs_ptr", "dh_ptr", "do_ptr", "dq_ptr", "dk_ptr",
                       "dv_ptr", "chunk_tok_ptr", "chunk_len_ptr", "chunk_seq_ptr", *ins, "scale", "H"], SHAPE_CONSTS)
-    zeros = lambda *ts: tuple(a(t, f"tl.zeros([{s}], dtype=tl.float32)") for t, s in ts)  # noqa: E731
-    vloop = (a("vv", "vb * BV + tl.arange(0, BV)"), a("okv", "vv < V"),
+    zeros = lambda *ts: tuple(K.assign(t, f"tl.zeros([{s}], dtype=tl.float32)") for t, s in ts)  # noqa: E731
+    vloop = (K.assign("vv", "vb * BV + tl.arange(0, BV)"), K.assign("okv", "vv < V"),
              load("b_v", "v_ptr", V_OFF, V_MASK), load("b_do", "do_ptr", V_OFF, V_MASK),
              load("S0", "hs_ptr", state_off("c + n"), S_MASK), load("dSe", "dh_ptr", state_off("c"), S_MASK),
-             a("X0", f"b_v - {dot32('k_dec', 'S0')}"), a("R", "beta[:, None] * X0"), a("U", dot32("Tm", "R")),
-             a("dU", f"scale * {dot32('tl.trans(Aqk)', 'b_do')} + {dot32('k_end', 'dSe')}"),
-             a("dR", dot32("tl.trans(Tm)", "dU")),
-             a("dAqk", f"dAqk + {dot32('b_do', 'tl.trans(U)')}"),
-             a("dk_state", f"dk_state + {dot32('U', 'tl.trans(dSe)')}"),
-             a("dq_inter", f"dq_inter + {dot('b_do', 'tl.trans(S0)')}"),
-             a("dk_dec", f"dk_dec - {dot32('beta[:, None] * dR', 'tl.trans(S0)')}"),
-             a("dTm", f"dTm + {dot32('dU', 'tl.trans(R)')}"),
-             a("dbeta", "dbeta + tl.sum(dR * X0, 1)"),
-             a("dG_S0", "dG_S0 + tl.sum(S0 * dSe, 1)"),
+             K.assign("X0", f"b_v - {dot32('k_dec', 'S0')}"), K.assign("R", "beta[:, None] * X0"), K.assign("U", dot32("Tm", "R")),
+             K.assign("dU", f"scale * {dot32('tl.trans(Aqk)', 'b_do')} + {dot32('k_end', 'dSe')}"),
+             K.assign("dR", dot32("tl.trans(Tm)", "dU")),
+             K.assign("dAqk", f"dAqk + {dot32('b_do', 'tl.trans(U)')}"),
+             K.assign("dk_state", f"dk_state + {dot32('U', 'tl.trans(dSe)')}"),
+             K.assign("dq_inter", f"dq_inter + {dot('b_do', 'tl.trans(S0)')}"),
+             K.assign("dk_dec", f"dk_dec - {dot32('beta[:, None] * dR', 'tl.trans(S0)')}"),
+             K.assign("dTm", f"dTm + {dot32('dU', 'tl.trans(R)')}"),
+             K.assign("dbeta", "dbeta + tl.sum(dR * X0, 1)"),
+             K.assign("dG_S0", "dG_S0 + tl.sum(S0 * dSe, 1)"),
              K.Store(K.expr(f"dv_ptr + {V_OFF}"), K.expr("beta[:, None] * dR"), K.expr(V_MASK)))
-    body = (a("c", "tl.program_id(0)"), a("h", "tl.program_id(1)"), *_axes(False),
-            a("cols", "tl.arange(0, C)[None, :]"), *_origin_comments(decl), *_chunk(),
-            a("n", "tl.load(chunk_seq_ptr + c)"), *_chunk_loads(False), _load_cc("Tm", "wy_tm_ptr"),
-            a("k_dec", "b_k * tl.exp(b_G)"),
+    body = (K.assign("c", "tl.program_id(0)"), K.assign("h", "tl.program_id(1)"), *_axes(False),
+            K.assign("cols", "tl.arange(0, C)[None, :]"), *_origin_comments(decl), *_chunk(),
+            K.assign("n", "tl.load(chunk_seq_ptr + c)"), *_chunk_loads(False), _load_cc("Tm", "wy_tm_ptr"),
+            K.assign("k_dec", "b_k * tl.exp(b_G)"),
             *zeros(("dAqk", "C, C"), ("dTm", "C, C"), ("dq_inter", "C, BK"), ("dk_state", "C, BK"),
                    ("dk_dec", "C, BK"), ("dbeta", "C"), ("dG_S0", "BK")),
             K.For("vb", K.expr("0"), K.expr("tl.cdiv(V, BV)"), vloop),
-            a("dAqk", "tl.where(causal, scale * dAqk, 0.0)"),
+            K.assign("dAqk", "tl.where(causal, scale * dAqk, 0.0)"),
             K.Comment("through Tm = (I + A)^-1 and A = diag(beta) P"),
-            a("dA", f"tl.where({STRICT}, -{dot32('tl.trans(Tm)', dot32('dTm', 'tl.trans(Tm)'))}, 0.0)"),
+            K.assign("dA", f"tl.where({STRICT}, -{dot32('tl.trans(Tm)', dot32('dTm', 'tl.trans(Tm)'))}, 0.0)"),
             *_strict_kk(),
-            a("dbeta", f"dbeta + tl.sum(tl.where({STRICT}, dA * P, 0.0), 1)"),
-            a("dP", f"tl.where({STRICT}, beta[:, None] * dA, 0.0)"),
-            a("X, Y, Z", "pairwise_grads(dAqk, b_q, b_k, b_G, k_end * dk_state, C, BS, BK, DT, PREC, UPCAST)"),
-            a("X2, Y2, Z2", "pairwise_grads(dP, b_k, b_k, b_G, tl.zeros_like(b_k), C, BS, BK, DT, PREC, UPCAST)"),
-            a("dq_s0", "scale * tl.exp(b_G) * dq_inter"),
-            a("dk", "Y + X2 + Y2 + tl.exp(G_last[None, :] - b_G) * dk_state + tl.exp(b_G) * dk_dec"),
+            K.assign("dbeta", f"dbeta + tl.sum(tl.where({STRICT}, dA * P, 0.0), 1)"),
+            K.assign("dP", f"tl.where({STRICT}, beta[:, None] * dA, 0.0)"),
+            K.assign("X, Y, Z", "pairwise_grads(dAqk, b_q, b_k, b_G, k_end * dk_state, C, BS, BK, DT, PREC, UPCAST)"),
+            K.assign("X2, Y2, Z2", "pairwise_grads(dP, b_k, b_k, b_G, tl.zeros_like(b_k), C, BS, BK, DT, PREC, UPCAST)"),
+            K.assign("dq_s0", "scale * tl.exp(b_G) * dq_inter"),
+            K.assign("dk", "Y + X2 + Y2 + tl.exp(G_last[None, :] - b_G) * dk_state + tl.exp(b_G) * dk_dec"),
             K.Comment("dg_t: the direct terms of rows >= t, the pairs j < t <= i, e^(G_L) rowsum(S0 dS_end)"),
-            a("dg", f"tl.cumsum(tl.where({QK_MASK}, b_q * dq_s0 + k_dec * dk_dec, 0.0), 0, reverse=True) + Z + Z2"),
-            a("dg", f"tl.where({QK_MASK}, dg + tl.exp(G_last)[None, :] * dG_S0[None, :], 0.0)"),
+            K.assign("dg", f"tl.cumsum(tl.where({QK_MASK}, b_q * dq_s0 + k_dec * dk_dec, 0.0), 0, reverse=True) + Z + Z2"),
+            K.assign("dg", f"tl.where({QK_MASK}, dg + tl.exp(G_last)[None, :] * dG_S0[None, :], 0.0)"),
             *_load_hook_inputs(decl), *_beta(decl))
     if decl.uses_key_norm:
         n2 = common.assign(["dbeta_n2"], [decl.beta.grads[KEY_NORM]], _beta_names(decl, "n2_safe"), "_dn",
                            shape_like="zero_c")
-        body += (*n2, a("dk", "dk + tl.where(ok & ~dead, 2.0 * dbeta * dbeta_n2, 0.0)[:, None] * b_k"))
+        body += (*n2, K.assign("dk", "dk + tl.where(ok & ~dead, 2.0 * dbeta * dbeta_n2, 0.0)[:, None] * b_k"))
     body += (K.Store(K.expr(f"dq_ptr + {QK_OFF}"), K.expr("dq_s0 + X"), K.expr(QK_MASK)),
              K.Store(K.expr(f"dk_ptr + {QK_OFF}"), K.expr("tl.where(ok[:, None], dk, 0.0)"), K.expr(QK_MASK)),
              *_input_grads(decl))

@@ -18,10 +18,10 @@ from .kernel import common
 from .kernel.common import assign, assign_inverted
 from .kernel import ir as K
 from .kernel import runs as R
-from .kernel.builders import GradMode, a, grad_mode_is, when
+from .kernel.builders import GradMode, grad_mode_is, when
 
-GROUPS = (a("group", "pid.to(tl.int64) * (BLOCK_L // STATE) + tl.arange(0, BLOCK_L // STATE)"),
-          a("group_ok", "group < L // STATE"))
+GROUPS = (K.assign("group", "pid.to(tl.int64) * (BLOCK_L // STATE) + tl.arange(0, BLOCK_L // STATE)"),
+          K.assign("group_ok", "group < L // STATE"))
 
 
 def _runs_or_tiles(ir: ScanIR, carried: str, var: str, runs_loop: tuple, epilogue: bool, tile_loop) -> tuple:
@@ -41,11 +41,11 @@ def forward_kernel(ir: ScanIR) -> K.Kernel:
     consts = ["BLOCK_T", "BLOCK_L", "CHUNK", "REVERSE", "HAS_INIT", "VARLEN", "STATE", "FP64", "STAGES", "CKPT",
               *B.TILE_FLAGS]
     outs = range(len(ir.outputs))
-    body = list(B.prologue()) + [a(f"u{i}_off", f"{B.lane_off(f'u{i}')}[None, :]") for i in range(len(ir.inputs))]
+    body = list(B.prologue()) + [K.assign(f"u{i}_off", f"{B.lane_off(f'u{i}')}[None, :]") for i in range(len(ir.inputs))]
     if ir.reduce_state:
-        body += [*GROUPS, *(a(f"o{j}_off", f"{B.lane_off(f'o{j}', 'group', '1')}[None, :]") for j in outs)]
+        body += [*GROUPS, *(K.assign(f"o{j}_off", f"{B.lane_off(f'o{j}', 'group', '1')}[None, :]") for j in outs)]
     else:
-        body += [a(f"o{j}_off", f"{B.lane_off(f'o{j}')}[None, :]") for j in outs]
+        body += [K.assign(f"o{j}_off", f"{B.lane_off(f'o{j}')}[None, :]") for j in outs]
     body += B.initial_carry(ir)
     # checkpoints every CHUNK steps (the backward's tile), only for a backward (CKPT; without one
     # CHUNK is BLOCK_T and nothing is stored): slot j holds the carry into chunk j. With CHUNK ==
@@ -54,8 +54,8 @@ def forward_kernel(ir: ScanIR) -> K.Kernel:
     # multiple of BLOCK_T) stores the carry at the start of every CHUNK // BLOCK_T-th tile.
     loop = list(B.time_index() + B.tile_start_checkpoints(ir, "c", "lane", "lane_ok") + B.load_lift(ir) + B.replay(ir))
     loop.append(when("CHUNK < BLOCK_T", [
-        a("chunk", "t // CHUNK + 1"),
-        a("chunk_end", "((t % CHUNK) == CHUNK - 1) & (chunk < tl.cdiv(seq_len, CHUNK)) & lane_ok[None, :]"),
+        K.assign("chunk", "t // CHUNK + 1"),
+        K.assign("chunk_end", "((t % CHUNK) == CHUNK - 1) & (chunk < tl.cdiv(seq_len, CHUNK)) & lane_ok[None, :]"),
         *B.checkpoint_store(ir, "slot0 + chunk", "lane[None, :]", "p", "chunk_end")]))
     body.append(when("CHUNK < BLOCK_T", B.checkpoint_store(ir, "slot0", "lane", "c", "lane_ok")))
     if ir.uses_previous:
@@ -66,13 +66,13 @@ def forward_kernel(ir: ScanIR) -> K.Kernel:
         value = K.expr(f"r{j}.to(o{j}_ptr.dtype.element_ty)")
         ptr = K.expr(f"o{j}_ptr + o{j}_off + tt * o{j}_st")
         if ir.reduce_state:
-            loop += [a(f"r{j}", f"tl.sum(tl.reshape(r{j}, (BLOCK_T, BLOCK_L // STATE, STATE)), 2)"),
+            loop += [K.assign(f"r{j}", f"tl.sum(tl.reshape(r{j}, (BLOCK_T, BLOCK_L // STATE, STATE)), 2)"),
                      K.Store(ptr, value, K.expr("(t < seq_len) & group_ok[None, :]"))]
         else:
             loop.append(K.Store(ptr, value, K.expr("ok")))
     # the carry is the prefix at the tile's last valid row (padding may not even be finite)
-    loop += [when("EVEN_T", [a("last", "BLOCK_T - 1")], [a("last", "tl.minimum(seq_len - 1 - k * BLOCK_T, BLOCK_T - 1)")]),
-             *(a(f"c_{name}", f"tl.sum(tl.where(rows == last, p_{name}, 0.0), 0)") for name in ir.fields)]
+    loop += [when("EVEN_T", [K.assign("last", "BLOCK_T - 1")], [K.assign("last", "tl.minimum(seq_len - 1 - k * BLOCK_T, BLOCK_T - 1)")]),
+             *(K.assign(f"c_{name}", f"tl.sum(tl.where(rows == last, p_{name}, 0.0), 0)") for name in ir.fields)]
     body += _runs_or_tiles(ir, "c", "k", R.forward_loop(ir), True, loop)
     body += [K.Store(K.expr(f"final_ptr + ({f} * n_seq + seq) * L + lane"), K.expr(f"c_{name}"), K.expr("lane_ok"))
              for f, name in enumerate(ir.fields)]
@@ -85,8 +85,8 @@ def _du_store(i: int, name: str) -> K.If:
     ptr, cast = K.expr(f"du{i}_ptr + du{i}_off + tt * du{i}_st"), K.expr(f"du_{name}.to(du{i}_ptr.dtype.element_ty)")
     red, grp = K.expr(f"red{i}.to(du{i}_ptr.dtype.element_ty)"), K.expr("(t < seq_len) & group_ok[None, :]")
     mode = lambda m: grad_mode_is(i, m).text  # noqa: E731
-    by_state = [a(f"red{i}", f"tl.sum(tl.reshape(tl.where(ok, du_{name}, 0.0), (BLOCK_T, BLOCK_L // STATE, STATE)), 2)"),
-                a(f"gptr{i}", f"du{i}_ptr + du{i}_goff + tt * du{i}_st"),
+    by_state = [K.assign(f"red{i}", f"tl.sum(tl.reshape(tl.where(ok, du_{name}, 0.0), (BLOCK_T, BLOCK_L // STATE, STATE)), 2)"),
+                K.assign(f"gptr{i}", f"du{i}_ptr + du{i}_goff + tt * du{i}_st"),
                 when(mode(GradMode.STATE_STORE), [K.Store(K.expr(f"gptr{i}"), red, grp)],
                      [K.AtomicAdd(K.expr(f"gptr{i}"), red, grp)])]
     return when(mode(GradMode.STORE), [K.Store(ptr, cast, K.expr("ok"))],
@@ -107,25 +107,25 @@ def backward_kernel(ir: ScanIR, adj: Adjoint) -> K.Kernel:
     zeros = "to_acc(tl.zeros([BLOCK_L], tl.float32), FP64)"
     body = list(B.prologue() + GROUPS)
     for i in range(len(ir.inputs)):
-        body += [a(f"u{i}_off", f"{B.lane_off(f'u{i}')}[None, :]"), a(f"du{i}_lane_off", B.lane_off(f"du{i}")),
-                 a(f"du{i}_off", f"du{i}_lane_off[None, :]"), a(f"du{i}_goff", f"{B.lane_off(f'du{i}', 'group', '1')}[None, :]"),
-                 a(f"acc{i}", zeros)]
-    body += [a(f"g{j}_off", f"{B.lane_off(f'g{j}')}[None, :]") for j in range(len(ir.outputs))]
+        body += [K.assign(f"u{i}_off", f"{B.lane_off(f'u{i}')}[None, :]"), K.assign(f"du{i}_lane_off", B.lane_off(f"du{i}")),
+                 K.assign(f"du{i}_off", f"du{i}_lane_off[None, :]"), K.assign(f"du{i}_goff", f"{B.lane_off(f'du{i}', 'group', '1')}[None, :]"),
+                 K.assign(f"acc{i}", zeros)]
+    body += [K.assign(f"g{j}_off", f"{B.lane_off(f'g{j}')}[None, :]") for j in range(len(ir.outputs))]
     body.append(when("HAS_DFINAL", [K.Load(f"dfin_{name}", K.expr(f"dfinal_ptr + ({f} * n_seq + seq) * L + lane"),
                                            K.expr("lane_ok"), K.expr("0.0")) for f, name in enumerate(ir.fields)],
-                     [a(f"dfin_{name}", zeros) for name in ir.fields]))
+                     [K.assign(f"dfin_{name}", zeros) for name in ir.fields]))
     # gbar carried from the later tile; w0 = dL/d(initial) (= dfinal if T = 0)
     for name in ir.fields:
-        body += [a(f"gc_{name}", zeros), a(f"w0_{name}", f"dfin_{name}")]
+        body += [K.assign(f"gc_{name}", zeros), K.assign(f"w0_{name}", f"dfin_{name}")]
     shape = f"p_{ir.fields[0]}"
-    loop = [a("k", "n_tiles - 1 - kk"), *B.time_index()]
+    loop = [K.assign("k", "n_tiles - 1 - kk"), *B.time_index()]
     loop += B.checkpoint_load(ir)
     loop += B.load_lift(ir) + B.replay(ir)
-    loop.append(a("ok_prev", "ok & (rows > 0)"))
+    loop.append(K.assign("ok_prev", "ok & (rows > 0)"))
     loop += B.load_lift(ir, tag="v", shift=-1, mask="ok_prev") + B.replay(ir, tag="v", out="qs")
     # row 0: the carry itself (a raw initial element is not renormalised)
-    loop += [a(f"q_{f}", f"tl.where(rows == 0, c_{f}[None, :], qs_{f})") for f in ir.fields]
-    loop.append(a("ok_next", "(t + 1 < seq_len) & lane_ok[None, :]"))
+    loop += [K.assign(f"q_{f}", f"tl.where(rows == 0, c_{f}[None, :], qs_{f})") for f in ir.fields]
+    loop.append(K.assign("ok_next", "(t + 1 < seq_len) & lane_ok[None, :]"))
     loop += B.load_lift(ir, tag="n", shift=1, mask="ok_next")
     loop += [K.Load(f"g_{o}", K.expr(f"g{j}_ptr + g{j}_off + tt * g{j}_st"), K.expr("ok"), K.expr("0.0"))
              for j, o in enumerate(ir.outputs)]
@@ -142,19 +142,19 @@ def backward_kernel(ir: ScanIR, adj: Adjoint) -> K.Kernel:
                | {g: f"gn_{g.name[2:]}" for g in adj.g} | _symbols_named(ir.input_symbols, "un_{}"))
         loop += assign_inverted([f"cn_{f}" for f in ir.fields], adj.c, nxt, "_n", shape_like=shape, recips=recips)
     else:
-        loop += [a(f"cn_{f}", "0.0") for f in ir.fields]
+        loop += [K.assign(f"cn_{f}", "0.0") for f in ir.fields]
     a_names = ({s: f"p_{s.name[2:]}" for s in ir.previous_symbols}
                | {s: f"en_{f}" for s, f in zip(ir.later, ir.fields)})
     loop += assign_inverted([f"a{k}" for k in range(nb)], adj.b_entries, a_names, "_a", shape_like=shape, recips=recips)
     # the last step has no successor: A = 0 (its padding may not be finite)
-    loop += [a(f"a{k}", f"tl.where(ok_next, a{k}, 0.0)") for k in range(nb)]
-    loop.append(a("is_last", "t == seq_len - 1"))
+    loop += [K.assign(f"a{k}", f"tl.where(ok_next, a{k}, 0.0)") for k in range(nb)]
+    loop.append(K.assign("is_last", "t == seq_len - 1"))
     # the direct gradient of y_t: its readout, the next readout, a returned final prefix
-    loop += [a(f"d_{f}", f"dy_{f} + tl.where(ok_next, cn_{f}, 0.0) + tl.where(is_last, dfin_{f}[None, :], 0.0)")
+    loop += [K.assign(f"d_{f}", f"dy_{f} + tl.where(ok_next, cn_{f}, 0.0) + tl.where(is_last, dfin_{f}[None, :], 0.0)")
              for f in ir.fields]
     names_v = {s: s.name for s in ir.prefix_symbols + adj.d}
     loop += assign_inverted([f"v_{f}" for f in ir.fields], adj.direct, names_v, "_v", shape_like=shape, recips=recips)
-    loop += [a(f"v_{f}", f"tl.where(ok, v_{f}, 0.0)") for f in ir.fields]
+    loop += [K.assign(f"v_{f}", f"tl.where(ok, v_{f}, 0.0)") for f in ir.fields]
     ra, rv = [f"ra{k}" for k in range(nb)], [f"rv{i}" for i in range(n)]
     scanned = [f"a{k}" for k in range(nb)] + [f"v_{f}" for f in ir.fields]
     # FLIP_REV (channels-contiguous tiles): the reverse scan as flip, forward scan, flip. Triton 3.6 lowers a
@@ -165,7 +165,7 @@ def backward_kernel(ir: ScanIR, adj: Adjoint) -> K.Kernel:
     flipped = ", ".join(f"tl.flip({x}, 0)" for x in scanned)
     loop.append(when("FLIP_REV", [
         K.Assign(tuple(ra + rv), K.expr(f"tl.associative_scan(({flipped},), 0, adjoint_combine)"), True),
-        *(a(x, f"tl.flip({x}, 0)") for x in ra + rv)],
+        *(K.assign(x, f"tl.flip({x}, 0)") for x in ra + rv)],
         [K.Assign(tuple(ra + rv), K.expr(f"tl.associative_scan(({', '.join(scanned)},), 0, adjoint_combine, reverse=True)"),
                   True)]))
     rmat = adj.matrix([E.symbol(r) for r in ra])
@@ -181,7 +181,7 @@ def backward_kernel(ir: ScanIR, adj: Adjoint) -> K.Kernel:
     names_u = here | {s: s.name for s in adj.dx_symbols}
     loop += assign_inverted([f"du_{m}" for m in ir.inputs], adj.du, names_u, "_u", shape_like=shape, recips=recips)
     loop += [_du_store(i, name) for i, name in enumerate(ir.inputs)]
-    loop += [a(f"gc_{f}", f"tl.sum(tl.where(rows == 0, gbar_{f}, 0.0), 0)") for f in ir.fields]
+    loop += [K.assign(f"gc_{f}", f"tl.sum(tl.where(rows == 0, gbar_{f}, 0.0), 0)") for f in ir.fields]
     # dL/d(initial) = J1(q_0, x_0)^T gbar_0 + c_0, taken from the first tile (the loop's last)
     loop.append(when("HAS_INIT", _initial_gradient(ir, adj, here, shape)))
     body += _runs_or_tiles(ir, "gc", "kk", R.backward_loop(ir, adj), False, loop)
@@ -209,4 +209,4 @@ def _initial_gradient(ir: ScanIR, adj: Adjoint, here: dict, shape: str) -> list:
     names_w = {E.symbol(f"cq_{f}"): f"cq_{f}" for f in ir.fields} | {s: s.name for s in gb} | {
         E.symbol(f"b{k}"): f"b{k}" for k in range(nb)}
     out += assign([f"w_{f}" for f in ir.fields], w_exprs, names_w, "_w", shape_like=shape)
-    return out + [a(f"w0_{f}", f"tl.sum(tl.where(rows == 0, w_{f}, 0.0), 0)") for f in ir.fields]
+    return out + [K.assign(f"w0_{f}", f"tl.sum(tl.where(rows == 0, w_{f}, 0.0), 0)") for f in ir.fields]

@@ -25,14 +25,13 @@ import torch
 
 from scanlang import backend as registry
 from scanlang import context_parallel, settings
-from scanlang._checks import check_cu_seqlens, check_log_decay
+from scanlang._checks import check_log_decay, check_scale, packed_offsets
+from scanlang.delta import CHUNK_SIZES, MAX_HEAD_DIM  # noqa: F401  (also read as ops.CHUNK_SIZES)
 
 from .chunk_reference import chunk_delta_rule_reference, chunk_delta_rule_reference_varlen
 from .context_parallel import delta_rule_sharded
 from .naive import kaczmarz_beta
 
-MAX_HEAD_DIM = 256
-CHUNK_SIZES = (16, 32, 64)
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
@@ -69,19 +68,12 @@ def validate(q, k, v, g, step, step_name, scale, initial_state, cu_seqlens, back
     for name, t in (("q", q), ("v", v), ("g", g), (step_name, step)):
         if t.device != device:
             raise ValueError(f"{name} is on {t.device} but k is on {device}; all inputs must share a device")
-    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, numbers.Real)):
-        raise TypeError(f"scale must be a real number or None (default K**-0.5), got {scale!r}")
+    check_scale(scale)
     if chunk_size not in CHUNK_SIZES:
         raise ValueError(f"chunk_size must be one of {CHUNK_SIZES}, got {chunk_size!r}")
 
-    n_seq, offsets = B, None
-    if cu_seqlens is not None:
-        if B != 1:
-            raise ValueError(f"cu_seqlens packs sequences along T and needs B == 1, got B = {B}")
-        offsets = check_cu_seqlens(cu_seqlens, T, device)
-        if offsets is None:   # torch.compile: the kernels' chunk table still needs the offsets on the host
-            offsets = tuple(int(x) for x in cu_seqlens.tolist())
-        n_seq = cu_seqlens.numel() - 1
+    offsets = packed_offsets(cu_seqlens, B, T, device)
+    n_seq = B if offsets is None else len(offsets) - 1
 
     inputs = (q, k, v, g, step)
     compute = torch.float64 if any(t.dtype == torch.float64 for t in inputs) else torch.float32

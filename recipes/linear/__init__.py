@@ -5,7 +5,7 @@ declared with `scanlang.matrix_state` and run by `op(declaration)`.
 generated Triton kernels by default). With backend="triton", a declaration with the delta correction or
 n Householder steps and decay none or per head (deltanet, gated_delta_rule, kaczmarz, gated_delta_product,
 or a user's) runs on the delta-rule kernels (backends/delta) with gradients, its hooks translated into a
-DeltaRule (delta_form.py), on CUDA too, and backend=None picks them on CUDA; Householder steps run as a
+DeltaRule (scanlang/delta_form.py), on CUDA too, and backend=None picks them on CUDA; Householder steps run as a
 delta rule over the interleaved T*n rows (chunk_size counts those rows). The other structures run with
 backend="triton" on kernels generated from their declaration (backends/linear): the recurrent decode
 kernel of every structure without gradients for short sequences (`scanlang.tuning` decode_max_tokens;

@@ -12,7 +12,7 @@ kernel would use. backend: "reference" runs the chunked PyTorch reference (recip
 "triton" runs generated kernels:
 the delta correction, or n Householder steps, with decay none or per head on the delta-rule kernels
 (backends/delta, CUDA or Triton's interpreter; the declaration translated into a DeltaRule by
-recipes/linear/delta_form.py; Householder steps as a delta rule over the interleaved T*n rows, `_on_delta`);
+scanlang/delta_form.py; Householder steps as a delta rule over the interleaved T*n rows, `_on_delta`);
 every other structure on the kernels generated from the declaration (backends/linear): without gradients
 and for sequences of at most `tuning.decode_max_tokens` tokens the recurrent decode kernel (CUDA and
 the interpreter), else the chunk kernels of plain writes, every decay, and of per-key decay with the delta
@@ -33,16 +33,14 @@ import torch
 from scanlang import backend as _backend
 from scanlang import expr as E
 from scanlang import settings
-from scanlang._checks import check_cu_seqlens, check_log_decay
-from scanlang.linear import KEY_NORM, MatrixState
-from scanlang.recipes.kaczmarz.ops import CHUNK_SIZES, MAX_HEAD_DIM
+from scanlang._checks import check_log_decay, check_scale, packed_offsets
+from scanlang.delta import CHUNK_SIZES, DELTA_CHUNK, MAX_HEAD_DIM
+from scanlang.delta_form import default_backend, delta_form, runs_on_delta
+from scanlang.linear import KEY_NORM, REFERENCE_CHUNK, MatrixState
 
 from .chunked import matrix_state_reference
-from .delta_form import default_backend, delta_form, runs_on_delta
 
 FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-REFERENCE_CHUNK = 32   # chunk_size=None: the reference's chunk (and the plain-write kernels')
-DELTA_CHUNK = 64       # and the delta-rule kernels' (their launch configs are tuned at 64, recipes/kaczmarz's default)
 _STEPS = {sympy.Heaviside: lambda u: torch.where(u > 0, 1.0, torch.where(u < 0, 0.0, 0.5)).to(u.dtype),
           sympy.sign: torch.sign}   # derivatives of max / abs; Heaviside(0) = 1/2 as in sympy and torch
 
@@ -237,7 +235,7 @@ class MemberOp:
 
     def _on_delta(self, q, k, v, inputs, constants, scale, initial_state, output_final_state, offsets, chunk_size,
                   compute):
-        """backend='triton' for a structure the delta kernels run (recipes/linear/delta_form.py), on CUDA or
+        """backend='triton' for a structure the delta kernels run (scanlang/delta_form.py), on CUDA or
         in Triton's interpreter: the declaration's DeltaForm, its s, a and per-head parameters, one launch.
         n > 1 Householder steps: q and a interleaved into the T*n rows k, v and s already have (q_t on row
         t*n+n-1, a_t on row t*n, zeros elsewhere; a = 0 gives g = 0 there, delta_form's _vanishes), cu_seqlens
@@ -320,18 +318,11 @@ class MemberOp:
         for name, t in (("k", k), ("v", v), *inputs.items()):
             if t.device != device:
                 raise ValueError(f"{name} is on {t.device} but q is on {device}; all inputs must share a device")
-        if scale is not None and (isinstance(scale, bool) or not isinstance(scale, numbers.Real)):
-            raise TypeError(f"scale must be a real number or None (default K**-0.5), got {scale!r}")
+        check_scale(scale)
         if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
             raise ValueError(f"chunk_size must be an int >= 1, got {chunk_size!r}")
-        offsets, N = None, B
-        if cu_seqlens is not None:
-            if B != 1:
-                raise ValueError(f"cu_seqlens packs sequences along T and needs B == 1, got B = {B}")
-            offsets = check_cu_seqlens(cu_seqlens, T, device)
-            if offsets is None:
-                offsets = tuple(int(x) for x in cu_seqlens.tolist())
-            N = len(offsets) - 1
+        offsets = packed_offsets(cu_seqlens, B, T, device)
+        N = B if offsets is None else len(offsets) - 1
         tensors = (q, k, v, *inputs.values())
         compute = torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
         if initial_state is not None:

@@ -142,7 +142,7 @@ def gated_delta_product(q, k, v, g, beta, num_householder, scale=None, initial_s
     """DeltaProduct: per token, decay exp(g_t) once, then n delta writes (k, v, beta rows t*n ..
     t*n+n-1), then the readout. q, g [.., T, ..]; k, v, beta [.., T*n, ..]; g may be None (no
     decay); cu_seqlens counts tokens of q (chunk_gated_delta_product). It is a delta rule over the
-    interleaved T*n rows (recipes/linear/delta_form.py), run on the delta-rule kernels with
+    interleaved T*n rows (scanlang/delta_form.py), run on the delta-rule kernels with
     backend="triton" (and backend=None on CUDA), else on the reference; chunk_size counts those rows on
     both (C/n tokens a chunk), None: 64 on the delta-rule kernels, 32 on the reference.
 

@@ -50,11 +50,6 @@ def grad_mode_is(i: int, mode: GradMode) -> K.Expr:
     return K.expr(f"DU{i} == {int(mode)}")
 
 
-def a(target: str, value) -> K.Assign:
-    """`target = value`."""
-    return K.assign(target, value)
-
-
 def when(cond: str, body, orelse=()) -> K.If:
     """`if cond: body else: orelse` (constexpr conditions fold away when Triton compiles)."""
     return K.If(K.expr(cond), tuple(body), tuple(orelse))
@@ -76,32 +71,32 @@ def lane_off(prefix: str, lanes: str = "lane", d3: str = "D3") -> str:
 
 def sequence_bounds() -> tuple:
     """t0, seq_len: where sequence `seq` starts in memory and its length."""
-    return (when("VARLEN", [a("t0", "tl.load(cu_ptr + seq).to(tl.int64)"),
-                            a("seq_len", "tl.load(cu_ptr + seq + 1).to(tl.int64) - t0")],
-                 [a("t0", "0"), a("seq_len", "T")]),)
+    return (when("VARLEN", [K.assign("t0", "tl.load(cu_ptr + seq).to(tl.int64)"),
+                            K.assign("seq_len", "tl.load(cu_ptr + seq + 1).to(tl.int64) - t0")],
+                 [K.assign("t0", "0"), K.assign("seq_len", "T")]),)
 
 
 def prologue() -> tuple:
     """Program = (lane block, sequence). Packed sequences (VARLEN) start at cu[seq] in memory; the
     checkpoint slots of sequence `seq` start at t0 // CHUNK + seq (disjoint ranges, no host sync).
     Every lane block full (EVEN_L): the masks by lane_ok fold away."""
-    return (a("pid", "tl.program_id(0)"), a("seq", "tl.program_id(1)"), a("rows", "tl.arange(0, BLOCK_T)[:, None]"),
-            a("lane", "pid.to(tl.int64) * BLOCK_L + tl.arange(0, BLOCK_L)"),
-            when("EVEN_L", [a("lane_ok", "tl.full([BLOCK_L], 1, tl.int1)")], [a("lane_ok", "lane < L")]),
-            *sequence_bounds(), a("n_tiles", "tl.cdiv(seq_len, BLOCK_T)"), a("slot0", "t0 // CHUNK + seq"))
+    return (K.assign("pid", "tl.program_id(0)"), K.assign("seq", "tl.program_id(1)"), K.assign("rows", "tl.arange(0, BLOCK_T)[:, None]"),
+            K.assign("lane", "pid.to(tl.int64) * BLOCK_L + tl.arange(0, BLOCK_L)"),
+            when("EVEN_L", [K.assign("lane_ok", "tl.full([BLOCK_L], 1, tl.int1)")], [K.assign("lane_ok", "lane < L")]),
+            *sequence_bounds(), K.assign("n_tiles", "tl.cdiv(seq_len, BLOCK_T)"), K.assign("slot0", "t0 // CHUNK + seq"))
 
 
 def memory_index() -> tuple:
     """tt: the memory index of scan step t (backwards in memory when REVERSE), and its step."""
-    return (when("REVERSE", [a("tt", "(t0 + seq_len - 1 - t).to(tl.int64)"), a("step", "-1")],
-                 [a("tt", "(t0 + t).to(tl.int64)"), a("step", "1")]),)
+    return (when("REVERSE", [K.assign("tt", "(t0 + seq_len - 1 - t).to(tl.int64)"), K.assign("step", "-1")],
+                 [K.assign("tt", "(t0 + t).to(tl.int64)"), K.assign("step", "1")]),)
 
 
 def time_index() -> tuple:
     """t, ok (in the sequence; constant under EVEN_T: the masks fold away), and the memory index."""
-    return (a("t", "k * BLOCK_T + rows"),
-            when("EVEN_T", [a("ok", "tl.full([BLOCK_T, BLOCK_L], 1, tl.int1) & lane_ok[None, :]")],
-                 [a("ok", "(t < seq_len) & lane_ok[None, :]")]),
+    return (K.assign("t", "k * BLOCK_T + rows"),
+            when("EVEN_T", [K.assign("ok", "tl.full([BLOCK_T, BLOCK_L], 1, tl.int1) & lane_ok[None, :]")],
+                 [K.assign("ok", "(t < seq_len) & lane_ok[None, :]")]),
             *memory_index())
 
 
@@ -125,15 +120,15 @@ def renormalise_leaf(ir: ScanIR, tag: str) -> tuple:
     if not ir.is_projective:
         return ()
     largest = _max_tree([f"tl.abs(l{tag}_{f})" for f in ir.fields])
-    return (a(f"inv_leaf{tag}", f"leaf_scale({largest})"),
-            *(a(f"l{tag}_{f}", f"l{tag}_{f} * inv_leaf{tag}") for f in ir.fields))
+    return (K.assign(f"inv_leaf{tag}", f"leaf_scale({largest})"),
+            *(K.assign(f"l{tag}_{f}", f"l{tag}_{f} * inv_leaf{tag}") for f in ir.fields))
 
 
 def scale_leaf_gradient(ir: ScanIR, dx: str, tag: str) -> tuple:
     """dx<field> (format `dx`) times the step's inv_leaf{tag} (see `renormalise_leaf`); nothing unless projective."""
     if not ir.is_projective:
         return ()
-    return tuple(a(dx.format(f), f"{dx.format(f)} * inv_leaf{tag}") for f in ir.fields)
+    return tuple(K.assign(dx.format(f), f"{dx.format(f)} * inv_leaf{tag}") for f in ir.fields)
 
 
 # --- combine calls, tiles -----------------------------------------------------------------------------------
@@ -167,7 +162,7 @@ def lift(ir: ScanIR, tag: str, mask: str | None, prefix: str | None = None, unpa
     out += renormalise_leaf(ir, tag)
     for f, ident in zip(ir.fields, ir.identity):
         padded = mask is not None and f not in unpadded
-        out.append(a(f"e{tag}_{f}", f"tl.where({mask}, l{tag}_{f}, {_num(ident)})" if padded else f"l{tag}_{f}"))
+        out.append(K.assign(f"e{tag}_{f}", f"tl.where({mask}, l{tag}_{f}, {_num(ident)})" if padded else f"l{tag}_{f}"))
     return tuple(out)
 
 
@@ -191,22 +186,22 @@ def replay(ir: ScanIR, tag: str = "", out: str = "p") -> tuple:
 
 def previous(ir: ScanIR) -> tuple:
     """q_<field>: the previous prefix of each row (the carry at row 0)."""
-    return (a("prev_rows", "tl.maximum(rows - 1, 0) + tl.zeros([BLOCK_T, BLOCK_L], tl.int32)"),
-            *(a(f"q_{f}", f"tl.where(rows == 0, c_{f}[None, :], tl.gather(p_{f}, prev_rows, 0))") for f in ir.fields))
+    return (K.assign("prev_rows", "tl.maximum(rows - 1, 0) + tl.zeros([BLOCK_T, BLOCK_L], tl.int32)"),
+            *(K.assign(f"q_{f}", f"tl.where(rows == 0, c_{f}[None, :], tl.gather(p_{f}, prev_rows, 0))") for f in ir.fields))
 
 
 def initial_carry(ir: ScanIR, shape: str = "[BLOCK_L]") -> tuple:
     """c_<field> (a `shape` lane tensor): the initial element of each lane (of sequence `seq`), else
     the identity; fields of a specialised carry (`ir.constants`) are their constant."""
     const = dict(ir.constants)
-    out = [a(f"c_{f}", f"to_acc(tl.full({shape}, {_num(v)}, tl.float64), FP64)") for f, v in ir.constants]
+    out = [K.assign(f"c_{f}", f"to_acc(tl.full({shape}, {_num(v)}, tl.float64), FP64)") for f, v in ir.constants]
     free = [(f, name, ident) for f, (name, ident) in enumerate(zip(ir.fields, ir.identity)) if name not in const]
     if not free:
         return tuple(out)
     load = [K.Load(f"c_{name}", K.expr(f"init{f}_ptr + seq * init{f}_sn + lane_offsets(lane, D1, D2, D3, init{f}_s0, "
                                        f"init{f}_s1, init{f}_s2, init{f}_s3)"), K.expr("lane_ok"), K.expr(_num(ident)))
             for f, name, ident in free]
-    identity = [a(f"c_{name}", f"to_acc(tl.full({shape}, {_num(ident)}, tl.float64), FP64)") for f, name, ident in free]
+    identity = [K.assign(f"c_{name}", f"to_acc(tl.full({shape}, {_num(ident)}, tl.float64), FP64)") for f, name, ident in free]
     return (*out, when("HAS_INIT", load, identity))
 
 
@@ -247,7 +242,7 @@ LEAF_SCALE_BITS = {"tl.float64": ("tl.int64", "0x7FF0000000000000", "0x7FE000000
 def _leaf_scale_body(dtype: str) -> tuple:
     """leaf_scale's statements for accumulation dtype `dtype`: e = the exponent bits of m; return the factor."""
     itype, mask, top, clamp = LEAF_SCALE_BITS[dtype]
-    return (a("e", f"m.to({itype}, bitcast=True) & {mask}"),
+    return (K.assign("e", f"m.to({itype}, bitcast=True) & {mask}"),
             K.Return((K.expr(f"({top} - tl.minimum(e, {clamp})).to({dtype}, bitcast=True)"),)))
 
 
@@ -268,7 +263,7 @@ def reciprocal_kernel() -> K.Kernel:
     """`reciprocal(x, HW)`: 1 / x, by the hardware instruction (inline PTX) when HW."""
     rcp = 'tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True, pack=1)'
     return K.Kernel("reciprocal", (K.Param("x"), K.Param("HW", constexpr=True)),
-                    (when("HW", [a("r", rcp)], [a("r", "1.0 / x")]), K.Return((K.expr("r"),))), doc=RECIPROCAL_DOC)
+                    (when("HW", [K.assign("r", rcp)], [K.assign("r", "1.0 / x")]), K.Return((K.expr("r"),))), doc=RECIPROCAL_DOC)
 
 
 def combine_rcp_kernel(ir: ScanIR, origin=()) -> K.Kernel | None:
@@ -280,7 +275,7 @@ def combine_rcp_kernel(ir: ScanIR, origin=()) -> K.Kernel | None:
     body = list(common.assign_inverted(out, ir.combine, names, "_c", shape_like=xs[0], hw="True"))
     if ir.is_projective:
         body += common.assign(["scale"], [ir.scale], dict(zip(ir.scale_symbols, out)), "_s")
-        body += [a("inv_scale", "reciprocal(scale, True)"), K.Return(tuple(K.expr(f"{o} * inv_scale") for o in out))]
+        body += [K.assign("inv_scale", "reciprocal(scale, True)"), K.Return(tuple(K.expr(f"{o} * inv_scale") for o in out))]
     else:
         body.append(K.Return(tuple(K.expr(o) for o in out)))
     return K.Kernel("combine_rcp", tuple(K.Param(p) for p in xs + ys), tuple(body),

@@ -8,6 +8,8 @@ tile generator's `_assign` (which also turns the Heaviside/sign atoms of derivat
 from __future__ import annotations
 
 import inspect
+import os
+from pathlib import Path
 
 from scanlang import expr as E
 from scanlang.autodiff import Adjoint
@@ -35,6 +37,28 @@ def assign_inverted(targets, exprs, names: dict, prefix: str, *, shape_like: str
     return K.assign_lines(_assign_inverted(list(targets), list(exprs), names, prefix, shape_like, hw=hw, recips=recips))
 
 
+def source_path(path: str) -> str:
+    """`path` as an origin comment prints it: relative to the working directory when the file is
+    under it, else relative to the root of the package that holds it (`scanlang/library.py`), else
+    its file name. An absolute path would make the generated source depend on where the checkout
+    lives, so the same declaration would render differently on two machines. Names Python gives
+    code that has no file (`<stdin>`, `<string>`) stay as they are.
+
+    >>> source_path(os.path.join(os.getcwd(), "examples", "my.py"))
+    'examples/my.py'
+    """
+    if path.startswith("<"):
+        return path
+    file = Path(os.path.realpath(path))
+    cwd = Path(os.path.realpath(os.getcwd()))
+    if cwd in file.parents:
+        return file.relative_to(cwd).as_posix()
+    root = file.parent
+    while (root / "__init__.py").is_file():
+        root = root.parent
+    return file.relative_to(root).as_posix()   # the file name alone when no package holds it
+
+
 def _where(fn, what: str) -> K.Origin | None:
     """`what` declared at fn's file:line, or None when Python cannot tell (a builtin, a C function)."""
     try:
@@ -42,7 +66,7 @@ def _where(fn, what: str) -> K.Origin | None:
         line = fn.__code__.co_firstlineno
     except (TypeError, AttributeError):
         return None
-    return None if path is None else K.Origin(what, path, line)
+    return None if path is None else K.Origin(what, source_path(path), line)
 
 
 def origins(ir: ScanIR) -> tuple[K.Origin, ...]:
@@ -60,7 +84,7 @@ def origins(ir: ScanIR) -> tuple[K.Origin, ...]:
             if m.scale_fn is not None:
                 found.append(_where(m.scale_fn, f"scale of {E.docstring_text(m.name)}"))
             break
-    found += [K.Origin(E.docstring_text(what), path, line) for what, path, line in ir.declared_at]
+    found += [K.Origin(E.docstring_text(what), source_path(path), line) for what, path, line in ir.declared_at]
     return tuple(o for o in found if o is not None)
 
 

@@ -186,8 +186,10 @@ class Module:
 
 
 def assign(target: str, value) -> Assign:
-    """`target = value` (shorthand)."""
-    return Assign((target,), expr(value))
+    """`target = value`, the one shorthand every generator calls; a target with commas unpacks
+    (`beta, _ = value`; `x, = value` unpacks one value)."""
+    targets = tuple(t.strip() for t in target.split(",") if t.strip())
+    return Assign(targets, expr(value), unpack=len(targets) == 1 and target.rstrip().endswith(","))
 
 
 def assign_lines(lines) -> tuple[Assign, ...]:
@@ -198,6 +200,5 @@ def assign_lines(lines) -> tuple[Assign, ...]:
         target, sep, value = line.partition(" = ")
         if not sep or not target.replace(",", " ").replace(" ", "").replace("_", "a").isalnum():
             raise ValueError(f"lines: expected 'name = expression', got {line!r}")
-        targets = tuple(t.strip() for t in target.split(",") if t.strip())
-        out.append(Assign(targets, Expr(value), unpack=len(targets) == 1 and target.rstrip().endswith(",")))
+        out.append(assign(target, Expr(value)))
     return tuple(out)

@@ -79,11 +79,6 @@ SLOTS = "[1, BLOCK_L // R]"   # a slot tensor: one value per thread slot
 
 # --- small statement helpers ---
 
-def let(target: str, value) -> K.Assign:
-    """`target = value`."""
-    return K.assign(target, value)
-
-
 def chain(branches, orelse=()) -> K.If:
     """`if c0: b0 elif c1: b1 ... else: orelse` from (condition, body) pairs."""
     (cond, body), *rest = branches
@@ -111,22 +106,22 @@ def lane_store(ptr: str, value: str, mask: str, per_slot: bool = False, atomic: 
 def prologue() -> list:
     """Program = (lane block, sequence), as in the tile schedule."""
     return [
-        let("pid", "tl.program_id(0)"),
-        let("seq", "tl.program_id(1)"),
-        let("r_idx", "tl.arange(0, R)[:, None]"),
-        let("slot", "pid.to(tl.int64) * BLOCK_L + tl.arange(0, BLOCK_L // R)[None, :] * R"),
-        let("lane", "slot + r_idx"),
+        K.assign("pid", "tl.program_id(0)"),
+        K.assign("seq", "tl.program_id(1)"),
+        K.assign("r_idx", "tl.arange(0, R)[:, None]"),
+        K.assign("slot", "pid.to(tl.int64) * BLOCK_L + tl.arange(0, BLOCK_L // R)[None, :] * R"),
+        K.assign("lane", "slot + r_idx"),
         # constant masks under EVEN_L: the loads and stores below lose them
-        when("EVEN_L", [let("slot_ok", "tl.full([1, BLOCK_L // R], 1, tl.int1)"),
-                       let("lane_ok", f"tl.full({SHAPE}, 1, tl.int1)")],
-            [let("slot_ok", "slot < L"), let("lane_ok", "lane < L")]),
+        when("EVEN_L", [K.assign("slot_ok", "tl.full([1, BLOCK_L // R], 1, tl.int1)"),
+                       K.assign("lane_ok", f"tl.full({SHAPE}, 1, tl.int1)")],
+            [K.assign("slot_ok", "slot < L"), K.assign("lane_ok", "lane < L")]),
         *B.sequence_bounds(),
-        let("n_chunks", "tl.cdiv(seq_len, CHUNK)"),
-        let("slot0", "t0 // CHUNK + seq"),
-        let("first", "(slot % STATE) == 0"),   # the slot that stores its group's sum
-        let("first_group", "slot - pid.to(tl.int64) * BLOCK_L < STATE"),   # the group that adds the groups' sum
-        let("first_in_warp", "(slot - pid.to(tl.int64) * BLOCK_L) % (32 * R) < STATE"),   # each warp's first group
-        let("slot_in_block", "tl.arange(0, BLOCK_L // R)[None, :]"),   # a warp's slots: 32 consecutive
+        K.assign("n_chunks", "tl.cdiv(seq_len, CHUNK)"),
+        K.assign("slot0", "t0 // CHUNK + seq"),
+        K.assign("first", "(slot % STATE) == 0"),   # the slot that stores its group's sum
+        K.assign("first_group", "slot - pid.to(tl.int64) * BLOCK_L < STATE"),   # the group that adds the groups' sum
+        K.assign("first_in_warp", "(slot - pid.to(tl.int64) * BLOCK_L) % (32 * R) < STATE"),   # each warp's first group
+        K.assign("slot_in_block", "tl.arange(0, BLOCK_L // R)[None, :]"),   # a warp's slots: 32 consecutive
     ]
 
 
@@ -138,7 +133,7 @@ def guarded(j: int, stmts) -> list:
 def block_index(first: str) -> list:
     """tt: the memory index of scan step t = k * CHUNK + `first` (backwards in memory when REVERSE);
     step j of the block is at tt + j * step (forward walk) or tt - j * step (backward walk)."""
-    return [let("t", f"k * CHUNK + {first}"), *B.memory_index()]
+    return [K.assign("t", f"k * CHUNK + {first}"), *B.memory_index()]
 
 
 def offsets(prefix: str, per_group: bool = False) -> list:
@@ -146,10 +141,10 @@ def offsets(prefix: str, per_group: bool = False) -> list:
     (lane dims D0..D3, last fastest; R divides D3). `per_group`: the group's address (lane // STATE
     over dims D0..D2), for values summed over the state."""
     if per_group:
-        return [let(f"p{prefix}g", f"{prefix}_ptr + lane_offsets(slot // STATE, D1, D2, 1, {prefix}_s0, {prefix}_s1, "
+        return [K.assign(f"p{prefix}g", f"{prefix}_ptr + lane_offsets(slot // STATE, D1, D2, 1, {prefix}_s0, {prefix}_s1, "
                                   f"{prefix}_s2, {prefix}_s3)")]
-    return [let(f"p{prefix}", f"{prefix}_ptr + lane_offsets(slot, D1, D2, D3, {prefix}_s0, {prefix}_s1, {prefix}_s2, "
-                             f"{prefix}_s3)"), let(f"{prefix}_r", f"r_idx * {prefix}_s3")]
+    return [K.assign(f"p{prefix}", f"{prefix}_ptr + lane_offsets(slot, D1, D2, D3, {prefix}_s0, {prefix}_s1, {prefix}_s2, "
+                             f"{prefix}_s3)"), K.assign(f"{prefix}_r", f"r_idx * {prefix}_s3")]
 
 
 def time(buffer: str, shift: int) -> str:
@@ -172,9 +167,9 @@ def masks(j: int, first: str, masked: bool) -> tuple[list, str, str, str]:
     (constant true under EVEN_L); a masked block: also the step's existence (first + j < n_steps)."""
     if not masked:
         return [], "lane_ok", "slot_ok", ""
-    return ([let(f"live{j}", f"{first} + {j} < n_steps"),
-             let(f"ok{j}", f"lane_ok & (lane * 0 + {j} < n_steps - {first})"),
-             let(f"oks{j}", f"slot_ok & (slot * 0 + {j} < n_steps - {first})")],
+    return ([K.assign(f"live{j}", f"{first} + {j} < n_steps"),
+             K.assign(f"ok{j}", f"lane_ok & (lane * 0 + {j} < n_steps - {first})"),
+             K.assign(f"oks{j}", f"slot_ok & (slot * 0 + {j} < n_steps - {first})")],
             f"ok{j}", f"oks{j}", f"live{j}")
 
 
@@ -187,8 +182,8 @@ def load_lift(ir: ScanIR, tag: str, shift: int, lane_mask: str, slot_mask: str, 
         u = f"u{tag}_{n}"
         per_slot = lane_load(at(f"u{i}", shift, True), slot_mask, "1.0", True)
         per_lane = lane_load(at(f"u{i}", shift), lane_mask, "1.0")
-        body.append(chain([(f"TSTATIC{i}", [let(u, f"us{i}")]), (f"SLOT{i}", [let(u, f"to_acc({per_slot}, FP64)")])],
-                          [let(u, f"to_acc({per_lane}, FP64)")]))
+        body.append(chain([(f"TSTATIC{i}", [K.assign(u, f"us{i}")]), (f"SLOT{i}", [K.assign(u, f"to_acc({per_slot}, FP64)")])],
+                          [K.assign(u, f"to_acc({per_lane}, FP64)")]))
     if not lift:
         return body
     return body + list(B.lift(ir, tag, lane_mask if masked else None))
@@ -200,8 +195,8 @@ def static_loads(ir: ScanIR) -> list:
     for i in range(len(ir.inputs)):
         per_slot = lane_load(f"pu{i}", "slot_ok", "1.0", True)
         per_lane = lane_load(f"pu{i} + u{i}_r", "lane_ok", "1.0")
-        out.append(when(f"TSTATIC{i}", [when(f"SLOT{i}", [let(f"us{i}", f"to_acc({per_slot}, FP64)")],
-                                             [let(f"us{i}", f"to_acc({per_lane}, FP64)")])]))
+        out.append(when(f"TSTATIC{i}", [when(f"SLOT{i}", [K.assign(f"us{i}", f"to_acc({per_slot}, FP64)")],
+                                             [K.assign(f"us{i}", f"to_acc({per_lane}, FP64)")])]))
     return out
 
 
@@ -220,8 +215,8 @@ def lanes_flags(ir: ScanIR, backward: bool) -> tuple[K.Param, ...]:
 def keep(names, live: str) -> list:
     """Carried values advance (only on live steps in a masked block: its tail keeps them)."""
     if not live:
-        return [let(n, f"{n}_new") for n in names]
-    return [let(n, f"tl.where({live}, {n}_new, {n})") for n in names]
+        return [K.assign(n, f"{n}_new") for n in names]
+    return [K.assign(n, f"tl.where({live}, {n}_new, {n})") for n in names]
 
 
 def free(ir: ScanIR) -> list[str]:
@@ -241,8 +236,8 @@ def _combine_inline(ir: ScanIR, out: str, left: str, right: str, recips: dict) -
     raw = [f"_m_{f}" for f in ir.fields]
     body = list(assign_inverted(raw, ir.combine, names, "_c", recips=recips, shape_like=left.format(ir.fields[0])))
     body += common.assign(["_scale"], [ir.scale], dict(zip(ir.scale_symbols, raw)), "_s")
-    body.append(let("_inv_scale", "reciprocal(_scale, RCP_APPROX)"))
-    return body + [let(o, f"{m} * _inv_scale") for o, m in zip(outs, raw)]
+    body.append(K.assign("_inv_scale", "reciprocal(_scale, RCP_APPROX)"))
+    return body + [K.assign(o, f"{m} * _inv_scale") for o, m in zip(outs, raw)]
 
 
 def cost(exprs) -> int:
@@ -328,7 +323,7 @@ def split_blocks(full, masked, start: str, stages: int = 1) -> list:
     deep), then its partial last block."""
     loop = K.For(start, K.expr(0), K.expr("n_steps - (UNROLL - 1)"), tuple(full), step=K.expr("UNROLL"),
                  builtin=stages == 1, num_stages=None if stages == 1 else K.expr(stages))
-    return [loop, let(start, "n_steps - n_steps % UNROLL"), when(f"{start} < n_steps", masked)]
+    return [loop, K.assign(start, "n_steps - n_steps % UNROLL"), when(f"{start} < n_steps", masked)]
 
 
 def _forward_block(ir: ScanIR, masked: bool) -> list:
@@ -341,9 +336,9 @@ def _forward_block(ir: ScanIR, masked: bool) -> list:
              | _symbols_named(ir.input_symbols, "u_{}"))
     for j in range(max_unroll):   # then the dependent chain: combine (or composed step), readout, store
         _, lmask, smask, live = masks(j, "s0", masked)
-        part = [let(f"u_{n}", f"u{j}_{n}") for n in ir.inputs]
+        part = [K.assign(f"u_{n}", f"u{j}_{n}") for n in ir.inputs]
         if ir.uses_previous:
-            part += [let(f"q_{f}", f"c_{f}") for f in ir.fields]
+            part += [K.assign(f"q_{f}", f"c_{f}") for f in ir.fields]
         part += advance(ir, "u_{}", f"e{j}_" + "{}", {})
         part += keep([f"c_{f}" for f in free(ir)], live)
         part += assign_inverted([f"r{o}" for o in range(len(ir.outputs))], ir.readout, names, "_r", recips={},
@@ -371,13 +366,13 @@ def render_forward_lanes(ir: ScanIR) -> K.Kernel:
     for o in range(len(ir.outputs)):
         body += offsets(f"o{o}", per_group=ir.reduce_state)
     if ir.reduce_state:
-        body += [let(f"po{o}", f"po{o}g") for o in range(len(ir.outputs))]
+        body += [K.assign(f"po{o}", f"po{o}g") for o in range(len(ir.outputs))]
     body += static_loads(ir)
     body += B.initial_carry(ir, SHAPE)
     ckpt = "ckpt_ptr + ({} * n_slots + slot0 + k) * L + lane"
     chunk = [when("CKPT", [lane_store(ckpt.format(f), f"c_{name}", "lane_ok")
                           for f, name in enumerate(ir.fields) if name in free(ir)])]
-    chunk.append(let("n_steps", "tl.minimum(CHUNK, seq_len - k * CHUNK)"))
+    chunk.append(K.assign("n_steps", "tl.minimum(CHUNK, seq_len - k * CHUNK)"))
     chunk += split_blocks(_forward_block(ir, masked=False), _forward_block(ir, masked=True), "s0",
                           tuning.current().loop_stages_forward)
     body.append(K.For("k", K.expr(0), K.expr("n_chunks"), tuple(chunk), builtin=True))

@@ -22,7 +22,7 @@ from . import common
 from .common import assign_inverted
 from . import ir as K
 from .lanes import (SHAPE, advance, at, block_index, chain, cheapest, composed_step, cost, free, guarded, keep,
-                    lane_load, lane_store, lanes_flags, let, load_lift, masks, offsets, prologue, split_blocks, state_sum,
+                    lane_load, lane_store, lanes_flags, load_lift, masks, offsets, prologue, split_blocks, state_sum,
                     static_loads, time)
 
 
@@ -54,8 +54,8 @@ def _du_store_lanes(i: int, name: str, shift: int, lane_mask: str, slot_mask: st
     value = f"tl.where({lane_mask}, du_{name}, 0.0)" if masked else f"du_{name}"
     cast = f".to(du{i}_ptr.dtype.element_ty)"
     scattered = _warp_sum_scatter(value) + [   # a warp's groups summed and scattered over its slots
-        let("ws_ok", f"{slot_mask} & ws_own"),
-        when("not EVEN_L", [let("ws_ok", "ws_ok & (slot + ws_reg < L)")]),
+        K.assign("ws_ok", f"{slot_mask} & ws_own"),
+        when("not EVEN_L", [K.assign("ws_ok", "ws_ok & (slot + ws_reg < L)")]),
         K.AtomicAdd(K.expr(f"tl.reshape(pdu{i}{time(f'du{i}', shift)} + ws_reg * du{i}_s3, (ws_sum.numel,))"),
                     K.expr(f"tl.reshape(ws_sum{cast}, (ws_sum.numel,))"),
                     K.expr("tl.reshape(tl.broadcast_to(ws_ok, ws_sum.shape), (ws_sum.numel,))"))]
@@ -81,14 +81,14 @@ def _warp_sum_scatter(value: str) -> list:
     halves = [K.Assign(("ws_lo", "ws_hi"), K.expr("tl.split(tl.permute(tl.reshape(ws_sum, [2, ws_sum.shape[0] // 2, "
                                                   "ws_sum.shape[1]]), (1, 2, 0)))")),
               K.AugAssign("ws_base", K.expr("tl.where(ws_up, ws_sum.shape[0] // 2, 0)")),
-              let("ws_send", "tl.where(ws_up, ws_lo, ws_hi)"),
-              let("ws_sum", f"tl.where(ws_up, ws_hi, ws_lo) + {_partner('ws_send', '1 << ws_bit')}")]
-    single = [let("ws_sum", f"ws_sum + {_partner('ws_sum', '1 << ws_bit')}"), let("ws_own", "ws_own & ~ws_up")]
-    bit = when("(1 << ws_bit) >= STATE // R", [let("ws_up", "(slot_in_block & (1 << ws_bit)) != 0"),
+              K.assign("ws_send", "tl.where(ws_up, ws_lo, ws_hi)"),
+              K.assign("ws_sum", f"tl.where(ws_up, ws_hi, ws_lo) + {_partner('ws_send', '1 << ws_bit')}")]
+    single = [K.assign("ws_sum", f"ws_sum + {_partner('ws_sum', '1 << ws_bit')}"), K.assign("ws_own", "ws_own & ~ws_up")]
+    bit = when("(1 << ws_bit) >= STATE // R", [K.assign("ws_up", "(slot_in_block & (1 << ws_bit)) != 0"),
                                               when("ws_sum.shape[0] > 1", halves, single)])
-    return [let("ws_sum", value), let("ws_base", "slot_in_block * 0"), let("ws_own", "slot_in_block == slot_in_block"),
+    return [K.assign("ws_sum", value), K.assign("ws_base", "slot_in_block * 0"), K.assign("ws_own", "slot_in_block == slot_in_block"),
             K.For("ws_bit", None, K.expr(5), (bit,), static=True),
-            let("ws_reg", "ws_base + tl.arange(0, ws_sum.shape[0])[:, None]")]
+            K.assign("ws_reg", "ws_base + tl.arange(0, ws_sum.shape[0])[:, None]")]
 
 
 def _partner(x: str, m: str) -> str:
@@ -129,10 +129,10 @@ def _adjoint_step(ir: ScanIR, adj: Adjoint, j: int, shift: int, carried: list[st
     recips: dict = {}   # one reciprocal per distinct denominator of the step
     part = list(assign_inverted([f"dy_{f}" for f in ir.fields], cheapest(adj.dy), here, "_d", recips=recips,
                                 shape_like=shape))
-    part += [let(f"d_{f}", f"dy_{f} + cd_{f}" if _hands_down_c(adj) else f"dy_{f}") for f in ir.fields]
+    part += [K.assign(f"d_{f}", f"dy_{f} + cd_{f}" if _hands_down_c(adj) else f"dy_{f}") for f in ir.fields]
     part += assign_inverted([f"v_{f}" for f in ir.fields], cheapest(adj.direct),
                             {s: s.name for s in ir.prefix_symbols + adj.d}, "_v", recips=recips, shape_like=shape)
-    part += [let(f"gbar_{f}", f"v_{f} + bd_{f}") for f in ir.fields]
+    part += [K.assign(f"gbar_{f}", f"v_{f} + bd_{f}") for f in ir.fields]
     names_x = {s: s.name for s in ir.previous_symbols + adj.gbar} | {s: f"e_{f}" for s, f in zip(ir.later, ir.fields)}
     if adj.dx:   # (a composed adjoint has none: its du is over gbar directly)
         part += assign_inverted([f"dx_{f}" for f in ir.fields], cheapest(adj.dx), names_x, "_x", recips=recips,
@@ -152,7 +152,7 @@ def _adjoint_step(ir: ScanIR, adj: Adjoint, j: int, shift: int, carried: list[st
     part += assign_inverted([f"bd_{f}_new" for f in ir.fields], bd,
                             {s: s.name for s in gb} | {E.symbol(f"b{k}"): f"b{k}" for k in range(nb)}, "_w",
                             recips=recips, shape_like=shape)
-    part += [let(f"nq_{f}_new", f"q_{f}") for f in ir.fields]
+    part += [K.assign(f"nq_{f}_new", f"q_{f}") for f in ir.fields]
     return part + keep(carried, live)
 
 
@@ -202,14 +202,14 @@ def _grad_loads(ir: ScanIR, j: int, shift: int, lane_mask: str, slot_mask: str) 
     """Upstream gradients of the outputs: per slot when summed over the state (stride 0 over it)."""
     per_slot = ir.reduce_state
     mask = slot_mask if per_slot else lane_mask
-    return [let(f"g{j}_{out}", f"to_acc({lane_load(at(f'g{o}', shift, per_slot), mask, '0.0', per_slot)}, FP64)")
+    return [K.assign(f"g{j}_{out}", f"to_acc({lane_load(at(f'g{o}', shift, per_slot), mask, '0.0', per_slot)}, FP64)")
             for o, out in enumerate(ir.outputs)]
 
 
 def _step_inputs(ir: ScanIR, j: int) -> list:
-    return ([let(f"u_{u}", f"u{j}_{u}") for u in ir.inputs] + [let(f"e_{f}", f"e{j}_{f}") for f in ir.fields]
-            + ([let("inv_leaf", f"inv_leaf{j}")] if ir.is_projective else [])
-            + [let(f"g_{o}", f"g{j}_{o}") for o in ir.outputs] + [let(f"q_{f}", f"q{j}_{f}") for f in ir.fields])
+    return ([K.assign(f"u_{u}", f"u{j}_{u}") for u in ir.inputs] + [K.assign(f"e_{f}", f"e{j}_{f}") for f in ir.fields]
+            + ([K.assign("inv_leaf", f"inv_leaf{j}")] if ir.is_projective else [])
+            + [K.assign(f"g_{o}", f"g{j}_{o}") for o in ir.outputs] + [K.assign(f"q_{f}", f"q{j}_{f}") for f in ir.fields])
 
 
 def _replay_block(ir: ScanIR, masked: bool) -> list:
@@ -235,16 +235,16 @@ def _walk_block(ir: ScanIR, adj: Adjoint, masked: bool) -> list:
     block = block_index("(n_steps - 1 - ss0)")
     for j in range(max_unroll):   # loads first (inputs, upstream gradients, previous prefixes), then the chain
         stmts, lmask, smask, _ = masks(j, "ss0", masked)
-        part = stmts + [let(f"s{j}", f"n_steps - 1 - ss0 - {j}")]
+        part = stmts + [K.assign(f"s{j}", f"n_steps - 1 - ss0 - {j}")]
         part += load_lift(ir, str(j), -j, lmask, smask, masked)
         part += _grad_loads(ir, j, -j, lmask, smask)
         for name in ir.fields:   # the previous prefix (row 0: the checkpoint)
-            part.append(let(f"q{j}_{name}", f"k_{name}" if name in const
+            part.append(K.assign(f"q{j}_{name}", f"k_{name}" if name in const
                            else lane_load(_scratch(ir, name, f's{j}'), lmask, '0.0')))
         block += guarded(j, part)
     carried = [f"{c}_{f}" for c in _carried_adjoint(adj) + ("nq",) for f in ir.fields]
     for j in range(max_unroll):
-        part = _step_inputs(ir, j) + [let(f"p_{f}", f"nq_{f}") for f in ir.fields]
+        part = _step_inputs(ir, j) + [K.assign(f"p_{f}", f"nq_{f}") for f in ir.fields]
         part += _adjoint_step(ir, adj, j, -j, carried, masked)
         block += guarded(j, part)
     return block
@@ -257,7 +257,7 @@ def _chunk_in_scratch(ir: ScanIR, adj: Adjoint) -> list:
     chunk = [lane_store(_scratch(ir, name, "0"), f"k_{name}", "lane_ok") for name in free(ir)]
     stages = tuning.current().loop_stages_backward
     chunk += split_blocks(_replay_block(ir, False), _replay_block(ir, True), "s0", stages) + [barrier]
-    chunk += [let(f"nq_{f}", f"c_{f}") for f in ir.fields]   # the prefix at the chunk's last step
+    chunk += [K.assign(f"nq_{f}", f"c_{f}") for f in ir.fields]   # the prefix at the chunk's last step
     chunk += split_blocks(_walk_block(ir, adj, False), _walk_block(ir, adj, True), "ss0", stages)
     return chunk + [barrier]
 
@@ -276,12 +276,12 @@ def _registers_block(ir: ScanIR, adj: Adjoint, masked: bool) -> list:
         _, _, _, live = masks(j, "0", masked)
         part = advance(ir, f"u{j}_" + "{}", f"e{j}_" + "{}", {})
         part += keep([f"c_{f}" for f in free(ir)], live)
-        part += [let(f"r{j}_{f}", f"c_{f}") for f in free(ir)]
+        part += [K.assign(f"r{j}_{f}", f"c_{f}") for f in free(ir)]
         chunk += guarded(j, part)
     carried = [f"{c}_{f}" for c in _carried_adjoint(adj) for f in ir.fields]
     for j in reversed(range(max_unroll)):
-        prev = [let(f"q{j}_{f}", f"k_{f}" if f in const or j == 0 else f"r{j - 1}_{f}") for f in ir.fields]
-        part = prev + _step_inputs(ir, j) + [let(f"p_{f}", f"k_{f}" if f in const else f"r{j}_{f}") for f in ir.fields]
+        prev = [K.assign(f"q{j}_{f}", f"k_{f}" if f in const or j == 0 else f"r{j - 1}_{f}") for f in ir.fields]
+        part = prev + _step_inputs(ir, j) + [K.assign(f"p_{f}", f"k_{f}" if f in const else f"r{j}_{f}") for f in ir.fields]
         part += _adjoint_step(ir, adj, j, j, carried, masked)
         chunk += guarded(j, part)
     return chunk
@@ -305,28 +305,28 @@ def render_backward_lanes(ir: ScanIR, adj: Adjoint) -> K.Kernel:
     adj = composed_adjoint(ir, adj)
     carried = _carried_adjoint(adj)
     body = prologue()
-    body.append(let("scratch_lane", "scratch_ptr + (seq * tl.num_programs(0) + pid).to(tl.int64) * "
+    body.append(K.assign("scratch_lane", "scratch_ptr + (seq * tl.num_programs(0) + pid).to(tl.int64) * "
                     f"((CHUNK + 1) * {len(free(ir))} * BLOCK_L) + r_idx * (BLOCK_L // R) "
                     "+ tl.arange(0, BLOCK_L // R)[None, :]"))
     for i in range(len(ir.inputs)):
         body += offsets(f"u{i}") + offsets(f"du{i}") + offsets(f"du{i}", per_group=True)
-        body.append(let(f"acc{i}", f"to_acc(tl.zeros({SHAPE}, tl.float32), FP64)"))
+        body.append(K.assign(f"acc{i}", f"to_acc(tl.zeros({SHAPE}, tl.float32), FP64)"))
     for o in range(len(ir.outputs)):
         body += offsets(f"g{o}")
     body += static_loads(ir)
     for f, name in enumerate(ir.fields):   # dL/dfinal handed to the last step (in cd, else in bd)
-        body += [let(f"{c}_{name}", f"to_acc(tl.zeros({SHAPE}, tl.float32), FP64)") for c in carried]
+        body += [K.assign(f"{c}_{name}", f"to_acc(tl.zeros({SHAPE}, tl.float32), FP64)") for c in carried]
         dfinal = lane_load(f"dfinal_ptr + ({f} * n_seq + seq) * L + lane", "lane_ok", "0.0")
         body.append(when("HAS_DFINAL", [K.AugAssign(f"{carried[0]}_{name}", K.expr(f"to_acc({dfinal}, FP64)"))]))
-    chunk = [let("k", "n_chunks - 1 - kk"), let("n_steps", "tl.minimum(CHUNK, seq_len - k * CHUNK)")]
+    chunk = [K.assign("k", "n_chunks - 1 - kk"), K.assign("n_steps", "tl.minimum(CHUNK, seq_len - k * CHUNK)")]
     const = dict(ir.constants)
     for f, (name, ident) in enumerate(zip(ir.fields, ir.identity)):
         if name in const:
-            chunk.append(let(f"k_{name}", f"to_acc(tl.full({SHAPE}, {_num(const[name])}, tl.float64), FP64)"))
+            chunk.append(K.assign(f"k_{name}", f"to_acc(tl.full({SHAPE}, {_num(const[name])}, tl.float64), FP64)"))
         else:
             ckpt = lane_load(f"ckpt_ptr + ({f} * n_slots + slot0 + k) * L + lane", "lane_ok", _num(ident))
-            chunk.append(let(f"k_{name}", f"to_acc({ckpt}, FP64)"))
-        chunk.append(let(f"c_{name}", f"k_{name}"))
+            chunk.append(K.assign(f"k_{name}", f"to_acc({ckpt}, FP64)"))
+        chunk.append(K.assign(f"c_{name}", f"k_{name}"))
     chunk.append(when("CHUNK == UNROLL", _chunk_in_registers(ir, adj), _chunk_in_scratch(ir, adj)))
     body.append(K.For("kk", K.expr(0), K.expr("n_chunks"), tuple(chunk), builtin=True))
     for i in range(len(ir.inputs)):

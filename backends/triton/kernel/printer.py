@@ -6,6 +6,12 @@ parentheses and quoting are the standard library's, the text is deterministic, a
 parses by construction. Comments (`ir.Comment`, the kernels' `Origin`s) are not part of Python's
 AST: they travel as placeholder calls `__comment__('text')` that the single unparsed text turns
 back into `# text` lines. Every generated function is on the IR; no source text is spliced in.
+
+Docstrings (`Kernel.doc`, `Module.doc`) are docstring source text, like comments: a user's name in
+them is already escaped by `scanlang.expr.docstring_text` (so it cannot end the docstring or the
+line). They travel as `__docstring__('text')` placeholders printed as the text between triple double
+quotes, not as string constants, which `ast.unparse` would escape a second time (a name `say "hi"`
+would read `say \\\\"hi\\\\"` in the module). Text that cannot stand between triple quotes is refused.
 """
 from __future__ import annotations
 
@@ -16,6 +22,8 @@ from . import ir
 
 _COMMENT = "__comment__"
 _COMMENT_LINE = re.compile(rf"^(\s*){_COMMENT}\((.*)\)$")
+_DOC = "__docstring__"
+_DOC_LINE = re.compile(rf"^(\s*){_DOC}\((.*)\)$")
 _AUG_OPS = {"+": ast.Add, "-": ast.Sub, "*": ast.Mult}
 
 
@@ -39,6 +47,19 @@ def _comment(text: str) -> ast.stmt:
     if "\n" in text:
         raise ValueError(f"comment: one line expected, got {text!r}")
     return ast.Expr(_call(_COMMENT, [ast.Constant(text)]))
+
+
+def _docstring(text: str, where: str) -> ast.stmt:
+    """`text` (docstring source text) as the placeholder `_lines` prints as `\"\"\"text\"\"\"`."""
+    quoted = f'"""{text}"""'
+    try:
+        value = ast.literal_eval(quoted)
+    except (SyntaxError, ValueError):
+        value = None
+    if '"""' in text or not isinstance(value, str):
+        raise ValueError(f"{where}: docstring {text!r} cannot stand between triple quotes (escape it with "
+                         "scanlang.expr.docstring_text)")
+    return ast.Expr(_call(_DOC, [ast.Constant(text)]))
 
 
 def _block(stmts, where: str) -> list[ast.stmt]:
@@ -122,7 +143,7 @@ def _function(k: ir.Kernel) -> list[ast.stmt]:
     names = [p.name for p in k.params]
     if len(set(names)) != len(names):
         raise ValueError(f"{where}: parameter names repeat: {names}")
-    body = ([ast.Expr(ast.Constant(k.doc))] if k.doc else []) + _block(k.body, where)
+    body = ([_docstring(k.doc, where)] if k.doc else []) + _block(k.body, where)
     fn = ast.FunctionDef(name=k.name, args=ast.arguments(posonlyargs=[], args=args, vararg=None, kwonlyargs=[],
                                                           kw_defaults=[], kwarg=None, defaults=defaults),
                          body=body, decorator_list=[ast.parse("triton.jit", mode="eval").body], returns=None,
@@ -131,12 +152,19 @@ def _function(k: ir.Kernel) -> list[ast.stmt]:
 
 
 def _lines(body: list[ast.stmt]) -> list[str]:
-    """`body` unparsed once, the comment placeholders turned back into `# text` lines."""
+    """`body` unparsed once, the comment and docstring placeholders turned back into `# text` lines and
+    `\"\"\"text\"\"\"` (a docstring's own newlines making lines of their own)."""
     text = ast.unparse(ast.fix_missing_locations(ast.Module(body=body, type_ignores=[])))
     lines = []
     for line in text.split("\n"):
         m = _COMMENT_LINE.match(line)
-        lines.append(f"{m.group(1)}# {ast.literal_eval(m.group(2))}" if m else line)
+        d = None if m else _DOC_LINE.match(line)
+        if m:
+            lines.append(f"{m.group(1)}# {ast.literal_eval(m.group(2))}")
+        elif d:
+            lines += f'{d.group(1)}"""{ast.literal_eval(d.group(2))}"""'.split("\n")
+        else:
+            lines.append(line)
     return lines
 
 
@@ -145,7 +173,7 @@ def render(module: ir.Module) -> str:
     names = [k.name for k in module.kernels]
     if len(set(names)) != len(names):
         raise ValueError(f"module: kernel names repeat: {names}")
-    body = [ast.Expr(ast.Constant(module.doc)), ast.Import([ast.alias("triton")]),
+    body = [_docstring(module.doc, "module"), ast.Import([ast.alias("triton")]),
             ast.Import([ast.alias("triton.language", "tl")])]
     for k in module.kernels:
         body += _function(k)

@@ -1,5 +1,8 @@
 """Family members on the delta-rule kernels (backends/delta): a declaration translated into a DeltaRule.
 
+In the core (not in recipes/linear, which runs it) because it maps one core declaration onto another
+and `scanlang show` prints the translation: the core never imports a recipe.
+
 A declaration with correction "delta" and decay "none" or "per_head" is the gated delta rule
 
     S_t = exp(g_t) (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T,    o_t = scale S_t^T q_t
@@ -40,18 +43,17 @@ from dataclasses import dataclass
 import sympy
 import torch
 
-from scanlang import backend as registry
-from scanlang import expr as E
-from scanlang.delta import DECAY_INPUTS, RULES, STEP_INPUTS, DeltaRule
-from scanlang.linear import MatrixState
+from . import backend as registry
+from . import expr as E
+from .delta import DECAY_INPUTS, HOOK_NAMES, RULES, STEP_INPUTS, DeltaRule
+from .linear import MatrixState
 
 DECAYS = ("none", "per_head")
 CORRECTIONS = ("delta", "householder")   # one delta write per token, or n (a delta rule over T*n rows)
 FORMS: dict = {}   # (declaration key, the constants rendered as numbers with their values) -> DeltaForm
-# names a head parameter of the rule must not take: the hooks' fields, and the generated decay hooks' own arguments
-# and locals (backends/delta/codegen.py: decay_hook(a, hp_ptr, h, H), store_decay_grads(dg, ..., mask))
-_TAKEN = STEP_INPUTS + DECAY_INPUTS + ("hp_ptr", "h", "H", "dg", "da_ptr", "dhp_ptr", "offs", "TTH", "mask", "tl",
-                                       "triton")
+# names a head parameter of the rule must not take (DeltaRule refuses them): the hooks' fields, and the names
+# of the generated decay hooks; a declaration's per-head input with one of them is renamed
+_TAKEN = STEP_INPUTS + DECAY_INPUTS + HOOK_NAMES
 
 
 @dataclass(frozen=True)
