@@ -210,7 +210,9 @@ def _in_place(combine, xs, dim, start):
     length, shape = xs[0].shape[dim], xs[0].shape
     n_chunks, chunk = layout(length, xs[0].numel() // length)
     main = n_chunks * chunk
-    outs = tuple(torch.empty(shape, dtype=x.dtype, device=x.device) for x in xs)
+    # every field in one block: one large allocation, which the allocator keeps for the next call where
+    # several freed together are handed back to the system and faulted in afresh, page by page
+    outs = tuple(torch.empty((len(xs), *shape), dtype=xs[0].dtype, device=xs[0].device).unbind(0))
     split = lambda ts: list(zip(*(t.narrow(dim, 0, main).unflatten(dim, (n_chunks, chunk)).unbind(dim + 1)  # noqa: E731
                                   for t in ts)))
     rows, views = split(xs), split(outs)
@@ -233,17 +235,26 @@ def _in_place(combine, xs, dim, start):
         # 3. chunks first.. from their carries, in place, block by block (views made by split, in bulk)
         rows, per, piece = block_sizes(outer, n_chunks - first, chunk, inner)
         pieces = -(-chunk // piece)
-        grid = lambda t: [b for u in t.split(rows, 0) for v in u.split(per, 1) for b in v.split(piece, 2)]  # noqa: E731
-        out4 = [grid(o.narrow(dim, 0, main).view(outer, n_chunks, chunk, inner).narrow(1, first, n_chunks - first))
-                for o in outs]
-        carry4 = [[v for u in t.view(outer, n_chunks, 1, inner).narrow(1, first, n_chunks - first).split(rows, 0)
-                   for v in u.split(per, 1) for _ in range(pieces)] for t in carry]
+        out4 = [_grid(o.narrow(dim, 0, main).view(outer, n_chunks, chunk, inner).narrow(1, first, n_chunks - first),
+                      (rows, per, piece)) for o in outs]
+        carry4 = [[v for v in _grid(t.view(outer, n_chunks, 1, inner).narrow(1, first, n_chunks - first), (rows, per))
+                   for _ in range(pieces)] for t in carry]
         for x, y in zip(zip(*carry4), zip(*out4)):
             combine(x, y, y)
     last = tuple(o.narrow(dim, main - 1, 1) for o in outs)
     for t in range(main, length):   # the tail: fewer than n_chunks steps, each from the previous output
         last = combine(last, tuple(x.narrow(dim, t, 1) for x in xs), tuple(o.narrow(dim, t, 1) for o in outs))
     return outs
+
+
+def _grid(t: torch.Tensor, sizes: Sequence[int]) -> list:
+    """`t` cut into blocks of sizes[d] along each leading dim d, in row-major block order; a dim that one
+    block spans is not split (each split is a Python-level call, and the fix-up makes few blocks)."""
+    blocks = [t]
+    for d, size in enumerate(sizes):
+        if size < t.shape[d]:
+            blocks = [b for u in blocks for b in u.split(size, d)]
+    return blocks
 
 
 def _recorded(combine, xs, dim, start):
