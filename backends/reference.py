@@ -15,10 +15,15 @@ SERIAL; the last T mod N steps are a tail);
    being its last local prefix (N combines of one time step's size);
 3. every chunk but the first from its carry, in place: out = carry_n (+) local, over blocks of
    contiguous output (`block_sizes`); the tail continues step by step from the last output.
-That is about C + N + T * step / SERIAL combine calls, against T for a loop over time. The time goes
-to memory traffic: "step i of every chunk" is N * (rows before `dim`) short strided runs, read
-(inputs) and written (outputs) once, in phase 1 only; phase 3 reads and writes contiguous blocks,
-which streams much faster. Without autograd every combine writes into preallocated outputs (no copies).
+That is about C + N + T * step / SERIAL combine calls (BLOCK in place of SERIAL with one torch thread),
+against T for a loop over time. The time goes to memory traffic, most of it in phase 1: "step i of
+every chunk" is N * (rows before `dim`) short strided runs, read (inputs) and written (outputs, not
+yet in any cache) once; phase 3 reads and writes contiguous blocks, which streams faster. (Measured
+and dropped: reduce-then-scan, which writes each output once but reads the inputs twice; a
+Brent-Kung scan inside chunks, few large strided ops; superblocks of time sized for the cache;
+touching inputs or outputs in one streaming pass first; two Python threads for two halves of the
+batch, with two torch threads. None was faster.) Without autograd every combine writes into
+preallocated outputs (no copies), all fields in one allocation: see `_in_place`.
 
 Each combine is `combiner(monoid)`: the traced expressions printed as torch calls whose last op per
 field writes into a given output (`out=`), with `a + b * c` as one `addcmul` (one rounding, a fused
@@ -51,6 +56,9 @@ from scanlang.monoid import Monoid
 # (the loop over time, all ops of one step, never does). Every op of the schedule stays at or below,
 # where one time step is not already larger.
 SERIAL = 32768
+# Without a thread pool (one torch thread) no op is split, and the fix-up's blocks may be larger: fewer
+# Python-level calls, while a combine's temporaries (a block's size each) still stay about an L2 cache.
+BLOCK = 1 << 18
 _FUSED = {ast.Add: "add", ast.Sub: "sub", ast.Mult: "mul", ast.Div: "div"}
 _COMBINERS: dict[str, Callable] = {}   # by monoid digest (the traced expressions' hash)
 
@@ -68,16 +76,16 @@ def layout(length: int, step_numel: int) -> tuple[int, int]:
     return n_chunks, length // n_chunks
 
 
-def block_sizes(outer: int, n: int, c: int, inner: int) -> tuple[int, int, int]:
+def block_sizes(outer: int, n: int, c: int, inner: int, limit: int = SERIAL) -> tuple[int, int, int]:
     """(rows, chunks, steps) of the fix-up's blocks of an [outer, n, c, inner] tensor: each block at most
-    SERIAL elements (one step's `inner` if that is more), as few blocks as that allows: whole chunks,
+    `limit` elements (one step's `inner` if that is more), as few blocks as that allows: whole chunks,
     several side by side when they fit (and several rows when all chunks do), else pieces of one."""
-    if c * inner > SERIAL:
-        return 1, 1, max(1, SERIAL // max(inner, 1))
-    per = max(1, SERIAL // max(c * inner, 1))
+    if c * inner > limit:
+        return 1, 1, max(1, limit // max(inner, 1))
+    per = max(1, limit // max(c * inner, 1))
     if per < n:
         return 1, per, c
-    return max(1, min(outer, SERIAL // max(n * c * inner, 1))), n, c
+    return max(1, min(outer, limit // max(n * c * inner, 1))), n, c
 
 
 def _put(value, out):
@@ -210,8 +218,9 @@ def _in_place(combine, xs, dim, start):
     length, shape = xs[0].shape[dim], xs[0].shape
     n_chunks, chunk = layout(length, xs[0].numel() // length)
     main = n_chunks * chunk
-    # every field in one block: one large allocation, which the allocator keeps for the next call where
-    # several freed together are handed back to the system and faulted in afresh, page by page
+    # every field in one block: glibc's allocator often handed two large blocks, freed together, back to
+    # the system, and the next call faulted them in again page by page (slower than the scan itself); one
+    # block raises its reuse threshold past that size and is mostly kept (not always: that is up to it)
     outs = tuple(torch.empty((len(xs), *shape), dtype=xs[0].dtype, device=xs[0].device).unbind(0))
     split = lambda ts: list(zip(*(t.narrow(dim, 0, main).unflatten(dim, (n_chunks, chunk)).unbind(dim + 1)  # noqa: E731
                                   for t in ts)))
@@ -233,7 +242,7 @@ def _in_place(combine, xs, dim, start):
             c = tuple(d.copy_(t) for d, t in zip(carry_n[1], total_n[0])) if c is None else \
                 combine(c, total_n[n - 1], carry_n[n])
         # 3. chunks first.. from their carries, in place, block by block (views made by split, in bulk)
-        rows, per, piece = block_sizes(outer, n_chunks - first, chunk, inner)
+        rows, per, piece = block_sizes(outer, n_chunks - first, chunk, inner, SERIAL if torch.get_num_threads() > 1 else BLOCK)
         pieces = -(-chunk // piece)
         out4 = [_grid(o.narrow(dim, 0, main).view(outer, n_chunks, chunk, inner).narrow(1, first, n_chunks - first),
                       (rows, per, piece)) for o in outs]

@@ -269,16 +269,66 @@ def test_blocked_schedule_projective_equals_the_oracle(T):
 
 
 @pytest.mark.parametrize("outer, n, c, inner", [(3, 31, 32, 2), (4, 31, 64, 256), (4, 16, 17, 256), (2, 3, 50, 4096),
-                                                (1, 2, 5, 40000), (5, 1, 1, 1)])
-def test_fix_up_blocks_stay_serial_and_are_as_large_as_that_allows(outer, n, c, inner):
+                                                (1, 2, 5, 40000), (5, 1, 1, 1), (4, 31, 64, 4096)])
+@pytest.mark.parametrize("limit", ["SERIAL", "BLOCK"])   # several torch threads, one
+def test_fix_up_blocks_stay_serial_and_are_as_large_as_that_allows(outer, n, c, inner, limit):
     from scanlang.backends import reference
-    rows, chunks, steps = reference.block_sizes(outer, n, c, inner)
+    limit = getattr(reference, limit)
+    rows, chunks, steps = reference.block_sizes(outer, n, c, inner, limit)
     assert 1 <= rows <= outer and 1 <= chunks <= n and 1 <= steps <= c
-    assert rows * chunks * steps * inner <= max(reference.SERIAL, inner)
+    assert rows * chunks * steps * inner <= max(limit, inner)
     grown = [(min(rows + 1, outer), chunks, steps)] if chunks == n and steps == c else []
     grown += [(rows, min(chunks + 1, n), steps)] if steps == c else [(rows, chunks, min(steps + 1, c))]
-    for r, k, s in grown:   # one more row, chunk or step would pass the serial size (or there is none)
-        assert (r, k, s) == (rows, chunks, steps) or r * k * s * inner > max(reference.SERIAL, inner)
+    for r, k, s in grown:   # one more row, chunk or step would pass the limit (or there is none)
+        assert (r, k, s) == (rows, chunks, steps) or r * k * s * inner > max(limit, inner)
+
+
+def _products_loop(a, reverse=False, p0=None):
+    """The Affine scan's `a` field written out by hand, float64: the running product along dim 1."""
+    a = a.double().flip(1) if reverse else a.double()
+    p = torch.ones_like(a[:, 0]) if p0 is None else p0.double().expand_as(a[:, 0])
+    out = torch.empty_like(a)
+    for t in range(a.shape[1]):
+        p = a[:, t] * p
+        out[:, t] = p
+    return out.flip(1) if reverse else out
+
+
+# The demo's step (4 x 256) and a narrow one, at lengths 1, odd, and past a multiple of the chunk (a
+# tail): with one torch thread the fix-up runs in blocks of up to BLOCK elements, with more in blocks of
+# up to SERIAL; the layout is the same either way, and so is every bit of the output.
+@pytest.mark.parametrize("step, T", [((4, 256), 1), ((4, 256), 67), ((4, 256), 2085), ((3, 5), 1001)])
+@pytest.mark.parametrize("reverse, with_initial", [(False, False), (True, True)])
+def test_in_place_blocks_for_one_or_two_torch_threads_equal_the_float64_loop(step, T, reverse, with_initial):
+    gen = torch.Generator().manual_seed(T)
+    a = torch.rand(step[0], T, step[1], generator=gen, dtype=torch.float64) * 0.3 + 0.8
+    b = torch.randn(step[0], T, step[1], generator=gen, dtype=torch.float64)
+    p0 = torch.rand(step[0], step[1], generator=gen, dtype=torch.float64) + 0.5 if with_initial else None
+    h0 = torch.randn(step[0], step[1], generator=gen, dtype=torch.float64) if with_initial else None
+    initial = (p0, h0) if with_initial else None
+    threads, outs = torch.get_num_threads(), {}
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            outs[n] = sl.scan(sl.Affine, (a, b), dim=1, reverse=reverse, initial=initial, backend="reference")
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(x, y) for x, y in zip(outs[1], outs[2]))
+    assert_close(outs[1].a, _products_loop(a, reverse, p0), "scan", name="a")
+    assert_close(outs[1].b, affine_loop(a, b, 1, reverse=reverse, h0=h0), "scan", name="b")   # h0 is h_{-1}
+
+
+def test_in_place_fields_share_one_allocation_and_never_overlap():
+    """All fields come from one block (see reference._in_place), each its own contiguous part of it."""
+    a, b = torch.rand(2, 300, 3) + 0.5, torch.randn(2, 300, 3)
+    out = sl.scan(sl.Affine, (a, b), dim=1, backend="reference")
+    assert out.a.is_contiguous() and out.b.is_contiguous()
+    assert out.a.untyped_storage().data_ptr() == out.b.untyped_storage().data_ptr()
+    assert abs(out.a.data_ptr() - out.b.data_ptr()) >= out.a.numel() * out.a.element_size()
+    a_before = out.a.clone()
+    out.b.fill_(0)
+    assert torch.equal(out.a, a_before)
+    assert_close(out.a, _products_loop(a), "scan", torch.float32, name="a")
 
 
 @sl.monoid(fields=("a", "b", "c", "d"), identity=(1, 0, 0, 1))
