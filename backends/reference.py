@@ -242,7 +242,8 @@ def _in_place(combine, xs, dim, start):
             c = tuple(d.copy_(t) for d, t in zip(carry_n[1], total_n[0])) if c is None else \
                 combine(c, total_n[n - 1], carry_n[n])
         # 3. chunks first.. from their carries, in place, block by block (views made by split, in bulk)
-        rows, per, piece = block_sizes(outer, n_chunks - first, chunk, inner, SERIAL if torch.get_num_threads() > 1 else BLOCK)
+        limit = SERIAL if torch.get_num_threads() > 1 else BLOCK
+        rows, per, piece = block_sizes(outer, n_chunks - first, chunk, inner, limit)
         pieces = -(-chunk // piece)
         out4 = [_grid(o.narrow(dim, 0, main).view(outer, n_chunks, chunk, inner).narrow(1, first, n_chunks - first),
                       (rows, per, piece)) for o in outs]

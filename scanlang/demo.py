@@ -96,8 +96,8 @@ def run(device: str | None = None, length: int | None = None, train: bool = True
         if backend == "reference":
             ref_ms = ms
     print(f"   python loop over time (torch ops): {loop_ms:8.2f} ms")
-    print(f"   reference scan vs the loop: {loop_ms / ref_ms:.1f}x faster (best of {ROUNDS} in turns, {torch.get_num_threads()} "
-          f"torch threads; `scanlang bench` times the generated kernels on a GPU)")
+    print(f"   reference scan vs the loop: {loop_ms / ref_ms:.1f}x faster (best of {ROUNDS} in turns, "
+          f"{torch.get_num_threads()} torch threads; `scanlang bench` times the generated kernels on a GPU)")
     if device == "cpu":
         worst = max(worst, _interpreted_kernels())
 
