@@ -8,7 +8,8 @@ Two executors of the same law, `out_t = x_0 (+) ... (+) x_t`:
 
 The blocked schedule (scan the chunks, carry across them, fix them up): cut time into N chunks of
 C steps (`layout`: N about sqrt(T), and few enough that one step of all chunks is a serial op, see
-SERIAL; the last T mod N steps are a tail);
+SERIAL; C at most CHUNK; the last T mod N steps are a tail, and a longer rest is scanned in further
+passes, each from the last output before it, see `passes`);
 1. every chunk's own scan, all chunks side by side: local_i = local_{i-1} (+) x_i, written straight
    into the output (C - 1 combines, each over one step of every chunk);
 2. the carries, one chunk after the other: carry_n = carry_{n-1} (+) total_{n-1}, a chunk's total
@@ -36,7 +37,8 @@ Why not a log-depth tree over the whole sequence: its later operands are product
 elements, which overflow where the loop's never do (Affine with a = 2: 2^150 is inf in float32, and
 b = inf * 0 is NaN where the answer is 0). Here the later operand of every combine is one element
 (phase 1, the tail) or a product of at most C consecutive elements (a chunk's total or local prefix,
-phases 2 and 3), so an Affine b meets an overflowed product only for |a| > 2^(128 / C) in float32.
+phases 2 and 3), so an Affine b meets an overflowed product only for |a| > 2^(128 / C) in float32,
+C <= CHUNK: |a| > 4 at the least.
 """
 from __future__ import annotations
 
@@ -56,6 +58,10 @@ from scanlang.monoid import Monoid
 # (the loop over time, all ops of one step, never does). Every op of the schedule stays at or below,
 # where one time step is not already larger.
 SERIAL = 32768
+# The most steps per chunk: the later operand of a combine is at most a chunk's product (see the end of
+# the module docstring), and 2^(128 / CHUNK) bounds the |a| of an Affine scan whose float32 products of
+# one chunk stay finite (an overflowed product times b = 0 is NaN where the loop's answer is 0).
+CHUNK = 64
 # Without a thread pool (one torch thread) no op is split, and the fix-up's blocks may be larger: fewer
 # Python-level calls, while a combine's temporaries (a block's size each) still stay about an L2 cache.
 BLOCK = 1 << 18
@@ -67,13 +73,26 @@ def layout(length: int, step_numel: int) -> tuple[int, int]:
     """(chunks N, steps per chunk C) of the blocked schedule for `length` steps of `step_numel` elements.
 
     N is about sqrt(length), so that C + N sequential combines stay few, and at most SERIAL /
-    step_numel, so that one combine over a step of all chunks is a serial op (see SERIAL). Lengths
-    past N * C (fewer than N steps) are the tail.
+    step_numel, so that one combine over a step of all chunks is a serial op (see SERIAL); C is at most
+    CHUNK. Lengths past N * C are the tail when that is fewer than N steps, else more passes (`passes`).
     """
     if length < 1:
         return 0, 0
     n_chunks = max(1, min(math.isqrt(length), SERIAL // max(step_numel, 1)))
-    return n_chunks, length // n_chunks
+    return n_chunks, min(length // n_chunks, CHUNK)
+
+
+def passes(length: int, step_numel: int) -> list[tuple[int, int, tuple[int, int]]]:
+    """(first step, steps, layout) of each pass of the blocked schedule over `length` steps: one, unless
+    C was held at CHUNK and the rest would be a tail of N steps or more; then passes of N * C steps, each
+    starting from the last output of the one before (as from an `initial`), and a last one for the rest."""
+    out, first = [], 0
+    while first < length:
+        n_chunks, chunk = layout(length - first, step_numel)
+        steps = length - first if length - first - n_chunks * chunk < n_chunks else n_chunks * chunk
+        out.append((first, steps, (n_chunks, chunk)))
+        first += steps
+    return out
 
 
 def block_sizes(outer: int, n: int, c: int, inner: int, limit: int = SERIAL) -> tuple[int, int, int]:
@@ -207,21 +226,32 @@ def scan(monoid: Monoid, elems: Sequence[torch.Tensor], dim: int, reverse: bool,
         combine = combiner(monoid)
     record = (torch.is_grad_enabled() and any(t.requires_grad for t in (*xs, *(start or ())))) \
         or torch.compiler.is_compiling()
-    outs = (_recorded if record else _in_place)(combine, xs, dim, start)
+    cut = passes(length, xs[0].numel() // length)
+    part = lambda ts, first, steps: tuple(t.narrow(dim, first, steps) for t in ts)  # noqa: E731
+    if record:
+        pieces = []
+        for first, steps, grid in cut:
+            pieces.append(_recorded(combine, part(xs, first, steps), dim, start, grid))
+            start = part(pieces[-1], steps - 1, 1)
+        outs = pieces[0] if len(pieces) == 1 else tuple(torch.cat(f, dim) for f in zip(*pieces))
+    else:
+        # every field in one block: glibc's allocator often handed two large blocks, freed together, back
+        # to the system, and the next call faulted them in again page by page (slower than the scan
+        # itself); one block raises its reuse threshold past that size and is mostly kept (not always)
+        outs = tuple(torch.empty((len(xs), *xs[0].shape), dtype=xs[0].dtype, device=xs[0].device).unbind(0))
+        for first, steps, grid in cut:
+            _in_place(combine, part(xs, first, steps), dim, start, grid, part(outs, first, steps))
+            start = part(outs, first + steps - 1, 1)
     if reverse:
         outs = tuple(x.flip(dim) for x in outs)
     return tuple(x.contiguous() for x in outs)
 
 
-def _in_place(combine, xs, dim, start):
-    """The schedule without autograd: every step written once into preallocated outputs."""
+def _in_place(combine, xs, dim, start, grid, outs):
+    """The schedule without autograd, laid out as `grid`: every step written once into `outs`."""
     length, shape = xs[0].shape[dim], xs[0].shape
-    n_chunks, chunk = layout(length, xs[0].numel() // length)
+    n_chunks, chunk = grid
     main = n_chunks * chunk
-    # every field in one block: glibc's allocator often handed two large blocks, freed together, back to
-    # the system, and the next call faulted them in again page by page (slower than the scan itself); one
-    # block raises its reuse threshold past that size and is mostly kept (not always: that is up to it)
-    outs = tuple(torch.empty((len(xs), *shape), dtype=xs[0].dtype, device=xs[0].device).unbind(0))
     split = lambda ts: list(zip(*(t.narrow(dim, 0, main).unflatten(dim, (n_chunks, chunk)).unbind(dim + 1)  # noqa: E731
                                   for t in ts)))
     rows, views = split(xs), split(outs)
@@ -254,7 +284,6 @@ def _in_place(combine, xs, dim, start):
     last = tuple(o.narrow(dim, main - 1, 1) for o in outs)
     for t in range(main, length):   # the tail: fewer than n_chunks steps, each from the previous output
         last = combine(last, tuple(x.narrow(dim, t, 1) for x in xs), tuple(o.narrow(dim, t, 1) for o in outs))
-    return outs
 
 
 def _grid(t: torch.Tensor, sizes: Sequence[int]) -> list:
@@ -267,10 +296,10 @@ def _grid(t: torch.Tensor, sizes: Sequence[int]) -> list:
     return blocks
 
 
-def _recorded(combine, xs, dim, start):
+def _recorded(combine, xs, dim, start, grid):
     """The same schedule for autograd: the same combines on fresh tensors, stacked into the outputs."""
     length = xs[0].shape[dim]
-    n_chunks, chunk = layout(length, xs[0].numel() // length)
+    n_chunks, chunk = grid
     main, nf, fresh = n_chunks * chunk, len(xs), (None,) * len(xs)
     rows = list(zip(*(x.narrow(dim, 0, main).unflatten(dim, (n_chunks, chunk)).unbind(dim + 1) for x in xs)))
     prefixes = [rows[0]]

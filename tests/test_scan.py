@@ -399,3 +399,44 @@ def test_generated_combiner_writes_into_the_given_outputs():
     assert_close(got[0], want[0], "scan", torch.float32) and assert_close(got[1], want[1], "scan", torch.float32)
     fresh = reference.combiner(sl.Affine)(x, y, (None, None))
     assert all(torch.equal(f, g) for f, g in zip(fresh, got))
+
+
+@pytest.mark.parametrize("T", [4096, 4099])
+def test_long_scans_keep_chunks_short_so_overflowed_products_never_make_nan(T):
+    """Chunks of at most CHUNK steps (in passes of N * CHUNK when the length asks for longer ones): Affine
+    with a = 2, b = 0 at the demo's step is h = 0 throughout, as the loop gives, where chunks of 128 steps
+    made a chunk's product 2^128 = inf in float32 and inf * 0 = NaN; the products themselves overflow."""
+    from scanlang.backends import reference
+    assert all(grid[1] <= reference.CHUNK for _, _, grid in reference.passes(T, 4 * 256))
+    a, b = torch.full((4, T, 256), 2.0), torch.zeros(4, T, 256)
+    powers = (2.0 ** torch.arange(1, T + 1, dtype=torch.float64)).float()   # exact, inf from 2^128 on
+    for requires_grad in (False, True):
+        out = sl.scan(sl.Affine, (a.clone().requires_grad_(requires_grad), b), dim=1, backend="reference")
+        assert torch.equal(out.b.detach(), torch.zeros_like(b))
+        assert torch.equal(out.a.detach(), powers[None, :, None].expand_as(a))
+
+
+@pytest.mark.parametrize("reverse, with_initial", [(False, False), (True, True)])
+def test_several_passes_equal_the_float64_loop_with_gradients(reverse, with_initial):
+    """A narrow step over 4301 steps: chunks held at CHUNK steps make two passes (4160 steps, then 141 with
+    a tail of 9), the second starting from the first's last output; in place equals recorded bit for bit."""
+    from scanlang.backends import reference
+    T = 4301
+    assert [(s, n) for s, n, _ in reference.passes(T, 6)] == [(0, 4160), (4160, 141)]
+    gen = torch.Generator().manual_seed(7)
+    a = (torch.rand(2, T, 3, generator=gen, dtype=torch.float64) * 0.6 + 0.6).requires_grad_()
+    b = torch.randn(2, T, 3, generator=gen, dtype=torch.float64, requires_grad=True)
+    h0 = torch.randn(2, 3, generator=gen, dtype=torch.float64, requires_grad=True) if with_initial else None
+    initial = (1.0, h0) if with_initial else None
+    out = sl.scan(sl.Affine, (a, b), dim=1, reverse=reverse, initial=initial, backend="reference")
+    want = affine_loop(a, b, 1, reverse=reverse, h0=h0)
+    assert_close(out.b, want, "scan")
+    assert_close(out.a, _products_loop(a, reverse), "scan", name="a")
+    with torch.no_grad():
+        again = sl.scan(sl.Affine, (a, b), dim=1, reverse=reverse, initial=initial, backend="reference")
+    assert all(torch.equal(x, y.detach()) for x, y in zip(again, out))
+    w = torch.randn(out.b.shape, generator=gen, dtype=torch.float64)
+    inputs = (a, b) + ((h0,) if with_initial else ())
+    got = torch.autograd.grad((out.b * w).sum(), inputs)
+    for g, r in zip(got, torch.autograd.grad((want * w).sum(), inputs)):
+        assert_close(g, r, "scan_grad")
