@@ -8,17 +8,23 @@ Two executors of the same law, `out_t = x_0 (+) ... (+) x_t`:
 
 The blocked schedule (scan the chunks, carry across them, fix them up): cut time into N chunks of
 C steps (`layout`: N about sqrt(T), and few enough that one step of all chunks is a serial op, see
-SERIAL; the last T mod N steps are a tail);
+SERIAL; C at most CHUNK; the last T mod N steps are a tail, and a longer rest is scanned in further
+passes, each from the last output before it, see `passes`);
 1. every chunk's own scan, all chunks side by side: local_i = local_{i-1} (+) x_i, written straight
    into the output (C - 1 combines, each over one step of every chunk);
 2. the carries, one chunk after the other: carry_n = carry_{n-1} (+) total_{n-1}, a chunk's total
    being its last local prefix (N combines of one time step's size);
 3. every chunk but the first from its carry, in place: out = carry_n (+) local, over blocks of
    contiguous output (`block_sizes`); the tail continues step by step from the last output.
-That is about C + N + T * step / SERIAL combine calls, against T for a loop over time. The time goes
-to memory traffic: "step i of every chunk" is N * (rows before `dim`) short strided runs, read
-(inputs) and written (outputs) once, in phase 1 only; phase 3 reads and writes contiguous blocks,
-which streams much faster. Without autograd every combine writes into preallocated outputs (no copies).
+That is about C + N + T * step / SERIAL combine calls (BLOCK in place of SERIAL with one torch thread),
+against T for a loop over time. The time goes to memory traffic, most of it in phase 1: "step i of
+every chunk" is N * (rows before `dim`) short strided runs, read (inputs) and written (outputs, not
+yet in any cache) once; phase 3 reads and writes contiguous blocks, which streams faster. (Measured
+and dropped: reduce-then-scan, which writes each output once but reads the inputs twice; a
+Brent-Kung scan inside chunks, few large strided ops; superblocks of time sized for the cache;
+touching inputs or outputs in one streaming pass first; two Python threads for two halves of the
+batch, with two torch threads. None was faster.) Without autograd every combine writes into
+preallocated outputs (no copies), all fields in one allocation: see `_in_place`.
 
 Each combine is `combiner(monoid)`: the traced expressions printed as torch calls whose last op per
 field writes into a given output (`out=`), with `a + b * c` as one `addcmul` (one rounding, a fused
@@ -31,7 +37,8 @@ Why not a log-depth tree over the whole sequence: its later operands are product
 elements, which overflow where the loop's never do (Affine with a = 2: 2^150 is inf in float32, and
 b = inf * 0 is NaN where the answer is 0). Here the later operand of every combine is one element
 (phase 1, the tail) or a product of at most C consecutive elements (a chunk's total or local prefix,
-phases 2 and 3), so an Affine b meets an overflowed product only for |a| > 2^(128 / C) in float32.
+phases 2 and 3), so an Affine b meets an overflowed product only for |a| > 2^(128 / C) in float32,
+C <= CHUNK: |a| > 4 at the least.
 """
 from __future__ import annotations
 
@@ -51,6 +58,13 @@ from scanlang.monoid import Monoid
 # (the loop over time, all ops of one step, never does). Every op of the schedule stays at or below,
 # where one time step is not already larger.
 SERIAL = 32768
+# The most steps per chunk: the later operand of a combine is at most a chunk's product (see the end of
+# the module docstring), and 2^(128 / CHUNK) bounds the |a| of an Affine scan whose float32 products of
+# one chunk stay finite (an overflowed product times b = 0 is NaN where the loop's answer is 0).
+CHUNK = 64
+# Without a thread pool (one torch thread) no op is split, and the fix-up's blocks may be larger: fewer
+# Python-level calls, while a combine's temporaries (a block's size each) still stay about an L2 cache.
+BLOCK = 1 << 18
 _FUSED = {ast.Add: "add", ast.Sub: "sub", ast.Mult: "mul", ast.Div: "div"}
 _COMBINERS: dict[str, Callable] = {}   # by monoid digest (the traced expressions' hash)
 
@@ -59,25 +73,38 @@ def layout(length: int, step_numel: int) -> tuple[int, int]:
     """(chunks N, steps per chunk C) of the blocked schedule for `length` steps of `step_numel` elements.
 
     N is about sqrt(length), so that C + N sequential combines stay few, and at most SERIAL /
-    step_numel, so that one combine over a step of all chunks is a serial op (see SERIAL). Lengths
-    past N * C (fewer than N steps) are the tail.
+    step_numel, so that one combine over a step of all chunks is a serial op (see SERIAL); C is at most
+    CHUNK. Lengths past N * C are the tail when that is fewer than N steps, else more passes (`passes`).
     """
     if length < 1:
         return 0, 0
     n_chunks = max(1, min(math.isqrt(length), SERIAL // max(step_numel, 1)))
-    return n_chunks, length // n_chunks
+    return n_chunks, min(length // n_chunks, CHUNK)
 
 
-def block_sizes(outer: int, n: int, c: int, inner: int) -> tuple[int, int, int]:
+def passes(length: int, step_numel: int) -> list[tuple[int, int, tuple[int, int]]]:
+    """(first step, steps, layout) of each pass of the blocked schedule over `length` steps: one, unless
+    C was held at CHUNK and the rest would be a tail of N steps or more; then passes of N * C steps, each
+    starting from the last output of the one before (as from an `initial`), and a last one for the rest."""
+    out, first = [], 0
+    while first < length:
+        n_chunks, chunk = layout(length - first, step_numel)
+        steps = length - first if length - first - n_chunks * chunk < n_chunks else n_chunks * chunk
+        out.append((first, steps, (n_chunks, chunk)))
+        first += steps
+    return out
+
+
+def block_sizes(outer: int, n: int, c: int, inner: int, limit: int = SERIAL) -> tuple[int, int, int]:
     """(rows, chunks, steps) of the fix-up's blocks of an [outer, n, c, inner] tensor: each block at most
-    SERIAL elements (one step's `inner` if that is more), as few blocks as that allows: whole chunks,
+    `limit` elements (one step's `inner` if that is more), as few blocks as that allows: whole chunks,
     several side by side when they fit (and several rows when all chunks do), else pieces of one."""
-    if c * inner > SERIAL:
-        return 1, 1, max(1, SERIAL // max(inner, 1))
-    per = max(1, SERIAL // max(c * inner, 1))
+    if c * inner > limit:
+        return 1, 1, max(1, limit // max(inner, 1))
+    per = max(1, limit // max(c * inner, 1))
     if per < n:
         return 1, per, c
-    return max(1, min(outer, SERIAL // max(n * c * inner, 1))), n, c
+    return max(1, min(outer, limit // max(n * c * inner, 1))), n, c
 
 
 def _put(value, out):
@@ -199,18 +226,32 @@ def scan(monoid: Monoid, elems: Sequence[torch.Tensor], dim: int, reverse: bool,
         combine = combiner(monoid)
     record = (torch.is_grad_enabled() and any(t.requires_grad for t in (*xs, *(start or ())))) \
         or torch.compiler.is_compiling()
-    outs = (_recorded if record else _in_place)(combine, xs, dim, start)
+    cut = passes(length, xs[0].numel() // length)
+    part = lambda ts, first, steps: tuple(t.narrow(dim, first, steps) for t in ts)  # noqa: E731
+    if record:
+        pieces = []
+        for first, steps, grid in cut:
+            pieces.append(_recorded(combine, part(xs, first, steps), dim, start, grid))
+            start = part(pieces[-1], steps - 1, 1)
+        outs = pieces[0] if len(pieces) == 1 else tuple(torch.cat(f, dim) for f in zip(*pieces))
+    else:
+        # every field in one block: glibc's allocator often handed two large blocks, freed together, back
+        # to the system, and the next call faulted them in again page by page (slower than the scan
+        # itself); one block raises its reuse threshold past that size and is mostly kept (not always)
+        outs = tuple(torch.empty((len(xs), *xs[0].shape), dtype=xs[0].dtype, device=xs[0].device).unbind(0))
+        for first, steps, grid in cut:
+            _in_place(combine, part(xs, first, steps), dim, start, grid, part(outs, first, steps))
+            start = part(outs, first + steps - 1, 1)
     if reverse:
         outs = tuple(x.flip(dim) for x in outs)
     return tuple(x.contiguous() for x in outs)
 
 
-def _in_place(combine, xs, dim, start):
-    """The schedule without autograd: every step written once into preallocated outputs."""
+def _in_place(combine, xs, dim, start, grid, outs):
+    """The schedule without autograd, laid out as `grid`: every step written once into `outs`."""
     length, shape = xs[0].shape[dim], xs[0].shape
-    n_chunks, chunk = layout(length, xs[0].numel() // length)
+    n_chunks, chunk = grid
     main = n_chunks * chunk
-    outs = tuple(torch.empty(shape, dtype=x.dtype, device=x.device) for x in xs)
     split = lambda ts: list(zip(*(t.narrow(dim, 0, main).unflatten(dim, (n_chunks, chunk)).unbind(dim + 1)  # noqa: E731
                                   for t in ts)))
     rows, views = split(xs), split(outs)
@@ -231,25 +272,34 @@ def _in_place(combine, xs, dim, start):
             c = tuple(d.copy_(t) for d, t in zip(carry_n[1], total_n[0])) if c is None else \
                 combine(c, total_n[n - 1], carry_n[n])
         # 3. chunks first.. from their carries, in place, block by block (views made by split, in bulk)
-        rows, per, piece = block_sizes(outer, n_chunks - first, chunk, inner)
+        limit = SERIAL if torch.get_num_threads() > 1 else BLOCK
+        rows, per, piece = block_sizes(outer, n_chunks - first, chunk, inner, limit)
         pieces = -(-chunk // piece)
-        grid = lambda t: [b for u in t.split(rows, 0) for v in u.split(per, 1) for b in v.split(piece, 2)]  # noqa: E731
-        out4 = [grid(o.narrow(dim, 0, main).view(outer, n_chunks, chunk, inner).narrow(1, first, n_chunks - first))
-                for o in outs]
-        carry4 = [[v for u in t.view(outer, n_chunks, 1, inner).narrow(1, first, n_chunks - first).split(rows, 0)
-                   for v in u.split(per, 1) for _ in range(pieces)] for t in carry]
+        out4 = [_grid(o.narrow(dim, 0, main).view(outer, n_chunks, chunk, inner).narrow(1, first, n_chunks - first),
+                      (rows, per, piece)) for o in outs]
+        carry4 = [[v for v in _grid(t.view(outer, n_chunks, 1, inner).narrow(1, first, n_chunks - first), (rows, per))
+                   for _ in range(pieces)] for t in carry]
         for x, y in zip(zip(*carry4), zip(*out4)):
             combine(x, y, y)
     last = tuple(o.narrow(dim, main - 1, 1) for o in outs)
     for t in range(main, length):   # the tail: fewer than n_chunks steps, each from the previous output
         last = combine(last, tuple(x.narrow(dim, t, 1) for x in xs), tuple(o.narrow(dim, t, 1) for o in outs))
-    return outs
 
 
-def _recorded(combine, xs, dim, start):
+def _grid(t: torch.Tensor, sizes: Sequence[int]) -> list:
+    """`t` cut into blocks of sizes[d] along each leading dim d, in row-major block order; a dim that one
+    block spans is not split (each split is a Python-level call, and the fix-up makes few blocks)."""
+    blocks = [t]
+    for d, size in enumerate(sizes):
+        if size < t.shape[d]:
+            blocks = [b for u in blocks for b in u.split(size, d)]
+    return blocks
+
+
+def _recorded(combine, xs, dim, start, grid):
     """The same schedule for autograd: the same combines on fresh tensors, stacked into the outputs."""
     length = xs[0].shape[dim]
-    n_chunks, chunk = layout(length, xs[0].numel() // length)
+    n_chunks, chunk = grid
     main, nf, fresh = n_chunks * chunk, len(xs), (None,) * len(xs)
     rows = list(zip(*(x.narrow(dim, 0, main).unflatten(dim, (n_chunks, chunk)).unbind(dim + 1) for x in xs)))
     prefixes = [rows[0]]

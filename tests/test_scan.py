@@ -269,16 +269,66 @@ def test_blocked_schedule_projective_equals_the_oracle(T):
 
 
 @pytest.mark.parametrize("outer, n, c, inner", [(3, 31, 32, 2), (4, 31, 64, 256), (4, 16, 17, 256), (2, 3, 50, 4096),
-                                                (1, 2, 5, 40000), (5, 1, 1, 1)])
-def test_fix_up_blocks_stay_serial_and_are_as_large_as_that_allows(outer, n, c, inner):
+                                                (1, 2, 5, 40000), (5, 1, 1, 1), (4, 31, 64, 4096)])
+@pytest.mark.parametrize("limit", ["SERIAL", "BLOCK"])   # several torch threads, one
+def test_fix_up_blocks_stay_serial_and_are_as_large_as_that_allows(outer, n, c, inner, limit):
     from scanlang.backends import reference
-    rows, chunks, steps = reference.block_sizes(outer, n, c, inner)
+    limit = getattr(reference, limit)
+    rows, chunks, steps = reference.block_sizes(outer, n, c, inner, limit)
     assert 1 <= rows <= outer and 1 <= chunks <= n and 1 <= steps <= c
-    assert rows * chunks * steps * inner <= max(reference.SERIAL, inner)
+    assert rows * chunks * steps * inner <= max(limit, inner)
     grown = [(min(rows + 1, outer), chunks, steps)] if chunks == n and steps == c else []
     grown += [(rows, min(chunks + 1, n), steps)] if steps == c else [(rows, chunks, min(steps + 1, c))]
-    for r, k, s in grown:   # one more row, chunk or step would pass the serial size (or there is none)
-        assert (r, k, s) == (rows, chunks, steps) or r * k * s * inner > max(reference.SERIAL, inner)
+    for r, k, s in grown:   # one more row, chunk or step would pass the limit (or there is none)
+        assert (r, k, s) == (rows, chunks, steps) or r * k * s * inner > max(limit, inner)
+
+
+def _products_loop(a, reverse=False, p0=None):
+    """The Affine scan's `a` field written out by hand, float64: the running product along dim 1."""
+    a = a.double().flip(1) if reverse else a.double()
+    p = torch.ones_like(a[:, 0]) if p0 is None else p0.double().expand_as(a[:, 0])
+    out = torch.empty_like(a)
+    for t in range(a.shape[1]):
+        p = a[:, t] * p
+        out[:, t] = p
+    return out.flip(1) if reverse else out
+
+
+# The demo's step (4 x 256) and a narrow one, at lengths 1, odd, and past a multiple of the chunk (a
+# tail): with one torch thread the fix-up runs in blocks of up to BLOCK elements, with more in blocks of
+# up to SERIAL; the layout is the same either way, and so is every bit of the output.
+@pytest.mark.parametrize("step, T", [((4, 256), 1), ((4, 256), 67), ((4, 256), 2085), ((3, 5), 1001)])
+@pytest.mark.parametrize("reverse, with_initial", [(False, False), (True, True)])
+def test_in_place_blocks_for_one_or_two_torch_threads_equal_the_float64_loop(step, T, reverse, with_initial):
+    gen = torch.Generator().manual_seed(T)
+    a = torch.rand(step[0], T, step[1], generator=gen, dtype=torch.float64) * 0.3 + 0.8
+    b = torch.randn(step[0], T, step[1], generator=gen, dtype=torch.float64)
+    p0 = torch.rand(step[0], step[1], generator=gen, dtype=torch.float64) + 0.5 if with_initial else None
+    h0 = torch.randn(step[0], step[1], generator=gen, dtype=torch.float64) if with_initial else None
+    initial = (p0, h0) if with_initial else None
+    threads, outs = torch.get_num_threads(), {}
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            outs[n] = sl.scan(sl.Affine, (a, b), dim=1, reverse=reverse, initial=initial, backend="reference")
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(x, y) for x, y in zip(outs[1], outs[2]))
+    assert_close(outs[1].a, _products_loop(a, reverse, p0), "scan", name="a")
+    assert_close(outs[1].b, affine_loop(a, b, 1, reverse=reverse, h0=h0), "scan", name="b")   # h0 is h_{-1}
+
+
+def test_in_place_fields_share_one_allocation_and_never_overlap():
+    """All fields come from one block (see reference._in_place), each its own contiguous part of it."""
+    a, b = torch.rand(2, 300, 3) + 0.5, torch.randn(2, 300, 3)
+    out = sl.scan(sl.Affine, (a, b), dim=1, backend="reference")
+    assert out.a.is_contiguous() and out.b.is_contiguous()
+    assert out.a.untyped_storage().data_ptr() == out.b.untyped_storage().data_ptr()
+    assert abs(out.a.data_ptr() - out.b.data_ptr()) >= out.a.numel() * out.a.element_size()
+    a_before = out.a.clone()
+    out.b.fill_(0)
+    assert torch.equal(out.a, a_before)
+    assert_close(out.a, _products_loop(a), "scan", torch.float32, name="a")
 
 
 @sl.monoid(fields=("a", "b", "c", "d"), identity=(1, 0, 0, 1))
@@ -349,3 +399,44 @@ def test_generated_combiner_writes_into_the_given_outputs():
     assert_close(got[0], want[0], "scan", torch.float32) and assert_close(got[1], want[1], "scan", torch.float32)
     fresh = reference.combiner(sl.Affine)(x, y, (None, None))
     assert all(torch.equal(f, g) for f, g in zip(fresh, got))
+
+
+@pytest.mark.parametrize("T", [4096, 4099])
+def test_long_scans_keep_chunks_short_so_overflowed_products_never_make_nan(T):
+    """Chunks of at most CHUNK steps (in passes of N * CHUNK when the length asks for longer ones): Affine
+    with a = 2, b = 0 at the demo's step is h = 0 throughout, as the loop gives, where chunks of 128 steps
+    made a chunk's product 2^128 = inf in float32 and inf * 0 = NaN; the products themselves overflow."""
+    from scanlang.backends import reference
+    assert all(grid[1] <= reference.CHUNK for _, _, grid in reference.passes(T, 4 * 256))
+    a, b = torch.full((4, T, 256), 2.0), torch.zeros(4, T, 256)
+    powers = (2.0 ** torch.arange(1, T + 1, dtype=torch.float64)).float()   # exact, inf from 2^128 on
+    for requires_grad in (False, True):
+        out = sl.scan(sl.Affine, (a.clone().requires_grad_(requires_grad), b), dim=1, backend="reference")
+        assert torch.equal(out.b.detach(), torch.zeros_like(b))
+        assert torch.equal(out.a.detach(), powers[None, :, None].expand_as(a))
+
+
+@pytest.mark.parametrize("reverse, with_initial", [(False, False), (True, True)])
+def test_several_passes_equal_the_float64_loop_with_gradients(reverse, with_initial):
+    """A narrow step over 4301 steps: chunks held at CHUNK steps make two passes (4160 steps, then 141 with
+    a tail of 9), the second starting from the first's last output; in place equals recorded bit for bit."""
+    from scanlang.backends import reference
+    T = 4301
+    assert [(s, n) for s, n, _ in reference.passes(T, 6)] == [(0, 4160), (4160, 141)]
+    gen = torch.Generator().manual_seed(7)
+    a = (torch.rand(2, T, 3, generator=gen, dtype=torch.float64) * 0.6 + 0.6).requires_grad_()
+    b = torch.randn(2, T, 3, generator=gen, dtype=torch.float64, requires_grad=True)
+    h0 = torch.randn(2, 3, generator=gen, dtype=torch.float64, requires_grad=True) if with_initial else None
+    initial = (1.0, h0) if with_initial else None
+    out = sl.scan(sl.Affine, (a, b), dim=1, reverse=reverse, initial=initial, backend="reference")
+    want = affine_loop(a, b, 1, reverse=reverse, h0=h0)
+    assert_close(out.b, want, "scan")
+    assert_close(out.a, _products_loop(a, reverse), "scan", name="a")
+    with torch.no_grad():
+        again = sl.scan(sl.Affine, (a, b), dim=1, reverse=reverse, initial=initial, backend="reference")
+    assert all(torch.equal(x, y.detach()) for x, y in zip(again, out))
+    w = torch.randn(out.b.shape, generator=gen, dtype=torch.float64)
+    inputs = (a, b) + ((h0,) if with_initial else ())
+    got = torch.autograd.grad((out.b * w).sum(), inputs)
+    for g, r in zip(got, torch.autograd.grad((want * w).sum(), inputs)):
+        assert_close(g, r, "scan_grad")
