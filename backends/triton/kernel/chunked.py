@@ -27,8 +27,8 @@ is broadcast over lanes, summed over the chunk where it is constant in time) and
 dL/dinitial = c_0 + J1(y_{-1}, x_0)^T gbar_0.
 
 Publishing: a program stores its values, synchronises its threads (`tl.debug_barrier`) and sets its
-flag with a release atomic; a reader polls the flag with acquire atomics and loads the values past
-L1 (`.cg`: another program wrote them during this launch). Flags and tickets are one zeroed int32
+flag with a release atomic; a reader polls the flags with acquire atomics, synchronises its threads
+and loads the values past L1 (`.cg`: another program wrote them during this launch). Flags and tickets are one zeroed int32
 buffer per pass. The carry a chunk receives depends on how far its look-back went (how the
 aggregates were grouped), so in floating point the outputs can differ between runs in the last
 bits, as with any single-pass parallel scan; the math is the same.
@@ -174,6 +174,8 @@ def _look_back(forward: bool, fold) -> tuple:
                 K.assign("pending", "tl.sum(tl.where((fl == 0) & (w < term), 1, 0), 0)"))
         found, move = "(term < LOOKBACK).to(tl.int32)", "j0 + LOOKBACK"
     poll = (*window, K.assign("fl", "tl.atomic_add(sync + 1 + js, 0, mask=valid, sem='acquire')"),
+            K.Comment("the threads that load a published value need not be those that acquired its flag"),
+            K.Eval(K.expr("tl.debug_barrier()")),
             K.assign("fl", "tl.where(valid, fl, 1)"), *find)
     return (K.Comment("look back: fold published aggregates (flag 1) up to an inclusive value (flag 2)"),
             K.assign("j0", f"chunk {'-' if forward else '+'} 1"), K.assign("w", "tl.arange(0, LOOKBACK)"),
