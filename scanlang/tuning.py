@@ -58,8 +58,10 @@ class Tuning:
       decode_max_tokens: the matrix-state family's backend='triton' runs the recurrent decode kernel
         (backends/linear/decode.py) when no input requires a gradient and no sequence has more
         tokens than this (0: never); longer inputs take the chunk kernels.
-      chunk_lookback: chunks a look-back of the chunk-parallel schedule reads at a time (one poll
-        of their flags, one scan of their published values; a power of two).
+      chunk_single_pass: the chunk-parallel schedule runs one kernel per pass with a decoupled
+        look-back (kernel/chunked_lookback.py, each input read once) instead of three (kernel/chunked.py).
+      chunk_lookback: chunks the one-pass variant's look-back reads at a time (one poll of their
+        flags, one scan of their published values; a power of two).
       delta_save_wu: the delta forward stores w, u for the backward (else the backward recomputes them).
       delta_eager_fast_path: eager delta calls skip the torch.library dispatcher.
       delta_key_block: key columns per program / loop step of the delta backward kernels.
@@ -80,6 +82,7 @@ class Tuning:
     sum_groups_before_atomics: bool = False
     sum_warp_groups_before_atomics: bool = True
     decode_max_tokens: int = 64
+    chunk_single_pass: bool = False
     chunk_lookback: int = 32
     delta_save_wu: bool = True
     delta_eager_fast_path: bool = True
@@ -103,7 +106,7 @@ class Tuning:
                 or self.decode_max_tokens < 0:
             raise ValueError(f"decode_max_tokens: expected an int >= 0, got {self.decode_max_tokens!r}")
         for name in ("sum_groups_before_atomics", "sum_warp_groups_before_atomics", "delta_save_wu",
-                     "delta_eager_fast_path"):
+                     "delta_eager_fast_path", "chunk_single_pass"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name}: expected a bool, got {getattr(self, name)!r}")
         if isinstance(self.chunk_lookback, bool) or not isinstance(self.chunk_lookback, int) \

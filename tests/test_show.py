@@ -96,7 +96,7 @@ def test_the_kernels_shown_are_those_a_launch_runs(knobs, monkeypatch, schedule,
     elems, dim = _elems(shape, layout, 2)
     _run(sl.Affine, elems, dim)
     assert [n for n, _ in seen] == launched_names(sl.Affine, shape, layout)
-    assert seen[0][0] == {"tile": "scan_forward", "lanes": "scan_forward_lanes", "chunked": "chunk_scan"}[schedule]
+    assert seen[0][0] == {"tile": "scan_forward", "lanes": "scan_forward_lanes", "chunked": "chunk_reduce"}[schedule]
     text = pipeline.show(sl.Affine, shape, layout)
     for name, meta in seen:
         fn = next(n for n in ast.parse(text).body if isinstance(n, ast.FunctionDef) and n.name == name)

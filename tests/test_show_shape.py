@@ -19,7 +19,8 @@ def test_few_lanes_long_time_prints_the_chunked_kernels_with_origins(capsys):
     code, out, _ = show_affine(capsys, "--shape", "1,1048576,16", "--layout", "time")
     assert code == 0
     assert "forward config:  Config(" in out and "schedule='chunked'" in out
-    for name in ("chunk_scan", "chunk_bwd_scan"):
+    for name in ("chunk_reduce", "chunk_carry", "chunk_rescan", "chunk_bwd_reduce", "chunk_bwd_carry",
+                 "chunk_bwd_rescan"):
         assert f"def {name}(" in out
     assert "def scan_forward(" not in out   # only the kernels that run
     where = f"scanlang/library.py:{sl.Affine.combine_fn.__code__.co_firstlineno}"
@@ -29,7 +30,7 @@ def test_few_lanes_long_time_prints_the_chunked_kernels_with_origins(capsys):
 def test_many_lanes_print_the_tile_module(capsys):
     code, out, _ = show_affine(capsys, "--shape", "8,4096,1536", "--layout", "channels")
     assert code == 0
-    assert "schedule: tile" in out and "def scan_forward(" in out and "def chunk_scan(" not in out
+    assert "schedule: tile" in out and "def scan_forward(" in out and "def chunk_reduce(" not in out
 
 
 @pytest.mark.parametrize("argv,option", [(["--shape", "1,2"], "--shape"), (["--shape", "1,0,3"], "--shape"),

@@ -1,12 +1,14 @@
-"""The chunk-parallel schedule (backends/triton/kernel/chunked.py) against float64 loops written here.
+"""The chunk-parallel schedule (backends/triton/kernel/chunked.py, three kernels per pass, and its
+one-pass variant kernel/chunked_lookback.py) against float64 loops written here.
 
 The schedule is forced through tuning.override(forced=...) with small chunks (interpreter on CPU, GPU
 otherwise): chunks of 8 steps at T = 1, 7 (chunk - 1), 9 (chunk + 1); chunks of 4 at T = 37 (ten
-chunks, so a chunk's look-back may fold several published aggregates); chunks of 64 at
+chunks, so the carry kernels walk three tiles of 4 aggregates with a partial one); chunks of 64 at
 T = 5000 (79 chunks, the last partial; one lane). Lanes: [1, 3, T] with time contiguous (the few-lanes shape
 the schedule is for) and [2, T, 3] with channels contiguous. Every output field, and the gradients
 of every element and initial field under random output weights, are checked; the kernel launch
-counter shows the chunked kernels (and only they) ran.
+counter shows the chunked kernels (and only they) ran. Every test with a forced config runs both
+variants.
 """
 import os
 
@@ -92,10 +94,18 @@ def case(kind, shape, dim):
     return sl.Affine, (decay, nonzero(*shape)), initial
 
 
+@pytest.fixture(params=[False, True], ids=["three-pass", "one-pass"])
+def variant(request, knobs):
+    """Both variants of the schedule: three kernels per pass (kernel/chunked.py), one with a look-back
+    (kernel/chunked_lookback.py); the knob is in the plans' key."""
+    knobs(chunk_single_pass=request.param)
+    return request.param
+
+
 @pytest.fixture
-def chunked(request, knobs):
+def chunked(request, knobs, variant):
     """Force the chunk-parallel schedule with chunks of `request.param` steps, both passes, both layouts
-    (the forced configs are in the plans' key: no cache to clear)."""
+    (the forced configs are in the plans' key: no cache to clear), in each variant."""
     cfg = runtime.Config(block_t=request.param, block_l=4, num_warps=1, schedule="chunked")
     knobs(forced={(c, b): cfg for c in (False, True) for b in (False, True)})
     return cfg
@@ -120,7 +130,7 @@ def check(kind, shape, dim, reverse, with_initial, dtype=torch.float64):
         assert g.shape == leaves[i].shape
         assert_close(g, w, "scan_grad", dtype=dtype, name=f"{kind} grad {i}")
     ran = {k: v - before.get(k, 0) for k, v in chunked_launch.LAUNCHED.items()}
-    assert all(ran.get(k, 0) == 1 for k in chunked_launch.chunked.KERNELS), ran
+    assert all(ran.get(k, 0) == 1 for k in chunked_launch.kernel_names()), ran
 
 
 SHORT = [(8, 1), (8, 7), (8, 9), (4, 37)]
@@ -213,7 +223,7 @@ def test_compile_fullgraph_runs_the_chunked_kernels_through_the_registered_ops(c
     g = torch.randn_like(ref)
     for got, want in zip(torch.autograd.grad(out, (a, b), g), torch.autograd.grad(ref, (a, b), g)):
         assert_close(got, want, "scan_grad", name="compiled Affine grad")
-    assert all(chunked_launch.LAUNCHED[k] > before.get(k, 0) for k in chunked_launch.chunked.KERNELS)
+    assert all(chunked_launch.LAUNCHED[k] > before.get(k, 0) for k in chunked_launch.kernel_names())
 
 
 # ---- projective leaves near 1e20: renormalised by an exact power of two, as on the other schedules -----
@@ -251,13 +261,15 @@ def test_huge_projective_leaves_are_renormalised(chunked, T, reverse, with_initi
     for name, g, r in zip(["da", "db", "dc", "dd", "dinit_a", "dinit_b", "dinit_c", "dinit_d"], got, ref):
         assert_close(g, r, "scan_grad", dtype=torch.float32, name=name)
     ran = {k: v - before.get(k, 0) for k, v in chunked_launch.LAUNCHED.items()}
-    assert all(ran.get(k, 0) == 1 for k in chunked_launch.chunked.KERNELS), ran
+    assert all(ran.get(k, 0) == 1 for k in chunked_launch.kernel_names()), ran
 
 
-def test_generated_module_scales_every_leaf_before_any_product():
+@pytest.mark.parametrize("single_pass", [False, True], ids=["three-pass", "one-pass"])
+def test_generated_module_scales_every_leaf_before_any_product(single_pass, knobs):
     """The projective module holds leaf_scale and calls it for each lift (x_t, and the backward's
     next and previous steps), and scales dx; a module of a monoid that is not projective has none."""
     from scanlang import pipeline
+    knobs(chunk_single_pass=single_pass)
     src = chunked_launch.source(pipeline.program(sl.Mobius))
     assert "def leaf_scale(m)" in src
     for tag in ("", "n", "v"):
@@ -291,7 +303,7 @@ def test_kalman_filter_with_huge_precisions(chunked):
     assert_close(y, want.float(), "kalman_out")
     assert_close(y_var, want_var.float(), "kalman_out")
     ran = {k: n - before.get(k, 0) for k, n in chunked_launch.LAUNCHED.items()}
-    assert ran.get("chunk_scan", 0) >= 1, ran   # the forward ran chunk-parallel
+    assert ran.get(chunked_launch.kernel_names()[0], 0) >= 1, ran   # the forward ran chunk-parallel
     w, w_var = torch.randn(y.shape, generator=gen, dtype=torch.float64), torch.randn(y.shape, generator=gen,
                                                                                     dtype=torch.float64)
     got = torch.autograd.grad((y * w.float().to(DEVICE)).sum() + (y_var * w_var.float().to(DEVICE)).sum(), ins)
@@ -301,7 +313,7 @@ def test_kalman_filter_with_huge_precisions(chunked):
             assert_close(g, r.float(), "kalman_grad", name=name)
 
 
-# ---- the look-back's fold ----------------------------------------------------------------------------
+# ---- the one-pass variant's look-back fold -------------------------------------------------------------
 # The interpreter runs programs one after another, so a chunk's look-back always finds its predecessor's
 # inclusive value published (flag 2) and never folds an aggregate. This test makes it fold: after the
 # normal launch (which publishes every aggregate and inclusive value), each pass is launched again for
@@ -345,6 +357,7 @@ def _relaunch_one_chunk(real_run, n_in: int, n_out: int, n_fields: int, block_t:
     return run
 
 
+@pytest.mark.parametrize("variant", [True], indirect=True, ids=["one-pass"])
 @pytest.mark.parametrize("chunked", [4], indirect=True)
 @pytest.mark.parametrize("lookback", [32, 4, 1], ids=lambda w: f"window{w}")
 @pytest.mark.parametrize("with_initial", [False, True], ids=["identity", "initial"])

@@ -1,11 +1,12 @@
-"""Launching the chunk-parallel schedule (kernel/chunked.py): one kernel per pass.
+"""Launching the chunk-parallel schedule: three kernels per pass (kernel/chunked.py), or one with a
+decoupled look-back (kernel/chunked_lookback.py) under the tuning knob `chunk_single_pass`.
 
-The chunked kernels live in their own generated module (one per program, rendered and loaded the
-first time a config picks the schedule), so the tile and lane modules stay as they are. Each pass
-takes the same leading arguments as the tile kernels (the plan's `head` filled by `ops`) plus its
-look-back buffers: the published aggregates, allocated by the allocator `ops` passes in (NaN-filled
-under settings.POISON_OUTPUTS, so a value read before it was written shows in the tests), and the
-tickets and flags, one zeroed int32 buffer per pass.
+The chunked kernels live in their own generated module (one per program and variant, rendered and
+loaded the first time a config picks the schedule), so the tile and lane modules stay as they are.
+Each pass takes the same leading arguments as the tile kernels (the plan's `head` filled by `ops`)
+plus its aggregate buffers, allocated here by the allocator `ops` passes in (NaN-filled under
+settings.POISON_OUTPUTS, so an aggregate a kernel forgot to write, or read before it was written,
+shows in the tests); the one-pass variant adds its tickets and flags, one zeroed int32 buffer per pass.
 """
 from __future__ import annotations
 
@@ -18,10 +19,10 @@ from torch.library import wrap_triton
 from scanlang import tuning
 
 from . import launcher
-from .kernel import chunked
+from .kernel import chunked, chunked_lookback
 from .runtime import Config, load
 
-_MODULES: dict[str, object] = {}
+_MODULES: dict[tuple[str, bool], object] = {}
 # kernel name -> launches since import: how a test sees that the chunked kernels really ran
 LAUNCHED: collections.Counter = collections.Counter()
 
@@ -30,21 +31,38 @@ def _cdiv(a: int, b: int) -> int:
     return (a + b - 1) // b
 
 
+def single_pass() -> bool:
+    """Whether the one-pass look-back variant runs (the tuning knob `chunk_single_pass`)."""
+    return tuning.current().chunk_single_pass
+
+
+def kernel_names() -> tuple[str, ...]:
+    """The kernels of the variant in effect, forward first."""
+    return chunked_lookback.KERNELS if single_pass() else chunked.KERNELS
+
+
 def source(prog) -> str:
-    """The chunk-parallel module's source for `prog` (a Program of ops.PROGRAMS)."""
-    return chunked.render(prog.ir, prog.adjoint)
+    """The chunk-parallel module's source for `prog` (a Program of ops.PROGRAMS), of the variant in effect."""
+    return (chunked_lookback if single_pass() else chunked).render(prog.ir, prog.adjoint)
 
 
 def module(prog):
-    """The loaded chunk-parallel module of `prog` (rendered and imported once)."""
-    mod = _MODULES.get(prog.key)
+    """The loaded chunk-parallel module of `prog` in the variant in effect (rendered and imported once)."""
+    key = (prog.key, single_pass())
+    mod = _MODULES.get(key)
     if mod is None:
-        mod = _MODULES[prog.key] = load(source(prog))
+        mod = _MODULES[key] = load(source(prog))
     return mod
 
 
+def carry_tile(n_chunks: int, cfg: Config) -> int:
+    """Chunks per tile of the carry kernels: all of them up to one time tile's size (a power of two)."""
+    return min(1 << max(0, (n_chunks - 1).bit_length()), cfg.block_t)
+
+
 def _sync(lanes: int, n_chunks: int, device) -> torch.Tensor:
-    """Per lane block: the ticket counter and one flag per chunk (0: nothing published yet)."""
+    """The one-pass variant's tickets and flags: per lane block a ticket counter and one flag per chunk
+    (0: nothing published yet)."""
     return torch.zeros(lanes * (n_chunks + 1), dtype=torch.int32, device=device)
 
 
@@ -63,13 +81,15 @@ def _run(plan, cfg: Config, kernel, grid, args, meta, eager: bool) -> None:
         wrap_triton(kernel)[grid](*args, **meta)
 
 
-def _meta(plan, cfg: Config, names) -> dict:
-    return dict({k: plan.common[k] for k in names}, BLOCK_T=cfg.block_t, BLOCK_L=cfg.block_l,
-                LOOKBACK=tuning.current().chunk_lookback, num_warps=cfg.num_warps)
+def _meta(plan, cfg: Config, n_chunks: int, names) -> dict:
+    meta = dict({k: plan.common[k] for k in names}, BLOCK_T=cfg.block_t, BLOCK_L=cfg.block_l, num_warps=cfg.num_warps)
+    if single_pass():
+        return dict(meta, LOOKBACK=tuning.current().chunk_lookback)
+    return dict(meta, BLOCK_C=carry_tile(n_chunks, cfg))
 
 
 def forward(plan, cfg: Config, args, final, eager: bool, empty):
-    """Run the forward (one look-back scan) for a `plan.ForwardPlan`; returns the checkpoints.
+    """Run the forward for a `plan.ForwardPlan`; returns the checkpoints.
 
     `args`: the plan's leading arguments (inputs, outputs, initial elements); `final` the final
     prefix buffer; `empty(shape, dtype, device)` the allocator."""
@@ -77,8 +97,9 @@ def forward(plan, cfg: Config, args, final, eager: bool, empty):
     n_chunks = _cdiv(layout.T, cfg.block_t)
     ckpt = empty(plan.checkpoint_shape(cfg), plan.acc, final.device)
     agg = empty((len(prog.ir.fields), n_chunks, layout.L), plan.acc, final.device)
-    sync = _sync(_cdiv(layout.L, cfg.block_l), n_chunks, final.device)
-    full = [*args, ckpt, final, ckpt, *plan.tail, ckpt.shape[1], agg, sync]
+    full = [*args, ckpt, final, ckpt, *plan.tail, ckpt.shape[1], agg]
+    if single_pass():
+        full.append(_sync(_cdiv(layout.L, cfg.block_l), n_chunks, final.device))
     mod = module(prog)
     for name, grid, meta in forward_launches(plan, cfg):
         _run(plan, cfg, getattr(mod, name), grid, full, meta, eager)
@@ -88,20 +109,27 @@ def forward(plan, cfg: Config, args, final, eager: bool, empty):
 def forward_launches(plan, cfg: Config) -> list[tuple[str, tuple, dict]]:
     """The forward's kernels in launch order as (name, grid, constexpr/meta kwargs) (`forward` runs these)."""
     n_chunks, lanes = _cdiv(plan.layout.T, cfg.block_t), _cdiv(plan.layout.L, cfg.block_l)
-    return [("chunk_scan", (n_chunks * lanes,), _meta(plan, cfg, ("REVERSE", "HAS_INIT", "FP64")))]
+    meta = _meta(plan, cfg, n_chunks, ("REVERSE", "HAS_INIT", "FP64"))
+    if single_pass():   # one program per (chunk, lane block), lane blocks fastest
+        return [("chunk_scan", (n_chunks * lanes,), meta)]
+    return [("chunk_reduce", (n_chunks, lanes), meta), ("chunk_carry", (lanes,), meta),
+            ("chunk_rescan", (n_chunks, lanes), meta)]
 
 
 def backward(plan, cfg: Config, args, eager: bool, empty) -> None:
-    """Run the backward (one look-back scan of the adjoint) for a `plan.BackwardPlan` whose
-    forward checkpointed every cfg.block_t steps; `args` as `ops` built them for the tile kernel."""
+    """Run the backward for a `plan.BackwardPlan` whose forward checkpointed every cfg.block_t steps;
+    `args` as `ops` built them for the tile kernel."""
     prog, layout = plan.prog, plan.layout
     launches = backward_launches(plan, cfg)
     n, nb = len(prog.ir.fields), len(prog.adjoint.b_entries)
     n_chunks = _cdiv(layout.T, cfg.block_t)
     device = args[0].device
     agg = empty((nb + n, n_chunks, layout.L), plan.acc, device)
-    gc = empty((n, n_chunks, layout.L), plan.acc, device)
-    full = [*args, agg, gc, _sync(_cdiv(layout.L, cfg.block_l), n_chunks, device)]
+    if single_pass():   # G_c of every chunk but the last; tickets and flags
+        full = [*args, agg, empty((n, n_chunks, layout.L), plan.acc, device),
+                _sync(_cdiv(layout.L, cfg.block_l), n_chunks, device)]
+    else:               # G_c of every chunk and G_n = 0
+        full = [*args, agg, empty((n, n_chunks + 1, layout.L), plan.acc, device)]
     mod = module(prog)
     for name, grid, meta in launches:
         _run(plan, cfg, getattr(mod, name), grid, full, meta, eager)
@@ -113,5 +141,8 @@ def backward_launches(plan, cfg: Config) -> list[tuple[str, tuple, dict]]:
     if any(m not in (0, 1, 2) for m in du.values()):
         raise ValueError(f"plan: gradient modes {du} need the state-lane kernels, not the chunk-parallel ones")
     n_chunks, lanes = _cdiv(plan.layout.T, cfg.block_t), _cdiv(plan.layout.L, cfg.block_l)
-    meta = dict(_meta(plan, cfg, ("REVERSE", "HAS_INIT", "HAS_DFINAL", "FP64")), **du)
-    return [("chunk_bwd_scan", (n_chunks * lanes,), meta)]
+    meta = dict(_meta(plan, cfg, n_chunks, ("REVERSE", "HAS_INIT", "HAS_DFINAL", "FP64")), **du)
+    if single_pass():
+        return [("chunk_bwd_scan", (n_chunks * lanes,), meta)]
+    return [("chunk_bwd_reduce", (n_chunks, lanes), meta), ("chunk_bwd_carry", (lanes,), meta),
+            ("chunk_bwd_rescan", (n_chunks, lanes), meta)]

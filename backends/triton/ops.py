@@ -107,7 +107,7 @@ def _forward(key: str, inputs, initial, cu_seqlens, dim: int, reverse: bool, fp6
     args = _fill(plan, [*inputs, *outs, *(initial or [inputs[0]] * len(prog.ir.fields))])
 
     def attempt(cfg):
-        if cfg.schedule == "chunked":   # one look-back kernel (kernel/chunked.py)
+        if cfg.schedule == "chunked":   # chunked_launch: kernel/chunked.py or chunked_lookback.py
             return chunked_launch.forward(plan, cfg, args, final, eager, _empty)
         kernel, grid, meta, ckpt_shape = plan.launch(cfg)
         ckpt = _empty(ckpt_shape, acc, device)
@@ -152,7 +152,7 @@ def _backward_pass(key: str, inputs, initial, cu_seqlens, ckpt, grads, dfinal, d
                  ckpt.shape[1]]
 
         def attempt(cfg):
-            if cfg.schedule == "chunked":   # one look-back kernel (kernel/chunked.py)
+            if cfg.schedule == "chunked":   # chunked_launch: kernel/chunked.py or chunked_lookback.py
                 return chunked_launch.backward(plan, cfg, args, eager, _empty)
             kernel, grid, meta, scratch = plan.launch(cfg)
             extra = [] if scratch is None else [_empty(scratch, acc, device)]

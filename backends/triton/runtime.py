@@ -204,7 +204,8 @@ def prefers_chunked(T: int, L: int) -> bool:
     """True when `choose_config` picks the chunk-parallel schedule (kernel/chunked.py) for a program
     that has it. The tile schedule runs one program per lane block that walks all of T, so few lanes
     leave most of the GPU idle (16 lanes: 16 programs for the H200's 132 SMs) however long T is;
-    cutting time into chunks gives lanes x T / chunk programs (each pass still reads its inputs once)."""
+    cutting time into chunks gives lanes x T / chunk programs for one extra read of the inputs (none with
+    the single-pass variant, tuning.chunk_single_pass)."""
     return L < 512 and T >= 8192
 
 

@@ -53,7 +53,7 @@ def plans(prog, shape: tuple[int, int, int], layout: str):
 
 def launches(plan, cfg: runtime.Config, backward: bool) -> list[tuple[str, tuple, dict]]:
     """(kernel name, grid, constexpr/meta kwargs) of every kernel `plan` launches under `cfg`: what
-    ops._forward / ops._backward_pass run (the chunk-parallel schedule's look-back kernel, or the plan's one)."""
+    ops._forward / ops._backward_pass run (the chunk-parallel schedule's kernels, or the plan's one)."""
     if cfg.schedule == "chunked":
         return (chunked_launch.backward_launches if backward else chunked_launch.forward_launches)(plan, cfg)
     kernel, grid, meta, _ = plan.launch(cfg)

@@ -1,13 +1,14 @@
 """GPU benchmark of the chunk-parallel schedule: the affine scan with few lanes and a long T.
 
-    python -m scanlang.tools.bench_chunked [--shape 1,16,1048576] [--chunk 2048]
+    python -m scanlang.tools.bench_chunked [--shape 1,16,1048576] [--chunk 2048] [--single-pass [--lookback 32]]
 
 Times `sl.scan(sl.Affine, (a, b), dim=2)` at fp32 [B, D, T] (T contiguous; the default is the
 prefill-at-batch-1 row of DESIGN.md's targets) forward and forward+backward against a copy of the
 same bytes (torch clone of the tensors each pass must read and write once) and accelerated-scan's
-Triton kernel when it is importable. Before timing, outputs and gradients are checked against the
-float64 reference backend (scanlang.testing's fp32 GPU rows); a mismatch, or a pick other than the
-chunk-parallel kernels, exits 1. Prints a table of ms, GB/s and % of copy bandwidth.
+Triton kernel when it is importable; `--single-pass` times the one-pass look-back variant
+(tuning.chunk_single_pass) instead of the three kernels per pass. Before timing, outputs and
+gradients are checked against the float64 reference backend (scanlang.testing's fp32 GPU rows); a
+mismatch, or a pick other than the chunk-parallel kernels, exits 1. Prints a table of ms, GB/s and % of copy bandwidth.
 
 Bytes counted (n = B * D * T elements, 4 bytes each): forward reads a, b and writes both prefixes
 (4n); forward+backward adds the backward's reads of a, b and the gradient of out.b and its writes of
@@ -47,6 +48,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m scanlang.tools.bench_chunked", description=__doc__.split("\n")[0])
     parser.add_argument("--shape", default=f"1,16,{1 << 20}", help="B,D,T (default 1,16,1048576)")
     parser.add_argument("--chunk", type=int, default=0, help="steps per chunk (default: choose_config's)")
+    parser.add_argument("--single-pass", action="store_true", help="the one-pass look-back variant")
+    parser.add_argument("--lookback", type=int, default=32, help="its chunks per look-back window (a power of two)")
     args = parser.parse_args(argv)
     try:
         B, D, T = _parse_shape(args.shape)
@@ -61,13 +64,17 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("bench_chunked: needs a CUDA GPU", file=sys.stderr)
         return 2
-    with tuning.override(forced=forced) if forced else contextlib.nullcontext():
+    if args.lookback < 1 or args.lookback & (args.lookback - 1):
+        parser.error(f"--lookback: expected a power of two, got {args.lookback}")
+    with tuning.override(chunk_single_pass=args.single_pass, chunk_lookback=args.lookback), \
+            tuning.override(forced=forced) if forced else contextlib.nullcontext():
         return _checked_then_timed(B, D, T)
 
 
 def _checked_then_timed(B: int, D: int, T: int) -> int:
     """The scan at [B, D, T] checked against float64 (exit status 1 on a mismatch), then the table."""
     import scanlang as sl
+    from scanlang import tuning
     from scanlang.backends.triton import chunked_launch
     from scanlang.testing import check
 
@@ -88,7 +95,7 @@ def _checked_then_timed(B: int, D: int, T: int) -> int:
     grads = torch.autograd.grad(out.b, (al, bl), g)
     ran = {k: v - before.get(k, 0) for k, v in chunked_launch.LAUNCHED.items() if v - before.get(k, 0)}
     failures = []
-    if set(ran) != set(chunked_launch.chunked.KERNELS):
+    if set(ran) != set(chunked_launch.kernel_names()):
         failures.append(f"the chunk-parallel kernels did not all run (ran: {ran})")
     for what, got, want, name in [("scan", out.a, ref[0], "out.a"), ("scan", out.b, ref[1], "out.b"),
                                   ("scan_grad", grads[0], ref_grads[0], "da"), ("scan_grad", grads[1], ref_grads[1], "db")]:
@@ -111,13 +118,14 @@ def _checked_then_timed(B: int, D: int, T: int) -> int:
 
     copy_gbs = add("copy (clone a, b)", _bench(lambda: (a.clone(), b.clone())), 4 * n * 4)
     rows[-1] = rows[-1][:3] + (100.0,)
-    add("scanlang chunked fwd", _bench(lambda: sl.scan(sl.Affine, (a, b), dim=2, backend="triton")), 4 * n * 4,
+    variant = "one-pass" if tuning.current().chunk_single_pass else "three-pass"
+    add(f"scanlang chunked {variant} fwd", _bench(lambda: sl.scan(sl.Affine, (a, b), dim=2, backend="triton")), 4 * n * 4,
         copy_gbs)
 
     def fwd_bwd():
         o = sl.scan(sl.Affine, (al, bl), dim=2, backend="triton")
         return torch.autograd.grad(o.b, (al, bl), g)
-    add("scanlang chunked fwd+bwd", _bench(fwd_bwd), 9 * n * 4, copy_gbs)
+    add(f"scanlang chunked {variant} fwd+bwd", _bench(fwd_bwd), 9 * n * 4, copy_gbs)
     try:   # its Triton kernel: accelerated_scan.scalar in 0.3, .triton in earlier releases
         from accelerated_scan.scalar import scan as accelerated
     except ImportError:

@@ -23,7 +23,7 @@ def programs() -> dict:
     modules of sl.Affine and sl.Mobius, the three Kalman programs, every delta rule at every chunk size, the
     plain-write matrix-state members' generated modules, every member's decode module."""
     from scanlang import library, pipeline
-    from scanlang.backends.triton.kernel import chunked
+    from scanlang.backends.triton.kernel import chunked, chunked_lookback
     from scanlang.library import LIBRARY
     from scanlang.delta import RULES
     from scanlang.backends.delta.codegen import kernel_source
@@ -34,15 +34,16 @@ def programs() -> dict:
         ir = pipeline.lower(m)
         return pipeline.render(ir, pipeline.differentiate(ir))
 
-    def chunked_module(m):
+    def chunked_module(m, variant=chunked):
         ir = pipeline.lower(m)
-        return chunked.render(ir, pipeline.differentiate(ir))
+        return variant.render(ir, pipeline.differentiate(ir))
 
     out = {}
     for m in LIBRARY:
         out[f"scan_{m.name}"] = lambda m=m: scan(m)
     for m in (library.Affine, library.Mobius):   # Möbius: the projective module (leaf_scale)
         out[f"chunked_{m.name}"] = lambda m=m: chunked_module(m)
+        out[f"chunked_lookback_{m.name}"] = lambda m=m: chunked_module(m, chunked_lookback)
     for name in ("precision_mixer", "information_mixer", "joint_mixer"):
         out[f"kalman_{name}"] = lambda name=name: getattr(fused, name)().program.source
     for rule_name, rule in sorted(RULES.items()):
