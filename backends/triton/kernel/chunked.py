@@ -236,6 +236,49 @@ def _du_store(i: int, name: str) -> K.If:
                       (K.AtomicAdd(K.expr(f"du{i}_ptr + {_offsets(f'du{i}')}"), summed, K.expr("lane_ok")),)),))
 
 
+def _previous_prefixes(ir: ScanIR) -> tuple:
+    """q_<field>: y_{t-1} for each row, from the carry c_* (the tile's shifted elements scanned again)."""
+    return (_a("ok_prev", "ok & (rows > 0)"),
+            *B.load_lift(ir, tag="v", shift=-1, mask="ok_prev"), *_scan_from(ir, "ev", "qs", "c"),
+            K.Comment("q_t = y_{t-1}; row 0: the carry itself (a raw initial element is not renormalised)"),
+            *(_a(f"q_{f}", f"tl.where(rows == 0, c_{f}[None, :], qs_{f})") for f in ir.fields))
+
+
+def _input_gradients(ir: ScanIR, adj: Adjoint) -> tuple:
+    """From gbar_* (the adjoint of every row), p_*, q_* and the tile's elements: dx = J2(q, x)^T gbar,
+    the input gradients stored by their modes, and in chunk 0 dL/d(initial)."""
+    n, nb = len(ir.fields), len(adj.b_entries)
+    shape = f"p_{ir.fields[0]}"
+    out = []
+    names_x = ({s: f"q_{f}" for s, f in zip(ir.previous_symbols, ir.fields)} | {s: s.name for s in adj.gbar}
+               | {s: f"e_{f}" for s, f in zip(ir.later, ir.fields)})
+    out += common.assign([f"dx_{f}" for f in ir.fields], adj.dx, names_x, "_x", shape_like=shape)
+    out += B.scale_leaf_gradient(ir, "dx_{}", "")   # d/d(raw leaf) = inv_leaf d/d(scaled leaf)
+    names_u = ({s: f"p_{f}" for s, f in zip(ir.prefix_symbols, ir.fields)}
+               | {s: f"q_{f}" for s, f in zip(ir.previous_symbols, ir.fields)}
+               | {s: f"u_{m}" for s, m in zip(ir.input_symbols, ir.inputs)} | {g: g.name for g in adj.g}
+               | {s: s.name for s in adj.dx_symbols})
+    out += common.assign([f"du_{m}" for m in ir.inputs], adj.du, names_u, "_u", shape_like=shape)
+    out += [_du_store(i, m) for i, m in enumerate(ir.inputs)]
+    here = names_u
+    bmat = adj.matrix([E.symbol(f"b{k}") for k in range(nb)])
+    gb = [E.symbol(f"gbar_{f}") for f in ir.fields]
+    w_exprs = [E.symbol(f"cq_{ir.fields[i]}") + sum((bmat[i][j] * gb[j] for j in range(n)), sympy.Integer(0))
+               for i in range(n)]
+    names_w = ({E.symbol(f"cq_{f}"): f"cq_{f}" for f in ir.fields} | {s: s.name for s in gb}
+               | {E.symbol(f"b{k}"): f"b{k}" for k in range(nb)})
+    b_names = ({s: f"q_{f}" for s, f in zip(ir.previous_symbols, ir.fields)}
+               | {s: f"e_{f}" for s, f in zip(ir.later, ir.fields)})
+    init = (K.Comment("dL/d(initial) = c_0 + J1(y_{-1}, x_0)^T gbar_0, from row 0 of chunk 0"),
+            *common.assign([f"cq_{f}" for f in ir.fields], adj.c, here, "_i", shape_like=shape),
+            *common.assign([f"b{k}" for k in range(nb)], adj.b_entries, b_names, "_b", shape_like=shape),
+            *common.assign([f"w_{f}" for f in ir.fields], w_exprs, names_w, "_w", shape_like=shape),
+            *(K.Store(K.expr(f"dinit{k}_ptr + lane"), K.expr(_row(f"w_{f}", "0")), K.expr("lane_ok"))
+              for k, f in enumerate(ir.fields)))
+    out.append(K.If(K.expr("HAS_INIT"), (K.If(K.expr("chunk == 0"), init),)))
+    return tuple(out)
+
+
 def _backward_kernels(ir: ScanIR, adj: Adjoint, origin) -> list[K.Kernel]:
     n, nb = len(ir.fields), len(adj.b_entries)
     consts = ("BLOCK_T", "BLOCK_L", "BLOCK_C", "REVERSE", "HAS_INIT", "HAS_DFINAL", "FP64") + tuple(
@@ -269,42 +312,13 @@ def _backward_kernels(ir: ScanIR, adj: Adjoint, origin) -> list[K.Kernel]:
              *(K.Store(K.expr(f"gc_ptr + ({i} * (n_chunks + 1) + n_chunks) * L + lane"), K.expr(f"gc_{f}"),
                        K.expr("lane_ok")) for i, f in enumerate(ir.fields)),
              K.For("kk", K.expr("0"), K.expr("n_ctiles"), loop))
-    shape = f"p_{ir.fields[0]}"
     rescan = list(_prologue(ins + grads + [f"du{i}" for i in range(len(ir.inputs))]) + _dfinal(ir) + replay)
-    rescan.append(_a("ok_prev", "ok & (rows > 0)"))
-    rescan += B.load_lift(ir, tag="v", shift=-1, mask="ok_prev") + _scan_from(ir, "ev", "qs", "c")
-    rescan.append(K.Comment("q_t = y_{t-1}; row 0: the carry itself (a raw initial element is not renormalised)"))
-    rescan += [_a(f"q_{f}", f"tl.where(rows == 0, c_{f}[None, :], qs_{f})") for f in ir.fields]
+    rescan += _previous_prefixes(ir)
     rescan += _adjoint_elements(ir, adj)
     rescan += [K.Load(f"gin_{f}", K.expr(f"gc_ptr + ({i} * (n_chunks + 1) + chunk + 1) * L + lane"),
                       K.expr("lane_ok"), K.expr("0.0")) for i, f in enumerate(ir.fields)]
     rescan += _apply_carry(ir, adj, "gbar", "gin")
-    names_x = ({s: f"q_{f}" for s, f in zip(ir.previous_symbols, ir.fields)} | {s: s.name for s in adj.gbar}
-               | {s: f"e_{f}" for s, f in zip(ir.later, ir.fields)})
-    rescan += common.assign([f"dx_{f}" for f in ir.fields], adj.dx, names_x, "_x", shape_like=shape)
-    rescan += B.scale_leaf_gradient(ir, "dx_{}", "")   # d/d(raw leaf) = inv_leaf d/d(scaled leaf)
-    names_u = ({s: f"p_{f}" for s, f in zip(ir.prefix_symbols, ir.fields)}
-               | {s: f"q_{f}" for s, f in zip(ir.previous_symbols, ir.fields)}
-               | {s: f"u_{m}" for s, m in zip(ir.input_symbols, ir.inputs)} | {g: g.name for g in adj.g}
-               | {s: s.name for s in adj.dx_symbols})
-    rescan += common.assign([f"du_{m}" for m in ir.inputs], adj.du, names_u, "_u", shape_like=shape)
-    rescan += [_du_store(i, m) for i, m in enumerate(ir.inputs)]
-    here = names_u
-    bmat = adj.matrix([E.symbol(f"b{k}") for k in range(nb)])
-    gb = [E.symbol(f"gbar_{f}") for f in ir.fields]
-    w_exprs = [E.symbol(f"cq_{ir.fields[i]}") + sum((bmat[i][j] * gb[j] for j in range(n)), sympy.Integer(0))
-               for i in range(n)]
-    names_w = ({E.symbol(f"cq_{f}"): f"cq_{f}" for f in ir.fields} | {s: s.name for s in gb}
-               | {E.symbol(f"b{k}"): f"b{k}" for k in range(nb)})
-    b_names = ({s: f"q_{f}" for s, f in zip(ir.previous_symbols, ir.fields)}
-               | {s: f"e_{f}" for s, f in zip(ir.later, ir.fields)})
-    init = (K.Comment("dL/d(initial) = c_0 + J1(y_{-1}, x_0)^T gbar_0, from row 0 of chunk 0"),
-            *common.assign([f"cq_{f}" for f in ir.fields], adj.c, here, "_i", shape_like=shape),
-            *common.assign([f"b{k}" for k in range(nb)], adj.b_entries, b_names, "_b", shape_like=shape),
-            *common.assign([f"w_{f}" for f in ir.fields], w_exprs, names_w, "_w", shape_like=shape),
-            *(K.Store(K.expr(f"dinit{k}_ptr + lane"), K.expr(_row(f"w_{f}", "0")), K.expr("lane_ok"))
-              for k, f in enumerate(ir.fields)))
-    rescan.append(K.If(K.expr("HAS_INIT"), (K.If(K.expr("chunk == 0"), init),)))
+    rescan += _input_gradients(ir, adj)
     return [K.Kernel("chunk_bwd_reduce", params, reduce, origin=origin,
                      doc=f"Backward of {name}, phase 1 of 3: each chunk's adjoint reduced to (M_c, V_c)."),
             K.Kernel("chunk_bwd_carry", params, carry, origin=origin,
@@ -313,19 +327,24 @@ def _backward_kernels(ir: ScanIR, adj: Adjoint, origin) -> list[K.Kernel]:
                      doc=f"Backward of {name}, phase 3 of 3: the adjoint rescanned from G_(c+1); input gradients.")]
 
 
-def module(ir: ScanIR, adj: Adjoint) -> K.Module:
-    """The chunk-parallel kernels of `ir` (forward and backward) as one IR module."""
+def assemble(ir: ScanIR, adj: Adjoint, schedule_kernels, what: str) -> K.Module:
+    """One IR module: the helpers every chunk-parallel kernel calls, then `schedule_kernels(ir, adj,
+    origin)`; `what` names the schedule in the module's docstring."""
     if not supports(ir):
         raise ValueError(f"ir: program {E.docstring_text(ir.name)} cannot run chunk-parallel (a readout of the "
                          "previous prefix, a sum over state lanes, or a specialised carry)")
     origin = common.origins(ir)
     leaf_scale = [B.leaf_scale_kernel(" ".join(B.LEAF_SCALE_DOC.split()))] if ir.is_projective else []
     kernels = [common.combine_kernel(ir, origin), common.adjoint_combine_kernel(ir, adj), common.to_acc_kernel(),
-               common.lane_offsets_kernel(), *leaf_scale,
-               *_forward_kernels(ir, origin), *_backward_kernels(ir, adj, origin)]
-    doc = (f"Generated by scanlang from monoid {E.docstring_text(ir.name)} (program {ir.key}): the chunk-parallel "
-           "schedule (backends/triton/kernel/chunked.py). Do not edit.")
+               common.lane_offsets_kernel(), *leaf_scale, *schedule_kernels(ir, adj, origin)]
+    doc = f"Generated by scanlang from monoid {E.docstring_text(ir.name)} (program {ir.key}): {what}. Do not edit."
     return K.Module(doc, tuple(kernels))
+
+
+def module(ir: ScanIR, adj: Adjoint) -> K.Module:
+    """The chunk-parallel kernels of `ir` (forward and backward) as one IR module."""
+    return assemble(ir, adj, lambda ir, adj, origin: [*_forward_kernels(ir, origin), *_backward_kernels(ir, adj, origin)],
+                    "the chunk-parallel schedule (backends/triton/kernel/chunked.py)")
 
 
 def render(ir: ScanIR, adj: Adjoint) -> str:

@@ -46,8 +46,6 @@ Supported: what kernel/chunked.py supports (`supports`).
 """
 from __future__ import annotations
 
-import sympy
-
 from scanlang import expr as E
 from scanlang.autodiff import Adjoint
 from scanlang.ir import ScanIR
@@ -56,8 +54,8 @@ from ..codegen import backward_args, forward_args
 from . import builders as B
 from . import common
 from . import ir as K
-from .chunked import (_adjoint_elements, _apply_carry, _carry_from, _dfinal, _du_store, _fields, _initial, _offsets,
-                      _params, _row, supports)
+from .chunked import (_adjoint_elements, assemble, _apply_carry, _carry_from, _dfinal, _fields, _initial, _input_gradients,
+                      _offsets, _params, _previous_prefixes, _row)
 from .printer import render as print_module
 
 KERNELS = ("chunk_scan", "chunk_bwd_scan")
@@ -234,47 +232,18 @@ def _gradient_from_later_chunks(ir: ScanIR, adj: Adjoint) -> tuple:
 
 
 def _backward_kernel(ir: ScanIR, adj: Adjoint, origin) -> K.Kernel:
-    n, nb = len(ir.fields), len(adj.b_entries)
     consts = ("BLOCK_T", "BLOCK_L", "LOOKBACK", "REVERSE", "HAS_INIT", "HAS_DFINAL", "FP64") + tuple(
         f"DU{i}" for i in range(len(ir.inputs)))
     params = _params(backward_args(ir) + ["agg_ptr", "gc_ptr", "sync_ptr"], consts)
     ins = [f"u{i}" for i in range(len(ir.inputs))]
     grads = [f"g{j}" for j in range(len(ir.outputs))]
-    shape = f"p_{ir.fields[0]}"
     body = list(_prologue(ins + grads + [f"du{i}" for i in range(len(ir.inputs))], backward=True) + _dfinal(ir))
     body += _carry_from(ir, "ckpt_ptr", "chunk") + B.load_lift(ir) + _scan_from(ir, "e", "p", "c")
-    body.append(K.assign("ok_prev", "ok & (rows > 0)"))
-    body += B.load_lift(ir, tag="v", shift=-1, mask="ok_prev") + _scan_from(ir, "ev", "qs", "c")
-    body.append(K.Comment("q_t = y_{t-1}; row 0: the carry itself (a raw initial element is not renormalised)"))
-    body += [K.assign(f"q_{f}", f"tl.where(rows == 0, c_{f}[None, :], qs_{f})") for f in ir.fields]
+    body += _previous_prefixes(ir)
     body += _adjoint_elements(ir, adj)
     body += _gradient_from_later_chunks(ir, adj)
     body += _apply_carry(ir, adj, "gbar", "gin")
-    names_x = ({s: f"q_{f}" for s, f in zip(ir.previous_symbols, ir.fields)} | {s: s.name for s in adj.gbar}
-               | {s: f"e_{f}" for s, f in zip(ir.later, ir.fields)})
-    body += common.assign([f"dx_{f}" for f in ir.fields], adj.dx, names_x, "_x", shape_like=shape)
-    body += B.scale_leaf_gradient(ir, "dx_{}", "")   # d/d(raw leaf) = inv_leaf d/d(scaled leaf)
-    names_u = ({s: f"p_{f}" for s, f in zip(ir.prefix_symbols, ir.fields)}
-               | {s: f"q_{f}" for s, f in zip(ir.previous_symbols, ir.fields)}
-               | {s: f"u_{m}" for s, m in zip(ir.input_symbols, ir.inputs)} | {g: g.name for g in adj.g}
-               | {s: s.name for s in adj.dx_symbols})
-    body += common.assign([f"du_{m}" for m in ir.inputs], adj.du, names_u, "_u", shape_like=shape)
-    body += [_du_store(i, m) for i, m in enumerate(ir.inputs)]
-    bmat = adj.matrix([E.symbol(f"b{k}") for k in range(nb)])
-    gb = [E.symbol(f"gbar_{f}") for f in ir.fields]
-    w_exprs = [E.symbol(f"cq_{ir.fields[i]}") + sum((bmat[i][j] * gb[j] for j in range(n)), sympy.Integer(0))
-               for i in range(n)]
-    names_w = ({E.symbol(f"cq_{f}"): f"cq_{f}" for f in ir.fields} | {s: s.name for s in gb}
-               | {E.symbol(f"b{k}"): f"b{k}" for k in range(nb)})
-    b_names = ({s: f"q_{f}" for s, f in zip(ir.previous_symbols, ir.fields)}
-               | {s: f"e_{f}" for s, f in zip(ir.later, ir.fields)})
-    init = (K.Comment("dL/d(initial) = c_0 + J1(y_{-1}, x_0)^T gbar_0, from row 0 of chunk 0"),
-            *common.assign([f"cq_{f}" for f in ir.fields], adj.c, names_u, "_i", shape_like=shape),
-            *common.assign([f"b{k}" for k in range(nb)], adj.b_entries, b_names, "_b", shape_like=shape),
-            *common.assign([f"wi_{f}" for f in ir.fields], w_exprs, names_w, "_w", shape_like=shape),
-            *(K.Store(K.expr(f"dinit{k}_ptr + lane"), K.expr(_row(f"wi_{f}", "0")), K.expr("lane_ok"))
-              for k, f in enumerate(ir.fields)))
-    body.append(K.If(K.expr("HAS_INIT"), (K.If(K.expr("chunk == 0"), init),)))
+    body += _input_gradients(ir, adj)
     return K.Kernel("chunk_bwd_scan", params, tuple(body), origin=origin,
                     doc=f"Backward of {E.docstring_text(ir.name)}: each chunk's adjoint from the gradient its "
                         "look-back finds; input gradients.")
@@ -282,17 +251,8 @@ def _backward_kernel(ir: ScanIR, adj: Adjoint, origin) -> K.Kernel:
 
 def module(ir: ScanIR, adj: Adjoint) -> K.Module:
     """The single-pass chunk-parallel kernels of `ir` (forward and backward) as one IR module."""
-    if not supports(ir):
-        raise ValueError(f"ir: program {E.docstring_text(ir.name)} cannot run chunk-parallel (a readout of the "
-                         "previous prefix, a sum over state lanes, or a specialised carry)")
-    origin = common.origins(ir)
-    leaf_scale = [B.leaf_scale_kernel(" ".join(B.LEAF_SCALE_DOC.split()))] if ir.is_projective else []
-    kernels = [common.combine_kernel(ir, origin), common.adjoint_combine_kernel(ir, adj), common.to_acc_kernel(),
-               common.lane_offsets_kernel(), *leaf_scale,
-               _forward_kernel(ir, origin), _backward_kernel(ir, adj, origin)]
-    doc = (f"Generated by scanlang from monoid {E.docstring_text(ir.name)} (program {ir.key}): the chunk-parallel "
-           "schedule in one pass (backends/triton/kernel/chunked_lookback.py). Do not edit.")
-    return K.Module(doc, tuple(kernels))
+    return assemble(ir, adj, lambda ir, adj, origin: [_forward_kernel(ir, origin), _backward_kernel(ir, adj, origin)],
+                    "the chunk-parallel schedule in one pass (backends/triton/kernel/chunked_lookback.py)")
 
 
 def render(ir: ScanIR, adj: Adjoint) -> str:
