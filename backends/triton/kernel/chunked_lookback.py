@@ -115,10 +115,10 @@ def _publish(stores, flag: int) -> tuple:
 
 def _look_back(forward: bool, fold) -> tuple:
     """The look-back, LOOKBACK chunks at a time: poll the window's flags (acquire); once no chunk
-    between this one and the nearest inclusive value (flag 2) in the window is unpublished (flag 0),
-    `fold(term)` folds the window's published values up to that one (statements), and the loop ends if
-    it found one; else the window moves on. The forward looks at earlier chunks (the window's
-    newest first in distance, its rows in time order), the backward at later ones."""
+    between this one and the nearest inclusive value (flag 2, row `term`) in the window is
+    unpublished (flag 0), the statements `fold` fold the window's published values up to that one,
+    and the loop ends if it found one; else the window moves on. The forward looks at earlier chunks,
+    the backward at later ones; a window's rows are in time order either way."""
     if forward:
         window = (K.assign("js", "j0 - (LOOKBACK - 1) + w"), K.assign("valid", "js >= 0"))
         find = (K.Comment("term: the newest row with an inclusive value (-1: none)"),
