@@ -38,6 +38,13 @@ def test_override_refuses_unknown_knobs_and_bad_values_before_the_block():
     with pytest.raises(TypeError, match="sum_groups_before_atomics: expected a bool"):
         with tuning.override(sum_groups_before_atomics=1):
             pass
+    with pytest.raises(TypeError, match="chunk_single_pass: expected a bool"):
+        with tuning.override(chunk_single_pass="yes"):
+            pass
+    for bad in (0, 3, 48, True):
+        with pytest.raises(ValueError, match="chunk_lookback: expected a power of two >= 1"):
+            with tuning.override(chunk_lookback=bad):
+                pass
     assert tuning.current() is tuning.DEFAULT
 
 
@@ -100,7 +107,8 @@ def _affine_step(shape):
 
 
 @pytest.mark.parametrize("knob", [dict(sum_warp_groups_before_atomics=False), dict(sum_groups_before_atomics=True),
-                                  dict(lanes_min=1)], ids=lambda k: next(iter(k)))
+                                  dict(lanes_min=1), dict(chunk_single_pass=True), dict(chunk_lookback=4)],
+                         ids=lambda k: next(iter(k)))
 def test_a_launch_time_knob_is_in_the_plan_key(knob):
     """The same eager call under a flipped launch-time knob builds a forward and a backward plan of its
     own (a plan memoises its launch meta, gradient modes included); back at the defaults, the first
