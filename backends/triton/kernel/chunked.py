@@ -62,19 +62,15 @@ def supports(ir: ScanIR) -> bool:
     return ir.is_plain and not (ir.sequential_only or ir.reduce_state or ir.uses_previous)
 
 
-def _a(target: str, value: str) -> K.Assign:
-    return K.assign(target, value)
-
-
 def _fields(ir, fmt: str) -> str:
     return ", ".join(fmt.format(f) for f in ir.fields)
 
 
 def _lanes(axis: int) -> tuple:
     """Lane block `pid` of program axis `axis`: lane indices and lane_ok."""
-    return (_a("pid", f"tl.program_id({axis})"),
-            _a("lane", "pid.to(tl.int64) * BLOCK_L + tl.arange(0, BLOCK_L)"),
-            _a("lane_ok", "lane < L"))
+    return (K.assign("pid", f"tl.program_id({axis})"),
+            K.assign("lane", "pid.to(tl.int64) * BLOCK_L + tl.arange(0, BLOCK_L)"),
+            K.assign("lane_ok", "lane < L"))
 
 
 def _offsets(name: str, lanes: str = "lane") -> str:
@@ -84,11 +80,12 @@ def _offsets(name: str, lanes: str = "lane") -> str:
 def _prologue(tensors) -> tuple:
     """Program (chunk, lane block): rows of the tile, t (scan step), ok, tt (memory index), step, and
     the lane offsets of `tensors`."""
-    body = [_a("chunk", "tl.program_id(0)"), *_lanes(1), _a("n_chunks", "tl.cdiv(T, BLOCK_T)"),
-            _a("rows", "tl.arange(0, BLOCK_T)[:, None]"), _a("t", "chunk.to(tl.int64) * BLOCK_T + rows"),
-            _a("ok", "(t < T) & lane_ok[None, :]"),
-            K.If(K.expr("REVERSE"), (_a("tt", "T - 1 - t"), _a("step", "-1")), (_a("tt", "t"), _a("step", "1")))]
-    body += [_a(f"{n}_off", f"{_offsets(n)}[None, :]") for n in tensors]
+    body = [K.assign("chunk", "tl.program_id(0)"), *_lanes(1), K.assign("n_chunks", "tl.cdiv(T, BLOCK_T)"),
+            K.assign("rows", "tl.arange(0, BLOCK_T)[:, None]"), K.assign("t", "chunk.to(tl.int64) * BLOCK_T + rows"),
+            K.assign("ok", "(t < T) & lane_ok[None, :]"),
+            K.If(K.expr("REVERSE"), (K.assign("tt", "T - 1 - t"), K.assign("step", "-1")),
+                 (K.assign("tt", "t"), K.assign("step", "1")))]
+    body += [K.assign(f"{n}_off", f"{_offsets(n)}[None, :]") for n in tensors]
     return tuple(body)
 
 
@@ -119,7 +116,7 @@ def _initial(ir: ScanIR) -> tuple:
     """c_<field>: the initial element of each lane, else the identity."""
     loads = tuple(K.Load(f"c_{f}", K.expr(f"init{k}_ptr + {_offsets(f'init{k}')}"), K.expr("lane_ok"),
                          K.expr(common.number(i))) for k, (f, i) in enumerate(zip(ir.fields, ir.identity)))
-    idents = tuple(_a(f"c_{f}", f"to_acc(tl.full([BLOCK_L], {common.number(i)}, tl.float64), FP64)")
+    idents = tuple(K.assign(f"c_{f}", f"to_acc(tl.full([BLOCK_L], {common.number(i)}, tl.float64), FP64)")
                    for f, i in zip(ir.fields, ir.identity))
     return (K.If(K.expr("HAS_INIT"), loads, idents),)
 
@@ -140,18 +137,19 @@ def _forward_kernels(ir: ScanIR, origin) -> list[K.Kernel]:
         K.Assign(tuple(f"s_{f}" for f in ir.fields),
                  K.expr(f"tl.associative_scan(({_fields(ir, 'e_{}')}), 0, combine)" if len(ir.fields) > 1
                         else f"tl.associative_scan(e_{ir.fields[0]}, 0, combine)")),
-        _a("last", "tl.minimum(T - 1 - chunk * BLOCK_T, BLOCK_T - 1)"),
+        K.assign("last", "tl.minimum(T - 1 - chunk * BLOCK_T, BLOCK_T - 1)"),
     ) + tuple(K.Store(K.expr(f"agg_ptr + ({k} * n_chunks + chunk) * L + lane"), K.expr(_row(f"s_{f}", "last")),
                       K.expr("lane_ok")) for k, f in enumerate(ir.fields))
-    carry_loop = (_a("j", "k * BLOCK_C + crow"), _a("okc", "(j < n_chunks) & lane_ok[None, :]"))
+    carry_loop = (K.assign("j", "k * BLOCK_C + crow"), K.assign("okc", "(j < n_chunks) & lane_ok[None, :]"))
     carry_loop += tuple(K.Load(f"a_{f}", K.expr(f"agg_ptr + ({k} * n_chunks + j) * L + lane[None, :]"), K.expr("okc"),
                                K.expr(common.number(i))) for k, (f, i) in enumerate(zip(ir.fields, ir.identity)))
     carry_loop += _scan_from(ir, "a", "p", "c")
     carry_loop += tuple(K.Store(K.expr(f"ckpt_ptr + ({k} * n_slots + j + 1) * L + lane[None, :]"), K.expr(f"p_{f}"),
                                 K.expr("okc")) for k, f in enumerate(ir.fields))
-    carry_loop += (_a("last", "tl.minimum(n_chunks - 1 - k * BLOCK_C, BLOCK_C - 1)"),)
-    carry_loop += tuple(_a(f"c_{f}", _row(f"p_{f}", "last", "crow")) for f in ir.fields)
-    carry = (*_lanes(0), _a("n_chunks", "tl.cdiv(T, BLOCK_T)"), _a("crow", "tl.arange(0, BLOCK_C)[:, None]"),
+    carry_loop += (K.assign("last", "tl.minimum(n_chunks - 1 - k * BLOCK_C, BLOCK_C - 1)"),)
+    carry_loop += tuple(K.assign(f"c_{f}", _row(f"p_{f}", "last", "crow")) for f in ir.fields)
+    carry = (*_lanes(0), K.assign("n_chunks", "tl.cdiv(T, BLOCK_T)"),
+             K.assign("crow", "tl.arange(0, BLOCK_C)[:, None]"),
              *_initial(ir),
              K.Comment("checkpoint c = the carry into chunk c (slot 0: the initial element itself)"),
              *(K.Store(K.expr(f"ckpt_ptr + {k} * n_slots * L + lane"), K.expr(f"c_{f}"), K.expr("lane_ok"))
@@ -179,7 +177,7 @@ def _adjoint_elements(ir: ScanIR, adj: Adjoint) -> tuple:
     and the adjoint scan's elements (a_k = A_t's entries, v_* = the direct gradient of y_t)."""
     n_out, nb = len(ir.outputs), len(adj.b_entries)
     shape = f"p_{ir.fields[0]}"
-    body = [_a("ok_next", "(t + 1 < T) & lane_ok[None, :]"), *B.load_lift(ir, tag="n", shift=1, mask="ok_next")]
+    body = [K.assign("ok_next", "(t + 1 < T) & lane_ok[None, :]"), *B.load_lift(ir, tag="n", shift=1, mask="ok_next")]
     body += [K.Load(f"g_{o}", K.expr(f"g{j}_ptr + g{j}_off + tt * g{j}_st"), K.expr("ok"), K.expr("0.0"))
              for j, o in enumerate(ir.outputs)][:n_out]
     here = ({s: f"p_{f}" for s, f in zip(ir.prefix_symbols, ir.fields)}
@@ -189,12 +187,12 @@ def _adjoint_elements(ir: ScanIR, adj: Adjoint) -> tuple:
                | {s: f"en_{f}" for s, f in zip(ir.later, ir.fields)})
     body.append(K.Comment("A_t = J1(y_t, x_{t+1})^T; the last step has no successor (its padding may not be finite)"))
     body += common.assign([f"a{k}" for k in range(nb)], adj.b_entries, a_names, "_a", shape_like=shape)
-    body += [_a(f"a{k}", f"tl.where(ok_next, a{k}, 0.0)") for k in range(nb)]
-    body.append(_a("is_last", "t == T - 1"))
-    body += [_a(f"d_{f}", f"dy_{f} + tl.where(is_last, dfin_{f}[None, :], 0.0)") for f in ir.fields]
+    body += [K.assign(f"a{k}", f"tl.where(ok_next, a{k}, 0.0)") for k in range(nb)]
+    body.append(K.assign("is_last", "t == T - 1"))
+    body += [K.assign(f"d_{f}", f"dy_{f} + tl.where(is_last, dfin_{f}[None, :], 0.0)") for f in ir.fields]
     v_names = {s: f"p_{f}" for s, f in zip(ir.prefix_symbols, ir.fields)} | {s: s.name for s in adj.d}
     body += common.assign([f"v_{f}" for f in ir.fields], adj.direct, v_names, "_v", shape_like=shape)
-    body += [_a(f"v_{f}", f"tl.where(ok, v_{f}, 0.0)") for f in ir.fields]
+    body += [K.assign(f"v_{f}", f"tl.where(ok, v_{f}, 0.0)") for f in ir.fields]
     scanned = ", ".join([f"a{k}" for k in range(nb)] + [f"v_{f}" for f in ir.fields])
     targets = tuple([f"ra{k}" for k in range(nb)] + [f"rv{i}" for i in range(len(ir.fields))])
     body.append(K.Comment("the reverse affine scan of the adjoint over the tile"))
@@ -205,7 +203,7 @@ def _adjoint_elements(ir: ScanIR, adj: Adjoint) -> tuple:
 def _dfinal(ir: ScanIR) -> tuple:
     loads = tuple(K.Load(f"dfin_{f}", K.expr(f"dfinal_ptr + {k} * n_seq * L + lane"), K.expr("lane_ok"),
                          K.expr("0.0")) for k, f in enumerate(ir.fields))
-    zeros = tuple(_a(f"dfin_{f}", "to_acc(tl.zeros([BLOCK_L], tl.float32), FP64)") for f in ir.fields)
+    zeros = tuple(K.assign(f"dfin_{f}", "to_acc(tl.zeros([BLOCK_L], tl.float32), FP64)") for f in ir.fields)
     return (K.If(K.expr("HAS_DFINAL"), loads, zeros),)
 
 
@@ -238,10 +236,10 @@ def _du_store(i: int, name: str) -> K.If:
 
 def _previous_prefixes(ir: ScanIR) -> tuple:
     """q_<field>: y_{t-1} for each row, from the carry c_* (the tile's shifted elements scanned again)."""
-    return (_a("ok_prev", "ok & (rows > 0)"),
+    return (K.assign("ok_prev", "ok & (rows > 0)"),
             *B.load_lift(ir, tag="v", shift=-1, mask="ok_prev"), *_scan_from(ir, "ev", "qs", "c"),
             K.Comment("q_t = y_{t-1}; row 0: the carry itself (a raw initial element is not renormalised)"),
-            *(_a(f"q_{f}", f"tl.where(rows == 0, c_{f}[None, :], qs_{f})") for f in ir.fields))
+            *(K.assign(f"q_{f}", f"tl.where(rows == 0, c_{f}[None, :], qs_{f})") for f in ir.fields))
 
 
 def _input_gradients(ir: ScanIR, adj: Adjoint) -> tuple:
@@ -293,7 +291,8 @@ def _backward_kernels(ir: ScanIR, adj: Adjoint, origin) -> list[K.Kernel]:
               + tuple(K.Store(K.expr(f"agg_ptr + ({k} * n_chunks + chunk) * L + lane"), K.expr(_row(r, "0")),
                               K.expr("lane_ok"))
                       for k, r in enumerate([f"ra{k}" for k in range(nb)] + [f"rv{i}" for i in range(n)])))
-    loop = (_a("k", "n_ctiles - 1 - kk"), _a("j", "k * BLOCK_C + crow"), _a("okc", "(j < n_chunks) & lane_ok[None, :]"))
+    loop = (K.assign("k", "n_ctiles - 1 - kk"), K.assign("j", "k * BLOCK_C + crow"),
+            K.assign("okc", "(j < n_chunks) & lane_ok[None, :]"))
     loop += tuple(K.Load(f"a{k}", K.expr(f"agg_ptr + ({k} * n_chunks + j) * L + lane[None, :]"), K.expr("okc"),
                          K.expr("0.0")) for k in range(nb))
     loop += tuple(K.Load(f"v_{f}", K.expr(f"agg_ptr + ({nb + i} * n_chunks + j) * L + lane[None, :]"), K.expr("okc"),
@@ -304,10 +303,11 @@ def _backward_kernels(ir: ScanIR, adj: Adjoint, origin) -> list[K.Kernel]:
     loop += _apply_carry(ir, adj, "G", "gc")
     loop += tuple(K.Store(K.expr(f"gc_ptr + ({i} * (n_chunks + 1) + j) * L + lane[None, :]"), K.expr(f"G_{f}"), K.expr("okc"))
                   for i, f in enumerate(ir.fields))
-    loop += tuple(_a(f"gc_{f}", _row(f"G_{f}", "0", "crow")) for f in ir.fields)
-    carry = (*_lanes(0), _a("n_chunks", "tl.cdiv(T, BLOCK_T)"), _a("crow", "tl.arange(0, BLOCK_C)[:, None]"),
-             _a("n_ctiles", "tl.cdiv(n_chunks, BLOCK_C)"),
-             *(_a(f"gc_{f}", "to_acc(tl.zeros([BLOCK_L], tl.float32), FP64)") for f in ir.fields),
+    loop += tuple(K.assign(f"gc_{f}", _row(f"G_{f}", "0", "crow")) for f in ir.fields)
+    carry = (*_lanes(0), K.assign("n_chunks", "tl.cdiv(T, BLOCK_T)"),
+             K.assign("crow", "tl.arange(0, BLOCK_C)[:, None]"),
+             K.assign("n_ctiles", "tl.cdiv(n_chunks, BLOCK_C)"),
+             *(K.assign(f"gc_{f}", "to_acc(tl.zeros([BLOCK_L], tl.float32), FP64)") for f in ir.fields),
              K.Comment("G_c = gbar at the start of chunk c, from the last chunk back; G_n = 0"),
              *(K.Store(K.expr(f"gc_ptr + ({i} * (n_chunks + 1) + n_chunks) * L + lane"), K.expr(f"gc_{f}"),
                        K.expr("lane_ok")) for i, f in enumerate(ir.fields)),
