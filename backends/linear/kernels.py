@@ -19,9 +19,11 @@ gradient.
 
 Kernels (one module per declaration; C, K, V, BK, BV are constexprs):
     {name}_decay_cumsum   per (chunk, head): g from the hook, G = its cumulative sum in the chunk
-    {name}_fwd            per (sequence, head, value block), chunks in order: the outputs and the
-                          final state; with STORE_H (the backward's recomputation) the state
-                          entering every chunk instead (slot c + n; slot c_end + n is the final state)
+    {name}_fwd            the state pass: per (sequence, head, value block), chunks in order: the
+                          state entering every chunk (STORE_H: slot c + n, slot c_end + n the final
+                          state) and the final state (STORE_FINAL, fp32)
+    {name}_fwd_o          per (chunk, head), every chunk at once: the outputs from the stored states
+                          (A formed once per chunk, not once per value block on the serial path)
     {name}_bwd_dh         per (sequence, head, value block), chunks in reverse: dS_end of every chunk
                           (dS0 = e^(G_L) dS_end + scale (Q * e^G)^T dO) and d(initial state)
     {name}_bwd            per (chunk, head): dq, dk, dv and, with decay, dg_t = dL/dg_t (each pair
@@ -161,32 +163,33 @@ def _chunk(c: str = "c") -> tuple:
             K.assign("ok", "rows < n_rows"))
 
 
-def _axes(values: bool) -> tuple:
+def _axes(values: bool, dt_of: str = "q_ptr") -> tuple:
     out = [K.assign("rows", "tl.arange(0, C)"), K.assign("kk", "tl.arange(0, BK)"), K.assign("okk", "kk < K"),
-           K.assign("causal", "rows[:, None] >= rows[None, :]"), K.assign("DT", "q_ptr.dtype.element_ty")]
+           K.assign("causal", "rows[:, None] >= rows[None, :]"), K.assign("DT", f"{dt_of}.dtype.element_ty")]
     if values:
         out += [K.assign("vv", "vb * BV + tl.arange(0, BV)"), K.assign("okv", "vv < V")]
     return tuple(out)
 
 
-def _decay(decay: str, with_pairwise: bool = True) -> tuple:
-    """G and what the chunk formulas need of it: q_dec = Q * e^G, k_end = K * e^(G_L - G),
-    s_dec = e^(G_L) and (with_pairwise) the masked intra-chunk matrix A; b_q, b_k loaded."""
+def _decay(decay: str, with_pairwise: bool = True, with_q: bool = True) -> tuple:
+    """G and what the chunk formulas need of it: q_dec = Q * e^G (with_q), k_end = K * e^(G_L - G),
+    s_dec = e^(G_L) and (with_pairwise) the masked intra-chunk matrix A; b_q (with_q), b_k loaded."""
     if decay == "none":
-        out = [K.assign("q_dec", "b_q"), K.assign("k_end", "b_k")]
+        out = [K.assign("q_dec", "b_q")] if with_q else []
+        out += [K.assign("k_end", "b_k")]
     else:
         off, mask = g_off(decay)
         out = [load("b_G", "G_ptr", off, mask)]
     if decay == "per_head":
         out += [K.assign("G_last", "tl.sum(tl.where(rows == n_rows - 1, b_G, 0.0), 0)"),
                 K.assign("b_G", "tl.where(ok, b_G, G_last)"),   # rows past the end: no decay, so no exponent > 0
-                K.assign("q_dec", "b_q * tl.exp(b_G)[:, None]"),
+                *([K.assign("q_dec", "b_q * tl.exp(b_G)[:, None]")] if with_q else []),
                 K.assign("k_end", "tl.where(ok[:, None], b_k * tl.exp(G_last - b_G)[:, None], 0.0)"),
                 K.assign("s_dec", "tl.exp(G_last)")]
     elif decay == "per_key":
         out += [K.assign("G_last", "tl.sum(tl.where((rows == n_rows - 1)[:, None], b_G, 0.0), 0)"),
                 K.assign("b_G", "tl.where(ok[:, None], b_G, G_last[None, :])"),   # rows past the end: as per head
-                K.assign("q_dec", "b_q * tl.exp(b_G)"),
+                *([K.assign("q_dec", "b_q * tl.exp(b_G)")] if with_q else []),
                 K.assign("k_end", "tl.where(ok[:, None], b_k * tl.exp(G_last[None, :] - b_G), 0.0)"),
                 K.assign("s_dec", "tl.exp(G_last)[:, None]")]
     return tuple(out) + (_pairwise(decay) if with_pairwise else ())
@@ -252,40 +255,51 @@ def cumsum_kernel(decl: MatrixState) -> K.Kernel:
 
 
 def fwd_kernel(decl: MatrixState) -> K.Kernel:
+    """The state pass: per (sequence, head, value block), the sequence's chunks in order."""
     d = decl.decay
     g = ["G_ptr"] if d != "none" else []
-    params = _params(["q_ptr", "k_ptr", "v_ptr", *g, "h0_ptr", "o_ptr", "ht_ptr", "hs_ptr", "chunk_tok_ptr",
-                      "chunk_len_ptr", "seq_chunk0_ptr", "scale", "H"],
-                     SHAPE_CONSTS + ("HAS_H0", "STORE_O", "STORE_FINAL", "STORE_H"))
-    loop = [*_chunk(), K.If(K.expr("STORE_H"), (K.Store(K.expr(f"hs_ptr + {state_off('c + n')}"), K.expr("S"),
-                                                         K.expr(S_MASK)),)),
-            *_chunk_inputs(d)]
-    loop.append(K.If(K.expr("STORE_O"), _outputs(d)))
+    params = _params(["k_ptr", "v_ptr", *g, "h0_ptr", "ht_ptr", "hs_ptr", "chunk_tok_ptr", "chunk_len_ptr",
+                      "seq_chunk0_ptr", "H"], SHAPE_CONSTS + ("HAS_H0", "STORE_FINAL", "STORE_H"))
+    store_h = lambda slot: K.If(K.expr("STORE_H"), (  # noqa: E731
+        K.Store(K.expr(f"hs_ptr + {state_off(slot)}"), K.expr("rnd(S, hs_ptr.dtype.element_ty, UPCAST)"),
+                K.expr(S_MASK)),))
+    loop = [*_chunk(), store_h("c + n"), load("b_k", "k_ptr", QK_OFF, QK_MASK), load("b_v", "v_ptr", V_OFF, V_MASK),
+            *_decay(d, with_pairwise=False, with_q=False)]
     update = dot("tl.trans(k_end)", "b_v")
     loop.append(K.assign("S", f"S * s_dec + {update}" if d != "none" else f"S + {update}"))
-    body = (K.assign("n", "tl.program_id(0)"), K.assign("h", "tl.program_id(1)"), K.assign("vb", "tl.program_id(2)"), *_axes(True),
-            *_origin_comments(decl),
+    body = (K.assign("n", "tl.program_id(0)"), K.assign("h", "tl.program_id(1)"), K.assign("vb", "tl.program_id(2)"),
+            *_axes(True, dt_of="k_ptr"), *_origin_comments(decl),
             K.assign("c0", "tl.load(seq_chunk0_ptr + n)"), K.assign("c1", "tl.load(seq_chunk0_ptr + n + 1)"),
             K.If(K.expr("HAS_H0"), (load("S", "h0_ptr", state_off("n"), S_MASK),),
                  (K.assign("S", "tl.zeros([BK, BV], dtype=tl.float32)"),)),
             K.For("c", K.expr("c0"), K.expr("c1"), tuple(loop)),
-            K.If(K.expr("STORE_H"), (K.Store(K.expr(f"hs_ptr + {state_off('c1 + n')}"), K.expr("S"), K.expr(S_MASK)),)),
+            store_h("c1 + n"),
             K.If(K.expr("STORE_FINAL"), (K.Store(K.expr(f"ht_ptr + {state_off('n')}"), K.expr("S"), K.expr(S_MASK)),)))
     return K.Kernel(f"{decl.name}_fwd", params, body,
-                    doc="Chunks of sequence n in order: outputs (STORE_O), the state entering each chunk (STORE_H), "
-                        "the final state (STORE_FINAL).")
+                    doc="Chunks of sequence n in order: the state entering each chunk (STORE_H, slot c + n, rounded to "
+                        "hs's dtype; slot c1 + n: the final state) and the final state (STORE_FINAL, fp32).")
 
 
-def _chunk_inputs(decay: str) -> tuple:
-    """b_q, b_k, b_v of the chunk and what the decay makes of them (`_decay` without A)."""
-    return (load("b_q", "q_ptr", QK_OFF, QK_MASK), load("b_k", "k_ptr", QK_OFF, QK_MASK),
-            load("b_v", "v_ptr", V_OFF, V_MASK), *_decay(decay, with_pairwise=False))
+def out_kernel(decl: MatrixState) -> K.Kernel:
+    """The outputs: per (chunk, head), every chunk at once from the states the state pass stored; the
+    intra-chunk matrix A is formed once and serves every value block."""
+    d = decl.decay
+    g = ["G_ptr"] if d != "none" else []
+    params = _params(["q_ptr", "k_ptr", "v_ptr", *g, "hs_ptr", "o_ptr", "chunk_tok_ptr", "chunk_len_ptr",
+                      "chunk_seq_ptr", "scale", "H"], SHAPE_CONSTS)
+    vloop = (K.assign("vv", "vb * BV + tl.arange(0, BV)"), K.assign("okv", "vv < V"),
+             load("b_v", "v_ptr", V_OFF, V_MASK), load("S", "hs_ptr", state_off("c + n"), S_MASK), *_outputs())
+    body = (K.assign("c", "tl.program_id(0)"), K.assign("h", "tl.program_id(1)"), *_axes(False), *_origin_comments(decl),
+            *_chunk(), K.assign("n", "tl.load(chunk_seq_ptr + c)"),
+            load("b_q", "q_ptr", QK_OFF, QK_MASK), load("b_k", "k_ptr", QK_OFF, QK_MASK), *_decay(d),
+            K.For("vb", K.expr("0"), K.expr("tl.cdiv(V, BV)"), vloop))
+    return K.Kernel(f"{decl.name}_fwd_o", params, body,
+                    doc="Chunk c: O = scale ((Q * e^G) S0 + A V), S0 = the state entering it (hs slot c + n).")
 
 
-def _outputs(decay: str) -> tuple:
-    """O = scale ((Q * e^G) S + A V) of the chunk, stored; S its start state."""
-    return (*_pairwise(decay),
-            K.Comment("A V without a later non-finite row reaching an earlier one (module docstring)"),
+def _outputs() -> tuple:
+    """O = scale ((Q * e^G) S + A V) of the chunk's value block, stored; S its start state, A formed."""
+    return (K.Comment("A V without a later non-finite row reaching an earlier one (module docstring)"),
             K.assign("bad", f"(tl.sum(tl.where(tl.abs(b_v) < {INF}, 0, 1), 1) > 0) & ok"),
             K.assign("first_bad", "tl.min(tl.where(bad, rows, C), 0)"),
             K.assign("o_inter", dot("q_dec", "S")),
@@ -420,7 +434,7 @@ def module(decl: MatrixState) -> K.Module:
     kernels = helper_kernels()
     if decl.decay != "none":
         kernels.append(cumsum_kernel(decl))
-    kernels += [fwd_kernel(decl), bwd_dh_kernel(decl), bwd_kernel(decl)]
+    kernels += [fwd_kernel(decl), out_kernel(decl), bwd_dh_kernel(decl), bwd_kernel(decl)]
     doc = (f"Generated by scanlang from matrix state {E.docstring_text(decl.name)} (declaration {decl.key}): "
            f"decay {decl.decay}, plain write (backends/linear/kernels.py). Do not edit.")
     return K.Module(doc, tuple(kernels))

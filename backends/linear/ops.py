@@ -19,6 +19,11 @@ packed stream with offsets 0, T, 2T, ...) and a chunk table lists every chunk's 
 and sequence, so equal-length and `cu_seqlens` inputs run the same kernels; an empty sequence has no
 chunk (its final state is its initial state).
 
+The plain-write forward is two kernels: the state pass (per sequence, head and value block, chunks in
+order) stores the state entering every chunk, in the input dtype, and the output kernel then runs every
+chunk at once (per chunk and head), so the intra-chunk matrix is formed off the serial path, once per
+chunk rather than once per value block.
+
 Recomputation policy (the backward): the forward keeps nothing but its inputs and the chunk-local
 cumulative log-decay G (one fp32 value per token, or per token and key); the backward recomputes
 the state entering every chunk with the forward kernel (STORE_H, no outputs), then runs the reverse
@@ -169,7 +174,14 @@ def _forward(d: MatrixState, q, k, v, h0, xs, table, constants, scale: float, C:
         _launch(getattr(mod, f"{d.name}_decay_cumsum"), (table.n_chunks, H),
                 (*xs, G, table.chunk_tok, table.chunk_len, *constants, H),
                 dict(K=meta["K"], BK=meta["BK"], C=C), direct)
-    _fwd(mod, d, meta, q, k, v, G, h0, o, ht, ht, table, scale, True, False, direct)
+    # the states entering the chunks in the input dtype: the output's product rounds them to it anyway (`mm`)
+    hs = _empty(table.n_chunks + table.n_seq, H, meta["K"], V, device=dev, dtype=q.dtype)
+    _fwd(mod, d, meta, k, v, G, h0, ht, hs, table, True, True, direct)
+    g = (G,) if G is not None else ()
+    out = _wide(meta, q)
+    _launch(getattr(mod, f"{d.name}_fwd_o"), (table.n_chunks, H),
+            (q, k, v, *g, hs, o, table.chunk_tok, table.chunk_len, table.chunk_seq, scale, H),
+            dict(out, num_warps=_warps(d), **({"num_stages": 1} if out is not meta else {})), direct)
     return [o, ht] + ([G] if G is not None else [])
 
 
@@ -265,15 +277,22 @@ class _EagerChunk(torch.autograd.Function):
         return (None, dq, dk, dv, dh0) + (None,) * 7 + tuple(dxs)
 
 
-def _fwd(mod, d, meta, q, k, v, G, h0, o, ht, hs, table, scale, store_o, store_h, direct):
-    H, V = q.shape[1], v.shape[-1]
+def _warps(d: MatrixState) -> int:
+    """Warps of the per-chunk kernels: per-key decay holds many [C, BK] fp32 tiles (8 warps halve each
+    thread's share of them)."""
+    return 8 if d.decay == "per_key" else CONFIG["num_warps"]
+
+
+def _fwd(mod, d, meta, k, v, G, h0, ht, hs, table, store_final, store_h, direct):
+    """The state pass (kernels.py `{name}_fwd`): the state entering every chunk into hs (store_h), the final
+    states into ht (store_final)."""
+    H, V = k.shape[1], v.shape[-1]
     g = (G,) if G is not None else ()
-    meta = _wide(meta, q) if store_o else meta
     grid = (table.n_seq, H, triton.cdiv(V, meta["BV"]))
     _launch(getattr(mod, f"{d.name}_fwd"), grid,
-            (q, k, v, *g, h0 if h0 is not None else ht, o, ht, hs, table.chunk_tok, table.chunk_len, table.seq_chunk0,
-             scale, H), dict(meta, HAS_H0=h0 is not None, STORE_O=store_o, STORE_FINAL=not store_h, STORE_H=store_h,
-                             num_warps=CONFIG["num_warps"]), direct)
+            (k, v, *g, h0 if h0 is not None else ht, ht, hs, table.chunk_tok, table.chunk_len, table.seq_chunk0, H),
+            dict(meta, HAS_H0=h0 is not None, STORE_FINAL=store_final, STORE_H=store_h,
+                 num_warps=CONFIG["num_warps"]), direct)
 
 
 def _backward_buffers(table, q, v, h0, do, dht):
@@ -294,7 +313,7 @@ def _plain_backward(d, meta, q, k, v, h0, G, xs, do, dht, hs, dh, dh0, table, co
     mod = module(d)
     TT, H, K = q.shape
     V, dev = v.shape[-1], q.device
-    _fwd(mod, d, meta, q, k, v, G, h0, hs, hs, hs, table, scale, False, True, direct)
+    _fwd(mod, d, meta, k, v, G, h0, hs, hs, table, False, True, direct)
     g = (G,) if G is not None else ()
     grid = (table.n_seq, H, triton.cdiv(V, meta["BV"]))
     _launch(getattr(mod, f"{d.name}_bwd_dh"), grid,
@@ -309,7 +328,7 @@ def _plain_backward(d, meta, q, k, v, h0, G, xs, do, dht, hs, dh, dh0, table, co
     hook = [*xs, *dxs, *constants] if d.decay != "none" else []
     if table.n_chunks:
         bwd = _wide(meta, q)
-        bwd = dict(bwd, num_warps=CONFIG["num_warps"], **({"num_stages": 1} if bwd is not meta else {}))
+        bwd = dict(bwd, num_warps=_warps(d), **({"num_stages": 1} if bwd is not meta else {}))
         _launch(getattr(mod, f"{d.name}_bwd"), (table.n_chunks, H),
                 (q, k, v, *g, hs, dh, do, dq, dk, dv, table.chunk_tok, table.chunk_len, table.chunk_seq, *hook,
                  scale, H), bwd, direct)
