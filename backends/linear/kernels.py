@@ -327,7 +327,8 @@ def bwd_dh_kernel(decl: MatrixState) -> K.Kernel:
     b_k = (K.assign("b_k", "tl.zeros_like(b_q)"),)   # k_end is unused here; a zero tile keeps _decay's shapes
     step = dot("tl.trans(q_dec)", "b_do")
     loop = (K.assign("c", "c1 - 1 - i"), *_chunk(),
-            K.Store(K.expr(f"dh_ptr + {state_off('c')}"), K.expr("dS"), K.expr(S_MASK)),
+            K.Store(K.expr(f"dh_ptr + {state_off('c')}"), K.expr("rnd(dS, dh_ptr.dtype.element_ty, UPCAST)"),
+                    K.expr(S_MASK)),
             load("b_q", "q_ptr", QK_OFF, QK_MASK), *b_k, load("b_do", "do_ptr", V_OFF, V_MASK),
             *_decay(d, with_pairwise=False),
             K.assign("dS", f"dS * s_dec + scale * {step}" if d != "none" else f"dS + scale * {step}"))

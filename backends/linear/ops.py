@@ -189,7 +189,10 @@ def _backward(d: MatrixState, q, k, v, h0, xs, saved, do, dht, table, constants,
               direct: bool) -> list:
     """[dq, dk, dv (fp32), d(initial state) (empty without one), d(hook inputs) (fp32)]."""
     meta = _meta(q.shape[-1], v.shape[-1], C, q.dtype, q.device)
-    do, dht, hs, dh, dh0 = _backward_buffers(table, q, v, h0, do, dht)
+    # plain writes keep the chunk states and their gradients in the input dtype (every product that reads
+    # them rounds its operands to it; the decay gradient's rowsum(S0 * dS_end) reads them rounded too)
+    states = torch.float32 if kernels_delta.supports(d) else q.dtype
+    do, dht, hs, dh, dh0 = _backward_buffers(table, q, v, h0, do, dht, states)
     if kernels_delta.supports(d):
         dq, dk, dv, dxs = _delta_backward(d, meta, q, k, v, h0, saved[0], saved[1:], xs, do, dht, hs, dh, dh0,
                                           table, constants, scale, direct)
@@ -295,15 +298,16 @@ def _fwd(mod, d, meta, k, v, G, h0, ht, hs, table, store_final, store_h, direct)
                  num_warps=CONFIG["num_warps"]), direct)
 
 
-def _backward_buffers(table, q, v, h0, do, dht):
+def _backward_buffers(table, q, v, h0, do, dht, states=torch.float32):
     """(do fp32 (zeros when None), dht fp32 or None, hs: the state entering every chunk (slot c + n; filled by
-    the caller's recomputation), dh: dS_end per chunk, dh0: d(initial state), or dh when there is none)."""
+    the caller's recomputation), dh: dS_end per chunk (both of dtype `states`), dh0: d(initial state) (fp32),
+    or dh when there is none)."""
     TT, H, K = q.shape
     V, dev = v.shape[-1], q.device
     do = torch.zeros(TT, H, V, device=dev) if do is None else do.contiguous().float()
     dht = None if dht is None else dht.contiguous().float()
-    hs = _empty(table.n_chunks + table.n_seq, H, K, V, device=dev)
-    dh = _empty(max(table.n_chunks, 1), H, K, V, device=dev)
+    hs = _empty(table.n_chunks + table.n_seq, H, K, V, device=dev, dtype=states)
+    dh = _empty(max(table.n_chunks, 1), H, K, V, device=dev, dtype=states)
     dh0 = _empty(table.n_seq, H, K, V, device=dev) if h0 is not None else dh
     return do, dht, hs, dh, dh0
 
