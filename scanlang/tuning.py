@@ -58,6 +58,8 @@ class Tuning:
       decode_max_tokens: the matrix-state family's backend='triton' runs the recurrent decode kernel
         (backends/linear/decode.py) when no input requires a gradient and no sequence has more
         tokens than this (0: never); longer inputs take the chunk kernels.
+      linear_key_block: key columns per program of the per-key-decay backward (backends/linear,
+        `{name}_bwd`; a power of two >= 16): its pairwise gradients hold about ten [C, BK] fp32 tiles.
       chunk_single_pass: the chunk-parallel schedule runs one kernel per pass with a decoupled
         look-back (kernel/chunked_lookback.py, each input read once) instead of three (kernel/chunked.py).
       chunk_lookback: chunks the one-pass variant's look-back reads at a time (one poll of their
@@ -82,6 +84,7 @@ class Tuning:
     sum_groups_before_atomics: bool = False
     sum_warp_groups_before_atomics: bool = True
     decode_max_tokens: int = 64
+    linear_key_block: int = 64
     chunk_single_pass: bool = False
     chunk_lookback: int = 32
     delta_save_wu: bool = True
@@ -109,6 +112,9 @@ class Tuning:
                      "delta_eager_fast_path", "chunk_single_pass"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name}: expected a bool, got {getattr(self, name)!r}")
+        if isinstance(self.linear_key_block, bool) or not isinstance(self.linear_key_block, int) \
+                or self.linear_key_block < 16 or self.linear_key_block & (self.linear_key_block - 1):
+            raise ValueError(f"linear_key_block: expected a power of two >= 16, got {self.linear_key_block!r}")
         if isinstance(self.chunk_lookback, bool) or not isinstance(self.chunk_lookback, int) \
                 or self.chunk_lookback < 1 or self.chunk_lookback & (self.chunk_lookback - 1):
             raise ValueError(f"chunk_lookback: expected a power of two >= 1, got {self.chunk_lookback!r}")

@@ -279,3 +279,36 @@ def test_per_head_parameters_in_the_hook(decl):
         row = "delta_param_grad" if name in ("dA_log", "ddt_bias") else (
             "delta_gate_grad" if name == "da" else "delta_grad")
         assert_close(leaf.grad, ref.grad, row, torch.float32, name=name)
+
+
+@pytest.mark.parametrize("decl", [GATED, MAMBA2_KEY], ids=lambda d: d.name)
+def test_per_key_backward_in_key_blocks(decl, knobs):
+    """Per-key decay's backward split into key blocks (tuning.linear_key_block = 16 at K = 40: blocks of
+    16, 16 and 8 keys, the last masked): dv and the per-token and per-head hook inputs' gradients are
+    sums over the blocks (atomics), every other gradient is per key; all against the float64 loop."""
+    knobs(linear_key_block=16)
+    gen = torch.Generator().manual_seed(11)
+    T, Kw = C + 5, 40
+    q, k = (torch.randn(2, T, H, Kw, generator=gen, dtype=D64) for _ in range(2))
+    v = torch.randn(2, T, H, V, generator=gen, dtype=D64)
+    a = torch.randn(2, T, H, Kw, generator=gen, dtype=D64)
+    second = (torch.randn(2, T, H, generator=gen, dtype=D64) if decl is GATED
+              else 0.3 * torch.randn(H, generator=gen, dtype=D64))
+    h0 = torch.randn(2, H, Kw, V, generator=gen, dtype=D64)
+    leaves = [t.float().requires_grad_() for t in (q, k, v, a, second, h0)]
+    o, S = L.op(decl)(*leaves[:5], initial_state=leaves[5], output_final_state=True, backend="triton", chunk_size=C)
+    wo, ws = torch.randn(o.shape, generator=gen, dtype=D64), torch.randn(S.shape, generator=gen, dtype=D64)
+    ((o * wo.float()).sum() + (S * ws.float()).sum()).backward()
+    refs = [t.detach().to(D64).requires_grad_() for t in leaves]
+    if decl is GATED:
+        g = F.logsigmoid(refs[3]) * torch.sigmoid(refs[4])[..., None] * 0.5
+    else:
+        g = -torch.exp(refs[4])[:, None] * F.softplus(refs[3])
+    o_ref, S_ref = token_loop(refs[0], refs[1], refs[2], g, h0=refs[5])
+    ((o_ref * wo).sum() + (S_ref * ws).sum()).backward()
+    assert_close(o, o_ref, "delta_out", torch.float32, name="o")
+    assert_close(S, S_ref, "delta_out", torch.float32, name="S")
+    rows = ["delta_grad"] * 3 + ["delta_gate_grad", "delta_gate_grad" if decl is GATED else "delta_param_grad",
+                                 "delta_grad"]
+    for name, row, leaf, ref in zip(["dq", "dk", "dv", "da", "d" + list(decl.inputs)[1], "dh0"], rows, leaves, refs):
+        assert_close(leaf.grad, ref.grad, row, torch.float32, name=name)

@@ -41,6 +41,10 @@ def test_override_refuses_unknown_knobs_and_bad_values_before_the_block():
     with pytest.raises(TypeError, match="chunk_single_pass: expected a bool"):
         with tuning.override(chunk_single_pass="yes"):
             pass
+    for bad in (0, 8, 48, True):
+        with pytest.raises(ValueError, match="linear_key_block: expected a power of two >= 16"):
+            with tuning.override(linear_key_block=bad):
+                pass
     for bad in (0, 3, 48, True):
         with pytest.raises(ValueError, match="chunk_lookback: expected a power of two >= 1"):
             with tuning.override(chunk_lookback=bad):

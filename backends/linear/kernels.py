@@ -195,6 +195,14 @@ def _decay(decay: str, with_pairwise: bool = True, with_q: bool = True) -> tuple
     return tuple(out) + (_pairwise(decay) if with_pairwise else ())
 
 
+def _key_block(decay: str) -> tuple:
+    """Per-key decay: the per-chunk backward's program takes key block tl.program_id(2) (BK keys; every
+    pairwise product and gradient is per key column, so blocks are independent but for dv's sum)."""
+    if decay != "per_key":
+        return ()
+    return (K.assign("kk", "tl.program_id(2) * BK + tl.arange(0, BK)"), K.assign("okk", "kk < K"))
+
+
 def _hook_inputs(decl: MatrixState, decay: str) -> list[tuple[str, str]]:
     """(input, kind) of the log-decay hook's inputs, in declaration order."""
     return [(n, decl.inputs[n]) for n in decl.used(decl.log_decay) if n in decl.inputs]
@@ -363,9 +371,9 @@ def _hook_grads(decl: MatrixState) -> tuple:
         if kind == "head":
             mask = "ok" if decl.decay == "per_head" else QK_MASK
             out.append(K.AtomicAdd(K.expr(f"d{n}_ptr + h"), K.expr(f"tl.sum(tl.where({mask}, {value}, 0.0))")))
-        elif decl.decay == "per_key" and kind == "token":
-            out.append(K.Store(K.expr(f"d{n}_ptr + (tok + rows) * H + h"),
-                               K.expr(f"tl.sum(tl.where({QK_MASK}, {value}, 0.0), 1)"), K.expr("ok")))
+        elif decl.decay == "per_key" and kind == "token":   # summed over this program's key block
+            out.append(K.AtomicAdd(K.expr(f"d{n}_ptr + (tok + rows) * H + h"),
+                                   K.expr(f"tl.sum(tl.where({QK_MASK}, {value}, 0.0), 1)"), K.expr("ok")))
         else:
             off, mask = g_off(decl.decay)
             out.append(K.Store(K.expr(f"d{n}_ptr + {off}"), K.expr(value), K.expr(mask)))
@@ -379,17 +387,23 @@ def bwd_kernel(decl: MatrixState) -> K.Kernel:
     ins = [f"{n}_ptr" for n, _ in hooked] + [f"d{n}_ptr" for n, _ in hooked] + [f"c_{c}" for c in decl.constants
                                                                                 if d != "none"]
     params = _params(["q_ptr", "k_ptr", "v_ptr", *g, "hs_ptr", "dh_ptr", "do_ptr", "dq_ptr", "dk_ptr", "dv_ptr",
-                      "chunk_tok_ptr", "chunk_len_ptr", "chunk_seq_ptr", *ins, "scale", "H"], SHAPE_CONSTS)
+                      "chunk_tok_ptr", "chunk_len_ptr", "chunk_seq_ptr", *ins, "scale", "H"],
+                     SHAPE_CONSTS + (("SPLIT_K",) if d == "per_key" else ()))
+    dv = f"scale * {dot('tl.trans(A)', 'b_do')} + {dot('k_end', 'dSe')}"
+    if d == "per_key":   # a key block's share of dv, added to the other blocks' (SPLIT_K) or stored
+        dv_out = K.If(K.expr("SPLIT_K"), (K.AtomicAdd(K.expr(f"dv_ptr + {V_OFF}"), K.expr(dv), K.expr(V_MASK)),),
+                      (K.Store(K.expr(f"dv_ptr + {V_OFF}"), K.expr(dv), K.expr(V_MASK)),))
+    else:
+        dv_out = K.Store(K.expr(f"dv_ptr + {V_OFF}"), K.expr(dv), K.expr(V_MASK))
     vloop = (K.assign("vv", "vb * BV + tl.arange(0, BV)"), K.assign("okv", "vv < V"),
              load("b_v", "v_ptr", V_OFF, V_MASK), load("b_do", "do_ptr", V_OFF, V_MASK),
              load("S0", "hs_ptr", state_off("c + n"), S_MASK), load("dSe", "dh_ptr", state_off("c"), S_MASK),
              K.assign("dA", f"dA + {dot('b_do', 'tl.trans(b_v)')}"),
              K.assign("dq_inter", f"dq_inter + {dot('b_do', 'tl.trans(S0)')}"),
              K.assign("dk_state", f"dk_state + {dot('b_v', 'tl.trans(dSe)')}"),
-             *((K.assign("dG_S0", "dG_S0 + tl.sum(S0 * dSe, 1)"),) if d != "none" else ()),
-             K.Store(K.expr(f"dv_ptr + {V_OFF}"),
-                     K.expr(f"scale * {dot('tl.trans(A)', 'b_do')} + {dot('k_end', 'dSe')}"), K.expr(V_MASK)))
-    body = [K.assign("c", "tl.program_id(0)"), K.assign("h", "tl.program_id(1)"), *_axes(False), *_origin_comments(decl),
+             *((K.assign("dG_S0", "dG_S0 + tl.sum(S0 * dSe, 1)"),) if d != "none" else ()), dv_out)
+    body = [K.assign("c", "tl.program_id(0)"), K.assign("h", "tl.program_id(1)"), *_axes(False), *_key_block(d),
+            *_origin_comments(decl),
             *_chunk(), K.assign("n", "tl.load(chunk_seq_ptr + c)"),
             load("b_q", "q_ptr", QK_OFF, QK_MASK), load("b_k", "k_ptr", QK_OFF, QK_MASK), *_decay(d),
             K.assign("dA", "tl.zeros([C, C], dtype=tl.float32)"), K.assign("dq_inter", "tl.zeros([C, BK], dtype=tl.float32)"),

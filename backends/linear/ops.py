@@ -327,13 +327,23 @@ def _plain_backward(d, meta, q, k, v, h0, G, xs, do, dht, hs, dh, dh0, table, co
     dq, dk = _empty(TT, H, K, device=dev), _empty(TT, H, K, device=dev)
     dv = _empty(TT, H, V, device=dev)
     kinds = [d.inputs[n] for n in d.used(d.log_decay) if n in d.inputs] if d.decay != "none" else []
-    dxs = [torch.zeros(x.shape, device=dev) if kind == "head" else _empty(*x.shape, device=dev)   # atomics add
+    per_key = d.decay == "per_key"
+    summed = ("head", "token") if per_key else ("head",)   # atomics add into them
+    dxs = [torch.zeros(x.shape, device=dev) if kind in summed else _empty(*x.shape, device=dev)
            for x, kind in zip(xs, kinds)]
     hook = [*xs, *dxs, *constants] if d.decay != "none" else []
     if table.n_chunks:
         bwd = _wide(meta, q)
         bwd = dict(bwd, num_warps=_warps(d), **({"num_stages": 1} if bwd is not meta else {}))
-        _launch(getattr(mod, f"{d.name}_bwd"), (table.n_chunks, H),
+        blocks = 1
+        if per_key:   # key blocks, each its own program (kernels.py `_key_block`): at BK = 128 the pairwise
+            # gradients spilled 3.3 KB a thread at 8 warps (offline sm_90, Triton 3.6); at 64, see BENCHMARKS.md
+            bwd["BK"] = min(bwd["BK"], tuning.current().linear_key_block)
+            blocks = triton.cdiv(K, bwd["BK"])
+            bwd["SPLIT_K"] = blocks > 1
+            if blocks > 1:
+                dv = torch.zeros(TT, H, V, device=dev)
+        _launch(getattr(mod, f"{d.name}_bwd"), (table.n_chunks, H, blocks),
                 (q, k, v, *g, hs, dh, do, dq, dk, dv, table.chunk_tok, table.chunk_len, table.chunk_seq, *hook,
                  scale, H), bwd, direct)
     return dq, dk, dv, dxs
