@@ -58,6 +58,9 @@ class Tuning:
       decode_max_tokens: the matrix-state family's backend='triton' runs the recurrent decode kernel
         (backends/linear/decode.py) when no input requires a gradient and no sequence has more
         tokens than this (0: never); longer inputs take the chunk kernels.
+      linear_forward: the plain-write matrix-state forward (backends/linear): "fused" (one pass over each
+        sequence's chunks writing the outputs), "split" (that pass storing the chunk states, then an
+        output kernel over every chunk at once) or "auto" (split for per-key decay, else fused).
       linear_key_block: key columns per program of the per-key-decay backward (backends/linear,
         `{name}_bwd`; a power of two >= 16): its pairwise gradients hold about ten [C, BK] fp32 tiles.
       chunk_single_pass: the chunk-parallel schedule runs one kernel per pass with a decoupled
@@ -84,6 +87,7 @@ class Tuning:
     sum_groups_before_atomics: bool = False
     sum_warp_groups_before_atomics: bool = True
     decode_max_tokens: int = 64
+    linear_forward: str = "auto"
     linear_key_block: int = 64
     chunk_single_pass: bool = False
     chunk_lookback: int = 32
@@ -112,6 +116,8 @@ class Tuning:
                      "delta_eager_fast_path", "chunk_single_pass"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name}: expected a bool, got {getattr(self, name)!r}")
+        if self.linear_forward not in ("auto", "fused", "split"):
+            raise ValueError(f"linear_forward: expected 'auto', 'fused' or 'split', got {self.linear_forward!r}")
         if isinstance(self.linear_key_block, bool) or not isinstance(self.linear_key_block, int) \
                 or self.linear_key_block < 16 or self.linear_key_block & (self.linear_key_block - 1):
             raise ValueError(f"linear_key_block: expected a power of two >= 16, got {self.linear_key_block!r}")

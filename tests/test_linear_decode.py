@@ -158,6 +158,9 @@ def test_routing_follows_gradients_and_the_length_knob():
     assert [name for name, *_ in launches] == ["gla_decode"]
     with sl.tuning.override(decode_max_tokens=4), ops.recording() as launches:
         OPS["gla"](*args, backend="triton")
+    assert [name for name, *_ in launches] == ["gla_decay_cumsum", "gla_fwd", "gla_fwd_o"]   # per key: split
+    with sl.tuning.override(decode_max_tokens=4, linear_forward="fused"), ops.recording() as launches:
+        OPS["gla"](*args, backend="triton")
     assert [name for name, *_ in launches] == ["gla_decay_cumsum", "gla_fwd"]
     kda = make("kda", 1, 5, gen)
     leaves = [t.clone().requires_grad_() for t in kda]

@@ -163,9 +163,9 @@ def _chunk(c: str = "c") -> tuple:
             K.assign("ok", "rows < n_rows"))
 
 
-def _axes(values: bool, dt_of: str = "q_ptr") -> tuple:
+def _axes(values: bool) -> tuple:
     out = [K.assign("rows", "tl.arange(0, C)"), K.assign("kk", "tl.arange(0, BK)"), K.assign("okk", "kk < K"),
-           K.assign("causal", "rows[:, None] >= rows[None, :]"), K.assign("DT", f"{dt_of}.dtype.element_ty")]
+           K.assign("causal", "rows[:, None] >= rows[None, :]"), K.assign("DT", "q_ptr.dtype.element_ty")]
     if values:
         out += [K.assign("vv", "vb * BV + tl.arange(0, BV)"), K.assign("okv", "vv < V")]
     return tuple(out)
@@ -175,24 +175,27 @@ def _decay(decay: str, with_pairwise: bool = True, with_q: bool = True) -> tuple
     """G and what the chunk formulas need of it: q_dec = Q * e^G (with_q), k_end = K * e^(G_L - G),
     s_dec = e^(G_L) and (with_pairwise) the masked intra-chunk matrix A; b_q (with_q), b_k loaded."""
     if decay == "none":
-        out = [K.assign("q_dec", "b_q")] if with_q else []
-        out += [K.assign("k_end", "b_k")]
+        out = [K.assign("k_end", "b_k")]
     else:
         off, mask = g_off(decay)
         out = [load("b_G", "G_ptr", off, mask)]
     if decay == "per_head":
         out += [K.assign("G_last", "tl.sum(tl.where(rows == n_rows - 1, b_G, 0.0), 0)"),
                 K.assign("b_G", "tl.where(ok, b_G, G_last)"),   # rows past the end: no decay, so no exponent > 0
-                *([K.assign("q_dec", "b_q * tl.exp(b_G)[:, None]")] if with_q else []),
                 K.assign("k_end", "tl.where(ok[:, None], b_k * tl.exp(G_last - b_G)[:, None], 0.0)"),
                 K.assign("s_dec", "tl.exp(G_last)")]
     elif decay == "per_key":
         out += [K.assign("G_last", "tl.sum(tl.where((rows == n_rows - 1)[:, None], b_G, 0.0), 0)"),
                 K.assign("b_G", "tl.where(ok[:, None], b_G, G_last[None, :])"),   # rows past the end: as per head
-                *([K.assign("q_dec", "b_q * tl.exp(b_G)")] if with_q else []),
                 K.assign("k_end", "tl.where(ok[:, None], b_k * tl.exp(G_last[None, :] - b_G), 0.0)"),
                 K.assign("s_dec", "tl.exp(G_last)[:, None]")]
-    return tuple(out) + (_pairwise(decay) if with_pairwise else ())
+    return tuple(out) + (_q_dec(decay) if with_q else ()) + (_pairwise(decay) if with_pairwise else ())
+
+
+def _q_dec(decay: str) -> tuple:
+    """q_dec = Q * e^G, once b_q and (with decay) b_G are loaded."""
+    return (K.assign("q_dec", {"none": "b_q", "per_head": "b_q * tl.exp(b_G)[:, None]",
+                               "per_key": "b_q * tl.exp(b_G)"}[decay]),)
 
 
 def _key_block(decay: str) -> tuple:
@@ -263,20 +266,23 @@ def cumsum_kernel(decl: MatrixState) -> K.Kernel:
 
 
 def fwd_kernel(decl: MatrixState) -> K.Kernel:
-    """The state pass: per (sequence, head, value block), the sequence's chunks in order."""
+    """The state pass: per (sequence, head, value block), the sequence's chunks in order (with STORE_O
+    also the outputs: the fused forward)."""
     d = decl.decay
     g = ["G_ptr"] if d != "none" else []
-    params = _params(["k_ptr", "v_ptr", *g, "h0_ptr", "ht_ptr", "hs_ptr", "chunk_tok_ptr", "chunk_len_ptr",
-                      "seq_chunk0_ptr", "H"], SHAPE_CONSTS + ("HAS_H0", "STORE_FINAL", "STORE_H"))
+    params = _params(["q_ptr", "k_ptr", "v_ptr", *g, "h0_ptr", "o_ptr", "ht_ptr", "hs_ptr", "chunk_tok_ptr",
+                      "chunk_len_ptr", "seq_chunk0_ptr", "scale", "H"],
+                     SHAPE_CONSTS + ("HAS_H0", "STORE_O", "STORE_FINAL", "STORE_H"))
     store_h = lambda slot: K.If(K.expr("STORE_H"), (  # noqa: E731
         K.Store(K.expr(f"hs_ptr + {state_off(slot)}"), K.expr("rnd(S, hs_ptr.dtype.element_ty, UPCAST)"),
                 K.expr(S_MASK)),))
     loop = [*_chunk(), store_h("c + n"), load("b_k", "k_ptr", QK_OFF, QK_MASK), load("b_v", "v_ptr", V_OFF, V_MASK),
-            *_decay(d, with_pairwise=False, with_q=False)]
+            *_decay(d, with_pairwise=False, with_q=False),
+            K.If(K.expr("STORE_O"), (load("b_q", "q_ptr", QK_OFF, QK_MASK), *_q_dec(d), *_pairwise(d), *_outputs()))]
     update = dot("tl.trans(k_end)", "b_v")
     loop.append(K.assign("S", f"S * s_dec + {update}" if d != "none" else f"S + {update}"))
     body = (K.assign("n", "tl.program_id(0)"), K.assign("h", "tl.program_id(1)"), K.assign("vb", "tl.program_id(2)"),
-            *_axes(True, dt_of="k_ptr"), *_origin_comments(decl),
+            *_axes(True), *_origin_comments(decl),
             K.assign("c0", "tl.load(seq_chunk0_ptr + n)"), K.assign("c1", "tl.load(seq_chunk0_ptr + n + 1)"),
             K.If(K.expr("HAS_H0"), (load("S", "h0_ptr", state_off("n"), S_MASK),),
                  (K.assign("S", "tl.zeros([BK, BV], dtype=tl.float32)"),)),
@@ -285,7 +291,8 @@ def fwd_kernel(decl: MatrixState) -> K.Kernel:
             K.If(K.expr("STORE_FINAL"), (K.Store(K.expr(f"ht_ptr + {state_off('n')}"), K.expr("S"), K.expr(S_MASK)),)))
     return K.Kernel(f"{decl.name}_fwd", params, body,
                     doc="Chunks of sequence n in order: the state entering each chunk (STORE_H, slot c + n, rounded to "
-                        "hs's dtype; slot c1 + n: the final state) and the final state (STORE_FINAL, fp32).")
+                        "hs's dtype; slot c1 + n: the final state), the outputs (STORE_O: the fused forward, A "
+                        "formed here on the serial path) and the final state (STORE_FINAL, fp32).")
 
 
 def out_kernel(decl: MatrixState) -> K.Kernel:

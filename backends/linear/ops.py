@@ -19,10 +19,11 @@ packed stream with offsets 0, T, 2T, ...) and a chunk table lists every chunk's 
 and sequence, so equal-length and `cu_seqlens` inputs run the same kernels; an empty sequence has no
 chunk (its final state is its initial state).
 
-The plain-write forward is two kernels: the state pass (per sequence, head and value block, chunks in
-order) stores the state entering every chunk, in the input dtype, and the output kernel then runs every
-chunk at once (per chunk and head), so the intra-chunk matrix is formed off the serial path, once per
-chunk rather than once per value block.
+The plain-write forward is one pass over each sequence's chunks in order (per sequence, head and value
+block) writing the outputs, or (`tuning.linear_forward`; "auto": per-key decay) two kernels: that pass
+storing the state entering every chunk, in the input dtype, then the output kernel over every chunk at
+once (per chunk and head), so the intra-chunk matrix is formed off the serial path and once per chunk
+rather than once per value block.
 
 Recomputation policy (the backward): the forward keeps nothing but its inputs and the chunk-local
 cumulative log-decay G (one fp32 value per token, or per token and key); the backward recomputes
@@ -174,9 +175,12 @@ def _forward(d: MatrixState, q, k, v, h0, xs, table, constants, scale: float, C:
         _launch(getattr(mod, f"{d.name}_decay_cumsum"), (table.n_chunks, H),
                 (*xs, G, table.chunk_tok, table.chunk_len, *constants, H),
                 dict(K=meta["K"], BK=meta["BK"], C=C), direct)
+    if not _split_forward(d):
+        _fwd(mod, d, meta, q, k, v, G, h0, o, ht, ht, table, scale, True, True, False, direct)
+        return [o, ht] + ([G] if G is not None else [])
     # the states entering the chunks in the input dtype: the output's product rounds them to it anyway (`mm`)
     hs = _empty(table.n_chunks + table.n_seq, H, meta["K"], V, device=dev, dtype=q.dtype)
-    _fwd(mod, d, meta, k, v, G, h0, ht, hs, table, True, True, direct)
+    _fwd(mod, d, meta, q, k, v, G, h0, o, ht, hs, table, scale, False, True, True, direct)
     g = (G,) if G is not None else ()
     out = _wide(meta, q)
     _launch(getattr(mod, f"{d.name}_fwd_o"), (table.n_chunks, H),
@@ -286,16 +290,24 @@ def _warps(d: MatrixState) -> int:
     return 8 if d.decay == "per_key" else CONFIG["num_warps"]
 
 
-def _fwd(mod, d, meta, k, v, G, h0, ht, hs, table, store_final, store_h, direct):
-    """The state pass (kernels.py `{name}_fwd`): the state entering every chunk into hs (store_h), the final
-    states into ht (store_final)."""
-    H, V = k.shape[1], v.shape[-1]
+def _split_forward(d: MatrixState) -> bool:
+    """Whether the forward is the state pass plus the per-chunk output kernel (tuning.linear_forward; "auto":
+    per-key decay, whose intra-chunk matrix is the costly part) rather than the one fused pass."""
+    choice = tuning.current().linear_forward
+    return d.decay == "per_key" if choice == "auto" else choice == "split"
+
+
+def _fwd(mod, d, meta, q, k, v, G, h0, o, ht, hs, table, scale, store_o, store_final, store_h, direct):
+    """The state pass (kernels.py `{name}_fwd`): the outputs into o (store_o: the fused forward), the state
+    entering every chunk into hs (store_h), the final states into ht (store_final)."""
+    H, V = q.shape[1], v.shape[-1]
     g = (G,) if G is not None else ()
+    meta = _wide(meta, q) if store_o else meta
     grid = (table.n_seq, H, triton.cdiv(V, meta["BV"]))
     _launch(getattr(mod, f"{d.name}_fwd"), grid,
-            (k, v, *g, h0 if h0 is not None else ht, ht, hs, table.chunk_tok, table.chunk_len, table.seq_chunk0, H),
-            dict(meta, HAS_H0=h0 is not None, STORE_FINAL=store_final, STORE_H=store_h,
-                 num_warps=CONFIG["num_warps"]), direct)
+            (q, k, v, *g, h0 if h0 is not None else ht, o, ht, hs, table.chunk_tok, table.chunk_len, table.seq_chunk0,
+             scale, H), dict(meta, HAS_H0=h0 is not None, STORE_O=store_o, STORE_FINAL=store_final, STORE_H=store_h,
+                             num_warps=CONFIG["num_warps"]), direct)
 
 
 def _backward_buffers(table, q, v, h0, do, dht, states=torch.float32):
@@ -317,7 +329,7 @@ def _plain_backward(d, meta, q, k, v, h0, G, xs, do, dht, hs, dh, dh0, table, co
     mod = module(d)
     TT, H, K = q.shape
     V, dev = v.shape[-1], q.device
-    _fwd(mod, d, meta, k, v, G, h0, hs, hs, table, False, True, direct)
+    _fwd(mod, d, meta, q, k, v, G, h0, hs, hs, hs, table, scale, False, False, True, direct)
     g = (G,) if G is not None else ()
     grid = (table.n_seq, H, triton.cdiv(V, meta["BV"]))
     _launch(getattr(mod, f"{d.name}_bwd_dh"), grid,

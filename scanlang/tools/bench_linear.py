@@ -152,11 +152,15 @@ def main(argv=None) -> int:
         p.add_argument(f"--{name}", type=int, default=default)
     p.add_argument("--members", default=",".join(MEMBERS))
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    p.add_argument("--forward", default="auto", choices=("auto", "fused", "split"),
+                   help="the plain-write forward (tuning.linear_forward)")
+    p.add_argument("--key-block", type=int, default=64, help="tuning.linear_key_block (per-key backward)")
     a = p.parse_args(argv)
     # kda's chunk kernels are refused on CUDA until checked on a GPU (kernels_delta.CUDA_VERIFIED): this run checks
     # every member against float64 before timing it, so it lets them run
     kernels_delta.CUDA_VERIFIED = True
-    return _run(a)
+    with tuning.override(linear_forward=a.forward, linear_key_block=a.key_block):
+        return _run(a)
 
 
 def _run(a) -> int:
@@ -166,7 +170,7 @@ def _run(a) -> int:
     device = torch.device(a.device)
     gpu = torch.cuda.get_device_name() if device.type == "cuda" else "cpu (Triton interpreter)"
     print(f"{gpu}, torch {torch.__version__}, Triton {triton.__version__}; "
-          f"bf16 B{a.B} T{a.T} H{a.H} K{a.K} V{a.V} C{a.chunk}")
+          f"bf16 B{a.B} T{a.T} H{a.H} K{a.K} V{a.V} C{a.chunk}; forward {a.forward}, key block {a.key_block}")
     failures = []
     for member in a.members.split(","):
         try:
