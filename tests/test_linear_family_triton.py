@@ -312,3 +312,12 @@ def test_per_key_backward_in_key_blocks(decl, knobs):
                                  "delta_grad"]
     for name, row, leaf, ref in zip(["dq", "dk", "dv", "da", "d" + list(decl.inputs)[1], "dh0"], rows, leaves, refs):
         assert_close(leaf.grad, ref.grad, row, torch.float32, name=name)
+
+
+@pytest.mark.parametrize("forward", ["fused", "split"])
+@pytest.mark.parametrize("member", ["simple_gla", "linear_attention", "gla"])
+def test_both_forwards_against_token_loop(member, forward, knobs):
+    """tuning.linear_forward: the fused pass and the split one (state pass + per-chunk output kernel), each
+    against the loop, with a length that ends in a partial chunk and two sequences."""
+    knobs(linear_forward=forward)
+    _check(member, 2, 2 * C + 5, seed=3)
