@@ -122,6 +122,13 @@ def _meta(K: int, V: int, C: int, dtype: torch.dtype, device) -> dict:
                 PREC="ieee" if fp32 else "tf32", UPCAST=device.type == "cpu" and dtype == torch.bfloat16)
 
 
+def _narrow_16bit(meta: dict, q: torch.Tensor) -> bool:
+    """Whether a per-key delta backward kernel runs with BV = 16 (CUDA, 16-bit inputs, BV < C): Triton 3.6 on
+    sm_90 miscompiled BV = 32 < C = 64 (the plain backward in session 10; KDA's `{name}_bwd_dh` made an illegal
+    memory access at V = 32 on an H100 in session 14, and was right at BV = 16 and at BV = 64)."""
+    return q.device.type == "cuda" and q.dtype != torch.float32 and meta["BV"] < meta["C"]
+
+
 def _wide(meta: dict, q: torch.Tensor) -> dict:
     """`meta` for the output-writing forward and the per-chunk backward on CUDA with 16-bit inputs:
     BV >= C (masked past V), and one pipeline stage in the backward. Triton 3.6 on sm_90 miscompiles
@@ -391,11 +398,13 @@ def _delta_backward(d, meta, q, k, v, h0, G, wy, xs, do, dht, hs, dh, dh0, table
     V, dev = v.shape[-1], q.device
     _delta_fwd(mod, d, meta, q, k, v, G, wy, h0, hs, hs, hs, table, scale, False, True, direct)
     beta, tm, aqk, w = wy
-    grid = (table.n_seq, H, triton.cdiv(V, meta["BV"]))
+    narrow = _narrow_16bit(meta, q)
+    dh_meta = dict(meta, BV=16) if narrow else meta
+    grid = (table.n_seq, H, triton.cdiv(V, dh_meta["BV"]))
     _launch(getattr(mod, f"{d.name}_bwd_dh"), grid,
             (q, k, G, beta, aqk, w, do, dht if dht is not None else dh, dh, dh0, table.chunk_tok, table.chunk_len,
              table.seq_chunk0, scale, H),
-            dict(meta, HAS_DHT=dht is not None, STORE_DH0=h0 is not None, num_warps=CONFIG["num_warps"],
+            dict(dh_meta, HAS_DHT=dht is not None, STORE_DH0=h0 is not None, num_warps=CONFIG["num_warps"],
                  num_stages=1), direct)   # 222 KB of shared memory pipelined at K = V = 128, C = 64 (_delta_fwd)
     dq, dk = _empty(TT, H, K, device=dev), _empty(TT, H, K, device=dev)
     dv = _empty(TT, H, V, device=dev)
@@ -403,11 +412,15 @@ def _delta_backward(d, meta, q, k, v, h0, G, wy, xs, do, dht, hs, dh, dh0, table
     dxs = [torch.zeros(x.shape, device=dev) if kind == "head" else _empty(*x.shape, device=dev)   # atomics add
            for x, kind in zip(xs, kinds)]
     bwd = dict(meta, num_warps=CONFIG["num_warps"])
-    if q.device.type == "cuda" and q.dtype != torch.float32 and meta["BV"] < meta["C"]:
+    if narrow:
         # BV = 16, one stage: _wide's BV >= C needs 278,528 B of shared memory here at K = V = 128, C = 64
         # (offline sm_90 compile, Triton 3.6; the H200 has 232,448), and BV = 32 < C is the width Triton 3.6
         # miscompiled in the plain backward; BV = 16 was right there (BENCHMARKS_HISTORY.md, "Session 10")
         bwd.update(BV=16, num_stages=1)
+    if q.device.type == "cuda" and q.dtype != torch.float32:
+        # key tiles at least C wide (masked past K): at K = 32 (BK = 32 < C = 64) with bf16 inputs this kernel made
+        # an illegal memory access on an H100 under Triton 3.6; BK = C was right (BENCHMARKS_HISTORY.md, "Session 14")
+        bwd["BK"] = max(bwd["BK"], meta["C"])
     _launch(getattr(mod, f"{d.name}_bwd"), (table.n_chunks, H),
             (q, k, v, G, *wy, hs, dh, do, dq, dk, dv, table.chunk_tok, table.chunk_len, table.chunk_seq, *xs, *dxs,
              *constants, scale, H), bwd, direct)
