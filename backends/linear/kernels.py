@@ -199,8 +199,9 @@ def _q_dec(decay: str) -> tuple:
 
 
 def _key_block(decay: str) -> tuple:
-    """Per-key decay: the per-chunk backward's program takes key block tl.program_id(2) (BK keys; every
-    pairwise product and gradient is per key column, so blocks are independent but for dv's sum)."""
+    """Per-key decay: the per-chunk output and backward kernels' program takes key block tl.program_id(2)
+    (BK keys; every pairwise product and gradient is per key column, so blocks are independent but for
+    the sums over keys: o and dv)."""
     if decay != "per_key":
         return ()
     return (K.assign("kk", "tl.program_id(2) * BK + tl.arange(0, BK)"), K.assign("okk", "kk < K"))
@@ -301,10 +302,12 @@ def out_kernel(decl: MatrixState) -> K.Kernel:
     d = decl.decay
     g = ["G_ptr"] if d != "none" else []
     params = _params(["q_ptr", "k_ptr", "v_ptr", *g, "hs_ptr", "o_ptr", "chunk_tok_ptr", "chunk_len_ptr",
-                      "chunk_seq_ptr", "scale", "H"], SHAPE_CONSTS)
+                      "chunk_seq_ptr", "scale", "H"], SHAPE_CONSTS + (("SPLIT_K",) if d == "per_key" else ()))
     vloop = (K.assign("vv", "vb * BV + tl.arange(0, BV)"), K.assign("okv", "vv < V"),
-             load("b_v", "v_ptr", V_OFF, V_MASK), load("S", "hs_ptr", state_off("c + n"), S_MASK), *_outputs())
-    body = (K.assign("c", "tl.program_id(0)"), K.assign("h", "tl.program_id(1)"), *_axes(False), *_origin_comments(decl),
+             load("b_v", "v_ptr", V_OFF, V_MASK), load("S", "hs_ptr", state_off("c + n"), S_MASK),
+             *_outputs(split=d == "per_key"))
+    body = (K.assign("c", "tl.program_id(0)"), K.assign("h", "tl.program_id(1)"), *_axes(False), *_key_block(d),
+            *_origin_comments(decl),
             *_chunk(), K.assign("n", "tl.load(chunk_seq_ptr + c)"),
             load("b_q", "q_ptr", QK_OFF, QK_MASK), load("b_k", "k_ptr", QK_OFF, QK_MASK), *_decay(d),
             K.For("vb", K.expr("0"), K.expr("tl.cdiv(V, BV)"), vloop))
@@ -312,8 +315,9 @@ def out_kernel(decl: MatrixState) -> K.Kernel:
                     doc="Chunk c: O = scale ((Q * e^G) S0 + A V), S0 = the state entering it (hs slot c + n).")
 
 
-def _outputs() -> tuple:
-    """O = scale ((Q * e^G) S + A V) of the chunk's value block, stored; S its start state, A formed."""
+def _outputs(split: bool = False) -> tuple:
+    """O = scale ((Q * e^G) S + A V) of the chunk's value block, stored; S its start state, A formed.
+    `split`: a key block's share (A and Q S over its keys), added to the other blocks' under SPLIT_K."""
     return (K.Comment("A V without a later non-finite row reaching an earlier one (module docstring)"),
             K.assign("bad", f"(tl.sum(tl.where(tl.abs(b_v) < {INF}, 0, 1), 1) > 0) & ok"),
             K.assign("first_bad", "tl.min(tl.where(bad, rows, C), 0)"),
@@ -321,7 +325,9 @@ def _outputs() -> tuple:
             K.assign("o_c", f"o_inter + {dot('A', 'tl.where(rows[:, None] < first_bad, b_v, 0.0)')}"),
             K.If(K.expr("first_bad < n_rows"), (
                 K.assign("o_c", f"tl.where(rows[:, None] < first_bad, o_c, o_inter + {dot('A', 'b_v')})"),)),
-            K.Store(K.expr(f"o_ptr + {V_OFF}"), K.expr("scale * o_c"), K.expr(V_MASK)))
+            *((K.If(K.expr("SPLIT_K"), (K.AtomicAdd(K.expr(f"o_ptr + {V_OFF}"), K.expr("scale * o_c"), K.expr(V_MASK)),),
+                    (K.Store(K.expr(f"o_ptr + {V_OFF}"), K.expr("scale * o_c"), K.expr(V_MASK)),)),) if split else
+              (K.Store(K.expr(f"o_ptr + {V_OFF}"), K.expr("scale * o_c"), K.expr(V_MASK)),)))
 
 
 def _pairwise(decay: str) -> tuple:

@@ -190,9 +190,12 @@ def _forward(d: MatrixState, q, k, v, h0, xs, table, constants, scale: float, C:
     _fwd(mod, d, meta, q, k, v, G, h0, o, ht, hs, table, scale, False, True, True, direct)
     g = (G,) if G is not None else ()
     out = _wide(meta, q)
-    _launch(getattr(mod, f"{d.name}_fwd_o"), (table.n_chunks, H),
-            (q, k, v, *g, hs, o, table.chunk_tok, table.chunk_len, table.chunk_seq, scale, H),
-            dict(out, num_warps=_warps(d), **({"num_stages": 1} if out is not meta else {})), direct)
+    out, blocks = _key_blocks(d, dict(out, num_warps=_warps(d), **({"num_stages": 1} if out is not meta else {})),
+                              q.shape[-1])
+    if blocks > 1:
+        o.zero_()   # the key blocks' shares add up in it
+    _launch(getattr(mod, f"{d.name}_fwd_o"), (table.n_chunks, H, blocks),
+            (q, k, v, *g, hs, o, table.chunk_tok, table.chunk_len, table.chunk_seq, scale, H), out, direct)
     return [o, ht] + ([G] if G is not None else [])
 
 
@@ -304,6 +307,18 @@ def _split_forward(d: MatrixState) -> bool:
     return d.decay == "per_key" if choice == "auto" else choice == "split"
 
 
+def _key_blocks(d: MatrixState, meta: dict, K: int) -> tuple[dict, int]:
+    """Per-key decay's per-chunk kernels (output, backward) in key blocks of tuning.linear_key_block columns,
+    each its own program (kernels.py `_key_block`): (meta with BK and SPLIT_K, blocks). At BK = 128 the
+    backward's pairwise gradients spilled 3.3 KB a thread at 8 warps (offline sm_90, Triton 3.6); the split
+    backward ran 40% faster on an H100 (BENCHMARKS_HISTORY.md, "Session 14")."""
+    if d.decay != "per_key":
+        return meta, 1
+    BK = min(meta["BK"], tuning.current().linear_key_block)
+    blocks = triton.cdiv(K, BK)
+    return dict(meta, BK=BK, SPLIT_K=blocks > 1), blocks
+
+
 def _fwd(mod, d, meta, q, k, v, G, h0, o, ht, hs, table, scale, store_o, store_final, store_h, direct):
     """The state pass (kernels.py `{name}_fwd`): the outputs into o (store_o: the fused forward), the state
     entering every chunk into hs (store_h), the final states into ht (store_final)."""
@@ -346,22 +361,16 @@ def _plain_backward(d, meta, q, k, v, h0, G, xs, do, dht, hs, dh, dh0, table, co
     dq, dk = _empty(TT, H, K, device=dev), _empty(TT, H, K, device=dev)
     dv = _empty(TT, H, V, device=dev)
     kinds = [d.inputs[n] for n in d.used(d.log_decay) if n in d.inputs] if d.decay != "none" else []
-    per_key = d.decay == "per_key"
-    summed = ("head", "token") if per_key else ("head",)   # atomics add into them
+    summed = ("head", "token") if d.decay == "per_key" else ("head",)   # atomics add into them
     dxs = [torch.zeros(x.shape, device=dev) if kind in summed else _empty(*x.shape, device=dev)
            for x, kind in zip(xs, kinds)]
     hook = [*xs, *dxs, *constants] if d.decay != "none" else []
     if table.n_chunks:
         bwd = _wide(meta, q)
         bwd = dict(bwd, num_warps=_warps(d), **({"num_stages": 1} if bwd is not meta else {}))
-        blocks = 1
-        if per_key:   # key blocks, each its own program (kernels.py `_key_block`): at BK = 128 the pairwise
-            # gradients spilled 3.3 KB a thread at 8 warps (offline sm_90, Triton 3.6); at 64, see BENCHMARKS.md
-            bwd["BK"] = min(bwd["BK"], tuning.current().linear_key_block)
-            blocks = triton.cdiv(K, bwd["BK"])
-            bwd["SPLIT_K"] = blocks > 1
-            if blocks > 1:
-                dv = torch.zeros(TT, H, V, device=dev)
+        bwd, blocks = _key_blocks(d, bwd, K)
+        if blocks > 1:
+            dv.zero_()   # the key blocks' shares add up in it
         _launch(getattr(mod, f"{d.name}_bwd"), (table.n_chunks, H, blocks),
                 (q, k, v, *g, hs, dh, do, dq, dk, dv, table.chunk_tok, table.chunk_len, table.chunk_seq, *hook,
                  scale, H), bwd, direct)
