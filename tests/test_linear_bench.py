@@ -33,3 +33,12 @@ def test_a_wrong_output_fails_the_run_and_is_not_timed(capsys, monkeypatch):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message without a GPU")
 def test_no_gpu_says_so():
     assert bench_linear.main([]) == 2
+
+
+def test_breakdown_times_every_kernel_of_a_forward_and_backward(capsys):
+    """--breakdown: one row per launched kernel (gla's split forward: cumsum, state pass, outputs; then the
+    backward's state recomputation, reverse pass and per-chunk kernel), in launch order."""
+    assert bench_linear.main(TINY + ["--members", "gla", "--breakdown"]) == 0
+    out = capsys.readouterr().out
+    rows = [line.split()[0] for line in out.splitlines() if " grid " in line]
+    assert rows == ["gla_decay_cumsum", "gla_fwd", "gla_fwd_o", "gla_fwd", "gla_bwd_dh", "gla_bwd"], out

@@ -61,11 +61,12 @@ _RECORDING: contextvars.ContextVar = contextvars.ContextVar("linear_launches", d
 
 
 @contextlib.contextmanager
-def recording():
+def recording(run: bool = False):
     """Within the block, launches are recorded as (name, kernel, grid, args, constexprs and options) instead
-    of run (scanlang.tools.offline_compile compiles them for a GPU without one)."""
+    of run (scanlang.tools.offline_compile compiles them for a GPU without one); `run=True` records them and
+    runs them too (bench_linear --breakdown times each one again)."""
     launches = []
-    token = _RECORDING.set(launches)
+    token = _RECORDING.set((launches, run))
     try:
         yield launches
     finally:
@@ -75,10 +76,12 @@ def recording():
 def _launch(kernel, grid, args, meta, direct: bool = True):
     """`kernel[grid](*args, **meta)`; `direct=False` through wrap_triton (which torch.compile traces; its mutation
     analysis needs every parameter, defaulted ones too), and not at all in a shape-only (fake tensor) pass."""
-    launches = _RECORDING.get()
-    if launches is not None:
-        launches.append((kernel.fn.__name__, kernel, grid, tuple(args), dict(meta)))
-    elif direct:
+    recorder = _RECORDING.get()
+    if recorder is not None:
+        recorder[0].append((kernel.fn.__name__, kernel, grid, tuple(args), dict(meta)))
+        if not recorder[1]:
+            return
+    if direct:
         kernel[grid](*args, **meta)
     elif not shapes_only(next(a for a in args if isinstance(a, torch.Tensor))):
         wrap_triton(kernel)[grid](*args, **{**kernel_defaults(kernel), **meta})

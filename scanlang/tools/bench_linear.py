@@ -2,6 +2,8 @@
 reference in the same run.
 
     python -m scanlang.tools.bench_linear [--B 8] [--T 4096] [--H 16] [--K 128] [--V 128] [--chunk 64]
+                                          [--members a,b] [--forward auto|fused|split] [--key-block 64]
+                                          [--breakdown]
 
 Per member (linear_attention, simple_gla, gla and kda on backends/linear; gated_delta_product with n = 2
 on the delta-rule kernels over the interleaved rows), bf16 inputs (the delta members' keys unit vectors): first o and every gradient against
@@ -106,6 +108,19 @@ def time_member(member, B, T, H, K, V, C, device) -> tuple[float, float]:
     return t_fwd, bench_ms(fwd_bwd, device)
 
 
+def breakdown(member, B, T, H, K, V, C, device) -> list[tuple[str, tuple, float]]:
+    """(kernel, grid, ms) of every backends/linear kernel one forward+backward launches, each launch timed
+    again on its own (buffers as the run left them; the delta-rule kernels' members have no rows)."""
+    from scanlang.backends.linear import ops
+    ins = [t.requires_grad_() for t in _inputs(member, B, T, H, K, V, torch.bfloat16, device)]
+    do = torch.randn(B, T, H, V, device=device)
+    with ops.recording(run=True) as launches:
+        o, _ = _call(member, *ins, backend="triton", chunk_size=C)
+        torch.autograd.grad(o, ins, do)
+    return [(name, grid, bench_ms(lambda: kernel[grid](*args, **meta), device))
+            for name, kernel, grid, args, meta in launches]
+
+
 def _fla_op(member):
     """fla's chunk op of `member` with our argument order (q, k, v[, g]), or None without fla-core."""
     try:
@@ -155,6 +170,7 @@ def main(argv=None) -> int:
     p.add_argument("--forward", default="auto", choices=("auto", "fused", "split"),
                    help="the plain-write forward (tuning.linear_forward)")
     p.add_argument("--key-block", type=int, default=64, help="tuning.linear_key_block (per-key backward)")
+    p.add_argument("--breakdown", action="store_true", help="also time each kernel of one forward+backward")
     a = p.parse_args(argv)
     # kda's chunk kernels are refused on CUDA until checked on a GPU (kernels_delta.CUDA_VERIFIED): this run checks
     # every member against float64 before timing it, so it lets them run
@@ -188,6 +204,9 @@ def _run(a) -> int:
             continue
         t_fwd, t_all = time_member(member, a.B, a.T, a.H, a.K, a.V, a.chunk, device)
         print(f"  {member:17s} fwd {t_fwd:8.3f} ms  fwd+bwd {t_all:8.3f} ms  vs float64 (PASS): {ratios}", flush=True)
+        if a.breakdown:
+            for name, grid, ms in breakdown(member, a.B, a.T, a.H, a.K, a.V, a.chunk, device):
+                print(f"  {'':17s}   {name:28s} grid {str(grid):18s} {ms:8.3f} ms", flush=True)
         anchor = time_anchor(member, a.B, a.T, a.H, a.K, a.V, device)
         if anchor is None:
             print(f"  {'':17s} fla: not installed (pip fla-core) or not on a GPU; no anchor")
