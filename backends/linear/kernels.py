@@ -73,7 +73,8 @@ def g_off(decay: str) -> tuple[str, str]:
 
 # ---- helpers every module holds ------------------------------------------------------------------
 
-def helper_kernels() -> list[K.Kernel]:
+def helper_kernels(decay: str = "per_key") -> list[K.Kernel]:
+    """rnd and mm, and (per-key decay) the pairwise products' helpers."""
     rnd = K.Kernel("rnd", (K.Param("x"), K.Param("DT", constexpr=True), K.Param("EMULATE", constexpr=True)), (
         K.If(K.expr("EMULATE and DT == tl.bfloat16"), (
             K.assign("bits", "x.to(tl.float32).to(tl.uint32, bitcast=True)"),
@@ -89,7 +90,7 @@ def helper_kernels() -> list[K.Kernel]:
              (K.Return((K.expr("tl.dot(xr, yr, input_precision=PREC)"),)),)),),
         doc="x @ y, operands in the input dtype DT, fp32 accumulation. UPCAST: the CPU interpreter "
             "multiplies bf16 as integers, so the rounded operands are widened first.")
-    return [rnd, mm, *pairwise_kernels()]
+    return [rnd, mm, *(pairwise_kernels() if decay == "per_key" else ())]
 
 
 def pairwise_kernels() -> list[K.Kernel]:
@@ -106,6 +107,35 @@ def pairwise_kernels() -> list[K.Kernel]:
            K.assign("e_k", "tl.where(before, tl.exp(tl.where(before, G_r[None, :] - G, 0.0)), 0.0)"))
     col_j = (K.assign("j", "j0 + jj"), K.assign("live", "(rows >= j)[:, None]"), K.assign("G_j", "block_row(G, jj, C, BS, BK)"),
              K.assign("k_j", "block_row(k, jj, C, BS, BK)"), K.assign("e", "tl.exp(tl.where(live, G - G_j, 0.0))"))
+    # the same with the rows it broadcasts (G_r, G_j, k_j) loaded from memory (L1) rather than picked out of
+    # the register tiles: no cross-row reduction or reshape, which cost shared-memory round trips and barriers
+    rows_in = lambda r: f"(({r}) < n_rows)"  # noqa: E731
+    row_off = "((tok + {r}) * H + h) * K + kk"
+    ref_loaded = (K.assign("r_ok", "kk * 0 + b * BS - 1 < n_rows"),   # [BK]: the reference row is in the chunk
+                  K.assign("G_r", f"tl.where(r_ok, tl.load(G_ptr + {row_off.format(r='b * BS - 1')}, "
+                                  "mask=r_ok & okk, other=0.0), G_last)"),
+                  *ref[1:])
+    col_loaded = (K.assign("j", "j0 + jj"), K.assign("live", "(rows >= j)[:, None]"),
+                  K.assign("off_j", f"((tok + j)[:, None] * H + h) * K + kk[None, :]"),
+                  K.assign("ok_j", f"{rows_in('j')}[:, None] & okk[None, :]"),
+                  K.assign("G_j", f"tl.where({rows_in('j')}[:, None], tl.load(G_ptr + off_j, mask=ok_j, other=0.0), "
+                                  "G_last[None, :])"),
+                  K.assign("k_j", "tl.load(k_ptr + off_j, mask=ok_j, other=0.0).to(tl.float32)"),
+                  K.assign("e", "tl.exp(tl.where(live, G - G_j, 0.0))"))
+    rows_params = tuple(K.Param(p) for p in ("k_ptr", "G_ptr", "tok", "h", "H", "kk", "okk", "n_rows", "G_last"))
+    qk_loaded = K.Kernel("pairwise_qk_loaded", (K.Param("q"), K.Param("k"), K.Param("G")) + rows_params + (
+        K.Param("K", constexpr=True),) + blocks, (
+        *pre, K.assign("A", "tl.zeros([C, C], dtype=tl.float32)"),
+        K.For("b", K.expr("1"), K.expr("C // BS"), (
+            *ref_loaded, K.assign("A", "A + tl.where(in_b & (cols < b * BS), "
+                               "mm(q * e_q, tl.trans(k * e_k), DT, PREC, UPCAST), 0.0)")),
+            static=True),
+        K.For("jj", K.expr("0"), K.expr("BS"), (
+            *col_loaded, K.assign("col", "tl.sum(tl.where(live, q * e * k_j, 0.0), 1)"),
+            K.assign("A", "tl.where(cols == j[:, None], col[:, None], A)"))),
+        K.Return((K.expr("A"),))),
+        doc="pairwise_qk with the broadcast rows loaded: G, k are the chunk's tiles at rows tok + rows (G with "
+            "rows past n_rows set to G_last), k_ptr, G_ptr the tensors they came from.")
     qk = K.Kernel("pairwise_qk", (K.Param("q"), K.Param("k"), K.Param("G")) + blocks, (
         *pre, K.assign("A", "tl.zeros([C, C], dtype=tl.float32)"),
         K.For("b", K.expr("1"), K.expr("C // BS"), (
@@ -153,7 +183,7 @@ def pairwise_kernels() -> list[K.Kernel]:
     rcum = K.Kernel("block_rcumsum", three(True), (
         K.Return((K.expr("tl.reshape(tl.cumsum(tl.reshape(x, (C // BS, BS, BK)), 1, reverse=True), (C, BK))"),)),),
         doc="[C, BK]: row i holds the sum of x over the rows >= i of i's block of BS rows.")
-    return [row, total, rcum, qk, dqk]
+    return [row, total, rcum, qk, qk_loaded, dqk]
 
 
 # ---- shared statement groups ---------------------------------------------------------------------
@@ -337,7 +367,8 @@ def _pairwise(decay: str) -> tuple:
     if decay == "per_head":
         return (K.assign("D", "tl.where(causal, tl.exp(tl.where(causal, b_G[:, None] - b_G[None, :], 0.0)), 0.0)"),
                 K.assign("A", f"tl.where(causal, {dot('b_q', 'tl.trans(b_k)')} * D, 0.0)"))
-    return (K.assign("A", "pairwise_qk(b_q, b_k, b_G, C, BS, BK, DT, PREC, UPCAST)"),)
+    return (K.assign("A", "pairwise_qk_loaded(b_q, b_k, b_G, k_ptr, G_ptr, tok, h, H, kk, okk, n_rows, G_last, K, "
+                          "C, BS, BK, DT, PREC, UPCAST)"),)
 
 
 def bwd_dh_kernel(decl: MatrixState) -> K.Kernel:
@@ -459,7 +490,7 @@ def module(decl: MatrixState) -> K.Module:
     if decl.correction != "plain":
         raise ValueError(f"declaration: matrix state {decl.name!r} has correction {decl.correction!r}; the generated "
                          "matrix-state kernels cover plain writes so far")
-    kernels = helper_kernels()
+    kernels = helper_kernels(decl.decay)
     if decl.decay != "none":
         kernels.append(cumsum_kernel(decl))
     kernels += [fwd_kernel(decl), out_kernel(decl), bwd_dh_kernel(decl), bwd_kernel(decl)]
