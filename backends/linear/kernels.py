@@ -98,60 +98,80 @@ def pairwise_kernels() -> list[K.Kernel]:
     a pair of different blocks factors through the later block's reference row r (the last row before
     it), e^(G_i - G_r) e^(G_r - G_j), both factors <= 1, so it is one tl.dot per block; a pair inside
     one block is formed exactly, column jj of every block at once (BS steps over [C, BK] tiles), the
-    exponent selected to 0 where i < j before exp and the term selected to 0 after."""
+    exponent selected to 0 where i < j before exp and the term selected to 0 after.
+
+    Each comes twice: `pairwise_qk` / `pairwise_grads` pick the rows they broadcast (G_r, G_j, k_j) out
+    of the register tiles (a cross-row reduction or a reshape each: shared-memory round trips and
+    barriers), `*_loaded` load them from the tensors the tiles came from (L1), given k_ptr, G_ptr and the
+    chunk's tok, h, H, kk, okk, n_rows, G_last (kernels.py's kernels, which have them; the per-key delta
+    kernels form G in the kernel that uses it, so they pick)."""
+    return [*_block_kernels(), _qk(False), _qk(True), _grads(False), _grads(True)]
+
+
+_ROWS = ("k_ptr", "G_ptr", "tok", "h", "H", "kk", "okk", "n_rows", "G_last")
+
+
+def _params_of(names: tuple, loaded: bool) -> tuple:
     blocks = tuple(K.Param(p, constexpr=True) for p in ("C", "BS", "BK", "DT", "PREC", "UPCAST"))
-    pre = (K.assign("rows", "tl.arange(0, C)"), K.assign("cols", "tl.arange(0, C)[None, :]"), K.assign("j0", "rows // BS * BS"))
-    ref = (K.assign("G_r", "tl.sum(tl.where(rows[:, None] == b * BS - 1, G, 0.0), 0)"),
-           K.assign("in_b", "((rows >= b * BS) & (rows < b * BS + BS))[:, None]"), K.assign("before", "(rows < b * BS)[:, None]"),
-           K.assign("e_q", "tl.where(in_b, tl.exp(tl.where(in_b, G - G_r[None, :], 0.0)), 0.0)"),
-           K.assign("e_k", "tl.where(before, tl.exp(tl.where(before, G_r[None, :] - G, 0.0)), 0.0)"))
-    col_j = (K.assign("j", "j0 + jj"), K.assign("live", "(rows >= j)[:, None]"), K.assign("G_j", "block_row(G, jj, C, BS, BK)"),
-             K.assign("k_j", "block_row(k, jj, C, BS, BK)"), K.assign("e", "tl.exp(tl.where(live, G - G_j, 0.0))"))
-    # the same with the rows it broadcasts (G_r, G_j, k_j) loaded from memory (L1) rather than picked out of
-    # the register tiles: no cross-row reduction or reshape, which cost shared-memory round trips and barriers
-    rows_in = lambda r: f"(({r}) < n_rows)"  # noqa: E731
-    row_off = "((tok + {r}) * H + h) * K + kk"
-    ref_loaded = (K.assign("r_ok", "kk * 0 + b * BS - 1 < n_rows"),   # [BK]: the reference row is in the chunk
-                  K.assign("G_r", f"tl.where(r_ok, tl.load(G_ptr + {row_off.format(r='b * BS - 1')}, "
-                                  "mask=r_ok & okk, other=0.0), G_last)"),
-                  *ref[1:])
-    col_loaded = (K.assign("j", "j0 + jj"), K.assign("live", "(rows >= j)[:, None]"),
-                  K.assign("off_j", f"((tok + j)[:, None] * H + h) * K + kk[None, :]"),
-                  K.assign("ok_j", f"{rows_in('j')}[:, None] & okk[None, :]"),
-                  K.assign("G_j", f"tl.where({rows_in('j')}[:, None], tl.load(G_ptr + off_j, mask=ok_j, other=0.0), "
+    rows = tuple(K.Param(p) for p in _ROWS) + (K.Param("K", constexpr=True),) if loaded else ()
+    return tuple(K.Param(p) for p in names) + rows + blocks
+
+
+def _pre() -> tuple:
+    return (K.assign("rows", "tl.arange(0, C)"), K.assign("cols", "tl.arange(0, C)[None, :]"),
+            K.assign("j0", "rows // BS * BS"))
+
+
+def _ref(loaded: bool) -> tuple:
+    """G_r (the reference row b*BS - 1 of block b), in_b, before, and the factors e_q, e_k of block b."""
+    if loaded:
+        g_r = (K.assign("r_ok", "kk * 0 + b * BS - 1 < n_rows"),   # [BK]: the reference row is in the chunk
+               K.assign("G_r", "tl.where(r_ok, tl.load(G_ptr + ((tok + b * BS - 1) * H + h) * K + kk, "
+                               "mask=r_ok & okk, other=0.0), G_last)"))
+    else:
+        g_r = (K.assign("G_r", "tl.sum(tl.where(rows[:, None] == b * BS - 1, G, 0.0), 0)"),)
+    return (*g_r, K.assign("in_b", "((rows >= b * BS) & (rows < b * BS + BS))[:, None]"),
+            K.assign("before", "(rows < b * BS)[:, None]"),
+            K.assign("e_q", "tl.where(in_b, tl.exp(tl.where(in_b, G - G_r[None, :], 0.0)), 0.0)"),
+            K.assign("e_k", "tl.where(before, tl.exp(tl.where(before, G_r[None, :] - G, 0.0)), 0.0)"))
+
+
+def _col(loaded: bool) -> tuple:
+    """j (row jj of each row's block), live (i >= j), G_j, k_j broadcast to the block's rows, e = e^(G - G_j)."""
+    head = (K.assign("j", "j0 + jj"), K.assign("live", "(rows >= j)[:, None]"))
+    if loaded:
+        picked = (K.assign("j_ok", "(j < n_rows)[:, None]"),
+                  K.assign("off_j", "((tok + j)[:, None] * H + h) * K + kk[None, :]"),
+                  K.assign("G_j", "tl.where(j_ok, tl.load(G_ptr + off_j, mask=j_ok & okk[None, :], other=0.0), "
                                   "G_last[None, :])"),
-                  K.assign("k_j", "tl.load(k_ptr + off_j, mask=ok_j, other=0.0).to(tl.float32)"),
-                  K.assign("e", "tl.exp(tl.where(live, G - G_j, 0.0))"))
-    rows_params = tuple(K.Param(p) for p in ("k_ptr", "G_ptr", "tok", "h", "H", "kk", "okk", "n_rows", "G_last"))
-    qk_loaded = K.Kernel("pairwise_qk_loaded", (K.Param("q"), K.Param("k"), K.Param("G")) + rows_params + (
-        K.Param("K", constexpr=True),) + blocks, (
-        *pre, K.assign("A", "tl.zeros([C, C], dtype=tl.float32)"),
+                  K.assign("k_j", "tl.load(k_ptr + off_j, mask=j_ok & okk[None, :], other=0.0).to(tl.float32)"))
+    else:
+        picked = (K.assign("G_j", "block_row(G, jj, C, BS, BK)"), K.assign("k_j", "block_row(k, jj, C, BS, BK)"))
+    return (*head, *picked, K.assign("e", "tl.exp(tl.where(live, G - G_j, 0.0))"))
+
+
+def _qk(loaded: bool) -> K.Kernel:
+    return K.Kernel("pairwise_qk_loaded" if loaded else "pairwise_qk", _params_of(("q", "k", "G"), loaded), (
+        *_pre(), K.assign("A", "tl.zeros([C, C], dtype=tl.float32)"),
         K.For("b", K.expr("1"), K.expr("C // BS"), (
-            *ref_loaded, K.assign("A", "A + tl.where(in_b & (cols < b * BS), "
-                               "mm(q * e_q, tl.trans(k * e_k), DT, PREC, UPCAST), 0.0)")),
+            *_ref(loaded), K.assign("A", "A + tl.where(in_b & (cols < b * BS), "
+                                    "mm(q * e_q, tl.trans(k * e_k), DT, PREC, UPCAST), 0.0)")),
             static=True),
         K.For("jj", K.expr("0"), K.expr("BS"), (
-            *col_loaded, K.assign("col", "tl.sum(tl.where(live, q * e * k_j, 0.0), 1)"),
+            *_col(loaded), K.assign("col", "tl.sum(tl.where(live, q * e * k_j, 0.0), 1)"),
             K.assign("A", "tl.where(cols == j[:, None], col[:, None], A)"))),
         K.Return((K.expr("A"),))),
-        doc="pairwise_qk with the broadcast rows loaded: G, k are the chunk's tiles at rows tok + rows (G with "
-            "rows past n_rows set to G_last), k_ptr, G_ptr the tensors they came from.")
-    qk = K.Kernel("pairwise_qk", (K.Param("q"), K.Param("k"), K.Param("G")) + blocks, (
-        *pre, K.assign("A", "tl.zeros([C, C], dtype=tl.float32)"),
-        K.For("b", K.expr("1"), K.expr("C // BS"), (
-            *ref, K.assign("A", "A + tl.where(in_b & (cols < b * BS), "
-                        "mm(q * e_q, tl.trans(k * e_k), DT, PREC, UPCAST), 0.0)")),
-            static=True),
-        K.For("jj", K.expr("0"), K.expr("BS"), (
-            *col_j, K.assign("col", "tl.sum(tl.where(live, q * e * k_j, 0.0), 1)"),
-            K.assign("A", "tl.where(cols == j[:, None], col[:, None], A)"))),
-        K.Return((K.expr("A"),))),
-        doc="A_ij = sum_k q_ik k_jk exp(G_ik - G_jk) for i >= j, else 0.")
-    dqk = K.Kernel("pairwise_grads", tuple(K.Param(p) for p in ("dA", "q", "k", "G", "W")) + blocks, (
-        *pre, K.assign("X", "tl.zeros_like(q)"), K.assign("Y", "tl.zeros_like(k)"), K.assign("Z", "tl.zeros_like(q)"),
+        doc="A_ij = sum_k q_ik k_jk exp(G_ik - G_jk) for i >= j, else 0" + (
+            " (broadcast rows loaded: pairwise_kernels)." if loaded else "."))
+
+
+def _grads(loaded: bool) -> K.Kernel:
+    return K.Kernel("pairwise_grads_loaded" if loaded else "pairwise_grads",
+                    _params_of(("dA", "q", "k", "G", "W"), loaded), (
+        *_pre(), K.assign("X", "tl.zeros_like(q)"), K.assign("Y", "tl.zeros_like(k)"), K.assign("Z", "tl.zeros_like(q)"),
         K.assign("W_c", "tl.cumsum(W, 0)"),
         K.For("b", K.expr("1"), K.expr("C // BS"), (
-            *ref, K.assign("dA_b", "tl.where(in_b & (cols < b * BS), dA, 0.0)"),
+            *_ref(loaded), K.assign("dA_b", "tl.where(in_b & (cols < b * BS), dA, 0.0)"),
             K.assign("X", "X + e_q * mm(dA_b, k * e_k, DT, PREC, UPCAST)"),
             K.assign("Y", "Y + e_k * mm(tl.trans(dA_b), q * e_q, DT, PREC, UPCAST)"),
             K.assign("Z", "Z + tl.where(in_b, tl.sum(tl.where(rows[:, None] == b * BS - 1, W_c, 0.0), 0)[None, :], 0.0)")),
@@ -159,7 +179,7 @@ def pairwise_kernels() -> list[K.Kernel]:
         K.Comment("the pairs of different blocks, j < t <= i: no diagonal term is among them"),
         K.assign("Z", "Z + tl.cumsum(q * X - k * Y, 0, reverse=True)"),
         K.For("jj", K.expr("0"), K.expr("BS"), (
-            *col_j, K.assign("W_j", "block_row(W, jj, C, BS, BK)"),
+            *_col(loaded), K.assign("W_j", "block_row(W, jj, C, BS, BK)"),
             K.assign("dA_j", "tl.sum(tl.where(cols == j[:, None], dA, 0.0), 1)"),
             K.assign("x_j", "tl.where(live, dA_j[:, None] * k_j * e, 0.0)"), K.assign("X", "X + x_j"),
             K.assign("Y", "Y + tl.where((rows % BS == jj)[:, None], "
@@ -168,7 +188,11 @@ def pairwise_kernels() -> list[K.Kernel]:
         K.Return((K.expr("X"), K.expr("Y"), K.expr("Z")))),
         doc="X_ik = sum_(j <= i) dA_ij k_jk exp(G_ik - G_jk) (dq's part), Y_jk = sum_(i >= j) dA_ij q_ik "
             "exp(G_ik - G_jk) (dk's part) and Z_tk = sum_(j < t <= i) q_ik X's term_ijk + sum_(j < t) W_jk: the "
-            "decay gradient's pairs that straddle t, summed without the cancelling diagonal terms.")
+            "decay gradient's pairs that straddle t, summed without the cancelling diagonal terms" + (
+                " (broadcast rows loaded: pairwise_kernels)." if loaded else "."))
+
+
+def _block_kernels() -> list[K.Kernel]:
     three = lambda body: (K.Param("x"),) + (() if body else (K.Param("jj"),)) + tuple(  # noqa: E731
         K.Param(p, constexpr=True) for p in ("C", "BS", "BK"))
     row = K.Kernel("block_row", three(False), (
@@ -183,7 +207,7 @@ def pairwise_kernels() -> list[K.Kernel]:
     rcum = K.Kernel("block_rcumsum", three(True), (
         K.Return((K.expr("tl.reshape(tl.cumsum(tl.reshape(x, (C // BS, BS, BK)), 1, reverse=True), (C, BK))"),)),),
         doc="[C, BK]: row i holds the sum of x over the rows >= i of i's block of BS rows.")
-    return [row, total, rcum, qk, qk_loaded, dqk]
+    return [row, total, rcum]
 
 
 # ---- shared statement groups ---------------------------------------------------------------------
@@ -462,7 +486,8 @@ def bwd_kernel(decl: MatrixState) -> K.Kernel:
                  K.assign("dq", f"dq_s0 + {dot('dAD', 'b_k')}"),
                  K.assign("dk", f"{dot('tl.trans(dAD)', 'b_q')} + tl.exp(G_last - b_G)[:, None] * dk_state")]
     else:
-        body += [K.assign("X, Y, Z", "pairwise_grads(dA, b_q, b_k, b_G, k_end * dk_state, C, BS, BK, DT, PREC, UPCAST)"),
+        body += [K.assign("X, Y, Z", "pairwise_grads_loaded(dA, b_q, b_k, b_G, k_end * dk_state, k_ptr, G_ptr, tok, h, H, "
+                                     "kk, okk, n_rows, G_last, K, C, BS, BK, DT, PREC, UPCAST)"),
                  K.assign("dq_s0", "scale * tl.exp(b_G) * dq_inter"), K.assign("dq", "dq_s0 + X"),
                  K.assign("dk", "Y + tl.exp(G_last[None, :] - b_G) * dk_state")]
     body += [K.Store(K.expr(f"dq_ptr + {QK_OFF}"), K.expr("dq"), K.expr(QK_MASK)),
