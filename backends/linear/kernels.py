@@ -73,8 +73,9 @@ def g_off(decay: str) -> tuple[str, str]:
 
 # ---- helpers every module holds ------------------------------------------------------------------
 
-def helper_kernels(decay: str = "per_key") -> list[K.Kernel]:
-    """rnd and mm, and (per-key decay) the pairwise products' helpers."""
+def helper_kernels(decay: str = "per_key", loaded: bool = True) -> list[K.Kernel]:
+    """rnd and mm, and (per-key decay) the pairwise products' helpers: those that pick the broadcast rows
+    out of register tiles, and (`loaded`) those that load them (`pairwise_kernels`)."""
     rnd = K.Kernel("rnd", (K.Param("x"), K.Param("DT", constexpr=True), K.Param("EMULATE", constexpr=True)), (
         K.If(K.expr("EMULATE and DT == tl.bfloat16"), (
             K.assign("bits", "x.to(tl.float32).to(tl.uint32, bitcast=True)"),
@@ -90,10 +91,10 @@ def helper_kernels(decay: str = "per_key") -> list[K.Kernel]:
              (K.Return((K.expr("tl.dot(xr, yr, input_precision=PREC)"),)),)),),
         doc="x @ y, operands in the input dtype DT, fp32 accumulation. UPCAST: the CPU interpreter "
             "multiplies bf16 as integers, so the rounded operands are widened first.")
-    return [rnd, mm, *(pairwise_kernels() if decay == "per_key" else ())]
+    return [rnd, mm, *(pairwise_kernels(loaded) if decay == "per_key" else ())]
 
 
-def pairwise_kernels() -> list[K.Kernel]:
+def pairwise_kernels(loaded: bool = True) -> list[K.Kernel]:
     """The per-key products with the pairwise decay e^(G_ik - G_jk) (i >= j), in row blocks of BS:
     a pair of different blocks factors through the later block's reference row r (the last row before
     it), e^(G_i - G_r) e^(G_r - G_j), both factors <= 1, so it is one tl.dot per block; a pair inside
@@ -105,7 +106,7 @@ def pairwise_kernels() -> list[K.Kernel]:
     barriers), `*_loaded` load them from the tensors the tiles came from (L1), given k_ptr, G_ptr and the
     chunk's tok, h, H, kk, okk, n_rows, G_last (kernels.py's kernels, which have them; the per-key delta
     kernels form G in the kernel that uses it, so they pick)."""
-    return [*_block_kernels(), _qk(False), _qk(True), _grads(False), _grads(True)]
+    return [*_block_kernels(), _qk(False), _grads(False), *((_qk(True), _grads(True)) if loaded else ())]
 
 
 _ROWS = ("k_ptr", "G_ptr", "tok", "h", "H", "kk", "okk", "n_rows", "G_last")
