@@ -370,6 +370,15 @@ def out_kernel(decl: MatrixState) -> K.Kernel:
                     doc="Chunk c: O = scale ((Q * e^G) S0 + A V), S0 = the state entering it (hs slot c + n).")
 
 
+def _store_share(ptr: str, value: str, split: bool):
+    """Store `value` at ptr + V_OFF; `split` (per-key decay, whose kernels run in key blocks): it is one key
+    block's share, added to the other blocks' under SPLIT_K and stored when there is one block."""
+    store = K.Store(K.expr(f"{ptr} + {V_OFF}"), K.expr(value), K.expr(V_MASK))
+    if not split:
+        return store
+    return K.If(K.expr("SPLIT_K"), (K.AtomicAdd(K.expr(f"{ptr} + {V_OFF}"), K.expr(value), K.expr(V_MASK)),), (store,))
+
+
 def _outputs(split: bool = False) -> tuple:
     """O = scale ((Q * e^G) S + A V) of the chunk's value block, stored; S its start state, A formed.
     `split`: a key block's share (A and Q S over its keys), added to the other blocks' under SPLIT_K."""
@@ -380,9 +389,7 @@ def _outputs(split: bool = False) -> tuple:
             K.assign("o_c", f"o_inter + {dot('A', 'tl.where(rows[:, None] < first_bad, b_v, 0.0)')}"),
             K.If(K.expr("first_bad < n_rows"), (
                 K.assign("o_c", f"tl.where(rows[:, None] < first_bad, o_c, o_inter + {dot('A', 'b_v')})"),)),
-            *((K.If(K.expr("SPLIT_K"), (K.AtomicAdd(K.expr(f"o_ptr + {V_OFF}"), K.expr("scale * o_c"), K.expr(V_MASK)),),
-                    (K.Store(K.expr(f"o_ptr + {V_OFF}"), K.expr("scale * o_c"), K.expr(V_MASK)),)),) if split else
-              (K.Store(K.expr(f"o_ptr + {V_OFF}"), K.expr("scale * o_c"), K.expr(V_MASK)),)))
+            _store_share("o_ptr", "scale * o_c", split))
 
 
 def _pairwise(decay: str) -> tuple:
@@ -459,11 +466,7 @@ def bwd_kernel(decl: MatrixState) -> K.Kernel:
                       "chunk_tok_ptr", "chunk_len_ptr", "chunk_seq_ptr", *ins, "scale", "H"],
                      SHAPE_CONSTS + (("SPLIT_K",) if d == "per_key" else ()))
     dv = f"scale * {dot('tl.trans(A)', 'b_do')} + {dot('k_end', 'dSe')}"
-    if d == "per_key":   # a key block's share of dv, added to the other blocks' (SPLIT_K) or stored
-        dv_out = K.If(K.expr("SPLIT_K"), (K.AtomicAdd(K.expr(f"dv_ptr + {V_OFF}"), K.expr(dv), K.expr(V_MASK)),),
-                      (K.Store(K.expr(f"dv_ptr + {V_OFF}"), K.expr(dv), K.expr(V_MASK)),))
-    else:
-        dv_out = K.Store(K.expr(f"dv_ptr + {V_OFF}"), K.expr(dv), K.expr(V_MASK))
+    dv_out = _store_share("dv_ptr", dv, d == "per_key")
     vloop = (K.assign("vv", "vb * BV + tl.arange(0, BV)"), K.assign("okv", "vv < V"),
              load("b_v", "v_ptr", V_OFF, V_MASK), load("b_do", "do_ptr", V_OFF, V_MASK),
              load("S0", "hs_ptr", state_off("c + n"), S_MASK), load("dSe", "dh_ptr", state_off("c"), S_MASK),

@@ -125,11 +125,16 @@ def _meta(K: int, V: int, C: int, dtype: torch.dtype, device) -> dict:
                 PREC="ieee" if fp32 else "tf32", UPCAST=device.type == "cpu" and dtype == torch.bfloat16)
 
 
+def _cuda_16bit(q: torch.Tensor) -> bool:
+    """16-bit inputs on CUDA: where Triton 3.6 on sm_90 miscompiled tiles narrower than the chunk."""
+    return q.device.type == "cuda" and q.dtype != torch.float32
+
+
 def _narrow_16bit(meta: dict, q: torch.Tensor) -> bool:
     """Whether a per-key delta backward kernel runs with BV = 16 (CUDA, 16-bit inputs, BV < C): Triton 3.6 on
     sm_90 miscompiled BV = 32 < C = 64 (the plain backward in session 10; KDA's `{name}_bwd_dh` made an illegal
     memory access at V = 32 on an H100 in session 14, and was right at BV = 16 and at BV = 64)."""
-    return q.device.type == "cuda" and q.dtype != torch.float32 and meta["BV"] < meta["C"]
+    return _cuda_16bit(q) and meta["BV"] < meta["C"]
 
 
 def _wide(meta: dict, q: torch.Tensor) -> dict:
@@ -140,7 +145,7 @@ def _wide(meta: dict, q: torch.Tensor) -> dict:
     memory access, at C=64, BV=V=32. Every variant with BV >= C (one stage) or BV=16 was right; the
     states were right throughout. One stage: at BV=64 the pipelined backward needs 245-279 KB of shared
     memory, over the H200's 227 KB."""
-    if q.device.type == "cuda" and q.dtype != torch.float32 and meta["BV"] < meta["C"]:
+    if _narrow_16bit(meta, q):
         return dict(meta, BV=meta["C"])
     return meta
 
@@ -192,9 +197,7 @@ def _forward(d: MatrixState, q, k, v, h0, xs, table, constants, scale: float, C:
     hs = _empty(table.n_chunks + table.n_seq, H, meta["K"], V, device=dev, dtype=q.dtype)
     _fwd(mod, d, meta, q, k, v, G, h0, o, ht, hs, table, scale, False, True, True, direct)
     g = (G,) if G is not None else ()
-    out = _wide(meta, q)
-    out, blocks = _key_blocks(d, dict(out, num_warps=_warps(d), **({"num_stages": 1} if out is not meta else {})),
-                              q.shape[-1])
+    out, blocks = _per_chunk_meta(d, meta, q)
     if blocks > 1:
         o.zero_()   # the key blocks' shares add up in it
     _launch(getattr(mod, f"{d.name}_fwd_o"), (table.n_chunks, H, blocks),
@@ -310,16 +313,19 @@ def _split_forward(d: MatrixState) -> bool:
     return d.decay == "per_key" if choice == "auto" else choice == "split"
 
 
-def _key_blocks(d: MatrixState, meta: dict, K: int) -> tuple[dict, int]:
-    """Per-key decay's per-chunk kernels (output, backward) in key blocks of tuning.linear_key_block columns,
-    each its own program (kernels.py `_key_block`): (meta with BK and SPLIT_K, blocks). At BK = 128 the
-    backward's pairwise gradients spilled 3.3 KB a thread at 8 warps (offline sm_90, Triton 3.6); the split
-    backward ran 40% faster on an H100 (BENCHMARKS_HISTORY.md, "Session 14")."""
+def _per_chunk_meta(d: MatrixState, meta: dict, q: torch.Tensor) -> tuple[dict, int]:
+    """(launch meta, key blocks) of the plain-write per-chunk kernels (`{name}_fwd_o`, `{name}_bwd`): `_wide`'s
+    BV >= C with one stage for 16-bit CUDA inputs, `_warps`, and for per-key decay key blocks of
+    tuning.linear_key_block columns, each its own program (kernels.py `_key_block`; SPLIT_K when there are
+    several). At BK = 128 the backward's pairwise gradients spilled 3.3 KB a thread at 8 warps (offline sm_90,
+    Triton 3.6); the split backward ran 40% faster on an H100 (BENCHMARKS_HISTORY.md, "Session 14")."""
+    wide = _wide(meta, q)
+    out = dict(wide, num_warps=_warps(d), **({"num_stages": 1} if wide is not meta else {}))
     if d.decay != "per_key":
-        return meta, 1
-    BK = min(meta["BK"], tuning.current().linear_key_block)
-    blocks = triton.cdiv(K, BK)
-    return dict(meta, BK=BK, SPLIT_K=blocks > 1), blocks
+        return out, 1
+    BK = min(out["BK"], tuning.current().linear_key_block)
+    blocks = triton.cdiv(q.shape[-1], BK)
+    return dict(out, BK=BK, SPLIT_K=blocks > 1), blocks
 
 
 def _fwd(mod, d, meta, q, k, v, G, h0, o, ht, hs, table, scale, store_o, store_final, store_h, direct):
@@ -369,9 +375,7 @@ def _plain_backward(d, meta, q, k, v, h0, G, xs, do, dht, hs, dh, dh0, table, co
            for x, kind in zip(xs, kinds)]
     hook = [*xs, *dxs, *constants] if d.decay != "none" else []
     if table.n_chunks:
-        bwd = _wide(meta, q)
-        bwd = dict(bwd, num_warps=_warps(d), **({"num_stages": 1} if bwd is not meta else {}))
-        bwd, blocks = _key_blocks(d, bwd, K)
+        bwd, blocks = _per_chunk_meta(d, meta, q)
         if blocks > 1:
             dv.zero_()   # the key blocks' shares add up in it
         _launch(getattr(mod, f"{d.name}_bwd"), (table.n_chunks, H, blocks),
@@ -429,7 +433,7 @@ def _delta_backward(d, meta, q, k, v, h0, G, wy, xs, do, dht, hs, dh, dh0, table
         # (offline sm_90 compile, Triton 3.6; the H200 has 232,448), and BV = 32 < C is the width Triton 3.6
         # miscompiled in the plain backward; BV = 16 was right there (BENCHMARKS_HISTORY.md, "Session 10")
         bwd.update(BV=16, num_stages=1)
-    if q.device.type == "cuda" and q.dtype != torch.float32:
+    if _cuda_16bit(q):
         # key tiles at least C wide (masked past K): at K = 32 (BK = 32 < C = 64) with bf16 inputs this kernel made
         # an illegal memory access on an H100 under Triton 3.6; BK = C was right (BENCHMARKS_HISTORY.md, "Session 14")
         bwd["BK"] = max(bwd["BK"], meta["C"])
