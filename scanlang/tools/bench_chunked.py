@@ -1,6 +1,6 @@
 """GPU benchmark of the chunk-parallel schedule: the affine scan with few lanes and a long T.
 
-    python -m scanlang.tools.bench_chunked [--shape 1,16,1048576] [--chunk 2048] [--single-pass [--lookback 32]]
+    python -m scanlang.tools.bench_chunked [--shape 1,16,1048576] [--chunk 2048 [--warps 4,8]] [--single-pass [--lookback 32]]
 
 Times `sl.scan(sl.Affine, (a, b), dim=2)` at fp32 [B, D, T] (T contiguous; the default is the
 prefill-at-batch-1 row of DESIGN.md's targets) forward and forward+backward against a copy of the
@@ -48,6 +48,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m scanlang.tools.bench_chunked", description=__doc__.split("\n")[0])
     parser.add_argument("--shape", default=f"1,16,{1 << 20}", help="B,D,T (default 1,16,1048576)")
     parser.add_argument("--chunk", type=int, default=0, help="steps per chunk (default: choose_config's)")
+    parser.add_argument("--warps", default="4,8", help="with --chunk: warps of the forward and backward kernels (default 4,8)")
     parser.add_argument("--single-pass", action="store_true", help="the one-pass look-back variant")
     parser.add_argument("--lookback", type=int, default=32, help="its chunks per look-back window (a power of two)")
     args = parser.parse_args(argv)
@@ -59,8 +60,14 @@ def main(argv=None) -> int:
     if args.chunk:
         if args.chunk < 1 or args.chunk & (args.chunk - 1):
             parser.error(f"--chunk: expected a power of two, got {args.chunk}")
-        cfg = runtime.Config(block_t=args.chunk, block_l=1, num_warps=4, schedule="chunked")
-        forced = {(True, False): cfg, (True, True): dataclasses.replace(cfg, num_warps=8)}
+        try:
+            fwd_warps, bwd_warps = (int(w) for w in args.warps.split(","))
+        except ValueError:
+            fwd_warps = bwd_warps = 0
+        if not all(w in (1, 2, 4, 8, 16, 32) for w in (fwd_warps, bwd_warps)):
+            parser.error(f"--warps: expected two powers of two in 1..32 (forward,backward), got {args.warps!r}")
+        cfg = runtime.Config(block_t=args.chunk, block_l=1, num_warps=fwd_warps, schedule="chunked")
+        forced = {(True, False): cfg, (True, True): dataclasses.replace(cfg, num_warps=bwd_warps)}
     if not torch.cuda.is_available():
         print("bench_chunked: needs a CUDA GPU", file=sys.stderr)
         return 2
