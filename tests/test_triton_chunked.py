@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import scanlang as sl
+from scanlang import tuning
 from scanlang.backends.triton import chunked_launch, plan, runtime
 from scanlang.testing import assert_close
 
@@ -179,18 +180,43 @@ def test_long_sequence(chunked, kind, dtype, T):
 
 # ---- the pick ----------------------------------------------------------------------------------------
 
-def test_choose_config_picks_chunked_for_few_lanes_and_long_time(monkeypatch):
-    """[1, 16, 2^20] with time contiguous: the chunk-parallel schedule on the GPU branch (2048-step
-    chunks, one lane per program), not for many lanes, short sequences or programs without it."""
+def test_choose_config_picks_chunked_for_few_lanes_and_long_time(monkeypatch, knobs):
+    """[1, 16, 2^20] with time contiguous: the chunk-parallel schedule on the GPU branch (one lane per
+    program; 4096-step chunks and a 32-warp backward in one pass, 2048 and 16 in three kernels), not for
+    many lanes, short sequences or programs without it."""
     monkeypatch.setattr(runtime.settings, "triton_interpret", lambda: False)
-    for backward in (False, True):
-        cfg = runtime.choose_config(1 << 20, 16, True, 1, backward=backward, checkpoint=True, chunkable=True)
-        assert cfg.schedule == "chunked" and cfg.block_t == 2048 and cfg.block_l == 1
+    for single, chunk, warps in ((True, 4096, 32), (False, 2048, 16)):
+        knobs(chunk_single_pass=single)
+        for backward in (False, True):
+            cfg = runtime.choose_config(1 << 20, 16, True, 1, backward=backward, checkpoint=True, chunkable=True)
+            assert cfg.schedule == "chunked" and cfg.block_t == chunk and cfg.block_l == 1
+            assert cfg.num_warps == (warps if backward else 4)
+        assert plan.chunk_of(runtime.chunked_config(1 << 20, 16, True, False, interpret=False)) == chunk
     assert runtime.choose_config(1 << 20, 16, False, 1, chunkable=True).schedule == "chunked"
     assert runtime.choose_config(1 << 20, 16, True, 1, chunkable=False).schedule == "tile"
     assert runtime.choose_config(4096, 16, True, 1, chunkable=True).schedule == "tile"           # short T
     assert runtime.choose_config(1536 * 8 * 4, 12288, True, 1, chunkable=True).schedule == "tile"  # many lanes
-    assert plan.chunk_of(runtime.chunked_config(1 << 20, 16, True, False, interpret=False)) == 2048
+
+
+@pytest.fixture
+def deterministic():
+    """torch.use_deterministic_algorithms(True) for the test, restored after."""
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    yield
+    torch.use_deterministic_algorithms(before)
+
+
+def test_deterministic_algorithms_run_the_three_kernels(knobs, deterministic):
+    """The one-pass variant is the default, but its carries depend on how far each look-back reached:
+    under torch.use_deterministic_algorithms the three kernels per pass run, bit for bit the same each run."""
+    cfg = runtime.Config(block_t=8, block_l=4, num_warps=1, schedule="chunked")
+    knobs(forced={(c, b): cfg for c in (False, True) for b in (False, True)})
+    assert tuning.current().chunk_single_pass and not chunked_launch.single_pass()
+    assert chunked_launch.kernel_names() == chunked_launch.chunked.KERNELS
+    check("Affine", (1, 3, 37), 2, False, True)
+    torch.use_deterministic_algorithms(False)
+    assert chunked_launch.single_pass() and chunked_launch.kernel_names() == chunked_launch.chunked_lookback.KERNELS
 
 
 def test_plan_picks_chunked_for_a_plain_scan_not_for_packed_sequences():

@@ -1,5 +1,6 @@
-"""Launching the chunk-parallel schedule: three kernels per pass (kernel/chunked.py), or one with a
-decoupled look-back (kernel/chunked_lookback.py) under the tuning knob `chunk_single_pass`.
+"""Launching the chunk-parallel schedule: one kernel per pass with a decoupled look-back
+(kernel/chunked_lookback.py; the tuning knob `chunk_single_pass`, the default), or three
+(kernel/chunked.py) when the knob is off or torch's deterministic algorithms are on.
 
 The chunked kernels live in their own generated module (one per program and variant, rendered and
 loaded the first time a config picks the schedule), so the tile and lane modules stay as they are.
@@ -20,7 +21,7 @@ from scanlang import tuning
 
 from . import launcher
 from .kernel import chunked, chunked_lookback
-from .runtime import Config, load
+from .runtime import Config, chunk_single_pass, load
 
 _MODULES: dict[tuple[str, bool], object] = {}
 # kernel name -> launches since import: how a test sees that the chunked kernels really ran
@@ -32,8 +33,9 @@ def _cdiv(a: int, b: int) -> int:
 
 
 def single_pass() -> bool:
-    """Whether the one-pass look-back variant runs (the tuning knob `chunk_single_pass`)."""
-    return tuning.current().chunk_single_pass
+    """Whether the one-pass look-back variant runs (runtime.chunk_single_pass: the tuning knob, unless
+    torch's deterministic algorithms are on)."""
+    return chunk_single_pass()
 
 
 def kernel_names() -> tuple[str, ...]:

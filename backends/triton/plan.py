@@ -354,5 +354,6 @@ PLANS = PlanCache()
 
 
 def overrides() -> tuple:
-    """The launch-time knobs in effect (`scanlang.tuning`, forced configs included) as part of a plan key."""
-    return tuning.current().launch_key
+    """The launch-time knobs in effect (`scanlang.tuning`, forced configs included) and whether torch's
+    deterministic algorithms are on (they pick the chunk-parallel variant) as part of a plan key."""
+    return tuning.current().launch_key, torch.are_deterministic_algorithms_enabled()

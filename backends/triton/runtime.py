@@ -209,16 +209,29 @@ def prefers_chunked(T: int, L: int) -> bool:
     return L < 512 and T >= 8192
 
 
+def chunk_single_pass() -> bool:
+    """Whether the chunk-parallel schedule runs its one-pass variant (kernel/chunked_lookback.py): the
+    tuning knob `chunk_single_pass`, unless torch.use_deterministic_algorithms is on. A one-pass carry
+    depends on how far each look-back reached, so its last bits can differ between runs; the three
+    kernels per pass (kernel/chunked.py) give the same bits every run."""
+    return tuning.current().chunk_single_pass and not torch.are_deterministic_algorithms_enabled()
+
+
 def chunked_config(T: int, L: int, time_contiguous: bool, backward: bool, interpret: bool) -> Config:
     """The chunk-parallel launch: one chunk of block_t steps per program (both passes: the backward's
     chunk is the forward's checkpoint interval), a single lane when time is contiguous (the tile's
-    rows are consecutive addresses), 16 lanes otherwise (one row of a tile: 64 contiguous bytes)."""
+    rows are consecutive addresses), 16 lanes otherwise (one row of a tile: 64 contiguous bytes).
+    Time contiguous, the one-pass variant takes 4096-step chunks and a backward of 32 warps (its
+    ~150 registers a thread at 8 warps leave one program of 8 warps per SM; at 32 warps, 56 registers
+    and four times the loads in flight); the three-kernel variant 2048 steps and 16 warps (BENCHMARKS.md)."""
     pow2 = 1 << max(0, (T - 1).bit_length())
     if interpret:
         return Config(block_t=min(8, pow2), block_l=min(4, 1 << max(0, (L - 1).bit_length())), num_warps=1,
                       schedule="chunked")
     if time_contiguous:
-        return Config(block_t=min(2048, pow2), block_l=1, num_warps=8 if backward else 4, schedule="chunked")
+        block_t = min(4096 if chunk_single_pass() else 2048, pow2)
+        warps = max(4, min(32 if chunk_single_pass() else 16, block_t // 128)) if backward else 4
+        return Config(block_t=block_t, block_l=1, num_warps=warps, schedule="chunked")
     return Config(block_t=min(256, pow2), block_l=16, num_warps=8 if backward else 4, schedule="chunked")
 
 

@@ -1,12 +1,12 @@
 """GPU benchmark of the chunk-parallel schedule: the affine scan with few lanes and a long T.
 
-    python -m scanlang.tools.bench_chunked [--shape 1,16,1048576] [--chunk 2048 [--warps 4,8]] [--single-pass [--lookback 32]]
+    python -m scanlang.tools.bench_chunked [--shape 1,16,1048576] [--chunk 2048 [--warps 4,8]] [--three-pass | --lookback 32]
 
 Times `sl.scan(sl.Affine, (a, b), dim=2)` at fp32 [B, D, T] (T contiguous; the default is the
 prefill-at-batch-1 row of DESIGN.md's targets) forward and forward+backward against a copy of the
 same bytes (torch clone of the tensors each pass must read and write once) and accelerated-scan's
-Triton kernel when it is importable; `--single-pass` times the one-pass look-back variant
-(tuning.chunk_single_pass) instead of the three kernels per pass. Before timing, outputs and
+Triton kernel when it is importable; the one-pass look-back variant runs (tuning.chunk_single_pass,
+the default), or with `--three-pass` the three kernels per pass. Before timing, outputs and
 gradients are checked against the float64 reference backend (scanlang.testing's fp32 GPU rows); a
 mismatch, or a pick other than the chunk-parallel kernels, exits 1. Prints a table of ms, GB/s and % of copy bandwidth.
 
@@ -31,6 +31,21 @@ def _bench(fn) -> float:
     return tt.do_bench(fn, warmup=25, rep=100, return_mode="median")
 
 
+def _gpu_ms(fn, calls: int = 20) -> float:
+    """Milliseconds of GPU work per call (kernels, memsets, copies: torch.profiler's device time), which
+    leaves out the host's gaps between launches that `_bench` sees when the GPU outruns Python."""
+    from torch.profiler import ProfilerActivity, profile
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    gpu = torch.autograd.DeviceType.CUDA   # the device's own events only: a CPU op's total repeats its kernels'
+    total_us = sum(e.device_time_total for e in prof.events() if e.device_type == gpu)
+    return total_us / 1e3 / calls
+
+
 def _parse_shape(text: str) -> tuple[int, int, int]:
     try:
         shape = tuple(int(v) for v in text.split(","))
@@ -49,7 +64,7 @@ def main(argv=None) -> int:
     parser.add_argument("--shape", default=f"1,16,{1 << 20}", help="B,D,T (default 1,16,1048576)")
     parser.add_argument("--chunk", type=int, default=0, help="steps per chunk (default: choose_config's)")
     parser.add_argument("--warps", default="4,8", help="with --chunk: warps of the forward and backward kernels (default 4,8)")
-    parser.add_argument("--single-pass", action="store_true", help="the one-pass look-back variant")
+    parser.add_argument("--three-pass", action="store_true", help="the three kernels per pass, not the one-pass variant")
     parser.add_argument("--lookback", type=int, default=32, help="its chunks per look-back window (a power of two)")
     args = parser.parse_args(argv)
     try:
@@ -73,7 +88,7 @@ def main(argv=None) -> int:
         return 2
     if args.lookback < 1 or args.lookback & (args.lookback - 1):
         parser.error(f"--lookback: expected a power of two, got {args.lookback}")
-    with tuning.override(chunk_single_pass=args.single_pass, chunk_lookback=args.lookback), \
+    with tuning.override(chunk_single_pass=not args.three_pass, chunk_lookback=args.lookback), \
             tuning.override(forced=forced) if forced else contextlib.nullcontext():
         return _checked_then_timed(B, D, T)
 
@@ -94,7 +109,8 @@ def _checked_then_timed(B: int, D: int, T: int) -> int:
     # correctness first: float64 reference (blocked torch scan) and its autograd
     a64, b64 = a.double().requires_grad_(), b.double().requires_grad_()
     ref = sl.scan(sl.Affine, (a64, b64), dim=2, backend="reference")
-    ref_grads = torch.autograd.grad(ref.b, (a64, b64), g.double())
+    ref_grads = torch.autograd.grad(ref.b, (a64, b64), g.double(), allow_unused=True)   # T = 1: out.b is b alone
+    ref_grads = [torch.zeros_like(x) if d is None else d for x, d in zip((a64, b64), ref_grads)]
     ref = [r.detach() for r in ref]
     before = dict(chunked_launch.LAUNCHED)
     al, bl = a.clone().requires_grad_(), b.clone().requires_grad_()
@@ -118,21 +134,20 @@ def _checked_then_timed(B: int, D: int, T: int) -> int:
 
     rows = []
 
-    def add(name, ms, nbytes, copy_gbs=None):
-        gbs = nbytes / ms / 1e6
-        rows.append((name, ms, gbs, None if copy_gbs is None else 100 * gbs / copy_gbs))
-        return gbs
+    def add(name, fn, nbytes, copy=None):
+        """A row: wall ms (do_bench), GPU ms (device time) and their GB/s as % of the copy's."""
+        row = (name, _bench(fn), _gpu_ms(fn), nbytes)
+        rows.append(row)
+        return row
 
-    copy_gbs = add("copy (clone a, b)", _bench(lambda: (a.clone(), b.clone())), 4 * n * 4)
-    rows[-1] = rows[-1][:3] + (100.0,)
+    copy = add("copy (clone a, b)", lambda: (a.clone(), b.clone()), 4 * n * 4)
     variant = "one-pass" if tuning.current().chunk_single_pass else "three-pass"
-    add(f"scanlang chunked {variant} fwd", _bench(lambda: sl.scan(sl.Affine, (a, b), dim=2, backend="triton")), 4 * n * 4,
-        copy_gbs)
+    add(f"scanlang chunked {variant} fwd", lambda: sl.scan(sl.Affine, (a, b), dim=2, backend="triton"), 4 * n * 4)
 
     def fwd_bwd():
         o = sl.scan(sl.Affine, (al, bl), dim=2, backend="triton")
         return torch.autograd.grad(o.b, (al, bl), g)
-    add(f"scanlang chunked {variant} fwd+bwd", _bench(fwd_bwd), 9 * n * 4, copy_gbs)
+    add(f"scanlang chunked {variant} fwd+bwd", fwd_bwd, 9 * n * 4)
     try:   # its Triton kernel: accelerated_scan.scalar in 0.3, .triton in earlier releases
         from accelerated_scan.scalar import scan as accelerated
     except ImportError:
@@ -143,17 +158,19 @@ def _checked_then_timed(B: int, D: int, T: int) -> int:
             print(f"accelerated-scan unavailable: {exc}")
     if accelerated is not None:
         ac, bc = a.contiguous(), b.contiguous()
-        add("accelerated-scan (Triton) fwd", _bench(lambda: accelerated(ac, bc)), 3 * n * 4, copy_gbs)
+        add("accelerated-scan (Triton) fwd", lambda: accelerated(ac, bc), 3 * n * 4)
         aa, ba = ac.clone().requires_grad_(), bc.clone().requires_grad_()
-        add("accelerated-scan (Triton) fwd+bwd",
-            _bench(lambda: torch.autograd.grad(accelerated(aa, ba), (aa, ba), g)), 8 * n * 4, copy_gbs)
+        add("accelerated-scan (Triton) fwd+bwd", lambda: torch.autograd.grad(accelerated(aa, ba), (aa, ba), g), 8 * n * 4)
     import triton
     print(f"\naffine scan fp32 [{B}, {D}, {T}], T contiguous; {torch.cuda.get_device_name()}, torch "
-          f"{torch.__version__}, Triton {triton.__version__}; median of triton.testing.do_bench")
-    print(f"| {'what':<34} | {'ms':>9} | {'GB/s':>8} | {'% of copy':>9} |")
-    print(f"|{'-' * 36}|{'-' * 11}|{'-' * 10}|{'-' * 11}|")
-    for name, ms, gbs, pct in rows:
-        print(f"| {name:<34} | {ms:9.4f} | {gbs:8.1f} | {pct:8.1f}% |")
+          f"{torch.__version__}, Triton {triton.__version__}; wall: median of triton.testing.do_bench; GPU: device "
+          "time per call (torch.profiler), the host's gaps left out; % of the copy's GB/s, wall and GPU")
+    print(f"| {'what':<34} | {'wall ms':>9} | {'GPU ms':>9} | {'GPU GB/s':>8} | {'% wall':>7} | {'% GPU':>7} |")
+    print(f"|{'-' * 36}|{'-' * 11}|{'-' * 11}|{'-' * 10}|{'-' * 9}|{'-' * 9}|")
+    copy_wall, copy_gpu = copy[3] / copy[1], copy[3] / copy[2]
+    for name, wall, gpu, nbytes in rows:
+        print(f"| {name:<34} | {wall:9.4f} | {gpu:9.4f} | {nbytes / gpu / 1e6:8.1f} | "
+              f"{100 * nbytes / wall / copy_wall:6.1f}% | {100 * nbytes / gpu / copy_gpu:6.1f}% |")
     return 0
 
 
