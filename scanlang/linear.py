@@ -58,7 +58,7 @@ RESERVED = ("q", "k", "v", KEY_NORM, "scale", "initial_state", "output_final_sta
 # tests/test_linear_family.py derives both sets from the rendered modules and checks they are exactly these.
 DECODE_NAMES = ("cu", "h0", "ht", "k", "o", "q", "v")
 CHUNK_NAMES = ("G", "chunk_len", "chunk_seq", "chunk_tok", "dh", "dh0", "dht", "dk", "do", "dq", "dv", "h",
-               "h0", "hs", "ht", "j", "k", "o", "q", "seq_chunk0", "v", "wy_aqk", "wy_beta", "wy_tm", "wy_w")
+               "h0", "hs", "ht", "k", "o", "q", "seq_chunk0", "v", "wy_aqk", "wy_beta", "wy_tm", "wy_w")
 _PROOFS: "dict[tuple, str]" = {}   # (decay, correction, steps) -> report: the proof depends on the structure only
 
 

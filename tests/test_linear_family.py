@@ -272,7 +272,7 @@ def test_the_names_a_declaration_may_not_take_are_the_ones_the_generated_kernels
 
 
 @pytest.mark.parametrize("arg", ["inputs", "constants"])
-@pytest.mark.parametrize("name", ["h0", "dq", "o", "j", "chunk_tok", "h"])
+@pytest.mark.parametrize("name", ["h0", "dq", "o", "G", "chunk_tok", "h"])
 def test_a_name_that_would_shadow_a_generated_one_is_refused(arg, name):
     kwargs = {"inputs": {name: "token"}} if arg == "inputs" else {"constants": {name: 1.0}}
     with pytest.raises(ValueError, match=rf"{arg}: '{name}' would shadow a name of the generated kernels"):

@@ -27,9 +27,10 @@ Kernels (one module per declaration; C, K, V, BK, BV are constexprs):
     {name}_bwd_dh         per (sequence, head, value block), chunks in reverse: dS_end of every chunk
                           (dS0 = e^(G_L) dS_end + scale (Q * e^G)^T dO) and d(initial state)
     {name}_bwd            per (chunk, head): dq, dk, dv and, with decay, dg_t = dL/dg_t (each pair
-                          (i, j) of rows, e^(G_i - G_j), depends on g_t for j < t <= i; summed that
-                          way rather than as the reverse cumsum of q dq - k dk, whose diagonal terms
-                          cancel: at g = -20 that difference is all rounding), then d(hook inputs) =
+                          (i, j) of rows, e^(G_i - G_j), depends on g_t for j < t <= i: the reverse
+                          cumsum of q X - k Y over the pairs i > j alone, never through q dq - k dk,
+                          whose diagonal terms i = j cancel: at g = -20 that difference is all
+                          rounding), then d(hook inputs) =
                           dg * the hook's sympy derivative.
 Masks are selects (tl.where), never products with a 0/1 mask: a NaN or inf in a later row must not
 reach an earlier one. The one product that would carry it back, A V (0 * NaN), takes V with rows from
@@ -99,13 +100,15 @@ def pairwise_kernels(loaded: bool = True) -> list[K.Kernel]:
     a pair of different blocks factors through the later block's reference row r (the last row before
     it), e^(G_i - G_r) e^(G_r - G_j), both factors <= 1, so it is one tl.dot per block; a pair inside
     one block is formed exactly, column jj of every block at once (BS steps over [C, BK] tiles), the
-    exponent selected to 0 where i < j before exp and the term selected to 0 after.
+    exponent selected to 0 where i < j before exp and the term selected to 0 after. The gradients
+    step twice through a block: over its columns j (dq's part, row i gathers) and over its rows i
+    (dk's part, column j gathers), so no step sums across the rows of a block.
 
-    Each comes twice: `pairwise_qk` / `pairwise_grads` pick the rows they broadcast (G_r, G_j, k_j) out
-    of the register tiles (a cross-row reduction or a reshape each: shared-memory round trips and
-    barriers), `*_loaded` load them from the tensors the tiles came from (L1), given k_ptr, G_ptr and the
-    chunk's tok, h, H, kk, okk, n_rows, G_last (kernels.py's kernels, which have them; the per-key delta
-    kernels form G in the kernel that uses it, so they pick)."""
+    Each comes twice: `pairwise_qk` / `pairwise_grads` pick the rows they broadcast (G_r, G_j, k_j,
+    q_i) out of the register tiles (a cross-row reduction or a reshape each: shared-memory round trips
+    and barriers), `*_loaded` load them from the tensors the tiles came from (L1), given q_ptr (the
+    gradients), k_ptr, G_ptr and the chunk's tok, h, H, kk, okk, n_rows, G_last (kernels.py's kernels,
+    which have them; the per-key delta kernels form G in the kernel that uses it, so they pick)."""
     return [*_block_kernels(), _qk(False), _grads(False), *((_qk(True), _grads(True)) if loaded else ())]
 
 
@@ -166,49 +169,70 @@ def _qk(loaded: bool) -> K.Kernel:
             " (broadcast rows loaded: pairwise_kernels)." if loaded else "."))
 
 
+def _rows_at(loaded: bool, what: str, step: str) -> tuple:
+    """The rows one step of an in-block loop broadcasts: s_<what> = row `step` of each row's block, and
+    G and k there (`what` "j", the pairs' columns: G_j, k_j) or G and q (`what` "i", their rows: G_i,
+    q_i), loaded or picked (`pairwise_kernels`)."""
+    src = "k" if what == "j" else "q"
+    head = (K.assign(f"s_{what}", f"j0 + {step}"),)
+    if loaded:
+        return head + (K.assign("s_ok", f"(s_{what} < n_rows)[:, None]"),
+                       K.assign("off_s", f"((tok + s_{what})[:, None] * H + h) * K + kk[None, :]"),
+                       K.assign(f"G_{what}", "tl.where(s_ok, tl.load(G_ptr + off_s, mask=s_ok & okk[None, :], other=0.0), "
+                                             "G_last[None, :])"),
+                       K.assign(f"{src}_{what}", f"tl.load({src}_ptr + off_s, mask=s_ok & okk[None, :], other=0.0)"
+                                                 ".to(tl.float32)"))
+    return head + (K.assign(f"G_{what}", f"block_row(G, {step}, C, BS, BK)"),
+                   K.assign(f"{src}_{what}", f"block_row({src}, {step}, C, BS, BK)"))
+
+
 def _grads(loaded: bool) -> K.Kernel:
-    return K.Kernel("pairwise_grads_loaded" if loaded else "pairwise_grads",
-                    _params_of(("dA", "q", "k", "G", "W"), loaded), (
-        *_pre(), K.assign("X", "tl.zeros_like(q)"), K.assign("Y", "tl.zeros_like(k)"), K.assign("Z", "tl.zeros_like(q)"),
-        K.assign("W_c", "tl.cumsum(W, 0)"),
+    extra = (K.Param("q_ptr"),) if loaded else ()
+    params = _params_of(("dA", "q", "k", "G", "W"), loaded)
+    params = params[:5] + extra + params[5:]
+    return K.Kernel("pairwise_grads_loaded" if loaded else "pairwise_grads", params, (
+        *_pre(), K.assign("X", "tl.zeros_like(q)"), K.assign("Y", "tl.zeros_like(k)"),
         K.For("b", K.expr("1"), K.expr("C // BS"), (
             *_ref(loaded), K.assign("dA_b", "tl.where(in_b & (cols < b * BS), dA, 0.0)"),
             K.assign("X", "X + e_q * mm(dA_b, k * e_k, DT, PREC, UPCAST)"),
-            K.assign("Y", "Y + e_k * mm(tl.trans(dA_b), q * e_q, DT, PREC, UPCAST)"),
-            K.assign("Z", "Z + tl.where(in_b, tl.sum(tl.where(rows[:, None] == b * BS - 1, W_c, 0.0), 0)[None, :], 0.0)")),
+            K.assign("Y", "Y + e_k * mm(tl.trans(dA_b), q * e_q, DT, PREC, UPCAST)")),
             static=True),
-        K.Comment("the pairs of different blocks, j < t <= i: no diagonal term is among them"),
-        K.assign("Z", "Z + tl.cumsum(q * X - k * Y, 0, reverse=True)"),
+        K.Comment("pairs inside a block, i > j: X over the columns j of each row, Y over the rows i of each column"),
         K.For("jj", K.expr("0"), K.expr("BS"), (
-            *_col(loaded), K.assign("W_j", "block_row(W, jj, C, BS, BK)"),
-            K.assign("dA_j", "tl.sum(tl.where(cols == j[:, None], dA, 0.0), 1)"),
-            K.assign("x_j", "tl.where(live, dA_j[:, None] * k_j * e, 0.0)"), K.assign("X", "X + x_j"),
-            K.assign("Y", "Y + tl.where((rows % BS == jj)[:, None], "
-                   "block_sum(tl.where(live, dA_j[:, None] * q * e, 0.0), C, BS, BK), 0.0)"),
-            K.assign("Z", "Z + tl.where((rows > j)[:, None], block_rcumsum(x_j * q, C, BS, BK) + W_j, 0.0)"))),
-        K.Return((K.expr("X"), K.expr("Y"), K.expr("Z")))),
+            *_rows_at(loaded, "j", "jj"), K.assign("live", "(rows > s_j)[:, None]"),
+            K.assign("e", "tl.exp(tl.where(live, G - G_j, 0.0))"),
+            K.assign("dA_j", "tl.sum(tl.where(cols == s_j[:, None], dA, 0.0), 1)"),
+            K.assign("X", "X + tl.where(live, dA_j[:, None] * k_j * e, 0.0)"))),
+        K.assign("dA_t", "tl.trans(dA)"),
+        K.For("ii", K.expr("0"), K.expr("BS"), (
+            *_rows_at(loaded, "i", "ii"), K.assign("live", "(s_i > rows)[:, None]"),
+            K.assign("e", "tl.exp(tl.where(live, G_i - G, 0.0))"),
+            K.assign("dA_i", "tl.sum(tl.where(cols == s_i[:, None], dA_t, 0.0), 1)"),
+            K.assign("Y", "Y + tl.where(live, dA_i[:, None] * q_i * e, 0.0)"))),
+        K.Comment("dg_t: the pairs j < t <= i, as the reverse cumsum of q X - k Y over the pairs i > j (a pair"),
+        K.Comment("with both rows >= t adds and takes the same term; no diagonal term, which would cancel),"),
+        K.Comment("and the writes j < t: an exclusive cumsum of W, formed as a sum, not a difference"),
+        K.assign("Z", "tl.cumsum(q * X - k * Y, 0, reverse=True)"),
+        K.Assign(("W_x", "W_all"), K.expr("tl.associative_scan((tl.zeros_like(W), W), 0, exclusive_add)")),
+        K.assign("diag", "tl.sum(tl.where(cols == rows[:, None], dA, 0.0), 1)[:, None]"),
+        K.Return((K.expr("X + diag * k"), K.expr("Y + diag * q"), K.expr("Z + W_x")))),
         doc="X_ik = sum_(j <= i) dA_ij k_jk exp(G_ik - G_jk) (dq's part), Y_jk = sum_(i >= j) dA_ij q_ik "
-            "exp(G_ik - G_jk) (dk's part) and Z_tk = sum_(j < t <= i) q_ik X's term_ijk + sum_(j < t) W_jk: the "
-            "decay gradient's pairs that straddle t, summed without the cancelling diagonal terms" + (
+            "exp(G_ik - G_jk) (dk's part) and Z_tk = sum_(j < t <= i) q_ik k_jk dA_ij exp(G_ik - G_jk) + "
+            "sum_(j < t) W_jk: the decay gradient's pairs that straddle t and the writes before it, summed "
+            "without the diagonal terms that would cancel" + (
                 " (broadcast rows loaded: pairwise_kernels)." if loaded else "."))
 
 
 def _block_kernels() -> list[K.Kernel]:
-    three = lambda body: (K.Param("x"),) + (() if body else (K.Param("jj"),)) + tuple(  # noqa: E731
-        K.Param(p, constexpr=True) for p in ("C", "BS", "BK"))
-    row = K.Kernel("block_row", three(False), (
+    row = K.Kernel("block_row", (K.Param("x"), K.Param("jj")) + tuple(K.Param(p, constexpr=True) for p in ("C", "BS", "BK")), (
         K.assign("x3", "tl.reshape(x, (C // BS, BS, BK))"),
         K.assign("pick", "tl.sum(tl.where(tl.arange(0, BS)[None, :, None] == jj, x3, 0.0), 1)"),
         K.Return((K.expr("tl.reshape(tl.broadcast_to(pick[:, None, :], (C // BS, BS, BK)), (C, BK))"),))),
         doc="[C, BK]: row i holds x's row jj of i's block of BS rows.")
-    total = K.Kernel("block_sum", three(True), (
-        K.assign("s", "tl.sum(tl.reshape(x, (C // BS, BS, BK)), 1)"),
-        K.Return((K.expr("tl.reshape(tl.broadcast_to(s[:, None, :], (C // BS, BS, BK)), (C, BK))"),))),
-        doc="[C, BK]: row i holds the sum of x over i's block of BS rows.")
-    rcum = K.Kernel("block_rcumsum", three(True), (
-        K.Return((K.expr("tl.reshape(tl.cumsum(tl.reshape(x, (C // BS, BS, BK)), 1, reverse=True), (C, BK))"),)),),
-        doc="[C, BK]: row i holds the sum of x over the rows >= i of i's block of BS rows.")
-    return [row, total, rcum]
+    excl = K.Kernel("exclusive_add", tuple(K.Param(p) for p in ("e1", "s1", "e2", "s2")), (
+        K.Return((K.expr("s1 + e2"), K.expr("s1 + s2"))),),
+        doc="Combine of (exclusive, inclusive) sums: a scan of (0, x) gives each row the sum of the rows before it.")
+    return [row, excl]
 
 
 # ---- shared statement groups ---------------------------------------------------------------------
@@ -490,7 +514,7 @@ def bwd_kernel(decl: MatrixState) -> K.Kernel:
                  K.assign("dq", f"dq_s0 + {dot('dAD', 'b_k')}"),
                  K.assign("dk", f"{dot('tl.trans(dAD)', 'b_q')} + tl.exp(G_last - b_G)[:, None] * dk_state")]
     else:
-        body += [K.assign("X, Y, Z", "pairwise_grads_loaded(dA, b_q, b_k, b_G, k_end * dk_state, k_ptr, G_ptr, tok, h, H, "
+        body += [K.assign("X, Y, Z", "pairwise_grads_loaded(dA, b_q, b_k, b_G, k_end * dk_state, q_ptr, k_ptr, G_ptr, tok, h, H, "
                                      "kk, okk, n_rows, G_last, K, C, BS, BK, DT, PREC, UPCAST)"),
                  K.assign("dq_s0", "scale * tl.exp(b_G) * dq_inter"), K.assign("dq", "dq_s0 + X"),
                  K.assign("dk", "Y + tl.exp(G_last[None, :] - b_G) * dk_state")]
