@@ -182,10 +182,10 @@ def test_long_sequence(chunked, kind, dtype, T):
 
 def test_choose_config_picks_chunked_for_few_lanes_and_long_time(monkeypatch, knobs):
     """[1, 16, 2^20] with time contiguous: the chunk-parallel schedule on the GPU branch (one lane per
-    program; 4096-step chunks and a 32-warp backward in one pass, 2048 and 16 in three kernels), not for
+    program; 4096-step chunks and a 32-warp backward in one pass, 2048 and 8 in three kernels), not for
     many lanes, short sequences or programs without it."""
     monkeypatch.setattr(runtime.settings, "triton_interpret", lambda: False)
-    for single, chunk, warps in ((True, 4096, 32), (False, 2048, 16)):
+    for single, chunk, warps in ((True, 4096, 32), (False, 2048, 8)):
         knobs(chunk_single_pass=single)
         for backward in (False, True):
             cfg = runtime.choose_config(1 << 20, 16, True, 1, backward=backward, checkpoint=True, chunkable=True)
@@ -208,10 +208,10 @@ def deterministic():
 
 
 def test_deterministic_algorithms_run_the_three_kernels(knobs, deterministic):
-    """The one-pass variant is the default, but its carries depend on how far each look-back reached:
-    under torch.use_deterministic_algorithms the three kernels per pass run, bit for bit the same each run."""
+    """The one-pass variant's carries depend on how far each look-back reached: under
+    torch.use_deterministic_algorithms the three kernels per pass run even with the knob on."""
     cfg = runtime.Config(block_t=8, block_l=4, num_warps=1, schedule="chunked")
-    knobs(forced={(c, b): cfg for c in (False, True) for b in (False, True)})
+    knobs(forced={(c, b): cfg for c in (False, True) for b in (False, True)}, chunk_single_pass=True)
     assert tuning.current().chunk_single_pass and not chunked_launch.single_pass()
     assert chunked_launch.kernel_names() == chunked_launch.chunked.KERNELS
     check("Affine", (1, 3, 37), 2, False, True)

@@ -111,7 +111,7 @@ def _affine_step(shape):
 
 
 @pytest.mark.parametrize("knob", [dict(sum_warp_groups_before_atomics=False), dict(sum_groups_before_atomics=True),
-                                  dict(lanes_min=1), dict(chunk_single_pass=False), dict(chunk_lookback=4)],
+                                  dict(lanes_min=1), dict(chunk_single_pass=True), dict(chunk_lookback=4)],
                          ids=lambda k: next(iter(k)))
 def test_a_launch_time_knob_is_in_the_plan_key(knob):
     """The same eager call under a flipped launch-time knob builds a forward and a backward plan of its

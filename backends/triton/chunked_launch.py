@@ -1,6 +1,6 @@
-"""Launching the chunk-parallel schedule: one kernel per pass with a decoupled look-back
-(kernel/chunked_lookback.py; the tuning knob `chunk_single_pass`, the default), or three
-(kernel/chunked.py) when the knob is off or torch's deterministic algorithms are on.
+"""Launching the chunk-parallel schedule: three kernels per pass (kernel/chunked.py), or one with a
+decoupled look-back (kernel/chunked_lookback.py) under the tuning knob `chunk_single_pass` unless
+torch's deterministic algorithms are on.
 
 The chunked kernels live in their own generated module (one per program and variant, rendered and
 loaded the first time a config picks the schedule), so the tile and lane modules stay as they are.

@@ -1,12 +1,12 @@
 """GPU benchmark of the chunk-parallel schedule: the affine scan with few lanes and a long T.
 
-    python -m scanlang.tools.bench_chunked [--shape 1,16,1048576] [--chunk 2048 [--warps 4,8]] [--three-pass | --lookback 32]
+    python -m scanlang.tools.bench_chunked [--shape 1,16,1048576] [--chunk 2048 [--warps 4,8]] [--single-pass [--lookback 32]]
 
 Times `sl.scan(sl.Affine, (a, b), dim=2)` at fp32 [B, D, T] (T contiguous; the default is the
 prefill-at-batch-1 row of DESIGN.md's targets) forward and forward+backward against a copy of the
 same bytes (torch clone of the tensors each pass must read and write once) and accelerated-scan's
-Triton kernel when it is importable; the one-pass look-back variant runs (tuning.chunk_single_pass,
-the default), or with `--three-pass` the three kernels per pass. Before timing, outputs and
+Triton kernel when it is importable; `--single-pass` times the one-pass look-back variant
+(tuning.chunk_single_pass) instead of the three kernels per pass (the default). Before timing, outputs and
 gradients are checked against the float64 reference backend (scanlang.testing's fp32 GPU rows); a
 mismatch, or a pick other than the chunk-parallel kernels, exits 1. Prints a table of ms, GB/s and % of copy bandwidth.
 
@@ -64,7 +64,7 @@ def main(argv=None) -> int:
     parser.add_argument("--shape", default=f"1,16,{1 << 20}", help="B,D,T (default 1,16,1048576)")
     parser.add_argument("--chunk", type=int, default=0, help="steps per chunk (default: choose_config's)")
     parser.add_argument("--warps", default="4,8", help="with --chunk: warps of the forward and backward kernels (default 4,8)")
-    parser.add_argument("--three-pass", action="store_true", help="the three kernels per pass, not the one-pass variant")
+    parser.add_argument("--single-pass", action="store_true", help="the one-pass look-back variant")
     parser.add_argument("--lookback", type=int, default=32, help="its chunks per look-back window (a power of two)")
     args = parser.parse_args(argv)
     try:
@@ -88,7 +88,7 @@ def main(argv=None) -> int:
         return 2
     if args.lookback < 1 or args.lookback & (args.lookback - 1):
         parser.error(f"--lookback: expected a power of two, got {args.lookback}")
-    with tuning.override(chunk_single_pass=not args.three_pass, chunk_lookback=args.lookback), \
+    with tuning.override(chunk_single_pass=args.single_pass, chunk_lookback=args.lookback), \
             tuning.override(forced=forced) if forced else contextlib.nullcontext():
         return _checked_then_timed(B, D, T)
 
