@@ -140,20 +140,6 @@ def _ref(loaded: bool) -> tuple:
             K.assign("e_k", "tl.where(before, tl.exp(tl.where(before, G_r[None, :] - G, 0.0)), 0.0)"))
 
 
-def _col(loaded: bool) -> tuple:
-    """j (row jj of each row's block), live (i >= j), G_j, k_j broadcast to the block's rows, e = e^(G - G_j)."""
-    head = (K.assign("j", "j0 + jj"), K.assign("live", "(rows >= j)[:, None]"))
-    if loaded:
-        picked = (K.assign("j_ok", "(j < n_rows)[:, None]"),
-                  K.assign("off_j", "((tok + j)[:, None] * H + h) * K + kk[None, :]"),
-                  K.assign("G_j", "tl.where(j_ok, tl.load(G_ptr + off_j, mask=j_ok & okk[None, :], other=0.0), "
-                                  "G_last[None, :])"),
-                  K.assign("k_j", "tl.load(k_ptr + off_j, mask=j_ok & okk[None, :], other=0.0).to(tl.float32)"))
-    else:
-        picked = (K.assign("G_j", "block_row(G, jj, C, BS, BK)"), K.assign("k_j", "block_row(k, jj, C, BS, BK)"))
-    return (*head, *picked, K.assign("e", "tl.exp(tl.where(live, G - G_j, 0.0))"))
-
-
 def _qk(loaded: bool) -> K.Kernel:
     return K.Kernel("pairwise_qk_loaded" if loaded else "pairwise_qk", _params_of(("q", "k", "G"), loaded), (
         *_pre(), K.assign("A", "tl.zeros([C, C], dtype=tl.float32)"),
@@ -161,10 +147,16 @@ def _qk(loaded: bool) -> K.Kernel:
             *_ref(loaded), K.assign("A", "A + tl.where(in_b & (cols < b * BS), "
                                     "mm(q * e_q, tl.trans(k * e_k), DT, PREC, UPCAST), 0.0)")),
             static=True),
+        K.Comment("pairs inside a block: column jj of every block into A_in [C, BS], placed once by a one-hot"),
+        K.Comment("product (exact in fp32: one nonzero term per entry) rather than a [C, C] select each step"),
+        K.assign("lanes", "tl.arange(0, BS)[None, :]"), K.assign("A_in", "tl.zeros([C, BS], dtype=tl.float32)"),
         K.For("jj", K.expr("0"), K.expr("BS"), (
-            *_col(loaded), K.assign("col", "tl.sum(tl.where(live, q * e * k_j, 0.0), 1)"),
-            K.assign("A", "tl.where(cols == j[:, None], col[:, None], A)"))),
-        K.Return((K.expr("A"),))),
+            *_rows_at(loaded, "j", "jj"), K.assign("live", "(rows >= s_j)[:, None]"),
+            K.assign("e", "tl.exp(tl.where(live, G - G_j, 0.0))"),
+            K.assign("col", "tl.sum(tl.where(live, q * e * k_j, 0.0), 1)"),
+            K.assign("A_in", "tl.where(lanes == jj, col[:, None], A_in)"))),
+        K.assign("place", "((tl.arange(0, C)[None, :] % BS) == tl.arange(0, BS)[:, None]).to(tl.float32)"),
+        K.Return((K.expr("tl.where(rows[:, None] // BS == cols // BS, tl.dot(A_in, place, input_precision='ieee'), A)"),))),
         doc="A_ij = sum_k q_ik k_jk exp(G_ik - G_jk) for i >= j, else 0" + (
             " (broadcast rows loaded: pairwise_kernels)." if loaded else "."))
 
