@@ -61,8 +61,10 @@ class Tuning:
       linear_forward: the plain-write matrix-state forward (backends/linear): "fused" (one pass over each
         sequence's chunks writing the outputs), "split" (that pass storing the chunk states, then an
         output kernel over every chunk at once) or "auto" (split for per-key decay, else fused).
-      linear_key_block: key columns per program of the per-key-decay backward (backends/linear,
-        `{name}_bwd`; a power of two >= 16): its pairwise gradients hold about ten [C, BK] fp32 tiles.
+      linear_key_block: key columns per program of the per-key-decay output and backward kernels
+        (backends/linear, `{name}_fwd_o`, `{name}_bwd`; a power of two >= 16): the pairwise gradients
+        hold about ten [C, BK] fp32 tiles. More than two blocks add their shares of o and dv in any
+        order (last bits may differ between runs); torch.use_deterministic_algorithms(True) caps them at two.
       chunk_single_pass: the chunk-parallel schedule runs one kernel per pass with a decoupled
         look-back (kernel/chunked_lookback.py, each input read once) instead of three (kernel/chunked.py).
         Off by default: on an H100 the one pass wins the forward (0.127 vs 0.142 ms of GPU time at fp32

@@ -314,6 +314,22 @@ def test_per_key_backward_in_key_blocks(decl, knobs):
         assert_close(leaf.grad, ref.grad, row, torch.float32, name=name)
 
 
+def test_deterministic_algorithms_keep_at_most_two_key_blocks(knobs):
+    """Key blocks add their shares atomically: two give the same bits in either order (a + b == b + a),
+    more need not, so torch.use_deterministic_algorithms(True) widens the blocks to at most two."""
+    knobs(linear_key_block=16)
+    q = torch.empty(1, 1, 40)
+    meta = ops._meta(40, 8, C, torch.float32, q.device)
+    assert ops._per_chunk_meta(GATED, meta, q)[1] == 3
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        out, blocks = ops._per_chunk_meta(GATED, meta, q)
+    finally:
+        torch.use_deterministic_algorithms(before)
+    assert blocks == 2 and out["BK"] == 32 and out["SPLIT_K"]
+
+
 @pytest.mark.parametrize("forward", ["fused", "split"])
 @pytest.mark.parametrize("member", ["simple_gla", "linear_attention", "gla"])
 def test_both_forwards_against_token_loop(member, forward, knobs):
