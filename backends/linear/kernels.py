@@ -147,18 +147,27 @@ def _qk(loaded: bool) -> K.Kernel:
             *_ref(loaded), K.assign("A", "A + tl.where(in_b & (cols < b * BS), "
                                     "mm(q * e_q, tl.trans(k * e_k), DT, PREC, UPCAST), 0.0)")),
             static=True),
-        K.Comment("pairs inside a block: column jj of every block into A_in [C, BS], placed once by a one-hot"),
-        K.Comment("product (exact in fp32: one nonzero term per entry) rather than a [C, C] select each step"),
-        K.assign("lanes", "tl.arange(0, BS)[None, :]"), K.assign("A_in", "tl.zeros([C, BS], dtype=tl.float32)"),
-        K.For("jj", K.expr("0"), K.expr("BS"), (
-            *_rows_at(loaded, "j", "jj"), K.assign("live", "(rows >= s_j)[:, None]"),
-            K.assign("e", "tl.exp(tl.where(live, G - G_j, 0.0))"),
-            K.assign("col", "tl.sum(tl.where(live, q * e * k_j, 0.0), 1)"),
-            K.assign("A_in", "tl.where(lanes == jj, col[:, None], A_in)"))),
-        K.assign("place", "((tl.arange(0, C)[None, :] % BS) == tl.arange(0, BS)[:, None]).to(tl.float32)"),
-        K.Return((K.expr("tl.where(rows[:, None] // BS == cols // BS, tl.dot(A_in, place, input_precision='ieee'), A)"),))),
+        *_in_block_qk(loaded)),
         doc="A_ij = sum_k q_ik k_jk exp(G_ik - G_jk) for i >= j, else 0" + (
             " (broadcast rows loaded: pairwise_kernels)." if loaded else "."))
+
+
+def _in_block_qk(loaded: bool) -> tuple:
+    """The pairs inside a block, column jj of every block a step, and the return of A. Loaded: the columns
+    gather into A_in [C, BS], placed once by a one-hot product (exact in fp32: one nonzero term per
+    entry) rather than by a [C, C] select each step (gla_fwd_o's step 338 -> 298 SASS instructions, no
+    spills; offline sm_90). Picked (the per-key delta kernels): the select, since the placement raised
+    their prep kernel's spills (1688 -> 2088 B; BENCHMARKS_HISTORY.md "Session 15")."""
+    step = (*_rows_at(loaded, "j", "jj"), K.assign("live", "(rows >= s_j)[:, None]"),
+            K.assign("e", "tl.exp(tl.where(live, G - G_j, 0.0))"),
+            K.assign("col", "tl.sum(tl.where(live, q * e * k_j, 0.0), 1)"))
+    if not loaded:
+        return (K.For("jj", K.expr("0"), K.expr("BS"), (*step, K.assign("A", "tl.where(cols == s_j[:, None], col[:, None], A)"))),
+                K.Return((K.expr("A"),)))
+    return (K.assign("lanes", "tl.arange(0, BS)[None, :]"), K.assign("A_in", "tl.zeros([C, BS], dtype=tl.float32)"),
+            K.For("jj", K.expr("0"), K.expr("BS"), (*step, K.assign("A_in", "tl.where(lanes == jj, col[:, None], A_in)"))),
+            K.assign("place", "((tl.arange(0, C)[None, :] % BS) == tl.arange(0, BS)[:, None]).to(tl.float32)"),
+            K.Return((K.expr("tl.where(rows[:, None] // BS == cols // BS, tl.dot(A_in, place, input_precision='ieee'), A)"),)))
 
 
 def _rows_at(loaded: bool, what: str, step: str) -> tuple:
