@@ -23,27 +23,14 @@ import sys
 
 import torch
 
+from scanlang.tools.timing import gpu_ms
+
 
 def _bench(fn) -> float:
     import triton.testing as tt
     fn()
     torch.cuda.synchronize()
     return tt.do_bench(fn, warmup=25, rep=100, return_mode="median")
-
-
-def _gpu_ms(fn, calls: int = 20) -> float:
-    """Milliseconds of GPU work per call (kernels, memsets, copies: torch.profiler's device time), which
-    leaves out the host's gaps between launches that `_bench` sees when the GPU outruns Python."""
-    from torch.profiler import ProfilerActivity, profile
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-    gpu = torch.autograd.DeviceType.CUDA   # the device's own events only: a CPU op's total repeats its kernels'
-    total_us = sum(e.device_time_total for e in prof.events() if e.device_type == gpu)
-    return total_us / 1e3 / calls
 
 
 def _parse_shape(text: str) -> tuple[int, int, int]:
@@ -136,7 +123,7 @@ def _checked_then_timed(B: int, D: int, T: int) -> int:
 
     def add(name, fn, nbytes, copy=None):
         """A row: wall ms (do_bench), GPU ms (device time) and their GB/s as % of the copy's."""
-        row = (name, _bench(fn), _gpu_ms(fn), nbytes)
+        row = (name, _bench(fn), gpu_ms(fn), nbytes)
         rows.append(row)
         return row
 

@@ -10,10 +10,12 @@ on the delta-rule kernels over the interleaved rows), bf16 inputs (the delta mem
 backend="reference" in float64 at B1 and T = min(T, 1024) (the reference's per-key pairwise tensor is
 [C, C, K] per chunk), under scanlang.testing's rows (RMS ratio and every element); a member that fails
 its check (or raises) is reported FAIL and not timed, and the run exits 1. Then the median forward and
-forward+backward time (triton.testing.do_bench) at the given shape, both on the chunk kernels (the
+forward+backward time (triton.testing.do_bench; on CUDA also the GPU's own time, scanlang/tools/timing.py)
+at the given shape, both on the chunk kernels (the
 no-grad forward of a short input would otherwise take the decode kernel: tuning.decode_max_tokens = 0),
 next to fla's chunk op (chunk_linear_attn with normalize=False, chunk_simple_gla, chunk_gla, chunk_kda,
-chunk_gated_delta_product) on the same inputs when fla-core is installed. `--device cpu` runs the same steps
+chunk_gated_delta_product) on the same inputs when fla-core is installed. `--breakdown` adds every kernel's
+GPU time over one forward+backward. `--device cpu` runs the same steps
 in Triton's interpreter with wall-clock times (tests, tiny shapes).
 """
 from __future__ import annotations
@@ -30,6 +32,7 @@ from scanlang import tuning
 from scanlang.backends.linear import kernels_delta
 from scanlang.recipes import linear
 from scanlang.testing import check as check_close
+from scanlang.tools.timing import gpu_ms, kernel_ms
 
 MEMBERS = ("linear_attention", "simple_gla", "gla", "kda", "gated_delta_product")
 N_HOUSEHOLDER = 2   # gated_delta_product's steps per token (DESIGN.md's row)
@@ -95,29 +98,41 @@ def bench_ms(fn, device) -> float:
     return triton.testing.do_bench(fn)
 
 
-def time_member(member, B, T, H, K, V, C, device) -> tuple[float, float]:
+def _member_fns(member, B, T, H, K, V, C, device):
+    """(forward, forward+backward) of `member` on fresh bf16 inputs, the forward without autograd."""
     ins = [t.requires_grad_() for t in _inputs(member, B, T, H, K, V, torch.bfloat16, device)]
-    fwd = lambda: _call(member, *ins, backend="triton", chunk_size=C)  # noqa: E731
-    with torch.no_grad(), tuning.override(decode_max_tokens=0):   # the chunk kernels, not the decode kernel
-        t_fwd = bench_ms(fwd, device)
     do = torch.randn(B, T, H, V, device=device)
+
+    def fwd():
+        with torch.no_grad(), tuning.override(decode_max_tokens=0):   # the chunk kernels, not the decode kernel
+            return _call(member, *ins, backend="triton", chunk_size=C)
 
     def fwd_bwd():
-        o, _ = fwd()
-        torch.autograd.grad(o, ins, do)
-    return t_fwd, bench_ms(fwd_bwd, device)
-
-
-def breakdown(member, B, T, H, K, V, C, device) -> list[tuple[str, tuple, float]]:
-    """(kernel, grid, ms) of every backends/linear kernel one forward+backward launches, each launch timed
-    again on its own (buffers as the run left them; the delta-rule kernels' members have no rows)."""
-    from scanlang.backends.linear import ops
-    ins = [t.requires_grad_() for t in _inputs(member, B, T, H, K, V, torch.bfloat16, device)]
-    do = torch.randn(B, T, H, V, device=device)
-    with ops.recording(run=True) as launches:
         o, _ = _call(member, *ins, backend="triton", chunk_size=C)
         torch.autograd.grad(o, ins, do)
-    return [(name, grid, bench_ms(lambda: kernel[grid](*args, **meta), device))
+    return fwd, fwd_bwd
+
+
+def time_member(member, B, T, H, K, V, C, device) -> tuple[float, float, float, float]:
+    """(fwd, fwd+bwd) wall ms, then their GPU ms (timing.gpu_ms: the host's gaps left out; NaN off CUDA)."""
+    fwd, fwd_bwd = _member_fns(member, B, T, H, K, V, C, device)
+    walls = (bench_ms(fwd, device), bench_ms(fwd_bwd, device))
+    if device.type != "cuda":
+        return (*walls, float("nan"), float("nan"))
+    return (*walls, gpu_ms(fwd), gpu_ms(fwd_bwd))
+
+
+def breakdown(member, B, T, H, K, V, C, device) -> list[tuple[str, str, float]]:
+    """(kernel, what, ms) of one forward+backward. CUDA: every kernel, memset and copy by name, GPU ms per
+    call and launches per call (timing.kernel_ms). Elsewhere: every backends/linear kernel launch in order
+    with its grid, each launch timed again on its own (buffers as the run left them)."""
+    from scanlang.backends.linear import ops
+    _, fwd_bwd = _member_fns(member, B, T, H, K, V, C, device)
+    if device.type == "cuda":
+        return [(name, f"x{n:g} per call", ms) for name, ms, n in kernel_ms(fwd_bwd)]
+    with ops.recording(run=True) as launches:
+        fwd_bwd()
+    return [(name, f"grid {grid}", bench_ms(lambda: kernel[grid](*args, **meta), device))
             for name, kernel, grid, args, meta in launches]
 
 
@@ -202,11 +217,13 @@ def _run(a) -> int:
                   flush=True)
             failures.append(member)
             continue
-        t_fwd, t_all = time_member(member, a.B, a.T, a.H, a.K, a.V, a.chunk, device)
-        print(f"  {member:17s} fwd {t_fwd:8.3f} ms  fwd+bwd {t_all:8.3f} ms  vs float64 (PASS): {ratios}", flush=True)
+        t_fwd, t_all, g_fwd, g_all = time_member(member, a.B, a.T, a.H, a.K, a.V, a.chunk, device)
+        gpu = f" (GPU {g_fwd:.3f} / {g_all:.3f})" if device.type == "cuda" else ""
+        print(f"  {member:17s} fwd {t_fwd:8.3f} ms  fwd+bwd {t_all:8.3f} ms{gpu}  vs float64 (PASS): {ratios}",
+              flush=True)
         if a.breakdown:
-            for name, grid, ms in breakdown(member, a.B, a.T, a.H, a.K, a.V, a.chunk, device):
-                print(f"  {'':17s}   {name:28s} grid {str(grid):18s} {ms:8.3f} ms", flush=True)
+            for name, what, ms in breakdown(member, a.B, a.T, a.H, a.K, a.V, a.chunk, device):
+                print(f"  {'':17s}   {name[:40]:40s} {what:24s} {ms:8.3f} ms", flush=True)
         anchor = time_anchor(member, a.B, a.T, a.H, a.K, a.V, device)
         if anchor is None:
             print(f"  {'':17s} fla: not installed (pip fla-core) or not on a GPU; no anchor")
