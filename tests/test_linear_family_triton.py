@@ -314,6 +314,26 @@ def test_per_key_backward_in_key_blocks(decl, knobs):
         assert_close(leaf.grad, ref.grad, row, torch.float32, name=name)
 
 
+def test_chunk_tables_are_built_once_per_shape_and_offsets(knobs):
+    """The chunk table (four host-to-device copies when built) is shared by calls of one shape, or one set
+    of offsets; its entries: first token, length and sequence of every chunk, first chunk of each sequence."""
+    cpu = torch.device("cpu")
+    ops.TABLES.clear()
+    a = ops.chunk_table(2, 37, None, 16, cpu)
+    assert ops.chunk_table(2, 37, None, 16, cpu) is a and ops.chunk_table(2, 38, None, 16, cpu) is not a
+    assert a.chunk_tok.tolist() == [0, 16, 32, 37, 53, 69] and a.chunk_len.tolist() == [16, 16, 5] * 2
+    packed = ops.chunk_table(1, 40, [0, 5, 5, 40], 16, cpu)
+    assert ops.chunk_table(1, 40, (0, 5, 5, 40), 16, cpu) is packed and len(ops.TABLES) == 3
+    assert packed.chunk_tok.tolist() == [0, 5, 21, 37] and packed.chunk_len.tolist() == [5, 16, 16, 3]
+    assert packed.chunk_seq.tolist() == [0, 2, 2, 2] and packed.seq_chunk0.tolist() == [0, 1, 1, 4]
+    knobs(decode_max_tokens=0)   # the chunk kernels, not the decode kernel
+    q = torch.randn(1, 19, H, 16)
+    before = len(ops.TABLES)
+    for _ in range(2):
+        L.simple_gla(q, q, q, -torch.rand(1, 19, H), backend="triton", chunk_size=16)
+    assert len(ops.TABLES) == before + 1
+
+
 def test_deterministic_algorithms_keep_at_most_two_key_blocks(knobs):
     """Key blocks add their shares atomically: two give the same bits in either order (a + b == b + a),
     more need not, so torch.use_deterministic_algorithms(True) widens the blocks to at most two."""

@@ -100,8 +100,28 @@ def module(decl: MatrixState):
     return mod
 
 
+TABLES: dict = {}   # (B, T, offsets or None, C, device) -> ChunkTable, emptied at _TABLE_LIMIT entries
+_TABLE_LIMIT = 256
+
+
+def chunk_table(B: int, T: int, offsets, C: int, device) -> "ChunkTable":
+    """The ChunkTable of this batch, built once per (shape or offsets, chunk size, device): each build is
+    four host-to-device copies from pageable memory, which the GPU timeline showed on every call (and
+    which make the host wait); a fresh one while torch.compile traces."""
+    if torch.compiler.is_compiling():
+        return ChunkTable(B, T, offsets, C, device)
+    key = (B, T, None if offsets is None else tuple(offsets), C, device)
+    found = TABLES.get(key)
+    if found is None:
+        if len(TABLES) >= _TABLE_LIMIT:
+            TABLES.clear()
+        found = TABLES[key] = ChunkTable(B, T, offsets, C, device)
+    return found
+
+
 class ChunkTable:
-    """chunk_tok, chunk_len, chunk_seq [NC] and seq_chunk0 [N + 1] (int32) of a packed stream."""
+    """chunk_tok, chunk_len, chunk_seq [NC] and seq_chunk0 [N + 1] (int32) of a packed stream (read only:
+    `chunk_table` shares one between calls)."""
 
     def __init__(self, B: int, T: int, offsets, C: int, device):
         bounds = [(b * T, (b + 1) * T) for b in range(B)] if offsets is None else list(zip(offsets, offsets[1:]))
@@ -584,7 +604,7 @@ def run(decl: MatrixState, q, k, v, *xs, scale: float, initial_state, output_fin
                          f"without gradients)")
     V, dev = v.shape[-1], q.device
     dt = torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype)
-    table = ChunkTable(B, T, offsets, chunk_size, dev)
+    table = chunk_table(B, T, offsets, chunk_size, dev)
     if table.n_chunks == 0:   # every sequence empty
         S = initial_state.float() if initial_state is not None else torch.zeros(table.n_seq, H, K, V, device=dev)
         return v.new_zeros(B, T, H, V, dtype=torch.float32), (S if output_final_state else None)
