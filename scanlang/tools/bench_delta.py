@@ -42,6 +42,7 @@ import triton.testing
 from scanlang import tuning
 from scanlang.recipes.kaczmarz import delta_rule, kaczmarz_delta_rule
 from scanlang.testing import check as check_close
+from scanlang.tools.timing import kernel_ms
 
 LOG: list[str] = []
 SHAPE = (8, 4096, 16, 128, 128)     # B, T, H, K, V of the timed runs and the sweep
@@ -269,20 +270,15 @@ def sweep(device, results, budget_s: float, only=()) -> bool:
 
 def kernel_breakdown(label, fn, results):
     """GPU time per kernel over one fwd+bwd (torch profiler), largest first."""
-    try:
-        from torch.profiler import ProfilerActivity, profile
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            fn()
-            torch.cuda.synchronize()
-        rows = [(e.key, e.device_time_total / 1e3, e.count) for e in prof.key_averages() if e.device_time_total > 0]
+    try:   # the device's own events (timing.kernel_ms): a CPU op's row would repeat its kernels' time
+        rows = [(name, ms, count) for name, ms, count in kernel_ms(fn, calls=1) if ms > 0]
     except Exception as exc:  # the profiler is a diagnostic; the timings above stand without it
         say(f"    (profiler unavailable: {type(exc).__name__}: {exc})")
         return
     rows.sort(key=lambda r: -r[1])
     results.setdefault("kernels", {})[label] = rows[:12]
     for name, ms, count in rows[:8]:
-        say(f"    {ms:8.3f} ms  x{count:<3d} {name[:90]}")
+        say(f"    {ms:8.3f} ms  x{count:<3g} {name[:90]}")
 
 
 def _contenders(device, have_fla, only_ours=False):
