@@ -36,7 +36,7 @@ from scanlang import backend, tuning
 from scanlang.delta import DECLARED, GIVEN, KACZMARZ, DeltaRule
 from scanlang.second_order import refuse_second_order
 
-from ..triton.runtime import eager, fit_launch, kernel_defaults, shapes_only
+from ..triton.runtime import CACHE_LIMIT, cached, eager, fit_launch, kernel_defaults, shapes_only
 from . import codegen
 
 
@@ -85,7 +85,6 @@ PROGRAMS: dict[str, tuple] = {}     # key -> (generated module, chunk size, code
 PLANS: dict = {}                    # (program key, K, V, dtype, device, key block, delta configs) -> Plan
 TABLES: dict = {}                   # (B, T, chunk size, device) or (offsets, chunk size, device) -> ChunkTable
 _NO_PARAMS: dict = {}               # (H, device) -> the empty [0, H] parameter tensor
-_CACHE_LIMIT = 256                  # entries per shape cache before it is emptied
 
 
 def _empty(*shape, device, dtype):
@@ -208,7 +207,7 @@ def plan(key: str, K: int, V: int, dtype: torch.dtype, device: torch.device) -> 
         mod, C, hooks = PROGRAMS[key]
         meta = _meta(K, V, C, dtype, device)
         BKS = min(key_block, meta["BK"])
-        if len(PLANS) >= _CACHE_LIMIT:
+        if len(PLANS) >= CACHE_LIMIT:
             PLANS.clear()
         given = knobs.delta_launch_configs()
         configs = {name: {**_clamp(cfg, V), **SHARED_MEMORY_FITS.get((name, dtype.itemsize, meta["BK"]), {})}
@@ -515,24 +514,15 @@ def _built(name: str, rule_key: str, chunk_size: int) -> str:
     return key
 
 
-def _cached(cache: dict, key, make):
-    found = cache.get(key)
-    if found is None:
-        if len(cache) >= _CACHE_LIMIT:
-            cache.clear()
-        found = cache[key] = make()
-    return found
-
-
 def chunk_table(B: int, T: int, cu_seqlens, C: int, device) -> ChunkTable:
     """The ChunkTable of this batch, cached per shape (or per offsets: a tensor, or a sequence of ints, which
     spares a device read); a fresh one while compiling."""
     if torch.compiler.is_compiling():
         return ChunkTable(B, T, cu_seqlens, C, device)
     if cu_seqlens is None:
-        return _cached(TABLES, (B, T, C, device), lambda: ChunkTable(B, T, None, C, device))
+        return cached(TABLES, (B, T, C, device), lambda: ChunkTable(B, T, None, C, device))
     cu = tuple(int(x) for x in (cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else cu_seqlens))
-    return _cached(TABLES, (cu, C, device), lambda: ChunkTable(B, T, cu, C, device))
+    return cached(TABLES, (cu, C, device), lambda: ChunkTable(B, T, cu, C, device))
 
 
 def delta_rule(q, k, v, g, s, rule, scale: float, initial_state=None, output_final_state=False,
@@ -564,7 +554,7 @@ def delta_rule(q, k, v, g, s, rule, scale: float, initial_state=None, output_fin
     elif torch.compiler.is_compiling():
         hp = torch.zeros(0, H, device=k.device, dtype=torch.float32)
     else:
-        hp = _cached(_NO_PARAMS, (H, k.device), lambda: torch.zeros(0, H, device=k.device, dtype=torch.float32))
+        hp = cached(_NO_PARAMS, (H, k.device), lambda: torch.zeros(0, H, device=k.device, dtype=torch.float32))
     h0 = initial_state.contiguous() if initial_state is not None else None
     key = program_key(rule, chunk_size)
     needs_grad = torch.is_grad_enabled() and any(

@@ -47,7 +47,7 @@ from scanlang import backend, tuning
 from scanlang.linear import MatrixState
 from scanlang.second_order import refuse_second_order
 
-from ..triton.runtime import eager, kernel_defaults, load, shapes_only
+from ..triton.runtime import cached, eager, kernel_defaults, load, shapes_only
 from . import decode, kernels, kernels_delta
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -100,8 +100,7 @@ def module(decl: MatrixState):
     return mod
 
 
-TABLES: dict = {}   # (B, T, offsets or None, C, device) -> ChunkTable, emptied at _TABLE_LIMIT entries
-_TABLE_LIMIT = 256
+TABLES: dict = {}   # (B, T, offsets or None, C, device) -> ChunkTable
 
 
 def chunk_table(B: int, T: int, offsets, C: int, device) -> "ChunkTable":
@@ -111,12 +110,7 @@ def chunk_table(B: int, T: int, offsets, C: int, device) -> "ChunkTable":
     if torch.compiler.is_compiling():
         return ChunkTable(B, T, offsets, C, device)
     key = (B, T, None if offsets is None else tuple(offsets), C, device)
-    found = TABLES.get(key)
-    if found is None:
-        if len(TABLES) >= _TABLE_LIMIT:
-            TABLES.clear()
-        found = TABLES[key] = ChunkTable(B, T, offsets, C, device)
-    return found
+    return cached(TABLES, key, lambda: ChunkTable(B, T, offsets, C, device))
 
 
 class ChunkTable:

@@ -21,7 +21,8 @@ from scanlang import tuning
 
 from . import launcher
 from .kernel import chunked, chunked_lookback
-from .runtime import Config, chunk_single_pass, load
+from .runtime import Config, load
+from .runtime import chunk_single_pass as single_pass   # the one-pass variant runs: the knob, unless deterministic
 
 _MODULES: dict[tuple[str, bool], object] = {}
 # kernel name -> launches since import: how a test sees that the chunked kernels really ran
@@ -30,12 +31,6 @@ LAUNCHED: collections.Counter = collections.Counter()
 
 def _cdiv(a: int, b: int) -> int:
     return (a + b - 1) // b
-
-
-def single_pass() -> bool:
-    """Whether the one-pass look-back variant runs (runtime.chunk_single_pass: the tuning knob, unless
-    torch's deterministic algorithms are on)."""
-    return chunk_single_pass()
 
 
 def kernel_names() -> tuple[str, ...]:

@@ -229,8 +229,9 @@ def chunked_config(T: int, L: int, time_contiguous: bool, backward: bool, interp
         return Config(block_t=min(8, pow2), block_l=min(4, 1 << max(0, (L - 1).bit_length())), num_warps=1,
                       schedule="chunked")
     if time_contiguous:
-        block_t = min(4096 if chunk_single_pass() else 2048, pow2)
-        warps = max(4, min(32 if chunk_single_pass() else 8, block_t // 128)) if backward else 4
+        single = chunk_single_pass()
+        block_t = min(4096 if single else 2048, pow2)
+        warps = max(4, min(32 if single else 8, block_t // 128)) if backward else 4
         return Config(block_t=block_t, block_l=1, num_warps=warps, schedule="chunked")
     return Config(block_t=min(256, pow2), block_l=16, num_warps=8 if backward else 4, schedule="chunked")
 
@@ -320,6 +321,19 @@ def shapes_only(t: torch.Tensor) -> bool:
     While a graph is being recorded (torch.compile, make_fx) the launch must run: it records the kernel.
     """
     return t.device.type == "meta" or (is_fake(t) and get_proxy_mode() is None)
+
+
+CACHE_LIMIT = 256   # entries per shape-keyed cache of the backends before it is emptied
+
+
+def cached(cache: dict, key, make):
+    """cache[key], made by make() the first time; the cache is emptied when it reaches CACHE_LIMIT."""
+    found = cache.get(key)
+    if found is None:
+        if len(cache) >= CACHE_LIMIT:
+            cache.clear()
+        found = cache[key] = make()
+    return found
 
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)

@@ -121,7 +121,7 @@ def _checked_then_timed(B: int, D: int, T: int) -> int:
 
     rows = []
 
-    def add(name, fn, nbytes, copy=None):
+    def add(name, fn, nbytes):
         """A row: wall ms (do_bench), GPU ms (device time) and their GB/s as % of the copy's."""
         row = (name, _bench(fn), gpu_ms(fn), nbytes)
         rows.append(row)
