@@ -1,6 +1,7 @@
 """GPU benchmark of the chunk-parallel schedule: the affine scan with few lanes and a long T.
 
     python -m scanlang.tools.bench_chunked [--shape 1,16,1048576] [--chunk 2048 [--warps 4,8]] [--single-pass [--lookback 32]]
+        [--breakdown]
 
 Times `sl.scan(sl.Affine, (a, b), dim=2)` at fp32 [B, D, T] (T contiguous; the default is the
 prefill-at-batch-1 row of DESIGN.md's targets) forward and forward+backward against a copy of the
@@ -8,7 +9,8 @@ same bytes (torch clone of the tensors each pass must read and write once) and a
 Triton kernel when it is importable; `--single-pass` times the one-pass look-back variant
 (tuning.chunk_single_pass) instead of the three kernels per pass (the default). Before timing, outputs and
 gradients are checked against the float64 reference backend (scanlang.testing's fp32 GPU rows); a
-mismatch, or a pick other than the chunk-parallel kernels, exits 1. Prints a table of ms, GB/s and % of copy bandwidth.
+mismatch, or a pick other than the chunk-parallel kernels, exits 1. Prints a table of ms, GB/s and % of copy bandwidth;
+`--breakdown` adds the GPU time of every kernel, memset and copy of one forward and one forward+backward.
 
 Bytes counted (n = B * D * T elements, 4 bytes each): forward reads a, b and writes both prefixes
 (4n); forward+backward adds the backward's reads of a, b and the gradient of out.b and its writes of
@@ -53,6 +55,7 @@ def main(argv=None) -> int:
     parser.add_argument("--warps", default="4,8", help="with --chunk: warps of the forward and backward kernels (default 4,8)")
     parser.add_argument("--single-pass", action="store_true", help="the one-pass look-back variant")
     parser.add_argument("--lookback", type=int, default=32, help="its chunks per look-back window (a power of two)")
+    parser.add_argument("--breakdown", action="store_true", help="also list every kernel's GPU time")
     args = parser.parse_args(argv)
     try:
         B, D, T = _parse_shape(args.shape)
@@ -77,10 +80,10 @@ def main(argv=None) -> int:
         parser.error(f"--lookback: expected a power of two, got {args.lookback}")
     with tuning.override(chunk_single_pass=args.single_pass, chunk_lookback=args.lookback), \
             tuning.override(forced=forced) if forced else contextlib.nullcontext():
-        return _checked_then_timed(B, D, T)
+        return _checked_then_timed(B, D, T, args.breakdown)
 
 
-def _checked_then_timed(B: int, D: int, T: int) -> int:
+def _checked_then_timed(B: int, D: int, T: int, breakdown: bool = False) -> int:
     """The scan at [B, D, T] checked against float64 (exit status 1 on a mismatch), then the table."""
     import scanlang as sl
     from scanlang import tuning
@@ -135,6 +138,8 @@ def _checked_then_timed(B: int, D: int, T: int) -> int:
         o = sl.scan(sl.Affine, (al, bl), dim=2, backend="triton")
         return torch.autograd.grad(o.b, (al, bl), g)
     add(f"scanlang chunked {variant} fwd+bwd", fwd_bwd, 9 * n * 4)
+    if breakdown:
+        _print_breakdown({"fwd": lambda: sl.scan(sl.Affine, (a, b), dim=2, backend="triton"), "fwd+bwd": fwd_bwd})
     try:   # its Triton kernel: accelerated_scan.scalar in 0.3, .triton in earlier releases
         from accelerated_scan.scalar import scan as accelerated
     except ImportError:
@@ -159,6 +164,15 @@ def _checked_then_timed(B: int, D: int, T: int) -> int:
         print(f"| {name:<34} | {wall:9.4f} | {gpu:9.4f} | {nbytes / gpu / 1e6:8.1f} | "
               f"{100 * nbytes / wall / copy_wall:6.1f}% | {100 * nbytes / gpu / copy_gpu:6.1f}% |")
     return 0
+
+
+def _print_breakdown(calls) -> None:
+    """Every kernel, memset and copy of each call in `calls` (name -> function), by GPU time."""
+    from scanlang.tools.timing import kernel_ms
+    for what, fn in calls.items():
+        print(f"\n{what}: GPU time per kernel (torch.profiler)")
+        for name, ms, launches in kernel_ms(fn):
+            print(f"  {ms:8.4f} ms  x{launches:g}  {name[:90]}")
 
 
 if __name__ == "__main__":
