@@ -277,6 +277,55 @@ def _input_gradients(ir: ScanIR, adj: Adjoint) -> tuple:
     return tuple(out)
 
 
+def _replay_pairs(ir: ScanIR) -> tuple:
+    """p_* (y_t) and q_* (y_{t-1}) of every row from the checkpoint c_* and the tile's own elements e_*:
+    one scan over (A, B) pairs (prefix_pair_combine), so no input is loaded shifted by a step. Row 0's
+    q is the carry itself (a raw initial element is not renormalised)."""
+    e = [f"e_{f}" for f in ir.fields]
+    ident = [K.assign(f"id_{f}", f"tl.zeros_like(e_{f})" + ("" if i == 0 else f" + {common.number(i)}"))
+             for f, i in zip(ir.fields, ir.identity)]
+    sa, sb = [f"sa_{f}" for f in ir.fields], [f"sb_{f}" for f in ir.fields]
+    carry = _fields(ir, "c_{}[None, :]")
+    return (*ident,
+            K.Comment("each row's prefix and the one before it, from the tile's own elements and the carry"),
+            K.Assign(tuple(sa + sb), K.expr(f"tl.associative_scan(({', '.join(e + [f'id_{f}' for f in ir.fields])}), "
+                                            "0, prefix_pair_combine)")),
+            K.Assign(tuple(f"p_{f}" for f in ir.fields), K.expr(f"combine({carry}, {', '.join(sa)})")),
+            K.Assign(tuple(f"qs_{f}" for f in ir.fields), K.expr(f"combine({carry}, {', '.join(sb)})")),
+            *(K.assign(f"q_{f}", f"tl.where(rows == 0, c_{f}[None, :], qs_{f})") for f in ir.fields))
+
+
+def _transitions(ir: ScanIR, adj: Adjoint) -> tuple:
+    """Per row, from p_*, q_* and the row's own elements e_*: the upstream gradients, v_* (the direct
+    gradient of y_t, dL/dy_final added on the last step) and m<k>, the entries of M_t = B_t =
+    J1(y_{t-1}, x_t)^T, the transition into row t - 1 (0 past the end: nothing flows in from padding)."""
+    n_out, nb = len(ir.outputs), len(adj.b_entries)
+    shape = f"p_{ir.fields[0]}"
+    body = [K.Load(f"g_{o}", K.expr(f"g{j}_ptr + g{j}_off + tt * g{j}_st"), K.expr("ok"), K.expr("0.0"))
+            for j, o in enumerate(ir.outputs)][:n_out]
+    here = ({s: f"p_{f}" for s, f in zip(ir.prefix_symbols, ir.fields)}
+            | {s: f"u_{n}" for s, n in zip(ir.input_symbols, ir.inputs)} | {g: g.name for g in adj.g})
+    body += common.assign([f"dy_{f}" for f in ir.fields], adj.dy, here, "_d", shape_like=shape)
+    body.append(K.assign("is_last", "t == T - 1"))
+    body += [K.assign(f"d_{f}", f"dy_{f} + tl.where(is_last, dfin_{f}[None, :], 0.0)") for f in ir.fields]
+    v_names = {s: f"p_{f}" for s, f in zip(ir.prefix_symbols, ir.fields)} | {s: s.name for s in adj.d}
+    body += common.assign([f"v_{f}" for f in ir.fields], adj.direct, v_names, "_v", shape_like=shape)
+    body += [K.assign(f"v_{f}", f"tl.where(ok, v_{f}, 0.0)") for f in ir.fields]
+    m_names = ({s: f"q_{f}" for s, f in zip(ir.previous_symbols, ir.fields)}
+               | {s: f"e_{f}" for s, f in zip(ir.later, ir.fields)})
+    body.append(K.Comment("M_t = J1(y_{t-1}, x_t)^T from the row's own step"))
+    body += common.assign([f"m{k}" for k in range(nb)], adj.b_entries, m_names, "_m", shape_like=shape)
+    body += [K.assign(f"m{k}", f"tl.where(ok, m{k}, 0.0)") for k in range(nb)]
+    return tuple(body)
+
+
+def _store_row0(ptr_of, values) -> tuple:
+    """Store row 0 of each tile in `values` at `ptr_of(k)` (a lane vector's pointer): a masked store
+    from the threads that hold row 0, no reduction over the tile."""
+    return tuple(K.Store(K.expr(f"{ptr_of(k)}[None, :] + rows * 0"), K.expr(v), K.expr("(rows == 0) & lane_ok[None, :]"))
+                 for k, v in enumerate(values))
+
+
 def _backward_kernels(ir: ScanIR, adj: Adjoint, origin) -> list[K.Kernel]:
     n, nb = len(ir.fields), len(adj.b_entries)
     consts = ("BLOCK_T", "BLOCK_L", "BLOCK_C", "REVERSE", "HAS_INIT", "HAS_DFINAL", "FP64") + tuple(
@@ -285,12 +334,19 @@ def _backward_kernels(ir: ScanIR, adj: Adjoint, origin) -> list[K.Kernel]:
     ins = [f"u{i}" for i in range(len(ir.inputs))]
     grads = [f"g{j}" for j in range(len(ir.outputs))]
     name = E.docstring_text(ir.name)
-    replay = _carry_from(ir, "ckpt_ptr", "chunk") + B.load_lift(ir) + _scan_from(ir, "e", "p", "c")
-    reduce = (_prologue(ins + grads) + _dfinal(ir) + replay + _adjoint_elements(ir, adj)
-              + (K.Comment("(M_c, V_c): the chunk's adjoint aggregate, row 0 of the reverse scan"),)
-              + tuple(K.Store(K.expr(f"agg_ptr + ({k} * n_chunks + chunk) * L + lane"), K.expr(_row(r, "0")),
-                              K.expr("lane_ok"))
-                      for k, r in enumerate([f"ra{k}" for k in range(nb)] + [f"rv{i}" for i in range(n)])))
+    replay = _carry_from(ir, "ckpt_ptr", "chunk") + B.load_lift(ir) + _replay_pairs(ir) + _transitions(ir, adj)
+    mmat = adj.matrix([E.symbol(f"m{k}") for k in range(nb)])
+    mv = [sum((mmat[i][j] * E.symbol(f"v_{f}") for j, f in enumerate(ir.fields)), sympy.Integer(0)) for i in range(n)]
+    mv_names = {E.symbol(f"m{k}"): f"m{k}" for k in range(nb)} | {E.symbol(f"v_{f}"): f"v_{f}" for f in ir.fields}
+    scanned = ", ".join([f"m{k}" for k in range(nb)] + [f"mv{i}" for i in range(n)])
+    reduce = (_prologue(ins + grads) + _dfinal(ir) + replay
+              + (K.Comment("z_t = M_t gbar_t = M_t v_t + M_t z_(t+1): the reverse affine scan over (M_t, M_t v_t)"),)
+              + common.assign([f"mv{i}" for i in range(n)], mv, mv_names, "_mv", shape_like="v_" + ir.fields[0])
+              + (K.Assign(tuple([f"ra{k}" for k in range(nb)] + [f"rv{i}" for i in range(n)]),
+                          K.expr(f"tl.associative_scan(({scanned}), 0, adjoint_combine, reverse=True)")),
+                 K.Comment("(M_c, V_c): z at the chunk's first step = V_c + M_c z at the next chunk's, row 0 of the scan"))
+              + _store_row0(lambda k: f"agg_ptr + ({k} * n_chunks + chunk) * L + lane",
+                            [f"ra{k}" for k in range(nb)] + [f"rv{i}" for i in range(n)]))
     loop = (K.assign("k", "n_ctiles - 1 - kk"), K.assign("j", "k * BLOCK_C + crow"),
             K.assign("okc", "(j < n_chunks) & lane_ok[None, :]"))
     loop += tuple(K.Load(f"a{k}", K.expr(f"agg_ptr + ({k} * n_chunks + j) * L + lane[None, :]"), K.expr("okc"),
@@ -308,26 +364,30 @@ def _backward_kernels(ir: ScanIR, adj: Adjoint, origin) -> list[K.Kernel]:
              K.assign("crow", "tl.arange(0, BLOCK_C)[:, None]"),
              K.assign("n_ctiles", "tl.cdiv(n_chunks, BLOCK_C)"),
              *(K.assign(f"gc_{f}", "to_acc(tl.zeros([BLOCK_L], tl.float32), FP64)") for f in ir.fields),
-             K.Comment("G_c = gbar at the start of chunk c, from the last chunk back; G_n = 0"),
+             K.Comment("Z_c = z at the first step of chunk c, from the last chunk back; Z_n = 0"),
              *(K.Store(K.expr(f"gc_ptr + ({i} * (n_chunks + 1) + n_chunks) * L + lane"), K.expr(f"gc_{f}"),
                        K.expr("lane_ok")) for i, f in enumerate(ir.fields)),
              K.For("kk", K.expr("0"), K.expr("n_ctiles"), loop))
+    ident = [1.0 if adj.scalar or i == j else 0.0 for i, j in ([(0, 0)] if adj.scalar else adj.pattern)]
     rescan = list(_prologue(ins + grads + [f"du{i}" for i in range(len(ir.inputs))]) + _dfinal(ir) + replay)
-    rescan += _previous_prefixes(ir)
-    rescan += _adjoint_elements(ir, adj)
+    rescan += [K.assign(f"f{k}", f"tl.zeros_like(m{k})" + (" + 1.0" if one else "")) for k, one in enumerate(ident)]
+    scanned = ", ".join([f"f{k}" for k in range(nb)] + [f"v_{f}" for f in ir.fields] + [f"m{k}" for k in range(nb)])
+    rescan += [K.Comment("gbar_t = c_t + F_t Z_(c+1): the rows from t to the chunk's end as a map of the z entering after it"),
+               K.Assign(tuple([f"rf{k}" for k in range(nb)] + [f"rc{i}" for i in range(n)] + [f"rl{k}" for k in range(nb)]),
+                        K.expr(f"tl.associative_scan(({scanned}), 0, adjoint_exclusive_combine, reverse=True)"))]
     rescan += [K.Load(f"gin_{f}", K.expr(f"gc_ptr + ({i} * (n_chunks + 1) + chunk + 1) * L + lane"),
                       K.expr("lane_ok"), K.expr("0.0")) for i, f in enumerate(ir.fields)]
-    rescan += _apply_carry(ir, adj, "gbar", "gin")
+    rescan += _apply_carry(ir, adj, "gbar", "gin", ra="rf{}", rv="rc{}")
     rescan += _input_gradients(ir, adj)
     return [K.Kernel("chunk_bwd_reduce", params, reduce, origin=origin,
                      doc=f"Backward of {name}, phase 1 of 3: each chunk's adjoint reduced to (M_c, V_c)."),
             K.Kernel("chunk_bwd_carry", params, carry, origin=origin,
-                     doc=f"Backward of {name}, phase 2 of 3: G_c = V_c + M_c G_(c+1), the gradient entering each chunk."),
+                     doc=f"Backward of {name}, phase 2 of 3: Z_c = V_c + M_c Z_(c+1), the adjoint entering each chunk."),
             K.Kernel("chunk_bwd_rescan", params, tuple(rescan), origin=origin,
-                     doc=f"Backward of {name}, phase 3 of 3: the adjoint rescanned from G_(c+1); input gradients.")]
+                     doc=f"Backward of {name}, phase 3 of 3: the adjoint rescanned from Z_(c+1); input gradients.")]
 
 
-def assemble(ir: ScanIR, adj: Adjoint, schedule_kernels, what: str) -> K.Module:
+def assemble(ir: ScanIR, adj: Adjoint, schedule_kernels, what: str, extra_helpers=lambda ir, adj: ()) -> K.Module:
     """One IR module: the helpers every chunk-parallel kernel calls, then `schedule_kernels(ir, adj,
     origin)`; `what` names the schedule in the module's docstring."""
     if not supports(ir):
@@ -335,7 +395,8 @@ def assemble(ir: ScanIR, adj: Adjoint, schedule_kernels, what: str) -> K.Module:
                          "previous prefix, a sum over state lanes, or a specialised carry)")
     origin = common.origins(ir)
     leaf_scale = [B.leaf_scale_kernel(" ".join(B.LEAF_SCALE_DOC.split()))] if ir.is_projective else []
-    kernels = [common.combine_kernel(ir, origin), common.adjoint_combine_kernel(ir, adj), common.to_acc_kernel(),
+    kernels = [common.combine_kernel(ir, origin), common.adjoint_combine_kernel(ir, adj),
+               *extra_helpers(ir, adj), common.to_acc_kernel(),
                common.lane_offsets_kernel(), *leaf_scale, *schedule_kernels(ir, adj, origin)]
     doc = f"Generated by scanlang from monoid {E.docstring_text(ir.name)} (program {ir.key}): {what}. Do not edit."
     return K.Module(doc, tuple(kernels))
@@ -344,7 +405,8 @@ def assemble(ir: ScanIR, adj: Adjoint, schedule_kernels, what: str) -> K.Module:
 def module(ir: ScanIR, adj: Adjoint) -> K.Module:
     """The chunk-parallel kernels of `ir` (forward and backward) as one IR module."""
     return assemble(ir, adj, lambda ir, adj, origin: [*_forward_kernels(ir, origin), *_backward_kernels(ir, adj, origin)],
-                    "the chunk-parallel schedule (backends/triton/kernel/chunked.py)")
+                    "the chunk-parallel schedule (backends/triton/kernel/chunked.py)",
+                    lambda ir, adj: (common.prefix_pair_combine_kernel(ir), common.adjoint_exclusive_combine_kernel(ir, adj)))
 
 
 def render(ir: ScanIR, adj: Adjoint) -> str:

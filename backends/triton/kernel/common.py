@@ -11,6 +11,8 @@ import inspect
 import os
 from pathlib import Path
 
+import sympy
+
 from scanlang import expr as E
 from scanlang.autodiff import Adjoint
 from scanlang.ir import ScanIR
@@ -118,6 +120,42 @@ def adjoint_combine_kernel(ir: ScanIR, adj: Adjoint) -> K.Kernel:
     params = tuple(K.Param(s.name) for s in xb + xe + yb + ye)
     return K.Kernel("adjoint_combine", params, body + (K.Return(tuple(K.expr(o) for o in outs)),),
                     doc="(B, e) pairs of w -> B w + e, x applied first (the later time step).")
+
+
+def adjoint_exclusive_combine_kernel(ir: ScanIR, adj: Adjoint) -> K.Kernel:
+    """`adjoint_exclusive_combine`: a reverse scan giving the adjoint gbar_t from the transitions M_t
+    of the same rows (M_t = B_t = J1(y_{t-1}, x_t)^T, aligned with the step's own inputs) rather than
+    of the next ones. gbar_t = v_t + M_{t+1} gbar_{t+1}; with z_t = M_t gbar_t (what row t hands to
+    row t - 1), a segment of rows i..j is (F, c, L): gbar_i = c + F z_{j+1}, L = M_i. x is the later
+    segment: (yF xL xF, yc + yF xL xc, yL); the leaf of row t is (I, v_t, M_t). F and L keep the
+    adjoint's sparsity (its pattern is closed under products)."""
+    n, nb = len(ir.fields), len(adj.b_entries)
+    sym = lambda p, k: [E.symbol(f"{p}{i}") for i in range(k)]  # noqa: E731
+    xf, xc, xl, yf, yc, yl = sym("xf", nb), sym("xc", n), sym("xl", nb), sym("yf", nb), sym("yc", n), sym("yl", nb)
+    mxf, mxl, myf = adj.matrix(xf), adj.matrix(xl), adj.matrix(yf)
+    zero = sympy.Integer(0)
+    yfxl = [[sum((myf[i][k] * mxl[k][j] for k in range(n)), zero) for j in range(n)] for i in range(n)]
+    prod = [[sum((yfxl[i][k] * mxf[k][j] for k in range(n)), zero) for j in range(n)] for i in range(n)]
+    f_out = [prod[0][0]] if adj.scalar else [prod[i][j] for i, j in adj.pattern]
+    c_out = [yc[i] + sum((yfxl[i][k] * xc[k] for k in range(n)), zero) for i in range(n)]
+    outs = [f"f{k}" for k in range(nb)] + [f"c{i}" for i in range(n)] + [f"l{k}" for k in range(nb)]
+    body = assign(outs[:nb + n], f_out + c_out, {s: s.name for s in xf + xc + xl + yf + yc}, "_x", shape_like="xc0")
+    body += (K.assign_lines([f"l{k} = yl{k}" for k in range(nb)]))
+    params = tuple(K.Param(s.name) for s in xf + xc + xl + yf + yc + yl)
+    return K.Kernel("adjoint_exclusive_combine", params, body + (K.Return(tuple(K.expr(o) for o in outs)),),
+                    doc="(F, c, L) of rows i..j: gbar_i = c + F z_(j+1), L = M_i; x the later segment.")
+
+
+def prefix_pair_combine_kernel(ir: ScanIR) -> K.Kernel:
+    """`prefix_pair_combine`: a scan giving each row's prefix y_t and the previous one y_{t-1} from the
+    tile's own elements (no load shifted by a step): a segment is (A, B), A its aggregate and B that of
+    all but its last step, (xA (+) yA, xA (+) yB) with x the earlier segment; the leaf is (x_t, e)."""
+    xa, xb, ya, yb = ([f"{p}_{f}" for f in ir.fields] for p in ("xa", "xb", "ya", "yb"))
+    body = (K.Assign(tuple(f"a_{f}" for f in ir.fields), K.expr(f"combine({', '.join(xa + ya)})")),
+            K.Assign(tuple(f"b_{f}" for f in ir.fields), K.expr(f"combine({', '.join(xa + yb)})")),
+            K.Return(tuple(K.expr(f"{p}_{f}") for p in "ab" for f in ir.fields)))
+    return K.Kernel("prefix_pair_combine", tuple(K.Param(p) for p in xa + xb + ya + yb), body,
+                    doc="(A, B) = (the aggregate, that of all but the last step); x the earlier segment.")
 
 
 def to_acc_kernel() -> K.Kernel:
