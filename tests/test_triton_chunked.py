@@ -163,6 +163,27 @@ def test_channels_contiguous(chunked, kind):
     check(kind, (2, 37, 3), 1, False, True)
 
 
+@pytest.mark.parametrize("chunked", [4], indirect=True)
+@pytest.mark.parametrize("loss", ["b only", "sum", "a weighted, b summed"])
+def test_gradients_constant_in_time(chunked, loss):
+    """Upstream gradients with time stride 0 (the kernels load them once per lane, GSTATIC): an output
+    the loss does not use (its gradient arrives as an expanded zero) and a plain sum (expanded ones),
+    next to a full gradient; every input and initial gradient against the loop's."""
+    monoid, elems, initial = case("Affine", (1, 3, 37), 2)
+    elems = tuple(e.requires_grad_() for e in elems)
+    initial = tuple(i.requires_grad_() for i in initial)
+    out = sl.scan(monoid, elems, dim=2, reverse=True, initial=initial, backend="triton")
+    ref = loop(monoid.name, elems, 2, True, initial)
+    w = torch.randn(ref[0].shape, dtype=torch.float64, device=DEVICE)
+    losses = {"b only": lambda o: (o[1] * w).sum(), "sum": lambda o: o[0].sum() + o[1].sum(),
+              "a weighted, b summed": lambda o: (o[0] * w).sum() + o[1].sum()}
+    got = torch.autograd.grad(losses[loss](out), elems + initial)
+    want = torch.autograd.grad(losses[loss](ref), elems + initial, allow_unused=True)   # b never reads a's initial
+    for i, (g, r) in enumerate(zip(got, want)):
+        r = torch.zeros_like(g) if r is None else r
+        assert_close(g, r, "scan_grad", dtype=torch.float64, name=f"{loss}: grad {i}")
+
+
 # T = 5000 costs minutes in the interpreter (its scans step through every row), so these run in the
 # slow tier: Affine at T = 5000; Möbius (a 12-value adjoint scan) at T = 1100 (17 chunks of 64, the
 # last partial), and at T = 5000 only with SCANLANG_SLOW_TESTS=1 (over 17 minutes on a loaded 2-core machine).

@@ -138,7 +138,10 @@ def backward_launches(plan, cfg: Config) -> list[tuple[str, tuple, dict]]:
     if any(m not in (0, 1, 2) for m in du.values()):
         raise ValueError(f"plan: gradient modes {du} need the state-lane kernels, not the chunk-parallel ones")
     n_chunks, lanes = _cdiv(plan.layout.T, cfg.block_t), _cdiv(plan.layout.L, cfg.block_l)
-    meta = dict(_meta(plan, cfg, n_chunks, ("REVERSE", "HAS_INIT", "HAS_DFINAL", "FP64")), **du)
+    n_in = len(plan.prog.ir.inputs)
+    gstatic = {f"GSTATIC{j}": plan.layout.T > 1 and plan.layout.strides[n_in + j][0] == 0
+               for j in range(len(plan.prog.ir.outputs))}   # a gradient constant in time: one load per lane
+    meta = dict(_meta(plan, cfg, n_chunks, ("REVERSE", "HAS_INIT", "HAS_DFINAL", "FP64")), **du, **gstatic)
     if single_pass():
         return [("chunk_bwd_scan", (n_chunks * lanes,), meta)]
     return [("chunk_bwd_reduce", (n_chunks, lanes), meta), ("chunk_bwd_carry", (lanes,), meta),

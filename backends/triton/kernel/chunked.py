@@ -172,14 +172,31 @@ def _forward_kernels(ir: ScanIR, origin) -> list[K.Kernel]:
                      doc=f"Forward of {name}, phase 3 of 3: each chunk scanned from its carry, read out, stored.")]
 
 
+def _grad_loads(ir: ScanIR) -> tuple:
+    """g_<output>: the upstream gradient of each row; one value per lane, broadcast down the tile, where
+    it is constant in time (constexpr GSTATIC<j>: an output without a gradient, or the gradient of a
+    sum), instead of one load per row of the same address."""
+    return tuple(K.If(K.expr(f"GSTATIC{j}"),
+                      (K.Load(f"g1_{o}", K.expr(f"g{j}_ptr + g{j}_off"), K.expr("lane_ok[None, :]"), K.expr("0.0")),
+                       K.assign(f"g_{o}", f"tl.where(ok, g1_{o}, 0.0)")),
+                      (K.Load(f"g_{o}", K.expr(f"g{j}_ptr + g{j}_off + tt * g{j}_st"), K.expr("ok"), K.expr("0.0")),))
+                 for j, o in enumerate(ir.outputs))
+
+
+def bwd_consts(ir: ScanIR, *schedule) -> tuple:
+    """The backward kernels' constexprs: the schedule's tile sizes, the plan's flags, each input's
+    gradient mode DU<i> and each output's GSTATIC<j> (`_grad_loads`)."""
+    return (*schedule, "REVERSE", "HAS_INIT", "HAS_DFINAL", "FP64", *(f"DU{i}" for i in range(len(ir.inputs))),
+            *(f"GSTATIC{j}" for j in range(len(ir.outputs))))
+
+
 def _adjoint_elements(ir: ScanIR, adj: Adjoint) -> tuple:
     """Per tile, from the replayed prefixes p_*: the next step's element en_*, the upstream gradients,
     and the adjoint scan's elements (a_k = A_t's entries, v_* = the direct gradient of y_t)."""
     n_out, nb = len(ir.outputs), len(adj.b_entries)
     shape = f"p_{ir.fields[0]}"
     body = [K.assign("ok_next", "(t + 1 < T) & lane_ok[None, :]"), *B.load_lift(ir, tag="n", shift=1, mask="ok_next")]
-    body += [K.Load(f"g_{o}", K.expr(f"g{j}_ptr + g{j}_off + tt * g{j}_st"), K.expr("ok"), K.expr("0.0"))
-             for j, o in enumerate(ir.outputs)][:n_out]
+    body += _grad_loads(ir)
     here = ({s: f"p_{f}" for s, f in zip(ir.prefix_symbols, ir.fields)}
             | {s: f"u_{n}" for s, n in zip(ir.input_symbols, ir.inputs)} | {g: g.name for g in adj.g})
     body += common.assign([f"dy_{f}" for f in ir.fields], adj.dy, here, "_d", shape_like=shape)
@@ -301,8 +318,7 @@ def _transitions(ir: ScanIR, adj: Adjoint) -> tuple:
     J1(y_{t-1}, x_t)^T, the transition into row t - 1 (0 past the end: nothing flows in from padding)."""
     n_out, nb = len(ir.outputs), len(adj.b_entries)
     shape = f"p_{ir.fields[0]}"
-    body = [K.Load(f"g_{o}", K.expr(f"g{j}_ptr + g{j}_off + tt * g{j}_st"), K.expr("ok"), K.expr("0.0"))
-            for j, o in enumerate(ir.outputs)][:n_out]
+    body = list(_grad_loads(ir))
     here = ({s: f"p_{f}" for s, f in zip(ir.prefix_symbols, ir.fields)}
             | {s: f"u_{n}" for s, n in zip(ir.input_symbols, ir.inputs)} | {g: g.name for g in adj.g})
     body += common.assign([f"dy_{f}" for f in ir.fields], adj.dy, here, "_d", shape_like=shape)
@@ -319,17 +335,9 @@ def _transitions(ir: ScanIR, adj: Adjoint) -> tuple:
     return tuple(body)
 
 
-def _store_row0(ptr_of, values) -> tuple:
-    """Store row 0 of each tile in `values` at `ptr_of(k)` (a lane vector's pointer): a masked store
-    from the threads that hold row 0, no reduction over the tile."""
-    return tuple(K.Store(K.expr(f"{ptr_of(k)}[None, :] + rows * 0"), K.expr(v), K.expr("(rows == 0) & lane_ok[None, :]"))
-                 for k, v in enumerate(values))
-
-
 def _backward_kernels(ir: ScanIR, adj: Adjoint, origin) -> list[K.Kernel]:
     n, nb = len(ir.fields), len(adj.b_entries)
-    consts = ("BLOCK_T", "BLOCK_L", "BLOCK_C", "REVERSE", "HAS_INIT", "HAS_DFINAL", "FP64") + tuple(
-        f"DU{i}" for i in range(len(ir.inputs)))
+    consts = bwd_consts(ir, "BLOCK_T", "BLOCK_L", "BLOCK_C")
     params = _params(backward_args(ir) + ["agg_ptr", "gc_ptr"], consts)
     ins = [f"u{i}" for i in range(len(ir.inputs))]
     grads = [f"g{j}" for j in range(len(ir.outputs))]
@@ -345,8 +353,9 @@ def _backward_kernels(ir: ScanIR, adj: Adjoint, origin) -> list[K.Kernel]:
               + (K.Assign(tuple([f"ra{k}" for k in range(nb)] + [f"rv{i}" for i in range(n)]),
                           K.expr(f"tl.associative_scan(({scanned}), 0, adjoint_combine, reverse=True)")),
                  K.Comment("(M_c, V_c): z at the chunk's first step = V_c + M_c z at the next chunk's, row 0 of the scan"))
-              + _store_row0(lambda k: f"agg_ptr + ({k} * n_chunks + chunk) * L + lane",
-                            [f"ra{k}" for k in range(nb)] + [f"rv{i}" for i in range(n)]))
+              + tuple(K.Store(K.expr(f"agg_ptr + ({k} * n_chunks + chunk) * L + lane"), K.expr(_row(r, "0")),
+                              K.expr("lane_ok"))
+                      for k, r in enumerate([f"ra{k}" for k in range(nb)] + [f"rv{i}" for i in range(n)])))
     loop = (K.assign("k", "n_ctiles - 1 - kk"), K.assign("j", "k * BLOCK_C + crow"),
             K.assign("okc", "(j < n_chunks) & lane_ok[None, :]"))
     loop += tuple(K.Load(f"a{k}", K.expr(f"agg_ptr + ({k} * n_chunks + j) * L + lane[None, :]"), K.expr("okc"),

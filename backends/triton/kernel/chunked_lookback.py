@@ -54,7 +54,7 @@ from ..codegen import backward_args, forward_args
 from . import builders as B
 from . import common
 from . import ir as K
-from .chunked import (_adjoint_elements, assemble, _apply_carry, _carry_from, _dfinal, _fields, _initial, _input_gradients,
+from .chunked import (_adjoint_elements, assemble, bwd_consts, _apply_carry, _carry_from, _dfinal, _fields, _initial, _input_gradients,
                       _offsets, _params, _previous_prefixes, _row)
 from .printer import render as print_module
 
@@ -232,8 +232,7 @@ def _gradient_from_later_chunks(ir: ScanIR, adj: Adjoint) -> tuple:
 
 
 def _backward_kernel(ir: ScanIR, adj: Adjoint, origin) -> K.Kernel:
-    consts = ("BLOCK_T", "BLOCK_L", "LOOKBACK", "REVERSE", "HAS_INIT", "HAS_DFINAL", "FP64") + tuple(
-        f"DU{i}" for i in range(len(ir.inputs)))
+    consts = bwd_consts(ir, "BLOCK_T", "BLOCK_L", "LOOKBACK")
     params = _params(backward_args(ir) + ["agg_ptr", "gc_ptr", "sync_ptr"], consts)
     ins = [f"u{i}" for i in range(len(ir.inputs))]
     grads = [f"g{j}" for j in range(len(ir.outputs))]
