@@ -203,10 +203,10 @@ def test_long_sequence(chunked, kind, dtype, T):
 
 def test_choose_config_picks_chunked_for_few_lanes_and_long_time(monkeypatch, knobs):
     """[1, 16, 2^20] with time contiguous: the chunk-parallel schedule on the GPU branch (one lane per
-    program; 4096-step chunks and a 32-warp backward in one pass, 2048 and 8 in three kernels), not for
+    program; 4096-step chunks and a 32-warp backward in one pass, 1024 and 2 in three kernels), not for
     many lanes, short sequences or programs without it."""
     monkeypatch.setattr(runtime.settings, "triton_interpret", lambda: False)
-    for single, chunk, warps in ((True, 4096, 32), (False, 2048, 8)):
+    for single, chunk, warps in ((True, 4096, 32), (False, 1024, 2)):
         knobs(chunk_single_pass=single)
         for backward in (False, True):
             cfg = runtime.choose_config(1 << 20, 16, True, 1, backward=backward, checkpoint=True, chunkable=True)

@@ -221,17 +221,21 @@ def chunked_config(T: int, L: int, time_contiguous: bool, backward: bool, interp
     """The chunk-parallel launch: one chunk of block_t steps per program (both passes: the backward's
     chunk is the forward's checkpoint interval), a single lane when time is contiguous (the tile's
     rows are consecutive addresses), 16 lanes otherwise (one row of a tile: 64 contiguous bytes).
-    Time contiguous, the three-kernel variant takes 2048-step chunks and an 8-warp backward, the one-pass
-    variant 4096 and 32 warps (its backward holds ~150 registers a thread at 8 warps, one program per SM;
-    56 at 32 warps), each the faster of those timed on an H100 (BENCHMARKS.md)."""
+    Time contiguous, the three-kernel variant takes 1024-step chunks and a 2-warp backward (its rescan
+    holds ~85 registers a thread: few warps a program, more programs an SM), the one-pass variant 4096
+    and 32 warps (its backward holds ~150 registers a thread at 8 warps, one program per SM; 56 at 32
+    warps), each the fastest of those timed on an H100 (BENCHMARKS.md)."""
     pow2 = 1 << max(0, (T - 1).bit_length())
     if interpret:
         return Config(block_t=min(8, pow2), block_l=min(4, 1 << max(0, (L - 1).bit_length())), num_warps=1,
                       schedule="chunked")
     if time_contiguous:
         single = chunk_single_pass()
-        block_t = min(4096 if single else 2048, pow2)
-        warps = max(4, min(32 if single else 8, block_t // 128)) if backward else 4
+        block_t = min(4096 if single else 1024, pow2)
+        if not backward:
+            warps = 4
+        else:
+            warps = max(4, min(32, block_t // 128)) if single else 2
         return Config(block_t=block_t, block_l=1, num_warps=warps, schedule="chunked")
     return Config(block_t=min(256, pow2), block_l=16, num_warps=8 if backward else 4, schedule="chunked")
 

@@ -1,6 +1,6 @@
 """GPU benchmark of the chunk-parallel schedule: the affine scan with few lanes and a long T.
 
-    python -m scanlang.tools.bench_chunked [--shape 1,16,1048576] [--chunk 2048 [--warps 4,8]] [--single-pass [--lookback 32]]
+    python -m scanlang.tools.bench_chunked [--shape 1,16,1048576] [--chunk 1024 [--warps 4,2]] [--single-pass [--lookback 32]]
         [--breakdown]
 
 Times `sl.scan(sl.Affine, (a, b), dim=2)` at fp32 [B, D, T] (T contiguous; the default is the
@@ -52,7 +52,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m scanlang.tools.bench_chunked", description=__doc__.split("\n")[0])
     parser.add_argument("--shape", default=f"1,16,{1 << 20}", help="B,D,T (default 1,16,1048576)")
     parser.add_argument("--chunk", type=int, default=0, help="steps per chunk (default: choose_config's)")
-    parser.add_argument("--warps", default="4,8", help="with --chunk: warps of the forward and backward kernels (default 4,8)")
+    parser.add_argument("--warps", default="4,2", help="with --chunk: warps of the forward and backward kernels (default 4,2)")
     parser.add_argument("--single-pass", action="store_true", help="the one-pass look-back variant")
     parser.add_argument("--lookback", type=int, default=32, help="its chunks per look-back window (a power of two)")
     parser.add_argument("--breakdown", action="store_true", help="also list every kernel's GPU time")
