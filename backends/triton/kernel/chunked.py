@@ -12,15 +12,23 @@ forward, y_t = y_{t-1} (+) x_t with y_{-1} = initial or the identity e:
                    P_{n} as the final prefix
     chunk_rescan   y_t = P_c (+) x_{cB} (+) ... (+) x_t, out_t = readout(y_t, u_t)   reads inputs,
                    writes outputs once
-backward, the same three phases on the adjoint's reverse affine scan gbar_t = v_t + A_t gbar_{t+1}
-(A_t = J1(y_t, x_{t+1})^T, v_t = the direct gradient of y_t; scanlang/autodiff.py):
-    chunk_bwd_reduce  replays y over the chunk from checkpoint c, forms (A_t, v_t) and reduces them
-                      to (M_c, V_c) with gbar_{cB} = V_c + M_c gbar_{(c+1)B}
-    chunk_bwd_carry   G_c = V_c + M_c G_{c+1}, G_n = 0, in reverse over the chunks (all n + 1 stored)
-    chunk_bwd_rescan  replays y (and the previous prefixes q), rescans the adjoint from G_{c+1},
-                      then dx = J2(q, x)^T gbar, the input gradients (stored, atomically added where
+backward, the same three phases on the adjoint's reverse affine scan gbar_t = v_t + M_{t+1} gbar_{t+1}
+(v_t = the direct gradient of y_t, M_t = J1(y_{t-1}, x_t)^T; scanlang/autodiff.py). Every row reads only
+its own step: M_t comes from the row's own element x_t and the previous prefix y_{t-1}, and y_{t-1} from
+one scan over (aggregate, aggregate-but-last) pairs (common.prefix_pair_combine), so no input is loaded
+shifted by a step (a shifted tile is unaligned: scalar loads, which made the L1 the H100's bottleneck).
+The carry between chunks runs in z_t = M_t gbar_t, what row t hands to row t - 1:
+    chunk_bwd_reduce  replays y over the chunk from checkpoint c, forms (M_t, M_t v_t) and reduces them
+                      by the reverse affine scan z_t = M_t v_t + M_t z_{t+1} to (M_c, V_c) with
+                      Z_c = V_c + M_c Z_{c+1} (Z_c = z at the chunk's first step)
+    chunk_bwd_carry   Z_c = V_c + M_c Z_{c+1}, Z_n = 0, in reverse over the chunks (all n + 1 stored)
+    chunk_bwd_rescan  replays y and y_{t-1}, scans the rows as (F, c, L) segments
+                      (common.adjoint_exclusive_combine) so gbar_t = c_t + F_t Z_{c+1}, then
+                      dx = J2(y_{t-1}, x_t)^T gbar_t, the input gradients (stored, atomically added where
                       an input is broadcast over lanes, summed over the chunk where it is constant in
-                      time) and, in chunk 0, dL/dinitial = c_0 + J1(y_{-1}, x_0)^T gbar_0.
+                      time) and, in chunk 0, dL/dinitial = c_0 + M_0 gbar_0.
+An upstream gradient constant in time (an output the loss does not use, or a plain sum) is loaded once
+per lane (constexpr GSTATIC<j>).
 kernel/chunked_lookback.py is the same schedule in one kernel per pass (a decoupled look-back, each
 input read once), selected by the tuning knob `chunk_single_pass`.
 
@@ -28,9 +36,8 @@ Time runs backwards in memory when REVERSE is set (index T-1-t). The arguments a
 kernels (codegen.forward_args / backward_args) plus the aggregate buffers, so checkpoints mean the
 same in every schedule: the carry into each chunk of BLOCK_T steps.
 
-Projective monoids: every lifted leaf (x_t, and the next and previous steps' leaves the backward
-reloads) is scaled by leaf_scale, an exact power of two bringing its largest field into [1, 2),
-before any product, as in the other schedules (builders.renormalise_leaf); the outputs do not change,
+Projective monoids: every lifted leaf x_t is scaled by leaf_scale, an exact power of two bringing its
+largest field into [1, 2), before any product, as in the other schedules (builders.renormalise_leaf); the outputs do not change,
 and the backward multiplies each step's dx by the same factor (builders.scale_leaf_gradient).
 
 Supported: plain scans (`supports`; the kernels take any lift and a readout that neither uses the
@@ -78,13 +85,12 @@ def _offsets(name: str, lanes: str = "lane") -> str:
 
 
 def _prologue(tensors) -> tuple:
-    """Program (chunk, lane block): rows of the tile, t (scan step), ok, tt (memory index), step, and
+    """Program (chunk, lane block): rows of the tile, t (scan step), ok, tt (memory index), and
     the lane offsets of `tensors`."""
     body = [K.assign("chunk", "tl.program_id(0)"), *_lanes(1), K.assign("n_chunks", "tl.cdiv(T, BLOCK_T)"),
             K.assign("rows", "tl.arange(0, BLOCK_T)[:, None]"), K.assign("t", "chunk.to(tl.int64) * BLOCK_T + rows"),
             K.assign("ok", "(t < T) & lane_ok[None, :]"),
-            K.If(K.expr("REVERSE"), (K.assign("tt", "T - 1 - t"), K.assign("step", "-1")),
-                 (K.assign("tt", "t"), K.assign("step", "1")))]
+            K.If(K.expr("REVERSE"), (K.assign("tt", "T - 1 - t"),), (K.assign("tt", "t"),))]
     body += [K.assign(f"{n}_off", f"{_offsets(n)}[None, :]") for n in tensors]
     return tuple(body)
 
@@ -190,33 +196,6 @@ def bwd_consts(ir: ScanIR, *schedule) -> tuple:
             *(f"GSTATIC{j}" for j in range(len(ir.outputs))))
 
 
-def _adjoint_elements(ir: ScanIR, adj: Adjoint) -> tuple:
-    """Per tile, from the replayed prefixes p_*: the next step's element en_*, the upstream gradients,
-    and the adjoint scan's elements (a_k = A_t's entries, v_* = the direct gradient of y_t)."""
-    n_out, nb = len(ir.outputs), len(adj.b_entries)
-    shape = f"p_{ir.fields[0]}"
-    body = [K.assign("ok_next", "(t + 1 < T) & lane_ok[None, :]"), *B.load_lift(ir, tag="n", shift=1, mask="ok_next")]
-    body += _grad_loads(ir)
-    here = ({s: f"p_{f}" for s, f in zip(ir.prefix_symbols, ir.fields)}
-            | {s: f"u_{n}" for s, n in zip(ir.input_symbols, ir.inputs)} | {g: g.name for g in adj.g})
-    body += common.assign([f"dy_{f}" for f in ir.fields], adj.dy, here, "_d", shape_like=shape)
-    a_names = ({s: f"p_{f}" for s, f in zip(ir.previous_symbols, ir.fields)}
-               | {s: f"en_{f}" for s, f in zip(ir.later, ir.fields)})
-    body.append(K.Comment("A_t = J1(y_t, x_{t+1})^T; the last step has no successor (its padding may not be finite)"))
-    body += common.assign([f"a{k}" for k in range(nb)], adj.b_entries, a_names, "_a", shape_like=shape)
-    body += [K.assign(f"a{k}", f"tl.where(ok_next, a{k}, 0.0)") for k in range(nb)]
-    body.append(K.assign("is_last", "t == T - 1"))
-    body += [K.assign(f"d_{f}", f"dy_{f} + tl.where(is_last, dfin_{f}[None, :], 0.0)") for f in ir.fields]
-    v_names = {s: f"p_{f}" for s, f in zip(ir.prefix_symbols, ir.fields)} | {s: s.name for s in adj.d}
-    body += common.assign([f"v_{f}" for f in ir.fields], adj.direct, v_names, "_v", shape_like=shape)
-    body += [K.assign(f"v_{f}", f"tl.where(ok, v_{f}, 0.0)") for f in ir.fields]
-    scanned = ", ".join([f"a{k}" for k in range(nb)] + [f"v_{f}" for f in ir.fields])
-    targets = tuple([f"ra{k}" for k in range(nb)] + [f"rv{i}" for i in range(len(ir.fields))])
-    body.append(K.Comment("the reverse affine scan of the adjoint over the tile"))
-    body.append(K.Assign(targets, K.expr(f"tl.associative_scan(({scanned}), 0, adjoint_combine, reverse=True)")))
-    return tuple(body)
-
-
 def _dfinal(ir: ScanIR) -> tuple:
     loads = tuple(K.Load(f"dfin_{f}", K.expr(f"dfinal_ptr + {k} * n_seq * L + lane"), K.expr("lane_ok"),
                          K.expr("0.0")) for k, f in enumerate(ir.fields))
@@ -249,14 +228,6 @@ def _du_store(i: int, name: str) -> K.If:
     return K.If(grad_mode_is(i, GradMode.STORE), (K.Store(ptr, value, K.expr("ok")),),
                 (K.If(grad_mode_is(i, GradMode.ATOMIC), (K.AtomicAdd(ptr, value, K.expr("ok")),),
                       (K.AtomicAdd(K.expr(f"du{i}_ptr + {_offsets(f'du{i}')}"), summed, K.expr("lane_ok")),)),))
-
-
-def _previous_prefixes(ir: ScanIR) -> tuple:
-    """q_<field>: y_{t-1} for each row, from the carry c_* (the tile's shifted elements scanned again)."""
-    return (K.assign("ok_prev", "ok & (rows > 0)"),
-            *B.load_lift(ir, tag="v", shift=-1, mask="ok_prev"), *_scan_from(ir, "ev", "qs", "c"),
-            K.Comment("q_t = y_{t-1}; row 0: the carry itself (a raw initial element is not renormalised)"),
-            *(K.assign(f"q_{f}", f"tl.where(rows == 0, c_{f}[None, :], qs_{f})") for f in ir.fields))
 
 
 def _input_gradients(ir: ScanIR, adj: Adjoint) -> tuple:
@@ -294,7 +265,7 @@ def _input_gradients(ir: ScanIR, adj: Adjoint) -> tuple:
     return tuple(out)
 
 
-def _replay_pairs(ir: ScanIR) -> tuple:
+def replay_pairs(ir: ScanIR) -> tuple:
     """p_* (y_t) and q_* (y_{t-1}) of every row from the checkpoint c_* and the tile's own elements e_*:
     one scan over (A, B) pairs (prefix_pair_combine), so no input is loaded shifted by a step. Row 0's
     q is the carry itself (a raw initial element is not renormalised)."""
@@ -312,11 +283,11 @@ def _replay_pairs(ir: ScanIR) -> tuple:
             *(K.assign(f"q_{f}", f"tl.where(rows == 0, c_{f}[None, :], qs_{f})") for f in ir.fields))
 
 
-def _transitions(ir: ScanIR, adj: Adjoint) -> tuple:
+def transitions(ir: ScanIR, adj: Adjoint) -> tuple:
     """Per row, from p_*, q_* and the row's own elements e_*: the upstream gradients, v_* (the direct
     gradient of y_t, dL/dy_final added on the last step) and m<k>, the entries of M_t = B_t =
     J1(y_{t-1}, x_t)^T, the transition into row t - 1 (0 past the end: nothing flows in from padding)."""
-    n_out, nb = len(ir.outputs), len(adj.b_entries)
+    nb = len(adj.b_entries)
     shape = f"p_{ir.fields[0]}"
     body = list(_grad_loads(ir))
     here = ({s: f"p_{f}" for s, f in zip(ir.prefix_symbols, ir.fields)}
@@ -335,6 +306,34 @@ def _transitions(ir: ScanIR, adj: Adjoint) -> tuple:
     return tuple(body)
 
 
+def exclusive_adjoint(ir: ScanIR, adj: Adjoint) -> tuple:
+    """rf<k>, rc<i>, rl<k>: per row t, the rows from t to the chunk's end as (F, c, L), so that
+    gbar_t = c + F Z with Z the z entering after the chunk (common.adjoint_exclusive_combine)."""
+    n, nb = len(ir.fields), len(adj.b_entries)
+    ident = [1.0 if adj.scalar or i == j else 0.0 for i, j in ([(0, 0)] if adj.scalar else adj.pattern)]
+    scanned = ", ".join([f"f{k}" for k in range(nb)] + [f"v_{f}" for f in ir.fields] + [f"m{k}" for k in range(nb)])
+    return (*(K.assign(f"f{k}", f"tl.zeros_like(m{k})" + (" + 1.0" if one else "")) for k, one in enumerate(ident)),
+            K.Comment("gbar_t = c_t + F_t Z_(c+1): the rows from t to the chunk's end as a map of the z entering after it"),
+            K.Assign(tuple([f"rf{k}" for k in range(nb)] + [f"rc{i}" for i in range(n)] + [f"rl{k}" for k in range(nb)]),
+                     K.expr(f"tl.associative_scan(({scanned}), 0, adjoint_exclusive_combine, reverse=True)")))
+
+
+def z_aggregate(ir: ScanIR, adj: Adjoint) -> tuple:
+    """am<k>, aw<i> (lane vectors): the chunk as z_(cB) = aw + am Z_(c+1), from row 0 of
+    `exclusive_adjoint`: z_(cB) = L (c + F Z), so am = L F and aw = L c."""
+    n, nb = len(ir.fields), len(adj.b_entries)
+    rows = [K.assign(f"{r}0_{k}", _row(f"r{r}{k}", "0")) for r, count in (("f", nb), ("c", n), ("l", nb)) for k in range(count)]
+    fm = adj.matrix([E.symbol(f"f0_{k}") for k in range(nb)])
+    lm = adj.matrix([E.symbol(f"l0_{k}") for k in range(nb)])
+    zero = sympy.Integer(0)
+    prod = [[sum((lm[i][k] * fm[k][j] for k in range(n)), zero) for j in range(n)] for i in range(n)]
+    am = [prod[0][0]] if adj.scalar else [prod[i][j] for i, j in adj.pattern]
+    aw = [sum((lm[i][k] * E.symbol(f"c0_{k}") for k in range(n)), zero) for i in range(n)]
+    names = {E.symbol(f"{r}0_{k}"): f"{r}0_{k}" for r, count in (("f", nb), ("c", n), ("l", nb)) for k in range(count)}
+    return (K.Comment("the chunk's aggregate in z: z at its first step = aw + am Z_(c+1)"), *rows,
+            *common.assign([f"am{k}" for k in range(nb)] + [f"aw{i}" for i in range(n)], am + aw, names, "_z"))
+
+
 def _backward_kernels(ir: ScanIR, adj: Adjoint, origin) -> list[K.Kernel]:
     n, nb = len(ir.fields), len(adj.b_entries)
     consts = bwd_consts(ir, "BLOCK_T", "BLOCK_L", "BLOCK_C")
@@ -342,7 +341,7 @@ def _backward_kernels(ir: ScanIR, adj: Adjoint, origin) -> list[K.Kernel]:
     ins = [f"u{i}" for i in range(len(ir.inputs))]
     grads = [f"g{j}" for j in range(len(ir.outputs))]
     name = E.docstring_text(ir.name)
-    replay = _carry_from(ir, "ckpt_ptr", "chunk") + B.load_lift(ir) + _replay_pairs(ir) + _transitions(ir, adj)
+    replay = _carry_from(ir, "ckpt_ptr", "chunk") + B.load_lift(ir) + replay_pairs(ir) + transitions(ir, adj)
     mmat = adj.matrix([E.symbol(f"m{k}") for k in range(nb)])
     mv = [sum((mmat[i][j] * E.symbol(f"v_{f}") for j, f in enumerate(ir.fields)), sympy.Integer(0)) for i in range(n)]
     mv_names = {E.symbol(f"m{k}"): f"m{k}" for k in range(nb)} | {E.symbol(f"v_{f}"): f"v_{f}" for f in ir.fields}
@@ -377,13 +376,8 @@ def _backward_kernels(ir: ScanIR, adj: Adjoint, origin) -> list[K.Kernel]:
              *(K.Store(K.expr(f"gc_ptr + ({i} * (n_chunks + 1) + n_chunks) * L + lane"), K.expr(f"gc_{f}"),
                        K.expr("lane_ok")) for i, f in enumerate(ir.fields)),
              K.For("kk", K.expr("0"), K.expr("n_ctiles"), loop))
-    ident = [1.0 if adj.scalar or i == j else 0.0 for i, j in ([(0, 0)] if adj.scalar else adj.pattern)]
     rescan = list(_prologue(ins + grads + [f"du{i}" for i in range(len(ir.inputs))]) + _dfinal(ir) + replay)
-    rescan += [K.assign(f"f{k}", f"tl.zeros_like(m{k})" + (" + 1.0" if one else "")) for k, one in enumerate(ident)]
-    scanned = ", ".join([f"f{k}" for k in range(nb)] + [f"v_{f}" for f in ir.fields] + [f"m{k}" for k in range(nb)])
-    rescan += [K.Comment("gbar_t = c_t + F_t Z_(c+1): the rows from t to the chunk's end as a map of the z entering after it"),
-               K.Assign(tuple([f"rf{k}" for k in range(nb)] + [f"rc{i}" for i in range(n)] + [f"rl{k}" for k in range(nb)]),
-                        K.expr(f"tl.associative_scan(({scanned}), 0, adjoint_exclusive_combine, reverse=True)"))]
+    rescan += exclusive_adjoint(ir, adj)
     rescan += [K.Load(f"gin_{f}", K.expr(f"gc_ptr + ({i} * (n_chunks + 1) + chunk + 1) * L + lane"),
                       K.expr("lane_ok"), K.expr("0.0")) for i, f in enumerate(ir.fields)]
     rescan += _apply_carry(ir, adj, "gbar", "gin", ra="rf{}", rv="rc{}")
@@ -396,7 +390,7 @@ def _backward_kernels(ir: ScanIR, adj: Adjoint, origin) -> list[K.Kernel]:
                      doc=f"Backward of {name}, phase 3 of 3: the adjoint rescanned from Z_(c+1); input gradients.")]
 
 
-def assemble(ir: ScanIR, adj: Adjoint, schedule_kernels, what: str, extra_helpers=lambda ir, adj: ()) -> K.Module:
+def assemble(ir: ScanIR, adj: Adjoint, schedule_kernels, what: str) -> K.Module:
     """One IR module: the helpers every chunk-parallel kernel calls, then `schedule_kernels(ir, adj,
     origin)`; `what` names the schedule in the module's docstring."""
     if not supports(ir):
@@ -405,7 +399,7 @@ def assemble(ir: ScanIR, adj: Adjoint, schedule_kernels, what: str, extra_helper
     origin = common.origins(ir)
     leaf_scale = [B.leaf_scale_kernel(" ".join(B.LEAF_SCALE_DOC.split()))] if ir.is_projective else []
     kernels = [common.combine_kernel(ir, origin), common.adjoint_combine_kernel(ir, adj),
-               *extra_helpers(ir, adj), common.to_acc_kernel(),
+               common.prefix_pair_combine_kernel(ir), common.adjoint_exclusive_combine_kernel(ir, adj), common.to_acc_kernel(),
                common.lane_offsets_kernel(), *leaf_scale, *schedule_kernels(ir, adj, origin)]
     doc = f"Generated by scanlang from monoid {E.docstring_text(ir.name)} (program {ir.key}): {what}. Do not edit."
     return K.Module(doc, tuple(kernels))
@@ -414,8 +408,7 @@ def assemble(ir: ScanIR, adj: Adjoint, schedule_kernels, what: str, extra_helper
 def module(ir: ScanIR, adj: Adjoint) -> K.Module:
     """The chunk-parallel kernels of `ir` (forward and backward) as one IR module."""
     return assemble(ir, adj, lambda ir, adj, origin: [*_forward_kernels(ir, origin), *_backward_kernels(ir, adj, origin)],
-                    "the chunk-parallel schedule (backends/triton/kernel/chunked.py)",
-                    lambda ir, adj: (common.prefix_pair_combine_kernel(ir), common.adjoint_exclusive_combine_kernel(ir, adj)))
+                    "the chunk-parallel schedule (backends/triton/kernel/chunked.py)")
 
 
 def render(ir: ScanIR, adj: Adjoint) -> str:

@@ -17,14 +17,14 @@ forward, y_t = y_{t-1} (+) x_t with y_{-1} = initial or the identity e (kernel c
     4. it publishes its inclusive prefix P_{c+1} = P_c (+) A_c (flag 2; stored as the backward's
        checkpoint c + 1, and as the final prefix by the last chunk), then writes
        out_t = readout(P_c (+) s_t, u_t) from the tile still in registers.
-backward, the same on the adjoint's reverse affine scan gbar_t = v_t + A_t gbar_{t+1}
-(A_t = J1(y_t, x_{t+1})^T, v_t = the direct gradient of y_t; scanlang/autodiff.py), chunks ticketed
-from the last (kernel chunk_bwd_scan): it replays y over its chunk from checkpoint c, forms (A_t, v_t)
-and reduces them to (M_c, V_c) with gbar_{cB} = V_c + M_c gbar_{(c+1)B}, publishes that, looks
-forward to G_{c+1} (the gradient entering from the later chunks), publishes G_c, and finishes the
-chunk: dx = J2(y_{t-1}, x_t)^T gbar_t, the input gradients (stored, atomically added where an input
-is broadcast over lanes, summed over the chunk where it is constant in time) and, in chunk 0,
-dL/dinitial = c_0 + J1(y_{-1}, x_0)^T gbar_0.
+backward, the same on kernel/chunked.py's aligned adjoint (every row reads only its own step; the
+carry between chunks in z_t = M_t gbar_t), chunks ticketed from the last (kernel chunk_bwd_scan): it
+replays y and y_{t-1} over its chunk from checkpoint c, scans its rows as (F, c, L) segments, takes
+its aggregate Z_c = aw + am Z_{c+1} from row 0, publishes that, looks forward to Z_{c+1} (from the
+later chunks), publishes Z_c, and finishes the chunk: gbar_t = c_t + F_t Z_{c+1},
+dx = J2(y_{t-1}, x_t)^T gbar_t, the input gradients (stored, atomically added where an input is
+broadcast over lanes, summed over the chunk where it is constant in time) and, in chunk 0,
+dL/dinitial = c_0 + M_0 gbar_0.
 
 Publishing: a program stores its values, synchronises its threads (`tl.debug_barrier`) and sets its
 flag with a release atomic; a reader polls the flags with acquire atomics, synchronises its threads
@@ -37,9 +37,8 @@ Time runs backwards in memory when REVERSE is set (index T-1-t). The arguments a
 kernels (codegen.forward_args / backward_args) plus the look-back buffers, so checkpoints mean the
 same in every schedule: the carry into each chunk of BLOCK_T steps.
 
-Projective monoids: every lifted leaf (x_t, and the next and previous steps' leaves the backward
-reloads) is scaled by leaf_scale, an exact power of two bringing its largest field into [1, 2),
-before any product, as in the other schedules (builders.renormalise_leaf); the outputs do not change,
+Projective monoids: every lifted leaf x_t is scaled by leaf_scale, an exact power of two bringing its
+largest field into [1, 2), before any product, as in the other schedules (builders.renormalise_leaf); the outputs do not change,
 and the backward multiplies each step's dx by the same factor (builders.scale_leaf_gradient).
 
 Supported: what kernel/chunked.py supports (`supports`).
@@ -54,8 +53,8 @@ from ..codegen import backward_args, forward_args
 from . import builders as B
 from . import common
 from . import ir as K
-from .chunked import (_adjoint_elements, assemble, bwd_consts, _apply_carry, _carry_from, _dfinal, _fields, _initial, _input_gradients,
-                      _offsets, _params, _previous_prefixes, _row)
+from .chunked import (assemble, bwd_consts, exclusive_adjoint, replay_pairs, transitions, z_aggregate, _apply_carry,
+                      _carry_from, _dfinal, _fields, _initial, _input_gradients, _offsets, _params, _row)
 from .printer import render as print_module
 
 KERNELS = ("chunk_scan", "chunk_bwd_scan")
@@ -63,7 +62,7 @@ KERNELS = ("chunk_scan", "chunk_bwd_scan")
 
 def _prologue(tensors, backward: bool) -> tuple:
     """Program (lane block pid, ticket) of the 1-D grid: its chunk (in scan order from the first chunk, or from the last
-    in the backward), rows of the tile, t (scan step), ok, tt (memory index), step, the lane offsets
+    in the backward), rows of the tile, t (scan step), ok, tt (memory index), the lane offsets
     of `tensors`, and `sync`: the lane block's ticket counter, followed by one flag per chunk."""
     chunk = "n_chunks - 1 - ticket" if backward else "ticket"
     body = [K.Comment("lane blocks vary fastest over the grid, so the programs running at once spread over them"),
@@ -75,8 +74,7 @@ def _prologue(tensors, backward: bool) -> tuple:
             K.assign("ticket", "tl.atomic_add(sync, 1)"), K.assign("chunk", chunk),
             K.assign("rows", "tl.arange(0, BLOCK_T)[:, None]"), K.assign("t", "chunk.to(tl.int64) * BLOCK_T + rows"),
             K.assign("ok", "(t < T) & lane_ok[None, :]"),
-            K.If(K.expr("REVERSE"), (K.assign("tt", "T - 1 - t"), K.assign("step", "-1")),
-                 (K.assign("tt", "t"), K.assign("step", "1")))]
+            K.If(K.expr("REVERSE"), (K.assign("tt", "T - 1 - t"),), (K.assign("tt", "t"),))]
     body += [K.assign(f"{n}_off", f"{_offsets(n)}[None, :]") for n in tensors]
     return tuple(body)
 
@@ -192,11 +190,11 @@ def _forward_kernel(ir: ScanIR, origin) -> K.Kernel:
 
 
 def _gradient_from_later_chunks(ir: ScanIR, adj: Adjoint) -> tuple:
-    """gin_*: G_{c+1}, the adjoint entering this chunk from the later ones (0 for the last chunk), by
-    publishing (M_c, V_c) and looking forward. A published G_j is taken as the element (0, G_j) and
-    the rows after it as (0, 0), so the folded pair (B, e) ends with B = 0 and e = G_{c+1}."""
+    """gin_*: Z_{c+1}, the z entering this chunk from the later ones (0 for the last chunk), by
+    publishing (am, aw) and looking forward. A published Z_j is taken as the element (0, Z_j) and
+    the rows after it as (0, 0), so the folded pair (B, e) ends with B = 0 and e = Z_{c+1}."""
     n, nb = len(ir.fields), len(adj.b_entries)
-    entries = [f"m{k}" for k in range(nb)] + [f"w{i}" for i in range(n)]
+    entries = [f"am{k}" for k in range(nb)] + [f"aw{i}" for i in range(n)]
     window = "lane_ok[None, :] & ((w <= term) & valid)[:, None]"   # up to the inclusive value
     fold = tuple(K.Load(f"xb{k}", K.expr(_slot("agg_ptr", k, "n_chunks", "js[:, None]", "lane[None, :]")),
                         K.expr(window), K.expr("0.0"), cache=".cg") for k in range(nb))
@@ -221,12 +219,10 @@ def _gradient_from_later_chunks(ir: ScanIR, adj: Adjoint) -> tuple:
     start = (K.assign("started", "tl.full([], 0, tl.int32)"), *(K.assign(y, zeros) for y in ys))
     last = tuple(K.assign(f"gin_{f}", zeros) for f in ir.fields)
     found = tuple(K.assign(f"gin_{f}", f"ye{i}") for i, f in enumerate(ir.fields))
-    return ((K.Comment("(M_c, V_c): the chunk's adjoint aggregate, row 0 of the reverse scan"),)
-            + tuple(K.assign(f"m{k}", _row(f"ra{k}", "0")) for k in range(nb))
-            + tuple(K.assign(f"w{i}", _row(f"rv{i}", "0")) for i in range(n))
+    return (z_aggregate(ir, adj)
             + (K.If(K.expr("chunk == n_chunks - 1"), last, publish + start + _look_back(False, fold) + found),
-               K.Comment("publish G_c = V_c + M_c G_(c+1), the gradient entering chunk c"))
-            + _apply_carry(ir, adj, "G", "gin", ra="m{}", rv="w{}", lanes="")
+               K.Comment("publish Z_c = aw + am Z_(c+1), the z entering chunk c"))
+            + _apply_carry(ir, adj, "G", "gin", ra="am{}", rv="aw{}", lanes="")
             + _publish([K.Store(K.expr(_slot("gc_ptr", i, "n_chunks", "chunk")), K.expr(f"G_{f}"), K.expr("lane_ok"))
                         for i, f in enumerate(ir.fields)], 2))
 
@@ -237,11 +233,10 @@ def _backward_kernel(ir: ScanIR, adj: Adjoint, origin) -> K.Kernel:
     ins = [f"u{i}" for i in range(len(ir.inputs))]
     grads = [f"g{j}" for j in range(len(ir.outputs))]
     body = list(_prologue(ins + grads + [f"du{i}" for i in range(len(ir.inputs))], backward=True) + _dfinal(ir))
-    body += _carry_from(ir, "ckpt_ptr", "chunk") + B.load_lift(ir) + _scan_from(ir, "e", "p", "c")
-    body += _previous_prefixes(ir)
-    body += _adjoint_elements(ir, adj)
+    body += _carry_from(ir, "ckpt_ptr", "chunk") + B.load_lift(ir) + replay_pairs(ir) + transitions(ir, adj)
+    body += exclusive_adjoint(ir, adj)
     body += _gradient_from_later_chunks(ir, adj)
-    body += _apply_carry(ir, adj, "gbar", "gin")
+    body += _apply_carry(ir, adj, "gbar", "gin", ra="rf{}", rv="rc{}")
     body += _input_gradients(ir, adj)
     return K.Kernel("chunk_bwd_scan", params, tuple(body), origin=origin,
                     doc=f"Backward of {E.docstring_text(ir.name)}: each chunk's adjoint from the gradient its "
