@@ -262,6 +262,9 @@ def test_compile_fullgraph_runs_the_chunked_kernels_through_the_registered_ops(c
     monoid, elems, _ = case("Affine", (1, 3, 21), 2)
     a, b = (e.requires_grad_() for e in elems)
     before = dict(chunked_launch.LAUNCHED)
+    # a compiled graph keeps the kernels of the variant in effect when it was traced, and its guards do
+    # not see the tuning knobs: without a reset the other variant's run would reuse this lambda's graph
+    torch._dynamo.reset()
     compiled = torch.compile(lambda a, b: sl.scan(sl.Affine, (a, b), dim=2, backend="triton").b, fullgraph=True,
                              backend="inductor" if DEVICE == "cuda" else "eager")
     out = compiled(a, b)
