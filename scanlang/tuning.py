@@ -67,8 +67,8 @@ class Tuning:
         order (last bits may differ between runs); torch.use_deterministic_algorithms(True) caps them at two.
       chunk_single_pass: the chunk-parallel schedule runs one kernel per pass with a decoupled
         look-back (kernel/chunked_lookback.py, each input read once) instead of three (kernel/chunked.py).
-        Off by default: on an H100 the one pass wins the forward (0.127 vs 0.142 ms of GPU time at fp32
-        [1, 16, 2^20]) but the three kernels win forward+backward (0.378 vs 0.503) and give the same
+        Off by default: on an H100 the one pass wins the forward (0.126 vs 0.142 ms of GPU time at fp32
+        [1, 16, 2^20]) but the three kernels win forward+backward (0.323 vs 0.506) and give the same
         bits every run; torch.use_deterministic_algorithms(True) runs the three whatever the knob says.
       chunk_lookback: chunks the one-pass variant's look-back reads at a time (one poll of their
         flags, one scan of their published values; a power of two).
