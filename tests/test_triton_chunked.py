@@ -213,6 +213,11 @@ def test_choose_config_picks_chunked_for_few_lanes_and_long_time(monkeypatch, kn
             assert cfg.schedule == "chunked" and cfg.block_t == chunk and cfg.block_l == 1
             assert cfg.num_warps == (warps if backward else 4)
         assert plan.chunk_of(runtime.chunked_config(1 << 20, 16, True, False, interpret=False)) == chunk
+    # a monoid of more fields keeps 4 rows a thread in the three-kernel backward (its registers grow with them)
+    knobs(chunk_single_pass=False)
+    mobius = runtime.choose_config(1 << 20, 16, True, 1, backward=True, checkpoint=True, chunkable=True, fields=4)
+    assert (mobius.block_t, mobius.num_warps) == (1024, 8)
+    assert runtime.choose_config(1 << 20, 16, False, 1, chunkable=True, fields=4).block_t == 64
     assert runtime.choose_config(1 << 20, 16, False, 1, chunkable=True).schedule == "chunked"
     assert runtime.choose_config(1 << 20, 16, True, 1, chunkable=False).schedule == "tile"
     assert runtime.choose_config(4096, 16, True, 1, chunkable=True).schedule == "tile"           # short T

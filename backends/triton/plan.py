@@ -156,7 +156,8 @@ class _Plan:
         chosen = runtime.choose_config(layout.T, layout.L, contiguous, self.state, backward,
                                        sequential=prog.ir.sequential_only,
                                        checkpoint=self.checkpoint,
-                                       chunkable=not self.varlen and chunked.supports(prog.ir))
+                                       chunkable=not self.varlen and chunked.supports(prog.ir),
+                                       fields=len(prog.ir.fields))
         key = (prog.key, backward, contiguous, max(layout.T - 1, 0).bit_length(), self.state, fp64, chosen)
         return chosen, key
 

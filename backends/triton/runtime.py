@@ -217,15 +217,20 @@ def chunk_single_pass() -> bool:
     return tuning.current().chunk_single_pass and not torch.are_deterministic_algorithms_enabled()
 
 
-def chunked_config(T: int, L: int, time_contiguous: bool, backward: bool, interpret: bool) -> Config:
+def chunked_config(T: int, L: int, time_contiguous: bool, backward: bool, interpret: bool, fields: int = 2) -> Config:
     """The chunk-parallel launch: one chunk of block_t steps per program (both passes: the backward's
     chunk is the forward's checkpoint interval), a single lane when time is contiguous (the tile's
     rows are consecutive addresses), 16 lanes otherwise (one row of a tile: 64 contiguous bytes).
-    Time contiguous, the three-kernel variant takes 1024-step chunks and a 2-warp backward (its rescan
-    holds ~85 registers a thread: few warps a program, more programs an SM), the one-pass variant 4096
-    and 32 warps (its backward holds ~150 registers a thread at 8 warps, one program per SM; 56 at 32
-    warps), each the fastest of those timed on an H100 (BENCHMARKS.md)."""
+
+    Time contiguous, the three-kernel variant takes 1024-step chunks and a forward of 4 warps; its
+    backward holds two scans of about 2 and 2-3x `fields` values a row (replayed pairs, adjoint
+    segments), so it takes 16 rows a thread for a monoid of up to 2 fields (affine: 85 registers,
+    2 warps, the fastest forward+backward timed on an H100) and 4 rows a thread beyond (Möbius: 8 warps,
+    208 registers, no spills; at 16 rows it spilled 660 B a thread, offline sm_90). The one-pass variant
+    takes 4096 and 32 warps (its backward holds ~150 registers a thread at 8 warps, one program per SM;
+    56 at 32 warps). Channels contiguous: 16 lanes by 256 steps (64 beyond 2 fields)."""
     pow2 = 1 << max(0, (T - 1).bit_length())
+    small = fields <= 2
     if interpret:
         return Config(block_t=min(8, pow2), block_l=min(4, 1 << max(0, (L - 1).bit_length())), num_warps=1,
                       schedule="chunked")
@@ -234,18 +239,21 @@ def chunked_config(T: int, L: int, time_contiguous: bool, backward: bool, interp
         block_t = min(4096 if single else 1024, pow2)
         if not backward:
             warps = 4
+        elif single:
+            warps = max(4, min(32, block_t // 128))
         else:
-            warps = max(4, min(32, block_t // 128)) if single else 2
+            warps = max(1, min(32, block_t // (32 * (16 if small else 4))))
         return Config(block_t=block_t, block_l=1, num_warps=warps, schedule="chunked")
-    return Config(block_t=min(256, pow2), block_l=16, num_warps=8 if backward else 4, schedule="chunked")
+    return Config(block_t=min(256 if small else 64, pow2), block_l=16, num_warps=8 if backward else 4, schedule="chunked")
 
 
 def choose_config(T: int, L: int, time_contiguous: bool, state: int, backward: bool = False,
-                  sequential: bool = False, checkpoint: bool = False, chunkable: bool = False) -> Config:
+                  sequential: bool = False, checkpoint: bool = False, chunkable: bool = False, fields: int = 2) -> Config:
     """Tile shape per layout: long time tiles when time is contiguous, wide lane tiles otherwise; the
     lane-sequential schedule for very many lanes or for a program that has only that one (`sequential`);
     the chunk-parallel one for few lanes and long T where the program has it (`chunkable`).
-    `checkpoint`: the forward serves a backward (its checkpoint interval is the backward's tile)."""
+    `checkpoint`: the forward serves a backward (its checkpoint interval is the backward's tile);
+    `fields`: the monoid's (the chunk-parallel backward's registers grow with it)."""
     def pow2(n):
         return 1 << max(0, (n - 1).bit_length())
     knobs = tuning.current()
@@ -256,7 +264,7 @@ def choose_config(T: int, L: int, time_contiguous: bool, state: int, backward: b
         return dataclasses.replace(forced, block_t=min(forced.block_t, pow2(T)), block_l=max(state, forced.block_l))
     interpret = settings.triton_interpret() and not torch.cuda.is_available()
     if chunkable and not sequential and prefers_chunked(T, L):
-        return chunked_config(T, L, time_contiguous, backward, interpret)
+        return chunked_config(T, L, time_contiguous, backward, interpret, fields)
     if sequential or prefers_lanes(L):
         if interpret:
             return Config(block_t=4, block_l=max(state, min(4, pow2(L))), num_warps=1, chunk=4, schedule="lanes",
