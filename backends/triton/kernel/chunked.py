@@ -37,8 +37,9 @@ kernels (codegen.forward_args / backward_args) plus the aggregate buffers, so ch
 same in every schedule: the carry into each chunk of BLOCK_T steps.
 
 Projective monoids: every lifted leaf x_t is scaled by leaf_scale, an exact power of two bringing its
-largest field into [1, 2), before any product, as in the other schedules (builders.renormalise_leaf); the outputs do not change,
-and the backward multiplies each step's dx by the same factor (builders.scale_leaf_gradient).
+largest field into [1, 2), before any product, as in the other schedules (builders.renormalise_leaf);
+the outputs do not change, and the backward multiplies each step's dx by the same factor
+(builders.scale_leaf_gradient).
 
 Supported: plain scans (`supports`; the kernels take any lift and a readout that neither uses the
 previous prefix nor sums over state lanes), one sequence (no cu_seqlens), T >= 1; other programs
@@ -231,8 +232,9 @@ def _du_store(i: int, name: str) -> K.If:
 
 
 def _input_gradients(ir: ScanIR, adj: Adjoint) -> tuple:
-    """From gbar_* (the adjoint of every row), p_*, q_* and the tile's elements: dx = J2(q, x)^T gbar,
-    the input gradients stored by their modes, and in chunk 0 dL/d(initial)."""
+    """From gbar_* (the adjoint of every row), p_*, q_*, the tile's elements and the transitions m<k>
+    (`transitions`): dx = J2(q, x)^T gbar, the input gradients stored by their modes, and in chunk 0
+    dL/d(initial)."""
     n, nb = len(ir.fields), len(adj.b_entries)
     shape = f"p_{ir.fields[0]}"
     out = []
@@ -246,18 +248,14 @@ def _input_gradients(ir: ScanIR, adj: Adjoint) -> tuple:
                | {s: s.name for s in adj.dx_symbols})
     out += common.assign([f"du_{m}" for m in ir.inputs], adj.du, names_u, "_u", shape_like=shape)
     out += [_du_store(i, m) for i, m in enumerate(ir.inputs)]
-    here = names_u
-    bmat = adj.matrix([E.symbol(f"b{k}") for k in range(nb)])
+    mmat = adj.matrix([E.symbol(f"m{k}") for k in range(nb)])
     gb = [E.symbol(f"gbar_{f}") for f in ir.fields]
-    w_exprs = [E.symbol(f"cq_{ir.fields[i]}") + sum((bmat[i][j] * gb[j] for j in range(n)), sympy.Integer(0))
+    w_exprs = [E.symbol(f"cq_{ir.fields[i]}") + sum((mmat[i][j] * gb[j] for j in range(n)), sympy.Integer(0))
                for i in range(n)]
     names_w = ({E.symbol(f"cq_{f}"): f"cq_{f}" for f in ir.fields} | {s: s.name for s in gb}
-               | {E.symbol(f"b{k}"): f"b{k}" for k in range(nb)})
-    b_names = ({s: f"q_{f}" for s, f in zip(ir.previous_symbols, ir.fields)}
-               | {s: f"e_{f}" for s, f in zip(ir.later, ir.fields)})
-    init = (K.Comment("dL/d(initial) = c_0 + J1(y_{-1}, x_0)^T gbar_0, from row 0 of chunk 0"),
-            *common.assign([f"cq_{f}" for f in ir.fields], adj.c, here, "_i", shape_like=shape),
-            *common.assign([f"b{k}" for k in range(nb)], adj.b_entries, b_names, "_b", shape_like=shape),
+               | {E.symbol(f"m{k}"): f"m{k}" for k in range(nb)})
+    init = (K.Comment("dL/d(initial) = c_0 + M_0 gbar_0 (M_0 = J1(y_{-1}, x_0)^T), from row 0 of chunk 0"),
+            *common.assign([f"cq_{f}" for f in ir.fields], adj.c, names_u, "_i", shape_like=shape),
             *common.assign([f"w_{f}" for f in ir.fields], w_exprs, names_w, "_w", shape_like=shape),
             *(K.Store(K.expr(f"dinit{k}_ptr + lane"), K.expr(_row(f"w_{f}", "0")), K.expr("lane_ok"))
               for k, f in enumerate(ir.fields)))

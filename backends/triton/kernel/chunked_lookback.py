@@ -38,8 +38,9 @@ kernels (codegen.forward_args / backward_args) plus the look-back buffers, so ch
 same in every schedule: the carry into each chunk of BLOCK_T steps.
 
 Projective monoids: every lifted leaf x_t is scaled by leaf_scale, an exact power of two bringing its
-largest field into [1, 2), before any product, as in the other schedules (builders.renormalise_leaf); the outputs do not change,
-and the backward multiplies each step's dx by the same factor (builders.scale_leaf_gradient).
+largest field into [1, 2), before any product, as in the other schedules (builders.renormalise_leaf);
+the outputs do not change, and the backward multiplies each step's dx by the same factor
+(builders.scale_leaf_gradient).
 
 Supported: what kernel/chunked.py supports (`supports`).
 """
