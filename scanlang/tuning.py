@@ -10,6 +10,9 @@ Two kinds of knob, by when they act:
 - launch-time knobs change how a program is launched (configs, gradient-accumulation modes, the
   delta kernels' buffers and paths). They are part of the launch plans' keys (`launch_key`).
 
+A graph `torch.compile` traced keeps the kernels and launches of the knobs in effect when it was
+traced (its guards do not see the knobs): after changing one, `torch._dynamo.reset()` retraces.
+
 Overrides are process-wide (the autograd engine runs backward passes on its own threads, which
 must see the knobs the forward saw) and thread-safe: each `override` is one entry in a list kept
 under a lock, `current()` is the defaults with every active entry applied in the order they were
