@@ -1,7 +1,7 @@
 """Host (CPU) time per call of the generated kernels' ops: what a call costs before and between its launches.
 
-    python -m scanlang.tools.host_profile [--workload scan|delta] [--calls 200] [--repeat 5] [--profile]
-                                          [--anchor] [--op-path]
+    python -m scanlang.tools.host_profile [--workload scan|delta|linear] [--calls 200] [--repeat 5] [--profile]
+                                          [--anchor] [--op-path] [--member simple_gla]
 
 Each figure is the best of `--repeat` blocks of `--calls` calls, timed without synchronising inside
 the loop (a shared host's other work only ever adds time); `--profile` prints cProfile's top functions
@@ -17,6 +17,10 @@ state, no grad: the recurrent kernel), a chunked forward without grad and a chun
 (B2 T256 H4 K=V=64; host work does not depend on the sizes): validation, packing, plans and chunk
 tables, buffer allocation, autograd and dispatch. `--op-path` routes every chunked call through the
 torch.library ops (the tuning's delta_eager_fast_path off).
+
+--workload linear: a matrix-state member (`--member`, default simple_gla) at B1 T512 H2 K=V=64 in bf16,
+the shape where session 15 measured the host at 8x the GPU (BENCHMARKS_HISTORY.md): a chunked forward
+without grad (the decode kernel off: tuning.decode_max_tokens = 0) and a forward + backward.
 
 On a machine without CUDA the kernels run in Triton's interpreter with every launch a no-op that
 returns a compiled-kernel stand-in, so repeated scan calls take `launcher.py`'s direct relaunch as on
@@ -60,16 +64,19 @@ def _per_call_us(fn, calls: int, repeat: int = 1) -> float:
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--workload", choices=("scan", "delta"), default="scan")
+    parser.add_argument("--workload", choices=("scan", "delta", "linear"), default="scan")
     parser.add_argument("--calls", type=int, default=200)
     parser.add_argument("--repeat", type=int, default=5, help="blocks of --calls; the best is reported")
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--anchor", action="store_true", help="scan: also time accelerated-scan's scan")
     parser.add_argument("--op-path", action="store_true", help="delta: through the torch.library ops")
+    parser.add_argument("--member", default="simple_gla", help="linear: the member (scanlang.recipes.linear)")
     args = parser.parse_args(argv)
     with _no_launches_without_cuda():
         if args.workload == "scan":
             _report_scan(args)
+        elif args.workload == "linear":
+            _report_linear(args)
         else:
             _report_delta(args)
     return 0
@@ -201,6 +208,47 @@ def _report_delta_calls(args):
         print(f"  {name:26s} {_per_call_us(fn, args.calls, args.repeat):8.1f} us", flush=True)
         if args.profile:
             print_profile(fn, args.calls, top=12)
+
+
+def linear_calls(member: str, device: str = "cpu") -> dict[str, Callable[[], None]]:
+    """name -> a zero-argument function doing one call of the matrix-state member `member` on `device`
+    (B1 T512 H2 K=V=64, bf16; its per-token gates from bench_linear's inputs)."""
+    from scanlang import tuning
+    from scanlang.recipes import linear
+    from scanlang.tools.bench_linear import EXTRA, MEMBERS
+    if member not in MEMBERS:
+        raise ValueError(f"--member: expected one of {', '.join(MEMBERS)}, got {member!r}")
+    gen = torch.Generator().manual_seed(0)
+    B, T, H, K, V = 1, 512, 2, 64, 64
+    q, k = (torch.randn(B, T, H, K, generator=gen) * K ** -0.5 for _ in range(2))
+    k = torch.nn.functional.normalize(k, dim=-1)
+    v = torch.randn(B, T, H, V, generator=gen)
+    extra = []
+    for name, per_key, rows in EXTRA[member]:
+        shape = (B, T * rows, H) + ((K,) if per_key else ())
+        extra.append(-torch.rand(shape, generator=gen) * 0.1 if name == "g" else torch.rand(shape, generator=gen))
+    ins = [t.to(device, torch.bfloat16) for t in (q, k, v)] + [t.to(device) for t in extra]
+    train = [t.clone().requires_grad_() for t in ins]
+    fn = getattr(linear, member)
+    do = torch.randn(B, T, H, V, device=device, dtype=torch.bfloat16)
+
+    def forward():
+        with torch.no_grad(), tuning.override(decode_max_tokens=0):
+            fn(*ins, backend="triton")
+
+    def fwd_bwd():
+        torch.autograd.grad(fn(*train, backend="triton")[0], train, do)
+    return {f"{member} chunked fwd": forward, f"{member} chunked fwd+bwd": fwd_bwd}
+
+
+def _report_linear(args):
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    print(f"host time per call ({device}, launches {'real' if device == 'cuda' else 'no-ops'}; torch "
+          f"{torch.__version__}), best of {args.repeat} x {args.calls} calls:")
+    for name, fn in linear_calls(args.member, device).items():
+        print(f"  {name:30s} {_per_call_us(fn, args.calls, args.repeat):8.1f} us", flush=True)
+        if args.profile:
+            print_profile(fn, args.calls, top=20)
 
 
 def print_profile(fn, calls: int, top: int = 15) -> None:
