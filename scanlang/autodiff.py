@@ -70,6 +70,22 @@ class Adjoint:
         return m
 
 
+    def entries(self, m) -> list:
+        """The stored entries of an n x n nested list in B's sparse form (the inverse of `matrix`)."""
+        return [m[0][0]] if self.scalar else [m[i][j] for i, j in self.pattern]
+
+
+def matmul(a, b) -> list[list]:
+    """a b for n x n nested lists of expressions."""
+    n = len(a)
+    return [[sum((a[i][k] * b[k][j] for k in range(n)), sympy.Integer(0)) for j in range(n)] for i in range(n)]
+
+
+def matvec(m, v) -> list:
+    """m v for an n x n nested list and a length-n list of expressions."""
+    return [sum((m[i][k] * v[k] for k in range(len(v))), sympy.Integer(0)) for i in range(len(v))]
+
+
 def _closure(pattern: set[tuple[int, int]], n: int) -> set[tuple[int, int]]:
     """Smallest pattern containing `pattern` and closed under matrix products."""
     closed = set(pattern)

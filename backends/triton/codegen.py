@@ -35,7 +35,7 @@ from __future__ import annotations
 import sympy
 
 from scanlang import expr as E
-from scanlang.autodiff import Adjoint
+from scanlang.autodiff import Adjoint, matmul, matvec
 from scanlang.ir import ScanIR
 
 LANE_DIMS = 4
@@ -124,9 +124,8 @@ def adjoint_combine_exprs(ir: ScanIR, adj: Adjoint):
     xe = [E.symbol(f"xe{i}") for i in range(n)]
     ye = [E.symbol(f"ye{i}") for i in range(n)]
     mx, my = adj.matrix(xb), adj.matrix(yb)
-    prod = [[sum((my[i][k] * mx[k][j] for k in range(n)), sympy.Integer(0)) for j in range(n)] for i in range(n)]
-    b_out = [prod[0][0]] if adj.scalar else [prod[i][j] for i, j in adj.pattern]
-    e_out = [sum((my[i][k] * xe[k] for k in range(n)), sympy.Integer(0)) + ye[i] for i in range(n)]
+    b_out = adj.entries(matmul(my, mx))
+    e_out = [m + y for m, y in zip(matvec(my, xe), ye)]
     return (xb, yb, xe, ye), (b_out, e_out)
 
 

@@ -47,10 +47,9 @@ run on the other schedules.
 """
 from __future__ import annotations
 
-import sympy
 
 from scanlang import expr as E
-from scanlang.autodiff import Adjoint
+from scanlang.autodiff import Adjoint, matmul, matvec
 from scanlang.ir import ScanIR
 
 from ..codegen import backward_args, forward_args
@@ -213,9 +212,8 @@ def _apply_carry(ir: ScanIR, adj: Adjoint, out: str, carry: str, ra: str = "ra{}
     name its entries and the scanned values, `lanes` indexes the carry's lane vector)."""
     n, nb = len(ir.fields), len(adj.b_entries)
     ra, rv = [ra.format(k) for k in range(nb)], [rv.format(i) for i in range(n)]
-    rmat = adj.matrix([E.symbol(r) for r in ra])
     gc = [E.symbol(f"{carry}_{f}") for f in ir.fields]
-    exprs = [E.symbol(rv[i]) + sum((rmat[i][j] * gc[j] for j in range(n)), sympy.Integer(0)) for i in range(n)]
+    exprs = [E.symbol(v) + m for v, m in zip(rv, matvec(adj.matrix([E.symbol(r) for r in ra]), gc))]
     names = {E.symbol(r): r for r in ra + rv} | {s: f"{s.name}{lanes}" for s in gc}
     return common.assign([f"{out}_{f}" for f in ir.fields], exprs, names, f"_{out}")
 
@@ -235,7 +233,7 @@ def _input_gradients(ir: ScanIR, adj: Adjoint) -> tuple:
     """From gbar_* (the adjoint of every row), p_*, q_*, the tile's elements and the transitions m<k>
     (`transitions`): dx = J2(q, x)^T gbar, the input gradients stored by their modes, and in chunk 0
     dL/d(initial)."""
-    n, nb = len(ir.fields), len(adj.b_entries)
+    nb = len(adj.b_entries)
     shape = f"p_{ir.fields[0]}"
     out = []
     names_x = ({s: f"q_{f}" for s, f in zip(ir.previous_symbols, ir.fields)} | {s: s.name for s in adj.gbar}
@@ -248,10 +246,8 @@ def _input_gradients(ir: ScanIR, adj: Adjoint) -> tuple:
                | {s: s.name for s in adj.dx_symbols})
     out += common.assign([f"du_{m}" for m in ir.inputs], adj.du, names_u, "_u", shape_like=shape)
     out += [_du_store(i, m) for i, m in enumerate(ir.inputs)]
-    mmat = adj.matrix([E.symbol(f"m{k}") for k in range(nb)])
     gb = [E.symbol(f"gbar_{f}") for f in ir.fields]
-    w_exprs = [E.symbol(f"cq_{ir.fields[i]}") + sum((mmat[i][j] * gb[j] for j in range(n)), sympy.Integer(0))
-               for i in range(n)]
+    w_exprs = [E.symbol(f"cq_{f}") + m for f, m in zip(ir.fields, matvec(adj.matrix([E.symbol(f"m{k}") for k in range(nb)]), gb))]
     names_w = ({E.symbol(f"cq_{f}"): f"cq_{f}" for f in ir.fields} | {s: s.name for s in gb}
                | {E.symbol(f"m{k}"): f"m{k}" for k in range(nb)})
     init = (K.Comment("dL/d(initial) = c_0 + M_0 gbar_0 (M_0 = J1(y_{-1}, x_0)^T), from row 0 of chunk 0"),
@@ -321,12 +317,9 @@ def z_aggregate(ir: ScanIR, adj: Adjoint) -> tuple:
     `exclusive_adjoint`: z_(cB) = L (c + F Z), so am = L F and aw = L c."""
     n, nb = len(ir.fields), len(adj.b_entries)
     rows = [K.assign(f"{r}0_{k}", _row(f"r{r}{k}", "0")) for r, count in (("f", nb), ("c", n), ("l", nb)) for k in range(count)]
-    fm = adj.matrix([E.symbol(f"f0_{k}") for k in range(nb)])
     lm = adj.matrix([E.symbol(f"l0_{k}") for k in range(nb)])
-    zero = sympy.Integer(0)
-    prod = [[sum((lm[i][k] * fm[k][j] for k in range(n)), zero) for j in range(n)] for i in range(n)]
-    am = [prod[0][0]] if adj.scalar else [prod[i][j] for i, j in adj.pattern]
-    aw = [sum((lm[i][k] * E.symbol(f"c0_{k}") for k in range(n)), zero) for i in range(n)]
+    am = adj.entries(matmul(lm, adj.matrix([E.symbol(f"f0_{k}") for k in range(nb)])))
+    aw = matvec(lm, [E.symbol(f"c0_{k}") for k in range(n)])
     names = {E.symbol(f"{r}0_{k}"): f"{r}0_{k}" for r, count in (("f", nb), ("c", n), ("l", nb)) for k in range(count)}
     return (K.Comment("the chunk's aggregate in z: z at its first step = aw + am Z_(c+1)"), *rows,
             *common.assign([f"am{k}" for k in range(nb)] + [f"aw{i}" for i in range(n)], am + aw, names, "_z"))
@@ -340,8 +333,7 @@ def _backward_kernels(ir: ScanIR, adj: Adjoint, origin) -> list[K.Kernel]:
     grads = [f"g{j}" for j in range(len(ir.outputs))]
     name = E.docstring_text(ir.name)
     replay = _carry_from(ir, "ckpt_ptr", "chunk") + B.load_lift(ir) + replay_pairs(ir) + transitions(ir, adj)
-    mmat = adj.matrix([E.symbol(f"m{k}") for k in range(nb)])
-    mv = [sum((mmat[i][j] * E.symbol(f"v_{f}") for j, f in enumerate(ir.fields)), sympy.Integer(0)) for i in range(n)]
+    mv = matvec(adj.matrix([E.symbol(f"m{k}") for k in range(nb)]), [E.symbol(f"v_{f}") for f in ir.fields])
     mv_names = {E.symbol(f"m{k}"): f"m{k}" for k in range(nb)} | {E.symbol(f"v_{f}"): f"v_{f}" for f in ir.fields}
     scanned = ", ".join([f"m{k}" for k in range(nb)] + [f"mv{i}" for i in range(n)])
     reduce = (_prologue(ins + grads) + _dfinal(ir) + replay

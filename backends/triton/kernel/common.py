@@ -11,10 +11,8 @@ import inspect
 import os
 from pathlib import Path
 
-import sympy
-
 from scanlang import expr as E
-from scanlang.autodiff import Adjoint
+from scanlang.autodiff import Adjoint, matmul, matvec
 from scanlang.ir import ScanIR
 
 from ..codegen import _assign, _assign_inverted, _num, adjoint_combine_exprs
@@ -132,12 +130,9 @@ def adjoint_exclusive_combine_kernel(ir: ScanIR, adj: Adjoint) -> K.Kernel:
     n, nb = len(ir.fields), len(adj.b_entries)
     sym = lambda p, k: [E.symbol(f"{p}{i}") for i in range(k)]  # noqa: E731
     xf, xc, xl, yf, yc, yl = sym("xf", nb), sym("xc", n), sym("xl", nb), sym("yf", nb), sym("yc", n), sym("yl", nb)
-    mxf, mxl, myf = adj.matrix(xf), adj.matrix(xl), adj.matrix(yf)
-    zero = sympy.Integer(0)
-    yfxl = [[sum((myf[i][k] * mxl[k][j] for k in range(n)), zero) for j in range(n)] for i in range(n)]
-    prod = [[sum((yfxl[i][k] * mxf[k][j] for k in range(n)), zero) for j in range(n)] for i in range(n)]
-    f_out = [prod[0][0]] if adj.scalar else [prod[i][j] for i, j in adj.pattern]
-    c_out = [yc[i] + sum((yfxl[i][k] * xc[k] for k in range(n)), zero) for i in range(n)]
+    yfxl = matmul(adj.matrix(yf), adj.matrix(xl))
+    f_out = adj.entries(matmul(yfxl, adj.matrix(xf)))
+    c_out = [y + m for y, m in zip(yc, matvec(yfxl, xc))]
     outs = [f"f{k}" for k in range(nb)] + [f"c{i}" for i in range(n)] + [f"l{k}" for k in range(nb)]
     body = assign(outs[:nb + n], f_out + c_out, {s: s.name for s in xf + xc + xl + yf + yc}, "_x", shape_like="xc0")
     body += (K.assign_lines([f"l{k} = yl{k}" for k in range(nb)]))
