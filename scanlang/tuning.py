@@ -68,11 +68,12 @@ class Tuning:
         (backends/linear, `{name}_fwd_o`, `{name}_bwd`; a power of two >= 16): the pairwise gradients
         hold about ten [C, BK] fp32 tiles. More than two blocks add their shares of o and dv in any
         order (last bits may differ between runs); torch.use_deterministic_algorithms(True) caps them at two.
-      chunk_single_pass: the chunk-parallel schedule runs one kernel per pass with a decoupled
-        look-back (kernel/chunked_lookback.py, each input read once) instead of three (kernel/chunked.py).
-        Off by default: on an H100 the one pass wins the forward (0.126 vs 0.142 ms of GPU time at fp32
-        [1, 16, 2^20]) but the three kernels win forward+backward (0.323 vs 0.506) and give the same
-        bits every run; torch.use_deterministic_algorithms(True) runs the three whatever the knob says.
+      chunk_single_pass: which passes of the chunk-parallel schedule run one kernel with a decoupled
+        look-back (kernel/chunked_lookback.py, each input read once) instead of three
+        (kernel/chunked.py): "forward" (the default), "both" or "none" (True and False mean "both" and
+        "none"). On an H100 at fp32 [1, 16, 2^20] the one pass wins the forward and the three kernels
+        win the backward (BENCHMARKS.md); torch.use_deterministic_algorithms(True) runs the three
+        whatever the knob says (the same bits every run).
       chunk_lookback: chunks the one-pass variant's look-back reads at a time (one poll of their
         flags, one scan of their published values; a power of two).
       delta_save_wu: the delta forward stores w, u for the backward (else the backward recomputes them).
@@ -97,7 +98,7 @@ class Tuning:
     decode_max_tokens: int = 64
     linear_forward: str = "auto"
     linear_key_block: int = 64
-    chunk_single_pass: bool = False
+    chunk_single_pass: str = "forward"
     chunk_lookback: int = 32
     delta_save_wu: bool = True
     delta_eager_fast_path: bool = True
@@ -121,9 +122,13 @@ class Tuning:
                 or self.decode_max_tokens < 0:
             raise ValueError(f"decode_max_tokens: expected an int >= 0, got {self.decode_max_tokens!r}")
         for name in ("sum_groups_before_atomics", "sum_warp_groups_before_atomics", "delta_save_wu",
-                     "delta_eager_fast_path", "chunk_single_pass"):
+                     "delta_eager_fast_path"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name}: expected a bool, got {getattr(self, name)!r}")
+        if isinstance(self.chunk_single_pass, bool):
+            object.__setattr__(self, "chunk_single_pass", "both" if self.chunk_single_pass else "none")
+        if self.chunk_single_pass not in ("forward", "both", "none"):
+            raise ValueError(f"chunk_single_pass: expected 'forward', 'both', 'none' or a bool, got {self.chunk_single_pass!r}")
         if self.linear_forward not in ("auto", "fused", "split"):
             raise ValueError(f"linear_forward: expected 'auto', 'fused' or 'split', got {self.linear_forward!r}")
         if isinstance(self.linear_key_block, bool) or not isinstance(self.linear_key_block, int) \

@@ -19,10 +19,13 @@ def test_few_lanes_long_time_prints_the_chunked_kernels_with_origins(capsys):
     code, out, _ = show_affine(capsys, "--shape", "1,1048576,16", "--layout", "time")
     assert code == 0
     assert "forward config:  Config(" in out and "schedule='chunked'" in out
-    for name in ("chunk_reduce", "chunk_carry", "chunk_rescan", "chunk_bwd_reduce", "chunk_bwd_carry",
-                 "chunk_bwd_rescan"):
+    # the default: a one-pass forward (kernel/chunked_lookback.py), a backward of three kernels (kernel/chunked.py)
+    assert "schedule: chunked (forward chunk_scan)" in out
+    assert "schedule: chunked (backward chunk_bwd_reduce, backward chunk_bwd_carry, backward chunk_bwd_rescan)" in out
+    for name in ("chunk_scan", "chunk_bwd_reduce", "chunk_bwd_carry", "chunk_bwd_rescan"):
         assert f"def {name}(" in out
-    assert "def scan_forward(" not in out   # only the kernels that run
+    for name in ("scan_forward", "chunk_reduce", "chunk_bwd_scan"):   # only the kernels that run
+        assert f"def {name}(" not in out
     where = f"scanlang/library.py:{sl.Affine.combine_fn.__code__.co_firstlineno}"
     assert f"# from combine of Affine: {where}" in out
 

@@ -184,6 +184,24 @@ def test_gradients_constant_in_time(chunked, loss):
         assert_close(g, r, "scan_grad", dtype=torch.float64, name=f"{loss}: grad {i}")
 
 
+@pytest.mark.parametrize("single_pass", ["none", "forward", "both"])
+@pytest.mark.parametrize("T", [1, 7, 37])
+@pytest.mark.parametrize("kind,reverse,with_initial", [("Affine", False, False), ("Affine", True, True),
+                                                       ("Mobius", True, True)], ids=["Affine", "Affine-reverse-initial",
+                                                                                     "Mobius-reverse-initial"])
+def test_forward_chunks_longer_than_the_checkpoint_interval(single_pass, T, kind, reverse, with_initial, knobs):
+    """A forward of 16-step chunks checkpointing every 4 steps (the default shape of the one-pass
+    forward: chunks of 4096, checkpoints every 1024) serves a backward of 4-step chunks, in every
+    combination of the variants: each chunk stores the checkpoints inside it, the carry out of it
+    lands at its next chunk's slot (the last slot for the last chunk), and the outputs and gradients
+    equal the loop's (T = 37: three chunks, the last partial; T = 7: one partial chunk)."""
+    fwd = runtime.Config(block_t=16, block_l=4, num_warps=1, chunk=4, schedule="chunked")
+    bwd = runtime.Config(block_t=16, block_l=4, num_warps=1, schedule="chunked")   # block_t: the forward's interval
+    knobs(chunk_single_pass=single_pass, forced={(c, b): bwd if b else fwd for c in (False, True) for b in (False, True)})
+    assert plan.chunk_of(fwd) == 4
+    check(kind, (1, 3, T), 2, reverse, with_initial)
+
+
 # T = 5000 costs minutes in the interpreter (its scans step through every row), so these run in the
 # slow tier: Affine at T = 5000; Möbius (a 12-value adjoint scan) at T = 1100 (17 chunks of 64, the
 # last partial), and at T = 5000 only with SCANLANG_SLOW_TESTS=1 (over 17 minutes on a loaded 2-core machine).
@@ -203,16 +221,17 @@ def test_long_sequence(chunked, kind, dtype, T):
 
 def test_choose_config_picks_chunked_for_few_lanes_and_long_time(monkeypatch, knobs):
     """[1, 16, 2^20] with time contiguous: the chunk-parallel schedule on the GPU branch (one lane per
-    program; 4096-step chunks and a 32-warp backward in one pass, 1024 and 2 in three kernels), not for
-    many lanes, short sequences or programs without it."""
+    program; a one-pass forward takes 4096-step chunks checkpointing every 1024, a three-kernel one 1024;
+    the backward takes the checkpoint interval, 2 warps in three kernels, 8 in one pass), not for many
+    lanes, short sequences or programs without it."""
     monkeypatch.setattr(runtime.settings, "triton_interpret", lambda: False)
-    for single, chunk, warps in ((True, 4096, 32), (False, 1024, 2)):
+    for single, fwd_chunk, bwd_warps in (("both", 4096, 8), ("forward", 4096, 2), ("none", 1024, 2)):
         knobs(chunk_single_pass=single)
-        for backward in (False, True):
-            cfg = runtime.choose_config(1 << 20, 16, True, 1, backward=backward, checkpoint=True, chunkable=True)
-            assert cfg.schedule == "chunked" and cfg.block_t == chunk and cfg.block_l == 1
-            assert cfg.num_warps == (warps if backward else 4)
-        assert plan.chunk_of(runtime.chunked_config(1 << 20, 16, True, False, interpret=False)) == chunk
+        fwd = runtime.choose_config(1 << 20, 16, True, 1, backward=False, checkpoint=True, chunkable=True)
+        bwd = runtime.choose_config(1 << 20, 16, True, 1, backward=True, checkpoint=True, chunkable=True)
+        assert (fwd.schedule, fwd.block_t, fwd.block_l, fwd.num_warps) == ("chunked", fwd_chunk, 1, 4)
+        assert plan.chunk_of(fwd) == 1024
+        assert (bwd.schedule, bwd.block_t, bwd.block_l, bwd.num_warps) == ("chunked", 1024, 1, bwd_warps)
     # a monoid of more fields keeps 4 rows a thread in the three-kernel backward (its registers grow with them)
     knobs(chunk_single_pass=False)
     mobius = runtime.choose_config(1 << 20, 16, True, 1, backward=True, checkpoint=True, chunkable=True, fields=4)
@@ -238,11 +257,13 @@ def test_deterministic_algorithms_run_the_three_kernels(knobs, deterministic):
     torch.use_deterministic_algorithms the three kernels per pass run even with the knob on."""
     cfg = runtime.Config(block_t=8, block_l=4, num_warps=1, schedule="chunked")
     knobs(forced={(c, b): cfg for c in (False, True) for b in (False, True)}, chunk_single_pass=True)
-    assert tuning.current().chunk_single_pass and not chunked_launch.single_pass()
+    assert tuning.current().chunk_single_pass == "both"
+    assert not (chunked_launch.single_pass(False) or chunked_launch.single_pass(True))
     assert chunked_launch.kernel_names() == chunked_launch.chunked.KERNELS
     check("Affine", (1, 3, 37), 2, False, True)
     torch.use_deterministic_algorithms(False)
-    assert chunked_launch.single_pass() and chunked_launch.kernel_names() == chunked_launch.chunked_lookback.KERNELS
+    assert chunked_launch.single_pass(False) and chunked_launch.single_pass(True)
+    assert chunked_launch.kernel_names() == chunked_launch.chunked_lookback.KERNELS
 
 
 def test_plan_picks_chunked_for_a_plain_scan_not_for_packed_sequences():
@@ -254,7 +275,7 @@ def test_plan_picks_chunked_for_a_plain_scan_not_for_packed_sequences():
     assert p.fwd_chosen.schedule == "chunked"
     packed = plan.ForwardPlan(prog, [x, x], [], 1, True, 2, False, False, True)
     assert packed.fwd_chosen.schedule != "chunked"
-    assert p.checkpoint_shape(p.fwd_chosen) == (2, (1 << 14) // p.fwd_chosen.block_t + 1, 16)
+    assert p.checkpoint_shape(p.fwd_chosen) == (2, (1 << 14) // plan.chunk_of(p.fwd_chosen) + 1, 16)
     # a mixer (lift and readout) keeps the other schedules
     mixer = pipeline.lower(sl.Affine, inputs=("g", "x"), lift=lambda u: (u.g, 2 * u.x))
     assert chunked_launch.chunked.supports(pipeline.lower(sl.Affine)) and not chunked_launch.chunked.supports(mixer)

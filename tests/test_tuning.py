@@ -38,9 +38,14 @@ def test_override_refuses_unknown_knobs_and_bad_values_before_the_block():
     with pytest.raises(TypeError, match="sum_groups_before_atomics: expected a bool"):
         with tuning.override(sum_groups_before_atomics=1):
             pass
-    with pytest.raises(TypeError, match="chunk_single_pass: expected a bool"):
-        with tuning.override(chunk_single_pass="yes"):
-            pass
+    for bad in ("yes", 1, None):
+        with pytest.raises(ValueError, match="chunk_single_pass: expected 'forward', 'both', 'none' or a bool"):
+            with tuning.override(chunk_single_pass=bad):
+                pass
+    with tuning.override(chunk_single_pass=True):
+        assert tuning.current().chunk_single_pass == "both"
+    with tuning.override(chunk_single_pass=False):
+        assert tuning.current().chunk_single_pass == "none"
     for bad in (0, 8, 48, True):
         with pytest.raises(ValueError, match="linear_key_block: expected a power of two >= 16"):
             with tuning.override(linear_key_block=bad):

@@ -1,6 +1,7 @@
 """Launching the chunk-parallel schedule: three kernels per pass (kernel/chunked.py), or one with a
-decoupled look-back (kernel/chunked_lookback.py) under the tuning knob `chunk_single_pass` unless
-torch's deterministic algorithms are on.
+decoupled look-back (kernel/chunked_lookback.py) for the passes the tuning knob `chunk_single_pass`
+names (the forward by default) unless torch's deterministic algorithms are on. Both variants keep the
+same checkpoints, so a one-pass forward serves a three-kernel backward.
 
 The chunked kernels live in their own generated module (one per program and variant, rendered and
 loaded the first time a config picks the schedule), so the tile and lane modules stay as they are.
@@ -21,8 +22,9 @@ from scanlang import tuning
 
 from . import launcher
 from .kernel import chunked, chunked_lookback
+from .plan import chunk_of
 from .runtime import Config, load
-from .runtime import chunk_single_pass as single_pass   # the one-pass variant runs: the knob, unless deterministic
+from .runtime import chunk_single_pass as single_pass   # single_pass(backward): the knob, unless deterministic
 
 _MODULES: dict[tuple[str, bool], object] = {}
 # kernel name -> launches since import: how a test sees that the chunked kernels really ran
@@ -33,22 +35,30 @@ def _cdiv(a: int, b: int) -> int:
     return (a + b - 1) // b
 
 
+def _variant(backward: bool):
+    """The kernel module (kernel/chunked.py or chunked_lookback.py) of the variant in effect for a pass."""
+    return chunked_lookback if single_pass(backward) else chunked
+
+
 def kernel_names() -> tuple[str, ...]:
-    """The kernels of the variant in effect, forward first."""
-    return chunked_lookback.KERNELS if single_pass() else chunked.KERNELS
+    """The kernels of the variants in effect, forward first."""
+    fwd, bwd = _variant(False), _variant(True)
+    return fwd.KERNELS[:len(fwd.KERNELS) // 2] + bwd.KERNELS[len(bwd.KERNELS) // 2:]
 
 
-def source(prog) -> str:
-    """The chunk-parallel module's source for `prog` (a Program of ops.PROGRAMS), of the variant in effect."""
-    return (chunked_lookback if single_pass() else chunked).render(prog.ir, prog.adjoint)
+def source(prog, backward: bool = False) -> str:
+    """The chunk-parallel module's source for `prog` (a Program of ops.PROGRAMS), of the variant in
+    effect for the pass (each variant's module holds both passes)."""
+    return _variant(backward).render(prog.ir, prog.adjoint)
 
 
-def module(prog):
-    """The loaded chunk-parallel module of `prog` in the variant in effect (rendered and imported once)."""
-    key = (prog.key, single_pass())
+def module(prog, backward: bool = False):
+    """The loaded chunk-parallel module of `prog` in the variant in effect for the pass (rendered and
+    imported once)."""
+    key = (prog.key, single_pass(backward))
     mod = _MODULES.get(key)
     if mod is None:
-        mod = _MODULES[key] = load(source(prog))
+        mod = _MODULES[key] = load(source(prog, backward))
     return mod
 
 
@@ -78,9 +88,11 @@ def _run(plan, cfg: Config, kernel, grid, args, meta, eager: bool) -> None:
         wrap_triton(kernel)[grid](*args, **meta)
 
 
-def _meta(plan, cfg: Config, n_chunks: int, names) -> dict:
+def _meta(plan, cfg: Config, n_chunks: int, names, backward: bool) -> dict:
     meta = dict({k: plan.common[k] for k in names}, BLOCK_T=cfg.block_t, BLOCK_L=cfg.block_l, num_warps=cfg.num_warps)
-    if single_pass():
+    if not backward:   # the checkpoint interval: the backward's chunk
+        meta["CHUNK"] = chunk_of(cfg)
+    if single_pass(backward):
         return dict(meta, LOOKBACK=tuning.current().chunk_lookback)
     return dict(meta, BLOCK_C=carry_tile(n_chunks, cfg))
 
@@ -95,7 +107,7 @@ def forward(plan, cfg: Config, args, final, eager: bool, empty):
     ckpt = empty(plan.checkpoint_shape(cfg), plan.acc, final.device)
     agg = empty((len(prog.ir.fields), n_chunks, layout.L), plan.acc, final.device)
     full = [*args, ckpt, final, ckpt, *plan.tail, ckpt.shape[1], agg]
-    if single_pass():
+    if single_pass(False):
         full.append(_sync(_cdiv(layout.L, cfg.block_l), n_chunks, final.device))
     mod = module(prog)
     for name, grid, meta in forward_launches(plan, cfg):
@@ -106,8 +118,8 @@ def forward(plan, cfg: Config, args, final, eager: bool, empty):
 def forward_launches(plan, cfg: Config) -> list[tuple[str, tuple, dict]]:
     """The forward's kernels in launch order as (name, grid, constexpr/meta kwargs) (`forward` runs these)."""
     n_chunks, lanes = _cdiv(plan.layout.T, cfg.block_t), _cdiv(plan.layout.L, cfg.block_l)
-    meta = _meta(plan, cfg, n_chunks, ("REVERSE", "HAS_INIT", "FP64"))
-    if single_pass():   # one program per (chunk, lane block), lane blocks fastest
+    meta = _meta(plan, cfg, n_chunks, ("REVERSE", "HAS_INIT", "FP64"), backward=False)
+    if single_pass(False):   # one program per (chunk, lane block), lane blocks fastest
         return [("chunk_scan", (n_chunks * lanes,), meta)]
     return [("chunk_reduce", (n_chunks, lanes), meta), ("chunk_carry", (lanes,), meta),
             ("chunk_rescan", (n_chunks, lanes), meta)]
@@ -122,12 +134,12 @@ def backward(plan, cfg: Config, args, eager: bool, empty) -> None:
     n_chunks = _cdiv(layout.T, cfg.block_t)
     device = args[0].device
     agg = empty((nb + n, n_chunks, layout.L), plan.acc, device)
-    if single_pass():   # G_c of every chunk but the last; tickets and flags
+    if single_pass(True):   # G_c of every chunk but the last; tickets and flags
         full = [*args, agg, empty((n, n_chunks, layout.L), plan.acc, device),
                 _sync(_cdiv(layout.L, cfg.block_l), n_chunks, device)]
     else:               # G_c of every chunk and G_n = 0
         full = [*args, agg, empty((n, n_chunks + 1, layout.L), plan.acc, device)]
-    mod = module(prog)
+    mod = module(prog, backward=True)
     for name, grid, meta in launches:
         _run(plan, cfg, getattr(mod, name), grid, full, meta, eager)
 
@@ -141,8 +153,8 @@ def backward_launches(plan, cfg: Config) -> list[tuple[str, tuple, dict]]:
     n_in = len(plan.prog.ir.inputs)
     gstatic = {f"GSTATIC{j}": plan.layout.T > 1 and plan.layout.strides[n_in + j][0] == 0
                for j in range(len(plan.prog.ir.outputs))}   # a gradient constant in time: one load per lane
-    meta = dict(_meta(plan, cfg, n_chunks, ("REVERSE", "HAS_INIT", "HAS_DFINAL", "FP64")), **du, **gstatic)
-    if single_pass():
+    meta = dict(_meta(plan, cfg, n_chunks, ("REVERSE", "HAS_INIT", "HAS_DFINAL", "FP64"), backward=True), **du, **gstatic)
+    if single_pass(True):
         return [("chunk_bwd_scan", (n_chunks * lanes,), meta)]
     return [("chunk_bwd_reduce", (n_chunks, lanes), meta), ("chunk_bwd_carry", (lanes,), meta),
             ("chunk_bwd_rescan", (n_chunks, lanes), meta)]

@@ -116,8 +116,8 @@ def chunk_of(cfg: Config, checkpoint: bool = True) -> int:
     """
     if cfg.schedule == "lanes":
         return cfg.chunk or cfg.block_t
-    if cfg.schedule == "chunked":   # one chunk of block_t steps per program (kernel/chunked.py)
-        return cfg.block_t
+    if cfg.schedule == "chunked":   # checkpoints every `chunk` steps of a block_t chunk (kernel/chunked.py)
+        return cfg.chunk if 0 < cfg.chunk < cfg.block_t and cfg.block_t % cfg.chunk == 0 else cfg.block_t
     if not checkpoint:
         return cfg.block_t
     chunk = cfg.chunk or cfg.block_t

@@ -157,6 +157,7 @@ class Config:
     num_warps: int
     stages: int = 1
     chunk: int = 0       # forward: checkpoint interval = the backward's time tile (0: block_t)
+                         # (chunked: divides block_t)
     schedule: str = "tile"
     unroll: int = 4      # lanes: steps per loop iteration (their loads issued together)
 
@@ -209,40 +210,45 @@ def prefers_chunked(T: int, L: int) -> bool:
     return L < 512 and T >= 8192
 
 
-def chunk_single_pass() -> bool:
-    """Whether the chunk-parallel schedule runs its one-pass variant (kernel/chunked_lookback.py): the
-    tuning knob `chunk_single_pass`, unless torch.use_deterministic_algorithms is on. A one-pass carry
-    depends on how far each look-back reached, so its last bits can differ between runs; the three
-    kernels per pass (kernel/chunked.py) give the same bits every run."""
-    return tuning.current().chunk_single_pass and not torch.are_deterministic_algorithms_enabled()
+def chunk_single_pass(backward: bool) -> bool:
+    """Whether the chunk-parallel schedule runs its one-pass variant (kernel/chunked_lookback.py) for
+    this pass: the tuning knob `chunk_single_pass` ("forward" by default), unless
+    torch.use_deterministic_algorithms is on. A one-pass carry depends on how far each look-back
+    reached, so its last bits can differ between runs; the three kernels per pass (kernel/chunked.py)
+    give the same bits every run."""
+    if torch.are_deterministic_algorithms_enabled():
+        return False
+    which = tuning.current().chunk_single_pass
+    return which == "both" or (which == "forward" and not backward)
 
 
 def chunked_config(T: int, L: int, time_contiguous: bool, backward: bool, interpret: bool, fields: int = 2) -> Config:
-    """The chunk-parallel launch: one chunk of block_t steps per program (both passes: the backward's
-    chunk is the forward's checkpoint interval), a single lane when time is contiguous (the tile's
-    rows are consecutive addresses), 16 lanes otherwise (one row of a tile: 64 contiguous bytes).
+    """The chunk-parallel launch: one chunk of block_t steps per program, a single lane when time is
+    contiguous (the tile's rows are consecutive addresses), 16 lanes otherwise (one row of a tile: 64
+    contiguous bytes). The forward checkpoints every `chunk` steps (block_t when 0), the backward's
+    chunk; the backward's block_t is replaced by the forward's interval.
 
-    Time contiguous, the three-kernel variant takes 1024-step chunks and a forward of 4 warps; its
-    backward holds two scans of about 2 and 2-3x `fields` values a row (replayed pairs, adjoint
-    segments), so it takes 16 rows a thread for a monoid of up to 2 fields (affine: 85 registers,
-    2 warps, the fastest forward+backward timed on an H100) and 4 rows a thread beyond (Möbius: 8 warps,
-    208 registers, no spills; at 16 rows it spilled 660 B a thread, offline sm_90). The one-pass variant
-    takes 4096 and 32 warps (its backward holds ~150 registers a thread at 8 warps, one program per SM;
-    56 at 32 warps). Channels contiguous: 16 lanes by 256 steps (64 beyond 2 fields)."""
+    Time contiguous, the backward takes 1024-step chunks. Its three-kernel variant holds two scans of
+    about 2 and 2-3x `fields` values a row (replayed pairs, adjoint segments), so it takes 16 rows a
+    thread for a monoid of up to 2 fields (affine: 85 registers, 2 warps, the fastest forward+backward
+    timed on an H100) and 4 rows a thread beyond (Möbius: 8 warps, 208 registers, no spills; at 16 rows
+    it spilled 660 B a thread, offline sm_90); its one-pass variant takes 32 warps (~150 registers a
+    thread at 8 warps, one program per SM; 56 at 32 warps). The one-pass forward takes 4096-step chunks
+    on 4 warps, checkpointing every 1024 (its look-back waits less on longer chunks; the backward is
+    slower on them); the three-kernel forward takes 1024 on 4 warps. Channels contiguous: 16 lanes by
+    256 steps (64 beyond 2 fields)."""
     pow2 = 1 << max(0, (T - 1).bit_length())
     small = fields <= 2
     if interpret:
         return Config(block_t=min(8, pow2), block_l=min(4, 1 << max(0, (L - 1).bit_length())), num_warps=1,
                       schedule="chunked")
     if time_contiguous:
-        single = chunk_single_pass()
-        block_t = min(4096 if single else 1024, pow2)
+        single = chunk_single_pass(backward)
+        block_t = min(1024, pow2)
         if not backward:
-            warps = 4
-        elif single:
-            warps = max(4, min(32, block_t // 128))
-        else:
-            warps = max(1, min(32, block_t // (32 * (16 if small else 4))))
+            chunk, block_t = block_t, (min(4096, pow2) if single else block_t)
+            return Config(block_t=block_t, block_l=1, num_warps=4, chunk=chunk, schedule="chunked")
+        warps = max(4, min(32, block_t // 128)) if single else max(1, min(32, block_t // (32 * (16 if small else 4))))
         return Config(block_t=block_t, block_l=1, num_warps=warps, schedule="chunked")
     return Config(block_t=min(256 if small else 64, pow2), block_l=16, num_warps=8 if backward else 4, schedule="chunked")
 

@@ -67,9 +67,10 @@ def configs(prog, shape: tuple[int, int, int], layout: str) -> tuple[runtime.Con
     return fwd.fwd_chosen, bwd.config(chunk_of(fwd.fwd_chosen))[0]
 
 
-def _source(prog, cfg: runtime.Config) -> str:
-    """The module the config's kernels are in: the chunk-parallel one or the tile/lanes one."""
-    return chunked_launch.source(prog) if cfg.schedule == "chunked" else prog.source
+def _source(prog, cfg: runtime.Config, backward: bool) -> str:
+    """The module the config's kernels are in: the chunk-parallel one of the pass's variant or the
+    tile/lanes one."""
+    return chunked_launch.source(prog, backward) if cfg.schedule == "chunked" else prog.source
 
 
 def show(prog, shape, layout: str = "time") -> str:
@@ -88,13 +89,13 @@ def show(prog, shape, layout: str = "time") -> str:
     if prog.ir.is_plain:
         head.append("# lift: identity (one input per field), readout: the prefix (a plain sl.scan)")
     parts = []
-    for schedule in dict.fromkeys(cfg.schedule for _, cfg, _ in ran):
-        kernels = [(p, name, grid, meta) for p, cfg, found in ran if cfg.schedule == schedule
+    sources = [(_source(prog, cfg, p == "backward"), cfg.schedule) for p, cfg, _ in ran]
+    for source, schedule in dict.fromkeys(sources):   # one module per schedule and variant, in pass order
+        kernels = [(p, name, grid, meta) for (p, _, found), key in zip(ran, sources) if key == (source, schedule)
                    for name, grid, meta in found]
         names = ", ".join(f"{p} {name}" for p, name, _, _ in kernels)
         head.append(f"# schedule: {schedule} ({names}); below: those kernels, specialised to their constexprs, "
                     "and the helpers they call")
-        source = _source(prog, next(cfg for _, cfg, _ in ran if cfg.schedule == schedule))
         notes = {name: ([] if schedule == "chunked" else origin) + [f"{p} kernel, grid {grid}"]
                  for p, name, grid, _ in kernels}
         if schedule != "chunked":   # the chunk-parallel printer puts the origins above its combine itself

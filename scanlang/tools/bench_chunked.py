@@ -1,13 +1,15 @@
 """GPU benchmark of the chunk-parallel schedule: the affine scan with few lanes and a long T.
 
-    python -m scanlang.tools.bench_chunked [--shape 1,16,1048576] [--chunk 1024 [--warps 4,2]] [--single-pass [--lookback 32]]
-        [--breakdown]
+    python -m scanlang.tools.bench_chunked [--shape 1,16,1048576] [--chunk 1024 [--forward-chunk 4096] [--warps 4,2]]
+        [--single-pass forward|both|none [--lookback 32]] [--breakdown]
 
 Times `sl.scan(sl.Affine, (a, b), dim=2)` at fp32 [B, D, T] (T contiguous; the default is the
 prefill-at-batch-1 row of DESIGN.md's targets) forward and forward+backward against a copy of the
 same bytes (torch clone of the tensors each pass must read and write once) and accelerated-scan's
-Triton kernel when it is importable; `--single-pass` times the one-pass look-back variant
-(tuning.chunk_single_pass) instead of the three kernels per pass (the default). Before timing, outputs and
+Triton kernel when it is importable; `--single-pass` names the passes that run the one-pass look-back
+variant instead of three kernels (tuning.chunk_single_pass; default: the forward). `--chunk` forces the
+chunk of both passes (the forward checkpointing every chunk), `--forward-chunk` a longer forward chunk
+checkpointing every `--chunk` steps. Before timing, outputs and
 gradients are checked against the float64 reference backend (scanlang.testing's fp32 GPU rows); a
 mismatch, or a pick other than the chunk-parallel kernels, exits 1. Prints a table of ms, GB/s and % of copy bandwidth;
 `--breakdown` adds the GPU time of every kernel, memset and copy of one forward and one forward+backward.
@@ -52,8 +54,11 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m scanlang.tools.bench_chunked", description=__doc__.split("\n")[0])
     parser.add_argument("--shape", default=f"1,16,{1 << 20}", help="B,D,T (default 1,16,1048576)")
     parser.add_argument("--chunk", type=int, default=0, help="steps per chunk (default: choose_config's)")
+    parser.add_argument("--forward-chunk", type=int, default=0, help="with --chunk: the forward's steps per chunk "
+                        "(a multiple of --chunk; default --chunk)")
     parser.add_argument("--warps", default="4,2", help="with --chunk: warps of the forward and backward kernels (default 4,2)")
-    parser.add_argument("--single-pass", action="store_true", help="the one-pass look-back variant")
+    parser.add_argument("--single-pass", default="forward", choices=("forward", "both", "none"),
+                        help="the passes that run the one-pass look-back variant (default forward)")
     parser.add_argument("--lookback", type=int, default=32, help="its chunks per look-back window (a power of two)")
     parser.add_argument("--breakdown", action="store_true", help="also list every kernel's GPU time")
     args = parser.parse_args(argv)
@@ -71,8 +76,14 @@ def main(argv=None) -> int:
             fwd_warps = bwd_warps = 0
         if not all(w in (1, 2, 4, 8, 16, 32) for w in (fwd_warps, bwd_warps)):
             parser.error(f"--warps: expected two powers of two in 1..32 (forward,backward), got {args.warps!r}")
-        cfg = runtime.Config(block_t=args.chunk, block_l=1, num_warps=fwd_warps, schedule="chunked")
-        forced = {(True, False): cfg, (True, True): dataclasses.replace(cfg, num_warps=bwd_warps)}
+        fchunk = args.forward_chunk or args.chunk
+        if fchunk < args.chunk or fchunk % args.chunk or fchunk & (fchunk - 1):
+            parser.error(f"--forward-chunk: expected a power of two and a multiple of --chunk, got {fchunk}")
+        cfg = runtime.Config(block_t=args.chunk, block_l=1, num_warps=bwd_warps, schedule="chunked")
+        forced = {(True, False): dataclasses.replace(cfg, block_t=fchunk, chunk=args.chunk, num_warps=fwd_warps),
+                  (True, True): cfg}
+    elif args.forward_chunk:
+        parser.error("--forward-chunk: needs --chunk")
     if not torch.cuda.is_available():
         print("bench_chunked: needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -131,13 +142,13 @@ def _checked_then_timed(B: int, D: int, T: int, breakdown: bool = False) -> int:
         return row
 
     copy = add("copy (clone a, b)", lambda: (a.clone(), b.clone()), 4 * n * 4)
-    variant = "one-pass" if tuning.current().chunk_single_pass else "three-pass"
-    add(f"scanlang chunked {variant} fwd", lambda: sl.scan(sl.Affine, (a, b), dim=2, backend="triton"), 4 * n * 4)
+    variant = {"forward": "1-pass fwd", "both": "1-pass", "none": "3-kernel"}[tuning.current().chunk_single_pass]
+    add(f"scanlang ({variant}) fwd", lambda: sl.scan(sl.Affine, (a, b), dim=2, backend="triton"), 4 * n * 4)
 
     def fwd_bwd():
         o = sl.scan(sl.Affine, (al, bl), dim=2, backend="triton")
         return torch.autograd.grad(o.b, (al, bl), g)
-    add(f"scanlang chunked {variant} fwd+bwd", fwd_bwd, 9 * n * 4)
+    add(f"scanlang ({variant}) fwd+bwd", fwd_bwd, 9 * n * 4)
     if breakdown:
         _print_breakdown({"fwd": lambda: sl.scan(sl.Affine, (a, b), dim=2, backend="triton"), "fwd+bwd": fwd_bwd})
     try:   # its Triton kernel: accelerated_scan.scalar in 0.3, .triton in earlier releases

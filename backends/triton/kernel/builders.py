@@ -166,12 +166,13 @@ def lift(ir: ScanIR, tag: str, mask: str | None, prefix: str | None = None, unpa
     return tuple(out)
 
 
-def load_lift(ir: ScanIR, tag: str = "", shift: int = 0, mask: str = "ok") -> tuple:
+def load_lift(ir: ScanIR, tag: str = "", shift: int = 0, mask: str = "ok", stream: bool = False) -> tuple:
     """Load the inputs `shift` steps later in scan order (memory index tt + shift * step), lift them,
     and pad with the identity where `mask` is false: u{tag}_<input>, e{tag}_<field> (the tile and
-    chunk-parallel schedules)."""
+    chunk-parallel schedules). `stream`: the inputs are read once, so they leave L2 first."""
     at = "tt" if shift == 0 else f"(tt + {shift} * step)"
-    loads = tuple(K.Load(f"u{tag}_{n}", K.expr(f"u{i}_ptr + u{i}_off + {at} * u{i}_st"), K.expr(mask), K.expr("1.0"))
+    loads = tuple(K.Load(f"u{tag}_{n}", K.expr(f"u{i}_ptr + u{i}_off + {at} * u{i}_st"), K.expr(mask), K.expr("1.0"),
+                         evict="evict_first" if stream else None)
                   for i, n in enumerate(ir.inputs))
     return loads + lift(ir, tag, mask)
 

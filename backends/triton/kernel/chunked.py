@@ -34,7 +34,10 @@ input read once), selected by the tuning knob `chunk_single_pass`.
 
 Time runs backwards in memory when REVERSE is set (index T-1-t). The arguments are those of the tile
 kernels (codegen.forward_args / backward_args) plus the aggregate buffers, so checkpoints mean the
-same in every schedule: the carry into each chunk of BLOCK_T steps.
+same in every schedule: the carry into each piece of CHUNK steps, the backward's chunk. A forward
+chunk of BLOCK_T steps spans BLOCK_T // CHUNK of them (one by default in three kernels; four in one
+pass, whose look-back waits less on longer chunks) and stores the checkpoints inside it
+(`inner_checkpoints`).
 
 Projective monoids: every lifted leaf x_t is scaled by leaf_scale, an exact power of two bringing its
 largest field into [1, 2), before any product, as in the other schedules (builders.renormalise_leaf);
@@ -118,6 +121,28 @@ def _carry_from(ir: ScanIR, ptr: str, slot: str, mask: str = "lane_ok") -> tuple
                         K.expr(common.number(i))) for k, (f, i) in enumerate(zip(ir.fields, ir.identity)))
 
 
+def carry_slot(chunk: str) -> str:
+    """The checkpoint slot of the carry into chunk `chunk`: checkpoints are every CHUNK steps (the
+    backward's chunk), BLOCK_T // CHUNK of them per forward chunk."""
+    return f"{chunk} * (BLOCK_T // CHUNK)"
+
+
+def inclusive_slot(chunk: str) -> str:
+    """The slot of the carry out of chunk `chunk` (into the next): the last slot, the final prefix, for
+    the last chunk."""
+    return f"tl.minimum(({chunk} + 1) * (BLOCK_T // CHUNK), n_slots - 1)"
+
+
+def inner_checkpoints(ir: ScanIR, prefix: str = "p") -> tuple:
+    """When the checkpoint interval CHUNK is shorter than the forward's chunk: the prefix ending each
+    CHUNK-step piece of the tile, {prefix}_<field> at its last row, is the checkpoint of the next piece
+    (the next chunk's is the inclusive prefix, stored by the caller)."""
+    sub = "ok & ((rows + 1) % CHUNK == 0) & (rows + 1 < BLOCK_T) & (t + 1 < T)"
+    stores = tuple(K.Store(K.expr(f"ckpt_ptr + ({k} * n_slots + {carry_slot('chunk')} + (rows + 1) // CHUNK) * L + lane[None, :]"),
+                           K.expr(f"{prefix}_{f}"), K.expr(sub)) for k, f in enumerate(ir.fields))
+    return (K.If(K.expr("CHUNK < BLOCK_T"), (K.Comment("checkpoints inside the chunk, every CHUNK steps"), *stores)),)
+
+
 def _initial(ir: ScanIR) -> tuple:
     """c_<field>: the initial element of each lane, else the identity."""
     loads = tuple(K.Load(f"c_{f}", K.expr(f"init{k}_ptr + {_offsets(f'init{k}')}"), K.expr("lane_ok"),
@@ -131,7 +156,7 @@ def _params(args, consts) -> tuple:
     return tuple(K.Param(a) for a in args) + tuple(K.Param(c, constexpr=True) for c in consts)
 
 
-FWD_CONSTS = ("BLOCK_T", "BLOCK_L", "BLOCK_C", "REVERSE", "HAS_INIT", "FP64")
+FWD_CONSTS = ("BLOCK_T", "BLOCK_L", "BLOCK_C", "CHUNK", "REVERSE", "HAS_INIT", "FP64")
 
 
 def _forward_kernels(ir: ScanIR, origin) -> list[K.Kernel]:
@@ -150,7 +175,7 @@ def _forward_kernels(ir: ScanIR, origin) -> list[K.Kernel]:
     carry_loop += tuple(K.Load(f"a_{f}", K.expr(f"agg_ptr + ({k} * n_chunks + j) * L + lane[None, :]"), K.expr("okc"),
                                K.expr(common.number(i))) for k, (f, i) in enumerate(zip(ir.fields, ir.identity)))
     carry_loop += _scan_from(ir, "a", "p", "c")
-    carry_loop += tuple(K.Store(K.expr(f"ckpt_ptr + ({k} * n_slots + j + 1) * L + lane[None, :]"), K.expr(f"p_{f}"),
+    carry_loop += tuple(K.Store(K.expr(f"ckpt_ptr + ({k} * n_slots + {inclusive_slot('j')}) * L + lane[None, :]"), K.expr(f"p_{f}"),
                                 K.expr("okc")) for k, f in enumerate(ir.fields))
     carry_loop += (K.assign("last", "tl.minimum(n_chunks - 1 - k * BLOCK_C, BLOCK_C - 1)"),)
     carry_loop += tuple(K.assign(f"c_{f}", _row(f"p_{f}", "last", "crow")) for f in ir.fields)
@@ -166,7 +191,8 @@ def _forward_kernels(ir: ScanIR, origin) -> list[K.Kernel]:
     outs = [f"o{j}" for j in range(len(ir.outputs))]
     names = {s: f"p_{f}" for s, f in zip(ir.prefix_symbols, ir.fields)} | {
         s: f"u_{n}" for s, n in zip(ir.input_symbols, ir.inputs)}
-    rescan = (_prologue(ins + outs) + _carry_from(ir, "ckpt_ptr", "chunk") + B.load_lift(ir) + _scan_from(ir, "e", "p", "c")
+    rescan = (_prologue(ins + outs) + _carry_from(ir, "ckpt_ptr", carry_slot("chunk")) + B.load_lift(ir)
+              + _scan_from(ir, "e", "p", "c") + inner_checkpoints(ir)
               + common.assign([f"r{j}" for j in range(len(outs))], ir.readout, names, "_r", shape_like=f"p_{ir.fields[0]}")
               + tuple(K.Store(K.expr(f"o{j}_ptr + o{j}_off + tt * o{j}_st"),
                               K.expr(f"r{j}.to(o{j}_ptr.dtype.element_ty)"), K.expr("ok")) for j in range(len(outs))))

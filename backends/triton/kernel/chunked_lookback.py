@@ -14,9 +14,11 @@ forward, y_t = y_{t-1} (+) x_t with y_{-1} = initial or the identity e (kernel c
     3. it publishes A_c (flag 1), then looks back: the carry P_c = P_j (+) A_{j+1} (+) ... (+) A_{c-1}
        for the nearest chunk j < c whose inclusive prefix P_{j+1} is published (flag 2), waiting on a
        chunk that has published nothing yet; chunk 0 starts from y_{-1};
-    4. it publishes its inclusive prefix P_{c+1} = P_c (+) A_c (flag 2; stored as the backward's
-       checkpoint c + 1, and as the final prefix by the last chunk), then writes
-       out_t = readout(P_c (+) s_t, u_t) from the tile still in registers.
+    4. it publishes its inclusive prefix P_{c+1} = P_c (+) A_c (flag 2; stored as the checkpoint of
+       chunk c + 1, and as the final prefix by the last chunk), then writes
+       out_t = readout(P_c (+) s_t, u_t) from the tile still in registers, and the checkpoints
+       inside the chunk. Inputs and outputs stream (evict-first loads, `.cs` stores): measured on an
+       H100 they otherwise push the look-back's flags and values out of L2 (BENCHMARKS.md).
 backward, the same on kernel/chunked.py's aligned adjoint (every row reads only its own step; the
 carry between chunks in z_t = M_t gbar_t), chunks ticketed from the last (kernel chunk_bwd_scan): it
 replays y and y_{t-1} over its chunk from checkpoint c, scans its rows as (F, c, L) segments, takes
@@ -35,7 +37,10 @@ bits, as with any single-pass parallel scan; the math is the same.
 
 Time runs backwards in memory when REVERSE is set (index T-1-t). The arguments are those of the tile
 kernels (codegen.forward_args / backward_args) plus the look-back buffers, so checkpoints mean the
-same in every schedule: the carry into each chunk of BLOCK_T steps.
+same in every schedule: the carry into each piece of CHUNK steps, the backward's chunk. A forward
+chunk of BLOCK_T steps spans BLOCK_T // CHUNK of them (one by default in three kernels; four in one
+pass, whose look-back waits less on longer chunks) and stores the checkpoints inside it
+(`inner_checkpoints`).
 
 Projective monoids: every lifted leaf x_t is scaled by leaf_scale, an exact power of two bringing its
 largest field into [1, 2), before any product, as in the other schedules (builders.renormalise_leaf);
@@ -54,8 +59,9 @@ from ..codegen import backward_args, forward_args
 from . import builders as B
 from . import common
 from . import ir as K
-from .chunked import (assemble, bwd_consts, exclusive_adjoint, replay_pairs, transitions, z_aggregate, _apply_carry,
-                      _carry_from, _dfinal, _fields, _initial, _input_gradients, _offsets, _params, _row)
+from .chunked import (assemble, bwd_consts, carry_slot, exclusive_adjoint, inclusive_slot, inner_checkpoints, replay_pairs,
+                      transitions, z_aggregate, _apply_carry, _carry_from, _dfinal, _fields, _initial, _input_gradients,
+                      _offsets, _params, _row)
 from .printer import render as print_module
 
 KERNELS = ("chunk_scan", "chunk_bwd_scan")
@@ -141,7 +147,7 @@ def _look_back(forward: bool, fold) -> tuple:
                 K.If(K.expr("pending == 0"), (*fold, K.assign("done", found), K.assign("j0", move))),)))
 
 
-FWD_CONSTS = ("BLOCK_T", "BLOCK_L", "LOOKBACK", "REVERSE", "HAS_INIT", "FP64")
+FWD_CONSTS = ("BLOCK_T", "BLOCK_L", "CHUNK", "LOOKBACK", "REVERSE", "HAS_INIT", "FP64")
 
 
 def _forward_kernel(ir: ScanIR, origin) -> K.Kernel:
@@ -151,7 +157,7 @@ def _forward_kernel(ir: ScanIR, origin) -> K.Kernel:
     fields = list(ir.fields)
 
     window = "lane_ok[None, :] & ((w >= term) & valid)[:, None]"   # the inclusive value and newer
-    fold = tuple(K.Load(f"v_{f}", K.expr(f"tl.where((fl == 2)[:, None], {_slot('ckpt_ptr', k, 'n_slots', 'js[:, None] + 1', 'lane[None, :]')}, "
+    fold = tuple(K.Load(f"v_{f}", K.expr(f"tl.where((fl == 2)[:, None], {_slot('ckpt_ptr', k, 'n_slots', inclusive_slot('js[:, None]'), 'lane[None, :]')}, "
                                          f"{_slot('agg_ptr', k, 'n_chunks', 'js[:, None]', 'lane[None, :]')})"),
                         K.expr(window), K.expr(common.number(i)), cache=".cg")
                  for k, (f, i) in enumerate(zip(fields, ir.identity)))
@@ -165,7 +171,7 @@ def _forward_kernel(ir: ScanIR, origin) -> K.Kernel:
             + _look_back(True, fold))
     names = {s: f"p_{f}" for s, f in zip(ir.prefix_symbols, ir.fields)} | {
         s: f"u_{n}" for s, n in zip(ir.input_symbols, ir.inputs)}
-    body = (_prologue(ins + outs, backward=False) + B.load_lift(ir)
+    body = (_prologue(ins + outs, backward=False) + B.load_lift(ir, stream=True)
             + (K.Comment("the chunk's own scan; its aggregate A_c is the last valid row"),)
             + _tile_scan(ir, "e", "p")
             + (K.assign("last", "tl.minimum(T - 1 - chunk * BLOCK_T, BLOCK_T - 1)"),)
@@ -177,15 +183,16 @@ def _forward_kernel(ir: ScanIR, origin) -> K.Kernel:
                     look),
                K.Comment("publish the inclusive prefix P_(c+1) = P_c (+) A_c: checkpoint c + 1"),
                K.Assign(tuple(f"n_{f}" for f in fields), K.expr(f"combine({_fields(ir, 'c_{}')}, {_fields(ir, 'a_{}')})")))
-            + _publish([K.Store(K.expr(_slot("ckpt_ptr", k, "n_slots", "chunk + 1")), K.expr(f"n_{f}"), K.expr("lane_ok"))
+            + _publish([K.Store(K.expr(_slot("ckpt_ptr", k, "n_slots", inclusive_slot("chunk"))), K.expr(f"n_{f}"), K.expr("lane_ok"))
                         for k, f in enumerate(fields)], 2)
             + (K.If(K.expr("chunk == n_chunks - 1"),
                     tuple(K.Store(K.expr(f"final_ptr + {k} * n_seq * L + lane"), K.expr(f"n_{f}"), K.expr("lane_ok"))
                           for k, f in enumerate(fields))),)
-            + _from_carry(ir, "p", "c")
+            + _from_carry(ir, "p", "c") + inner_checkpoints(ir)
             + common.assign([f"r{j}" for j in range(len(outs))], ir.readout, names, "_r", shape_like=f"p_{ir.fields[0]}")
+            + (K.Comment("inputs and outputs stream (read and written once): L2 keeps the look-back's flags and values"),)
             + tuple(K.Store(K.expr(f"o{j}_ptr + o{j}_off + tt * o{j}_st"), K.expr(f"r{j}.to(o{j}_ptr.dtype.element_ty)"),
-                            K.expr("ok")) for j in range(len(outs))))
+                            K.expr("ok"), cache=".cs") for j in range(len(outs))))
     return K.Kernel("chunk_scan", params, body, origin=origin,
                     doc=f"Forward of {E.docstring_text(ir.name)}: each chunk scanned from the carry its look-back finds.")
 

@@ -81,7 +81,8 @@ class AugAssign:
 @dataclass(frozen=True)
 class Load:
     """`target = tl.load(pointer, mask=mask, other=other)`, optionally cast by `to_acc(..., FP64)`;
-    `cache`: a cache modifier (".cg": past L1, for data another program wrote during this launch)."""
+    `cache`: a cache modifier (".cg": past L1, for data another program wrote during this launch);
+    `evict`: an eviction policy ("evict_first": data read once, so it leaves L2 before what is reused)."""
 
     target: str
     pointer: Expr
@@ -89,15 +90,18 @@ class Load:
     other: Expr | None = None
     to_acc: bool = True
     cache: str | None = None
+    evict: str | None = None
 
 
 @dataclass(frozen=True)
 class Store:
-    """`tl.store(pointer, value, mask=mask)`."""
+    """`tl.store(pointer, value, mask=mask)`; `cache`: a cache modifier (".cs": streamed, written once and
+    not read again in this launch)."""
 
     pointer: Expr
     value: Expr
     mask: Expr | None = None
+    cache: str | None = None
 
 
 @dataclass(frozen=True)

@@ -92,7 +92,8 @@ def _stmt(s, where: str) -> list[ast.stmt]:
     if isinstance(s, ir.Load):
         kw = ([("mask", x(s.mask))] if s.mask is not None else []) + (
             [("other", x(s.other))] if s.other is not None else []) + (
-            [("cache_modifier", ast.Constant(s.cache))] if s.cache is not None else [])
+            [("cache_modifier", ast.Constant(s.cache))] if s.cache is not None else []) + (
+            [("eviction_policy", ast.Constant(s.evict))] if s.evict is not None else [])
         value = _call("tl.load", [x(s.pointer)], kw)
         if s.to_acc:
             value = _call("to_acc", [value, _name("FP64")])
@@ -101,6 +102,8 @@ def _stmt(s, where: str) -> list[ast.stmt]:
         kw = [("mask", x(s.mask))] if s.mask is not None else []
         if isinstance(s, ir.AtomicAdd):
             kw.append(("sem", ast.Constant("relaxed")))
+        elif s.cache is not None:
+            kw.append(("cache_modifier", ast.Constant(s.cache)))
         fn = "tl.store" if isinstance(s, ir.Store) else "tl.atomic_add"
         return [ast.Expr(_call(fn, [x(s.pointer), x(s.value)], kw))]
     if isinstance(s, ir.If):
