@@ -236,6 +236,9 @@ def test_choose_config_picks_chunked_for_few_lanes_and_long_time(monkeypatch, kn
     knobs(chunk_single_pass=False)
     mobius = runtime.choose_config(1 << 20, 16, True, 1, backward=True, checkpoint=True, chunkable=True, fields=4)
     assert (mobius.block_t, mobius.num_warps) == (1024, 8)
+    knobs(chunk_single_pass="forward")   # and 16 rows a thread in the one-pass forward (4 warps spilled)
+    mobius = runtime.choose_config(1 << 20, 16, True, 1, backward=False, checkpoint=True, chunkable=True, fields=4)
+    assert (mobius.block_t, mobius.chunk, mobius.num_warps) == (4096, 1024, 8)
     assert runtime.choose_config(1 << 20, 16, False, 1, chunkable=True, fields=4).block_t == 64
     assert runtime.choose_config(1 << 20, 16, False, 1, chunkable=True).schedule == "chunked"
     assert runtime.choose_config(1 << 20, 16, True, 1, chunkable=False).schedule == "tile"

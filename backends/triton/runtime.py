@@ -235,7 +235,8 @@ def chunked_config(T: int, L: int, time_contiguous: bool, backward: bool, interp
     it spilled 660 B a thread, offline sm_90); its one-pass variant takes 32 warps (~150 registers a
     thread at 8 warps, one program per SM; 56 at 32 warps). The one-pass forward takes 4096-step chunks
     on 4 warps, checkpointing every 1024 (its look-back waits less on longer chunks; the backward is
-    slower on them); the three-kernel forward takes 1024 on 4 warps. Channels contiguous: 16 lanes by
+    slower on them), 8 warps beyond 2 fields (Möbius: 149 registers; on 4 warps 255 and 72 B spilled,
+    offline sm_90); the three-kernel forward takes 1024 on 4 warps. Channels contiguous: 16 lanes by
     256 steps (64 beyond 2 fields)."""
     pow2 = 1 << max(0, (T - 1).bit_length())
     small = fields <= 2
@@ -247,7 +248,8 @@ def chunked_config(T: int, L: int, time_contiguous: bool, backward: bool, interp
         block_t = min(1024, pow2)
         if not backward:
             chunk, block_t = block_t, (min(4096, pow2) if single else block_t)
-            return Config(block_t=block_t, block_l=1, num_warps=4, chunk=chunk, schedule="chunked")
+            warps = 4 if small or not single else 8
+            return Config(block_t=block_t, block_l=1, num_warps=warps, chunk=chunk, schedule="chunked")
         warps = max(4, min(32, block_t // 128)) if single else max(1, min(32, block_t // (32 * (16 if small else 4))))
         return Config(block_t=block_t, block_l=1, num_warps=warps, schedule="chunked")
     return Config(block_t=min(256 if small else 64, pow2), block_l=16, num_warps=8 if backward else 4, schedule="chunked")
