@@ -70,10 +70,11 @@ class Tuning:
         order (last bits may differ between runs); torch.use_deterministic_algorithms(True) caps them at two.
       chunk_single_pass: which passes of the chunk-parallel schedule run one kernel with a decoupled
         look-back (kernel/chunked_lookback.py, each input read once) instead of three
-        (kernel/chunked.py): "forward" (the default), "both" or "none" (True and False mean "both" and
-        "none"). On an H100 at fp32 [1, 16, 2^20] the one pass wins the forward and the three kernels
-        win the backward (BENCHMARKS.md); torch.use_deterministic_algorithms(True) runs the three
-        whatever the knob says (the same bits every run).
+        (kernel/chunked.py): "auto" (the default: the forward of a monoid of up to 2 fields), "forward",
+        "both" or "none" (True and False mean "both" and "none"). On an H100 at fp32 [1, 16, 2^20] the
+        one pass wins the affine forward, the three kernels win every backward and Möbius's forward
+        (BENCHMARKS.md); torch.use_deterministic_algorithms(True) runs the three whatever the knob
+        says (the same bits every run).
       chunk_lookback: chunks the one-pass variant's look-back reads at a time (one poll of their
         flags, one scan of their published values; a power of two).
       delta_save_wu: the delta forward stores w, u for the backward (else the backward recomputes them).
@@ -98,7 +99,7 @@ class Tuning:
     decode_max_tokens: int = 64
     linear_forward: str = "auto"
     linear_key_block: int = 64
-    chunk_single_pass: str = "forward"
+    chunk_single_pass: str = "auto"
     chunk_lookback: int = 32
     delta_save_wu: bool = True
     delta_eager_fast_path: bool = True
@@ -127,8 +128,9 @@ class Tuning:
                 raise TypeError(f"{name}: expected a bool, got {getattr(self, name)!r}")
         if isinstance(self.chunk_single_pass, bool):
             object.__setattr__(self, "chunk_single_pass", "both" if self.chunk_single_pass else "none")
-        if self.chunk_single_pass not in ("forward", "both", "none"):
-            raise ValueError(f"chunk_single_pass: expected 'forward', 'both', 'none' or a bool, got {self.chunk_single_pass!r}")
+        if self.chunk_single_pass not in ("auto", "forward", "both", "none"):
+            raise ValueError("chunk_single_pass: expected 'auto', 'forward', 'both', 'none' or a bool, "
+                             f"got {self.chunk_single_pass!r}")
         if self.linear_forward not in ("auto", "fused", "split"):
             raise ValueError(f"linear_forward: expected 'auto', 'fused' or 'split', got {self.linear_forward!r}")
         if isinstance(self.linear_key_block, bool) or not isinstance(self.linear_key_block, int) \

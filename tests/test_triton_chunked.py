@@ -131,7 +131,7 @@ def check(kind, shape, dim, reverse, with_initial, dtype=torch.float64):
         assert g.shape == leaves[i].shape
         assert_close(g, w, "scan_grad", dtype=dtype, name=f"{kind} grad {i}")
     ran = {k: v - before.get(k, 0) for k, v in chunked_launch.LAUNCHED.items()}
-    assert all(ran.get(k, 0) == 1 for k in chunked_launch.kernel_names()), ran
+    assert all(ran.get(k, 0) == 1 for k in chunked_launch.kernel_names(len(monoid.fields))), ran
 
 
 SHORT = [(8, 1), (8, 7), (8, 9), (4, 37)]
@@ -184,7 +184,7 @@ def test_gradients_constant_in_time(chunked, loss):
         assert_close(g, r, "scan_grad", dtype=torch.float64, name=f"{loss}: grad {i}")
 
 
-@pytest.mark.parametrize("single_pass", ["none", "forward", "both"])
+@pytest.mark.parametrize("single_pass", ["none", "auto", "both"])
 @pytest.mark.parametrize("T", [1, 7, 37])
 @pytest.mark.parametrize("kind,reverse,with_initial", [("Affine", False, False), ("Affine", True, True),
                                                        ("Mobius", True, True)], ids=["Affine", "Affine-reverse-initial",
@@ -225,7 +225,7 @@ def test_choose_config_picks_chunked_for_few_lanes_and_long_time(monkeypatch, kn
     the backward takes the checkpoint interval, 2 warps in three kernels, 8 in one pass), not for many
     lanes, short sequences or programs without it."""
     monkeypatch.setattr(runtime.settings, "triton_interpret", lambda: False)
-    for single, fwd_chunk, bwd_warps in (("both", 4096, 8), ("forward", 4096, 2), ("none", 1024, 2)):
+    for single, fwd_chunk, bwd_warps in (("both", 4096, 8), ("forward", 4096, 2), ("auto", 4096, 2), ("none", 1024, 2)):
         knobs(chunk_single_pass=single)
         fwd = runtime.choose_config(1 << 20, 16, True, 1, backward=False, checkpoint=True, chunkable=True)
         bwd = runtime.choose_config(1 << 20, 16, True, 1, backward=True, checkpoint=True, chunkable=True)
@@ -239,6 +239,11 @@ def test_choose_config_picks_chunked_for_few_lanes_and_long_time(monkeypatch, kn
     knobs(chunk_single_pass="forward")   # and 16 rows a thread in the one-pass forward (4 warps spilled)
     mobius = runtime.choose_config(1 << 20, 16, True, 1, backward=False, checkpoint=True, chunkable=True, fields=4)
     assert (mobius.block_t, mobius.chunk, mobius.num_warps) == (4096, 1024, 8)
+    knobs(chunk_single_pass="auto")      # by default Möbius's forward runs the three kernels (faster on the H100)
+    mobius = runtime.choose_config(1 << 20, 16, True, 1, backward=False, checkpoint=True, chunkable=True, fields=4)
+    assert (mobius.block_t, mobius.chunk, mobius.num_warps) == (1024, 1024, 4)
+    assert chunked_launch.kernel_names(4) == chunked_launch.chunked.KERNELS
+    assert chunked_launch.kernel_names(2) == ("chunk_scan",) + chunked_launch.chunked.KERNELS[3:]
     assert runtime.choose_config(1 << 20, 16, False, 1, chunkable=True, fields=4).block_t == 64
     assert runtime.choose_config(1 << 20, 16, False, 1, chunkable=True).schedule == "chunked"
     assert runtime.choose_config(1 << 20, 16, True, 1, chunkable=False).schedule == "tile"
@@ -261,11 +266,11 @@ def test_deterministic_algorithms_run_the_three_kernels(knobs, deterministic):
     cfg = runtime.Config(block_t=8, block_l=4, num_warps=1, schedule="chunked")
     knobs(forced={(c, b): cfg for c in (False, True) for b in (False, True)}, chunk_single_pass=True)
     assert tuning.current().chunk_single_pass == "both"
-    assert not (chunked_launch.single_pass(False) or chunked_launch.single_pass(True))
+    assert not (chunked_launch.single_pass(False, 2) or chunked_launch.single_pass(True, 2))
     assert chunked_launch.kernel_names() == chunked_launch.chunked.KERNELS
     check("Affine", (1, 3, 37), 2, False, True)
     torch.use_deterministic_algorithms(False)
-    assert chunked_launch.single_pass(False) and chunked_launch.single_pass(True)
+    assert chunked_launch.single_pass(False, 2) and chunked_launch.single_pass(True, 2)
     assert chunked_launch.kernel_names() == chunked_launch.chunked_lookback.KERNELS
 
 
@@ -340,7 +345,7 @@ def test_huge_projective_leaves_are_renormalised(chunked, T, reverse, with_initi
     for name, g, r in zip(["da", "db", "dc", "dd", "dinit_a", "dinit_b", "dinit_c", "dinit_d"], got, ref):
         assert_close(g, r, "scan_grad", dtype=torch.float32, name=name)
     ran = {k: v - before.get(k, 0) for k, v in chunked_launch.LAUNCHED.items()}
-    assert all(ran.get(k, 0) == 1 for k in chunked_launch.kernel_names()), ran
+    assert all(ran.get(k, 0) == 1 for k in chunked_launch.kernel_names(4)), ran
 
 
 @pytest.mark.parametrize("single_pass", [False, True], ids=["three-pass", "one-pass"])
@@ -383,7 +388,7 @@ def test_kalman_filter_with_huge_precisions(chunked):
     assert_close(y, want.float(), "kalman_out")
     assert_close(y_var, want_var.float(), "kalman_out")
     ran = {k: n - before.get(k, 0) for k, n in chunked_launch.LAUNCHED.items()}
-    assert ran.get(chunked_launch.kernel_names()[0], 0) >= 1, ran   # the forward ran chunk-parallel
+    assert ran.get("chunk_scan", 0) + ran.get("chunk_reduce", 0) >= 1, ran   # the forward ran chunk-parallel
     w, w_var = torch.randn(y.shape, generator=gen, dtype=torch.float64), torch.randn(y.shape, generator=gen,
                                                                                     dtype=torch.float64)
     got = torch.autograd.grad((y * w.float().to(DEVICE)).sum() + (y_var * w_var.float().to(DEVICE)).sum(), ins)

@@ -39,7 +39,7 @@ def test_override_refuses_unknown_knobs_and_bad_values_before_the_block():
         with tuning.override(sum_groups_before_atomics=1):
             pass
     for bad in ("yes", 1, None):
-        with pytest.raises(ValueError, match="chunk_single_pass: expected 'forward', 'both', 'none' or a bool"):
+        with pytest.raises(ValueError, match="chunk_single_pass: expected 'auto', 'forward', 'both', 'none' or a bool"):
             with tuning.override(chunk_single_pass=bad):
                 pass
     with tuning.override(chunk_single_pass=True):

@@ -1,13 +1,13 @@
 """GPU benchmark of the chunk-parallel schedule: the affine scan with few lanes and a long T.
 
     python -m scanlang.tools.bench_chunked [--shape 1,16,1048576] [--chunk 1024 [--forward-chunk 4096] [--warps 4,2]]
-        [--single-pass forward|both|none [--lookback 32]] [--breakdown]
+        [--single-pass auto|forward|both|none [--lookback 32]] [--breakdown]
 
 Times `sl.scan(sl.Affine, (a, b), dim=2)` at fp32 [B, D, T] (T contiguous; the default is the
 prefill-at-batch-1 row of DESIGN.md's targets) forward and forward+backward against a copy of the
 same bytes (torch clone of the tensors each pass must read and write once) and accelerated-scan's
 Triton kernel when it is importable; `--single-pass` names the passes that run the one-pass look-back
-variant instead of three kernels (tuning.chunk_single_pass; default: the forward). `--chunk` forces the
+variant instead of three kernels (tuning.chunk_single_pass; default auto: the affine forward). `--chunk` forces the
 chunk of both passes (the forward checkpointing every chunk), `--forward-chunk` a longer forward chunk
 checkpointing every `--chunk` steps. Before timing, outputs and
 gradients are checked against the float64 reference backend (scanlang.testing's fp32 GPU rows); a
@@ -57,8 +57,8 @@ def main(argv=None) -> int:
     parser.add_argument("--forward-chunk", type=int, default=0, help="with --chunk: the forward's steps per chunk "
                         "(a multiple of --chunk; default --chunk)")
     parser.add_argument("--warps", default="4,2", help="with --chunk: warps of the forward and backward kernels (default 4,2)")
-    parser.add_argument("--single-pass", default="forward", choices=("forward", "both", "none"),
-                        help="the passes that run the one-pass look-back variant (default forward)")
+    parser.add_argument("--single-pass", default="auto", choices=("auto", "forward", "both", "none"),
+                        help="the passes that run the one-pass look-back variant (default auto: the forward)")
     parser.add_argument("--lookback", type=int, default=32, help="its chunks per look-back window (a power of two)")
     parser.add_argument("--breakdown", action="store_true", help="also list every kernel's GPU time")
     args = parser.parse_args(argv)
@@ -142,7 +142,8 @@ def _checked_then_timed(B: int, D: int, T: int, breakdown: bool = False) -> int:
         return row
 
     copy = add("copy (clone a, b)", lambda: (a.clone(), b.clone()), 4 * n * 4)
-    variant = {"forward": "1-pass fwd", "both": "1-pass", "none": "3-kernel"}[tuning.current().chunk_single_pass]
+    variant = {"auto": "1-pass fwd", "forward": "1-pass fwd", "both": "1-pass", "none": "3-kernel"}[
+        tuning.current().chunk_single_pass]
     add(f"scanlang ({variant}) fwd", lambda: sl.scan(sl.Affine, (a, b), dim=2, backend="triton"), 4 * n * 4)
 
     def fwd_bwd():
