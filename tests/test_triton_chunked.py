@@ -202,6 +202,23 @@ def test_forward_chunks_longer_than_the_checkpoint_interval(single_pass, T, kind
     check(kind, (1, 3, T), 2, reverse, with_initial)
 
 
+@pytest.mark.parametrize("single_pass", ["none", "auto"])
+def test_a_forward_without_a_backward_stores_no_checkpoints_inside_its_chunks(single_pass, knobs, monkeypatch):
+    """Without a gradient to serve, the 16-step forward chunks checkpoint only their carries (CHUNK =
+    BLOCK_T: the cheapest forward), and the outputs still equal the loop's."""
+    fwd = runtime.Config(block_t=16, block_l=4, num_warps=1, chunk=4, schedule="chunked")
+    knobs(chunk_single_pass=single_pass, forced={(c, False): fwd for c in (False, True)})
+    assert plan.chunk_of(fwd, checkpoint=False) == 16 and plan.chunk_of(fwd) == 4
+    metas = []
+    run = chunked_launch._run
+    monkeypatch.setattr(chunked_launch, "_run", lambda *a: (metas.append(a[5]), run(*a))[1])
+    monoid, elems, initial = case("Affine", (1, 3, 37), 2)
+    out = sl.scan(monoid, elems, dim=2, initial=initial, backend="triton")
+    for f, o, r in zip(monoid.fields, out, loop(monoid.name, elems, 2, False, initial)):
+        assert_close(o, r, "scan", dtype=torch.float64, name=f)
+    assert metas and [m["CHUNK"] for m in metas] == [16] * len(metas)   # every launch is the forward's
+
+
 # T = 5000 costs minutes in the interpreter (its scans step through every row), so these run in the
 # slow tier: Affine at T = 5000; Möbius (a 12-value adjoint scan) at T = 1100 (17 chunks of 64, the
 # last partial), and at T = 5000 only with SCANLANG_SLOW_TESTS=1 (over 17 minutes on a loaded 2-core machine).
@@ -296,17 +313,20 @@ def test_compile_fullgraph_runs_the_chunked_kernels_through_the_registered_ops(c
     monoid, elems, _ = case("Affine", (1, 3, 21), 2)
     a, b = (e.requires_grad_() for e in elems)
     before = dict(chunked_launch.LAUNCHED)
-    # a compiled graph keeps the kernels of the variant in effect when it was traced, and its guards do
-    # not see the tuning knobs: without a reset the other variant's run would reuse this lambda's graph
+    # a compiled graph keeps the kernels of the variant in effect when it was traced, and neither its
+    # guards nor inductor's caches of compiled graphs and backward graphs see the tuning knobs: without a
+    # reset and those caches off, the other variant's run would reuse the first one's kernels
     torch._dynamo.reset()
     compiled = torch.compile(lambda a, b: sl.scan(sl.Affine, (a, b), dim=2, backend="triton").b, fullgraph=True,
                              backend="inductor" if DEVICE == "cuda" else "eager")
-    out = compiled(a, b)
-    ref = loop("Affine", (a, b), 2)[1]
-    assert_close(out, ref, "scan", name="compiled Affine.b")
-    g = torch.randn_like(ref)
-    for got, want in zip(torch.autograd.grad(out, (a, b), g), torch.autograd.grad(ref, (a, b), g)):
-        assert_close(got, want, "scan_grad", name="compiled Affine grad")
+    with torch._inductor.config.patch(fx_graph_cache=False, fx_graph_remote_cache=False), \
+            torch._functorch.config.patch(enable_autograd_cache=False):
+        out = compiled(a, b)
+        ref = loop("Affine", (a, b), 2)[1]
+        assert_close(out, ref, "scan", name="compiled Affine.b")
+        g = torch.randn_like(ref)
+        for got, want in zip(torch.autograd.grad(out, (a, b), g), torch.autograd.grad(ref, (a, b), g)):
+            assert_close(got, want, "scan_grad", name="compiled Affine grad")
     assert all(chunked_launch.LAUNCHED[k] > before.get(k, 0) for k in chunked_launch.kernel_names())
 
 

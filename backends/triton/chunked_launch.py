@@ -95,8 +95,8 @@ def _run(plan, cfg: Config, kernel, grid, args, meta, eager: bool) -> None:
 
 def _meta(plan, cfg: Config, n_chunks: int, names, backward: bool) -> dict:
     meta = dict({k: plan.common[k] for k in names}, BLOCK_T=cfg.block_t, BLOCK_L=cfg.block_l, num_warps=cfg.num_warps)
-    if not backward:   # the checkpoint interval: the backward's chunk
-        meta["CHUNK"] = chunk_of(cfg)
+    if not backward:   # the checkpoint interval: the backward's chunk (none inside a chunk without a backward)
+        meta["CHUNK"] = chunk_of(cfg, plan.checkpoint)
     if _single(plan.prog, backward):
         return dict(meta, LOOKBACK=tuning.current().chunk_lookback)
     return dict(meta, BLOCK_C=carry_tile(n_chunks, cfg))

@@ -117,7 +117,8 @@ def chunk_of(cfg: Config, checkpoint: bool = True) -> int:
     if cfg.schedule == "lanes":
         return cfg.chunk or cfg.block_t
     if cfg.schedule == "chunked":   # checkpoints every `chunk` steps of a block_t chunk (kernel/chunked.py)
-        return cfg.chunk if 0 < cfg.chunk < cfg.block_t and cfg.block_t % cfg.chunk == 0 else cfg.block_t
+        inner = checkpoint and 0 < cfg.chunk < cfg.block_t and cfg.block_t % cfg.chunk == 0
+        return cfg.chunk if inner else cfg.block_t
     if not checkpoint:
         return cfg.block_t
     chunk = cfg.chunk or cfg.block_t
@@ -239,8 +240,12 @@ class ForwardPlan(_Plan):
         self.backward_plans = PlanCache(limit=64)   # backward plans of these inputs by gradient signature (eager)
 
     def checkpoint_shape(self, cfg: Config) -> tuple[int, int, int]:
-        return (len(self.prog.ir.fields), _cdiv(self.layout.T, chunk_of(cfg, self.checkpoint)) + self.n_seq,
-                self.layout.L)
+        """[fields, slots, lanes]: a slot per checkpoint interval and one more per sequence; on the
+        chunked schedule every chunk of block_t steps has block_t // chunk slots, the last one partial
+        or not (its carry out, the final prefix, is the last slot: kernel/chunked.carry_slot)."""
+        chunk = chunk_of(cfg, self.checkpoint)
+        steps = _cdiv(self.layout.T, cfg.block_t) * cfg.block_t if cfg.schedule == "chunked" else self.layout.T
+        return (len(self.prog.ir.fields), _cdiv(steps, chunk) + self.n_seq, self.layout.L)
 
     def launch(self, cfg: Config):
         """(kernel, grid, constexpr/meta kwargs, checkpoint shape) under `cfg` (memoised)."""
