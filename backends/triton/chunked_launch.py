@@ -24,7 +24,7 @@ from . import launcher
 from .kernel import chunked, chunked_lookback
 from .plan import chunk_of
 from .runtime import Config, load
-from .runtime import chunk_single_pass as single_pass   # single_pass(backward, fields): the knob, unless deterministic
+from .runtime import chunk_single_pass as single_pass   # single_pass(backward, fields, time_contiguous)
 
 _MODULES: dict[tuple[str, bool], object] = {}
 # kernel name -> launches since import: how a test sees that the chunked kernels really ran
@@ -35,35 +35,35 @@ def _cdiv(a: int, b: int) -> int:
     return (a + b - 1) // b
 
 
-def _single(prog, backward: bool) -> bool:
-    """Whether the pass of `prog` runs the one-pass variant."""
-    return single_pass(backward, len(prog.ir.fields))
+def one_pass(plan, backward: bool) -> bool:
+    """Whether the pass of `plan` (a ForwardPlan or BackwardPlan) runs the one-pass variant."""
+    return single_pass(backward, len(plan.prog.ir.fields), plan.time_contiguous)
 
 
-def _variant(backward: bool, fields: int):
-    """The kernel module (kernel/chunked.py or chunked_lookback.py) of the variant in effect for a pass."""
-    return chunked_lookback if single_pass(backward, fields) else chunked
+def _variant(single: bool):
+    """The kernel module of a variant: kernel/chunked_lookback.py (one pass) or kernel/chunked.py."""
+    return chunked_lookback if single else chunked
 
 
-def kernel_names(fields: int = 2) -> tuple[str, ...]:
-    """The kernels of the variants in effect for a monoid of `fields` fields, forward first."""
-    fwd, bwd = _variant(False, fields), _variant(True, fields)
+def kernel_names(fields: int = 2, time_contiguous: bool = True) -> tuple[str, ...]:
+    """The kernels of the variants in effect for a monoid of `fields` fields in that layout, forward first."""
+    fwd = _variant(single_pass(False, fields, time_contiguous))
+    bwd = _variant(single_pass(True, fields, time_contiguous))
     return fwd.KERNELS[:len(fwd.KERNELS) // 2] + bwd.KERNELS[len(bwd.KERNELS) // 2:]
 
 
-def source(prog, backward: bool = False) -> str:
-    """The chunk-parallel module's source for `prog` (a Program of ops.PROGRAMS), of the variant in
-    effect for the pass (each variant's module holds both passes)."""
-    return _variant(backward, len(prog.ir.fields)).render(prog.ir, prog.adjoint)
+def source(prog, single: bool) -> str:
+    """The chunk-parallel module's source for `prog` (a Program of ops.PROGRAMS) in the one-pass variant
+    or the three-kernel one (each variant's module holds both passes)."""
+    return _variant(single).render(prog.ir, prog.adjoint)
 
 
-def module(prog, backward: bool = False):
-    """The loaded chunk-parallel module of `prog` in the variant in effect for the pass (rendered and
-    imported once)."""
-    key = (prog.key, _single(prog, backward))
+def module(prog, single: bool):
+    """The loaded chunk-parallel module of `prog` in a variant (rendered and imported once)."""
+    key = (prog.key, single)
     mod = _MODULES.get(key)
     if mod is None:
-        mod = _MODULES[key] = load(source(prog, backward))
+        mod = _MODULES[key] = load(source(prog, single))
     return mod
 
 
@@ -97,7 +97,7 @@ def _meta(plan, cfg: Config, n_chunks: int, names, backward: bool) -> dict:
     meta = dict({k: plan.common[k] for k in names}, BLOCK_T=cfg.block_t, BLOCK_L=cfg.block_l, num_warps=cfg.num_warps)
     if not backward:   # the checkpoint interval: the backward's chunk (none inside a chunk without a backward)
         meta["CHUNK"] = chunk_of(cfg, plan.checkpoint)
-    if _single(plan.prog, backward):
+    if one_pass(plan, backward):
         return dict(meta, LOOKBACK=tuning.current().chunk_lookback)
     return dict(meta, BLOCK_C=carry_tile(n_chunks, cfg))
 
@@ -112,9 +112,10 @@ def forward(plan, cfg: Config, args, final, eager: bool, empty):
     ckpt = empty(plan.checkpoint_shape(cfg), plan.acc, final.device)
     agg = empty((len(prog.ir.fields), n_chunks, layout.L), plan.acc, final.device)
     full = [*args, ckpt, final, ckpt, *plan.tail, ckpt.shape[1], agg]
-    if _single(prog, False):
+    single = one_pass(plan, False)
+    if single:
         full.append(_sync(_cdiv(layout.L, cfg.block_l), n_chunks, final.device))
-    mod = module(prog)
+    mod = module(prog, single)
     for name, grid, meta in forward_launches(plan, cfg):
         _run(plan, cfg, getattr(mod, name), grid, full, meta, eager)
     return ckpt
@@ -124,7 +125,7 @@ def forward_launches(plan, cfg: Config) -> list[tuple[str, tuple, dict]]:
     """The forward's kernels in launch order as (name, grid, constexpr/meta kwargs) (`forward` runs these)."""
     n_chunks, lanes = _cdiv(plan.layout.T, cfg.block_t), _cdiv(plan.layout.L, cfg.block_l)
     meta = _meta(plan, cfg, n_chunks, ("REVERSE", "HAS_INIT", "FP64"), backward=False)
-    if _single(plan.prog, False):   # one program per (chunk, lane block), lane blocks fastest
+    if one_pass(plan, False):   # one program per (chunk, lane block), lane blocks fastest
         return [("chunk_scan", (n_chunks * lanes,), meta)]
     return [("chunk_reduce", (n_chunks, lanes), meta), ("chunk_carry", (lanes,), meta),
             ("chunk_rescan", (n_chunks, lanes), meta)]
@@ -139,12 +140,13 @@ def backward(plan, cfg: Config, args, eager: bool, empty) -> None:
     n_chunks = _cdiv(layout.T, cfg.block_t)
     device = args[0].device
     agg = empty((nb + n, n_chunks, layout.L), plan.acc, device)
-    if _single(prog, True):   # G_c of every chunk but the last; tickets and flags
+    single = one_pass(plan, True)
+    if single:   # G_c of every chunk but the last; tickets and flags
         full = [*args, agg, empty((n, n_chunks, layout.L), plan.acc, device),
                 _sync(_cdiv(layout.L, cfg.block_l), n_chunks, device)]
     else:               # G_c of every chunk and G_n = 0
         full = [*args, agg, empty((n, n_chunks + 1, layout.L), plan.acc, device)]
-    mod = module(prog, backward=True)
+    mod = module(prog, single)
     for name, grid, meta in launches:
         _run(plan, cfg, getattr(mod, name), grid, full, meta, eager)
 
@@ -159,7 +161,7 @@ def backward_launches(plan, cfg: Config) -> list[tuple[str, tuple, dict]]:
     gstatic = {f"GSTATIC{j}": plan.layout.T > 1 and plan.layout.strides[n_in + j][0] == 0
                for j in range(len(plan.prog.ir.outputs))}   # a gradient constant in time: one load per lane
     meta = dict(_meta(plan, cfg, n_chunks, ("REVERSE", "HAS_INIT", "HAS_DFINAL", "FP64"), backward=True), **du, **gstatic)
-    if _single(plan.prog, True):
+    if one_pass(plan, True):
         return [("chunk_bwd_scan", (n_chunks * lanes,), meta)]
     return [("chunk_bwd_reduce", (n_chunks, lanes), meta), ("chunk_bwd_carry", (lanes,), meta),
             ("chunk_bwd_rescan", (n_chunks, lanes), meta)]

@@ -210,17 +210,18 @@ def prefers_chunked(T: int, L: int) -> bool:
     return L < 512 and T >= 8192
 
 
-def chunk_single_pass(backward: bool, fields: int) -> bool:
+def chunk_single_pass(backward: bool, fields: int, time_contiguous: bool = True) -> bool:
     """Whether the chunk-parallel schedule runs its one-pass variant (kernel/chunked_lookback.py) for
-    this pass of a monoid of `fields` fields: the tuning knob `chunk_single_pass` ("auto": the forward
-    of a monoid of up to 2 fields), unless torch.use_deterministic_algorithms is on. A one-pass carry
-    depends on how far each look-back reached, so its last bits can differ between runs; the three
-    kernels per pass (kernel/chunked.py) give the same bits every run."""
+    this pass of a monoid of `fields` fields in this layout: the tuning knob `chunk_single_pass`
+    ("auto": the forward of a monoid of up to 2 fields with time contiguous, where it was timed
+    faster), unless torch.use_deterministic_algorithms is on. A one-pass carry depends on how far each
+    look-back reached, so its last bits can differ between runs; the three kernels per pass
+    (kernel/chunked.py) give the same bits every run."""
     if torch.are_deterministic_algorithms_enabled():
         return False
     which = tuning.current().chunk_single_pass
     if which == "auto":
-        return not backward and fields <= 2
+        return not backward and fields <= 2 and time_contiguous
     return which == "both" or (which == "forward" and not backward)
 
 
@@ -246,7 +247,7 @@ def chunked_config(T: int, L: int, time_contiguous: bool, backward: bool, interp
         return Config(block_t=min(8, pow2), block_l=min(4, 1 << max(0, (L - 1).bit_length())), num_warps=1,
                       schedule="chunked")
     if time_contiguous:
-        single = chunk_single_pass(backward, fields)
+        single = chunk_single_pass(backward, fields, time_contiguous)
         block_t = min(1024, pow2)
         if not backward:
             chunk, block_t = block_t, (min(4096, pow2) if single else block_t)

@@ -67,10 +67,12 @@ def configs(prog, shape: tuple[int, int, int], layout: str) -> tuple[runtime.Con
     return fwd.fwd_chosen, bwd.config(chunk_of(fwd.fwd_chosen))[0]
 
 
-def _source(prog, cfg: runtime.Config, backward: bool) -> str:
+def _source(prog, cfg: runtime.Config, plan, backward: bool) -> str:
     """The module the config's kernels are in: the chunk-parallel one of the pass's variant or the
     tile/lanes one."""
-    return chunked_launch.source(prog, backward) if cfg.schedule == "chunked" else prog.source
+    if cfg.schedule == "chunked":
+        return chunked_launch.source(prog, chunked_launch.one_pass(plan, backward))
+    return prog.source
 
 
 def show(prog, shape, layout: str = "time") -> str:
@@ -89,7 +91,7 @@ def show(prog, shape, layout: str = "time") -> str:
     if prog.ir.is_plain:
         head.append("# lift: identity (one input per field), readout: the prefix (a plain sl.scan)")
     parts = []
-    sources = [(_source(prog, cfg, p == "backward"), cfg.schedule) for p, cfg, _ in ran]
+    sources = [(_source(prog, cfg, pl, p == "backward"), cfg.schedule) for (p, cfg, _), pl in zip(ran, (fplan, bplan))]
     for source, schedule in dict.fromkeys(sources):   # one module per schedule and variant, in pass order
         kernels = [(p, name, grid, meta) for (p, _, found), key in zip(ran, sources) if key == (source, schedule)
                    for name, grid, meta in found]
