@@ -47,9 +47,8 @@ def _variant(single: bool):
 
 def kernel_names(fields: int = 2, time_contiguous: bool = True) -> tuple[str, ...]:
     """The kernels of the variants in effect for a monoid of `fields` fields in that layout, forward first."""
-    fwd = _variant(single_pass(False, fields, time_contiguous))
-    bwd = _variant(single_pass(True, fields, time_contiguous))
-    return fwd.KERNELS[:len(fwd.KERNELS) // 2] + bwd.KERNELS[len(bwd.KERNELS) // 2:]
+    return (_variant(single_pass(False, fields, time_contiguous)).FORWARD_KERNELS
+            + _variant(single_pass(True, fields, time_contiguous)).BACKWARD_KERNELS)
 
 
 def source(prog, single: bool) -> str:
@@ -93,11 +92,11 @@ def _run(plan, cfg: Config, kernel, grid, args, meta, eager: bool) -> None:
         wrap_triton(kernel)[grid](*args, **meta)
 
 
-def _meta(plan, cfg: Config, n_chunks: int, names, backward: bool) -> dict:
+def _meta(plan, cfg: Config, n_chunks: int, names, backward: bool, single: bool) -> dict:
     meta = dict({k: plan.common[k] for k in names}, BLOCK_T=cfg.block_t, BLOCK_L=cfg.block_l, num_warps=cfg.num_warps)
     if not backward:   # the checkpoint interval: the backward's chunk (none inside a chunk without a backward)
         meta["CHUNK"] = chunk_of(cfg, plan.checkpoint)
-    if one_pass(plan, backward):
+    if single:
         return dict(meta, LOOKBACK=tuning.current().chunk_lookback)
     return dict(meta, BLOCK_C=carry_tile(n_chunks, cfg))
 
@@ -124,8 +123,9 @@ def forward(plan, cfg: Config, args, final, eager: bool, empty):
 def forward_launches(plan, cfg: Config) -> list[tuple[str, tuple, dict]]:
     """The forward's kernels in launch order as (name, grid, constexpr/meta kwargs) (`forward` runs these)."""
     n_chunks, lanes = _cdiv(plan.layout.T, cfg.block_t), _cdiv(plan.layout.L, cfg.block_l)
-    meta = _meta(plan, cfg, n_chunks, ("REVERSE", "HAS_INIT", "FP64"), backward=False)
-    if one_pass(plan, False):   # one program per (chunk, lane block), lane blocks fastest
+    single = one_pass(plan, False)
+    meta = _meta(plan, cfg, n_chunks, ("REVERSE", "HAS_INIT", "FP64"), False, single)
+    if single:   # one program per (chunk, lane block), lane blocks fastest
         return [("chunk_scan", (n_chunks * lanes,), meta)]
     return [("chunk_reduce", (n_chunks, lanes), meta), ("chunk_carry", (lanes,), meta),
             ("chunk_rescan", (n_chunks, lanes), meta)]
@@ -160,8 +160,9 @@ def backward_launches(plan, cfg: Config) -> list[tuple[str, tuple, dict]]:
     n_in = len(plan.prog.ir.inputs)
     gstatic = {f"GSTATIC{j}": plan.layout.T > 1 and plan.layout.strides[n_in + j][0] == 0
                for j in range(len(plan.prog.ir.outputs))}   # a gradient constant in time: one load per lane
-    meta = dict(_meta(plan, cfg, n_chunks, ("REVERSE", "HAS_INIT", "HAS_DFINAL", "FP64"), backward=True), **du, **gstatic)
-    if one_pass(plan, True):
+    single = one_pass(plan, True)
+    meta = dict(_meta(plan, cfg, n_chunks, ("REVERSE", "HAS_INIT", "HAS_DFINAL", "FP64"), True, single), **du, **gstatic)
+    if single:
         return [("chunk_bwd_scan", (n_chunks * lanes,), meta)]
     return [("chunk_bwd_reduce", (n_chunks, lanes), meta), ("chunk_bwd_carry", (lanes,), meta),
             ("chunk_bwd_rescan", (n_chunks, lanes), meta)]

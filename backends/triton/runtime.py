@@ -248,13 +248,13 @@ def chunked_config(T: int, L: int, time_contiguous: bool, backward: bool, interp
                       schedule="chunked")
     if time_contiguous:
         single = chunk_single_pass(backward, fields, time_contiguous)
-        block_t = min(1024, pow2)
+        chunk = min(1024, pow2)   # the backward's chunk: the forward's checkpoint interval
         if not backward:
-            chunk, block_t = block_t, (min(4096, pow2) if single else block_t)
+            block_t = min(4096, pow2) if single else chunk
             warps = 4 if small or not single else 8
             return Config(block_t=block_t, block_l=1, num_warps=warps, chunk=chunk, schedule="chunked")
-        warps = max(4, min(32, block_t // 128)) if single else max(1, min(32, block_t // (32 * (16 if small else 4))))
-        return Config(block_t=block_t, block_l=1, num_warps=warps, schedule="chunked")
+        warps = max(4, min(32, chunk // 128)) if single else max(1, min(32, chunk // (32 * (16 if small else 4))))
+        return Config(block_t=chunk, block_l=1, num_warps=warps, schedule="chunked")
     return Config(block_t=min(256 if small else 64, pow2), block_l=16, num_warps=8 if backward else 4, schedule="chunked")
 
 

@@ -97,8 +97,7 @@ def main(argv=None) -> int:
 def _checked_then_timed(B: int, D: int, T: int, breakdown: bool = False) -> int:
     """The scan at [B, D, T] checked against float64 (exit status 1 on a mismatch), then the table."""
     import scanlang as sl
-    from scanlang import tuning
-    from scanlang.backends.triton import chunked_launch
+    from scanlang.backends.triton import chunked_launch, runtime
     from scanlang.testing import check
 
     torch.manual_seed(0)
@@ -142,8 +141,8 @@ def _checked_then_timed(B: int, D: int, T: int, breakdown: bool = False) -> int:
         return row
 
     copy = add("copy (clone a, b)", lambda: (a.clone(), b.clone()), 4 * n * 4)
-    variant = {"auto": "1-pass fwd", "forward": "1-pass fwd", "both": "1-pass", "none": "3-kernel"}[
-        tuning.current().chunk_single_pass]
+    passes = [runtime.chunk_single_pass(backward, len(sl.Affine.fields)) for backward in (False, True)]
+    variant = {(True, False): "1-pass fwd", (True, True): "1-pass", (False, False): "3-kernel"}[tuple(passes)]
     add(f"scanlang ({variant}) fwd", lambda: sl.scan(sl.Affine, (a, b), dim=2, backend="triton"), 4 * n * 4)
 
     def fwd_bwd():

@@ -62,7 +62,9 @@ from .builders import GradMode, grad_mode_is
 from . import ir as K
 from .printer import render as print_module
 
-KERNELS = ("chunk_reduce", "chunk_carry", "chunk_rescan", "chunk_bwd_reduce", "chunk_bwd_carry", "chunk_bwd_rescan")
+FORWARD_KERNELS = ("chunk_reduce", "chunk_carry", "chunk_rescan")
+BACKWARD_KERNELS = ("chunk_bwd_reduce", "chunk_bwd_carry", "chunk_bwd_rescan")
+KERNELS = FORWARD_KERNELS + BACKWARD_KERNELS
 
 
 def supports(ir: ScanIR) -> bool:

@@ -65,7 +65,8 @@ from .chunked import (assemble, bwd_consts, carry_slot, exclusive_adjoint, inclu
                       _offsets, _params, _row)
 from .printer import render as print_module
 
-KERNELS = ("chunk_scan", "chunk_bwd_scan")
+FORWARD_KERNELS, BACKWARD_KERNELS = ("chunk_scan",), ("chunk_bwd_scan",)
+KERNELS = FORWARD_KERNELS + BACKWARD_KERNELS
 
 
 def _prologue(tensors, backward: bool) -> tuple:
