@@ -132,11 +132,18 @@ class ChunkTable:
         self.seq_chunk0 = as_int(first)
 
 
-def _meta(K: int, V: int, C: int, dtype: torch.dtype, device) -> dict:
+def _meta(K: int, V: int, C: int, dtype: torch.dtype, device, d: Optional[MatrixState] = None) -> dict:
+    """The shape constexprs. PREC, the precision of dots whose operands are fp32: "ieee" for fp32 inputs,
+    except the per-key delta kernels' on CUDA (`d`), which take "tf32", as they do for 16-bit inputs (then
+    fp32 inputs lose nothing to bf16 rounding, and the dots run on tensor cores): with "ieee" (FMA) on sm_90
+    their fp32 module spilled tens of KB a thread and took over 25 minutes to compile (Triton 3.6;
+    BENCHMARKS_HISTORY.md "Session 15"); with "tf32" it compiles as fast as bf16's (Session 18). The GPU
+    tolerance rows for fp32 (scanlang.testing) are those of tf32 dots."""
     fp32 = dtype == torch.float32
+    ieee = fp32 and not (d is not None and kernels_delta.supports(d) and device.type == "cuda")
     return dict(K=K, V=V, BK=max(16, triton.next_power_of_2(K)),
                 BV=min(CONFIG["BV"], max(16, triton.next_power_of_2(V))), C=C, BS=min(16, C),
-                PREC="ieee" if fp32 else "tf32", UPCAST=device.type == "cpu" and dtype == torch.bfloat16)
+                PREC="ieee" if ieee else "tf32", UPCAST=device.type == "cpu" and dtype == torch.bfloat16)
 
 
 def _cuda_16bit(q: torch.Tensor) -> bool:
@@ -185,7 +192,7 @@ class _Table:
 def _forward(d: MatrixState, q, k, v, h0, xs, table, constants, scale: float, C: int, direct: bool) -> list:
     """[o [TT,H,V], final state [N,H,K,V], then what the backward keeps: G (with decay), and for the per-key
     delta correction beta, Tm, Aqk, w] (fp32)."""
-    mod, meta = module(d), _meta(q.shape[-1], v.shape[-1], C, q.dtype, q.device)
+    mod, meta = module(d), _meta(q.shape[-1], v.shape[-1], C, q.dtype, q.device, d)
     TT, H, _ = q.shape
     V, dev = v.shape[-1], q.device
     o = _empty(TT, H, V, device=dev)
@@ -222,7 +229,7 @@ def _forward(d: MatrixState, q, k, v, h0, xs, table, constants, scale: float, C:
 def _backward(d: MatrixState, q, k, v, h0, xs, saved, do, dht, table, constants, scale: float, C: int,
               direct: bool) -> list:
     """[dq, dk, dv (fp32), d(initial state) (empty without one), d(hook inputs) (fp32)]."""
-    meta = _meta(q.shape[-1], v.shape[-1], C, q.dtype, q.device)
+    meta = _meta(q.shape[-1], v.shape[-1], C, q.dtype, q.device, d)
     # plain writes keep the chunk states and their gradients in the input dtype (every product that reads
     # them rounds its operands to it; the decay gradient's rowsum(S0 * dS_end) reads them rounded too)
     states = torch.float32 if kernels_delta.supports(d) else q.dtype
