@@ -122,22 +122,23 @@ def test_kda_bf16_forward():
     _check(C + 1, dtype=torch.bfloat16, seed=6, grads=False)
 
 
-def _kaczmarz(T, eps, zero_rows=(), seed=0, cu=None):
+def _kaczmarz(T, eps, zero_rows=(), seed=0, cu=None, Kn=K, key_block=64):
     gen = torch.Generator().manual_seed(seed)
-    q, k, v = (torch.randn(1, T, H, n, generator=gen, dtype=D64) for n in (K, K, V))
+    q, k, v = (torch.randn(1, T, H, n, generator=gen, dtype=D64) for n in (Kn, Kn, V))
     for r in zero_rows:
         k[0, r] = 0.0
-    a, b = torch.randn(1, T, H, K, generator=gen, dtype=D64), torch.randn(1, T, H, generator=gen, dtype=D64)
+    a, b = torch.randn(1, T, H, Kn, generator=gen, dtype=D64), torch.randn(1, T, H, generator=gen, dtype=D64)
     x = [t.float().requires_grad_() for t in (q, k, v, a, b)]
-    o, S = KACZMARZ_KDA_OP(*x, output_final_state=True, backend="triton", chunk_size=C, eps=eps,
-                           cu_seqlens=None if cu is None else torch.tensor(cu))
+    with tuning.override(linear_key_block=key_block):
+        o, S = KACZMARZ_KDA_OP(*x, output_final_state=True, backend="triton", chunk_size=C, eps=eps,
+                               cu_seqlens=None if cu is None else torch.tensor(cu))
+        do = torch.randn(o.shape, generator=gen, dtype=D64)
+        got = torch.autograd.grad((o * do.float()).sum() + S.sum(), x)
     ref = [t.detach().to(D64).requires_grad_() for t in x]
     beta = _kaczmarz_beta(ref[4], ref[1], eps)
     o_ref, S_ref = token_loop(ref[0], ref[1], ref[2], F.logsigmoid(ref[3]), beta, cu=cu)
     assert_close(o, o_ref, "delta_out", torch.float32, name="o")
     assert_close(S, S_ref, "delta_out", torch.float32, name="S")
-    do = torch.randn(o.shape, generator=gen, dtype=D64)
-    got = torch.autograd.grad((o * do.float()).sum() + S.sum(), x)
     want = torch.autograd.grad((o_ref * do).sum() + S_ref.sum(), ref)
     for name, g1, g2 in zip(("dq", "dk", "dv", "da", "db"), got, want):
         assert torch.isfinite(g1).all(), name
@@ -150,28 +151,36 @@ def test_kaczmarz_with_per_key_decay_and_zero_keys():
     _kaczmarz(C + 3, 1e-6, zero_rows=(2, C + 1))
 
 
+def test_kaczmarz_kda_in_key_blocks():
+    """K = 32 in two key blocks of 16 (`{name}_bwd`'s programs): dk's share through n2 reaches both blocks."""
+    _kaczmarz(C + 3, 1e-6, zero_rows=(4,), seed=2, Kn=32, key_block=16)
+
+
 @pytest.mark.slow
 def test_kaczmarz_eps_zero_zero_keys():
     _kaczmarz(C + 3, 0.0, zero_rows=(0, 5, C), seed=1, cu=[0, 6, C + 3])
 
 
-def test_an_input_read_by_both_hooks_and_a_per_head_parameter_in_beta():
-    """b's gradient sums its share through g (over K) and through beta; w's (per head) sums over every token."""
+@pytest.mark.parametrize("Kn, key_block", [(K, 64), (48, 16)], ids=["one-key-block", "three-key-blocks"])
+def test_an_input_read_by_both_hooks_and_a_per_head_parameter_in_beta(Kn, key_block):
+    """b's gradient sums its share through g (over K, every key block adding its part) and through beta; w's
+    (per head) sums over every token."""
     gen = torch.Generator().manual_seed(12)
     T = C + 3
-    q, k, v = (torch.randn(1, T, H, n, generator=gen, dtype=D64) for n in (K, K, V))
+    q, k, v = (torch.randn(1, T, H, n, generator=gen, dtype=D64) for n in (Kn, Kn, V))
     k = F.normalize(k, dim=-1)
-    a, b = torch.randn(1, T, H, K, generator=gen, dtype=D64), torch.randn(1, T, H, generator=gen, dtype=D64)
-    w, h0 = torch.randn(H, generator=gen, dtype=D64), torch.randn(1, H, K, V, generator=gen, dtype=D64)
+    a, b = torch.randn(1, T, H, Kn, generator=gen, dtype=D64), torch.randn(1, T, H, generator=gen, dtype=D64)
+    w, h0 = torch.randn(H, generator=gen, dtype=D64), torch.randn(1, H, Kn, V, generator=gen, dtype=D64)
     x = [t.float().requires_grad_() for t in (q, k, v, a, b, w, h0)]
-    o, S = SHARED_OP(*x[:6], initial_state=x[6], output_final_state=True, backend="triton", chunk_size=C, c=0.7)
+    with tuning.override(linear_key_block=key_block):
+        o, S = SHARED_OP(*x[:6], initial_state=x[6], output_final_state=True, backend="triton", chunk_size=C, c=0.7)
+        do = torch.randn(o.shape, generator=gen, dtype=D64)
+        got = torch.autograd.grad((o * do.float()).sum() + S.sum(), x)
     ref = [t.detach().to(D64).requires_grad_() for t in x]
     g = F.logsigmoid(ref[3]) * torch.sigmoid(ref[4])[..., None] * 0.7
     o_ref, S_ref = token_loop(*ref[:3], g, torch.sigmoid(ref[4] * ref[5]), h0=ref[6])
     assert_close(o, o_ref, "delta_out", torch.float32, name="o")
     assert_close(S, S_ref, "delta_out", torch.float32, name="S")
-    do = torch.randn(o.shape, generator=gen, dtype=D64)
-    got = torch.autograd.grad((o * do.float()).sum() + S.sum(), x)
     want = torch.autograd.grad((o_ref * do).sum() + S_ref.sum(), ref)
     for name, g1, g2 in zip(("dq", "dk", "dv", "da", "db", "dw", "dh0"), got, want):
         what = {"da": "delta_gate_grad", "db": "delta_gate_grad", "dw": "delta_param_grad"}.get(name, "delta_grad")

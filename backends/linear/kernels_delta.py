@@ -25,11 +25,17 @@ sympy derivatives (beta's n2 adds dbeta dbeta/dn2 2 k to dk). A zero key's beta 
 for it (0/0 at eps = 0), as on the host (recipes/linear/family.py `_host_beta`).
 
 Kernels (one module per declaration; C, K, V, BK, BV, BS are constexprs):
-    {name}_prep      per (chunk, head): G, beta, Tm, w and Aqk (stored; the forward keeps them for the backward)
+    {name}_prep      per (chunk, head): G, beta, Tm, w, Aqk and P (stored; the forward keeps them for the backward)
     {name}_fwd       per (sequence, head, value block), chunks in order: outputs and the final state, or
                      (STORE_H, the backward's recomputation) the state entering every chunk
     {name}_bwd_dh    per (sequence, head, value block), chunks in reverse: dS_end of every chunk, d(initial state)
-    {name}_bwd       per (chunk, head): dq, dk, dv, dg's hook inputs and beta's hook inputs
+    {name}_bwd_v     per (chunk, head), every key (X0 and dU sum over them): dv, U, dAqk, dP = diag(beta) dA,
+                     dbeta and beta's hook inputs' gradients
+    {name}_bwd       per (chunk, head, key block of BK columns; every product here is per key column): dq, dk,
+                     dg and the log-decay's hook inputs' gradients, from U, dv, dAqk and dP
+The backward is two per-chunk kernels, not one, so that no program holds every [C, K] tile at once: the single
+kernel spilled 17 KB a thread in bf16 and asked for 256 KB of shared memory in fp32, over an SM's 227 KB
+(offline sm_90, Triton 3.6; BENCHMARKS_HISTORY.md "Session 18").
 A non-finite key, log-decay, beta or value in row r reaches rows >= r only in the forward: the causal products
 (Tm from A, w, u, Aqk U) take that chunk's rows from the first such row on as 0 and only rows from there on use
 the raw products (kernels.py's rule). The backward does not guard: a non-finite input may make earlier tokens'
@@ -43,14 +49,14 @@ from scanlang.linear import KEY_NORM, MatrixState
 from ..triton.kernel import common
 from ..triton.kernel import ir as K
 from ..triton.kernel.printer import render as print_module
-from .kernels import (INF, QK_MASK, QK_OFF, S_MASK, SHAPE_CONSTS, V_MASK, V_OFF, _axes, _chunk, _decay,
+from .kernels import (INF, QK_MASK, QK_OFF, S_MASK, SHAPE_CONSTS, V_MASK, V_OFF, _axes, _chunk, _decay, _key_block,
                       _hook_names, _load_hook_inputs, _origin_comments, _params, _shape_like, dot, helper_kernels,
                       load, reverse_state_pass, state_off)
 
 CC_OFF = "(c * H + h).to(tl.int64) * C * C + rows[:, None] * C + cols"
 TOK_OFF = "(tok + rows) * H + h"
 STRICT = "rows[:, None] > cols"
-WY = ["wy_beta_ptr", "wy_tm_ptr", "wy_aqk_ptr", "wy_w_ptr"]   # what the prep kernel stores: beta, Tm, Aqk, w
+WY = ["wy_beta_ptr", "wy_tm_ptr", "wy_aqk_ptr", "wy_w_ptr", "wy_p_ptr"]   # what the prep kernel stores: beta, Tm, Aqk, w, P
 
 
 def dot32(x: str, y: str) -> str:
@@ -149,7 +155,8 @@ def prep_kernel(decl: MatrixState) -> K.Kernel:
             K.Store(K.expr(f"wy_beta_ptr + {TOK_OFF}"), K.expr("beta"), K.expr("ok")),
             *_first_bad(False),
             K.Comment("Tm = (I + A)^-1 by forward substitution, row i from the rows before it"),
-            *_strict_kk(), K.assign("A", f"tl.where({STRICT}, beta[:, None] * P, 0.0)"),
+            *_strict_kk(), K.Store(K.expr(f"wy_p_ptr + {CC_OFF}"), K.expr("P"), None),
+            K.assign("A", f"tl.where({STRICT}, beta[:, None] * P, 0.0)"),
             K.assign("Tm", "tl.where(rows[:, None] == cols, 1.0, 0.0)"),
             K.For("i", K.expr("1"), K.expr("C"), solve),
             K.Store(K.expr(f"wy_tm_ptr + {CC_OFF}"), K.expr("Tm"), None),
@@ -158,7 +165,8 @@ def prep_kernel(decl: MatrixState) -> K.Kernel:
             K.Store(K.expr(f"wy_aqk_ptr + {CC_OFF}"),
                     K.expr("pairwise_qk(b_q, b_k, b_G, C, BS, BK, DT, PREC, UPCAST)"), None))
     return K.Kernel(f"{decl.name}_prep", params, body,
-                    doc="Chunk c: G (the in-chunk cumsum of the log-decay), beta, Tm = (I + A)^-1, w and Aqk.")
+                    doc="Chunk c: G (the in-chunk cumsum of the log-decay), beta, Tm = (I + A)^-1, w, Aqk and P "
+                        "(A = diag(beta) P, for the backward's dbeta).")
 
 
 def _chunk_loads(with_do: bool) -> tuple:
@@ -213,87 +221,137 @@ def bwd_dh_kernel(decl: MatrixState) -> K.Kernel:
                         "dS0 = e^(G_L) dS_end + scale (Q e^G)^T dO - w^T dU.")
 
 
-def _input_grads(decl: MatrixState) -> tuple:
-    """d(input) for every hooked input: dg times the log-decay's derivative (summed over K for a per-token
-    input) plus dbeta times beta's; a per-head parameter's, summed over the chunk, is added atomically."""
-    in_g, in_b = set(decl.used(decl.log_decay)), set(decl.used(decl.beta))
-    g_used = [n for n in hook_inputs(decl) if n in in_g]
-    b_used = [n for n in hook_inputs(decl) if n in in_b]
-    out = [*common.assign([f"dx_{n}" for n in g_used], [decl.log_decay.grads[n] for n in g_used], _hook_names(decl),
-                          "_dg", shape_like=_shape_like(decl))]
+def summed(decl: MatrixState, n: str) -> bool:
+    """Whether d(input n) is added atomically into a zeroed buffer: a per-head parameter (every chunk adds), or a
+    per-token input of the log-decay (each key block of `{name}_bwd` adds its keys' sum, and `{name}_bwd_v`
+    adds beta's part when beta reads it too). A per-token input of beta alone is stored by `{name}_bwd_v`, a
+    per-key one by `{name}_bwd`."""
+    return decl.inputs[n] == "head" or (decl.inputs[n] == "token" and n in decl.used(decl.log_decay))
+
+
+def _beta_input_grads(decl: MatrixState) -> tuple:
+    """beta's part of d(input) for its hook's inputs (dbeta times the hook's sympy derivative), and with the
+    key norm n2 the coefficient of k in dk's part through n2 (2 dbeta dbeta/dn2, stored for `{name}_bwd`)."""
+    b_used = [n for n in hook_inputs(decl) if n in set(decl.used(decl.beta))]
     n2 = "n2_safe" if decl.uses_key_norm else "n2"
-    out += common.assign([f"dy_{n}" for n in b_used], [decl.beta.grads[n] for n in b_used], _beta_names(decl, n2),
-                         "_db", shape_like="zero_c")
+    out = [*_beta(decl), *common.assign([f"dy_{n}" for n in b_used], [decl.beta.grads[n] for n in b_used],
+                                        _beta_names(decl, n2), "_db", shape_like="zero_c")]
     live = "ok & ~dead" if decl.uses_key_norm else "ok"
-    for n in hook_inputs(decl):
-        kind = decl.inputs[n]
-        parts = []
-        if n in in_g:
-            gsh = f"tl.where({QK_MASK}, dg * dx_{n}, 0.0)"
-            parts.append(gsh if kind == "token_key" else f"tl.sum({gsh}, 1)" if kind == "token" else f"tl.sum({gsh})")
-        if n in in_b:
-            bsh = f"tl.where({live}, dbeta * dy_{n}, 0.0)"
-            parts.append(bsh if kind == "token" else f"tl.sum({bsh})")
-        value = " + ".join(parts)
-        if kind == "head":
-            out.append(K.AtomicAdd(K.expr(f"d{n}_ptr + h"), K.expr(value)))
-        elif kind == "token":
+    for n in b_used:
+        value = f"tl.where({live}, dbeta * dy_{n}, 0.0)"
+        if decl.inputs[n] == "head":
+            out.append(K.AtomicAdd(K.expr(f"d{n}_ptr + h"), K.expr(f"tl.sum({value})")))
+        elif summed(decl, n):
+            out.append(K.AtomicAdd(K.expr(f"d{n}_ptr + {TOK_OFF}"), K.expr(value), K.expr("ok")))
+        else:
             out.append(K.Store(K.expr(f"d{n}_ptr + {TOK_OFF}"), K.expr(value), K.expr("ok")))
+    if decl.uses_key_norm:
+        out += [*common.assign(["dbeta_n2"], [decl.beta.grads[KEY_NORM]], _beta_names(decl, "n2_safe"), "_dn",
+                               shape_like="zero_c"),
+                K.Store(K.expr(f"dn2_ptr + {TOK_OFF}"), K.expr("tl.where(ok & ~dead, 2.0 * dbeta * dbeta_n2, 0.0)"),
+                        K.expr("ok"))]
+    return tuple(out)
+
+
+def _decay_input_grads(decl: MatrixState) -> tuple:
+    """The log-decay's part of d(input) over this program's key block: dg times the hook's sympy derivative."""
+    g_used = [n for n in hook_inputs(decl) if n in set(decl.used(decl.log_decay))]
+    out = [*_load_hook_inputs(decl),
+           *common.assign([f"dx_{n}" for n in g_used], [decl.log_decay.grads[n] for n in g_used], _hook_names(decl),
+                          "_dg", shape_like=_shape_like(decl))]
+    for n in g_used:
+        value = f"tl.where({QK_MASK}, dg * dx_{n}, 0.0)"
+        if decl.inputs[n] == "head":
+            out.append(K.AtomicAdd(K.expr(f"d{n}_ptr + h"), K.expr(f"tl.sum({value})")))
+        elif decl.inputs[n] == "token":
+            out.append(K.AtomicAdd(K.expr(f"d{n}_ptr + {TOK_OFF}"), K.expr(f"tl.sum({value}, 1)"), K.expr("ok")))
         else:
             out.append(K.Store(K.expr(f"d{n}_ptr + {QK_OFF}"), K.expr(value), K.expr(QK_MASK)))
     return tuple(out)
 
 
-def bwd_kernel(decl: MatrixState) -> K.Kernel:
+def _hook_params(decl: MatrixState) -> list[str]:
     names = hook_inputs(decl)
-    ins = [f"{n}_ptr" for n in names] + [f"d{n}_ptr" for n in names] + [f"c_{c}" for c in decl.constants]
-    params = _params(["q_ptr", "k_ptr", "v_ptr", "G_ptr", *WY, "hs_ptr", "dh_ptr", "do_ptr", "dq_ptr", "dk_ptr",
-                      "dv_ptr", "chunk_tok_ptr", "chunk_len_ptr", "chunk_seq_ptr", *ins, "scale", "H"], SHAPE_CONSTS)
-    zeros = lambda *ts: tuple(K.assign(t, f"tl.zeros([{s}], dtype=tl.float32)") for t, s in ts)  # noqa: E731
+    return [f"{n}_ptr" for n in names] + [f"d{n}_ptr" for n in names] + [f"c_{c}" for c in decl.constants]
+
+
+def bwd_v_kernel(decl: MatrixState) -> K.Kernel:
+    """The backward's products over the values, every key at once (the sums over keys of X0 and dU need them):
+    per value block U, dU and dR; dv, U kept for `{name}_bwd`; then dAqk and dP = diag(beta) dA of the chunk,
+    dbeta and beta's hook inputs' gradients."""
+    params = _params(["q_ptr", "k_ptr", "v_ptr", "G_ptr", *WY, "hs_ptr", "dh_ptr", "do_ptr", "dv_ptr", "u_ptr",
+                      "daqk_ptr", "dp_ptr", "dn2_ptr", "chunk_tok_ptr", "chunk_len_ptr", "chunk_seq_ptr",
+                      *_hook_params(decl), "scale", "H"], SHAPE_CONSTS)
     vloop = (K.assign("vv", "vb * BV + tl.arange(0, BV)"), K.assign("okv", "vv < V"),
              load("b_v", "v_ptr", V_OFF, V_MASK), load("b_do", "do_ptr", V_OFF, V_MASK),
              load("S0", "hs_ptr", state_off("c + n"), S_MASK), load("dSe", "dh_ptr", state_off("c"), S_MASK),
-             K.assign("X0", f"b_v - {dot32('k_dec', 'S0')}"), K.assign("R", "beta[:, None] * X0"), K.assign("U", dot32("Tm", "R")),
+             K.assign("X0", f"b_v - {dot32('k_dec', 'S0')}"), K.assign("R", "beta[:, None] * X0"),
+             K.assign("U", dot32("Tm", "R")),
              K.assign("dU", f"scale * {dot32('tl.trans(Aqk)', 'b_do')} + {dot32('k_end', 'dSe')}"),
              K.assign("dR", dot32("tl.trans(Tm)", "dU")),
              K.assign("dAqk", f"dAqk + {dot32('b_do', 'tl.trans(U)')}"),
-             K.assign("dk_state", f"dk_state + {dot32('U', 'tl.trans(dSe)')}"),
-             K.assign("dq_inter", f"dq_inter + {dot('b_do', 'tl.trans(S0)')}"),
-             K.assign("dk_dec", f"dk_dec - {dot32('beta[:, None] * dR', 'tl.trans(S0)')}"),
              K.assign("dTm", f"dTm + {dot32('dU', 'tl.trans(R)')}"),
              K.assign("dbeta", "dbeta + tl.sum(dR * X0, 1)"),
-             K.assign("dG_S0", "dG_S0 + tl.sum(S0 * dSe, 1)"),
-             K.Store(K.expr(f"dv_ptr + {V_OFF}"), K.expr("beta[:, None] * dR"), K.expr(V_MASK)))
+             K.Store(K.expr(f"dv_ptr + {V_OFF}"), K.expr("beta[:, None] * dR"), K.expr(V_MASK)),
+             K.Store(K.expr(f"u_ptr + {V_OFF}"), K.expr("U"), K.expr(V_MASK)))
     body = (K.assign("c", "tl.program_id(0)"), K.assign("h", "tl.program_id(1)"), *_axes(False),
             K.assign("cols", "tl.arange(0, C)[None, :]"), *_origin_comments(decl), *_chunk(),
-            K.assign("n", "tl.load(chunk_seq_ptr + c)"), *_chunk_loads(False), _load_cc("Tm", "wy_tm_ptr"),
+            K.assign("n", "tl.load(chunk_seq_ptr + c)"), load("b_k", "k_ptr", QK_OFF, QK_MASK),
+            *_decay("per_key", with_pairwise=False, with_q=False),
+            load("beta", "wy_beta_ptr", TOK_OFF, "ok"), _load_cc("Aqk", "wy_aqk_ptr"), _load_cc("Tm", "wy_tm_ptr"),
             K.assign("k_dec", "b_k * tl.exp(b_G)"),
-            *zeros(("dAqk", "C, C"), ("dTm", "C, C"), ("dq_inter", "C, BK"), ("dk_state", "C, BK"),
-                   ("dk_dec", "C, BK"), ("dbeta", "C"), ("dG_S0", "BK")),
+            K.assign("dAqk", "tl.zeros([C, C], dtype=tl.float32)"), K.assign("dTm", "tl.zeros([C, C], dtype=tl.float32)"),
+            K.assign("dbeta", "tl.zeros([C], dtype=tl.float32)"),
             K.For("vb", K.expr("0"), K.expr("tl.cdiv(V, BV)"), vloop),
-            K.assign("dAqk", "tl.where(causal, scale * dAqk, 0.0)"),
+            K.Store(K.expr(f"daqk_ptr + {CC_OFF}"), K.expr("tl.where(causal, scale * dAqk, 0.0)"), None),
             K.Comment("through Tm = (I + A)^-1 and A = diag(beta) P"),
             K.assign("dA", f"tl.where({STRICT}, -{dot32('tl.trans(Tm)', dot32('dTm', 'tl.trans(Tm)'))}, 0.0)"),
-            *_strict_kk(),
+            _load_cc("P", "wy_p_ptr"),
             K.assign("dbeta", f"dbeta + tl.sum(tl.where({STRICT}, dA * P, 0.0), 1)"),
-            K.assign("dP", f"tl.where({STRICT}, beta[:, None] * dA, 0.0)"),
+            K.Store(K.expr(f"dp_ptr + {CC_OFF}"), K.expr(f"tl.where({STRICT}, beta[:, None] * dA, 0.0)"), None),
+            *_beta_input_grads(decl))
+    return K.Kernel(f"{decl.name}_bwd_v", params, body,
+                    doc="Chunk c, every key: dv, U, dAqk, dP and beta's hook inputs' gradients (module docstring).")
+
+
+def bwd_kernel(decl: MatrixState) -> K.Kernel:
+    """The backward's per-key part, in key blocks of BK columns (every product here is per key column): the sums
+    over the values that end in a [C, BK] tile, the pairwise gradients of Aqk and P, dq, dk, dg and the log-decay's
+    hook inputs' gradients."""
+    params = _params(["q_ptr", "k_ptr", "G_ptr", "hs_ptr", "dh_ptr", "do_ptr", "u_ptr", "dv_ptr", "daqk_ptr", "dp_ptr",
+                      "dn2_ptr", "dq_ptr", "dk_ptr", "chunk_tok_ptr", "chunk_len_ptr", "chunk_seq_ptr",
+                      *_hook_params(decl), "scale", "H"], SHAPE_CONSTS)
+    zeros = lambda *ts: tuple(K.assign(t, f"tl.zeros([{s}], dtype=tl.float32)") for t, s in ts)  # noqa: E731
+    vloop = (K.assign("vv", "vb * BV + tl.arange(0, BV)"), K.assign("okv", "vv < V"),
+             load("b_do", "do_ptr", V_OFF, V_MASK), load("U", "u_ptr", V_OFF, V_MASK), load("dv", "dv_ptr", V_OFF, V_MASK),
+             load("S0", "hs_ptr", state_off("c + n"), S_MASK), load("dSe", "dh_ptr", state_off("c"), S_MASK),
+             K.assign("dk_state", f"dk_state + {dot32('U', 'tl.trans(dSe)')}"),
+             K.assign("dq_inter", f"dq_inter + {dot('b_do', 'tl.trans(S0)')}"),
+             K.assign("dk_dec", f"dk_dec - {dot32('dv', 'tl.trans(S0)')}"),
+             K.assign("dG_S0", "dG_S0 + tl.sum(S0 * dSe, 1)"))
+    body = (K.assign("c", "tl.program_id(0)"), K.assign("h", "tl.program_id(1)"), *_axes(False), *_key_block("per_key"),
+            K.assign("cols", "tl.arange(0, C)[None, :]"), *_origin_comments(decl), *_chunk(),
+            K.assign("n", "tl.load(chunk_seq_ptr + c)"), load("b_q", "q_ptr", QK_OFF, QK_MASK),
+            load("b_k", "k_ptr", QK_OFF, QK_MASK), *_decay("per_key", with_pairwise=False, with_q=False),
+            K.assign("k_dec", "b_k * tl.exp(b_G)"),
+            *zeros(("dq_inter", "C, BK"), ("dk_state", "C, BK"), ("dk_dec", "C, BK"), ("dG_S0", "BK")),
+            K.For("vb", K.expr("0"), K.expr("tl.cdiv(V, BV)"), vloop),
+            _load_cc("dAqk", "daqk_ptr"), _load_cc("dP", "dp_ptr"),
             K.assign("X, Y, Z", "pairwise_grads(dAqk, b_q, b_k, b_G, k_end * dk_state, C, BS, BK, DT, PREC, UPCAST)"),
             K.assign("X2, Y2, Z2", "pairwise_grads(dP, b_k, b_k, b_G, tl.zeros_like(b_k), C, BS, BK, DT, PREC, UPCAST)"),
             K.assign("dq_s0", "scale * tl.exp(b_G) * dq_inter"),
             K.assign("dk", "Y + X2 + Y2 + tl.exp(G_last[None, :] - b_G) * dk_state + tl.exp(b_G) * dk_dec"),
             K.Comment("dg_t: the direct terms of rows >= t, the pairs j < t <= i, e^(G_L) rowsum(S0 dS_end)"),
             K.assign("dg", f"tl.cumsum(tl.where({QK_MASK}, b_q * dq_s0 + k_dec * dk_dec, 0.0), 0, reverse=True) + Z + Z2"),
-            K.assign("dg", f"tl.where({QK_MASK}, dg + tl.exp(G_last)[None, :] * dG_S0[None, :], 0.0)"),
-            *_load_hook_inputs(decl), *_beta(decl))
+            K.assign("dg", f"tl.where({QK_MASK}, dg + tl.exp(G_last)[None, :] * dG_S0[None, :], 0.0)"))
     if decl.uses_key_norm:
-        n2 = common.assign(["dbeta_n2"], [decl.beta.grads[KEY_NORM]], _beta_names(decl, "n2_safe"), "_dn",
-                           shape_like="zero_c")
-        body += (*n2, K.assign("dk", "dk + tl.where(ok & ~dead, 2.0 * dbeta * dbeta_n2, 0.0)[:, None] * b_k"))
+        body += (load("dn2", "dn2_ptr", TOK_OFF, "ok"), K.assign("dk", "dk + dn2[:, None] * b_k"))
     body += (K.Store(K.expr(f"dq_ptr + {QK_OFF}"), K.expr("dq_s0 + X"), K.expr(QK_MASK)),
              K.Store(K.expr(f"dk_ptr + {QK_OFF}"), K.expr("tl.where(ok[:, None], dk, 0.0)"), K.expr(QK_MASK)),
-             *_input_grads(decl))
+             *_decay_input_grads(decl))
     return K.Kernel(f"{decl.name}_bwd", params, body,
-                    doc="Chunk c: dq, dk, dv and the hook inputs' gradients (module docstring).")
+                    doc="Chunk c, key block tl.program_id(2): dq, dk and the log-decay's hook inputs' gradients "
+                        "(module docstring).")
 
 
 def module(decl: MatrixState) -> K.Module:
@@ -301,7 +359,8 @@ def module(decl: MatrixState) -> K.Module:
     if not supports(decl):
         raise ValueError(f"declaration: matrix state {decl.name!r} (decay {decl.decay}, correction {decl.correction}, "
                          f"{decl.steps} step(s)) is not the per-key delta structure these kernels cover")
-    kernels = helper_kernels(loaded=False) + [prep_kernel(decl), fwd_kernel(decl), bwd_dh_kernel(decl), bwd_kernel(decl)]
+    kernels = helper_kernels(loaded=False) + [prep_kernel(decl), fwd_kernel(decl), bwd_dh_kernel(decl),
+                                              bwd_v_kernel(decl), bwd_kernel(decl)]
     doc = (f"Generated by scanlang from matrix state {E.docstring_text(decl.name)} (declaration {decl.key}): "
            f"decay per_key, delta correction (backends/linear/kernels_delta.py). Do not edit.")
     return K.Module(doc, tuple(kernels))

@@ -73,6 +73,13 @@ def recording(run: bool = False):
         _RECORDING.reset(token)
 
 
+def _for_cuda(device) -> bool:
+    """Whether launches on `device` take CUDA's settings: a CUDA device, or any while launches are recorded and not
+    run (offline_compile compiles them for a GPU, so it sees the launch settings a GPU would get)."""
+    recorder = _RECORDING.get()
+    return device.type == "cuda" or (recorder is not None and not recorder[1])
+
+
 def _launch(kernel, grid, args, meta, direct: bool = True):
     """`kernel[grid](*args, **meta)`; `direct=False` through wrap_triton (which torch.compile traces; its mutation
     analysis needs every parameter, defaulted ones too), and not at all in a shape-only (fake tensor) pass."""
@@ -140,7 +147,7 @@ def _meta(K: int, V: int, C: int, dtype: torch.dtype, device, d: Optional[Matrix
     BENCHMARKS_HISTORY.md "Session 15"); with "tf32" it compiles as fast as bf16's (Session 18). The GPU
     tolerance rows for fp32 (scanlang.testing) are those of tf32 dots."""
     fp32 = dtype == torch.float32
-    ieee = fp32 and not (d is not None and kernels_delta.supports(d) and device.type == "cuda")
+    ieee = fp32 and not (d is not None and kernels_delta.supports(d) and _for_cuda(device))
     return dict(K=K, V=V, BK=max(16, triton.next_power_of_2(K)),
                 BV=min(CONFIG["BV"], max(16, triton.next_power_of_2(V))), C=C, BS=min(16, C),
                 PREC="ieee" if ieee else "tf32", UPCAST=device.type == "cpu" and dtype == torch.bfloat16)
@@ -148,7 +155,7 @@ def _meta(K: int, V: int, C: int, dtype: torch.dtype, device, d: Optional[Matrix
 
 def _cuda_16bit(q: torch.Tensor) -> bool:
     """16-bit inputs on CUDA: where Triton 3.6 on sm_90 miscompiled tiles narrower than the chunk."""
-    return q.device.type == "cuda" and q.dtype != torch.float32
+    return _for_cuda(q.device) and q.dtype != torch.float32
 
 
 def _narrow_16bit(meta: dict, q: torch.Tensor) -> bool:
@@ -411,9 +418,10 @@ def _plain_backward(d, meta, q, k, v, h0, G, xs, do, dht, hs, dh, dh0, table, co
 
 
 def _wy(table, TT: int, H: int, K: int, C: int, dev) -> tuple:
-    """beta [TT, H], Tm and Aqk [NC, H, C, C], w [TT, H, K]: what the prep kernel stores."""
+    """beta [TT, H], Tm and Aqk [NC, H, C, C], w [TT, H, K], P [NC, H, C, C]: what the prep kernel stores."""
     return (_empty(TT, H, device=dev), _empty(table.n_chunks, H, C, C, device=dev),
-            _empty(table.n_chunks, H, C, C, device=dev), _empty(TT, H, K, device=dev))
+            _empty(table.n_chunks, H, C, C, device=dev), _empty(TT, H, K, device=dev),
+            _empty(table.n_chunks, H, C, C, device=dev))
 
 
 def _delta_fwd(mod, d, meta, q, k, v, G, wy, h0, o, ht, hs, table, scale, store_o, store_h, direct):
@@ -433,13 +441,14 @@ def _delta_fwd(mod, d, meta, q, k, v, G, wy, h0, o, ht, hs, table, scale, store_
 
 def _delta_backward(d, meta, q, k, v, h0, G, wy, xs, do, dht, hs, dh, dh0, table, constants, scale, direct):
     """Per-key decay with the delta correction (kernels_delta.py): the forward kept G and the prep kernel's beta,
-    Tm, Aqk and w; recompute the state entering every chunk (STORE_H), the reverse state-gradient pass, then the
-    per-chunk gradient kernel."""
+    Tm, Aqk, w and P; recompute the state entering every chunk (STORE_H), the reverse state-gradient pass, then
+    the two per-chunk gradient kernels (every key, then key blocks)."""
     mod = module(d)
     TT, H, K = q.shape
     V, dev = v.shape[-1], q.device
+    NC = table.n_chunks
     _delta_fwd(mod, d, meta, q, k, v, G, wy, h0, hs, hs, hs, table, scale, False, True, direct)
-    beta, tm, aqk, w = wy
+    beta, tm, aqk, w, _ = wy
     narrow = _narrow_16bit(meta, q)
     dh_meta = dict(meta, BV=16) if narrow else meta
     grid = (table.n_seq, H, triton.cdiv(V, dh_meta["BV"]))
@@ -449,23 +458,31 @@ def _delta_backward(d, meta, q, k, v, h0, G, wy, xs, do, dht, hs, dh, dh0, table
             dict(dh_meta, HAS_DHT=dht is not None, STORE_DH0=h0 is not None, num_warps=CONFIG["num_warps"],
                  num_stages=1), direct)   # 222 KB of shared memory pipelined at K = V = 128, C = 64 (_delta_fwd)
     dq, dk = _empty(TT, H, K, device=dev), _empty(TT, H, K, device=dev)
-    dv = _empty(TT, H, V, device=dev)
-    kinds = [d.inputs[n] for n in kernels_delta.hook_inputs(d)]
-    dxs = [torch.zeros(x.shape, device=dev) if kind == "head" else _empty(*x.shape, device=dev)   # atomics add
-           for x, kind in zip(xs, kinds)]
-    bwd = dict(meta, num_warps=CONFIG["num_warps"])
+    dv, u = _empty(TT, H, V, device=dev), _empty(TT, H, V, device=dev)
+    daqk, dp, dn2 = _empty(NC, H, meta["C"], meta["C"], device=dev), _empty(NC, H, meta["C"], meta["C"], device=dev), \
+        _empty(TT, H, device=dev)
+    names = kernels_delta.hook_inputs(d)
+    dxs = [torch.zeros(x.shape, device=dev) if kernels_delta.summed(d, n) else _empty(*x.shape, device=dev)
+           for x, n in zip(xs, names)]
+    hook = (*xs, *dxs, *constants)
+    # one stage: pipelined, its value loop asked for 248 KB of shared memory at K = V = 128, C = 64 (offline sm_90)
+    bwd_v = dict(meta, num_warps=CONFIG["num_warps"], num_stages=1)
     if narrow:
-        # BV = 16, one stage: _wide's BV >= C needs 278,528 B of shared memory here at K = V = 128, C = 64
-        # (offline sm_90 compile, Triton 3.6; the H200 has 232,448), and BV = 32 < C is the width Triton 3.6
-        # miscompiled in the plain backward; BV = 16 was right there (BENCHMARKS_HISTORY.md, "Session 10")
-        bwd.update(BV=16, num_stages=1)
+        # BV = 16, one stage: BV = 32 < C is the width Triton 3.6 miscompiled in the plain backward; BV = 16 was
+        # right there (BENCHMARKS_HISTORY.md, "Session 10")
+        bwd_v["BV"] = 16
     if _cuda_16bit(q):
-        # key tiles at least C wide (masked past K): at K = 32 (BK = 32 < C = 64) with bf16 inputs this kernel made
-        # an illegal memory access on an H100 under Triton 3.6; BK = C was right (BENCHMARKS_HISTORY.md, "Session 14")
-        bwd["BK"] = max(bwd["BK"], meta["C"])
-    _launch(getattr(mod, f"{d.name}_bwd"), (table.n_chunks, H),
-            (q, k, v, G, *wy, hs, dh, do, dq, dk, dv, table.chunk_tok, table.chunk_len, table.chunk_seq, *xs, *dxs,
-             *constants, scale, H), bwd, direct)
+        # key tiles at least C wide (masked past K): at K = 32 (BK = 32 < C = 64) with bf16 inputs the single backward
+        # kernel made an illegal memory access on an H100 under Triton 3.6; BK = C was right ("Session 14")
+        bwd_v["BK"] = max(bwd_v["BK"], meta["C"])
+    _launch(getattr(mod, f"{d.name}_bwd_v"), (NC, H),
+            (q, k, v, G, *wy, hs, dh, do, dv, u, daqk, dp, dn2, table.chunk_tok, table.chunk_len, table.chunk_seq,
+             *hook, scale, H), bwd_v, direct)
+    bwd, blocks = _per_chunk_meta(d, meta, q)
+    bwd.pop("SPLIT_K")
+    _launch(getattr(mod, f"{d.name}_bwd"), (NC, H, blocks),
+            (q, k, G, hs, dh, do, u, dv, daqk, dp, dn2, dq, dk, table.chunk_tok, table.chunk_len, table.chunk_seq,
+             *hook, scale, H), bwd, direct)
     return dq, dk, dv, dxs
 
 

@@ -371,14 +371,10 @@ def capture_linear(member: str, K: int, V: int, dtype: torch.dtype, T: int = 200
     with linear_ops.recording() as launches:
         o, _ = getattr(linear, member)(*ins, backend="triton", chunk_size=C)
         torch.autograd.grad(o.sum(), ins)
-    # the dots' precision a CUDA launch takes (ops._meta: the per-key delta kernels' fp32 dots run in tf32 there)
-    from scanlang.recipes.linear import members
-    decl = getattr(members, member.upper())
-    prec = linear_ops._meta(K, V, C, dtype, torch.device("cuda"), decl)["PREC"]
     out = []
-    for name, kernel, _grid, args, meta in launches:
+    for name, kernel, _grid, args, meta in launches:   # (the launch settings are CUDA's: ops._for_cuda)
         config = {key: meta.pop(key) for key in list(meta) if key in _OPTIONS}
-        out.append((name, kernel, args, dict(meta, UPCAST=False, **({"PREC": prec} if "PREC" in meta else {})), config))
+        out.append((name, kernel, args, dict(meta, UPCAST=False), config))
     return out
 
 
