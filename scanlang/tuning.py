@@ -68,6 +68,9 @@ class Tuning:
         (backends/linear, `{name}_fwd_o`, `{name}_bwd`; a power of two >= 16): the pairwise gradients
         hold about ten [C, BK] fp32 tiles. More than two blocks add their shares of o and dv in any
         order (last bits may differ between runs); torch.use_deterministic_algorithms(True) caps them at two.
+      linear_delta_key_block: the same for the per-key delta kernels' `{name}_bwd` (backends/linear/
+        kernels_delta.py), whose key blocks share no output but a per-token log-decay input's gradient:
+        32 spilled 604 B a thread there against 64's 2,384 (8 warps, bf16, K = V = 128; offline sm_90).
       chunk_single_pass: which passes of the chunk-parallel schedule run one kernel with a decoupled
         look-back (kernel/chunked_lookback.py, each input read once) instead of three
         (kernel/chunked.py): "auto" (the default: the forward of a monoid of up to 2 fields), "forward",
@@ -99,6 +102,7 @@ class Tuning:
     decode_max_tokens: int = 64
     linear_forward: str = "auto"
     linear_key_block: int = 64
+    linear_delta_key_block: int = 32
     chunk_single_pass: str = "auto"
     chunk_lookback: int = 32
     delta_save_wu: bool = True
@@ -133,9 +137,10 @@ class Tuning:
                              f"got {self.chunk_single_pass!r}")
         if self.linear_forward not in ("auto", "fused", "split"):
             raise ValueError(f"linear_forward: expected 'auto', 'fused' or 'split', got {self.linear_forward!r}")
-        if isinstance(self.linear_key_block, bool) or not isinstance(self.linear_key_block, int) \
-                or self.linear_key_block < 16 or self.linear_key_block & (self.linear_key_block - 1):
-            raise ValueError(f"linear_key_block: expected a power of two >= 16, got {self.linear_key_block!r}")
+        for name in ("linear_key_block", "linear_delta_key_block"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 16 or value & (value - 1):
+                raise ValueError(f"{name}: expected a power of two >= 16, got {value!r}")
         if isinstance(self.chunk_lookback, bool) or not isinstance(self.chunk_lookback, int) \
                 or self.chunk_lookback < 1 or self.chunk_lookback & (self.chunk_lookback - 1):
             raise ValueError(f"chunk_lookback: expected a power of two >= 1, got {self.chunk_lookback!r}")

@@ -132,3 +132,21 @@ def test_kda_on_gpu_against_float64(T, K, V, C, dtype, monkeypatch):
         S = torch.exp(g[t])[:, None] * S
         S = S + beta[t] * torch.outer(k[t], v[t] - S.T @ k[t])
     assert_close(got[1][1, 2], S, "delta_out", dtype, "kda S row (1, 2) vs the loop")
+
+
+def test_kda_on_gpu_with_cu_seqlens(monkeypatch):
+    """KDA on packed sequences of lengths 65, 0, 1 and 130 (C = 64) equals the sequences run one at a time."""
+    monkeypatch.setattr(kernels_delta, "CUDA_VERIFIED", True)
+    lens = (65, 0, 1, 130)
+    ins, _ = inputs("gla", 1, sum(lens), 2, 64, 64, torch.bfloat16)
+    ins[1] = torch.nn.functional.normalize(ins[1].float(), dim=-1).to(torch.bfloat16)
+    ins.append(torch.rand(1, sum(lens), 2, device="cuda").to(torch.bfloat16))   # beta
+    h0 = torch.randn(len(lens), 2, 64, 64, device="cuda")
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], device="cuda")
+    o, S = linear.kda(*ins, initial_state=h0, output_final_state=True, cu_seqlens=cu, backend="triton", chunk_size=64)
+    for n, (s, e) in enumerate(zip(cu.tolist(), cu.tolist()[1:])):
+        part = [x[:, s:e].double() for x in ins]
+        o_n, S_n = linear.kda(*part, initial_state=h0[n:n + 1].double(), output_final_state=True, backend="reference")
+        if e > s:
+            assert_close(o[:, s:e], o_n, "delta_out", torch.bfloat16, f"kda o of sequence {n}")
+        assert_close(S[n:n + 1], S_n, "delta_out", torch.bfloat16, f"kda S of sequence {n}")

@@ -129,7 +129,7 @@ def _kaczmarz(T, eps, zero_rows=(), seed=0, cu=None, Kn=K, key_block=64):
         k[0, r] = 0.0
     a, b = torch.randn(1, T, H, Kn, generator=gen, dtype=D64), torch.randn(1, T, H, generator=gen, dtype=D64)
     x = [t.float().requires_grad_() for t in (q, k, v, a, b)]
-    with tuning.override(linear_key_block=key_block):
+    with tuning.override(linear_delta_key_block=key_block):
         o, S = KACZMARZ_KDA_OP(*x, output_final_state=True, backend="triton", chunk_size=C, eps=eps,
                                cu_seqlens=None if cu is None else torch.tensor(cu))
         do = torch.randn(o.shape, generator=gen, dtype=D64)
@@ -172,7 +172,7 @@ def test_an_input_read_by_both_hooks_and_a_per_head_parameter_in_beta(Kn, key_bl
     a, b = torch.randn(1, T, H, Kn, generator=gen, dtype=D64), torch.randn(1, T, H, generator=gen, dtype=D64)
     w, h0 = torch.randn(H, generator=gen, dtype=D64), torch.randn(1, H, Kn, V, generator=gen, dtype=D64)
     x = [t.float().requires_grad_() for t in (q, k, v, a, b, w, h0)]
-    with tuning.override(linear_key_block=key_block):
+    with tuning.override(linear_delta_key_block=key_block):
         o, S = SHARED_OP(*x[:6], initial_state=x[6], output_final_state=True, backend="triton", chunk_size=C, c=0.7)
         do = torch.randn(o.shape, generator=gen, dtype=D64)
         got = torch.autograd.grad((o * do.float()).sum() + S.sum(), x)

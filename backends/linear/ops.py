@@ -53,6 +53,9 @@ from . import decode, kernels, kernels_delta
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MODULES: dict[str, object] = {}        # declaration key -> the loaded generated module
 CONFIG = dict(BV=32, num_warps=4)      # value columns per program (clamped to the padded V)
+# the per-key delta prep kernel's warps: at 4 it spilled 1,504 B a thread, at 8 48 B (bf16, K = V = 128, C = 64;
+# offline sm_90, Triton 3.6)
+PREP_WARPS = 8
 DECODE_CONFIG = dict(BV=32, num_warps=4)   # the decode kernel's value columns per program (clamped likewise)
 DECODE_MODULES: dict[str, object] = {}     # declaration key -> the loaded decode module
 
@@ -209,7 +212,7 @@ def _forward(d: MatrixState, q, k, v, h0, xs, table, constants, scale: float, C:
         _launch(getattr(mod, f"{d.name}_prep"), (table.n_chunks, H),
                 (q, k, *xs, G, *wy, table.chunk_tok, table.chunk_len, *constants, H),
                 dict(K=meta["K"], BK=meta["BK"], C=C, BS=meta["BS"], PREC=meta["PREC"], UPCAST=meta["UPCAST"],
-                     num_warps=CONFIG["num_warps"]), direct)
+                     num_warps=PREP_WARPS), direct)
         _delta_fwd(mod, d, meta, q, k, v, G, wy, h0, o, ht, ht, table, scale, True, False, direct)
         return [o, ht, G, *wy]
     G = None
@@ -344,7 +347,7 @@ def _split_forward(d: MatrixState) -> bool:
 def _per_chunk_meta(d: MatrixState, meta: dict, q: torch.Tensor) -> tuple[dict, int]:
     """(launch meta, key blocks) of the plain-write per-chunk kernels (`{name}_fwd_o`, `{name}_bwd`): `_wide`'s
     BV >= C with one stage for 16-bit CUDA inputs, `_warps`, and for per-key decay key blocks of
-    tuning.linear_key_block columns, each its own program (kernels.py `_key_block`; SPLIT_K when there are
+    tuning.linear_key_block columns (linear_delta_key_block for the per-key delta backward), each its own program (kernels.py `_key_block`; SPLIT_K when there are
     several). At BK = 128 the backward's pairwise gradients spilled 3.3 KB a thread at 8 warps (offline sm_90,
     Triton 3.6); the split backward ran 40% faster on an H100 (BENCHMARKS_HISTORY.md, "Session 14"). The
     blocks' shares of o, dv and the per-token hook inputs' gradients meet in atomic adds: with two blocks
@@ -354,7 +357,8 @@ def _per_chunk_meta(d: MatrixState, meta: dict, q: torch.Tensor) -> tuple[dict, 
     out = dict(wide, num_warps=_warps(d), **({"num_stages": 1} if wide is not meta else {}))
     if d.decay != "per_key":
         return out, 1
-    BK = min(out["BK"], tuning.current().linear_key_block)
+    knobs = tuning.current()
+    BK = min(out["BK"], knobs.linear_delta_key_block if kernels_delta.supports(d) else knobs.linear_key_block)
     if torch.are_deterministic_algorithms_enabled():   # two shares add to the same bits in either order, more need not
         BK = max(BK, min(out["BK"], triton.next_power_of_2(triton.cdiv(q.shape[-1], 2))))
     blocks = triton.cdiv(q.shape[-1], BK)

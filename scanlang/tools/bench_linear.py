@@ -3,6 +3,7 @@ reference in the same run.
 
     python -m scanlang.tools.bench_linear [--B 8] [--T 4096] [--H 16] [--K 128] [--V 128] [--chunk 64]
                                           [--members a,b] [--forward auto|fused|split] [--key-block 64]
+                                          [--delta-key-block 32]
                                           [--breakdown]
 
 Per member (linear_attention, simple_gla, gla and kda on backends/linear; gated_delta_product with n = 2
@@ -196,12 +197,15 @@ def main(argv=None) -> int:
     p.add_argument("--forward", default="auto", choices=("auto", "fused", "split"),
                    help="the plain-write forward (tuning.linear_forward)")
     p.add_argument("--key-block", type=int, default=64, help="tuning.linear_key_block (per-key backward)")
+    p.add_argument("--delta-key-block", type=int, default=32,
+                   help="tuning.linear_delta_key_block (the per-key delta backward: kda)")
     p.add_argument("--breakdown", action="store_true", help="also time each kernel of one forward+backward")
     a = p.parse_args(argv)
     # kda's chunk kernels are refused on CUDA until checked on a GPU (kernels_delta.CUDA_VERIFIED): this run checks
     # every member against float64 before timing it, so it lets them run
     kernels_delta.CUDA_VERIFIED = True
-    with tuning.override(linear_forward=a.forward, linear_key_block=a.key_block):
+    with tuning.override(linear_forward=a.forward, linear_key_block=a.key_block,
+                         linear_delta_key_block=a.delta_key_block):
         return _run(a)
 
 
@@ -212,7 +216,8 @@ def _run(a) -> int:
     device = torch.device(a.device)
     gpu = torch.cuda.get_device_name() if device.type == "cuda" else "cpu (Triton interpreter)"
     print(f"{gpu}, torch {torch.__version__}, Triton {triton.__version__}; "
-          f"bf16 B{a.B} T{a.T} H{a.H} K{a.K} V{a.V} C{a.chunk}; forward {a.forward}, key block {a.key_block}")
+          f"bf16 B{a.B} T{a.T} H{a.H} K{a.K} V{a.V} C{a.chunk}; forward {a.forward}, key block {a.key_block}, "
+          f"delta key block {a.delta_key_block}")
     failures = []
     for member in a.members.split(","):
         try:
