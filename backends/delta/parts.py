@@ -267,7 +267,14 @@ def helpers_before_prep(hooks: Hooks = Hooks()) -> list[K.Kernel]:
                 [ret("x.to(dtype)")])])], """
         x in `dtype`. With `emulate` (Triton's CPU interpreter, which truncates fp32 -> bf16), bf16 is
         rounded to nearest even by hand, as the GPU does.""")
-    inv = jit("inv_unit_lower_blocks", "A, C:, PRECISION:", [
+    return [*([step_beta(hooks)] if hooks.guard else []), mm_, finite, finite_or_zero, nan_from, chunk_tokens,
+            state_offsets, initial_state, rnd_, inv_unit_lower_blocks()]
+
+
+def inv_unit_lower_blocks() -> K.Kernel:
+    """The helper kernel `inv_unit_lower_blocks(A, C, PRECISION)` (the delta-rule prep kernels' and the per-key
+    delta prep kernel's, backends/linear/kernels_delta.py)."""
+    return jit("inv_unit_lower_blocks", "A, C:, PRECISION:", [
         const("NB", "C // 16"),
         K.assign("rows", "tl.arange(0, C)"),
         K.assign("same", "(rows[:, None] // 16) == (rows[None, :] // 16)"),
@@ -285,5 +292,3 @@ def helpers_before_prep(hooks: Hooks = Hooks()) -> list[K.Kernel]:
         operand split into two tf32 parts, three tensor-core products: about fp32's accuracy) on tensor cores,
         which for half inputs' prep halves the shared-memory traffic and cuts 219 registers to 161 (Triton 3.6,
         sm_90a, K = 128).""")
-    return [*([step_beta(hooks)] if hooks.guard else []), mm_, finite, finite_or_zero, nan_from, chunk_tokens,
-            state_offsets, initial_state, rnd_, inv]

@@ -108,7 +108,8 @@ def pairwise_kernels(loaded: bool = True) -> list[K.Kernel]:
     q_i) out of the register tiles (a cross-row reduction or a reshape each: shared-memory round trips
     and barriers), `*_loaded` load them from the tensors the tiles came from (L1), given q_ptr (the
     gradients), k_ptr, G_ptr and the chunk's tok, h, H, kk, okk, n_rows, G_last (kernels.py's kernels,
-    which have them; the per-key delta kernels form G in the kernel that uses it, so they pick)."""
+    which have them, and the per-key delta backward, which loads the G its prep kernel stored; that prep
+    kernel forms G itself, so it picks)."""
     return [*_block_kernels(), _qk(False), _grads(False), *((_qk(True), _grads(True)) if loaded else ())]
 
 

@@ -46,6 +46,7 @@ from __future__ import annotations
 from scanlang import expr as E
 from scanlang.linear import KEY_NORM, MatrixState
 
+from ..delta.parts import inv_unit_lower_blocks
 from ..triton.kernel import common
 from ..triton.kernel import ir as K
 from ..triton.kernel.printer import render as print_module
@@ -62,13 +63,6 @@ WY = ["wy_beta_ptr", "wy_tm_ptr", "wy_aqk_ptr", "wy_w_ptr", "wy_p_ptr"]   # what
 def dot32(x: str, y: str) -> str:
     """x @ y of fp32 operands (Tm, w, U and their gradients): no rounding to the input dtype."""
     return f"mm({x}, {y}, tl.float32, PREC, UPCAST)"
-
-
-# Whether these kernels have been checked against float64 on a GPU: until then `ops.run` refuses them for
-# CUDA tensors with a ValueError rather than risk a wrong answer (Triton 3.6 on sm_90 miscompiled the plain
-# chunk kernels at some tile widths, BENCHMARKS_HISTORY.md "Session 10"). The GPU tests
-# (tests/test_linear_family_gpu.py) set it to run them; set it True once they pass.
-CUDA_VERIFIED = False
 
 
 def supports(decl: MatrixState) -> bool:
@@ -134,14 +128,29 @@ def _load_cc(target: str, ptr: str) -> K.Assign:
     return K.assign(target, f"tl.load({ptr} + {CC_OFF})")
 
 
+def inverse_kernel() -> K.Kernel:
+    """`inverse_unit_lower(A, C, PRECISION)`: (I + A)^-1 for a strictly lower [C, C] A in fp32 products."""
+    return K.Kernel("inverse_unit_lower", (K.Param("A"), K.Param("C", constexpr=True), K.Param("PRECISION", constexpr=True)), (
+        K.assign("rows", "tl.arange(0, C)"),
+        K.assign("Tm", "inv_unit_lower_blocks(A, C, PRECISION)"),
+        K.assign("N", "-tl.dot(Tm, tl.where((rows[:, None] // 16) > (rows[None, :] // 16), A, 0.0), "
+                      "input_precision=PRECISION)"),
+        K.For("j", None, K.expr("8"), (K.If(K.expr("(C // 16) >> j > 1"), (
+            K.assign("Tm", "Tm + tl.dot(N, Tm, input_precision=PRECISION)"),
+            K.assign("N", "tl.dot(N, N, input_precision=PRECISION)"))),), static=True),
+        K.Return((K.expr("Tm"),))),
+        doc="(I + A)^-1 for a strictly lower [C, C] A (C / 16 <= 256 blocks of 16 rows): with Ad the 16x16 diagonal "
+            "blocks, Ao the rest and Td = (I + Ad)^-1 (inv_unit_lower_blocks), I + A = (I + Ad)(I - N) for N = -Td Ao, "
+            "strictly block-lower, N^(C/16) = 0, so (I + A)^-1 = (I + N)(I + N^2)(I + N^4)... Td: log2(C/16) steps of "
+            "two [C, C] products (the factors commute), in place of C dependent row steps. PRECISION: 'ieee' (FMA) or "
+            "'tf32x3' (tensor cores, about fp32's accuracy).")
+
+
 def prep_kernel(decl: MatrixState) -> K.Kernel:
     ins = [f"{n}_ptr" for n in hook_inputs(decl)]
     consts = [f"c_{c}" for c in decl.constants]
     params = _params(["q_ptr", "k_ptr", *ins, "G_ptr", *WY, "chunk_tok_ptr", "chunk_len_ptr", *consts, "H"],
                      ("K", "BK", "C", "BS", "PREC", "UPCAST"))
-    solve = (K.assign("a_i", "tl.sum(tl.where(rows[:, None] == i, A, 0.0), 0)"),
-             K.assign("r", "tl.sum(a_i[:, None] * Tm, 0)"),
-             K.assign("Tm", "tl.where(rows[:, None] == i, tl.where(cols == i, 1.0, 0.0) - r[None, :], Tm)"))
     body = (K.assign("c", "tl.program_id(0)"), K.assign("h", "tl.program_id(1)"), *_axes(False),
             K.assign("cols", "tl.arange(0, C)[None, :]"), *_origin_comments(decl), *_chunk(),
             load("b_q", "q_ptr", QK_OFF, QK_MASK), load("b_k", "k_ptr", QK_OFF, QK_MASK),
@@ -154,11 +163,13 @@ def prep_kernel(decl: MatrixState) -> K.Kernel:
             *_beta(decl),
             K.Store(K.expr(f"wy_beta_ptr + {TOK_OFF}"), K.expr("beta"), K.expr("ok")),
             *_first_bad(False),
-            K.Comment("Tm = (I + A)^-1 by forward substitution, row i from the rows before it"),
             *_strict_kk(), K.Store(K.expr(f"wy_p_ptr + {CC_OFF}"), K.expr("P"), None),
-            K.assign("A", f"tl.where({STRICT}, beta[:, None] * P, 0.0)"),
-            K.assign("Tm", "tl.where(rows[:, None] == cols, 1.0, 0.0)"),
-            K.For("i", K.expr("1"), K.expr("C"), solve),
+            K.Comment("Tm = (I + A)^-1 (inverse_unit_lower), A's rows from the first non-finite one on as 0, Tm's NaN"),
+            K.Comment("there (row i of the inverse depends on A's rows <= i only; the products would carry 0 * NaN up)"),
+            K.assign("A", f"tl.where(({STRICT}) & (rows[:, None] < first_bad), beta[:, None] * P, 0.0)"),
+            K.If(K.expr("PREC == 'ieee'"), (K.assign("Tm", "inverse_unit_lower(A, C, 'ieee')"),),
+                 (K.assign("Tm", "inverse_unit_lower(A, C, 'tf32x3')"),)),
+            K.assign("Tm", "tl.where(rows[:, None] < first_bad, Tm, float('nan'))"),
             K.Store(K.expr(f"wy_tm_ptr + {CC_OFF}"), K.expr("Tm"), None),
             *_causal_dot("w", "Tm", "beta[:, None] * b_k * tl.exp(b_G)"),
             K.Store(K.expr(f"wy_w_ptr + {QK_OFF}"), K.expr("w"), K.expr(QK_MASK)),
@@ -337,8 +348,11 @@ def bwd_kernel(decl: MatrixState) -> K.Kernel:
             *zeros(("dq_inter", "C, BK"), ("dk_state", "C, BK"), ("dk_dec", "C, BK"), ("dG_S0", "BK")),
             K.For("vb", K.expr("0"), K.expr("tl.cdiv(V, BV)"), vloop),
             _load_cc("dAqk", "daqk_ptr"), _load_cc("dP", "dp_ptr"),
-            K.assign("X, Y, Z", "pairwise_grads(dAqk, b_q, b_k, b_G, k_end * dk_state, C, BS, BK, DT, PREC, UPCAST)"),
-            K.assign("X2, Y2, Z2", "pairwise_grads(dP, b_k, b_k, b_G, tl.zeros_like(b_k), C, BS, BK, DT, PREC, UPCAST)"),
+            K.Comment("the pairwise gradients load the rows they broadcast (G as the prep kernel stored it)"),
+            K.assign("X, Y, Z", "pairwise_grads_loaded(dAqk, b_q, b_k, b_G, k_end * dk_state, q_ptr, k_ptr, G_ptr, tok, h, "
+                                "H, kk, okk, n_rows, G_last, K, C, BS, BK, DT, PREC, UPCAST)"),
+            K.assign("X2, Y2, Z2", "pairwise_grads_loaded(dP, b_k, b_k, b_G, tl.zeros_like(b_k), k_ptr, k_ptr, G_ptr, tok, "
+                                   "h, H, kk, okk, n_rows, G_last, K, C, BS, BK, DT, PREC, UPCAST)"),
             K.assign("dq_s0", "scale * tl.exp(b_G) * dq_inter"),
             K.assign("dk", "Y + X2 + Y2 + tl.exp(G_last[None, :] - b_G) * dk_state + tl.exp(b_G) * dk_dec"),
             K.Comment("dg_t: the direct terms of rows >= t, the pairs j < t <= i, e^(G_L) rowsum(S0 dS_end)"),
@@ -359,7 +373,7 @@ def module(decl: MatrixState) -> K.Module:
     if not supports(decl):
         raise ValueError(f"declaration: matrix state {decl.name!r} (decay {decl.decay}, correction {decl.correction}, "
                          f"{decl.steps} step(s)) is not the per-key delta structure these kernels cover")
-    kernels = helper_kernels(loaded=False) + [prep_kernel(decl), fwd_kernel(decl), bwd_dh_kernel(decl),
+    kernels = helper_kernels() + [inv_unit_lower_blocks(), inverse_kernel(), prep_kernel(decl), fwd_kernel(decl), bwd_dh_kernel(decl),
                                               bwd_v_kernel(decl), bwd_kernel(decl)]
     doc = (f"Generated by scanlang from matrix state {E.docstring_text(decl.name)} (declaration {decl.key}): "
            f"decay per_key, delta correction (backends/linear/kernels_delta.py). Do not edit.")

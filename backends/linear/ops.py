@@ -618,12 +618,6 @@ def run(decl: MatrixState, q, k, v, *xs, scale: float, initial_state, output_fin
                          f"per-key decay so far (the recurrent decode kernel "
                          f"runs every structure, forward only, for sequences of at most decode_max_tokens "
                          f"tokens); use backend='reference'")
-    if wy and q.device.type == "cuda" and not kernels_delta.CUDA_VERIFIED:
-        raise ValueError(f"backend='triton': the chunk kernels of matrix state {decl.name!r} (per-key decay with the "
-                         f"delta correction, backends/linear/kernels_delta.py) have not been checked on a GPU yet "
-                         f"(only in Triton's interpreter); use backend='reference' on CUDA (the decode kernel runs "
-                         f"sequences of at most decode_max_tokens = {tuning.current().decode_max_tokens} tokens "
-                         f"without gradients)")
     V, dev = v.shape[-1], q.device
     dt = torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype)
     table = chunk_table(B, T, offsets, chunk_size, dev)

@@ -30,7 +30,6 @@ import triton
 import triton.testing
 
 from scanlang import tuning
-from scanlang.backends.linear import kernels_delta
 from scanlang.recipes import linear
 from scanlang.testing import check as check_close
 from scanlang.tools.timing import gpu_ms, kernel_ms
@@ -201,9 +200,6 @@ def main(argv=None) -> int:
                    help="tuning.linear_delta_key_block (the per-key delta backward: kda)")
     p.add_argument("--breakdown", action="store_true", help="also time each kernel of one forward+backward")
     a = p.parse_args(argv)
-    # kda's chunk kernels are refused on CUDA until checked on a GPU (kernels_delta.CUDA_VERIFIED): this run checks
-    # every member against float64 before timing it, so it lets them run
-    kernels_delta.CUDA_VERIFIED = True
     with tuning.override(linear_forward=a.forward, linear_key_block=a.key_block,
                          linear_delta_key_block=a.delta_key_block):
         return _run(a)
