@@ -378,6 +378,14 @@ def _fwd(mod, d, meta, q, k, v, G, h0, o, ht, hs, table, scale, store_o, store_f
                              num_warps=CONFIG["num_warps"]), direct)
 
 
+def _grad_dtype(q: torch.Tensor) -> torch.dtype:
+    """The dtype the per-chunk backward kernels store dq, dk (and, with no key blocks adding up, dv) in: the
+    inputs' own on CUDA (the store rounds to nearest, as the cast after it did: three fp32 -> bf16 casts took
+    0.40 ms of linear attention's 2.66 ms forward+backward on an H100, BENCHMARKS_HISTORY.md "Session 18"),
+    fp32 in Triton's interpreter, whose fp32 -> bf16 conversion truncates."""
+    return q.dtype if _for_cuda(q.device) else torch.float32
+
+
 def _backward_buffers(table, q, v, h0, do, dht, states=torch.float32):
     """(do fp32 (zeros when None), dht fp32 or None, hs: the state entering every chunk (slot c + n; filled by
     the caller's recomputation), dh: dS_end per chunk (both of dtype `states`), dh0: d(initial state) (fp32),
@@ -404,15 +412,16 @@ def _plain_backward(d, meta, q, k, v, h0, G, xs, do, dht, hs, dh, dh0, table, co
             (q, *g, do, dht if dht is not None else dh, dh, dh0, table.chunk_tok, table.chunk_len, table.seq_chunk0,
              scale, H), dict(meta, HAS_DHT=dht is not None, STORE_DH0=h0 is not None, num_warps=CONFIG["num_warps"]),
             direct)
-    dq, dk = _empty(TT, H, K, device=dev), _empty(TT, H, K, device=dev)
-    dv = _empty(TT, H, V, device=dev)
+    bwd, blocks = _per_chunk_meta(d, meta, q)
+    gdt = _grad_dtype(q)
+    dq, dk = _empty(TT, H, K, device=dev, dtype=gdt), _empty(TT, H, K, device=dev, dtype=gdt)
+    dv = _empty(TT, H, V, device=dev, dtype=gdt if blocks == 1 else torch.float32)   # key blocks add up in fp32
     kinds = [d.inputs[n] for n in d.used(d.log_decay) if n in d.inputs] if d.decay != "none" else []
     summed = ("head", "token") if d.decay == "per_key" else ("head",)   # atomics add into them
     dxs = [torch.zeros(x.shape, device=dev) if kind in summed else _empty(*x.shape, device=dev)
            for x, kind in zip(xs, kinds)]
     hook = [*xs, *dxs, *constants] if d.decay != "none" else []
     if table.n_chunks:
-        bwd, blocks = _per_chunk_meta(d, meta, q)
         if blocks > 1:
             dv.zero_()   # the key blocks' shares add up in it
         _launch(getattr(mod, f"{d.name}_bwd"), (table.n_chunks, H, blocks),
@@ -461,8 +470,9 @@ def _delta_backward(d, meta, q, k, v, h0, G, wy, xs, do, dht, hs, dh, dh0, table
              table.seq_chunk0, scale, H),
             dict(dh_meta, HAS_DHT=dht is not None, STORE_DH0=h0 is not None, num_warps=CONFIG["num_warps"],
                  num_stages=1), direct)   # 222 KB of shared memory pipelined at K = V = 128, C = 64 (_delta_fwd)
-    dq, dk = _empty(TT, H, K, device=dev), _empty(TT, H, K, device=dev)
-    dv, u = _empty(TT, H, V, device=dev), _empty(TT, H, V, device=dev)
+    gdt = _grad_dtype(q)
+    dq, dk = _empty(TT, H, K, device=dev, dtype=gdt), _empty(TT, H, K, device=dev, dtype=gdt)
+    dv, u = _empty(TT, H, V, device=dev), _empty(TT, H, V, device=dev)   # dv fp32: `{name}_bwd` reads it back
     daqk, dp, dn2 = _empty(NC, H, meta["C"], meta["C"], device=dev), _empty(NC, H, meta["C"], meta["C"], device=dev), \
         _empty(TT, H, device=dev)
     names = kernels_delta.hook_inputs(d)
