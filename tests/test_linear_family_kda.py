@@ -211,3 +211,21 @@ def test_routing_and_sources():
         kernels_delta.module(L.gla.declaration)
     decl = L.gated_delta_product_declaration(2)
     assert "chunk" not in ops.sources(decl)
+
+
+def test_deterministic_algorithms_and_the_key_blocks():
+    """The per-key delta backward's key blocks add a per-token log-decay input's gradient atomically: with beta's
+    share already in it (SHARED's b), one block under torch.use_deterministic_algorithms(True), else at most two."""
+    q = torch.empty(1, 1, 40)
+    meta = ops._meta(40, 8, C, torch.float32, q.device, SHARED)
+    before = torch.are_deterministic_algorithms_enabled()
+    with tuning.override(linear_delta_key_block=16):
+        assert ops._per_chunk_meta(SHARED, meta, q)[1] == 3
+        torch.use_deterministic_algorithms(True)
+        try:
+            shared, kda = ops._per_chunk_meta(SHARED, meta, q)[1], ops._per_chunk_meta(L.kda.declaration, meta, q)[1]
+        finally:
+            torch.use_deterministic_algorithms(before)
+    assert kernels_delta.beta_adds_first(SHARED) and not kernels_delta.beta_adds_first(L.kda.declaration)
+    assert (shared, kda) == (1, 2)
+

@@ -240,6 +240,13 @@ def summed(decl: MatrixState, n: str) -> bool:
     return decl.inputs[n] == "head" or (decl.inputs[n] == "token" and n in decl.used(decl.log_decay))
 
 
+def beta_adds_first(decl: MatrixState) -> bool:
+    """Whether a per-token input's gradient gets beta's share (`{name}_bwd_v`) before the key blocks add theirs: then
+    more than one key block adds three or more terms, whose fp32 sum depends on their order."""
+    beta_inputs = set(decl.used(decl.beta))
+    return any(decl.inputs[n] == "token" and summed(decl, n) and n in beta_inputs for n in hook_inputs(decl))
+
+
 def _beta_input_grads(decl: MatrixState) -> tuple:
     """beta's part of d(input) for its hook's inputs (dbeta times the hook's sympy derivative), and with the
     key norm n2 the coefficient of k in dk's part through n2 (2 dbeta dbeta/dn2, stored for `{name}_bwd`)."""

@@ -53,8 +53,8 @@ from . import decode, kernels, kernels_delta
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MODULES: dict[str, object] = {}        # declaration key -> the loaded generated module
 CONFIG = dict(BV=32, num_warps=4)      # value columns per program (clamped to the padded V)
-# the per-key delta prep kernel's warps: at 4 it spilled 1,504 B a thread, at 8 48 B (bf16, K = V = 128, C = 64;
-# offline sm_90, Triton 3.6)
+# the per-key delta prep kernel's warps: with forward substitution it spilled 1,504 B a thread at 4, 48 B at 8; with
+# the blocked inverse 504 B at 8 (bf16, K = V = 128, C = 64; offline sm_90, Triton 3.6)
 PREP_WARPS = 8
 DECODE_CONFIG = dict(BV=32, num_warps=4)   # the decode kernel's value columns per program (clamped likewise)
 DECODE_MODULES: dict[str, object] = {}     # declaration key -> the loaded decode module
@@ -201,7 +201,7 @@ class _Table:
 
 def _forward(d: MatrixState, q, k, v, h0, xs, table, constants, scale: float, C: int, direct: bool) -> list:
     """[o [TT,H,V], final state [N,H,K,V], then what the backward keeps: G (with decay), and for the per-key
-    delta correction beta, Tm, Aqk, w] (fp32)."""
+    delta correction beta, Tm, Aqk, w, P] (fp32)."""
     mod, meta = module(d), _meta(q.shape[-1], v.shape[-1], C, q.dtype, q.device, d)
     TT, H, _ = q.shape
     V, dev = v.shape[-1], q.device
@@ -238,7 +238,8 @@ def _forward(d: MatrixState, q, k, v, h0, xs, table, constants, scale: float, C:
 
 def _backward(d: MatrixState, q, k, v, h0, xs, saved, do, dht, table, constants, scale: float, C: int,
               direct: bool) -> list:
-    """[dq, dk, dv (fp32), d(initial state) (empty without one), d(hook inputs) (fp32)]."""
+    """[dq, dk, dv (fp32, or the inputs' dtype on CUDA: `_grad_dtype`), d(initial state) (empty without one),
+    d(hook inputs) (fp32)]."""
     meta = _meta(q.shape[-1], v.shape[-1], C, q.dtype, q.device, d)
     # plain writes keep the chunk states and their gradients in the input dtype (every product that reads
     # them rounds its operands to it; the decay gradient's rowsum(S0 * dS_end) reads them rounded too)
@@ -347,8 +348,8 @@ def _split_forward(d: MatrixState) -> bool:
 def _per_chunk_meta(d: MatrixState, meta: dict, q: torch.Tensor) -> tuple[dict, int]:
     """(launch meta, key blocks) of the plain-write per-chunk kernels (`{name}_fwd_o`, `{name}_bwd`): `_wide`'s
     BV >= C with one stage for 16-bit CUDA inputs, `_warps`, and for per-key decay key blocks of
-    tuning.linear_key_block columns (linear_delta_key_block for the per-key delta backward), each its own program (kernels.py `_key_block`; SPLIT_K when there are
-    several). At BK = 128 the backward's pairwise gradients spilled 3.3 KB a thread at 8 warps (offline sm_90,
+    tuning.linear_key_block columns (linear_delta_key_block for the per-key delta backward), each its own
+    program (kernels.py `_key_block`; SPLIT_K when there are several). At BK = 128 the backward's pairwise gradients spilled 3.3 KB a thread at 8 warps (offline sm_90,
     Triton 3.6); the split backward ran 40% faster on an H100 (BENCHMARKS_HISTORY.md, "Session 14"). The
     blocks' shares of o, dv and the per-token hook inputs' gradients meet in atomic adds: with two blocks
     the result has the same bits in either order, with more it can differ in the last bits between runs,
@@ -360,7 +361,9 @@ def _per_chunk_meta(d: MatrixState, meta: dict, q: torch.Tensor) -> tuple[dict, 
     knobs = tuning.current()
     BK = min(out["BK"], knobs.linear_delta_key_block if kernels_delta.supports(d) else knobs.linear_key_block)
     if torch.are_deterministic_algorithms_enabled():   # two shares add to the same bits in either order, more need not
-        BK = max(BK, min(out["BK"], triton.next_power_of_2(triton.cdiv(q.shape[-1], 2))))
+        # (one, where a per-token input's gradient already holds beta's share: kernels_delta.summed)
+        shares = 1 if kernels_delta.supports(d) and kernels_delta.beta_adds_first(d) else 2
+        BK = max(BK, min(out["BK"], triton.next_power_of_2(triton.cdiv(q.shape[-1], shares))))
     blocks = triton.cdiv(q.shape[-1], BK)
     return dict(out, BK=BK, SPLIT_K=blocks > 1), blocks
 
