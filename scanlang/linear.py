@@ -57,8 +57,9 @@ RESERVED = ("q", "k", "v", KEY_NORM, "scale", "initial_state", "output_final_sta
 # kernels_delta.py) for those `has_chunk_kernels` names (the delta-rule kernels never see these names).
 # tests/test_linear_family.py derives both sets from the rendered modules and checks they are exactly these.
 DECODE_NAMES = ("cu", "h0", "ht", "k", "o", "q", "v")
-CHUNK_NAMES = ("G", "chunk_len", "chunk_seq", "chunk_tok", "dh", "dh0", "dht", "dk", "do", "dq", "dv", "h",
-               "h0", "hs", "ht", "k", "o", "q", "seq_chunk0", "v", "wy_aqk", "wy_beta", "wy_tm", "wy_w")
+CHUNK_NAMES = ("G", "bw_U", "bw_daqk", "bw_dn2", "bw_dp", "chunk_len", "chunk_seq", "chunk_tok", "dh", "dh0", "dht", "dk",
+               "do", "dq", "dv", "fw_U", "h", "h0", "hs", "ht", "k", "o", "q", "seq_chunk0", "v", "wy_aqk", "wy_beta",
+               "wy_p", "wy_tm", "wy_u", "wy_w")
 _PROOFS: "dict[tuple, str]" = {}   # (decay, correction, steps) -> report: the proof depends on the structure only
 
 

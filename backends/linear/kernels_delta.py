@@ -57,7 +57,7 @@ from .kernels import (INF, QK_MASK, QK_OFF, S_MASK, SHAPE_CONSTS, V_MASK, V_OFF,
 CC_OFF = "(c * H + h).to(tl.int64) * C * C + rows[:, None] * C + cols"
 TOK_OFF = "(tok + rows) * H + h"
 STRICT = "rows[:, None] > cols"
-WY = ["wy_beta_ptr", "wy_tm_ptr", "wy_aqk_ptr", "wy_w_ptr", "wy_p_ptr"]   # what the prep kernel stores: beta, Tm, Aqk, w, P
+WY = ["wy_beta_ptr", "wy_tm_ptr", "wy_aqk_ptr", "wy_w_ptr", "wy_p_ptr", "wy_u_ptr"]   # the prep kernel's: beta, Tm, Aqk, w, P, u
 
 
 def dot32(x: str, y: str) -> str:
@@ -113,11 +113,11 @@ def _first_bad(with_v: bool) -> tuple:
     return (K.assign("bad", f"({bad}) & ok"), K.assign("first_bad", "tl.min(tl.where(bad, rows, C), 0)"))
 
 
-def _causal_dot(target: str, m: str, x: str) -> tuple:
-    """target = m @ x for a lower-triangular m, rows of x from first_bad on kept from earlier rows."""
-    return (K.assign(target, dot32(m, f"tl.where(rows[:, None] < first_bad, {x}, 0.0)")),
-            K.If(K.expr("first_bad < n_rows"), (
-                K.assign(target, f"tl.where(rows[:, None] < first_bad, {target}, {dot32(m, x)})"),)))
+def _causal_dot(target: str, m: str, x: str, first: str = "first_bad") -> tuple:
+    """target = m @ x for a lower-triangular m, rows of x from row `first` on kept from earlier rows."""
+    return (K.assign(target, dot32(m, f"tl.where(rows[:, None] < {first}, {x}, 0.0)")),
+            K.If(K.expr(f"{first} < n_rows"), (
+                K.assign(target, f"tl.where(rows[:, None] < {first}, {target}, {dot32(m, x)})"),)))
 
 
 def _strict_kk() -> tuple:
@@ -149,8 +149,13 @@ def inverse_kernel() -> K.Kernel:
 def prep_kernel(decl: MatrixState) -> K.Kernel:
     ins = [f"{n}_ptr" for n in hook_inputs(decl)]
     consts = [f"c_{c}" for c in decl.constants]
-    params = _params(["q_ptr", "k_ptr", *ins, "G_ptr", *WY, "chunk_tok_ptr", "chunk_len_ptr", *consts, "H"],
-                     ("K", "BK", "C", "BS", "PREC", "UPCAST"))
+    params = _params(["q_ptr", "k_ptr", "v_ptr", *ins, "G_ptr", *WY, "chunk_tok_ptr", "chunk_len_ptr", *consts, "H"],
+                     ("K", "V", "BK", "BV", "C", "BS", "PREC", "UPCAST"))
+    vloop = (K.assign("vv", "vb * BV + tl.arange(0, BV)"), K.assign("okv", "vv < V"), load("b_v", "v_ptr", V_OFF, V_MASK),
+             K.assign("bad_v", f"(tl.sum(tl.where(tl.abs(b_v) < {INF}, 0, 1), 1) > 0) & ok"),
+             K.assign("first_v", "tl.minimum(first_bad, tl.min(tl.where(bad_v, rows, C), 0))"),
+             *_causal_dot("u", "Tm", "beta[:, None] * b_v", "first_v"),
+             K.Store(K.expr(f"wy_u_ptr + {V_OFF}"), K.expr("u"), K.expr(V_MASK)))
     body = (K.assign("c", "tl.program_id(0)"), K.assign("h", "tl.program_id(1)"), *_axes(False),
             K.assign("cols", "tl.arange(0, C)[None, :]"), *_origin_comments(decl), *_chunk(),
             load("b_q", "q_ptr", QK_OFF, QK_MASK), load("b_k", "k_ptr", QK_OFF, QK_MASK),
@@ -174,10 +179,12 @@ def prep_kernel(decl: MatrixState) -> K.Kernel:
             *_causal_dot("w", "Tm", "beta[:, None] * b_k * tl.exp(b_G)"),
             K.Store(K.expr(f"wy_w_ptr + {QK_OFF}"), K.expr("w"), K.expr(QK_MASK)),
             K.Store(K.expr(f"wy_aqk_ptr + {CC_OFF}"),
-                    K.expr("pairwise_qk(b_q, b_k, b_G, C, BS, BK, DT, PREC, UPCAST)"), None))
+                    K.expr("pairwise_qk(b_q, b_k, b_G, C, BS, BK, DT, PREC, UPCAST)"), None),
+            K.Comment("u = Tm diag(beta) V, rows from the first non-finite one on (values included) kept from earlier rows"),
+            K.For("vb", K.expr("0"), K.expr("tl.cdiv(V, BV)"), vloop))
     return K.Kernel(f"{decl.name}_prep", params, body,
-                    doc="Chunk c: G (the in-chunk cumsum of the log-decay), beta, Tm = (I + A)^-1, w, Aqk and P "
-                        "(A = diag(beta) P, for the backward's dbeta).")
+                    doc="Chunk c: G (the in-chunk cumsum of the log-decay), beta, Tm = (I + A)^-1, w, Aqk, P "
+                        "(A = diag(beta) P, for the backward's dbeta) and u = Tm diag(beta) V.")
 
 
 def _chunk_loads(with_do: bool) -> tuple:
@@ -191,30 +198,49 @@ def _chunk_loads(with_do: bool) -> tuple:
 
 
 def fwd_kernel(decl: MatrixState) -> K.Kernel:
-    params = _params(["q_ptr", "k_ptr", "v_ptr", "G_ptr", *WY, "h0_ptr", "o_ptr", "ht_ptr", "hs_ptr", "chunk_tok_ptr",
-                      "chunk_len_ptr", "seq_chunk0_ptr", "scale", "H"],
-                     SHAPE_CONSTS + ("HAS_H0", "STORE_O", "STORE_FINAL", "STORE_H"))
-    loop = (*_chunk(), K.If(K.expr("STORE_H"), (K.Store(K.expr(f"hs_ptr + {state_off('c + n')}"), K.expr("S"),
+    """The state pass: two products a chunk on the serial path, U = u - w S0 and S_end = diag(e^(G_L)) S0 + (K *
+    e^(G_L - G))^T U (u, w from the prep kernel; the outputs come from `{name}_fwd_o`, every chunk at once)."""
+    params = _params(["q_ptr", "k_ptr", "G_ptr", "wy_w_ptr", "wy_u_ptr", "h0_ptr", "fw_U_ptr", "ht_ptr", "hs_ptr",
+                      "chunk_tok_ptr", "chunk_len_ptr", "seq_chunk0_ptr", "H"],
+                     SHAPE_CONSTS + ("HAS_H0", "STORE_U", "STORE_FINAL", "STORE_H"))
+    loop = (*_chunk(), K.If(K.expr("STORE_H"), (K.Store(K.expr(f"hs_ptr + {state_off('c + n')}"),
+                                                         K.expr("rnd(S, hs_ptr.dtype.element_ty, UPCAST)"),
                                                          K.expr(S_MASK)),)),
-            *_chunk_loads(False), load("b_v", "v_ptr", V_OFF, V_MASK), _load_cc("Tm", "wy_tm_ptr"),
-            *_first_bad(True),
-            K.Comment("U = Tm diag(beta) V - w S0, rows from the first non-finite one on kept from earlier rows"),
-            *_causal_dot("u", "Tm", "beta[:, None] * b_v"), K.assign("U", f"u - {dot32('w', 'S')}"),
-            K.If(K.expr("STORE_O"), (
-                *_causal_dot("o_c", "Aqk", "U"),
-                K.Store(K.expr(f"o_ptr + {V_OFF}"), K.expr(f"scale * ({dot('q_dec', 'S')} + o_c)"), K.expr(V_MASK)))),
+            load("b_k", "k_ptr", QK_OFF, QK_MASK), *_decay("per_key", with_pairwise=False, with_q=False),
+            load("w", "wy_w_ptr", QK_OFF, QK_MASK), load("u", "wy_u_ptr", V_OFF, V_MASK),
+            K.assign("U", f"u - {dot32('w', 'S')}"),
+            K.If(K.expr("STORE_U"), (K.Store(K.expr(f"fw_U_ptr + {V_OFF}"), K.expr("U"), K.expr(V_MASK)),)),
             K.assign("S", f"S * s_dec + {dot32('tl.trans(k_end)', 'U')}"))
     body = (K.assign("n", "tl.program_id(0)"), K.assign("h", "tl.program_id(1)"), K.assign("vb", "tl.program_id(2)"), *_axes(True),
-            K.assign("cols", "tl.arange(0, C)[None, :]"), *_origin_comments(decl),
+            *_origin_comments(decl),
             K.assign("c0", "tl.load(seq_chunk0_ptr + n)"), K.assign("c1", "tl.load(seq_chunk0_ptr + n + 1)"),
             K.If(K.expr("HAS_H0"), (load("S", "h0_ptr", state_off("n"), S_MASK),),
                  (K.assign("S", "tl.zeros([BK, BV], dtype=tl.float32)"),)),
             K.For("c", K.expr("c0"), K.expr("c1"), loop),
-            K.If(K.expr("STORE_H"), (K.Store(K.expr(f"hs_ptr + {state_off('c1 + n')}"), K.expr("S"), K.expr(S_MASK)),)),
+            K.If(K.expr("STORE_H"), (K.Store(K.expr(f"hs_ptr + {state_off('c1 + n')}"),
+                                             K.expr("rnd(S, hs_ptr.dtype.element_ty, UPCAST)"), K.expr(S_MASK)),)),
             K.If(K.expr("STORE_FINAL"), (K.Store(K.expr(f"ht_ptr + {state_off('n')}"), K.expr("S"), K.expr(S_MASK)),)))
     return K.Kernel(f"{decl.name}_fwd", params, body,
-                    doc="Chunks of sequence n in order: outputs (STORE_O), the state entering each chunk (STORE_H), "
-                        "the final state (STORE_FINAL).")
+                    doc="Chunks of sequence n in order: U of each chunk (STORE_U), the state entering each chunk "
+                        "(STORE_H, rounded to hs's dtype), the final state (STORE_FINAL, fp32).")
+
+
+def out_kernel(decl: MatrixState) -> K.Kernel:
+    """The outputs, per (chunk, head, value block), every chunk at once: O = scale ((Q * e^G) S0 + Aqk U)."""
+    params = _params(["q_ptr", "k_ptr", "v_ptr", "G_ptr", "wy_beta_ptr", "wy_aqk_ptr", "fw_U_ptr", "hs_ptr", "o_ptr",
+                      "chunk_tok_ptr", "chunk_len_ptr", "chunk_seq_ptr", "scale", "H"], SHAPE_CONSTS)
+    body = (K.assign("c", "tl.program_id(0)"), K.assign("h", "tl.program_id(1)"), K.assign("vb", "tl.program_id(2)"),
+            *_axes(True), K.assign("cols", "tl.arange(0, C)[None, :]"), *_origin_comments(decl), *_chunk(),
+            K.assign("n", "tl.load(chunk_seq_ptr + c)"),
+            load("b_q", "q_ptr", QK_OFF, QK_MASK), load("b_k", "k_ptr", QK_OFF, QK_MASK),
+            *_decay("per_key", with_pairwise=False), load("beta", "wy_beta_ptr", TOK_OFF, "ok"),
+            load("b_v", "v_ptr", V_OFF, V_MASK), *_first_bad(True), _load_cc("Aqk", "wy_aqk_ptr"),
+            load("U", "fw_U_ptr", V_OFF, V_MASK), load("S0", "hs_ptr", state_off("c + n"), S_MASK),
+            K.Comment("Aqk U with rows from the first non-finite one on kept from earlier rows"),
+            *_causal_dot("o_c", "Aqk", "U"),
+            K.Store(K.expr(f"o_ptr + {V_OFF}"), K.expr(f"scale * ({dot('q_dec', 'S0')} + o_c)"), K.expr(V_MASK)))
+    return K.Kernel(f"{decl.name}_fwd_o", params, body,
+                    doc="Chunk c: O = scale ((Q * e^G) S0 + Aqk U), S0 the state entering it (hs slot c + n).")
 
 
 def bwd_dh_kernel(decl: MatrixState) -> K.Kernel:
@@ -266,7 +292,7 @@ def _beta_input_grads(decl: MatrixState) -> tuple:
     if decl.uses_key_norm:
         out += [*common.assign(["dbeta_n2"], [decl.beta.grads[KEY_NORM]], _beta_names(decl, "n2_safe"), "_dn",
                                shape_like="zero_c"),
-                K.Store(K.expr(f"dn2_ptr + {TOK_OFF}"), K.expr("tl.where(ok & ~dead, 2.0 * dbeta * dbeta_n2, 0.0)"),
+                K.Store(K.expr(f"bw_dn2_ptr + {TOK_OFF}"), K.expr("tl.where(ok & ~dead, 2.0 * dbeta * dbeta_n2, 0.0)"),
                         K.expr("ok"))]
     return tuple(out)
 
@@ -297,8 +323,8 @@ def bwd_v_kernel(decl: MatrixState) -> K.Kernel:
     """The backward's products over the values, every key at once (the sums over keys of X0 and dU need them):
     per value block U, dU and dR; dv, U kept for `{name}_bwd`; then dAqk and dP = diag(beta) dA of the chunk,
     dbeta and beta's hook inputs' gradients."""
-    params = _params(["q_ptr", "k_ptr", "v_ptr", "G_ptr", *WY, "hs_ptr", "dh_ptr", "do_ptr", "dv_ptr", "u_ptr",
-                      "daqk_ptr", "dp_ptr", "dn2_ptr", "chunk_tok_ptr", "chunk_len_ptr", "chunk_seq_ptr",
+    params = _params(["q_ptr", "k_ptr", "v_ptr", "G_ptr", *WY, "hs_ptr", "dh_ptr", "do_ptr", "dv_ptr", "bw_U_ptr",
+                      "bw_daqk_ptr", "bw_dp_ptr", "bw_dn2_ptr", "chunk_tok_ptr", "chunk_len_ptr", "chunk_seq_ptr",
                       *_hook_params(decl), "scale", "H"], SHAPE_CONSTS)
     vloop = (K.assign("vv", "vb * BV + tl.arange(0, BV)"), K.assign("okv", "vv < V"),
              load("b_v", "v_ptr", V_OFF, V_MASK), load("b_do", "do_ptr", V_OFF, V_MASK),
@@ -311,7 +337,7 @@ def bwd_v_kernel(decl: MatrixState) -> K.Kernel:
              K.assign("dTm", f"dTm + {dot32('dU', 'tl.trans(R)')}"),
              K.assign("dbeta", "dbeta + tl.sum(dR * X0, 1)"),
              K.Store(K.expr(f"dv_ptr + {V_OFF}"), K.expr("beta[:, None] * dR"), K.expr(V_MASK)),
-             K.Store(K.expr(f"u_ptr + {V_OFF}"), K.expr("U"), K.expr(V_MASK)))
+             K.Store(K.expr(f"bw_U_ptr + {V_OFF}"), K.expr("U"), K.expr(V_MASK)))
     body = (K.assign("c", "tl.program_id(0)"), K.assign("h", "tl.program_id(1)"), *_axes(False),
             K.assign("cols", "tl.arange(0, C)[None, :]"), *_origin_comments(decl), *_chunk(),
             K.assign("n", "tl.load(chunk_seq_ptr + c)"), load("b_k", "k_ptr", QK_OFF, QK_MASK),
@@ -321,12 +347,12 @@ def bwd_v_kernel(decl: MatrixState) -> K.Kernel:
             K.assign("dAqk", "tl.zeros([C, C], dtype=tl.float32)"), K.assign("dTm", "tl.zeros([C, C], dtype=tl.float32)"),
             K.assign("dbeta", "tl.zeros([C], dtype=tl.float32)"),
             K.For("vb", K.expr("0"), K.expr("tl.cdiv(V, BV)"), vloop),
-            K.Store(K.expr(f"daqk_ptr + {CC_OFF}"), K.expr("tl.where(causal, scale * dAqk, 0.0)"), None),
+            K.Store(K.expr(f"bw_daqk_ptr + {CC_OFF}"), K.expr("tl.where(causal, scale * dAqk, 0.0)"), None),
             K.Comment("through Tm = (I + A)^-1 and A = diag(beta) P"),
             K.assign("dA", f"tl.where({STRICT}, -{dot32('tl.trans(Tm)', dot32('dTm', 'tl.trans(Tm)'))}, 0.0)"),
             _load_cc("P", "wy_p_ptr"),
             K.assign("dbeta", f"dbeta + tl.sum(tl.where({STRICT}, dA * P, 0.0), 1)"),
-            K.Store(K.expr(f"dp_ptr + {CC_OFF}"), K.expr(f"tl.where({STRICT}, beta[:, None] * dA, 0.0)"), None),
+            K.Store(K.expr(f"bw_dp_ptr + {CC_OFF}"), K.expr(f"tl.where({STRICT}, beta[:, None] * dA, 0.0)"), None),
             *_beta_input_grads(decl))
     return K.Kernel(f"{decl.name}_bwd_v", params, body,
                     doc="Chunk c, every key: dv, U, dAqk, dP and beta's hook inputs' gradients (module docstring).")
@@ -336,12 +362,12 @@ def bwd_kernel(decl: MatrixState) -> K.Kernel:
     """The backward's per-key part, in key blocks of BK columns (every product here is per key column): the sums
     over the values that end in a [C, BK] tile, the pairwise gradients of Aqk and P, dq, dk, dg and the log-decay's
     hook inputs' gradients."""
-    params = _params(["q_ptr", "k_ptr", "G_ptr", "hs_ptr", "dh_ptr", "do_ptr", "u_ptr", "dv_ptr", "daqk_ptr", "dp_ptr",
-                      "dn2_ptr", "dq_ptr", "dk_ptr", "chunk_tok_ptr", "chunk_len_ptr", "chunk_seq_ptr",
+    params = _params(["q_ptr", "k_ptr", "G_ptr", "hs_ptr", "dh_ptr", "do_ptr", "bw_U_ptr", "dv_ptr", "bw_daqk_ptr", "bw_dp_ptr",
+                      "bw_dn2_ptr", "dq_ptr", "dk_ptr", "chunk_tok_ptr", "chunk_len_ptr", "chunk_seq_ptr",
                       *_hook_params(decl), "scale", "H"], SHAPE_CONSTS)
     zeros = lambda *ts: tuple(K.assign(t, f"tl.zeros([{s}], dtype=tl.float32)") for t, s in ts)  # noqa: E731
     vloop = (K.assign("vv", "vb * BV + tl.arange(0, BV)"), K.assign("okv", "vv < V"),
-             load("b_do", "do_ptr", V_OFF, V_MASK), load("U", "u_ptr", V_OFF, V_MASK), load("dv", "dv_ptr", V_OFF, V_MASK),
+             load("b_do", "do_ptr", V_OFF, V_MASK), load("U", "bw_U_ptr", V_OFF, V_MASK), load("dv", "dv_ptr", V_OFF, V_MASK),
              load("S0", "hs_ptr", state_off("c + n"), S_MASK), load("dSe", "dh_ptr", state_off("c"), S_MASK),
              K.assign("dk_state", f"dk_state + {dot32('U', 'tl.trans(dSe)')}"),
              K.assign("dq_inter", f"dq_inter + {dot('b_do', 'tl.trans(S0)')}"),
@@ -354,7 +380,7 @@ def bwd_kernel(decl: MatrixState) -> K.Kernel:
             K.assign("k_dec", "b_k * tl.exp(b_G)"),
             *zeros(("dq_inter", "C, BK"), ("dk_state", "C, BK"), ("dk_dec", "C, BK"), ("dG_S0", "BK")),
             K.For("vb", K.expr("0"), K.expr("tl.cdiv(V, BV)"), vloop),
-            _load_cc("dAqk", "daqk_ptr"), _load_cc("dP", "dp_ptr"),
+            _load_cc("dAqk", "bw_daqk_ptr"), _load_cc("dP", "bw_dp_ptr"),
             K.Comment("the pairwise gradients load the rows they broadcast (G as the prep kernel stored it)"),
             K.assign("X, Y, Z", "pairwise_grads_loaded(dAqk, b_q, b_k, b_G, k_end * dk_state, q_ptr, k_ptr, G_ptr, tok, h, "
                                 "H, kk, okk, n_rows, G_last, K, C, BS, BK, DT, PREC, UPCAST)"),
@@ -366,7 +392,7 @@ def bwd_kernel(decl: MatrixState) -> K.Kernel:
             K.assign("dg", f"tl.cumsum(tl.where({QK_MASK}, b_q * dq_s0 + k_dec * dk_dec, 0.0), 0, reverse=True) + Z + Z2"),
             K.assign("dg", f"tl.where({QK_MASK}, dg + tl.exp(G_last)[None, :] * dG_S0[None, :], 0.0)"))
     if decl.uses_key_norm:
-        body += (load("dn2", "dn2_ptr", TOK_OFF, "ok"), K.assign("dk", "dk + dn2[:, None] * b_k"))
+        body += (load("dn2", "bw_dn2_ptr", TOK_OFF, "ok"), K.assign("dk", "dk + dn2[:, None] * b_k"))
     body += (K.Store(K.expr(f"dq_ptr + {QK_OFF}"), K.expr("dq_s0 + X"), K.expr(QK_MASK)),
              K.Store(K.expr(f"dk_ptr + {QK_OFF}"), K.expr("tl.where(ok[:, None], dk, 0.0)"), K.expr(QK_MASK)),
              *_decay_input_grads(decl))
@@ -380,8 +406,8 @@ def module(decl: MatrixState) -> K.Module:
     if not supports(decl):
         raise ValueError(f"declaration: matrix state {decl.name!r} (decay {decl.decay}, correction {decl.correction}, "
                          f"{decl.steps} step(s)) is not the per-key delta structure these kernels cover")
-    kernels = helper_kernels() + [inv_unit_lower_blocks(), inverse_kernel(), prep_kernel(decl), fwd_kernel(decl), bwd_dh_kernel(decl),
-                                              bwd_v_kernel(decl), bwd_kernel(decl)]
+    kernels = helper_kernels() + [inv_unit_lower_blocks(), inverse_kernel(), prep_kernel(decl), fwd_kernel(decl),
+                                  out_kernel(decl), bwd_dh_kernel(decl), bwd_v_kernel(decl), bwd_kernel(decl)]
     doc = (f"Generated by scanlang from matrix state {E.docstring_text(decl.name)} (declaration {decl.key}): "
            f"decay per_key, delta correction (backends/linear/kernels_delta.py). Do not edit.")
     return K.Module(doc, tuple(kernels))

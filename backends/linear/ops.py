@@ -201,19 +201,27 @@ class _Table:
 
 def _forward(d: MatrixState, q, k, v, h0, xs, table, constants, scale: float, C: int, direct: bool) -> list:
     """[o [TT,H,V], final state [N,H,K,V], then what the backward keeps: G (with decay), and for the per-key
-    delta correction beta, Tm, Aqk, w, P] (fp32)."""
+    delta correction beta, Tm, Aqk, w, P, u] (fp32)."""
     mod, meta = module(d), _meta(q.shape[-1], v.shape[-1], C, q.dtype, q.device, d)
     TT, H, _ = q.shape
     V, dev = v.shape[-1], q.device
     o = _empty(TT, H, V, device=dev)
     ht = _empty(table.n_seq, H, meta["K"], V, device=dev)
     if kernels_delta.supports(d):
-        G, wy = _empty(TT, H, meta["K"], device=dev), _wy(table, TT, H, q.shape[-1], C, dev)
+        G, wy = _empty(TT, H, meta["K"], device=dev), _wy(table, TT, H, q.shape[-1], V, C, dev)
         _launch(getattr(mod, f"{d.name}_prep"), (table.n_chunks, H),
-                (q, k, *xs, G, *wy, table.chunk_tok, table.chunk_len, *constants, H),
-                dict(K=meta["K"], BK=meta["BK"], C=C, BS=meta["BS"], PREC=meta["PREC"], UPCAST=meta["UPCAST"],
-                     num_warps=PREP_WARPS), direct)
-        _delta_fwd(mod, d, meta, q, k, v, G, wy, h0, o, ht, ht, table, scale, True, False, direct)
+                (q, k, v, *xs, G, *wy, table.chunk_tok, table.chunk_len, *constants, H),
+                dict(K=meta["K"], V=meta["V"], BK=meta["BK"], BV=meta["BV"], C=C, BS=meta["BS"], PREC=meta["PREC"],
+                     UPCAST=meta["UPCAST"], num_warps=PREP_WARPS), direct)
+        # the states entering the chunks in the input dtype: the output's product rounds them to it anyway (`mm`)
+        hs = _empty(table.n_chunks + table.n_seq, H, meta["K"], V, device=dev, dtype=q.dtype)
+        U = _empty(TT, H, V, device=dev)
+        _delta_states(mod, d, meta, q, k, G, wy, h0, U, ht, hs, table, True, True, direct)
+        out = _wide(meta, q)
+        out = dict(out, num_warps=CONFIG["num_warps"], **({"num_stages": 1} if out is not meta else {}))
+        _launch(getattr(mod, f"{d.name}_fwd_o"), (table.n_chunks, H, triton.cdiv(V, out["BV"])),
+                (q, k, v, G, wy[0], wy[2], U, hs, o, table.chunk_tok, table.chunk_len, table.chunk_seq, scale, H), out,
+                direct)
         return [o, ht, G, *wy]
     G = None
     if d.decay != "none":
@@ -433,25 +441,24 @@ def _plain_backward(d, meta, q, k, v, h0, G, xs, do, dht, hs, dh, dh0, table, co
     return dq, dk, dv, dxs
 
 
-def _wy(table, TT: int, H: int, K: int, C: int, dev) -> tuple:
-    """beta [TT, H], Tm and Aqk [NC, H, C, C], w [TT, H, K], P [NC, H, C, C]: what the prep kernel stores."""
-    return (_empty(TT, H, device=dev), _empty(table.n_chunks, H, C, C, device=dev),
-            _empty(table.n_chunks, H, C, C, device=dev), _empty(TT, H, K, device=dev),
-            _empty(table.n_chunks, H, C, C, device=dev))
+def _wy(table, TT: int, H: int, K: int, V: int, C: int, dev) -> tuple:
+    """beta [TT, H], Tm and Aqk [NC, H, C, C], w [TT, H, K], P [NC, H, C, C], u [TT, H, V]: what the prep kernel
+    stores."""
+    cc = lambda: _empty(table.n_chunks, H, C, C, device=dev)  # noqa: E731
+    return (_empty(TT, H, device=dev), cc(), cc(), _empty(TT, H, K, device=dev), cc(), _empty(TT, H, V, device=dev))
 
 
-def _delta_fwd(mod, d, meta, q, k, v, G, wy, h0, o, ht, hs, table, scale, store_o, store_h, direct):
-    """The per-key delta forward pass, one pipeline stage (as the state pass below): compiled offline for
-    sm_90 (scanlang.tools.offline_compile --workload linear --member kda, K = V = 128, C = 64, bf16) the
-    pipelined output-writing pass needs 242 KB of shared memory, over the H200's 227 KB; one stage, 98 KB.
-    Not run on a GPU yet."""
-    H, V = q.shape[1], v.shape[-1]
-    meta = _wide(meta, q) if store_o else meta
+def _delta_states(mod, d, meta, q, k, G, wy, h0, U, ht, hs, table, store_u, store_final, direct):
+    """The per-key delta state pass (`{name}_fwd`): U of every chunk into U (store_u), the state entering every
+    chunk into hs, the final states into ht (store_final). One pipeline stage: compiled offline for sm_90 (K = V =
+    128, C = 64, bf16) the pipelined output-writing pass this replaced needed 242 KB of shared memory, over the
+    227 KB an SM gives a block; one stage, 98 KB."""
+    H, V = q.shape[1], hs.shape[-1]
     grid = (table.n_seq, H, triton.cdiv(V, meta["BV"]))
     _launch(getattr(mod, f"{d.name}_fwd"), grid,
-            (q, k, v, G, *wy, h0 if h0 is not None else ht, o, ht, hs, table.chunk_tok, table.chunk_len,
-             table.seq_chunk0, scale, H),
-            dict(meta, HAS_H0=h0 is not None, STORE_O=store_o, STORE_FINAL=not store_h, STORE_H=store_h,
+            (q, k, G, wy[3], wy[5], h0 if h0 is not None else ht, U, ht, hs, table.chunk_tok, table.chunk_len,
+             table.seq_chunk0, H),
+            dict(meta, HAS_H0=h0 is not None, STORE_U=store_u, STORE_FINAL=store_final, STORE_H=True,
                  num_warps=CONFIG["num_warps"], num_stages=1), direct)
 
 
@@ -463,8 +470,8 @@ def _delta_backward(d, meta, q, k, v, h0, G, wy, xs, do, dht, hs, dh, dh0, table
     TT, H, K = q.shape
     V, dev = v.shape[-1], q.device
     NC = table.n_chunks
-    _delta_fwd(mod, d, meta, q, k, v, G, wy, h0, hs, hs, hs, table, scale, False, True, direct)
-    beta, tm, aqk, w, _ = wy
+    _delta_states(mod, d, meta, q, k, G, wy, h0, hs, hs, hs, table, False, False, direct)
+    beta, tm, aqk, w, _, _ = wy
     narrow = _narrow_16bit(meta, q)
     dh_meta = dict(meta, BV=16) if narrow else meta
     grid = (table.n_seq, H, triton.cdiv(V, dh_meta["BV"]))
@@ -472,7 +479,7 @@ def _delta_backward(d, meta, q, k, v, h0, G, wy, xs, do, dht, hs, dh, dh0, table
             (q, k, G, beta, aqk, w, do, dht if dht is not None else dh, dh, dh0, table.chunk_tok, table.chunk_len,
              table.seq_chunk0, scale, H),
             dict(dh_meta, HAS_DHT=dht is not None, STORE_DH0=h0 is not None, num_warps=CONFIG["num_warps"],
-                 num_stages=1), direct)   # 222 KB of shared memory pipelined at K = V = 128, C = 64 (_delta_fwd)
+                 num_stages=1), direct)   # 222 KB of shared memory pipelined at K = V = 128, C = 64 (_delta_states)
     gdt = _grad_dtype(q)
     dq, dk = _empty(TT, H, K, device=dev, dtype=gdt), _empty(TT, H, K, device=dev, dtype=gdt)
     dv, u = _empty(TT, H, V, device=dev), _empty(TT, H, V, device=dev)   # dv fp32: `{name}_bwd` reads it back
