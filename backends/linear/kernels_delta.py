@@ -24,10 +24,13 @@ pairs + e^(G_L) rowsum(S0 dS_end) + the writes j < t into S_end, and the hook in
 sympy derivatives (beta's n2 adds dbeta dbeta/dn2 2 k to dk). A zero key's beta is 0 where the hook is not finite
 for it (0/0 at eps = 0), as on the host (recipes/linear/family.py `_host_beta`).
 
-Kernels (one module per declaration; C, K, V, BK, BV, BS are constexprs):
-    {name}_prep      per (chunk, head): G, beta, Tm, w, Aqk and P (stored; the forward keeps them for the backward)
-    {name}_fwd       per (sequence, head, value block), chunks in order: outputs and the final state, or
-                     (STORE_H, the backward's recomputation) the state entering every chunk
+Kernels (one module per declaration; C, K, V, BK, BV, BS are constexprs), fla's organisation of the work:
+    {name}_prep      per (chunk, head): G, beta, Tm (the blocked inverse, `inverse_unit_lower`), w, Aqk, P and
+                     u (stored; the backward reads them too)
+    {name}_fwd       the state pass, per (sequence, head, value block), chunks in order, two products a chunk:
+                     U = u - w S0 and the state update; it keeps U (STORE_U) and the state entering every chunk
+                     (STORE_H: the forward's in the input dtype, the backward's recomputation in fp32)
+    {name}_fwd_o     per (chunk, head, value block), every chunk at once: the outputs from U and the states
     {name}_bwd_dh    per (sequence, head, value block), chunks in reverse: dS_end of every chunk, d(initial state)
     {name}_bwd_v     per (chunk, head), every key (X0 and dU sum over them): dv, U, dAqk, dP = diag(beta) dA,
                      dbeta and beta's hook inputs' gradients
@@ -35,7 +38,9 @@ Kernels (one module per declaration; C, K, V, BK, BV, BS are constexprs):
                      dg and the log-decay's hook inputs' gradients, from U, dv, dAqk and dP
 The backward is two per-chunk kernels, not one, so that no program holds every [C, K] tile at once: the single
 kernel spilled 17 KB a thread in bf16 and asked for 256 KB of shared memory in fp32, over an SM's 227 KB
-(offline sm_90, Triton 3.6; BENCHMARKS_HISTORY.md "Session 18").
+(offline sm_90, Triton 3.6; BENCHMARKS_HISTORY.md "Session 18"). The forward's outputs left the serial state
+pass for the same reason fla's did: on an H100 that pass, with u and the outputs in it, took 3.6 ms a call at
+B8 T4096 H16 K = V = 128 against fla's 0.3 ms state pass.
 A non-finite key, log-decay, beta or value in row r reaches rows >= r only in the forward: the causal products
 (Tm from A, w, u, Aqk U) take that chunk's rows from the first such row on as 0 and only rows from there on use
 the raw products (kernels.py's rule). The backward does not guard: a non-finite input may make earlier tokens'
