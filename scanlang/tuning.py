@@ -71,6 +71,10 @@ class Tuning:
       linear_delta_key_block: the same for the per-key delta kernels' `{name}_bwd` (backends/linear/
         kernels_delta.py), whose key blocks share no output but a per-token log-decay input's gradient:
         32 spilled 604 B a thread there against 64's 2,384 (8 warps, bf16, K = V = 128; offline sm_90).
+      linear_delta_prep: how the per-key delta prep kernel forms its two pairwise products: "pick" (it forms
+        G from the hook and picks the rows it broadcasts out of its tiles) or "load" (`{name}_decay_cumsum`
+        forms G first, and the products load those rows, as the backward's do). Interpreter-tested; not
+        yet timed on a GPU, where the prep kernel took 22.7 of the forward's 27.5 ms (H100, session 18).
       chunk_single_pass: which passes of the chunk-parallel schedule run one kernel with a decoupled
         look-back (kernel/chunked_lookback.py, each input read once) instead of three
         (kernel/chunked.py): "auto" (the default: the forward of a monoid of up to 2 fields), "forward",
@@ -103,6 +107,7 @@ class Tuning:
     linear_forward: str = "auto"
     linear_key_block: int = 64
     linear_delta_key_block: int = 32
+    linear_delta_prep: str = "pick"
     chunk_single_pass: str = "auto"
     chunk_lookback: int = 32
     delta_save_wu: bool = True
@@ -135,6 +140,8 @@ class Tuning:
         if self.chunk_single_pass not in ("auto", "forward", "both", "none"):
             raise ValueError("chunk_single_pass: expected 'auto', 'forward', 'both', 'none' or a bool, "
                              f"got {self.chunk_single_pass!r}")
+        if self.linear_delta_prep not in ("pick", "load"):
+            raise ValueError(f"linear_delta_prep: expected 'pick' or 'load', got {self.linear_delta_prep!r}")
         if self.linear_forward not in ("auto", "fused", "split"):
             raise ValueError(f"linear_forward: expected 'auto', 'fused' or 'split', got {self.linear_forward!r}")
         for name in ("linear_key_block", "linear_delta_key_block"):

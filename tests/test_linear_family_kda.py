@@ -229,3 +229,14 @@ def test_deterministic_algorithms_and_the_key_blocks():
     assert kernels_delta.beta_adds_first(SHARED) and not kernels_delta.beta_adds_first(L.kda.declaration)
     assert (shared, kda) == (1, 2)
 
+
+
+@pytest.mark.parametrize("check", ["kda", "both_hooks"])
+def test_the_prep_kernel_that_loads_its_broadcast_rows(check):
+    """tuning.linear_delta_prep = "load": `{name}_decay_cumsum` forms G first and the prep kernel's pairwise
+    products load their rows; everything against the token loop as above (SHARED: an input read by both hooks)."""
+    with tuning.override(linear_delta_prep="load"):
+        if check == "kda":
+            _check(C + 5, B=2, seed=11)
+        else:
+            test_an_input_read_by_both_hooks_and_a_per_head_parameter_in_beta(K, 64)

@@ -50,6 +50,13 @@ def test_override_refuses_unknown_knobs_and_bad_values_before_the_block():
         with pytest.raises(ValueError, match="linear_key_block: expected a power of two >= 16"):
             with tuning.override(linear_key_block=bad):
                 pass
+        with pytest.raises(ValueError, match="linear_delta_key_block: expected a power of two >= 16"):
+            with tuning.override(linear_delta_key_block=bad):
+                pass
+    for bad in ("loaded", None, True):
+        with pytest.raises(ValueError, match="linear_delta_prep: expected 'pick' or 'load'"):
+            with tuning.override(linear_delta_prep=bad):
+                pass
     for bad in (0, 3, 48, True):
         with pytest.raises(ValueError, match="chunk_lookback: expected a power of two >= 1"):
             with tuning.override(chunk_lookback=bad):

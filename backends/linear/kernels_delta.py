@@ -25,7 +25,8 @@ sympy derivatives (beta's n2 adds dbeta dbeta/dn2 2 k to dk). A zero key's beta 
 for it (0/0 at eps = 0), as on the host (recipes/linear/family.py `_host_beta`).
 
 Kernels (one module per declaration; C, K, V, BK, BV, BS are constexprs), fla's organisation of the work:
-    {name}_prep      per (chunk, head): G, beta, Tm (the blocked inverse, `inverse_unit_lower`), w, Aqk, P and
+    {name}_decay_cumsum  (tuning.linear_delta_prep "load" only) per (chunk, head): G, before the prep kernel
+    {name}_prep      per (chunk, head): G (unless loaded), beta, Tm (the blocked inverse, `inverse_unit_lower`), w, Aqk, P and
                      u (stored; the backward reads them too)
     {name}_fwd       the state pass, per (sequence, head, value block), chunks in order, two products a chunk:
                      U = u - w S0 and the state update; it keeps U (STORE_U) and the state entering every chunk
@@ -55,9 +56,9 @@ from ..delta.parts import inv_unit_lower_blocks
 from ..triton.kernel import common
 from ..triton.kernel import ir as K
 from ..triton.kernel.printer import render as print_module
-from .kernels import (INF, QK_MASK, QK_OFF, S_MASK, SHAPE_CONSTS, V_MASK, V_OFF, _axes, _chunk, _decay, _key_block,
-                      _hook_names, _load_hook_inputs, _origin_comments, _params, _shape_like, dot, helper_kernels,
-                      load, reverse_state_pass, state_off)
+from .kernels import (INF, QK_MASK, QK_OFF, S_MASK, SHAPE_CONSTS, V_MASK, V_OFF, _axes, _chunk, _decay, _hook_names,
+                      _key_block, _load_hook_inputs, _origin_comments, _params, _shape_like, cumsum_kernel, dot,
+                      helper_kernels, load, reverse_state_pass, state_off)
 
 CC_OFF = "(c * H + h).to(tl.int64) * C * C + rows[:, None] * C + cols"
 TOK_OFF = "(tok + rows) * H + h"
@@ -125,8 +126,16 @@ def _causal_dot(target: str, m: str, x: str, first: str = "first_bad") -> tuple:
                 K.assign(target, f"tl.where(rows[:, None] < {first}, {target}, {dot32(m, x)})"),)))
 
 
-def _strict_kk() -> tuple:
-    return (K.assign("P", f"tl.where({STRICT}, pairwise_qk(b_k, b_k, b_G, C, BS, BK, DT, PREC, UPCAST), 0.0)"),)
+def _pairwise_kk_qk() -> tuple:
+    """P (strictly lower) and Aqk, their broadcast rows picked out of the tiles, or (LOADED: G came from
+    `{name}_decay_cumsum`, so it is in memory before this kernel starts) loaded (kernels.py `pairwise_kernels`)."""
+    loaded = "k_ptr, G_ptr, tok, h, H, kk, okk, n_rows, G_last, K, C, BS, BK, DT, PREC, UPCAST"
+    picked = "C, BS, BK, DT, PREC, UPCAST"
+    return (K.If(K.expr("LOADED"), (
+                K.assign("P", f"tl.where({STRICT}, pairwise_qk_loaded(b_k, b_k, b_G, {loaded}), 0.0)"),
+                K.assign("Aqk", f"pairwise_qk_loaded(b_q, b_k, b_G, {loaded})")), (
+                K.assign("P", f"tl.where({STRICT}, pairwise_qk(b_k, b_k, b_G, {picked}), 0.0)"),
+                K.assign("Aqk", f"pairwise_qk(b_q, b_k, b_G, {picked})"))),)
 
 
 def _load_cc(target: str, ptr: str) -> K.Assign:
@@ -155,7 +164,7 @@ def prep_kernel(decl: MatrixState) -> K.Kernel:
     ins = [f"{n}_ptr" for n in hook_inputs(decl)]
     consts = [f"c_{c}" for c in decl.constants]
     params = _params(["q_ptr", "k_ptr", "v_ptr", *ins, "G_ptr", *WY, "chunk_tok_ptr", "chunk_len_ptr", *consts, "H"],
-                     ("K", "V", "BK", "BV", "C", "BS", "PREC", "UPCAST"))
+                     ("K", "V", "BK", "BV", "C", "BS", "PREC", "UPCAST", "LOADED"))
     vloop = (K.assign("vv", "vb * BV + tl.arange(0, BV)"), K.assign("okv", "vv < V"), load("b_v", "v_ptr", V_OFF, V_MASK),
              K.assign("bad_v", f"(tl.sum(tl.where(tl.abs(b_v) < {INF}, 0, 1), 1) > 0) & ok"),
              K.assign("first_v", "tl.minimum(first_bad, tl.min(tl.where(bad_v, rows, C), 0))"),
@@ -164,16 +173,17 @@ def prep_kernel(decl: MatrixState) -> K.Kernel:
     body = (K.assign("c", "tl.program_id(0)"), K.assign("h", "tl.program_id(1)"), *_axes(False),
             K.assign("cols", "tl.arange(0, C)[None, :]"), *_origin_comments(decl), *_chunk(),
             load("b_q", "q_ptr", QK_OFF, QK_MASK), load("b_k", "k_ptr", QK_OFF, QK_MASK),
-            *_load_hook_inputs(decl),
-            *common.assign(["g"], [decl.log_decay.expr], _hook_names(decl), "_g", shape_like=_shape_like(decl)),
-            K.assign("b_G", f"tl.cumsum(tl.where({QK_MASK}, g, 0.0), 0)"),
-            K.Store(K.expr(f"G_ptr + {QK_OFF}"), K.expr("b_G"), K.expr(QK_MASK)),
+            K.If(K.expr("LOADED"), (load("b_G", "G_ptr", QK_OFF, QK_MASK),), (
+                *_load_hook_inputs(decl),
+                *common.assign(["g"], [decl.log_decay.expr], _hook_names(decl), "_g", shape_like=_shape_like(decl)),
+                K.assign("b_G", f"tl.cumsum(tl.where({QK_MASK}, g, 0.0), 0)"),
+                K.Store(K.expr(f"G_ptr + {QK_OFF}"), K.expr("b_G"), K.expr(QK_MASK)))),
             K.assign("G_last", "tl.sum(tl.where((rows == n_rows - 1)[:, None], b_G, 0.0), 0)"),
             K.assign("b_G", "tl.where(ok[:, None], b_G, G_last[None, :])"),
             *_beta(decl),
             K.Store(K.expr(f"wy_beta_ptr + {TOK_OFF}"), K.expr("beta"), K.expr("ok")),
             *_first_bad(False),
-            *_strict_kk(), K.Store(K.expr(f"wy_p_ptr + {CC_OFF}"), K.expr("P"), None),
+            *_pairwise_kk_qk(), K.Store(K.expr(f"wy_p_ptr + {CC_OFF}"), K.expr("P"), None),
             K.Comment("Tm = (I + A)^-1 (inverse_unit_lower), A's rows from the first non-finite one on as 0, Tm's NaN"),
             K.Comment("there (row i of the inverse depends on A's rows <= i only; the products would carry 0 * NaN up)"),
             K.assign("A", f"tl.where(({STRICT}) & (rows[:, None] < first_bad), beta[:, None] * P, 0.0)"),
@@ -183,8 +193,7 @@ def prep_kernel(decl: MatrixState) -> K.Kernel:
             K.Store(K.expr(f"wy_tm_ptr + {CC_OFF}"), K.expr("Tm"), None),
             *_causal_dot("w", "Tm", "beta[:, None] * b_k * tl.exp(b_G)"),
             K.Store(K.expr(f"wy_w_ptr + {QK_OFF}"), K.expr("w"), K.expr(QK_MASK)),
-            K.Store(K.expr(f"wy_aqk_ptr + {CC_OFF}"),
-                    K.expr("pairwise_qk(b_q, b_k, b_G, C, BS, BK, DT, PREC, UPCAST)"), None),
+            K.Store(K.expr(f"wy_aqk_ptr + {CC_OFF}"), K.expr("Aqk"), None),
             K.Comment("u = Tm diag(beta) V, rows from the first non-finite one on (values included) kept from earlier rows"),
             K.For("vb", K.expr("0"), K.expr("tl.cdiv(V, BV)"), vloop))
     return K.Kernel(f"{decl.name}_prep", params, body,
@@ -411,8 +420,9 @@ def module(decl: MatrixState) -> K.Module:
     if not supports(decl):
         raise ValueError(f"declaration: matrix state {decl.name!r} (decay {decl.decay}, correction {decl.correction}, "
                          f"{decl.steps} step(s)) is not the per-key delta structure these kernels cover")
-    kernels = helper_kernels() + [inv_unit_lower_blocks(), inverse_kernel(), prep_kernel(decl), fwd_kernel(decl),
-                                  out_kernel(decl), bwd_dh_kernel(decl), bwd_v_kernel(decl), bwd_kernel(decl)]
+    kernels = helper_kernels() + [inv_unit_lower_blocks(), inverse_kernel(), cumsum_kernel(decl), prep_kernel(decl),
+                                  fwd_kernel(decl), out_kernel(decl), bwd_dh_kernel(decl), bwd_v_kernel(decl),
+                                  bwd_kernel(decl)]
     doc = (f"Generated by scanlang from matrix state {E.docstring_text(decl.name)} (declaration {decl.key}): "
            f"decay per_key, delta correction (backends/linear/kernels_delta.py). Do not edit.")
     return K.Module(doc, tuple(kernels))
