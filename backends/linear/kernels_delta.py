@@ -26,8 +26,8 @@ for it (0/0 at eps = 0), as on the host (recipes/linear/family.py `_host_beta`).
 
 Kernels (one module per declaration; C, K, V, BK, BV, BS are constexprs), fla's organisation of the work:
     {name}_decay_cumsum  (tuning.linear_delta_prep "load" only) per (chunk, head): G, before the prep kernel
-    {name}_prep      per (chunk, head): G (unless loaded), beta, Tm (the blocked inverse, `inverse_unit_lower`), w, Aqk, P and
-                     u (stored; the backward reads them too)
+    {name}_prep      per (chunk, head): G (unless loaded), beta, Tm (the blocked inverse, `inverse_unit_lower`),
+                     w, Aqk, P and u (stored; the backward reads them too)
     {name}_fwd       the state pass, per (sequence, head, value block), chunks in order, two products a chunk:
                      U = u - w S0 and the state update; it keeps U (STORE_U) and the state entering every chunk
                      (STORE_H: the forward's in the input dtype, the backward's recomputation in fp32)
@@ -63,7 +63,8 @@ from .kernels import (INF, QK_MASK, QK_OFF, S_MASK, SHAPE_CONSTS, V_MASK, V_OFF,
 CC_OFF = "(c * H + h).to(tl.int64) * C * C + rows[:, None] * C + cols"
 TOK_OFF = "(tok + rows) * H + h"
 STRICT = "rows[:, None] > cols"
-WY = ["wy_beta_ptr", "wy_tm_ptr", "wy_aqk_ptr", "wy_w_ptr", "wy_p_ptr", "wy_u_ptr"]   # the prep kernel's: beta, Tm, Aqk, w, P, u
+# what the prep kernel stores: beta, Tm, Aqk, w, P, u
+WY = ["wy_beta_ptr", "wy_tm_ptr", "wy_aqk_ptr", "wy_w_ptr", "wy_p_ptr", "wy_u_ptr"]
 
 
 def dot32(x: str, y: str) -> str:
@@ -144,7 +145,8 @@ def _load_cc(target: str, ptr: str) -> K.Assign:
 
 def inverse_kernel() -> K.Kernel:
     """`inverse_unit_lower(A, C, PRECISION)`: (I + A)^-1 for a strictly lower [C, C] A in fp32 products."""
-    return K.Kernel("inverse_unit_lower", (K.Param("A"), K.Param("C", constexpr=True), K.Param("PRECISION", constexpr=True)), (
+    params = (K.Param("A"), K.Param("C", constexpr=True), K.Param("PRECISION", constexpr=True))
+    return K.Kernel("inverse_unit_lower", params, (
         K.assign("rows", "tl.arange(0, C)"),
         K.assign("Tm", "inv_unit_lower_blocks(A, C, PRECISION)"),
         K.assign("N", "-tl.dot(Tm, tl.where((rows[:, None] // 16) > (rows[None, :] // 16), A, 0.0), "
@@ -225,7 +227,8 @@ def fwd_kernel(decl: MatrixState) -> K.Kernel:
             K.assign("U", f"u - {dot32('w', 'S')}"),
             K.If(K.expr("STORE_U"), (K.Store(K.expr(f"fw_U_ptr + {V_OFF}"), K.expr("U"), K.expr(V_MASK)),)),
             K.assign("S", f"S * s_dec + {dot32('tl.trans(k_end)', 'U')}"))
-    body = (K.assign("n", "tl.program_id(0)"), K.assign("h", "tl.program_id(1)"), K.assign("vb", "tl.program_id(2)"), *_axes(True),
+    body = (K.assign("n", "tl.program_id(0)"), K.assign("h", "tl.program_id(1)"), K.assign("vb", "tl.program_id(2)"),
+            *_axes(True),
             *_origin_comments(decl),
             K.assign("c0", "tl.load(seq_chunk0_ptr + n)"), K.assign("c1", "tl.load(seq_chunk0_ptr + n + 1)"),
             K.If(K.expr("HAS_H0"), (load("S", "h0_ptr", state_off("n"), S_MASK),),
@@ -376,12 +379,14 @@ def bwd_kernel(decl: MatrixState) -> K.Kernel:
     """The backward's per-key part, in key blocks of BK columns (every product here is per key column): the sums
     over the values that end in a [C, BK] tile, the pairwise gradients of Aqk and P, dq, dk, dg and the log-decay's
     hook inputs' gradients."""
-    params = _params(["q_ptr", "k_ptr", "G_ptr", "hs_ptr", "dh_ptr", "do_ptr", "bw_U_ptr", "dv_ptr", "bw_daqk_ptr", "bw_dp_ptr",
+    params = _params(["q_ptr", "k_ptr", "G_ptr", "hs_ptr", "dh_ptr", "do_ptr", "bw_U_ptr", "dv_ptr", "bw_daqk_ptr",
+                      "bw_dp_ptr",
                       "bw_dn2_ptr", "dq_ptr", "dk_ptr", "chunk_tok_ptr", "chunk_len_ptr", "chunk_seq_ptr",
                       *_hook_params(decl), "scale", "H"], SHAPE_CONSTS)
     zeros = lambda *ts: tuple(K.assign(t, f"tl.zeros([{s}], dtype=tl.float32)") for t, s in ts)  # noqa: E731
     vloop = (K.assign("vv", "vb * BV + tl.arange(0, BV)"), K.assign("okv", "vv < V"),
-             load("b_do", "do_ptr", V_OFF, V_MASK), load("U", "bw_U_ptr", V_OFF, V_MASK), load("dv", "dv_ptr", V_OFF, V_MASK),
+             load("b_do", "do_ptr", V_OFF, V_MASK), load("U", "bw_U_ptr", V_OFF, V_MASK),
+             load("dv", "dv_ptr", V_OFF, V_MASK),
              load("S0", "hs_ptr", state_off("c + n"), S_MASK), load("dSe", "dh_ptr", state_off("c"), S_MASK),
              K.assign("dk_state", f"dk_state + {dot32('U', 'tl.trans(dSe)')}"),
              K.assign("dq_inter", f"dq_inter + {dot('b_do', 'tl.trans(S0)')}"),

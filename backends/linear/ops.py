@@ -364,11 +364,12 @@ def _per_chunk_meta(d: MatrixState, meta: dict, q: torch.Tensor) -> tuple[dict, 
     """(launch meta, key blocks) of the plain-write per-chunk kernels (`{name}_fwd_o`, `{name}_bwd`): `_wide`'s
     BV >= C with one stage for 16-bit CUDA inputs, `_warps`, and for per-key decay key blocks of
     tuning.linear_key_block columns (linear_delta_key_block for the per-key delta backward), each its own
-    program (kernels.py `_key_block`; SPLIT_K when there are several). At BK = 128 the backward's pairwise gradients spilled 3.3 KB a thread at 8 warps (offline sm_90,
-    Triton 3.6); the split backward ran 40% faster on an H100 (BENCHMARKS_HISTORY.md, "Session 14"). The
-    blocks' shares of o, dv and the per-token hook inputs' gradients meet in atomic adds: with two blocks
-    the result has the same bits in either order, with more it can differ in the last bits between runs,
-    so under torch.use_deterministic_algorithms(True) there are at most two."""
+    program (kernels.py `_key_block`; SPLIT_K when there are several). At BK = 128 the backward's pairwise
+    gradients spilled 3.3 KB a thread at 8 warps (offline sm_90, Triton 3.6); the split backward ran 40% faster
+    on an H100 (BENCHMARKS_HISTORY.md, "Session 14"). The blocks' shares of o, dv and the per-token hook inputs'
+    gradients meet in atomic adds: with two blocks the result has the same bits in either order, with more it
+    can differ in the last bits between runs, so under torch.use_deterministic_algorithms(True) there are at
+    most two (one where beta's share is added first: kernels_delta.beta_adds_first)."""
     wide = _wide(meta, q)
     out = dict(wide, num_warps=_warps(d), **({"num_stages": 1} if wide is not meta else {}))
     if d.decay != "per_key":
