@@ -56,9 +56,9 @@ from ..delta.parts import inv_unit_lower_blocks
 from ..triton.kernel import common
 from ..triton.kernel import ir as K
 from ..triton.kernel.printer import render as print_module
-from .kernels import (INF, QK_MASK, QK_OFF, S_MASK, SHAPE_CONSTS, V_MASK, V_OFF, _axes, _chunk, _decay, _hook_names,
-                      _key_block, _load_hook_inputs, _origin_comments, _params, _shape_like, cumsum_kernel, dot,
-                      helper_kernels, load, reverse_state_pass, state_off)
+from .kernels import (INF, QK_MASK, QK_OFF, S_MASK, SHAPE_CONSTS, V_MASK, V_OFF, _axes, _chunk, _decay, _hook_grads,
+                      _hook_names, _key_block, _load_hook_inputs, _origin_comments, _params, _shape_like, cumsum_kernel,
+                      dot, helper_kernels, load, reverse_state_pass, state_off)
 
 CC_OFF = "(c * H + h).to(tl.int64) * C * C + rows[:, None] * C + cols"
 TOK_OFF = "(tok + rows) * H + h"
@@ -203,14 +203,11 @@ def prep_kernel(decl: MatrixState) -> K.Kernel:
                         "(A = diag(beta) P, for the backward's dbeta) and u = Tm diag(beta) V.")
 
 
-def _chunk_loads(with_do: bool) -> tuple:
-    """q, k, G (and what kernels.py's `_decay` forms of them), beta, Tm, Aqk, w of chunk c."""
-    out = [load("b_q", "q_ptr", QK_OFF, QK_MASK), load("b_k", "k_ptr", QK_OFF, QK_MASK), *_decay("per_key", False),
-           load("beta", "wy_beta_ptr", TOK_OFF, "ok"), _load_cc("Aqk", "wy_aqk_ptr"),
-           load("w", "wy_w_ptr", QK_OFF, QK_MASK)]
-    if with_do:
-        out.append(load("b_do", "do_ptr", V_OFF, V_MASK))
-    return tuple(out)
+def _chunk_loads() -> tuple:
+    """q, k, G (and what kernels.py's `_decay` forms of them), beta, Aqk, w and dO of chunk c (`{name}_bwd_dh`)."""
+    return (load("b_q", "q_ptr", QK_OFF, QK_MASK), load("b_k", "k_ptr", QK_OFF, QK_MASK), *_decay("per_key", False),
+            load("beta", "wy_beta_ptr", TOK_OFF, "ok"), _load_cc("Aqk", "wy_aqk_ptr"),
+            load("w", "wy_w_ptr", QK_OFF, QK_MASK), load("b_do", "do_ptr", V_OFF, V_MASK))
 
 
 def fwd_kernel(decl: MatrixState) -> K.Kernel:
@@ -266,7 +263,7 @@ def bwd_dh_kernel(decl: MatrixState) -> K.Kernel:
                      SHAPE_CONSTS + ("HAS_DHT", "STORE_DH0"))
     loop = (K.assign("c", "c1 - 1 - i"), *_chunk(),
             K.Store(K.expr(f"dh_ptr + {state_off('c')}"), K.expr("dS"), K.expr(S_MASK)),
-            *_chunk_loads(True),
+            *_chunk_loads(),
             K.assign("dU", f"scale * {dot32('tl.trans(Aqk)', 'b_do')} + {dot32('k_end', 'dS')}"),
             K.assign("dS", f"dS * s_dec + scale * {dot('tl.trans(q_dec)', 'b_do')} - {dot32('tl.trans(w)', 'dU')}"))
     body = reverse_state_pass(decl, loop, setup=(K.assign("cols", "tl.arange(0, C)[None, :]"),))
@@ -311,23 +308,6 @@ def _beta_input_grads(decl: MatrixState) -> tuple:
                                shape_like="zero_c"),
                 K.Store(K.expr(f"bw_dn2_ptr + {TOK_OFF}"), K.expr("tl.where(ok & ~dead, 2.0 * dbeta * dbeta_n2, 0.0)"),
                         K.expr("ok"))]
-    return tuple(out)
-
-
-def _decay_input_grads(decl: MatrixState) -> tuple:
-    """The log-decay's part of d(input) over this program's key block: dg times the hook's sympy derivative."""
-    g_used = [n for n in hook_inputs(decl) if n in set(decl.used(decl.log_decay))]
-    out = [*_load_hook_inputs(decl),
-           *common.assign([f"dx_{n}" for n in g_used], [decl.log_decay.grads[n] for n in g_used], _hook_names(decl),
-                          "_dg", shape_like=_shape_like(decl))]
-    for n in g_used:
-        value = f"tl.where({QK_MASK}, dg * dx_{n}, 0.0)"
-        if decl.inputs[n] == "head":
-            out.append(K.AtomicAdd(K.expr(f"d{n}_ptr + h"), K.expr(f"tl.sum({value})")))
-        elif decl.inputs[n] == "token":
-            out.append(K.AtomicAdd(K.expr(f"d{n}_ptr + {TOK_OFF}"), K.expr(f"tl.sum({value}, 1)"), K.expr("ok")))
-        else:
-            out.append(K.Store(K.expr(f"d{n}_ptr + {QK_OFF}"), K.expr(value), K.expr(QK_MASK)))
     return tuple(out)
 
 
@@ -414,7 +394,7 @@ def bwd_kernel(decl: MatrixState) -> K.Kernel:
         body += (load("dn2", "bw_dn2_ptr", TOK_OFF, "ok"), K.assign("dk", "dk + dn2[:, None] * b_k"))
     body += (K.Store(K.expr(f"dq_ptr + {QK_OFF}"), K.expr("dq_s0 + X"), K.expr(QK_MASK)),
              K.Store(K.expr(f"dk_ptr + {QK_OFF}"), K.expr("tl.where(ok[:, None], dk, 0.0)"), K.expr(QK_MASK)),
-             *_decay_input_grads(decl))
+             *_load_hook_inputs(decl), *_hook_grads(decl))
     return K.Kernel(f"{decl.name}_bwd", params, body,
                     doc="Chunk c, key block tl.program_id(2): dq, dk and the log-decay's hook inputs' gradients "
                         "(module docstring).")

@@ -224,8 +224,7 @@ def _forward(d: MatrixState, q, k, v, h0, xs, table, constants, scale: float, C:
         hs = _empty(table.n_chunks + table.n_seq, H, meta["K"], V, device=dev, dtype=q.dtype)
         U = _empty(TT, H, V, device=dev)
         _delta_states(mod, d, meta, q, k, G, wy, h0, U, ht, hs, table, True, True, direct)
-        out = _wide(meta, q)
-        out = dict(out, num_warps=CONFIG["num_warps"], **({"num_stages": 1} if out is not meta else {}))
+        out = _per_chunk_launch(meta, q, CONFIG["num_warps"])
         _launch(getattr(mod, f"{d.name}_fwd_o"), (table.n_chunks, H, triton.cdiv(V, out["BV"])),
                 (q, k, v, G, wy[0], wy[2], U, hs, o, table.chunk_tok, table.chunk_len, table.chunk_seq, scale, H), out,
                 direct)
@@ -360,6 +359,13 @@ def _split_forward(d: MatrixState) -> bool:
     return d.decay == "per_key" if choice == "auto" else choice == "split"
 
 
+def _per_chunk_launch(meta: dict, q: torch.Tensor, warps: int) -> dict:
+    """`meta` for a per-chunk kernel on `warps` warps: `_wide`'s BV >= C, with one pipeline stage, for 16-bit CUDA
+    inputs."""
+    wide = _wide(meta, q)
+    return dict(wide, num_warps=warps, **({"num_stages": 1} if wide is not meta else {}))
+
+
 def _per_chunk_meta(d: MatrixState, meta: dict, q: torch.Tensor) -> tuple[dict, int]:
     """(launch meta, key blocks) of the plain-write per-chunk kernels (`{name}_fwd_o`, `{name}_bwd`): `_wide`'s
     BV >= C with one stage for 16-bit CUDA inputs, `_warps`, and for per-key decay key blocks of
@@ -370,8 +376,7 @@ def _per_chunk_meta(d: MatrixState, meta: dict, q: torch.Tensor) -> tuple[dict, 
     gradients meet in atomic adds: with two blocks the result has the same bits in either order, with more it
     can differ in the last bits between runs, so under torch.use_deterministic_algorithms(True) there are at
     most two (one where beta's share is added first: kernels_delta.beta_adds_first)."""
-    wide = _wide(meta, q)
-    out = dict(wide, num_warps=_warps(d), **({"num_stages": 1} if wide is not meta else {}))
+    out = _per_chunk_launch(meta, q, _warps(d))
     if d.decay != "per_key":
         return out, 1
     knobs = tuning.current()
