@@ -75,6 +75,10 @@ class Tuning:
         G from the hook and picks the rows it broadcasts out of its tiles) or "load" (`{name}_decay_cumsum`
         forms G first, and the products load those rows, as the backward's do). Interpreter-tested; not
         yet timed on a GPU, where the prep kernel took 22.7 of the forward's 27.5 ms (H100, session 18).
+      linear_pairwise_block: BS, the row blocks inside which the per-key-decay kernels form the pairwise
+        products e^(G_i - G_j) exactly, BS steps over [C, BK] tiles (a power of two, capped at the chunk);
+        the pairs of different blocks run as log2(C / BS) masked fp32 tensor-core products
+        (backends/linear/kernels.py `pairwise_kernels`). 1 leaves no exact steps but the diagonal.
       chunk_single_pass: which passes of the chunk-parallel schedule run one kernel with a decoupled
         look-back (kernel/chunked_lookback.py, each input read once) instead of three
         (kernel/chunked.py): "auto" (the default: the forward of a monoid of up to 2 fields), "forward",
@@ -108,6 +112,7 @@ class Tuning:
     linear_key_block: int = 64
     linear_delta_key_block: int = 32
     linear_delta_prep: str = "pick"
+    linear_pairwise_block: int = 16
     chunk_single_pass: str = "auto"
     chunk_lookback: int = 32
     delta_save_wu: bool = True
@@ -148,6 +153,9 @@ class Tuning:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 16 or value & (value - 1):
                 raise ValueError(f"{name}: expected a power of two >= 16, got {value!r}")
+        if isinstance(self.linear_pairwise_block, bool) or not isinstance(self.linear_pairwise_block, int) \
+                or self.linear_pairwise_block < 1 or self.linear_pairwise_block & (self.linear_pairwise_block - 1):
+            raise ValueError(f"linear_pairwise_block: expected a power of two >= 1, got {self.linear_pairwise_block!r}")
         if isinstance(self.chunk_lookback, bool) or not isinstance(self.chunk_lookback, int) \
                 or self.chunk_lookback < 1 or self.chunk_lookback & (self.chunk_lookback - 1):
             raise ValueError(f"chunk_lookback: expected a power of two >= 1, got {self.chunk_lookback!r}")

@@ -96,12 +96,15 @@ def helper_kernels(decay: str = "per_key", loaded: bool = True) -> list[K.Kernel
 
 
 def pairwise_kernels(loaded: bool = True) -> list[K.Kernel]:
-    """The per-key products with the pairwise decay e^(G_ik - G_jk) (i >= j), in row blocks of BS:
-    a pair of different blocks factors through the later block's reference row r (the last row before
-    it), e^(G_i - G_r) e^(G_r - G_j), both factors <= 1, so it is one tl.dot per block; a pair inside
-    one block is formed exactly, column jj of every block at once (BS steps over [C, BK] tiles), the
-    exponent selected to 0 where i < j before exp and the term selected to 0 after. The gradients
-    step twice through a block: over its columns j (dq's part, row i gathers) and over its rows i
+    """The per-key products with the pairwise decay e^(G_ik - G_jk) (i >= j), as a tree over the chunk's rows
+    down to blocks of BS (tuning.linear_pairwise_block). At level s (s = C / 2, C / 4, ..., BS) the pairs with
+    i in the second half of a 2s-block and j in its first factor through the block's reference row r = its
+    row s - 1: e^(G_i - G_r) e^(G_r - G_j), both factors <= 1 (every pair i > j of different BS-blocks lies
+    in exactly one level: the one of the highest bit in which i and j differ), so a level is one fp32
+    tensor-core product for every block at once, masked to its pairs. A pair inside one BS-block is formed
+    exactly, column jj of every block at once (BS steps over [C, BK] tiles), the exponent selected to 0
+    where i < j before exp and the term selected to 0 after (BS = 1 leaves the diagonal alone). The
+    gradients step twice through a block: over its columns j (dq's part, row i gathers) and over its rows i
     (dk's part, column j gathers), so no step sums across the rows of a block.
 
     Each comes twice: `pairwise_qk` / `pairwise_grads` pick the rows they broadcast (G_r, G_j, k_j,
@@ -110,7 +113,8 @@ def pairwise_kernels(loaded: bool = True) -> list[K.Kernel]:
     gradients), k_ptr, G_ptr and the chunk's tok, h, H, kk, okk, n_rows, G_last (kernels.py's kernels,
     which have them, and the per-key delta backward, which loads the G its prep kernel stored; that prep
     kernel forms G itself, so it picks)."""
-    return [*_block_kernels(), _qk(False), _grads(False), *((_qk(True), _grads(True)) if loaded else ())]
+    return [*_block_kernels(), _level(False), _qk(False), _grads(False),
+            *((_level(True), _qk(True), _grads(True)) if loaded else ())]
 
 
 _ROWS = ("k_ptr", "G_ptr", "tok", "h", "H", "kk", "okk", "n_rows", "G_last")
@@ -127,34 +131,47 @@ def _pre() -> tuple:
             K.assign("j0", "rows // BS * BS"))
 
 
-def _ref(loaded: bool) -> tuple:
-    """G_r (the reference row b*BS - 1 of block b), in_b, before, and the factors e_q, e_k of block b."""
+def _level(loaded: bool) -> K.Kernel:
+    """Level S of the pairs' tree (`pairwise_kernels`): G_r, the reference row of each row's 2S-block (its
+    row S - 1: the last of the block's first half), the factors e_q (second half: e^(G - G_r)) and e_k
+    (first half: e^(G_r - G)), both <= 1, and `pair`, the pairs (i, j) with i in a block's second half and
+    j in its first."""
     if loaded:
-        g_r = (K.assign("r_ok", "kk * 0 + b * BS - 1 < n_rows"),   # [BK]: the reference row is in the chunk
-               K.assign("G_r", "tl.where(r_ok, tl.load(G_ptr + ((tok + b * BS - 1) * H + h) * K + kk, "
-                               "mask=r_ok & okk, other=0.0), G_last)"))
+        g_r = (K.assign("ref", "rows // (2 * S) * (2 * S) + S - 1"), K.assign("r_ok", "(ref < n_rows)[:, None]"),
+               K.assign("G_r", "tl.where(r_ok, tl.load(G_ptr + ((tok + ref)[:, None] * H + h) * K + kk[None, :], "
+                               "mask=r_ok & okk[None, :], other=0.0), G_last[None, :])"))
     else:
-        g_r = (K.assign("G_r", "tl.sum(tl.where(rows[:, None] == b * BS - 1, G, 0.0), 0)"),)
-    return (*g_r, K.assign("in_b", "((rows >= b * BS) & (rows < b * BS + BS))[:, None]"),
-            K.assign("before", "(rows < b * BS)[:, None]"),
-            K.assign("e_q", "tl.where(in_b, tl.exp(tl.where(in_b, G - G_r[None, :], 0.0)), 0.0)"),
-            K.assign("e_k", "tl.where(before, tl.exp(tl.where(before, G_r[None, :] - G, 0.0)), 0.0)"))
+        g_r = (K.assign("G_r", "block_row(G, S - 1, C, 2 * S, BK)"),)
+    params = (K.Param("G"), *(K.Param(p) for p in (_ROWS[1:] if loaded else ())),
+              *(K.Param(p, constexpr=True) for p in (("K",) if loaded else ()) + ("C", "S", "BK")))
+    return K.Kernel("tree_level_loaded" if loaded else "tree_level", params, (
+        K.assign("rows", "tl.arange(0, C)"), K.assign("cols", "tl.arange(0, C)[None, :]"), *g_r,
+        K.assign("late", "((rows // S) % 2 == 1)[:, None]"), K.assign("e", "tl.exp(tl.where(late, G - G_r, G_r - G))"),
+        K.Return((K.expr("tl.where(late, e, 0.0)"), K.expr("tl.where(late, 0.0, e)"),
+                  K.expr("late & (rows[:, None] // (2 * S) == cols // (2 * S)) & ((cols // S) % 2 == 0)")))),
+        doc="(e_q, e_k, pair) of level S: e^(G_i - G_r) on each 2S-block's second half, e^(G_r - G_j) on its first "
+            "(r its row S - 1), and the pairs between the halves.")
+
+
+def _levels(loaded: bool, body: tuple) -> K.For:
+    """`body` once per level of the tree, S = C / 2, C / 4, ..., BS, after e_q, e_k, pair of the level."""
+    args = "G, " + (", ".join(_ROWS[1:]) + ", K, " if loaded else "") + "C, C // (2 << lv), BK"
+    call = K.Assign(("e_q", "e_k", "pair"), K.expr(f"{'tree_level_loaded' if loaded else 'tree_level'}({args})"))
+    return K.For("lv", None, K.expr("8"), (K.If(K.expr("C // (2 << lv) >= BS"), (call, *body)),), static=True)
 
 
 def _qk(loaded: bool) -> K.Kernel:
     return K.Kernel("pairwise_qk_loaded" if loaded else "pairwise_qk", _params_of(("q", "k", "G"), loaded), (
         *_pre(), K.assign("A", "tl.zeros([C, C], dtype=tl.float32)"),
-        K.For("b", K.expr("1"), K.expr("C // BS"), (
-            *_ref(loaded), K.assign("A", "A + tl.where(in_b & (cols < b * BS), "
-                                    "mm(q * e_q, tl.trans(k * e_k), DT, PREC, UPCAST), 0.0)")),
-            static=True),
+        _levels(loaded, (K.assign("A", "A + tl.where(pair, mm(q * e_q, tl.trans(k * e_k), tl.float32, PREC, UPCAST), "
+                                          "0.0)"),)),
         *_in_block_qk(loaded)),
         doc="A_ij = sum_k q_ik k_jk exp(G_ik - G_jk) for i >= j, else 0" + (
             " (broadcast rows loaded: pairwise_kernels)." if loaded else "."))
 
 
 def _in_block_qk(loaded: bool) -> tuple:
-    """The pairs inside a block, column jj of every block a step, and the return of A. Loaded: the columns
+    """The pairs inside a block, column jj of every block a step, and the return of A. Loaded (BS >= 16): the columns
     gather into A_in [C, BS], placed once by a one-hot product (exact in fp32: one nonzero term per
     entry) rather than by a [C, C] select each step (gla_fwd_o's step 338 -> 298 SASS instructions, no
     spills; offline sm_90). Picked (the per-key delta kernels): the select, since the placement raised
@@ -162,13 +179,15 @@ def _in_block_qk(loaded: bool) -> tuple:
     step = (*_rows_at(loaded, "j", "jj"), K.assign("live", "(rows >= s_j)[:, None]"),
             K.assign("e", "tl.exp(tl.where(live, G - G_j, 0.0))"),
             K.assign("col", "tl.sum(tl.where(live, q * e * k_j, 0.0), 1)"))
+    select = (K.For("jj", K.expr("0"), K.expr("BS"), (*step, K.assign("A", "tl.where(cols == s_j[:, None], col[:, None], A)"))),)
     if not loaded:
-        return (K.For("jj", K.expr("0"), K.expr("BS"), (*step, K.assign("A", "tl.where(cols == s_j[:, None], col[:, None], A)"))),
-                K.Return((K.expr("A"),)))
-    return (K.assign("lanes", "tl.arange(0, BS)[None, :]"), K.assign("A_in", "tl.zeros([C, BS], dtype=tl.float32)"),
-            K.For("jj", K.expr("0"), K.expr("BS"), (*step, K.assign("A_in", "tl.where(lanes == jj, col[:, None], A_in)"))),
-            K.assign("place", "((tl.arange(0, C)[None, :] % BS) == tl.arange(0, BS)[:, None]).to(tl.float32)"),
-            K.Return((K.expr("tl.where(rows[:, None] // BS == cols // BS, tl.dot(A_in, place, input_precision='ieee'), A)"),)))
+        return (*select, K.Return((K.expr("A"),)))
+    place = (K.assign("lanes", "tl.arange(0, BS)[None, :]"), K.assign("A_in", "tl.zeros([C, BS], dtype=tl.float32)"),
+             K.For("jj", K.expr("0"), K.expr("BS"), (*step, K.assign("A_in", "tl.where(lanes == jj, col[:, None], A_in)"))),
+             K.assign("place", "((tl.arange(0, C)[None, :] % BS) == tl.arange(0, BS)[:, None]).to(tl.float32)"),
+             K.assign("A", "tl.where(rows[:, None] // BS == cols // BS, tl.dot(A_in, place, input_precision='ieee'), A)"))
+    # the placement is a product over BS: tl.dot needs 16 or more
+    return (K.If(K.expr("BS >= 16"), place, select), K.Return((K.expr("A"),)))
 
 
 def _rows_at(loaded: bool, what: str, step: str) -> tuple:
@@ -194,23 +213,22 @@ def _grads(loaded: bool) -> K.Kernel:
     params = params[:5] + extra + params[5:]
     return K.Kernel("pairwise_grads_loaded" if loaded else "pairwise_grads", params, (
         *_pre(), K.assign("X", "tl.zeros_like(q)"), K.assign("Y", "tl.zeros_like(k)"),
-        K.For("b", K.expr("1"), K.expr("C // BS"), (
-            *_ref(loaded), K.assign("dA_b", "tl.where(in_b & (cols < b * BS), dA, 0.0)"),
-            K.assign("X", "X + e_q * mm(dA_b, k * e_k, DT, PREC, UPCAST)"),
-            K.assign("Y", "Y + e_k * mm(tl.trans(dA_b), q * e_q, DT, PREC, UPCAST)")),
-            static=True),
+        _levels(loaded, (K.assign("dA_s", "tl.where(pair, dA, 0.0)"),
+                 K.assign("X", "X + e_q * mm(dA_s, k * e_k, tl.float32, PREC, UPCAST)"),
+                 K.assign("Y", "Y + e_k * mm(tl.trans(dA_s), q * e_q, tl.float32, PREC, UPCAST)"))),
         K.Comment("pairs inside a block, i > j: X over the columns j of each row, Y over the rows i of each column"),
-        K.For("jj", K.expr("0"), K.expr("BS"), (
-            *_rows_at(loaded, "j", "jj"), K.assign("live", "(rows > s_j)[:, None]"),
-            K.assign("e", "tl.exp(tl.where(live, G - G_j, 0.0))"),
-            K.assign("dA_j", "tl.sum(tl.where(cols == s_j[:, None], dA, 0.0), 1)"),
-            K.assign("X", "X + tl.where(live, dA_j[:, None] * k_j * e, 0.0)"))),
-        K.assign("dA_t", "tl.trans(dA)"),
-        K.For("ii", K.expr("0"), K.expr("BS"), (
-            *_rows_at(loaded, "i", "ii"), K.assign("live", "(s_i > rows)[:, None]"),
-            K.assign("e", "tl.exp(tl.where(live, G_i - G, 0.0))"),
-            K.assign("dA_i", "tl.sum(tl.where(cols == s_i[:, None], dA_t, 0.0), 1)"),
-            K.assign("Y", "Y + tl.where(live, dA_i[:, None] * q_i * e, 0.0)"))),
+        K.If(K.expr("BS > 1"), (
+            K.For("jj", K.expr("0"), K.expr("BS"), (
+                *_rows_at(loaded, "j", "jj"), K.assign("live", "(rows > s_j)[:, None]"),
+                K.assign("e", "tl.exp(tl.where(live, G - G_j, 0.0))"),
+                K.assign("dA_j", "tl.sum(tl.where(cols == s_j[:, None], dA, 0.0), 1)"),
+                K.assign("X", "X + tl.where(live, dA_j[:, None] * k_j * e, 0.0)"))),
+            K.assign("dA_t", "tl.trans(dA)"),
+            K.For("ii", K.expr("0"), K.expr("BS"), (
+                *_rows_at(loaded, "i", "ii"), K.assign("live", "(s_i > rows)[:, None]"),
+                K.assign("e", "tl.exp(tl.where(live, G_i - G, 0.0))"),
+                K.assign("dA_i", "tl.sum(tl.where(cols == s_i[:, None], dA_t, 0.0), 1)"),
+                K.assign("Y", "Y + tl.where(live, dA_i[:, None] * q_i * e, 0.0)"))))),
         K.Comment("dg_t: the pairs j < t <= i, as the reverse cumsum of q X - k Y over the pairs i > j (a pair"),
         K.Comment("with both rows >= t adds and takes the same term; no diagonal term, which would cancel),"),
         K.Comment("and the writes j < t: an exclusive cumsum of W, formed as a sum, not a difference"),

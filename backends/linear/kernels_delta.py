@@ -90,8 +90,9 @@ def _beta_names(decl: MatrixState, n2: str) -> dict:
     return names
 
 
-def _beta(decl: MatrixState) -> tuple:
-    """beta [C] from the hook (0 past the chunk's end, and for a zero key where the hook is not finite)."""
+def _beta(decl: MatrixState, n2_formed: bool = False) -> tuple:
+    """beta [C] from the hook (0 past the chunk's end, and for a zero key where the hook is not finite); n2,
+    the key's squared norm, from b_k unless `n2_formed` (the prep kernel sums it over its key blocks)."""
     out = [K.assign("zero_c", "tl.zeros([C], dtype=tl.float32)")]
     for n in (n for n in decl.used(decl.beta) if n in decl.inputs):
         if decl.inputs[n] == "head":
@@ -100,7 +101,7 @@ def _beta(decl: MatrixState) -> tuple:
             out.append(load(f"y_{n}", f"{n}_ptr", TOK_OFF, "ok"))
     out.append(K.Comment(f"beta = {E.docstring_text(str(decl.beta.expr))}"))
     if decl.uses_key_norm:
-        out += [K.assign("n2", f"tl.sum(tl.where({QK_MASK}, b_k * b_k, 0.0), 1)"),
+        out += [*(() if n2_formed else (K.assign("n2", f"tl.sum(tl.where({QK_MASK}, b_k * b_k, 0.0), 1)"),)),
                 *common.assign(["beta0"], [decl.beta.expr], _beta_names(decl, "n2"), "_b0", shape_like="zero_c"),
                 K.assign("dead", f"(n2 == 0) & ~(tl.abs(beta0) < {INF})"), K.assign("n2_safe", "tl.where(dead, 1.0, n2)"),
                 *common.assign(["beta"], [decl.beta.expr], _beta_names(decl, "n2_safe"), "_b", shape_like="zero_c"),
@@ -111,10 +112,15 @@ def _beta(decl: MatrixState) -> tuple:
     return tuple(out)
 
 
-def _first_bad(with_v: bool) -> tuple:
-    """first_bad: the chunk's first row with a non-finite key, log-decay, beta (or value); C if none."""
-    bad = (f"(tl.sum(tl.where((tl.abs(b_k) < {INF}) & (tl.abs(b_G) < {INF}), 0, 1), 1) > 0) "
-           f"| ~(tl.abs(beta) < {INF})")
+def _non_finite_kg() -> str:
+    """[C]: how many of the row's key and log-decay entries (b_k, b_G) are not finite."""
+    return f"tl.sum(tl.where((tl.abs(b_k) < {INF}) & (tl.abs(b_G) < {INF}), 0, 1), 1)"
+
+
+def _first_bad(with_v: bool, non_finite_kg: str = "") -> tuple:
+    """first_bad: the chunk's first row with a non-finite key, log-decay, beta (or value); C if none.
+    `non_finite_kg`: the count of non-finite key and log-decay entries per row, if summed already."""
+    bad = f"({non_finite_kg or _non_finite_kg()} > 0) | ~(tl.abs(beta) < {INF})"
     if with_v:
         bad += f" | (tl.sum(tl.where(tl.abs(b_v) < {INF}, 0, 1), 1) > 0)"
     return (K.assign("bad", f"({bad}) & ok"), K.assign("first_bad", "tl.min(tl.where(bad, rows, C), 0)"))
@@ -128,15 +134,15 @@ def _causal_dot(target: str, m: str, x: str, first: str = "first_bad") -> tuple:
 
 
 def _pairwise_kk_qk() -> tuple:
-    """P (strictly lower) and Aqk, their broadcast rows picked out of the tiles, or (LOADED: G came from
+    """P and Aqk (i >= j) of key block kk added, their broadcast rows picked out of the tiles, or (LOADED: G came from
     `{name}_decay_cumsum`, so it is in memory before this kernel starts) loaded (kernels.py `pairwise_kernels`)."""
     loaded = "k_ptr, G_ptr, tok, h, H, kk, okk, n_rows, G_last, K, C, BS, BK, DT, PREC, UPCAST"
     picked = "C, BS, BK, DT, PREC, UPCAST"
     return (K.If(K.expr("LOADED"), (
-                K.assign("P", f"tl.where({STRICT}, pairwise_qk_loaded(b_k, b_k, b_G, {loaded}), 0.0)"),
-                K.assign("Aqk", f"pairwise_qk_loaded(b_q, b_k, b_G, {loaded})")), (
-                K.assign("P", f"tl.where({STRICT}, pairwise_qk(b_k, b_k, b_G, {picked}), 0.0)"),
-                K.assign("Aqk", f"pairwise_qk(b_q, b_k, b_G, {picked})"))),)
+                K.assign("P", f"P + pairwise_qk_loaded(b_k, b_k, b_G, {loaded})"),
+                K.assign("Aqk", f"Aqk + pairwise_qk_loaded(b_q, b_k, b_G, {loaded})")), (
+                K.assign("P", f"P + pairwise_qk(b_k, b_k, b_G, {picked})"),
+                K.assign("Aqk", f"Aqk + pairwise_qk(b_q, b_k, b_G, {picked})"))),)
 
 
 def _load_cc(target: str, ptr: str) -> K.Assign:
@@ -162,11 +168,33 @@ def inverse_kernel() -> K.Kernel:
             "'tf32x3' (tensor cores, about fp32's accuracy).")
 
 
+def _key_block_G(decl: MatrixState, store: bool) -> tuple:
+    """Key block kb (BK columns): kk, okk, b_k, and b_G, G_last as kernels.py's `_decay` leaves them: loaded
+    (LOADED: `{name}_decay_cumsum` formed G) or formed from the hook (stored too when `store`)."""
+    formed = (*_load_hook_inputs(decl),
+              *common.assign(["g"], [decl.log_decay.expr], _hook_names(decl), "_g", shape_like=_shape_like(decl)),
+              K.assign("b_G", f"tl.cumsum(tl.where({QK_MASK}, g, 0.0), 0)"))
+    if store:
+        formed += (K.Store(K.expr(f"G_ptr + {QK_OFF}"), K.expr("b_G"), K.expr(QK_MASK)),)
+    return (K.assign("kk", "kb * BK + tl.arange(0, BK)"), K.assign("okk", "kk < K"),
+            load("b_k", "k_ptr", QK_OFF, QK_MASK),
+            K.If(K.expr("LOADED"), (load("b_G", "G_ptr", QK_OFF, QK_MASK),), formed),
+            K.assign("G_last", "tl.sum(tl.where((rows == n_rows - 1)[:, None], b_G, 0.0), 0)"),
+            K.assign("b_G", "tl.where(ok[:, None], b_G, G_last[None, :])"))
+
+
 def prep_kernel(decl: MatrixState) -> K.Kernel:
     ins = [f"{n}_ptr" for n in hook_inputs(decl)]
     consts = [f"c_{c}" for c in decl.constants]
     params = _params(["q_ptr", "k_ptr", "v_ptr", *ins, "G_ptr", *WY, "chunk_tok_ptr", "chunk_len_ptr", *consts, "H"],
                      ("K", "V", "BK", "BV", "C", "BS", "PREC", "UPCAST", "LOADED"))
+    sums = (K.assign("P", "tl.zeros([C, C], dtype=tl.float32)"), K.assign("Aqk", "tl.zeros([C, C], dtype=tl.float32)"),
+            K.assign("n2", "tl.zeros([C], dtype=tl.float32)"), K.assign("non_finite", "tl.zeros([C], dtype=tl.int32)"))
+    products = (*_key_block_G(decl, store=True), load("b_q", "q_ptr", QK_OFF, QK_MASK), *_pairwise_kk_qk(),
+                K.assign("n2", f"n2 + tl.sum(tl.where({QK_MASK}, b_k * b_k, 0.0), 1)"),
+                K.assign("non_finite", f"non_finite + {_non_finite_kg()}"))
+    w_block = (*_key_block_G(decl, store=False), *_causal_dot("w", "Tm", "beta[:, None] * b_k * tl.exp(b_G)"),
+               K.Store(K.expr(f"wy_w_ptr + {QK_OFF}"), K.expr("w"), K.expr(QK_MASK)))
     vloop = (K.assign("vv", "vb * BV + tl.arange(0, BV)"), K.assign("okv", "vv < V"), load("b_v", "v_ptr", V_OFF, V_MASK),
              K.assign("bad_v", f"(tl.sum(tl.where(tl.abs(b_v) < {INF}, 0, 1), 1) > 0) & ok"),
              K.assign("first_v", "tl.minimum(first_bad, tl.min(tl.where(bad_v, rows, C), 0))"),
@@ -174,18 +202,13 @@ def prep_kernel(decl: MatrixState) -> K.Kernel:
              K.Store(K.expr(f"wy_u_ptr + {V_OFF}"), K.expr("u"), K.expr(V_MASK)))
     body = (K.assign("c", "tl.program_id(0)"), K.assign("h", "tl.program_id(1)"), *_axes(False),
             K.assign("cols", "tl.arange(0, C)[None, :]"), *_origin_comments(decl), *_chunk(),
-            load("b_q", "q_ptr", QK_OFF, QK_MASK), load("b_k", "k_ptr", QK_OFF, QK_MASK),
-            K.If(K.expr("LOADED"), (load("b_G", "G_ptr", QK_OFF, QK_MASK),), (
-                *_load_hook_inputs(decl),
-                *common.assign(["g"], [decl.log_decay.expr], _hook_names(decl), "_g", shape_like=_shape_like(decl)),
-                K.assign("b_G", f"tl.cumsum(tl.where({QK_MASK}, g, 0.0), 0)"),
-                K.Store(K.expr(f"G_ptr + {QK_OFF}"), K.expr("b_G"), K.expr(QK_MASK)))),
-            K.assign("G_last", "tl.sum(tl.where((rows == n_rows - 1)[:, None], b_G, 0.0), 0)"),
-            K.assign("b_G", "tl.where(ok[:, None], b_G, G_last[None, :])"),
-            *_beta(decl),
+            K.Comment("P and Aqk sum over the keys: key blocks of BK columns hold a few [C, BK] tiles at a time"),
+            *sums, K.For("kb", K.expr("0"), K.expr("tl.cdiv(K, BK)"), products),
+            K.assign("P", f"tl.where({STRICT}, P, 0.0)"),
+            *_beta(decl, n2_formed=True),
             K.Store(K.expr(f"wy_beta_ptr + {TOK_OFF}"), K.expr("beta"), K.expr("ok")),
-            *_first_bad(False),
-            *_pairwise_kk_qk(), K.Store(K.expr(f"wy_p_ptr + {CC_OFF}"), K.expr("P"), None),
+            *_first_bad(False, "non_finite"),
+            K.Store(K.expr(f"wy_p_ptr + {CC_OFF}"), K.expr("P"), None),
             K.Comment("Tm = (I + A)^-1 (inverse_unit_lower), A's rows from the first non-finite one on as 0, Tm's NaN"),
             K.Comment("there (row i of the inverse depends on A's rows <= i only; the products would carry 0 * NaN up)"),
             K.assign("A", f"tl.where(({STRICT}) & (rows[:, None] < first_bad), beta[:, None] * P, 0.0)"),
@@ -193,9 +216,9 @@ def prep_kernel(decl: MatrixState) -> K.Kernel:
                  (K.assign("Tm", "inverse_unit_lower(A, C, 'tf32x3')"),)),
             K.assign("Tm", "tl.where(rows[:, None] < first_bad, Tm, float('nan'))"),
             K.Store(K.expr(f"wy_tm_ptr + {CC_OFF}"), K.expr("Tm"), None),
-            *_causal_dot("w", "Tm", "beta[:, None] * b_k * tl.exp(b_G)"),
-            K.Store(K.expr(f"wy_w_ptr + {QK_OFF}"), K.expr("w"), K.expr(QK_MASK)),
             K.Store(K.expr(f"wy_aqk_ptr + {CC_OFF}"), K.expr("Aqk"), None),
+            K.Comment("w = Tm diag(beta) (K * e^G), a key block at a time (G formed again, not stored and reloaded)"),
+            K.For("kb", K.expr("0"), K.expr("tl.cdiv(K, BK)"), w_block),
             K.Comment("u = Tm diag(beta) V, rows from the first non-finite one on (values included) kept from earlier rows"),
             K.For("vb", K.expr("0"), K.expr("tl.cdiv(V, BV)"), vloop))
     return K.Kernel(f"{decl.name}_prep", params, body,

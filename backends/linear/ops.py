@@ -152,7 +152,7 @@ def _meta(K: int, V: int, C: int, dtype: torch.dtype, device, d: Optional[Matrix
     fp32 = dtype == torch.float32
     ieee = fp32 and not (d is not None and kernels_delta.supports(d) and _for_cuda(device))
     return dict(K=K, V=V, BK=max(16, triton.next_power_of_2(K)),
-                BV=min(CONFIG["BV"], max(16, triton.next_power_of_2(V))), C=C, BS=min(16, C),
+                BV=min(CONFIG["BV"], max(16, triton.next_power_of_2(V))), C=C, BS=min(tuning.current().linear_pairwise_block, C),
                 PREC="ieee" if ieee else "tf32", UPCAST=device.type == "cpu" and dtype == torch.bfloat16)
 
 
@@ -218,8 +218,9 @@ def _forward(d: MatrixState, q, k, v, h0, xs, table, constants, scale: float, C:
                     dict(K=meta["K"], BK=meta["BK"], C=C), direct)
         _launch(getattr(mod, f"{d.name}_prep"), (table.n_chunks, H),
                 (q, k, v, *xs, G, *wy, table.chunk_tok, table.chunk_len, *constants, H),
-                dict(K=meta["K"], V=meta["V"], BK=meta["BK"], BV=meta["BV"], C=C, BS=meta["BS"], PREC=meta["PREC"],
-                     UPCAST=meta["UPCAST"], LOADED=loaded, num_warps=PREP_WARPS), direct)
+                dict(K=meta["K"], V=meta["V"], BK=min(meta["BK"], tuning.current().linear_delta_key_block), BV=meta["BV"],
+                     C=C, BS=meta["BS"], PREC=meta["PREC"], UPCAST=meta["UPCAST"], LOADED=loaded, num_warps=PREP_WARPS),
+                direct)
         # the states entering the chunks in the input dtype: the output's product rounds them to it anyway (`mm`)
         hs = _empty(table.n_chunks + table.n_seq, H, meta["K"], V, device=dev, dtype=q.dtype)
         U = _empty(TT, H, V, device=dev)

@@ -200,10 +200,14 @@ def main(argv=None) -> int:
                    help="tuning.linear_delta_key_block (the per-key delta backward: kda)")
     p.add_argument("--delta-prep", default="pick", choices=("pick", "load"),
                    help="tuning.linear_delta_prep (how kda's prep kernel forms its pairwise products)")
+    p.add_argument("--pairwise-block", type=int, default=tuning.DEFAULT.linear_pairwise_block,
+                   help="tuning.linear_pairwise_block (per-key decay: rows inside which pairs are formed exactly)")
+    p.add_argument("--fla", default="yes", choices=("yes", "no"), help="time fla's chunk op too (when installed)")
     p.add_argument("--breakdown", action="store_true", help="also time each kernel of one forward+backward")
     a = p.parse_args(argv)
     with tuning.override(linear_forward=a.forward, linear_key_block=a.key_block,
-                         linear_delta_key_block=a.delta_key_block, linear_delta_prep=a.delta_prep):
+                         linear_delta_key_block=a.delta_key_block, linear_delta_prep=a.delta_prep,
+                         linear_pairwise_block=a.pairwise_block):
         return _run(a)
 
 
@@ -215,7 +219,7 @@ def _run(a) -> int:
     gpu = torch.cuda.get_device_name() if device.type == "cuda" else "cpu (Triton interpreter)"
     print(f"{gpu}, torch {torch.__version__}, Triton {triton.__version__}; "
           f"bf16 B{a.B} T{a.T} H{a.H} K{a.K} V{a.V} C{a.chunk}; forward {a.forward}, key block {a.key_block}, "
-          f"delta key block {a.delta_key_block}, delta prep {a.delta_prep}")
+          f"delta key block {a.delta_key_block}, delta prep {a.delta_prep}, pairwise block {a.pairwise_block}")
     failures = []
     for member in a.members.split(","):
         try:
@@ -238,6 +242,8 @@ def _run(a) -> int:
         if a.breakdown:
             for name, what, ms in breakdown(member, a.B, a.T, a.H, a.K, a.V, a.chunk, device):
                 print(f"  {'':17s}   {name[:40]:40s} {what:24s} {ms:8.3f} ms", flush=True)
+        if a.fla == "no":
+            continue
         anchor = time_anchor(member, a.B, a.T, a.H, a.K, a.V, device, kernels=a.breakdown)
         if anchor is None:
             print(f"  {'':17s} fla: not installed (pip fla-core) or not on a GPU; no anchor")
