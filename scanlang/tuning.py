@@ -111,8 +111,8 @@ class Tuning:
     linear_forward: str = "auto"
     linear_key_block: int = 64
     linear_delta_key_block: int = 32
-    linear_delta_prep: str = "pick"
-    linear_pairwise_block: int = 16
+    linear_delta_prep: str = "load"
+    linear_pairwise_block: int = 1
     chunk_single_pass: str = "auto"
     chunk_lookback: int = 32
     delta_save_wu: bool = True

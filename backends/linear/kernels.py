@@ -114,7 +114,7 @@ def pairwise_kernels(loaded: bool = True) -> list[K.Kernel]:
     which have them, and the per-key delta backward, which loads the G its prep kernel stored; that prep
     kernel forms G itself, so it picks)."""
     return [*_block_kernels(), _level(False), _qk(False), _grads(False),
-            *((_level(True), _qk(True), _grads(True)) if loaded else ())]
+            *((_level(True), _qk(True), _grads(True), grads_pair_kernel()) if loaded else ())]
 
 
 _ROWS = ("k_ptr", "G_ptr", "tok", "h", "H", "kk", "okk", "n_rows", "G_last")
@@ -190,11 +190,11 @@ def _in_block_qk(loaded: bool) -> tuple:
     return (K.If(K.expr("BS >= 16"), place, select), K.Return((K.expr("A"),)))
 
 
-def _rows_at(loaded: bool, what: str, step: str) -> tuple:
+def _rows_at(loaded: bool, what: str, step: str, src: str = "") -> tuple:
     """The rows one step of an in-block loop broadcasts: s_<what> = row `step` of each row's block, and
     G and k there (`what` "j", the pairs' columns: G_j, k_j) or G and q (`what` "i", their rows: G_i,
-    q_i), loaded or picked (`pairwise_kernels`)."""
-    src = "k" if what == "j" else "q"
+    q_i; `src` names another tile, and its pointer, for q), loaded or picked (`pairwise_kernels`)."""
+    src = src or ("k" if what == "j" else "q")
     head = (K.assign(f"s_{what}", f"j0 + {step}"),)
     if loaded:
         return head + (K.assign("s_ok", f"(s_{what} < n_rows)[:, None]"),
@@ -207,40 +207,67 @@ def _rows_at(loaded: bool, what: str, step: str) -> tuple:
                    K.assign(f"{src}_{what}", f"block_row({src}, {step}, C, BS, BK)"))
 
 
+def _grads_body(loaded: bool, pairs: tuple) -> tuple:
+    """X, Y of each (dA, q, X, Y) of `pairs` (sharing k, G and the tree's levels; pairs may share a Y, which
+    then sums both): X_ik = sum_(j < i) dA_ij k_jk e^(G_ik - G_jk), Y_jk = sum_(i > j) dA_ij q_ik e^(G_ik - G_jk)."""
+    level = [K.assign("k_e", "k * e_k")]
+    for dA, q, X, Y in pairs:
+        level += [K.assign("dA_s", f"tl.where(pair, {dA}, 0.0)"),
+                  K.assign(X, f"{X} + e_q * mm(dA_s, k_e, tl.float32, PREC, UPCAST)"),
+                  K.assign(Y, f"{Y} + e_k * mm(tl.trans(dA_s), {q} * e_q, tl.float32, PREC, UPCAST)")]
+    block = []
+    for dA, q, X, Y in pairs:
+        block += [K.For("jj", K.expr("0"), K.expr("BS"), (
+                      *_rows_at(loaded, "j", "jj"), K.assign("live", "(rows > s_j)[:, None]"),
+                      K.assign("e", "tl.exp(tl.where(live, G - G_j, 0.0))"),
+                      K.assign("dA_j", f"tl.sum(tl.where(cols == s_j[:, None], {dA}, 0.0), 1)"),
+                      K.assign(X, f"{X} + tl.where(live, dA_j[:, None] * k_j * e, 0.0)"))),
+                  K.assign("dA_t", f"tl.trans({dA})"),
+                  K.For("ii", K.expr("0"), K.expr("BS"), (
+                      *_rows_at(loaded, "i", "ii", q), K.assign("live", "(s_i > rows)[:, None]"),
+                      K.assign("e", "tl.exp(tl.where(live, G_i - G, 0.0))"),
+                      K.assign("dA_i", "tl.sum(tl.where(cols == s_i[:, None], dA_t, 0.0), 1)"),
+                      K.assign(Y, f"{Y} + tl.where(live, dA_i[:, None] * {q}_i * e, 0.0)")))]
+    zeros = tuple(K.assign(t, "tl.zeros_like(k)") for t in dict.fromkeys(t for _, _, X, Y in pairs for t in (X, Y)))
+    return (*_pre(), *zeros, _levels(loaded, tuple(level)),
+            K.Comment("pairs inside a block, i > j: X over the columns j of each row, Y over the rows i of each column"),
+            K.If(K.expr("BS > 1"), tuple(block)),
+            K.Comment("dg_t: the pairs j < t <= i, as the reverse cumsum of q X - k Y over the pairs i > j (a pair"),
+            K.Comment("with both rows >= t adds and takes the same term; no diagonal term, which would cancel),"),
+            K.Comment("and the writes j < t: an exclusive cumsum of W, formed as a sum, not a difference"),
+            K.Assign(("W_x", "W_all"), K.expr("tl.associative_scan((tl.zeros_like(W), W), 0, exclusive_add)")))
+
+
+_GRADS_DOC = ("X_ik = sum_(j <= i) dA_ij k_jk exp(G_ik - G_jk) (dq's part), Y_jk = sum_(i >= j) dA_ij q_ik "
+              "exp(G_ik - G_jk) (dk's part) and Z_tk = sum_(j < t <= i) q_ik k_jk dA_ij exp(G_ik - G_jk) + "
+              "sum_(j < t) W_jk: the decay gradient's pairs that straddle t and the writes before it, summed "
+              "without the diagonal terms that would cancel")
+
+
 def _grads(loaded: bool) -> K.Kernel:
     extra = (K.Param("q_ptr"),) if loaded else ()
     params = _params_of(("dA", "q", "k", "G", "W"), loaded)
     params = params[:5] + extra + params[5:]
     return K.Kernel("pairwise_grads_loaded" if loaded else "pairwise_grads", params, (
-        *_pre(), K.assign("X", "tl.zeros_like(q)"), K.assign("Y", "tl.zeros_like(k)"),
-        _levels(loaded, (K.assign("dA_s", "tl.where(pair, dA, 0.0)"),
-                 K.assign("X", "X + e_q * mm(dA_s, k * e_k, tl.float32, PREC, UPCAST)"),
-                 K.assign("Y", "Y + e_k * mm(tl.trans(dA_s), q * e_q, tl.float32, PREC, UPCAST)"))),
-        K.Comment("pairs inside a block, i > j: X over the columns j of each row, Y over the rows i of each column"),
-        K.If(K.expr("BS > 1"), (
-            K.For("jj", K.expr("0"), K.expr("BS"), (
-                *_rows_at(loaded, "j", "jj"), K.assign("live", "(rows > s_j)[:, None]"),
-                K.assign("e", "tl.exp(tl.where(live, G - G_j, 0.0))"),
-                K.assign("dA_j", "tl.sum(tl.where(cols == s_j[:, None], dA, 0.0), 1)"),
-                K.assign("X", "X + tl.where(live, dA_j[:, None] * k_j * e, 0.0)"))),
-            K.assign("dA_t", "tl.trans(dA)"),
-            K.For("ii", K.expr("0"), K.expr("BS"), (
-                *_rows_at(loaded, "i", "ii"), K.assign("live", "(s_i > rows)[:, None]"),
-                K.assign("e", "tl.exp(tl.where(live, G_i - G, 0.0))"),
-                K.assign("dA_i", "tl.sum(tl.where(cols == s_i[:, None], dA_t, 0.0), 1)"),
-                K.assign("Y", "Y + tl.where(live, dA_i[:, None] * q_i * e, 0.0)"))))),
-        K.Comment("dg_t: the pairs j < t <= i, as the reverse cumsum of q X - k Y over the pairs i > j (a pair"),
-        K.Comment("with both rows >= t adds and takes the same term; no diagonal term, which would cancel),"),
-        K.Comment("and the writes j < t: an exclusive cumsum of W, formed as a sum, not a difference"),
+        *_grads_body(loaded, (("dA", "q", "X", "Y"),)),
         K.assign("Z", "tl.cumsum(q * X - k * Y, 0, reverse=True)"),
-        K.Assign(("W_x", "W_all"), K.expr("tl.associative_scan((tl.zeros_like(W), W), 0, exclusive_add)")),
         K.assign("diag", "tl.sum(tl.where(cols == rows[:, None], dA, 0.0), 1)[:, None]"),
         K.Return((K.expr("X + diag * k"), K.expr("Y + diag * q"), K.expr("Z + W_x")))),
-        doc="X_ik = sum_(j <= i) dA_ij k_jk exp(G_ik - G_jk) (dq's part), Y_jk = sum_(i >= j) dA_ij q_ik "
-            "exp(G_ik - G_jk) (dk's part) and Z_tk = sum_(j < t <= i) q_ik k_jk dA_ij exp(G_ik - G_jk) + "
-            "sum_(j < t) W_jk: the decay gradient's pairs that straddle t and the writes before it, summed "
-            "without the diagonal terms that would cancel" + (
-                " (broadcast rows loaded: pairwise_kernels)." if loaded else "."))
+        doc=_GRADS_DOC + (" (broadcast rows loaded: pairwise_kernels)." if loaded else "."))
+
+
+def grads_pair_kernel() -> K.Kernel:
+    """`pairwise_grads_pair_loaded`: the per-key delta backward's two pairwise gradients at once (Aqk's with q,
+    P's with k in both roles), sharing the tree's factors and one reverse cumsum."""
+    params = _params_of(("dA", "dB", "q", "k", "G", "W"), True)
+    params = params[:6] + (K.Param("q_ptr"),) + params[6:]
+    return K.Kernel("pairwise_grads_pair_loaded", params, (
+        *_grads_body(True, (("dA", "q", "X", "Y"), ("dB", "k", "X2", "Y"))),
+        K.assign("Z", "tl.cumsum(q * X + k * X2 - k * Y, 0, reverse=True)"),
+        K.assign("diag", "tl.sum(tl.where(cols == rows[:, None], dA, 0.0), 1)[:, None]"),
+        K.Return((K.expr("X + diag * k"), K.expr("Y + X2 + diag * q"), K.expr("Z + W_x")))),
+        doc="pairwise_grads_loaded of (dA, q, k) and of (dB, k, k) (dB strictly lower), summed where both reach dk "
+            "and dg: (X of dA, Y of dA + X and Y of dB, Z of both + the writes W). " + _GRADS_DOC + ".")
 
 
 def _block_kernels() -> list[K.Kernel]:

@@ -403,15 +403,13 @@ def bwd_kernel(decl: MatrixState) -> K.Kernel:
             *zeros(("dq_inter", "C, BK"), ("dk_state", "C, BK"), ("dk_dec", "C, BK"), ("dG_S0", "BK")),
             K.For("vb", K.expr("0"), K.expr("tl.cdiv(V, BV)"), vloop),
             _load_cc("dAqk", "bw_daqk_ptr"), _load_cc("dP", "bw_dp_ptr"),
-            K.Comment("the pairwise gradients load the rows they broadcast (G as the prep kernel stored it)"),
-            K.assign("X, Y, Z", "pairwise_grads_loaded(dAqk, b_q, b_k, b_G, k_end * dk_state, q_ptr, k_ptr, G_ptr, tok, h, "
-                                "H, kk, okk, n_rows, G_last, K, C, BS, BK, DT, PREC, UPCAST)"),
-            K.assign("X2, Y2, Z2", "pairwise_grads_loaded(dP, b_k, b_k, b_G, tl.zeros_like(b_k), k_ptr, k_ptr, G_ptr, tok, "
-                                   "h, H, kk, okk, n_rows, G_last, K, C, BS, BK, DT, PREC, UPCAST)"),
+            K.Comment("the pairwise gradients of Aqk and P load the rows they broadcast (G as the forward stored it)"),
+            K.assign("X, Y, Z", "pairwise_grads_pair_loaded(dAqk, dP, b_q, b_k, b_G, k_end * dk_state, q_ptr, k_ptr, "
+                                "G_ptr, tok, h, H, kk, okk, n_rows, G_last, K, C, BS, BK, DT, PREC, UPCAST)"),
             K.assign("dq_s0", "scale * tl.exp(b_G) * dq_inter"),
-            K.assign("dk", "Y + X2 + Y2 + tl.exp(G_last[None, :] - b_G) * dk_state + tl.exp(b_G) * dk_dec"),
+            K.assign("dk", "Y + tl.exp(G_last[None, :] - b_G) * dk_state + tl.exp(b_G) * dk_dec"),
             K.Comment("dg_t: the direct terms of rows >= t, the pairs j < t <= i, e^(G_L) rowsum(S0 dS_end)"),
-            K.assign("dg", f"tl.cumsum(tl.where({QK_MASK}, b_q * dq_s0 + k_dec * dk_dec, 0.0), 0, reverse=True) + Z + Z2"),
+            K.assign("dg", f"tl.cumsum(tl.where({QK_MASK}, b_q * dq_s0 + k_dec * dk_dec, 0.0), 0, reverse=True) + Z"),
             K.assign("dg", f"tl.where({QK_MASK}, dg + tl.exp(G_last)[None, :] * dG_S0[None, :], 0.0)"))
     if decl.uses_key_norm:
         body += (load("dn2", "bw_dn2_ptr", TOK_OFF, "ok"), K.assign("dk", "dk + dn2[:, None] * b_k"))

@@ -198,7 +198,7 @@ def main(argv=None) -> int:
     p.add_argument("--key-block", type=int, default=64, help="tuning.linear_key_block (per-key backward)")
     p.add_argument("--delta-key-block", type=int, default=32,
                    help="tuning.linear_delta_key_block (the per-key delta backward: kda)")
-    p.add_argument("--delta-prep", default="pick", choices=("pick", "load"),
+    p.add_argument("--delta-prep", default=tuning.DEFAULT.linear_delta_prep, choices=("pick", "load"),
                    help="tuning.linear_delta_prep (how kda's prep kernel forms its pairwise products)")
     p.add_argument("--pairwise-block", type=int, default=tuning.DEFAULT.linear_pairwise_block,
                    help="tuning.linear_pairwise_block (per-key decay: rows inside which pairs are formed exactly)")
