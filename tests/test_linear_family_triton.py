@@ -143,10 +143,13 @@ def test_strong_decay_stays_finite(member):
     assert all(torch.isfinite(t.grad).all() for t in leaves)
 
 
-@pytest.mark.parametrize("chunk,g_min", [(32, None), (64, -20.0), (32, -20.0), (64, None)])
-def test_per_key_row_blocks(chunk, g_min):
-    """Chunks of several 16-row blocks: pairs of different blocks through the later block's reference
-    row (tl.dot), pairs inside a block exactly; a partial last chunk."""
+@pytest.mark.parametrize("chunk,g_min,block", [(32, None, 1), (64, -20.0, 1), (32, -20.0, 16), (64, None, 16),
+                                               (64, -20.0, 4)])
+def test_per_key_row_blocks(chunk, g_min, block, knobs):
+    """The pairwise products' tree (kernels.py `pairwise_kernels`) down to row blocks of
+    tuning.linear_pairwise_block: pairs between the halves of each level's blocks through a reference row
+    (tl.dot), pairs inside a block exactly; a partial last chunk."""
+    knobs(linear_pairwise_block=block)
     _check("gla", 1, chunk + 5, g_min=g_min, chunk=chunk)
 
 
