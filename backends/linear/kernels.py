@@ -207,7 +207,7 @@ def _rows_at(loaded: bool, what: str, step: str, src: str = "") -> tuple:
                    K.assign(f"{src}_{what}", f"block_row({src}, {step}, C, BS, BK)"))
 
 
-def _grads_body(loaded: bool, pairs: tuple) -> tuple:
+def _grads_body(loaded: bool, pairs: tuple, with_w: bool = True) -> tuple:
     """X, Y of each (dA, q, X, Y) of `pairs` (sharing k, G and the tree's levels; pairs may share a Y, which
     then sums both): X_ik = sum_(j < i) dA_ij k_jk e^(G_ik - G_jk), Y_jk = sum_(i > j) dA_ij q_ik e^(G_ik - G_jk)."""
     level = [K.assign("k_e", "k * e_k")]
@@ -234,8 +234,9 @@ def _grads_body(loaded: bool, pairs: tuple) -> tuple:
             K.If(K.expr("BS > 1"), tuple(block)),
             K.Comment("dg_t: the pairs j < t <= i, as the reverse cumsum of q X - k Y over the pairs i > j (a pair"),
             K.Comment("with both rows >= t adds and takes the same term; no diagonal term, which would cancel),"),
-            K.Comment("and the writes j < t: an exclusive cumsum of W, formed as a sum, not a difference"),
-            K.Assign(("W_x", "W_all"), K.expr("tl.associative_scan((tl.zeros_like(W), W), 0, exclusive_add)")))
+            *((K.Comment("and the writes j < t: an exclusive cumsum of W, formed as a sum, not a difference"),
+               K.Assign(("W_x", "W_all"), K.expr("tl.associative_scan((tl.zeros_like(W), W), 0, exclusive_add)")))
+              if with_w else ()))
 
 
 _GRADS_DOC = ("X_ik = sum_(j <= i) dA_ij k_jk exp(G_ik - G_jk) (dq's part), Y_jk = sum_(i >= j) dA_ij q_ik "
@@ -258,16 +259,17 @@ def _grads(loaded: bool) -> K.Kernel:
 
 def grads_pair_kernel() -> K.Kernel:
     """`pairwise_grads_pair_loaded`: the per-key delta backward's two pairwise gradients at once (Aqk's with q,
-    P's with k in both roles), sharing the tree's factors and one reverse cumsum."""
-    params = _params_of(("dA", "dB", "q", "k", "G", "W"), True)
-    params = params[:6] + (K.Param("q_ptr"),) + params[6:]
+    P's with k in both roles), sharing the tree's factors and one reverse cumsum; without the writes W (the
+    caller adds their exclusive cumsum, so that its inputs need not be alive here)."""
+    params = _params_of(("dA", "dB", "q", "k", "G"), True)
+    params = params[:5] + (K.Param("q_ptr"),) + params[5:]
     return K.Kernel("pairwise_grads_pair_loaded", params, (
-        *_grads_body(True, (("dA", "q", "X", "Y"), ("dB", "k", "X2", "Y"))),
+        *_grads_body(True, (("dA", "q", "X", "Y"), ("dB", "k", "X2", "Y")), with_w=False),
         K.assign("Z", "tl.cumsum(q * X + k * X2 - k * Y, 0, reverse=True)"),
         K.assign("diag", "tl.sum(tl.where(cols == rows[:, None], dA, 0.0), 1)[:, None]"),
-        K.Return((K.expr("X + diag * k"), K.expr("Y + X2 + diag * q"), K.expr("Z + W_x")))),
+        K.Return((K.expr("X + diag * k"), K.expr("Y + X2 + diag * q"), K.expr("Z")))),
         doc="pairwise_grads_loaded of (dA, q, k) and of (dB, k, k) (dB strictly lower), summed where both reach dk "
-            "and dg: (X of dA, Y of dA + X and Y of dB, Z of both + the writes W). " + _GRADS_DOC + ".")
+            "and dg, W = 0: (X of dA, Y of dA + X and Y of dB, Z of both). " + _GRADS_DOC + ".")
 
 
 def _block_kernels() -> list[K.Kernel]:

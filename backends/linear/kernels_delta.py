@@ -399,17 +399,20 @@ def bwd_kernel(decl: MatrixState) -> K.Kernel:
             K.assign("cols", "tl.arange(0, C)[None, :]"), *_origin_comments(decl), *_chunk(),
             K.assign("n", "tl.load(chunk_seq_ptr + c)"), load("b_q", "q_ptr", QK_OFF, QK_MASK),
             load("b_k", "k_ptr", QK_OFF, QK_MASK), *_decay("per_key", with_pairwise=False, with_q=False),
-            K.assign("k_dec", "b_k * tl.exp(b_G)"),
+            _load_cc("dAqk", "bw_daqk_ptr"), _load_cc("dP", "bw_dp_ptr"),
+            K.Comment("the pairwise gradients of Aqk and P first (fewer tiles alive), loading the rows they broadcast"),
+            K.assign("X, Y, Z", "pairwise_grads_pair_loaded(dAqk, dP, b_q, b_k, b_G, q_ptr, k_ptr, G_ptr, tok, h, H, kk, "
+                                "okk, n_rows, G_last, K, C, BS, BK, DT, PREC, UPCAST)"),
             *zeros(("dq_inter", "C, BK"), ("dk_state", "C, BK"), ("dk_dec", "C, BK"), ("dG_S0", "BK")),
             K.For("vb", K.expr("0"), K.expr("tl.cdiv(V, BV)"), vloop),
-            _load_cc("dAqk", "bw_daqk_ptr"), _load_cc("dP", "bw_dp_ptr"),
-            K.Comment("the pairwise gradients of Aqk and P load the rows they broadcast (G as the forward stored it)"),
-            K.assign("X, Y, Z", "pairwise_grads_pair_loaded(dAqk, dP, b_q, b_k, b_G, k_end * dk_state, q_ptr, k_ptr, "
-                                "G_ptr, tok, h, H, kk, okk, n_rows, G_last, K, C, BS, BK, DT, PREC, UPCAST)"),
+            K.Comment("the writes j < t into S_end: an exclusive cumsum of W, formed as a sum, not a difference"),
+            K.Assign(("W_x", "W_all"), K.expr("tl.associative_scan((tl.zeros_like(b_k), k_end * dk_state), 0, "
+                                              "exclusive_add)")),
+            K.assign("k_dec", "b_k * tl.exp(b_G)"),
             K.assign("dq_s0", "scale * tl.exp(b_G) * dq_inter"),
             K.assign("dk", "Y + tl.exp(G_last[None, :] - b_G) * dk_state + tl.exp(b_G) * dk_dec"),
-            K.Comment("dg_t: the direct terms of rows >= t, the pairs j < t <= i, e^(G_L) rowsum(S0 dS_end)"),
-            K.assign("dg", f"tl.cumsum(tl.where({QK_MASK}, b_q * dq_s0 + k_dec * dk_dec, 0.0), 0, reverse=True) + Z"),
+            K.Comment("dg_t: the direct terms of rows >= t, the pairs j < t <= i, the writes j < t, e^(G_L) rowsum(S0 dS_end)"),
+            K.assign("dg", f"tl.cumsum(tl.where({QK_MASK}, b_q * dq_s0 + k_dec * dk_dec, 0.0), 0, reverse=True) + Z + W_x"),
             K.assign("dg", f"tl.where({QK_MASK}, dg + tl.exp(G_last)[None, :] * dG_S0[None, :], 0.0)"))
     if decl.uses_key_norm:
         body += (load("dn2", "bw_dn2_ptr", TOK_OFF, "ok"), K.assign("dk", "dk + dn2[:, None] * b_k"))

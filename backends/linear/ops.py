@@ -56,6 +56,9 @@ CONFIG = dict(BV=32, num_warps=4)      # value columns per program (clamped to t
 # the per-key delta prep kernel's warps: with forward substitution it spilled 1,504 B a thread at 4, 48 B at 8; with
 # the blocked inverse 504 B at 8 (bf16, K = V = 128, C = 64; offline sm_90, Triton 3.6)
 PREP_WARPS = 8
+# the per-key delta backward's `{name}_bwd` warps: on an H100 (bf16 B8 T4096 H16, K = V = 128, key blocks of 32) it
+# took 10.4 ms at 16 against 14.2 at 8 and 17.0 at 4 (BENCHMARKS_HISTORY.md "Session 19")
+DELTA_BWD_WARPS = 16
 DECODE_CONFIG = dict(BV=32, num_warps=4)   # the decode kernel's value columns per program (clamped likewise)
 DECODE_MODULES: dict[str, object] = {}     # declaration key -> the loaded decode module
 
@@ -487,7 +490,9 @@ def _delta_backward(d, meta, q, k, v, h0, G, wy, xs, do, dht, hs, dh, dh0, table
     _delta_states(mod, d, meta, q, k, G, wy, h0, hs, hs, hs, table, False, False, direct)
     beta, tm, aqk, w, _, _ = wy
     narrow = _narrow_16bit(meta, q)
-    dh_meta = dict(meta, BV=16) if narrow else meta
+    # BV = C where BV < C is what Triton 3.6 miscompiles (`_narrow_16bit`): on an H100 (bf16 B8 T4096 H16, K = V =
+    # 128) this pass took 2.07 ms at BV = 64 against 5.16 at BV = 16, which repeats the key side for every value block
+    dh_meta = _wide(meta, q)
     grid = (table.n_seq, H, triton.cdiv(V, dh_meta["BV"]))
     _launch(getattr(mod, f"{d.name}_bwd_dh"), grid,
             (q, k, G, beta, aqk, w, do, dht if dht is not None else dh, dh, dh0, table.chunk_tok, table.chunk_len,
@@ -518,6 +523,7 @@ def _delta_backward(d, meta, q, k, v, h0, G, wy, xs, do, dht, hs, dh, dh0, table
              *hook, scale, H), bwd_v, direct)
     bwd, blocks = _per_chunk_meta(d, meta, q)
     bwd.pop("SPLIT_K")
+    bwd["num_warps"] = DELTA_BWD_WARPS
     _launch(getattr(mod, f"{d.name}_bwd"), (NC, H, blocks),
             (q, k, G, hs, dh, do, u, dv, daqk, dp, dn2, dq, dk, table.chunk_tok, table.chunk_len, table.chunk_seq,
              *hook, scale, H), bwd, direct)
