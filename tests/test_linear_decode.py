@@ -166,13 +166,13 @@ def test_routing_follows_gradients_and_the_length_knob():
     leaves = [t.clone().requires_grad_() for t in kda]
     with ops.recording() as launches:   # with gradients: the per-key delta chunk kernels
         OPS["kda"](*leaves, backend="triton")
-    assert [name for name, *_ in launches] == ["kda_prep", "kda_fwd", "kda_fwd_o"]
+    assert [name for name, *_ in launches] == ["kda_decay_cumsum", "kda_prep", "kda_fwd", "kda_fwd_o"]
     with torch.no_grad():   # the same tensors without gradients: the decode kernel
         o, _ = OPS["kda"](*leaves, backend="triton")
     assert torch.isfinite(o).all()
     with sl.tuning.override(decode_max_tokens=4), ops.recording() as launches:
         OPS["kda"](*kda, backend="triton")
-    assert [name for name, *_ in launches] == ["kda_prep", "kda_fwd", "kda_fwd_o"]
+    assert [name for name, *_ in launches] == ["kda_decay_cumsum", "kda_prep", "kda_fwd", "kda_fwd_o"]
     gdp = make("per_key_product", 1, 5, gen)   # per-key decay with Householder steps: no chunk kernels yet
     with pytest.raises(ValueError, match="gradients are needed.*use backend='reference'"):
         OPS["per_key_product"](*[t.clone().requires_grad_() for t in gdp], backend="triton")

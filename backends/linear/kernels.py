@@ -10,10 +10,11 @@ chunk-local cumulative log-decay G (G_i = g_0 + ... + g_i inside the chunk):
 
 Every exponent used is a difference G_i - G_j with i >= j, G_i, or G_L - G_j: all <= 0 for log-decays
 <= 0, so g = -20 per token cannot overflow at any chunk size. Per head, A = (Q K^T) * e^(G_i - G_j)
-is one tl.dot and a [C, C] mask. Per key the pairwise decay differs per key column: rows are grouped
-in blocks of BS (16); a pair in different blocks factors through the later block's reference row r,
-e^(G_i - G_r) e^(G_r - G_j) with both factors <= 1 (one tl.dot per block), and a pair inside a block
-is formed exactly (`pairwise_*`, BS steps over [C, BK] tiles). Every product over V is a tl.dot. The
+is one tl.dot and a [C, C] mask. Per key the pairwise decay differs per key column: the pairs form a
+tree (`pairwise_kernels`), where a pair between the halves of a 2s-block factors through the block's
+row r = s - 1, e^(G_i - G_r) e^(G_r - G_j) with both factors <= 1 (one masked tl.dot per level s = C/2,
+..., BS = tuning.linear_pairwise_block), and a pair inside a block of BS rows is formed exactly (BS steps
+over [C, BK] tiles; none but the diagonal at BS = 1, the default). Every product over V is a tl.dot. The
 structure decides what exists: without decay there is no G, no cumulative-sum kernel and no decay
 gradient.
 
@@ -111,8 +112,8 @@ def pairwise_kernels(loaded: bool = True) -> list[K.Kernel]:
     q_i) out of the register tiles (a cross-row reduction or a reshape each: shared-memory round trips
     and barriers), `*_loaded` load them from the tensors the tiles came from (L1), given q_ptr (the
     gradients), k_ptr, G_ptr and the chunk's tok, h, H, kk, okk, n_rows, G_last (kernels.py's kernels,
-    which have them, and the per-key delta backward, which loads the G its prep kernel stored; that prep
-    kernel forms G itself, so it picks)."""
+    which have them, and the per-key delta kernels, which load the G `{name}_decay_cumsum` stored; under
+    tuning.linear_delta_prep "pick" their prep kernel forms G itself, and picks)."""
     return [*_block_kernels(), _level(False), _qk(False), _grads(False),
             *((_level(True), _qk(True), _grads(True), grads_pair_kernel()) if loaded else ())]
 

@@ -11,7 +11,7 @@ backends/delta/template.py, with the pairwise decay per key column as in kernels
     O     = scale ((Q * e^G) S0 + Aqk U),   Aqk_ij = sum_k q_ik k_jk e^(G_ik - G_jk)  (i >= j, else 0)
     S_end = diag(e^(G_L)) S0 + (K * e^(G_L - G))^T U
 
-Every exponent is <= 0 for log-decays <= 0 (kernels.py's blocks of BS rows for the pairwise products), so
+Every exponent is <= 0 for log-decays <= 0 (kernels.py's tree of the pairwise products), so
 g = -20 per token stays finite. The backward, per chunk, with R = diag(beta) (V - (K * e^G) S0), U = Tm R:
 
     dU    = scale Aqk^T dO + (K * e^(G_L - G)) dS_end          dS0 = e^(G_L) dS_end + scale (Q * e^G)^T dO - w^T dU
@@ -25,9 +25,12 @@ sympy derivatives (beta's n2 adds dbeta dbeta/dn2 2 k to dk). A zero key's beta 
 for it (0/0 at eps = 0), as on the host (recipes/linear/family.py `_host_beta`).
 
 Kernels (one module per declaration; C, K, V, BK, BV, BS are constexprs), fla's organisation of the work:
-    {name}_decay_cumsum  (tuning.linear_delta_prep "load" only) per (chunk, head): G, before the prep kernel
-    {name}_prep      per (chunk, head): G (unless loaded), beta, Tm (the blocked inverse, `inverse_unit_lower`),
-                     w, Aqk, P and u (stored; the backward reads them too)
+    {name}_decay_cumsum  (tuning.linear_delta_prep "load", the default) per (chunk, head): G, before the prep kernel
+    {name}_prep      per (chunk, head): G (under "pick"), beta, Tm (the blocked inverse, `inverse_unit_lower`),
+                     w, Aqk, P and u (stored; the backward reads them too); P and Aqk summed over key blocks of
+                     BK = tuning.linear_delta_key_block columns, so that a few [C, BK] tiles are alive at a time
+                     (over all 128 keys at once it took 22.7 ms of a 27.5 ms forward on an H100; in key blocks
+                     with the pairwise tree 4.1 ms: BENCHMARKS_HISTORY.md "Session 19")
     {name}_fwd       the state pass, per (sequence, head, value block), chunks in order, two products a chunk:
                      U = u - w S0 and the state update; it keeps U (STORE_U) and the state entering every chunk
                      (STORE_H: the forward's in the input dtype, the backward's recomputation in fp32)
