@@ -220,7 +220,7 @@ def prep_kernel(decl: MatrixState) -> K.Kernel:
             K.assign("Tm", "tl.where(rows[:, None] < first_bad, Tm, float('nan'))"),
             K.Store(K.expr(f"wy_tm_ptr + {CC_OFF}"), K.expr("Tm"), None),
             K.Store(K.expr(f"wy_aqk_ptr + {CC_OFF}"), K.expr("Aqk"), None),
-            K.Comment("w = Tm diag(beta) (K * e^G), a key block at a time (G formed again, not stored and reloaded)"),
+            K.Comment("w = Tm diag(beta) (K * e^G), a key block at a time (G loaded again, or under \"pick\" formed again)"),
             K.For("kb", K.expr("0"), K.expr("tl.cdiv(K, BK)"), w_block),
             K.Comment("u = Tm diag(beta) V, rows from the first non-finite one on (values included) kept from earlier rows"),
             K.For("vb", K.expr("0"), K.expr("tl.cdiv(V, BV)"), vloop))
