@@ -70,7 +70,8 @@ class Tuning:
         order (last bits may differ between runs); torch.use_deterministic_algorithms(True) caps them at two.
       linear_delta_key_block: the same for the per-key delta kernels' `{name}_bwd` (backends/linear/
         kernels_delta.py), whose key blocks share no output but a per-token log-decay input's gradient:
-        32 spilled 604 B a thread there against 64's 2,384 (8 warps, bf16, K = V = 128; offline sm_90).
+        32 spilled 604 B a thread there against 64's 2,384 (8 warps, bf16, K = V = 128; offline sm_90);
+        and the key columns a loop step of their `{name}_prep` sums P and Aqk over.
       linear_delta_prep: how the per-key delta prep kernel finds G: "load" (`{name}_decay_cumsum` forms it
         first; the pairwise products load the rows they broadcast, as the backward's do) or "pick" (it forms
         G from the hook itself, and the products pick those rows out of its tiles). On an H100 the prep

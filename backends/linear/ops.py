@@ -155,7 +155,8 @@ def _meta(K: int, V: int, C: int, dtype: torch.dtype, device, d: Optional[Matrix
     fp32 = dtype == torch.float32
     ieee = fp32 and not (d is not None and kernels_delta.supports(d) and _for_cuda(device))
     return dict(K=K, V=V, BK=max(16, triton.next_power_of_2(K)),
-                BV=min(CONFIG["BV"], max(16, triton.next_power_of_2(V))), C=C, BS=min(tuning.current().linear_pairwise_block, C),
+                BV=min(CONFIG["BV"], max(16, triton.next_power_of_2(V))), C=C,
+                BS=min(tuning.current().linear_pairwise_block, C),
                 PREC="ieee" if ieee else "tf32", UPCAST=device.type == "cpu" and dtype == torch.bfloat16)
 
 

@@ -3,8 +3,8 @@ reference in the same run.
 
     python -m scanlang.tools.bench_linear [--B 8] [--T 4096] [--H 16] [--K 128] [--V 128] [--chunk 64]
                                           [--members a,b] [--forward auto|fused|split] [--key-block 64]
-                                          [--delta-key-block 32] [--delta-prep pick|load]
-                                          [--breakdown]
+                                          [--delta-key-block 32] [--delta-prep load|pick] [--pairwise-block 1]
+                                          [--no-fla] [--breakdown]
 
 Per member (linear_attention, simple_gla, gla and kda on backends/linear; gated_delta_product with n = 2
 on the delta-rule kernels over the interleaved rows), bf16 inputs (the delta members' keys unit vectors): first o and every gradient against
@@ -202,7 +202,7 @@ def main(argv=None) -> int:
                    help="tuning.linear_delta_prep (how kda's prep kernel forms its pairwise products)")
     p.add_argument("--pairwise-block", type=int, default=tuning.DEFAULT.linear_pairwise_block,
                    help="tuning.linear_pairwise_block (per-key decay: rows inside which pairs are formed exactly)")
-    p.add_argument("--fla", default="yes", choices=("yes", "no"), help="time fla's chunk op too (when installed)")
+    p.add_argument("--no-fla", action="store_true", help="do not time fla's chunk op (timed when installed)")
     p.add_argument("--breakdown", action="store_true", help="also time each kernel of one forward+backward")
     a = p.parse_args(argv)
     with tuning.override(linear_forward=a.forward, linear_key_block=a.key_block,
@@ -242,7 +242,7 @@ def _run(a) -> int:
         if a.breakdown:
             for name, what, ms in breakdown(member, a.B, a.T, a.H, a.K, a.V, a.chunk, device):
                 print(f"  {'':17s}   {name[:40]:40s} {what:24s} {ms:8.3f} ms", flush=True)
-        if a.fla == "no":
+        if a.no_fla:
             continue
         anchor = time_anchor(member, a.B, a.T, a.H, a.K, a.V, device, kernels=a.breakdown)
         if anchor is None:
