@@ -72,17 +72,12 @@ class Tuning:
         kernels_delta.py), whose key blocks share no output but a per-token log-decay input's gradient:
         32 spilled 604 B a thread there against 64's 2,384 (8 warps, bf16, K = V = 128; offline sm_90);
         and the key columns a loop step of their `{name}_prep` sums P and Aqk over.
-      linear_delta_prep: how the per-key delta prep kernel finds G: "load" (`{name}_decay_cumsum` forms it
-        first; the pairwise products load the rows they broadcast, as the backward's do) or "pick" (it forms
-        G from the hook itself, and the products pick those rows out of its tiles). On an H100 the prep
-        kernel took 4.1 ms with "load" against 6.2 with "pick" (pairwise block 1; BENCHMARKS_HISTORY.md
-        "Session 19").
       linear_pairwise_block: BS, the row blocks inside which the per-key-decay kernels form the pairwise
         products e^(G_i - G_j) exactly, BS steps over [C, BK] tiles (a power of two, capped at the chunk);
         the pairs of different blocks run as log2(C / BS) masked fp32 tensor-core products
         (backends/linear/kernels.py `pairwise_kernels`); 1 leaves no exact steps but the diagonal. KDA on an
         H100 (bf16 B8 T4096 H16 K = V = 128): 6.8 / 34.1 ms fwd / fwd+bwd at 1, 6.8 / 36.7 at 4, 9.6 / 42.5
-        at 16 (prep "load"; Session 19).
+        at 16 (Session 19).
       chunk_single_pass: which passes of the chunk-parallel schedule run one kernel with a decoupled
         look-back (kernel/chunked_lookback.py, each input read once) instead of three
         (kernel/chunked.py): "auto" (the default: the forward of a monoid of up to 2 fields), "forward",
@@ -115,7 +110,6 @@ class Tuning:
     linear_forward: str = "auto"
     linear_key_block: int = 64
     linear_delta_key_block: int = 32
-    linear_delta_prep: str = "load"
     linear_pairwise_block: int = 1
     chunk_single_pass: str = "auto"
     chunk_lookback: int = 32
@@ -149,8 +143,6 @@ class Tuning:
         if self.chunk_single_pass not in ("auto", "forward", "both", "none"):
             raise ValueError("chunk_single_pass: expected 'auto', 'forward', 'both', 'none' or a bool, "
                              f"got {self.chunk_single_pass!r}")
-        if self.linear_delta_prep not in ("pick", "load"):
-            raise ValueError(f"linear_delta_prep: expected 'pick' or 'load', got {self.linear_delta_prep!r}")
         if self.linear_forward not in ("auto", "fused", "split"):
             raise ValueError(f"linear_forward: expected 'auto', 'fused' or 'split', got {self.linear_forward!r}")
         for name in ("linear_key_block", "linear_delta_key_block"):

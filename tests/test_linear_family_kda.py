@@ -231,14 +231,11 @@ def test_deterministic_algorithms_and_the_key_blocks():
 
 
 
-@pytest.mark.parametrize("check,prep,block", [("kda", "pick", 1), ("both_hooks", "pick", 1), ("kda", "load", 16),
-                                              ("kda", "pick", 4)])
-def test_the_prep_kernel_and_pairwise_block_variants(check, prep, block):
-    """The knobs' other settings: tuning.linear_delta_prep = "pick" (the prep kernel forms G from the hook itself,
-    its products pick their broadcast rows out of its tiles) and tuning.linear_pairwise_block > 1 (pairs inside
-    blocks of that many rows formed exactly); everything against the token loop as above (SHARED: an input read
-    by both hooks)."""
-    with tuning.override(linear_delta_prep=prep, linear_pairwise_block=block):
+@pytest.mark.parametrize("check,block", [("kda", 16), ("both_hooks", 4), ("kda", 4)])
+def test_pairwise_block_variants(check, block):
+    """tuning.linear_pairwise_block > 1: pairs inside blocks of that many rows formed exactly, below the tree's
+    levels; everything against the token loop as above (SHARED: an input read by both hooks)."""
+    with tuning.override(linear_pairwise_block=block):
         if check == "kda":
             _check(C + 5, B=2, seed=11)
         else:

@@ -224,11 +224,11 @@ def test_bad_input_errors():
 
 
 def test_generated_source_follows_the_structure():
-    """none: no cumsum kernel and no decay input; per head: scalar decays; per key: the pairwise loop."""
+    """none: no cumsum kernel and no decay input; per head: scalar decays; per key: the pairwise tree."""
     plain, head, key = (kernels.render(d) for d in (L.members.LINEAR_ATTENTION, L.members.SIMPLE_GLA, L.members.GLA))
     assert "decay_cumsum" not in plain and "G_ptr" not in plain
     assert "def simple_gla_decay_cumsum" in head and "pairwise_qk" not in head and "pairwise" not in plain
-    assert "pairwise_qk_loaded(b_q, b_k, b_G, k_ptr, G_ptr" in key and "pairwise_grads_loaded(dA" in key and "block_row(" in key
+    assert "pairwise_qk(b_q, b_k, b_G, k_ptr, G_ptr" in key and "pairwise_grads(dA" in key and "def tree_level(" in key
     assert "log_decay = g" in key     # the declaration, cited in the kernels
     assert ops.module(L.members.GLA) is ops.module(L.members.GLA)   # rendered and loaded once
 

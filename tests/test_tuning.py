@@ -53,9 +53,9 @@ def test_override_refuses_unknown_knobs_and_bad_values_before_the_block():
         with pytest.raises(ValueError, match="linear_delta_key_block: expected a power of two >= 16"):
             with tuning.override(linear_delta_key_block=bad):
                 pass
-    for bad in ("loaded", None, True):
-        with pytest.raises(ValueError, match="linear_delta_prep: expected 'pick' or 'load'"):
-            with tuning.override(linear_delta_prep=bad):
+    for bad in (0, 3, 1.0, "1", True):
+        with pytest.raises(ValueError, match="linear_pairwise_block: expected a power of two >= 1"):
+            with tuning.override(linear_pairwise_block=bad):
                 pass
     for bad in (0, 3, 48, True):
         with pytest.raises(ValueError, match="chunk_lookback: expected a power of two >= 1"):

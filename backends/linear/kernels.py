@@ -75,9 +75,8 @@ def g_off(decay: str) -> tuple[str, str]:
 
 # ---- helpers every module holds ------------------------------------------------------------------
 
-def helper_kernels(decay: str = "per_key", loaded: bool = True) -> list[K.Kernel]:
-    """rnd and mm, and (per-key decay) the pairwise products' helpers: those that pick the broadcast rows
-    out of register tiles, and (`loaded`) those that load them (`pairwise_kernels`)."""
+def helper_kernels(decay: str = "per_key") -> list[K.Kernel]:
+    """rnd and mm, and (per-key decay) the pairwise products' helpers (`pairwise_kernels`)."""
     rnd = K.Kernel("rnd", (K.Param("x"), K.Param("DT", constexpr=True), K.Param("EMULATE", constexpr=True)), (
         K.If(K.expr("EMULATE and DT == tl.bfloat16"), (
             K.assign("bits", "x.to(tl.float32).to(tl.uint32, bitcast=True)"),
@@ -93,10 +92,10 @@ def helper_kernels(decay: str = "per_key", loaded: bool = True) -> list[K.Kernel
              (K.Return((K.expr("tl.dot(xr, yr, input_precision=PREC)"),)),)),),
         doc="x @ y, operands in the input dtype DT, fp32 accumulation. UPCAST: the CPU interpreter "
             "multiplies bf16 as integers, so the rounded operands are widened first.")
-    return [rnd, mm, *(pairwise_kernels(loaded) if decay == "per_key" else ())]
+    return [rnd, mm, *(pairwise_kernels() if decay == "per_key" else ())]
 
 
-def pairwise_kernels(loaded: bool = True) -> list[K.Kernel]:
+def pairwise_kernels() -> list[K.Kernel]:
     """The per-key products with the pairwise decay e^(G_ik - G_jk) (i >= j), as a tree over the chunk's rows
     down to blocks of BS (tuning.linear_pairwise_block). At level s (s = C / 2, C / 4, ..., BS) the pairs with
     i in the second half of a 2s-block and j in its first factor through the block's reference row r = its
@@ -108,23 +107,20 @@ def pairwise_kernels(loaded: bool = True) -> list[K.Kernel]:
     gradients step twice through a block: over its columns j (dq's part, row i gathers) and over its rows i
     (dk's part, column j gathers), so no step sums across the rows of a block.
 
-    Each comes twice: `pairwise_qk` / `pairwise_grads` pick the rows they broadcast (G_r, G_j, k_j,
-    q_i) out of the register tiles (a cross-row reduction or a reshape each: shared-memory round trips
-    and barriers), `*_loaded` load them from the tensors the tiles came from (L1), given q_ptr (the
-    gradients), k_ptr, G_ptr and the chunk's tok, h, H, kk, okk, n_rows, G_last (kernels.py's kernels,
-    which have them, and the per-key delta kernels, which load the G `{name}_decay_cumsum` stored; under
-    tuning.linear_delta_prep "pick" their prep kernel forms G itself, and picks)."""
-    return [*_block_kernels(), _level(False), _qk(False), _grads(False),
-            *((_level(True), _qk(True), _grads(True), grads_pair_kernel()) if loaded else ())]
+    The rows a step broadcasts (G_r, G_j, k_j, q_i) are loaded from the tensors the tiles came from (L1
+    hits), given q_ptr (the gradients), k_ptr, G_ptr and the chunk's tok, h, H, kk, okk, n_rows, G_last: G
+    is in memory before any of these kernels runs (`{name}_decay_cumsum`). Picking them out of the register
+    tiles instead (a cross-row reduction or a reshape each) made KDA's prep kernel 6.2 ms against 4.1 on an
+    H100 (BENCHMARKS_HISTORY.md "Session 19"), and was removed."""
+    return [_exclusive_add(), _level(), _qk(), _grads(), grads_pair_kernel()]
 
 
 _ROWS = ("k_ptr", "G_ptr", "tok", "h", "H", "kk", "okk", "n_rows", "G_last")
 
 
-def _params_of(names: tuple, loaded: bool) -> tuple:
-    blocks = tuple(K.Param(p, constexpr=True) for p in ("C", "BS", "BK", "DT", "PREC", "UPCAST"))
-    rows = tuple(K.Param(p) for p in _ROWS) + (K.Param("K", constexpr=True),) if loaded else ()
-    return tuple(K.Param(p) for p in names) + rows + blocks
+def _params_of(names: tuple) -> tuple:
+    blocks = tuple(K.Param(p, constexpr=True) for p in ("K", "C", "BS", "BK", "DT", "PREC", "UPCAST"))
+    return tuple(K.Param(p) for p in names) + tuple(K.Param(p) for p in _ROWS) + blocks
 
 
 def _pre() -> tuple:
@@ -132,21 +128,17 @@ def _pre() -> tuple:
             K.assign("j0", "rows // BS * BS"))
 
 
-def _level(loaded: bool) -> K.Kernel:
+def _level() -> K.Kernel:
     """Level S of the pairs' tree (`pairwise_kernels`): G_r, the reference row of each row's 2S-block (its
     row S - 1: the last of the block's first half), the factors e_q (second half: e^(G - G_r)) and e_k
     (first half: e^(G_r - G)), both <= 1, and `pair`, the pairs (i, j) with i in a block's second half and
     j in its first."""
-    if loaded:
-        g_r = (K.assign("ref", "rows // (2 * S) * (2 * S) + S - 1"), K.assign("r_ok", "(ref < n_rows)[:, None]"),
-               K.assign("G_r", "tl.where(r_ok, tl.load(G_ptr + ((tok + ref)[:, None] * H + h) * K + kk[None, :], "
-                               "mask=r_ok & okk[None, :], other=0.0), G_last[None, :])"))
-    else:
-        g_r = (K.assign("G_r", "block_row(G, S - 1, C, 2 * S, BK)"),)
-    params = (K.Param("G"), *(K.Param(p) for p in (_ROWS[1:] if loaded else ())),
-              *(K.Param(p, constexpr=True) for p in (("K",) if loaded else ()) + ("C", "S", "BK")))
-    return K.Kernel("tree_level_loaded" if loaded else "tree_level", params, (
-        K.assign("rows", "tl.arange(0, C)"), K.assign("cols", "tl.arange(0, C)[None, :]"), *g_r,
+    params = (K.Param("G"), *(K.Param(p) for p in _ROWS[1:]), *(K.Param(p, constexpr=True) for p in ("K", "C", "S", "BK")))
+    return K.Kernel("tree_level", params, (
+        K.assign("rows", "tl.arange(0, C)"), K.assign("cols", "tl.arange(0, C)[None, :]"),
+        K.assign("ref", "rows // (2 * S) * (2 * S) + S - 1"), K.assign("r_ok", "(ref < n_rows)[:, None]"),
+        K.assign("G_r", "tl.where(r_ok, tl.load(G_ptr + ((tok + ref)[:, None] * H + h) * K + kk[None, :], "
+                        "mask=r_ok & okk[None, :], other=0.0), G_last[None, :])"),
         K.assign("late", "((rows // S) % 2 == 1)[:, None]"), K.assign("e", "tl.exp(tl.where(late, G - G_r, G_r - G))"),
         K.Return((K.expr("tl.where(late, e, 0.0)"), K.expr("tl.where(late, 0.0, e)"),
                   K.expr("late & (rows[:, None] // (2 * S) == cols // (2 * S)) & ((cols // S) % 2 == 0)")))),
@@ -154,61 +146,49 @@ def _level(loaded: bool) -> K.Kernel:
             "(r its row S - 1), and the pairs between the halves.")
 
 
-def _levels(loaded: bool, body: tuple) -> K.For:
+def _levels(body: tuple) -> K.For:
     """`body` once per level of the tree, S = C / 2, C / 4, ..., BS, after e_q, e_k, pair of the level."""
-    args = "G, " + (", ".join(_ROWS[1:]) + ", K, " if loaded else "") + "C, C // (2 << lv), BK"
-    call = K.Assign(("e_q", "e_k", "pair"), K.expr(f"{'tree_level_loaded' if loaded else 'tree_level'}({args})"))
+    call = K.Assign(("e_q", "e_k", "pair"), K.expr(f"tree_level(G, {', '.join(_ROWS[1:])}, K, C, C // (2 << lv), BK)"))
     return K.For("lv", None, K.expr("8"), (K.If(K.expr("C // (2 << lv) >= BS"), (call, *body)),), static=True)
 
 
-def _qk(loaded: bool) -> K.Kernel:
-    return K.Kernel("pairwise_qk_loaded" if loaded else "pairwise_qk", _params_of(("q", "k", "G"), loaded), (
+def _qk() -> K.Kernel:
+    return K.Kernel("pairwise_qk", _params_of(("q", "k", "G")), (
         *_pre(), K.assign("A", "tl.zeros([C, C], dtype=tl.float32)"),
-        _levels(loaded, (K.assign("A", "A + tl.where(pair, mm(q * e_q, tl.trans(k * e_k), tl.float32, PREC, UPCAST), "
-                                          "0.0)"),)),
-        *_in_block_qk(loaded)),
-        doc="A_ij = sum_k q_ik k_jk exp(G_ik - G_jk) for i >= j, else 0" + (
-            " (broadcast rows loaded: pairwise_kernels)." if loaded else "."))
+        _levels((K.assign("A", "A + tl.where(pair, mm(q * e_q, tl.trans(k * e_k), tl.float32, PREC, UPCAST), 0.0)"),)),
+        *_in_block_qk()),
+        doc="A_ij = sum_k q_ik k_jk exp(G_ik - G_jk) for i >= j, else 0 (`pairwise_kernels`).")
 
 
-def _in_block_qk(loaded: bool) -> tuple:
-    """The pairs inside a block, column jj of every block a step, and the return of A. Loaded (BS >= 16): the columns
-    gather into A_in [C, BS], placed once by a one-hot product (exact in fp32: one nonzero term per
-    entry) rather than by a [C, C] select each step (gla_fwd_o's step 338 -> 298 SASS instructions, no
-    spills; offline sm_90). Picked (the per-key delta kernels): the select, since the placement raised
-    their prep kernel's spills (1688 -> 2088 B; BENCHMARKS_HISTORY.md "Session 15")."""
-    step = (*_rows_at(loaded, "j", "jj"), K.assign("live", "(rows >= s_j)[:, None]"),
+def _in_block_qk() -> tuple:
+    """The pairs inside a block, column jj of every block a step, and the return of A. BS >= 16: the columns
+    gather into A_in [C, BS], placed once by a one-hot product (exact in fp32: one nonzero term per entry)
+    rather than by a [C, C] select each step (gla_fwd_o's step 338 -> 298 SASS instructions, no spills;
+    offline sm_90); below 16 (tl.dot's least size) the select."""
+    step = (*_rows_at("j", "jj"), K.assign("live", "(rows >= s_j)[:, None]"),
             K.assign("e", "tl.exp(tl.where(live, G - G_j, 0.0))"),
             K.assign("col", "tl.sum(tl.where(live, q * e * k_j, 0.0), 1)"))
     select = (K.For("jj", K.expr("0"), K.expr("BS"), (*step, K.assign("A", "tl.where(cols == s_j[:, None], col[:, None], A)"))),)
-    if not loaded:
-        return (*select, K.Return((K.expr("A"),)))
     place = (K.assign("lanes", "tl.arange(0, BS)[None, :]"), K.assign("A_in", "tl.zeros([C, BS], dtype=tl.float32)"),
              K.For("jj", K.expr("0"), K.expr("BS"), (*step, K.assign("A_in", "tl.where(lanes == jj, col[:, None], A_in)"))),
              K.assign("place", "((tl.arange(0, C)[None, :] % BS) == tl.arange(0, BS)[:, None]).to(tl.float32)"),
              K.assign("A", "tl.where(rows[:, None] // BS == cols // BS, tl.dot(A_in, place, input_precision='ieee'), A)"))
-    # the placement is a product over BS: tl.dot needs 16 or more
     return (K.If(K.expr("BS >= 16"), place, select), K.Return((K.expr("A"),)))
 
 
-def _rows_at(loaded: bool, what: str, step: str, src: str = "") -> tuple:
-    """The rows one step of an in-block loop broadcasts: s_<what> = row `step` of each row's block, and
-    G and k there (`what` "j", the pairs' columns: G_j, k_j) or G and q (`what` "i", their rows: G_i,
-    q_i; `src` names another tile, and its pointer, for q), loaded or picked (`pairwise_kernels`)."""
+def _rows_at(what: str, step: str, src: str = "") -> tuple:
+    """The rows one step of an in-block loop broadcasts, loaded: s_<what> = row `step` of each row's block, and
+    G and k there (`what` "j", the pairs' columns: G_j, k_j) or G and q (`what` "i", their rows: G_i, q_i;
+    `src` names another tile, and its pointer, for q)."""
     src = src or ("k" if what == "j" else "q")
-    head = (K.assign(f"s_{what}", f"j0 + {step}"),)
-    if loaded:
-        return head + (K.assign("s_ok", f"(s_{what} < n_rows)[:, None]"),
-                       K.assign("off_s", f"((tok + s_{what})[:, None] * H + h) * K + kk[None, :]"),
-                       K.assign(f"G_{what}", "tl.where(s_ok, tl.load(G_ptr + off_s, mask=s_ok & okk[None, :], other=0.0), "
-                                             "G_last[None, :])"),
-                       K.assign(f"{src}_{what}", f"tl.load({src}_ptr + off_s, mask=s_ok & okk[None, :], other=0.0)"
-                                                 ".to(tl.float32)"))
-    return head + (K.assign(f"G_{what}", f"block_row(G, {step}, C, BS, BK)"),
-                   K.assign(f"{src}_{what}", f"block_row({src}, {step}, C, BS, BK)"))
+    return (K.assign(f"s_{what}", f"j0 + {step}"), K.assign("s_ok", f"(s_{what} < n_rows)[:, None]"),
+            K.assign("off_s", f"((tok + s_{what})[:, None] * H + h) * K + kk[None, :]"),
+            K.assign(f"G_{what}", "tl.where(s_ok, tl.load(G_ptr + off_s, mask=s_ok & okk[None, :], other=0.0), "
+                                  "G_last[None, :])"),
+            K.assign(f"{src}_{what}", f"tl.load({src}_ptr + off_s, mask=s_ok & okk[None, :], other=0.0).to(tl.float32)"))
 
 
-def _grads_body(loaded: bool, pairs: tuple, with_w: bool = True) -> tuple:
+def _grads_body(pairs: tuple, with_w: bool = True) -> tuple:
     """X, Y of each (dA, q, X, Y) of `pairs` (sharing k, G and the tree's levels; pairs may share a Y, which
     then sums both): X_ik = sum_(j < i) dA_ij k_jk e^(G_ik - G_jk), Y_jk = sum_(i > j) dA_ij q_ik e^(G_ik - G_jk)."""
     level = [K.assign("k_e", "k * e_k")]
@@ -219,18 +199,18 @@ def _grads_body(loaded: bool, pairs: tuple, with_w: bool = True) -> tuple:
     block = []
     for dA, q, X, Y in pairs:
         block += [K.For("jj", K.expr("0"), K.expr("BS"), (
-                      *_rows_at(loaded, "j", "jj"), K.assign("live", "(rows > s_j)[:, None]"),
+                      *_rows_at("j", "jj"), K.assign("live", "(rows > s_j)[:, None]"),
                       K.assign("e", "tl.exp(tl.where(live, G - G_j, 0.0))"),
                       K.assign("dA_j", f"tl.sum(tl.where(cols == s_j[:, None], {dA}, 0.0), 1)"),
                       K.assign(X, f"{X} + tl.where(live, dA_j[:, None] * k_j * e, 0.0)"))),
                   K.assign("dA_t", f"tl.trans({dA})"),
                   K.For("ii", K.expr("0"), K.expr("BS"), (
-                      *_rows_at(loaded, "i", "ii", q), K.assign("live", "(s_i > rows)[:, None]"),
+                      *_rows_at("i", "ii", q), K.assign("live", "(s_i > rows)[:, None]"),
                       K.assign("e", "tl.exp(tl.where(live, G_i - G, 0.0))"),
                       K.assign("dA_i", "tl.sum(tl.where(cols == s_i[:, None], dA_t, 0.0), 1)"),
                       K.assign(Y, f"{Y} + tl.where(live, dA_i[:, None] * {q}_i * e, 0.0)")))]
     zeros = tuple(K.assign(t, "tl.zeros_like(k)") for t in dict.fromkeys(t for _, _, X, Y in pairs for t in (X, Y)))
-    return (*_pre(), *zeros, _levels(loaded, tuple(level)),
+    return (*_pre(), *zeros, _levels(tuple(level)),
             K.Comment("pairs inside a block, i > j: X over the columns j of each row, Y over the rows i of each column"),
             K.If(K.expr("BS > 1"), tuple(block)),
             K.Comment("dg_t: the pairs j < t <= i, as the reverse cumsum of q X - k Y over the pairs i > j (a pair"),
@@ -246,43 +226,33 @@ _GRADS_DOC = ("X_ik = sum_(j <= i) dA_ij k_jk exp(G_ik - G_jk) (dq's part), Y_jk
               "without the diagonal terms that would cancel")
 
 
-def _grads(loaded: bool) -> K.Kernel:
-    extra = (K.Param("q_ptr"),) if loaded else ()
-    params = _params_of(("dA", "q", "k", "G", "W"), loaded)
-    params = params[:5] + extra + params[5:]
-    return K.Kernel("pairwise_grads_loaded" if loaded else "pairwise_grads", params, (
-        *_grads_body(loaded, (("dA", "q", "X", "Y"),)),
+def _grads() -> K.Kernel:
+    params = _params_of(("dA", "q", "k", "G", "W", "q_ptr"))
+    return K.Kernel("pairwise_grads", params, (
+        *_grads_body((("dA", "q", "X", "Y"),)),
         K.assign("Z", "tl.cumsum(q * X - k * Y, 0, reverse=True)"),
         K.assign("diag", "tl.sum(tl.where(cols == rows[:, None], dA, 0.0), 1)[:, None]"),
         K.Return((K.expr("X + diag * k"), K.expr("Y + diag * q"), K.expr("Z + W_x")))),
-        doc=_GRADS_DOC + (" (broadcast rows loaded: pairwise_kernels)." if loaded else "."))
+        doc=_GRADS_DOC + " (`pairwise_kernels`).")
 
 
 def grads_pair_kernel() -> K.Kernel:
-    """`pairwise_grads_pair_loaded`: the per-key delta backward's two pairwise gradients at once (Aqk's with q,
-    P's with k in both roles), sharing the tree's factors and one reverse cumsum; without the writes W (the
+    """`pairwise_grads_pair`: the per-key delta backward's two pairwise gradients at once (Aqk's with q, P's
+    with k in both roles), sharing the tree's factors and one reverse cumsum; without the writes W (the
     caller adds their exclusive cumsum, so that its inputs need not be alive here)."""
-    params = _params_of(("dA", "dB", "q", "k", "G"), True)
-    params = params[:5] + (K.Param("q_ptr"),) + params[5:]
-    return K.Kernel("pairwise_grads_pair_loaded", params, (
-        *_grads_body(True, (("dA", "q", "X", "Y"), ("dB", "k", "X2", "Y")), with_w=False),
+    return K.Kernel("pairwise_grads_pair", _params_of(("dA", "dB", "q", "k", "G", "q_ptr")), (
+        *_grads_body((("dA", "q", "X", "Y"), ("dB", "k", "X2", "Y")), with_w=False),
         K.assign("Z", "tl.cumsum(q * X + k * X2 - k * Y, 0, reverse=True)"),
         K.assign("diag", "tl.sum(tl.where(cols == rows[:, None], dA, 0.0), 1)[:, None]"),
         K.Return((K.expr("X + diag * k"), K.expr("Y + X2 + diag * q"), K.expr("Z")))),
-        doc="pairwise_grads_loaded of (dA, q, k) and of (dB, k, k) (dB strictly lower), summed where both reach dk "
+        doc="pairwise_grads of (dA, q, k) and of (dB, k, k) (dB strictly lower), summed where both reach dk "
             "and dg, W = 0: (X of dA, Y of dA + X and Y of dB, Z of both). " + _GRADS_DOC + ".")
 
 
-def _block_kernels() -> list[K.Kernel]:
-    row = K.Kernel("block_row", (K.Param("x"), K.Param("jj")) + tuple(K.Param(p, constexpr=True) for p in ("C", "BS", "BK")), (
-        K.assign("x3", "tl.reshape(x, (C // BS, BS, BK))"),
-        K.assign("pick", "tl.sum(tl.where(tl.arange(0, BS)[None, :, None] == jj, x3, 0.0), 1)"),
-        K.Return((K.expr("tl.reshape(tl.broadcast_to(pick[:, None, :], (C // BS, BS, BK)), (C, BK))"),))),
-        doc="[C, BK]: row i holds x's row jj of i's block of BS rows.")
-    excl = K.Kernel("exclusive_add", tuple(K.Param(p) for p in ("e1", "s1", "e2", "s2")), (
+def _exclusive_add() -> K.Kernel:
+    return K.Kernel("exclusive_add", tuple(K.Param(p) for p in ("e1", "s1", "e2", "s2")), (
         K.Return((K.expr("s1 + e2"), K.expr("s1 + s2"))),),
         doc="Combine of (exclusive, inclusive) sums: a scan of (0, x) gives each row the sum of the rows before it.")
-    return [row, excl]
 
 
 # ---- shared statement groups ---------------------------------------------------------------------
@@ -473,7 +443,7 @@ def _pairwise(decay: str) -> tuple:
     if decay == "per_head":
         return (K.assign("D", "tl.where(causal, tl.exp(tl.where(causal, b_G[:, None] - b_G[None, :], 0.0)), 0.0)"),
                 K.assign("A", f"tl.where(causal, {dot('b_q', 'tl.trans(b_k)')} * D, 0.0)"))
-    return (K.assign("A", "pairwise_qk_loaded(b_q, b_k, b_G, k_ptr, G_ptr, tok, h, H, kk, okk, n_rows, G_last, K, "
+    return (K.assign("A", "pairwise_qk(b_q, b_k, b_G, k_ptr, G_ptr, tok, h, H, kk, okk, n_rows, G_last, K, "
                           "C, BS, BK, DT, PREC, UPCAST)"),)
 
 
@@ -564,7 +534,7 @@ def bwd_kernel(decl: MatrixState) -> K.Kernel:
                  K.assign("dq", f"dq_s0 + {dot('dAD', 'b_k')}"),
                  K.assign("dk", f"{dot('tl.trans(dAD)', 'b_q')} + tl.exp(G_last - b_G)[:, None] * dk_state")]
     else:
-        body += [K.assign("X, Y, Z", "pairwise_grads_loaded(dA, b_q, b_k, b_G, k_end * dk_state, q_ptr, k_ptr, G_ptr, tok, h, H, "
+        body += [K.assign("X, Y, Z", "pairwise_grads(dA, b_q, b_k, b_G, k_end * dk_state, q_ptr, k_ptr, G_ptr, tok, h, H, "
                                      "kk, okk, n_rows, G_last, K, C, BS, BK, DT, PREC, UPCAST)"),
                  K.assign("dq_s0", "scale * tl.exp(b_G) * dq_inter"), K.assign("dq", "dq_s0 + X"),
                  K.assign("dk", "Y + tl.exp(G_last[None, :] - b_G) * dk_state")]

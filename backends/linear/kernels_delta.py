@@ -25,8 +25,8 @@ sympy derivatives (beta's n2 adds dbeta dbeta/dn2 2 k to dk). A zero key's beta 
 for it (0/0 at eps = 0), as on the host (recipes/linear/family.py `_host_beta`).
 
 Kernels (one module per declaration; C, K, V, BK, BV, BS are constexprs), fla's organisation of the work:
-    {name}_decay_cumsum  (tuning.linear_delta_prep "load", the default) per (chunk, head): G, before the prep kernel
-    {name}_prep      per (chunk, head): G (under "pick"), beta, Tm (the blocked inverse, `inverse_unit_lower`),
+    {name}_decay_cumsum  per (chunk, head): G, before the prep kernel (kernels.py's)
+    {name}_prep      per (chunk, head): beta, Tm (the blocked inverse, `inverse_unit_lower`),
                      w, Aqk, P and u (stored; the backward reads them too); P and Aqk summed over key blocks of
                      BK = tuning.linear_delta_key_block columns, so that a few [C, BK] tiles are alive at a time
                      (over all 128 keys at once it took 22.7 ms of a 27.5 ms forward on an H100; in key blocks
@@ -60,8 +60,8 @@ from ..triton.kernel import common
 from ..triton.kernel import ir as K
 from ..triton.kernel.printer import render as print_module
 from .kernels import (INF, QK_MASK, QK_OFF, S_MASK, SHAPE_CONSTS, V_MASK, V_OFF, _axes, _chunk, _decay, _hook_grads,
-                      _hook_names, _key_block, _load_hook_inputs, _origin_comments, _params, _shape_like, cumsum_kernel,
-                      dot, helper_kernels, load, reverse_state_pass, state_off)
+                      _key_block, _load_hook_inputs, _origin_comments, _params, cumsum_kernel, dot, helper_kernels, load,
+                      reverse_state_pass, state_off)
 
 CC_OFF = "(c * H + h).to(tl.int64) * C * C + rows[:, None] * C + cols"
 TOK_OFF = "(tok + rows) * H + h"
@@ -137,15 +137,11 @@ def _causal_dot(target: str, m: str, x: str, first: str = "first_bad") -> tuple:
 
 
 def _pairwise_kk_qk() -> tuple:
-    """P and Aqk (i >= j) of key block kk added, their broadcast rows picked out of the tiles, or (LOADED: G came from
-    `{name}_decay_cumsum`, so it is in memory before this kernel starts) loaded (kernels.py `pairwise_kernels`)."""
-    loaded = "k_ptr, G_ptr, tok, h, H, kk, okk, n_rows, G_last, K, C, BS, BK, DT, PREC, UPCAST"
-    picked = "C, BS, BK, DT, PREC, UPCAST"
-    return (K.If(K.expr("LOADED"), (
-                K.assign("P", f"P + pairwise_qk_loaded(b_k, b_k, b_G, {loaded})"),
-                K.assign("Aqk", f"Aqk + pairwise_qk_loaded(b_q, b_k, b_G, {loaded})")), (
-                K.assign("P", f"P + pairwise_qk(b_k, b_k, b_G, {picked})"),
-                K.assign("Aqk", f"Aqk + pairwise_qk(b_q, b_k, b_G, {picked})"))),)
+    """P and Aqk (i >= j) of key block kk added (kernels.py `pairwise_kernels`, loading the rows they broadcast:
+    G is in memory, from `{name}_decay_cumsum`)."""
+    rows = "k_ptr, G_ptr, tok, h, H, kk, okk, n_rows, G_last, K, C, BS, BK, DT, PREC, UPCAST"
+    return (K.assign("P", f"P + pairwise_qk(b_k, b_k, b_G, {rows})"),
+            K.assign("Aqk", f"Aqk + pairwise_qk(b_q, b_k, b_G, {rows})"))
 
 
 def _load_cc(target: str, ptr: str) -> K.Assign:
@@ -171,17 +167,10 @@ def inverse_kernel() -> K.Kernel:
             "'tf32x3' (tensor cores, about fp32's accuracy).")
 
 
-def _key_block_G(decl: MatrixState, store: bool) -> tuple:
-    """Key block kb (BK columns): kk, okk, b_k, and b_G, G_last as kernels.py's `_decay` leaves them: loaded
-    (LOADED: `{name}_decay_cumsum` formed G) or formed from the hook (stored too when `store`)."""
-    formed = (*_load_hook_inputs(decl),
-              *common.assign(["g"], [decl.log_decay.expr], _hook_names(decl), "_g", shape_like=_shape_like(decl)),
-              K.assign("b_G", f"tl.cumsum(tl.where({QK_MASK}, g, 0.0), 0)"))
-    if store:
-        formed += (K.Store(K.expr(f"G_ptr + {QK_OFF}"), K.expr("b_G"), K.expr(QK_MASK)),)
+def _key_block_G() -> tuple:
+    """Key block kb (BK columns): kk, okk, b_k, and b_G, G_last as kernels.py's `_decay` leaves them."""
     return (K.assign("kk", "kb * BK + tl.arange(0, BK)"), K.assign("okk", "kk < K"),
-            load("b_k", "k_ptr", QK_OFF, QK_MASK),
-            K.If(K.expr("LOADED"), (load("b_G", "G_ptr", QK_OFF, QK_MASK),), formed),
+            load("b_k", "k_ptr", QK_OFF, QK_MASK), load("b_G", "G_ptr", QK_OFF, QK_MASK),
             K.assign("G_last", "tl.sum(tl.where((rows == n_rows - 1)[:, None], b_G, 0.0), 0)"),
             K.assign("b_G", "tl.where(ok[:, None], b_G, G_last[None, :])"))
 
@@ -190,13 +179,13 @@ def prep_kernel(decl: MatrixState) -> K.Kernel:
     ins = [f"{n}_ptr" for n in hook_inputs(decl)]
     consts = [f"c_{c}" for c in decl.constants]
     params = _params(["q_ptr", "k_ptr", "v_ptr", *ins, "G_ptr", *WY, "chunk_tok_ptr", "chunk_len_ptr", *consts, "H"],
-                     ("K", "V", "BK", "BV", "C", "BS", "PREC", "UPCAST", "LOADED"))
+                     ("K", "V", "BK", "BV", "C", "BS", "PREC", "UPCAST"))
     sums = (K.assign("P", "tl.zeros([C, C], dtype=tl.float32)"), K.assign("Aqk", "tl.zeros([C, C], dtype=tl.float32)"),
             K.assign("n2", "tl.zeros([C], dtype=tl.float32)"), K.assign("non_finite", "tl.zeros([C], dtype=tl.int32)"))
-    products = (*_key_block_G(decl, store=True), load("b_q", "q_ptr", QK_OFF, QK_MASK), *_pairwise_kk_qk(),
+    products = (*_key_block_G(), load("b_q", "q_ptr", QK_OFF, QK_MASK), *_pairwise_kk_qk(),
                 K.assign("n2", f"n2 + tl.sum(tl.where({QK_MASK}, b_k * b_k, 0.0), 1)"),
                 K.assign("non_finite", f"non_finite + {_non_finite_kg()}"))
-    w_block = (*_key_block_G(decl, store=False), *_causal_dot("w", "Tm", "beta[:, None] * b_k * tl.exp(b_G)"),
+    w_block = (*_key_block_G(), *_causal_dot("w", "Tm", "beta[:, None] * b_k * tl.exp(b_G)"),
                K.Store(K.expr(f"wy_w_ptr + {QK_OFF}"), K.expr("w"), K.expr(QK_MASK)))
     vloop = (K.assign("vv", "vb * BV + tl.arange(0, BV)"), K.assign("okv", "vv < V"), load("b_v", "v_ptr", V_OFF, V_MASK),
              K.assign("bad_v", f"(tl.sum(tl.where(tl.abs(b_v) < {INF}, 0, 1), 1) > 0) & ok"),
@@ -220,7 +209,7 @@ def prep_kernel(decl: MatrixState) -> K.Kernel:
             K.assign("Tm", "tl.where(rows[:, None] < first_bad, Tm, float('nan'))"),
             K.Store(K.expr(f"wy_tm_ptr + {CC_OFF}"), K.expr("Tm"), None),
             K.Store(K.expr(f"wy_aqk_ptr + {CC_OFF}"), K.expr("Aqk"), None),
-            K.Comment("w = Tm diag(beta) (K * e^G), a key block at a time (G loaded again, or under \"pick\" formed again)"),
+            K.Comment("w = Tm diag(beta) (K * e^G), a key block at a time"),
             K.For("kb", K.expr("0"), K.expr("tl.cdiv(K, BK)"), w_block),
             K.Comment("u = Tm diag(beta) V, rows from the first non-finite one on (values included) kept from earlier rows"),
             K.For("vb", K.expr("0"), K.expr("tl.cdiv(V, BV)"), vloop))
@@ -404,7 +393,7 @@ def bwd_kernel(decl: MatrixState) -> K.Kernel:
             load("b_k", "k_ptr", QK_OFF, QK_MASK), *_decay("per_key", with_pairwise=False, with_q=False),
             _load_cc("dAqk", "bw_daqk_ptr"), _load_cc("dP", "bw_dp_ptr"),
             K.Comment("the pairwise gradients of Aqk and P first (fewer tiles alive), loading the rows they broadcast"),
-            K.assign("X, Y, Z", "pairwise_grads_pair_loaded(dAqk, dP, b_q, b_k, b_G, q_ptr, k_ptr, G_ptr, tok, h, H, kk, "
+            K.assign("X, Y, Z", "pairwise_grads_pair(dAqk, dP, b_q, b_k, b_G, q_ptr, k_ptr, G_ptr, tok, h, H, kk, "
                                 "okk, n_rows, G_last, K, C, BS, BK, DT, PREC, UPCAST)"),
             *zeros(("dq_inter", "C, BK"), ("dk_state", "C, BK"), ("dk_dec", "C, BK"), ("dG_S0", "BK")),
             K.For("vb", K.expr("0"), K.expr("tl.cdiv(V, BV)"), vloop),

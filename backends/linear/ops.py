@@ -213,17 +213,15 @@ def _forward(d: MatrixState, q, k, v, h0, xs, table, constants, scale: float, C:
     ht = _empty(table.n_seq, H, meta["K"], V, device=dev)
     if kernels_delta.supports(d):
         G, wy = _empty(TT, H, meta["K"], device=dev), _wy(table, TT, H, q.shape[-1], V, C, dev)
-        loaded = tuning.current().linear_delta_prep == "load"
-        if loaded:
-            by_name = dict(zip(kernels_delta.hook_inputs(d), xs))   # the cumsum kernel takes the log-decay's, in its order
-            g_inputs = [by_name[n] for n in d.used(d.log_decay) if n in d.inputs]
-            _launch(getattr(mod, f"{d.name}_decay_cumsum"), (table.n_chunks, H),
-                    (*g_inputs, G, table.chunk_tok, table.chunk_len, *constants, H),
-                    dict(K=meta["K"], BK=meta["BK"], C=C), direct)
+        by_name = dict(zip(kernels_delta.hook_inputs(d), xs))   # the cumsum kernel takes the log-decay's, in its order
+        g_inputs = [by_name[n] for n in d.used(d.log_decay) if n in d.inputs]
+        _launch(getattr(mod, f"{d.name}_decay_cumsum"), (table.n_chunks, H),
+                (*g_inputs, G, table.chunk_tok, table.chunk_len, *constants, H),
+                dict(K=meta["K"], BK=meta["BK"], C=C), direct)
         _launch(getattr(mod, f"{d.name}_prep"), (table.n_chunks, H),
                 (q, k, v, *xs, G, *wy, table.chunk_tok, table.chunk_len, *constants, H),
                 dict(K=meta["K"], V=meta["V"], BK=min(meta["BK"], tuning.current().linear_delta_key_block), BV=meta["BV"],
-                     C=C, BS=meta["BS"], PREC=meta["PREC"], UPCAST=meta["UPCAST"], LOADED=loaded, num_warps=PREP_WARPS),
+                     C=C, BS=meta["BS"], PREC=meta["PREC"], UPCAST=meta["UPCAST"], num_warps=PREP_WARPS),
                 direct)
         # the states entering the chunks in the input dtype: the output's product rounds them to it anyway (`mm`)
         hs = _empty(table.n_chunks + table.n_seq, H, meta["K"], V, device=dev, dtype=q.dtype)

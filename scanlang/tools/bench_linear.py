@@ -3,7 +3,7 @@ reference in the same run.
 
     python -m scanlang.tools.bench_linear [--B 8] [--T 4096] [--H 16] [--K 128] [--V 128] [--chunk 64]
                                           [--members a,b] [--forward auto|fused|split] [--key-block 64]
-                                          [--delta-key-block 32] [--delta-prep load|pick] [--pairwise-block 1]
+                                          [--delta-key-block 32] [--pairwise-block 1]
                                           [--no-fla] [--breakdown]
 
 Per member (linear_attention, simple_gla, gla and kda on backends/linear; gated_delta_product with n = 2
@@ -198,16 +198,13 @@ def main(argv=None) -> int:
     p.add_argument("--key-block", type=int, default=64, help="tuning.linear_key_block (per-key backward)")
     p.add_argument("--delta-key-block", type=int, default=32,
                    help="tuning.linear_delta_key_block (the per-key delta backward: kda)")
-    p.add_argument("--delta-prep", default=tuning.DEFAULT.linear_delta_prep, choices=("pick", "load"),
-                   help="tuning.linear_delta_prep (how kda's prep kernel forms its pairwise products)")
     p.add_argument("--pairwise-block", type=int, default=tuning.DEFAULT.linear_pairwise_block,
                    help="tuning.linear_pairwise_block (per-key decay: rows inside which pairs are formed exactly)")
     p.add_argument("--no-fla", action="store_true", help="do not time fla's chunk op (timed when installed)")
     p.add_argument("--breakdown", action="store_true", help="also time each kernel of one forward+backward")
     a = p.parse_args(argv)
     with tuning.override(linear_forward=a.forward, linear_key_block=a.key_block,
-                         linear_delta_key_block=a.delta_key_block, linear_delta_prep=a.delta_prep,
-                         linear_pairwise_block=a.pairwise_block):
+                         linear_delta_key_block=a.delta_key_block, linear_pairwise_block=a.pairwise_block):
         return _run(a)
 
 
@@ -219,7 +216,7 @@ def _run(a) -> int:
     gpu = torch.cuda.get_device_name() if device.type == "cuda" else "cpu (Triton interpreter)"
     print(f"{gpu}, torch {torch.__version__}, Triton {triton.__version__}; "
           f"bf16 B{a.B} T{a.T} H{a.H} K{a.K} V{a.V} C{a.chunk}; forward {a.forward}, key block {a.key_block}, "
-          f"delta key block {a.delta_key_block}, delta prep {a.delta_prep}, pairwise block {a.pairwise_block}")
+          f"delta key block {a.delta_key_block}, pairwise block {a.pairwise_block}")
     failures = []
     for member in a.members.split(","):
         try:
