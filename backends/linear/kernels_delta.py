@@ -214,8 +214,8 @@ def prep_kernel(decl: MatrixState) -> K.Kernel:
             K.Comment("u = Tm diag(beta) V, rows from the first non-finite one on (values included) kept from earlier rows"),
             K.For("vb", K.expr("0"), K.expr("tl.cdiv(V, BV)"), vloop))
     return K.Kernel(f"{decl.name}_prep", params, body,
-                    doc="Chunk c: G (the in-chunk cumsum of the log-decay), beta, Tm = (I + A)^-1, w, Aqk, P "
-                        "(A = diag(beta) P, for the backward's dbeta) and u = Tm diag(beta) V.")
+                    doc="Chunk c, G as `{name}_decay_cumsum` stored it: beta, Tm = (I + A)^-1, w, Aqk, P (A = diag(beta) P, "
+                        "for the backward's dbeta) and u = Tm diag(beta) V.")
 
 
 def _chunk_loads() -> tuple:
