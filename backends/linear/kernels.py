@@ -119,7 +119,7 @@ _ROWS = ("k_ptr", "G_ptr", "tok", "h", "H", "kk", "okk", "n_rows", "G_last")
 
 
 def _params_of(names: tuple) -> tuple:
-    blocks = tuple(K.Param(p, constexpr=True) for p in ("K", "C", "BS", "BK", "DT", "PREC", "UPCAST"))
+    blocks = tuple(K.Param(p, constexpr=True) for p in ("K", "C", "BS", "BK", "PREC", "UPCAST"))
     return tuple(K.Param(p) for p in names) + tuple(K.Param(p) for p in _ROWS) + blocks
 
 
@@ -275,20 +275,27 @@ def _decay(decay: str, with_pairwise: bool = True, with_q: bool = True) -> tuple
     s_dec = e^(G_L) and (with_pairwise) the masked intra-chunk matrix A; b_q (with_q), b_k loaded."""
     if decay == "none":
         out = [K.assign("k_end", "b_k")]
+    elif decay == "per_key":
+        out = list(per_key_G())
     else:
-        off, mask = g_off(decay)
-        out = [load("b_G", "G_ptr", off, mask)]
+        out = [load("b_G", "G_ptr", *g_off(decay))]
     if decay == "per_head":
         out += [K.assign("G_last", "tl.sum(tl.where(rows == n_rows - 1, b_G, 0.0), 0)"),
                 K.assign("b_G", "tl.where(ok, b_G, G_last)"),   # rows past the end: no decay, so no exponent > 0
                 K.assign("k_end", "tl.where(ok[:, None], b_k * tl.exp(G_last - b_G)[:, None], 0.0)"),
                 K.assign("s_dec", "tl.exp(G_last)")]
     elif decay == "per_key":
-        out += [K.assign("G_last", "tl.sum(tl.where((rows == n_rows - 1)[:, None], b_G, 0.0), 0)"),
-                K.assign("b_G", "tl.where(ok[:, None], b_G, G_last[None, :])"),   # rows past the end: as per head
-                K.assign("k_end", "tl.where(ok[:, None], b_k * tl.exp(G_last[None, :] - b_G), 0.0)"),
+        out += [K.assign("k_end", "tl.where(ok[:, None], b_k * tl.exp(G_last[None, :] - b_G), 0.0)"),
                 K.assign("s_dec", "tl.exp(G_last)[:, None]")]
     return tuple(out) + (_q_dec(decay) if with_q else ()) + (_pairwise(decay) if with_pairwise else ())
+
+
+def per_key_G() -> tuple:
+    """b_G of the program's key columns and G_last, the chunk's last row of it; rows past the chunk's end take
+    G_last, as per head (no decay there, so no exponent > 0)."""
+    return (load("b_G", "G_ptr", QK_OFF, QK_MASK),
+            K.assign("G_last", "tl.sum(tl.where((rows == n_rows - 1)[:, None], b_G, 0.0), 0)"),
+            K.assign("b_G", "tl.where(ok[:, None], b_G, G_last[None, :])"))
 
 
 def _q_dec(decay: str) -> tuple:
@@ -444,7 +451,7 @@ def _pairwise(decay: str) -> tuple:
         return (K.assign("D", "tl.where(causal, tl.exp(tl.where(causal, b_G[:, None] - b_G[None, :], 0.0)), 0.0)"),
                 K.assign("A", f"tl.where(causal, {dot('b_q', 'tl.trans(b_k)')} * D, 0.0)"))
     return (K.assign("A", "pairwise_qk(b_q, b_k, b_G, k_ptr, G_ptr, tok, h, H, kk, okk, n_rows, G_last, K, "
-                          "C, BS, BK, DT, PREC, UPCAST)"),)
+                          "C, BS, BK, PREC, UPCAST)"),)
 
 
 def bwd_dh_kernel(decl: MatrixState) -> K.Kernel:
@@ -535,7 +542,7 @@ def bwd_kernel(decl: MatrixState) -> K.Kernel:
                  K.assign("dk", f"{dot('tl.trans(dAD)', 'b_q')} + tl.exp(G_last - b_G)[:, None] * dk_state")]
     else:
         body += [K.assign("X, Y, Z", "pairwise_grads(dA, b_q, b_k, b_G, k_end * dk_state, q_ptr, k_ptr, G_ptr, tok, h, H, "
-                                     "kk, okk, n_rows, G_last, K, C, BS, BK, DT, PREC, UPCAST)"),
+                                     "kk, okk, n_rows, G_last, K, C, BS, BK, PREC, UPCAST)"),
                  K.assign("dq_s0", "scale * tl.exp(b_G) * dq_inter"), K.assign("dq", "dq_s0 + X"),
                  K.assign("dk", "Y + tl.exp(G_last[None, :] - b_G) * dk_state")]
     body += [K.Store(K.expr(f"dq_ptr + {QK_OFF}"), K.expr("dq"), K.expr(QK_MASK)),

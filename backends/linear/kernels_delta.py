@@ -61,7 +61,7 @@ from ..triton.kernel import ir as K
 from ..triton.kernel.printer import render as print_module
 from .kernels import (INF, QK_MASK, QK_OFF, S_MASK, SHAPE_CONSTS, V_MASK, V_OFF, _axes, _chunk, _decay, _hook_grads,
                       _key_block, _load_hook_inputs, _origin_comments, _params, cumsum_kernel, dot, helper_kernels, load,
-                      reverse_state_pass, state_off)
+                      per_key_G, reverse_state_pass, state_off)
 
 CC_OFF = "(c * H + h).to(tl.int64) * C * C + rows[:, None] * C + cols"
 TOK_OFF = "(tok + rows) * H + h"
@@ -78,6 +78,12 @@ def dot32(x: str, y: str) -> str:
 def supports(decl: MatrixState) -> bool:
     """Whether these kernels run `decl`: per-key decay, the delta correction, one step."""
     return decl.decay == "per_key" and decl.correction == "delta" and decl.steps == 1
+
+
+def beta_inputs(decl: MatrixState) -> list[str]:
+    """The declared inputs beta's hook reads, in declaration order (the prep kernel's input pointers)."""
+    used = set(decl.used(decl.beta))
+    return [n for n in decl.inputs if n in used]
 
 
 def hook_inputs(decl: MatrixState) -> list[str]:
@@ -139,7 +145,7 @@ def _causal_dot(target: str, m: str, x: str, first: str = "first_bad") -> tuple:
 def _pairwise_kk_qk() -> tuple:
     """P and Aqk (i >= j) of key block kk added (kernels.py `pairwise_kernels`, loading the rows they broadcast:
     G is in memory, from `{name}_decay_cumsum`)."""
-    rows = "k_ptr, G_ptr, tok, h, H, kk, okk, n_rows, G_last, K, C, BS, BK, DT, PREC, UPCAST"
+    rows = "k_ptr, G_ptr, tok, h, H, kk, okk, n_rows, G_last, K, C, BS, BK, PREC, UPCAST"
     return (K.assign("P", f"P + pairwise_qk(b_k, b_k, b_G, {rows})"),
             K.assign("Aqk", f"Aqk + pairwise_qk(b_q, b_k, b_G, {rows})"))
 
@@ -170,13 +176,11 @@ def inverse_kernel() -> K.Kernel:
 def _key_block_G() -> tuple:
     """Key block kb (BK columns): kk, okk, b_k, and b_G, G_last as kernels.py's `_decay` leaves them."""
     return (K.assign("kk", "kb * BK + tl.arange(0, BK)"), K.assign("okk", "kk < K"),
-            load("b_k", "k_ptr", QK_OFF, QK_MASK), load("b_G", "G_ptr", QK_OFF, QK_MASK),
-            K.assign("G_last", "tl.sum(tl.where((rows == n_rows - 1)[:, None], b_G, 0.0), 0)"),
-            K.assign("b_G", "tl.where(ok[:, None], b_G, G_last[None, :])"))
+            load("b_k", "k_ptr", QK_OFF, QK_MASK), *per_key_G())
 
 
 def prep_kernel(decl: MatrixState) -> K.Kernel:
-    ins = [f"{n}_ptr" for n in hook_inputs(decl)]
+    ins = [f"{n}_ptr" for n in beta_inputs(decl)]
     consts = [f"c_{c}" for c in decl.constants]
     params = _params(["q_ptr", "k_ptr", "v_ptr", *ins, "G_ptr", *WY, "chunk_tok_ptr", "chunk_len_ptr", *consts, "H"],
                      ("K", "V", "BK", "BV", "C", "BS", "PREC", "UPCAST"))
@@ -394,7 +398,7 @@ def bwd_kernel(decl: MatrixState) -> K.Kernel:
             _load_cc("dAqk", "bw_daqk_ptr"), _load_cc("dP", "bw_dp_ptr"),
             K.Comment("the pairwise gradients of Aqk and P first (fewer tiles alive), loading the rows they broadcast"),
             K.assign("X, Y, Z", "pairwise_grads_pair(dAqk, dP, b_q, b_k, b_G, q_ptr, k_ptr, G_ptr, tok, h, H, kk, "
-                                "okk, n_rows, G_last, K, C, BS, BK, DT, PREC, UPCAST)"),
+                                "okk, n_rows, G_last, K, C, BS, BK, PREC, UPCAST)"),
             *zeros(("dq_inter", "C, BK"), ("dk_state", "C, BK"), ("dk_dec", "C, BK"), ("dG_S0", "BK")),
             K.For("vb", K.expr("0"), K.expr("tl.cdiv(V, BV)"), vloop),
             K.Comment("the writes j < t into S_end: an exclusive cumsum of W, formed as a sum, not a difference"),

@@ -56,9 +56,6 @@ CONFIG = dict(BV=32, num_warps=4)      # value columns per program (clamped to t
 # the per-key delta prep kernel's warps: with forward substitution it spilled 1,504 B a thread at 4, 48 B at 8; with
 # the blocked inverse 504 B at 8 (bf16, K = V = 128, C = 64; offline sm_90, Triton 3.6)
 PREP_WARPS = 8
-# the per-key delta backward's `{name}_bwd` warps: on an H100 (bf16 B8 T4096 H16, K = V = 128, key blocks of 32) it
-# took 10.4 ms at 16 against 14.2 at 8 and 17.0 at 4 (BENCHMARKS_HISTORY.md "Session 19")
-DELTA_BWD_WARPS = 16
 DECODE_CONFIG = dict(BV=32, num_warps=4)   # the decode kernel's value columns per program (clamped likewise)
 DECODE_MODULES: dict[str, object] = {}     # declaration key -> the loaded decode module
 
@@ -219,7 +216,7 @@ def _forward(d: MatrixState, q, k, v, h0, xs, table, constants, scale: float, C:
                 (*g_inputs, G, table.chunk_tok, table.chunk_len, *constants, H),
                 dict(K=meta["K"], BK=meta["BK"], C=C), direct)
         _launch(getattr(mod, f"{d.name}_prep"), (table.n_chunks, H),
-                (q, k, v, *xs, G, *wy, table.chunk_tok, table.chunk_len, *constants, H),
+                (q, k, v, *(by_name[n] for n in kernels_delta.beta_inputs(d)), G, *wy, table.chunk_tok, table.chunk_len, *constants, H),
                 dict(K=meta["K"], V=meta["V"], BK=min(meta["BK"], tuning.current().linear_delta_key_block), BV=meta["BV"],
                      C=C, BS=meta["BS"], PREC=meta["PREC"], UPCAST=meta["UPCAST"], num_warps=PREP_WARPS),
                 direct)
@@ -351,7 +348,11 @@ class _EagerChunk(torch.autograd.Function):
 
 def _warps(d: MatrixState) -> int:
     """Warps of the per-chunk kernels: per-key decay holds many [C, BK] fp32 tiles (8 warps halve each
-    thread's share of them)."""
+    thread's share of them); the per-key delta backward's `{name}_bwd` 16: on an H100 (bf16 B8 T4096 H16,
+    K = V = 128, key blocks of 32) it took 10.4 ms at 16 against 14.2 at 8 and 17.0 at 4 (BENCHMARKS_HISTORY.md
+    "Session 19")."""
+    if kernels_delta.supports(d):
+        return 16
     return 8 if d.decay == "per_key" else CONFIG["num_warps"]
 
 
@@ -522,7 +523,6 @@ def _delta_backward(d, meta, q, k, v, h0, G, wy, xs, do, dht, hs, dh, dh0, table
              *hook, scale, H), bwd_v, direct)
     bwd, blocks = _per_chunk_meta(d, meta, q)
     bwd.pop("SPLIT_K")
-    bwd["num_warps"] = DELTA_BWD_WARPS
     _launch(getattr(mod, f"{d.name}_bwd"), (NC, H, blocks),
             (q, k, G, hs, dh, do, u, dv, daqk, dp, dn2, dq, dk, table.chunk_tok, table.chunk_len, table.chunk_seq,
              *hook, scale, H), bwd, direct)
